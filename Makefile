@@ -1,0 +1,29 @@
+# Set-up is part of every target: a fresh machine needs only `make demo` or `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test bench clean
+
+$(BIN)/.installed: pyproject.toml requirements-lock.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 resolves to the CPU build that lies on this machine's disk.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements-lock.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/autoplan demo
+
+test: venv
+	$(BIN)/python -m pytest -q --durations=15 tests
+
+bench: venv
+	$(BIN)/python bench/plan_speed.py
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,98 @@
+"""The captured graph: an aten FX graph plus the per-node facts the planner needs.
+
+Produced by `autoplan.capture.capture`; read by strategies, cost model, solver and passes.
+Parameter and buffer FQNs are the model's own (`model.layers.3.mlp.up_proj.weight`) end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx
+
+__all__ = ["NodeInfo", "ParamInfo", "CapturedGraph"]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Facts about one `call_function` node of the captured graph (global shapes).
+
+    Attributes:
+        name: fx node name.
+        target: the aten overload as text, e.g. "aten.addmm.default".
+        shapes: shape of each tensor output (global, unsharded).
+        dtypes: dtype name of each tensor output ("float32", ...).
+        out_bytes: bytes of all tensor outputs.
+        in_bytes: bytes of all tensor inputs.
+        flops: forward FLOPs of the op (torch.utils.flop_counter; 0 for ops it does not count).
+        module_path: FQN of the innermost nn.Module that issued the op ("" for the root).
+        layer_id: index of the repeated block (transformer layer) the op belongs to, or None.
+    """
+
+    name: str
+    target: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    out_bytes: int
+    in_bytes: int
+    flops: int
+    module_path: str
+    layer_id: int | None
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A parameter or buffer of the captured model.
+
+    Attributes:
+        fqn: canonical FQN (the first name the module registers it under).
+        shape, dtype: global shape and dtype name.
+        numel: element count.
+        is_buffer: True for buffers (not trained, never ZeRO-sharded).
+        layer_id: repeated-block index of the module that owns it, or None.
+        aliases: other FQNs bound to the same tensor (tied weights), excluding `fqn`.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    is_buffer: bool
+    layer_id: int | None
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class CapturedGraph:
+    """A model captured on meta/fake tensors.
+
+    Attributes:
+        gm: unlifted aten GraphModule: parameters and buffers are attributes at their FQNs
+            (get_attr nodes), on the meta device; `gm(*inputs)` returns one tensor (logits or
+            the model output). Device kwargs inside the graph say "meta"; the passes retarget.
+        nodes: NodeInfo per call_function node, in graph order.
+        params: ParamInfo per parameter/buffer FQN (canonical FQNs only).
+        input_names: placeholder names in call order.
+        input_shapes: global shape of each input.
+        input_dtypes: dtype name of each input.
+        layer_prefix: FQN of the ModuleList holding the repeated blocks ("" if none).
+        num_layers: number of repeated blocks.
+        layer_nodes: node names per layer id, in graph order (identical blocks align by index).
+        model_name: a name for reports.
+    """
+
+    gm: torch.fx.GraphModule
+    nodes: dict[str, NodeInfo]
+    params: dict[str, ParamInfo]
+    input_names: tuple[str, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    input_dtypes: tuple[str, ...]
+    layer_prefix: str
+    num_layers: int
+    layer_nodes: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    model_name: str = "model"
+
+    @property
+    def num_params(self) -> int:
+        """Trainable parameter count (tied weights counted once)."""
+        return sum(p.numel for p in self.params.values() if not p.is_buffer)

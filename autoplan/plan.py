@@ -1,0 +1,285 @@
+"""The plan: what the solver decided, as data.
+
+A `Plan` is a frozen dataclass that round-trips through versioned JSON (`to_json` /
+`Plan.from_json`), with an exact `repr` and a compact `str`. Placements are torch's
+`torch.distributed.tensor` placements written the way torch prints them compactly: `R`
+(Replicate()), `S(d)` (Shard(dim=d)), `P` (Partial(sum)); see `parse_placement`.
+
+Mesh axes are named ("pp", "dp", "tp"), outermost first: tp is innermost so that a tensor-parallel
+group is made of consecutive ranks and stays inside a node (../shared/DESIGN.md, "Topology").
+Per-node placements (`strategies`) are on the tp axis; data parallelism shards the batch dim on
+the dp axis and the ZeRO stage says what else the dp axis shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage", "Prediction",
+    "Alternative", "Plan", "parse_placement", "format_placement", "SCHEDULES",
+]
+
+SCHEMA_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def parse_placement(text: str) -> Placement:
+    """`"R"` -> Replicate(), `"S(1)"` -> Shard(dim=1), `"P"` -> Partial(); ValueError otherwise."""
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    if text.startswith("S(") and text.endswith(")"):
+        try:
+            return Shard(int(text[2:-1]))
+        except ValueError:
+            pass
+    raise ValueError(f"bad placement {text!r}: expected 'R', 'P' or 'S(<dim>)'")
+
+
+def format_placement(p: Placement) -> str:
+    """Inverse of `parse_placement` (a negative Shard dim must be normalised first)."""
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    raise ValueError(f"placement {p!r} has no plan spelling")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Degrees of the device mesh, axes ("pp", "dp", "tp") outermost first."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def axis_names(self) -> tuple[str, str, str]:
+        return ("pp", "dp", "tp")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.pp, self.dp, self.tp)
+
+    def __str__(self) -> str:
+        return f"pp{self.pp}xdp{self.dp}xtp{self.tp}"
+
+
+@dataclass(frozen=True)
+class NodeStrategy:
+    """The placement chosen for one graph node on the tp axis.
+
+    Attributes:
+        node: fx node name in the captured graph.
+        inputs: placement required of each tensor argument, in flattened-argument order.
+        outputs: placement of each tensor output (one entry for single-output ops).
+    """
+
+    node: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.node}: {','.join(self.inputs)} -> {','.join(self.outputs)}"
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """A placement change on a graph edge that the solver costed and the passes insert.
+
+    Attributes:
+        producer, consumer: fx node names (the edge producer -> consumer).
+        arg_index: which flattened tensor argument of the consumer.
+        src, dst: placements on the tp axis.
+        collective: "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "slice".
+        bytes: bytes of the global tensor moved.
+        time_s: predicted forward time of the collective, seconds.
+    """
+
+    producer: str
+    consumer: str
+    arg_index: int
+    src: str
+    dst: str
+    collective: str
+    bytes: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: the repeated blocks [layer_start, layer_end) plus, for the first
+    stage, what comes before the blocks (embedding) and, for the last, what comes after (head).
+    With interleaving, stage `i` runs on pp rank `i % pp`."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted per-step figures, seconds and bytes (SI).
+
+    Attributes:
+        step_time_s: one optimizer step, all microbatches, bubble included.
+        compute_s, comm_s, bubble_s: parts of the critical path.
+        memory_bytes: peak memory of the most loaded rank.
+        memory_breakdown: bytes by kind (params, grads, optimizer, activations, temporaries).
+        model_flops: model FLOPs per step (fwd + bwd, no recompute).
+        tflops_per_device: model FLOPs / step time / world size / 1e12.
+        mfu: model FLOPs utilisation vs the device's dense peak for the compute dtype.
+    """
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    memory_bytes: float
+    memory_breakdown: dict[str, float] = field(default_factory=dict)
+    model_flops: float = 0.0
+    tflops_per_device: float = 0.0
+    mfu: float = 0.0
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A runner-up configuration and why it loses to the chosen plan."""
+
+    mesh: MeshShape
+    zero_stage: int
+    num_microbatches: int
+    schedule: str
+    step_time_s: float
+    memory_bytes: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything needed to rewrite and run a model; see module docstring.
+
+    Attributes:
+        model: model name or preset.
+        topology: topology name.
+        mesh: (pp, dp, tp) degrees.
+        zero_stage: 0 (replicated), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).
+        global_batch: samples per optimizer step, all ranks together.
+        num_microbatches: microbatches per step per dp rank (gradient accumulation when pp == 1).
+        microbatch_size: samples per microbatch per dp rank.
+        seq_len: tokens per sample.
+        schedule: one of SCHEDULES.
+        num_virtual_stages: model chunks per pp rank (> 1 only for "interleaved-1f1b").
+        stages: pipeline stages, pp * num_virtual_stages of them.
+        checkpointing: "none" | "selective" | "full".
+        param_placements: (param FQN, placement on the tp axis), sorted by FQN.
+        strategies: per-node placements on the tp axis.
+        redistributions: every placement change the solver costed (the passes insert each).
+        prediction: the cost model's figures for this plan.
+        alternatives: the best runners-up.
+        dtype: compute dtype name.
+        schema_version: JSON schema version.
+    """
+
+    model: str
+    topology: str
+    mesh: MeshShape
+    zero_stage: int
+    global_batch: int
+    num_microbatches: int
+    microbatch_size: int
+    seq_len: int
+    schedule: str
+    stages: tuple[Stage, ...]
+    prediction: Prediction
+    num_virtual_stages: int = 1
+    checkpointing: str = "none"
+    param_placements: tuple[tuple[str, str], ...] = ()
+    strategies: tuple[NodeStrategy, ...] = ()
+    redistributions: tuple[Redistribution, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    dtype: str = "float32"
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"plan: zero_stage={self.zero_stage} is not one of 0, 1, 2, 3")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"plan: schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if len(self.stages) != self.mesh.pp * self.num_virtual_stages:
+            raise ValueError(
+                f"plan: {len(self.stages)} stages for pp={self.mesh.pp} x "
+                f"num_virtual_stages={self.num_virtual_stages}")
+        dp_batch = self.mesh.dp * self.num_microbatches * self.microbatch_size
+        if dp_batch != self.global_batch:
+            raise ValueError(
+                f"plan: global_batch={self.global_batch} != dp {self.mesh.dp} x "
+                f"num_microbatches {self.num_microbatches} x microbatch_size "
+                f"{self.microbatch_size} = {dp_batch}")
+
+    # -- views ------------------------------------------------------------------------------
+    def placement_of(self, fqn: str) -> str:
+        """Placement of parameter `fqn` on the tp axis ("R" when the plan does not list it)."""
+        return dict(self.param_placements).get(fqn, "R")
+
+    def strategy_of(self, node: str) -> NodeStrategy | None:
+        for s in self.strategies:
+            if s.node == node:
+                return s
+        return None
+
+    def __str__(self) -> str:
+        sharded = sum(1 for _, p in self.param_placements if p != "R")
+        return (f"Plan({self.model} on {self.topology}: {self.mesh}, zero{self.zero_stage}, "
+                f"{self.num_microbatches}x{self.microbatch_size} microbatches, {self.schedule}, "
+                f"{sharded}/{len(self.param_placements)} params tp-sharded, "
+                f"{len(self.redistributions)} redistributions, "
+                f"step {self.prediction.step_time_s * 1e3:.3g} ms, "
+                f"mem {self.prediction.memory_bytes / 1e9:.3g} GB)")
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_dict(data: dict) -> "Plan":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"plan JSON has schema_version={version!r}; this autoplan reads {SCHEMA_VERSION}")
+        d = dict(data)
+        d["mesh"] = MeshShape(**d["mesh"])
+        d["stages"] = tuple(Stage(**s) for s in d["stages"])
+        d["prediction"] = Prediction(**d["prediction"])
+        d["param_placements"] = tuple(tuple(p) for p in d["param_placements"])
+        d["strategies"] = tuple(
+            NodeStrategy(s["node"], tuple(s["inputs"]), tuple(s["outputs"]))
+            for s in d["strategies"])
+        d["redistributions"] = tuple(Redistribution(**r) for r in d["redistributions"])
+        d["alternatives"] = tuple(
+            Alternative(**{**a, "mesh": MeshShape(**a["mesh"])}) for a in d["alternatives"])
+        return Plan(**d)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        return Plan.from_dict(json.loads(text))

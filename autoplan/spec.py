@@ -1,0 +1,48 @@
+"""What to train: the training setup that, with the model and the topology, defines a plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TrainingSpec"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """One optimizer step.
+
+    Attributes:
+        global_batch: samples per optimizer step over all ranks.
+        seq_len: tokens per sample.
+        dtype: compute dtype ("float32", or "bfloat16"/"float16" for mixed precision with fp32
+            master weights and optimizer states).
+        optimizer: "adamw" (2 fp32 states per parameter) or "sgd" (none).
+        max_memory_fraction: fraction of device memory the plan may use (headroom for the
+            allocator and the framework).
+    """
+
+    global_batch: int
+    seq_len: int
+    dtype: str = "float32"
+    optimizer: str = "adamw"
+    max_memory_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise ValueError(
+                f"training spec: global_batch={self.global_batch} and seq_len={self.seq_len} "
+                "must be >= 1")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"training spec: dtype {self.dtype!r} not in {sorted(_DTYPE_BYTES)}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"training spec: optimizer {self.optimizer!r} not in ['adamw', 'sgd']")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.dtype != "float32"
