@@ -79,6 +79,9 @@ class CapturedGraph:
         num_layers: number of repeated blocks.
         layer_nodes: node names per layer id, in graph order (identical blocks align by index).
         model_name: a name for reports.
+        total_layers: depth of the real model when it was captured with fewer blocks (planning
+            a 126-layer model captures a few identical blocks and scales; see capture). Equal
+            to num_layers for a full capture.
     """
 
     gm: torch.fx.GraphModule
@@ -91,6 +94,11 @@ class CapturedGraph:
     num_layers: int
     layer_nodes: dict[int, tuple[str, ...]] = field(default_factory=dict)
     model_name: str = "model"
+    total_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.total_layers:
+            self.total_layers = self.num_layers
 
     @property
     def num_params(self) -> int:

@@ -1,0 +1,216 @@
+"""Compute time of aten ops: a roofline per op with a matmul efficiency curve.
+
+[Note: roofline]
+An op's forward time on one device is
+
+    t = max(flops / (peak_flops(dtype) * efficiency), bytes / mem_bw) + launch_latency
+
+(Williams, Waterman & Patterson, "Roofline", CACM 2009). `flops` are the forward FLOPs that
+`torch.utils.flop_counter` reports for the node (0 for ops it does not count, which makes those
+ops memory-bound, as elementwise ops are); `bytes` are the node's input plus output bytes. Only
+matmul-like ops and fused attention use the efficiency factor; memory-bound ops are assumed to
+reach the device's memory bandwidth (a fused elementwise kernel does, to within ~10%).
+
+Work sharding: with `shard_factor = f` each rank does `flops / f` and moves `bytes / f` (a tensor
+split over f ranks); collectives are priced separately by `comm`.
+
+[Note: matmul efficiency curve]
+A large matmul reaches `device.matmul_efficiency` of peak (fitted by `autoplan calibrate`; the
+presets use 0.8). Small and skinny matmuls do worse because tiles are partly empty and there are
+too few of them to fill the machine. We model this as saturating in the smallest of (m, n, k):
+
+    efficiency(d) = device.matmul_efficiency * d / (d + MATMUL_HALF_DIM),   d = min(m, n, k)
+
+MATMUL_HALF_DIM = 128 is an assumption (not derived, not fitted): half of the large-matmul
+efficiency at d = 128 (one tensor-core tile edge), 89% of it at d = 1024 and 97% at d = 4096.
+Very skinny matmuls (m = 1, decoding) become memory-bound through the roofline's byte term anyway.
+
+Backward: a matmul-like op does two matmuls of the forward's size (input gradient and weight
+gradient), so 2x forward FLOPs: forward + backward = 3x forward (Narayanan et al., SC'21,
+appendix "Floating-point operations": the backward pass needs gradients with respect to both the
+input and the weight). Fused attention's backward is 2.5x its forward FLOPs (FlashAttention-2,
+Dao 2023, section 4.1: five matmuls against two in the forward, recomputation included). A
+memory-bound op's backward reads the output gradient and the saved tensor and writes the input
+gradient: about 1.5x the forward's bytes (three tensors against two; assumption,
+BACKWARD_BYTES_FACTOR). View-like ops are free both ways; creation and comparison
+ops have no backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from autoplan.graph import NodeInfo
+from autoplan.topology import DeviceSpec
+
+__all__ = [
+    "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "ATTENTION_OPS",
+    "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "matmul_dims", "matmul_efficiency", "op_time_s",
+    "backward_time_s", "graph_forward_time_s", "graph_backward_time_s",
+]
+
+MATMUL_HALF_DIM = 128.0
+"""Smallest matmul dim at which efficiency is half of `matmul_efficiency` (assumption)."""
+
+BACKWARD_BYTES_FACTOR = 1.5
+"""Backward bytes / forward bytes of a memory-bound op (assumption, see module docstring)."""
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8, "int32": 4, "int8": 1, "uint8": 1,
+    "bool": 1,
+}
+_FLOAT_DTYPES = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
+
+# Op classes by aten base name (see `op_name`). Views alias their input: no kernel, no bytes.
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "view_as", "permute", "transpose", "t", "expand",
+    "expand_as", "squeeze", "unsqueeze", "slice", "select", "split", "split_with_sizes",
+    "chunk", "unbind", "getitem", "alias", "detach", "flatten", "unflatten", "narrow",
+    "as_strided", "_reshape_alias", "lift_fresh_copy", "sym_size", "sym_numel", "sym_stride",
+    "_assert_tensor_metadata", "_assert_async", "contiguous_view",
+})
+MATMUL_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "convolution",
+})
+ATTENTION_OPS = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+    "_efficient_attention_forward",
+})
+NO_GRAD_OPS = frozenset({
+    "eq", "ne", "lt", "gt", "le", "ge", "logical_not", "logical_and", "logical_or",
+    "ones_like", "zeros_like", "full_like", "empty_like", "full", "scalar_tensor", "arange",
+    "zeros", "ones", "empty", "rand", "rand_like", "randn", "bernoulli", "argmax", "argmin",
+})
+
+
+def op_name(target: str) -> str:
+    """Base name of an op from its text: "aten.addmm.default" -> "addmm",
+    "<built-in function getitem>" / "operator.getitem" -> "getitem"."""
+    text = target.strip("<>")
+    if text.startswith("aten."):
+        return text.split(".")[1]
+    return text.replace(" ", ".").split(".")[-1]
+
+
+def matmul_dims(node: NodeInfo) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a matmul-like node, from its first output's shape (..., m, n) and
+    its FLOPs (2 * batch * m * n * k). A linear's leading dims fold into m (batch = 1).
+
+    Raises ValueError when the node has no output shape or FLOPs (capture must count them).
+    """
+    if not node.shapes or len(node.shapes[0]) < 1 or node.flops <= 0:
+        raise ValueError(
+            f"node {node.name!r} ({node.target}): a matmul needs an output shape and FLOPs > 0 "
+            f"to size it; got shapes={node.shapes}, flops={node.flops}")
+    shape = node.shapes[0]
+    n = shape[-1]
+    if op_name(node.target) in ("linear", "mm", "addmm", "_scaled_mm") or len(shape) < 3:
+        batch, m = 1, math.prod(shape[:-1])
+    else:
+        batch, m = math.prod(shape[:-2]), shape[-2]
+    k = max(1, round(node.flops / (2 * batch * m * n)))
+    return batch, m, n, k
+
+
+def matmul_efficiency(min_dim: float, device: DeviceSpec) -> float:
+    """Fraction of peak reached by a matmul whose smallest dim is `min_dim`
+    (see [Note: matmul efficiency curve]); in (0, device.matmul_efficiency]."""
+    return device.matmul_efficiency * min_dim / (min_dim + MATMUL_HALF_DIM)
+
+
+def _bytes_scale(node: NodeInfo, dtype: str) -> float:
+    """Captured bytes -> bytes at the compute dtype (a graph captured in fp32 trains in bf16)."""
+    if not node.dtypes or node.dtypes[0] not in _FLOAT_DTYPES or dtype not in DTYPE_BYTES:
+        return 1.0
+    return DTYPE_BYTES[dtype] / DTYPE_BYTES[node.dtypes[0]]
+
+
+def _roofline_s(flops: float, nbytes: float, efficiency: float, device: DeviceSpec,
+                dtype: str) -> float:
+    compute_s = flops / (device.flops_per_s(dtype) * efficiency) if flops > 0 else 0.0
+    return max(compute_s, nbytes / device.mem_bw_bytes_per_s) + device.launch_latency_s
+
+
+def _efficiency(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> float:
+    name = op_name(node.target)
+    if name in ATTENTION_OPS or name == "convolution":
+        return device.matmul_efficiency  # large fused kernels (assumption)
+    if name not in MATMUL_OPS:
+        return 1.0
+    _, m, n, k = matmul_dims(node)
+    # The split falls on one dim; we take the largest (the usual tensor-parallel split of the
+    # hidden or ffn dim), which keeps the smallest dim -- the one the curve looks at -- intact
+    # unless sharding makes the largest one the smallest.
+    dims = sorted((m, n, k))
+    dims[-1] = dims[-1] / shard_factor
+    return matmul_efficiency(min(dims), device)
+
+
+def _check_shard(node: NodeInfo, shard_factor: float) -> None:
+    if not shard_factor >= 1.0:
+        raise ValueError(f"node {node.name!r}: shard_factor={shard_factor} must be >= 1")
+
+
+def op_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
+              shard_factor: float = 1.0) -> float:
+    """Forward time of one op on one rank, seconds ([Note: roofline]).
+
+    Args:
+        node: the captured op (global shapes, forward FLOPs, bytes in and out).
+        device: the accelerator.
+        dtype: compute dtype ("bfloat16", ...): selects the peak FLOP/s; floating bytes are
+            rescaled from the captured dtype to it.
+        shard_factor: the op's work is split over this many ranks (>= 1).
+
+    Raises ValueError for an unknown dtype on `device`, a shard factor < 1, or a matmul
+    without FLOPs.
+    """
+    _check_shard(node, shard_factor)
+    if op_name(node.target) in VIEW_OPS:
+        return 0.0
+    nbytes = (node.in_bytes + node.out_bytes) * _bytes_scale(node, dtype) / shard_factor
+    flops = node.flops / shard_factor
+    return _roofline_s(flops, nbytes, _efficiency(node, device, shard_factor), device, dtype)
+
+
+def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
+                    shard_factor: float = 1.0) -> float:
+    """Backward time of one op on one rank, seconds (module docstring, "Backward").
+
+    Matmul-like: 2x forward FLOPs and bytes, two kernels. Fused attention: 2.5x forward FLOPs.
+    Memory-bound: BACKWARD_BYTES_FACTOR x forward bytes. Views and ops without a gradient: 0.
+    Same arguments and errors as `op_time_s`.
+    """
+    _check_shard(node, shard_factor)
+    name = op_name(node.target)
+    if name in VIEW_OPS or name in NO_GRAD_OPS:
+        return 0.0
+    nbytes = (node.in_bytes + node.out_bytes) * _bytes_scale(node, dtype) / shard_factor
+    flops = node.flops / shard_factor
+    efficiency = _efficiency(node, device, shard_factor)
+    if name in MATMUL_OPS:
+        return 2.0 * _roofline_s(flops, nbytes, efficiency, device, dtype)
+    if name in ATTENTION_OPS:
+        return _roofline_s(2.5 * flops, 2.0 * nbytes, efficiency, device, dtype)
+    return _roofline_s(flops, BACKWARD_BYTES_FACTOR * nbytes, efficiency, device, dtype)
+
+
+def graph_forward_time_s(nodes: Iterable[NodeInfo], device: DeviceSpec, dtype: str, *,
+                         shard_factor: Mapping[str, float] | None = None) -> float:
+    """Sum of `op_time_s` over `nodes` (ops run one after another on a stream), seconds.
+    `shard_factor` maps node name -> factor; nodes it does not list are unsharded."""
+    factors = shard_factor or {}
+    return sum(op_time_s(n, device, dtype, shard_factor=factors.get(n.name, 1.0))
+               for n in nodes)
+
+
+def graph_backward_time_s(nodes: Iterable[NodeInfo], device: DeviceSpec, dtype: str, *,
+                          shard_factor: Mapping[str, float] | None = None) -> float:
+    """Sum of `backward_time_s` over `nodes`, seconds; as `graph_forward_time_s`."""
+    factors = shard_factor or {}
+    return sum(backward_time_s(n, device, dtype, shard_factor=factors.get(n.name, 1.0))
+               for n in nodes)

@@ -1,0 +1,476 @@
+"""Memory per rank: model states by ZeRO stage, activations by checkpointing policy and pipeline
+schedule, and the peak they compose to.
+
+Sources: ZeRO (Rajbhandari et al. 2020, section 5, Table 1) for model states; Korthikanti et al.
+2022 ("Reducing Activation Recomputation in Large Transformer Models", Table 2) for activations;
+Narayanan et al. SC'21 and Megatron-LM's interleaved schedule for microbatches in flight. The
+same formulas, symbolically, are in `autoplan.cost_model.symbolic` (tests check they agree).
+Activations derived from a captured graph: see [Note: saved tensors] below.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch.fx
+
+from autoplan.cost_model.compute import (
+    ATTENTION_OPS, DTYPE_BYTES, MATMUL_OPS, NO_GRAD_OPS, VIEW_OPS, matmul_dims, op_name,
+)
+from autoplan.graph import NodeInfo
+
+__all__ = [
+    "STATE_BYTES_PER_PARAM", "model_state_bytes", "activation_bytes_per_layer_closed_form",
+    "activation_bytes_from_graph", "saved_tensors", "node_producers", "SavedTensor",
+    "pipeline_in_flight_microbatches", "peak_memory_bytes", "RECOMPUTE_POLICIES", "PARAM_PREFIX",
+]
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+
+# (params, grads, optimizer states) bytes per parameter, by (mixed_precision, optimizer).
+# Mixed-precision Adam: fp16/bf16 params and grads, K = 12 (fp32 master params, momentum,
+# variance) -- ZeRO section 5. Mixed-precision SGD keeps only the fp32 master params (K = 4).
+# fp32 training: params and grads 4 bytes, Adam momentum + variance 8, SGD (no momentum) none.
+STATE_BYTES_PER_PARAM = {
+    (True, "adamw"): (2.0, 2.0, 12.0),
+    (True, "sgd"): (2.0, 2.0, 4.0),
+    (False, "adamw"): (4.0, 4.0, 8.0),
+    (False, "sgd"): (4.0, 4.0, 0.0),
+}
+
+
+def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
+                      mixed_precision: bool = True,
+                      optimizer: str = "adamw") -> dict[str, float]:
+    """Bytes per rank of parameters, gradients and optimizer states (ZeRO Table 1).
+
+    Stage 1 shards the optimizer states over the dp ranks, stage 2 also the gradients, stage 3
+    also the parameters. For mixed-precision Adam (2 + 2 + K=12 bytes per parameter):
+    stage 0: 16 Psi; 1: 4 Psi + 12 Psi / N_d; 2: 2 Psi + 14 Psi / N_d; 3: 16 Psi / N_d.
+
+    Args:
+        num_params: parameters held by this rank before ZeRO sharding (after tensor and
+            pipeline splitting).
+        zero_stage: 0, 1, 2 or 3.
+        dp: data-parallel degree N_d (>= 1).
+        mixed_precision: 16-bit params/grads with fp32 master states; False for fp32 training.
+        optimizer: "adamw" or "sgd" (see STATE_BYTES_PER_PARAM).
+
+    Returns {"params", "grads", "optimizer"} in bytes. Raises ValueError for a bad stage, dp,
+    parameter count or optimizer.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
+    if dp < 1 or num_params < 0:
+        raise ValueError(f"dp={dp} must be >= 1 and num_params={num_params} >= 0")
+    key = (bool(mixed_precision), optimizer)
+    if key not in STATE_BYTES_PER_PARAM:
+        raise ValueError(f"optimizer {optimizer!r} not in ['adamw', 'sgd']")
+    params, grads, states = STATE_BYTES_PER_PARAM[key]
+    return {
+        "params": num_params * params / (dp if zero_stage >= 3 else 1),
+        "grads": num_params * grads / (dp if zero_stage >= 2 else 1),
+        "optimizer": num_params * states / (dp if zero_stage >= 1 else 1),
+    }
+
+
+def activation_bytes_per_layer_closed_form(s: float, b: float, h: float, a: float,
+                                           t: float = 1, *, sequence_parallel: bool = False,
+                                           recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer (Korthikanti et al. 2022, Table 2).
+
+    16-bit activations, dropout masks counted, s = sequence length, b = microbatch size,
+    h = hidden size, a = attention heads, t = tensor-parallel size:
+
+    | recompute  | sequence_parallel=False          | sequence_parallel=True      |
+    |------------|----------------------------------|-----------------------------|
+    | "none"     | sbh (10 + 24/t + 5as/(ht))       | sbh (34/t + 5as/(ht))       |
+    | "selective"| sbh (10 + 24/t)                  | 34 sbh / t                  |
+    | "full"     | 2 sbh (layer input)              | 2 sbh / t (input is s-split)|
+
+    With t = 1 the first row is the "no parallelism" row, sbh (34 + 5as/h).
+    Raises ValueError for an unknown recompute policy or t < 1.
+    """
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute {recompute!r} not in {list(RECOMPUTE_POLICIES)}")
+    if t < 1:
+        raise ValueError(f"tensor-parallel size t={t} must be >= 1")
+    sbh = s * b * h
+    scores = 5 * a * s / (h * t)
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    if recompute == "selective":
+        return sbh * (34 / t if sequence_parallel else 10 + 24 / t)
+    return sbh * ((34 / t if sequence_parallel else 10 + 24 / t) + scores)
+
+
+def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: int,
+                                    stage: int = 0, num_virtual_stages: int = 1) -> float:
+    """Microbatches whose activations a pipeline rank holds at its peak, in units of one
+    microbatch through all of the rank's layers.
+
+    - "gpipe": all m forwards run before any backward: m.
+    - "1f1b": rank r runs pp - r warm-up forwards before its first backward: min(m, pp - r)
+      (Narayanan et al. SC'21, section 2.2.1).
+    - "interleaved-1f1b" with v = num_virtual_stages chunks of 1/v of the rank's layers:
+      Megatron-LM's warm-up of 2 (pp - r - 1) + (v - 1) pp chunk-forwards, plus the one in
+      steady state, capped at m v: min(2 (pp - r - 1) + (v - 1) pp + 1, m v) / v. For r = 0
+      this is pp (1 + (pp - 1) / (pp v)), Korthikanti et al. 2022 section 4.2.3's factor.
+      With v = 1 it is 1f1b.
+
+    Raises ValueError for an unknown schedule or out-of-range numbers.
+    """
+    p, m, r, v = pp, num_microbatches, stage, num_virtual_stages
+    if p < 1 or m < 1 or v < 1 or not 0 <= r < p:
+        raise ValueError(f"pp={p}, num_microbatches={m}, num_virtual_stages={v} must be >= 1 "
+                         f"and stage={r} in [0, {p})")
+    if schedule == "gpipe":
+        in_flight = float(m)
+    elif schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):
+        in_flight = float(min(m, p - r))
+    elif schedule == "interleaved-1f1b":
+        in_flight = min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) / v
+    else:
+        raise ValueError(
+            f"unknown schedule {schedule!r}; known: ['gpipe', '1f1b', 'interleaved-1f1b']")
+    if v > 1 and schedule != "interleaved-1f1b":
+        raise ValueError(f"num_virtual_stages={v} needs schedule 'interleaved-1f1b', "
+                         f"got {schedule!r}")
+    return in_flight
+
+
+def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: float,
+                      in_flight_microbatches: float, zero_stage: int = 0, dp: int = 1,
+                      layer_param_bytes: float = 0.0, recompute_bytes: float = 0.0,
+                      output_bytes: float = 0.0, comm_buffer_bytes: float = 0.0,
+                      prefetch_layers: int = 1) -> dict[str, float]:
+    """Peak memory of one rank, with its breakdown, bytes.
+
+    The peak is taken at one moment -- the backward of the last layer of the rank's stage for
+    the oldest microbatch in flight -- and counts what is live then, each thing once:
+
+    - model states ("params", "grads", "optimizer") from `model_state_bytes`;
+    - "activations": activation_bytes x in_flight_microbatches;
+    - "temporaries", the transients of that moment:
+      * ZeRO-3 (dp > 1): the all-gathered parameters of the layer being computed and of the
+        `prefetch_layers` next ones (FSDP prefetches the next layer): (1 + prefetch_layers) x
+        layer_param_bytes;
+      * ZeRO-2/3 (dp > 1): that layer's unsharded gradient before its reduce-scatter,
+        layer_param_bytes (gradients are kept in the parameters' dtype);
+      * recompute_bytes: that layer's activations rematerialised for its backward (full
+        recompute: one layer's activations without checkpointing; selective: its attention
+        scores);
+      * output_bytes: the logits and loss working set (last pipeline stage);
+    - "comm_buffers": collective buffers (NCCL, DDP buckets), comm_buffer_bytes.
+
+    The forward peak holds the same items minus the gradient and recompute transients, so the
+    backward moment is the peak. "peak" is the sum of the other entries.
+
+    Args:
+        model_states: {"params", "grads", "optimizer"} bytes of this rank.
+        activation_bytes: saved activations of one microbatch through all of this rank's layers
+            (after tensor/sequence sharding and the checkpointing policy).
+        in_flight_microbatches: from `pipeline_in_flight_microbatches` (1 without pipelining).
+        zero_stage, dp: ZeRO stage and data-parallel degree.
+        layer_param_bytes: parameters of the largest layer on this rank at compute precision,
+            before ZeRO sharding.
+        recompute_bytes, output_bytes, comm_buffer_bytes: see above.
+        prefetch_layers: layers gathered ahead under ZeRO-3.
+
+    Raises ValueError for a missing model-state entry or a negative size.
+    """
+    missing = sorted({"params", "grads", "optimizer"} - set(model_states))
+    if missing:
+        raise ValueError(f"model_states lacks {missing}; pass model_state_bytes(...)")
+    sizes = dict(activation_bytes=activation_bytes, in_flight_microbatches=in_flight_microbatches,
+                 layer_param_bytes=layer_param_bytes, recompute_bytes=recompute_bytes,
+                 output_bytes=output_bytes, comm_buffer_bytes=comm_buffer_bytes)
+    negative = {k: v for k, v in sizes.items() if not v >= 0}
+    if negative:
+        raise ValueError(f"sizes must be >= 0: {negative}")
+    gathered = (1 + prefetch_layers) * layer_param_bytes if zero_stage == 3 and dp > 1 else 0.0
+    unsharded_grad = layer_param_bytes if zero_stage >= 2 and dp > 1 else 0.0
+    breakdown = {
+        "params": float(model_states["params"]),
+        "grads": float(model_states["grads"]),
+        "optimizer": float(model_states["optimizer"]),
+        "activations": activation_bytes * in_flight_microbatches,
+        "temporaries": gathered + unsharded_grad + recompute_bytes + output_bytes,
+        "comm_buffers": float(comm_buffer_bytes),
+    }
+    breakdown["peak"] = sum(breakdown.values())
+    return breakdown
+
+
+# --- activations from the captured graph --------------------------------------------------------
+# [Note: saved tensors]
+# The activation memory of a layer is what autograd keeps from its forward for its backward. We
+# derive it per op class from the ops' own backward formulas (torch/csrc/autograd/derivatives.yaml
+# says what each op saves):
+# | op class                                   | saves (global shapes)                          |
+# |--------------------------------------------|------------------------------------------------|
+# | linear, mm, addmm                          | the activation operand (m x k); the weight is a |
+# |                                            | parameter, not an activation                   |
+# | bmm, matmul, baddbmm                       | both operands (unless one is a parameter)      |
+# | layer_norm / rms_norm                      | input + per-row fp32 statistics (2 or 1 x 4 B) |
+# | gelu, silu, pow, log, erf, var, ...        | input                                          |
+# | softmax, log_softmax, relu, tanh, sigmoid, | output                                         |
+# | exp, rsqrt, sqrt                           |                                                |
+# | dropout, native_dropout                    | a 1-byte mask per element (training, p > 0)    |
+# | masked_fill, where                         | the boolean mask/condition: in - out bytes     |
+# | mul, div of two activations                | both operands (in_bytes)                       |
+# | fused attention (sdpa, flash, efficient)   | q, k, v, output, fp32 log-sum-exp per row      |
+# | embedding                                  | int64 indices                                  |
+# | cross_entropy_loss                         | log-probabilities (in_bytes)                   |
+# | views, add/sub, casts, clone, cat, sum,    | nothing                                        |
+# | mean, comparisons, creation ops            |                                                |
+# | any other op                               | all its inputs (conservative; kind "unknown")  |
+# Floating tensors are counted at `dtype_bytes` when given (a graph captured in fp32 that trains
+# in bf16), else at the op's output dtype; masks are 1 byte, statistics 4, indices 8.
+# A tensor saved by two ops is counted once when `producers` (from `node_producers`) says where
+# each argument comes from; without it each consumer's copy counts (an over-estimate when, e.g.,
+# separate q/k/v projections read the same normed input).
+# Selective recompute (Korthikanti et al. 2022, section 5) drops the attention scores: the saved
+# tensors of the ops between a score matmul (a batched matmul whose contraction dim is smaller
+# than both output dims, q @ k^T) and the next matmul (scores @ v), plus that matmul's scores
+# operand -- the 5as^2b term. Full recompute keeps only the layer input.
+
+PARAM_PREFIX = "param:"
+"""`node_producers` marks an argument that is a parameter/buffer (or a view of one) so."""
+
+_NO_SAVE = frozenset({
+    "add", "sub", "rsub", "neg", "clone", "contiguous", "copy", "copy_", "_to_copy", "to",
+    "type_as", "cat", "stack", "sum", "mean", "tril", "triu", "repeat", "roll", "flip",
+    "constant_pad_nd", "pad", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
+})
+_NORMS = {"layer_norm": 2, "native_layer_norm": 2, "rms_norm": 1, "_fused_rms_norm": 1,
+          "group_norm": 0, "native_group_norm": 0, "batch_norm": 0, "native_batch_norm": 0}
+_SAVES_INPUT = frozenset({
+    "gelu", "silu", "mish", "elu", "log", "pow", "erf", "sin", "cos", "hardswish", "softplus",
+    "leaky_relu", "var", "std", "var_mean", "abs",
+})
+_SAVES_OUTPUT = frozenset({
+    "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "relu", "tanh",
+    "sigmoid", "exp", "rsqrt", "sqrt", "reciprocal",
+})
+_DROPOUT = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
+_BATCHED = frozenset({"bmm", "matmul", "baddbmm"})
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor that autograd keeps from the forward for the backward.
+
+    Attributes:
+        owner: node whose output it is (its shard factor applies); the consumer itself when
+            the producer is unknown.
+        slot: which tensor of the owner: "out", "mask", "stats", or "arg<i>" (producer unknown).
+        consumer: the node whose backward needs it.
+        nbytes: bytes at global (unsharded) shapes.
+        kind: the rule that counted it ([Note: saved tensors]).
+        attention_scores: True for the tensors selective recompute drops.
+    """
+
+    owner: str
+    slot: str
+    consumer: str
+    nbytes: float
+    kind: str
+    attention_scores: bool = False
+
+
+def node_producers(
+        graph: torch.fx.Graph | torch.fx.GraphModule) -> dict[str, tuple[str | None, ...]]:
+    """Where each positional argument of each call_function node comes from: the argument
+    node's name for an activation, PARAM_PREFIX + FQN for a parameter/buffer (a get_attr node,
+    possibly behind view ops such as t/permute/alias), None for a non-tensor argument."""
+    graph = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
+    result = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            result[node.name] = tuple(_producer(a) for a in node.args)
+    return result
+
+
+def _producer(arg) -> str | None:
+    if not isinstance(arg, torch.fx.Node):
+        return None
+    root = arg
+    while (root.op == "call_function" and root.args and isinstance(root.args[0], torch.fx.Node)
+           and root.target is not operator.getitem and op_name(str(root.target)) in VIEW_OPS):
+        root = root.args[0]
+    return PARAM_PREFIX + str(root.target) if root.op == "get_attr" else arg.name
+
+
+class _Rules:
+    """Saved tensors of one node ([Note: saved tensors]); `items` collects them."""
+
+    def __init__(self, node: NodeInfo, producers: Sequence[str | None] | None,
+                 dtype_bytes: int | None):
+        self.node, self.producers, self.items = node, producers, []
+        out_width = DTYPE_BYTES.get(node.dtypes[0], 4) if node.dtypes else 4
+        self.width = dtype_bytes or out_width
+        self.scale = self.width / out_width
+        self.numel0 = math.prod(node.shapes[0]) if node.shapes else 0
+
+    def is_param(self, i: int) -> bool:
+        p = self.producers
+        return p is not None and (i >= len(p) or p[i] is None or p[i].startswith(PARAM_PREFIX))
+
+    def known_activation(self, i: int) -> bool:
+        return self.producers is not None and not self.is_param(i)
+
+    def arg(self, i: int, nbytes: float, kind: str) -> None:
+        if self.producers is not None:
+            if self.is_param(i):
+                return
+            self.items.append((self.producers[i], "out", nbytes, kind))
+        else:
+            self.items.append((self.node.name, f"arg{i}", nbytes, kind))
+
+    def own(self, slot: str, nbytes: float, kind: str) -> None:
+        self.items.append((self.node.name, slot, nbytes, kind))
+
+    def rows(self) -> int:
+        shape = self.node.shapes[0] if self.node.shapes else ()
+        return self.numel0 // shape[-1] if shape and shape[-1] else 0
+
+    def apply(self) -> None:
+        name, node, w = op_name(self.node.target), self.node, self.width
+        if name in VIEW_OPS or name in NO_GRAD_OPS or name in _NO_SAVE:
+            return
+        if name in MATMUL_OPS and name != "convolution":
+            self.matmul(name)
+        elif name in ATTENTION_OPS:
+            self.own("out", node.in_bytes * self.scale + self.numel0 * w + self.rows() * 4,
+                     "attention_qkv_out")
+        elif name in _NORMS:
+            self.arg(0, self.numel0 * w, "norm_input")
+            if _NORMS[name]:
+                self.own("stats", _NORMS[name] * self.rows() * 4, "norm_stats")
+        elif name in _SAVES_INPUT:
+            self.arg(0, self.numel0 * w, "activation_input")
+        elif name in _SAVES_OUTPUT:
+            self.own("out", self.numel0 * w, "softmax_output" if "softmax" in name
+                     else "activation_output")
+        elif name in _DROPOUT:
+            self.own("mask", self.numel0, "dropout_mask")
+        elif name in ("masked_fill", "where"):
+            self.arg(1 if name == "masked_fill" else 0,
+                     max(0, node.in_bytes - node.out_bytes), "mask")
+        elif name in ("mul", "div"):
+            self.product()
+        elif name == "embedding":
+            self.arg(1, self.rows() * 8, "indices")
+        elif name in ("cross_entropy_loss", "cross_entropy"):
+            self.own("log_probs", node.in_bytes * self.scale, "log_probs")
+        else:
+            self.own("inputs", node.in_bytes * self.scale, "unknown")
+
+    def matmul(self, name: str) -> None:
+        batch, m, n, k = matmul_dims(self.node)
+        first = {"addmm": 1, "baddbmm": 1}.get(name, 0)
+        self.arg(first, batch * m * k * self.width, "matmul_operand")
+        # The second operand of linear/mm/addmm is a weight unless producers say otherwise.
+        if name in _BATCHED or (name != "linear" and self.known_activation(first + 1)):
+            self.arg(first + 1, batch * k * n * self.width, "matmul_operand")
+
+    def product(self) -> None:
+        if self.producers is None:
+            if self.node.in_bytes > self.node.out_bytes:
+                self.own("operands", self.node.in_bytes * self.scale, "product_operands")
+            return
+        acts = [i for i in (0, 1) if self.known_activation(i)]
+        if len(acts) == 2:
+            self.own("operands", self.node.in_bytes * self.scale, "product_operands")
+        elif len(acts) == 1 and self.producers[1 - acts[0]] is not None:
+            self.arg(acts[0], self.numel0 * self.width, "product_operands")  # other: a param
+
+
+def _is_score_matmul(node: NodeInfo, producers: Sequence[str | None] | None) -> bool:
+    if op_name(node.target) not in _BATCHED:
+        return False
+    if producers is not None and any(p is None or p.startswith(PARAM_PREFIX)
+                                     for p in producers[:2]):
+        return False
+    _, m, n, k = matmul_dims(node)
+    return k < m and k < n
+
+
+def saved_tensors(nodes: Sequence[NodeInfo], *,
+                  producers: Mapping[str, Sequence[str | None]] | None = None,
+                  dtype_bytes: int | None = None) -> list[SavedTensor]:
+    """The tensors autograd saves for the backward of `nodes` (one layer, graph order), by the
+    rules of [Note: saved tensors], unsharded and not deduplicated.
+
+    Args:
+        nodes: captured ops in graph order.
+        producers: `node_producers(gm)` for exact attribution (parameters excluded, a tensor
+            saved by several ops counted once by `activation_bytes_from_graph`).
+        dtype_bytes: width of floating activations (2 for bf16 training); default: as captured.
+
+    Raises ValueError for a matmul without FLOPs (see compute.matmul_dims).
+    """
+    result: list[SavedTensor] = []
+    in_scores = False
+    for node in nodes:
+        node_prod = None if producers is None else producers.get(node.name, ())
+        rules = _Rules(node, node_prod, dtype_bytes)
+        rules.apply()
+        is_matmul = op_name(node.target) in MATMUL_OPS
+        starts = is_matmul and _is_score_matmul(node, node_prod)
+        for index, (owner, slot, nbytes, kind) in enumerate(rules.items):
+            # inside the score region; the closing matmul's first operand is the scores too
+            scores = in_scores and (not is_matmul or index == 0)
+            result.append(SavedTensor(owner, slot, node.name, float(nbytes), kind, scores))
+        if is_matmul:
+            in_scores = starts
+    return result
+
+
+def activation_bytes_from_graph(nodes: Sequence[NodeInfo],
+                                shard_factor: Mapping[str, float] | None = None, *,
+                                policy: str = "none", dtype_bytes: int | None = None,
+                                producers: Mapping[str, Sequence[str | None]] | None = None,
+                                layer_input_bytes: float | None = None) -> float:
+    """Bytes one rank keeps from the forward of `nodes` (one layer, one microbatch at the
+    captured shapes) for the backward ([Note: saved tensors]).
+
+    Args:
+        nodes: the layer's captured ops in graph order.
+        shard_factor: node name -> how many ways that node's output is split on this rank (tensor
+            or sequence parallelism); a saved tensor is divided by its owner's factor, and nodes
+            not listed are unsharded.
+        policy: "none"; "selective" (drops the attention scores, the 5as^2b term of Korthikanti
+            et al. Table 2); "full" (keeps only the layer input).
+        dtype_bytes: width of floating activations; default: as captured.
+        producers: `node_producers(gm)`; see `saved_tensors`.
+        layer_input_bytes: global bytes of the layer input for "full"; default: the first
+            node's first output (a pre-norm layer starts with a shape-preserving norm), at the
+            activation width, divided by that node's shard factor.
+
+    Raises ValueError for an unknown policy, an empty layer, or a shard factor < 1.
+    """
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"policy {policy!r} not in {list(RECOMPUTE_POLICIES)}")
+    if not nodes:
+        raise ValueError("activation_bytes_from_graph: no nodes")
+    factors = dict(shard_factor or {})
+    bad = {k: v for k, v in factors.items() if not v >= 1}
+    if bad:
+        raise ValueError(f"shard factors must be >= 1: {bad}")
+    if policy == "full":
+        first = nodes[0]
+        if layer_input_bytes is None:
+            rules = _Rules(first, None, dtype_bytes)
+            layer_input_bytes = rules.numel0 * rules.width
+        return layer_input_bytes / factors.get(first.name, 1.0)
+    seen: dict[tuple[str, str], float] = {}
+    for item in saved_tensors(nodes, producers=producers, dtype_bytes=dtype_bytes):
+        if policy == "selective" and item.attention_scores:
+            continue
+        seen[(item.owner, item.slot)] = item.nbytes / factors.get(item.owner, 1.0)
+    return sum(seen.values())

@@ -1,0 +1,164 @@
+"""Apply a plan's tensor-parallel placements to a (stage) graph.
+
+The rewritten graph is meant to be *interpreted under DTensor* on the tp sub-mesh
+(../shared/DESIGN.md, "Passes"): parameters are DTensors with the plan's placements, and
+before every op whose input placement differs from what its producer yields, the pass inserts an
+explicit `redistribute(x, "<dst>")` node -- one per costed `Redistribution` in the plan, no more
+and no fewer (`check_redistributions` verifies this). DTensor then runs each op on local shards
+with no implicit communication, because the solver's candidates come from DTensor's own rules.
+
+`aten.scaled_dot_product_attention` has no DTensor rule; it is replaced by `sdpa_local`, which
+runs the fused kernel on the local shards (batch- or head-sharded, as the plan says).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor
+
+from autoplan.plan import Plan, Redistribution, parse_placement
+
+__all__ = ["apply_placements", "redistribute", "sdpa_local", "tensor_args",
+           "check_redistributions"]
+
+aten = torch.ops.aten
+
+
+def redistribute(x, placement: str):
+    """Move DTensor `x` to `placement` on its (1-D) mesh; plain tensors pass through.
+
+    Collective by (src -> dst): S->R all-gather, P->R all-reduce, P->S reduce-scatter,
+    S(i)->S(j) all-to-all, R->S local slice (DTensor's redistribute semantics).
+    """
+    if not isinstance(x, DTensor):
+        return x
+    p = parse_placement(placement)
+    if tuple(x.placements) == (p,):
+        return x
+    return x.redistribute(x.device_mesh, (p,))
+
+
+def sdpa_local(q, k, v, attn_mask=None, *args, **kwargs):
+    """scaled_dot_product_attention on local shards.
+
+    q, k, v: (B, H, T, D) DTensors with one common placement, S(0) (batch), S(1) (heads) or R.
+    attn_mask: broadcastable (B|1, 1|H, T, T); a plain tensor is sliced like q along a batch
+    shard when its batch dim is not 1. Returns a DTensor with q's placement.
+    """
+    if not isinstance(q, DTensor):
+        return aten.scaled_dot_product_attention.default(q, k, v, attn_mask, *args, **kwargs)
+    placements = q.placements
+    if k.placements != placements or v.placements != placements:
+        raise ValueError(
+            f"sdpa_local: q, k, v placements differ ({q.placements}, {k.placements}, "
+            f"{v.placements}); the plan must redistribute them to one placement")
+    mesh = q.device_mesh
+    if isinstance(attn_mask, DTensor):
+        attn_mask = attn_mask.to_local()
+    elif attn_mask is not None and placements[0].is_shard():
+        dim = placements[0].dim
+        if attn_mask.shape[dim] != 1:
+            attn_mask = attn_mask.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()]
+    out = aten.scaled_dot_product_attention.default(
+        q.to_local(), k.to_local(), v.to_local(), attn_mask, *args, **kwargs)
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=q.shape,
+                              stride=q.stride())
+
+
+def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensor arguments of `node` in flattened (args, then kwargs) order -- the order in
+    which `NodeStrategy.inputs` lists placements. Repeated uses count once each."""
+    out: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda a: out.append(a))
+    return out
+
+
+def _output_placement(node: torch.fx.Node, plan: Plan, placements_of_value: dict) -> str:
+    return placements_of_value.get(node.meta.get("orig_name", node.name), "R")
+
+
+def value_placements(plan: Plan) -> dict[str, str]:
+    """Placement of every value (node output) the plan knows, by original node name."""
+    out: dict[str, str] = {}
+    for s in plan.strategies:
+        out[s.node] = s.outputs[0] if len(s.outputs) == 1 else ",".join(s.outputs)
+    return out
+
+
+def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
+                     param_names: dict[str, str] | None = None) -> list[Redistribution]:
+    """Insert the plan's redistributions into `gm` (in place) and swap sdpa for `sdpa_local`.
+
+    `param_names` maps get_attr targets to canonical FQNs (default: identity). Returns the
+    redistributions inserted, as (producer, consumer, arg_index, src, dst) records, so callers
+    can check them against `plan.redistributions`.
+    """
+    strategies = {s.node: s for s in plan.strategies}
+    produced = value_placements(plan)
+    inserted: list[Redistribution] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        name = node.meta.get("orig_name", node.name)
+        if node.target is aten.scaled_dot_product_attention.default:
+            node.target = sdpa_local
+        strategy = strategies.get(name)
+        if strategy is None:
+            continue
+        args = tensor_args(node)
+        if len(args) != len(strategy.inputs):
+            raise ValueError(
+                f"plan strategy for {name} ({node.target}) lists {len(strategy.inputs)} input "
+                f"placements but the node has {len(args)} tensor arguments")
+        for i, (arg, dst) in enumerate(zip(args, strategy.inputs)):
+            src = _src_placement(arg, plan, produced, param_names)
+            if src == dst:
+                continue
+            with gm.graph.inserting_before(node):
+                moved = gm.graph.call_function(redistribute, (arg, dst))
+            moved.meta["orig_name"] = f"redistribute_{arg.name}_{name}"
+            _replace_ith_use(node, i, arg, moved)
+            inserted.append(Redistribution(
+                producer=arg.meta.get("orig_name", arg.name), consumer=name, arg_index=i,
+                src=src, dst=dst, collective="", bytes=0, time_s=0.0))
+    gm.graph.lint()
+    gm.recompile()
+    return inserted
+
+
+def _src_placement(arg: torch.fx.Node, plan: Plan, produced: dict[str, str],
+                   param_names: dict[str, str] | None) -> str:
+    if arg.op == "get_attr":
+        fqn = (param_names or {}).get(arg.target, arg.target)
+        return plan.placement_of(fqn)
+    if arg.op == "call_function" and arg.target.__name__ == "getitem":
+        parent, idx = arg.args
+        multi = produced.get(parent.meta.get("orig_name", parent.name), "R").split(",")
+        return multi[idx] if idx < len(multi) else multi[0]
+    return produced.get(arg.meta.get("orig_name", arg.name), "R")
+
+
+def _replace_ith_use(node: torch.fx.Node, index: int, old: torch.fx.Node,
+                     new: torch.fx.Node) -> None:
+    counter = [0]
+
+    def swap(a: torch.fx.Node):
+        i = counter[0]
+        counter[0] += 1
+        return new if (i == index and a is old) else a
+
+    node.args = torch.fx.node.map_arg(node.args, swap)
+    node.kwargs = torch.fx.node.map_arg(node.kwargs, swap)
+
+
+def check_redistributions(plan: Plan, inserted: list[Redistribution]) -> None:
+    """Lint: the inserted redistributions are exactly the plan's (every costed one inserted,
+    none uncosted). Raises ValueError listing the differences."""
+    key = lambda r: (r.producer, r.consumer, r.arg_index, r.src, r.dst)  # noqa: E731
+    want = {key(r) for r in plan.redistributions}
+    got = {key(r) for r in inserted}
+    if want != got:
+        raise ValueError(
+            f"redistributions differ from the plan: missing {sorted(want - got)[:5]}, "
+            f"uncosted {sorted(got - want)[:5]}")

@@ -1,0 +1,130 @@
+"""torch.distributed building blocks the engine composes: data parallelism by ZeRO stage,
+pipeline schedules, a ZeRO-1 optimizer and global gradient clipping.
+
+Library first: ZeRO-0/2/3 are FSDP2's `replicate` / `fully_shard`; schedules are
+`torch.distributed.pipelining`'s. ZeRO-1 has no FSDP2 spelling, so `ShardedOptimizer` is ours
+(the same partition-by-parameter scheme as torch's ZeroRedundancyOptimizer, which does not take
+DTensor parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as _fully_shard
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+from torch.distributed.tensor import DTensor
+
+from autoplan.runtime._private import replicate_module
+
+__all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm"]
+
+
+def replicate(module: nn.Module, dp_mesh) -> nn.Module:
+    """ZeRO-0: parameters replicated on the dp axis, gradients all-reduced (averaged)."""
+    return replicate_module(module, dp_mesh)
+
+
+def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool) -> nn.Module:
+    """ZeRO-3 (reshard_after_forward=True) or ZeRO-2 (False) with FSDP2 on the dp axis."""
+    return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedOptimizer:
+    """ZeRO-1: each dp rank keeps optimizer states for the parameters it owns only.
+
+    Parameters are assigned to owners greedily by size (largest first, to the least loaded
+    rank). `step` runs the inner optimizer on owned parameters, then every parameter is
+    broadcast from its owner over the dp group, so all replicas stay equal.
+    """
+
+    def __init__(self, params: list[nn.Parameter], make_optimizer: Callable, dp_mesh):
+        self.params = list(params)
+        self.group = dp_mesh.get_group()
+        self.ranks = dist.get_process_group_ranks(self.group)
+        loads = [0] * len(self.ranks)
+        self.owner: list[int] = [0] * len(self.params)
+        order = sorted(range(len(self.params)), key=lambda i: -self.params[i].numel())
+        for i in order:
+            r = min(range(len(loads)), key=loads.__getitem__)
+            self.owner[i] = r
+            loads[r] += self.params[i].numel()
+        me = dp_mesh.get_local_rank()
+        owned = [p for p, o in zip(self.params, self.owner) if o == me]
+        self.inner = make_optimizer(owned) if owned else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.inner is not None:
+            self.inner.step()
+        for p, o in zip(self.params, self.owner):
+            dist.broadcast(_local(p), src=self.ranks[o], group=self.group)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict() if self.inner is not None else {}
+
+
+def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
+                   device: torch.device, pp_group, loss_fn: Callable):
+    """A torch.distributed.pipelining schedule for this rank's stages (plan.schedule)."""
+    pipeline_stages = [PipelineStage(m, idx, num_stages, device, group=pp_group)
+                       for idx, m in stages]
+    m = plan.num_microbatches
+    if plan.schedule == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=loss_fn)
+    if len(pipeline_stages) != 1:
+        raise ValueError(f"schedule {plan.schedule!r} takes one stage per rank; this rank "
+                         f"holds {len(pipeline_stages)}")
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
+    return cls(pipeline_stages[0], m, loss_fn=loss_fn)
+
+
+@torch.no_grad()
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / (total_norm + 1e-6)), where total_norm is the
+    L2 norm over all parameters of the whole model (each tied weight once), exactly as
+    torch.nn.utils.clip_grad_norm_ computes it on one process. Returns total_norm."""
+    seen_tied = set()
+    sq = torch.zeros((), dtype=torch.float64)
+    grads = []
+    tied_first = {fqn: min(i for i, m in model.stages if _holds(m, fqn))
+                  for fqn in model._tied}
+    for idx, m in model.stages:
+        for name, p in m.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            if name in model._tied and (tied_first[name] != idx or name in seen_tied):
+                continue
+            seen_tied.add(name)
+            norm = torch.linalg.vector_norm(p.grad)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            sq += norm.double() ** 2
+    if model.plan.mesh.pp > 1:
+        dist.all_reduce(sq, group=model.mesh["pp"].get_group())
+    total = sq.sqrt().float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        _local(g).mul_(coef)
+    return total
+
+
+def _holds(module: nn.Module, fqn: str) -> bool:
+    return any(n == fqn for n, _ in module.named_parameters())

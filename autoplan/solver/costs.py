@@ -1,0 +1,139 @@
+"""Cost coefficients of the placement ILP for one (tp, microbatch size) pair.
+
+Everything is per microbatch and per occurrence (the ILP multiplies by the weights of
+`Problem`). The captured graph holds `B_g` samples of `S_g` tokens; a microbatch of `b` samples
+of `spec.seq_len` tokens scales activation sizes, FLOPs and bytes by
+
+    scale = (b * seq_len) / (B_g * S_g)
+
+(linear in tokens: the quadratic attention term is taken as linear, an approximation that is
+exact when the graph is captured at the planned sequence length). Parameter tensors do not scale.
+
+- compute of node n under candidate c: cost_model.compute.op_time_s + backward_time_s at
+  shard_factor(c), seconds;
+- edge (u -> v) with producer placement p and consumer placement q: forward
+  `redistribute_time_s(p, q)` plus backward `redistribute_time_s(*backward_redistribution(p, q,
+  grad_placement=g))` where g = "P" when q = "R" and v's candidate splits the work (the
+  gradient of a replicated input of a split op is a partial sum: Megatron's f operator,
+  Shoeybi et al. 2019 section 3); pairs DTensor cannot do (S -> P) are absent;
+- activation bytes: each saved tensor divided by tp when its owner's candidate output is S(d);
+- parameter elements per device: numel / tp when the get_attr candidate is S(d).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
+from autoplan.cost_model.compute import backward_time_s, op_time_s
+from autoplan.solver.problem import OUTPUT, Problem
+from autoplan.spec import TrainingSpec
+from autoplan.topology import Topology
+
+__all__ = ["Costs", "token_scale", "build_costs", "split_of", "out_divisor"]
+
+
+@dataclass
+class Costs:
+    """Per-candidate and per-pair costs (seconds, bytes) for one (tp, microbatch) pair.
+
+    Attributes:
+        scale: token scale of the microbatch vs the captured graph.
+        compute_s: ILP node -> [fwd + bwd compute seconds per candidate].
+        pairs: per edge (index into problem.edges): {(p, q, split): (fwd_s, bwd_s, collective)}.
+        act_bytes: ILP node -> [saved-activation bytes per candidate] (all saved tensors it
+            owns, times their multiplicity), plus key None for tensors of nodes outside the ILP.
+        param_elems: ILP get_attr node -> [elements per device per candidate] x multiplicity.
+        output_bytes: global bytes of the graph output per microbatch (logits).
+    """
+
+    scale: float
+    compute_s: dict[str, list[float]]
+    pairs: list[dict[tuple, tuple[float, float, str]]]
+    act_bytes: dict
+    param_elems: dict[str, list[float]]
+    output_bytes: float
+
+
+def token_scale(problem: Problem, microbatch_size: int, seq_len: int) -> float:
+    """(b * seq_len) / (B_g * S_g); see the module docstring."""
+    shape = problem.graph.input_shapes[0] if problem.graph.input_shapes else (1,)
+    captured_b = shape[0] if len(shape) >= 1 else 1
+    captured_s = shape[1] if len(shape) >= 2 else seq_len
+    return (microbatch_size * seq_len) / (captured_b * captured_s)
+
+
+def split_of(cand) -> bool:
+    """True when the candidate splits the op's work over the tp ranks."""
+    return cand.shard_factor > 1
+
+
+def out_divisor(cand, tp: int, index: int = 0) -> float:
+    """How many ways the candidate's output `index` is split on each rank (tp or 1)."""
+    outs = cand.outputs
+    return float(tp) if index < len(outs) and outs[index].startswith("S(") else 1.0
+
+
+def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
+                topology: Topology) -> Costs:
+    """All ILP coefficients for `problem` at microbatch size `microbatch_size`."""
+    scale = token_scale(problem, microbatch_size, spec.seq_len)
+    costs = Costs(scale, {}, [], {}, {}, 0.0)
+    device, tp = topology.device, problem.tp
+    graph = problem.graph
+    for n in problem.nodes:
+        info = graph.nodes.get(n)
+        if info is None or n in problem.constants:
+            continue
+        scaled = dataclasses.replace(info, flops=int(info.flops * scale),
+                                     in_bytes=int(info.in_bytes * scale),
+                                     out_bytes=int(info.out_bytes * scale))
+        costs.compute_s[n] = [
+            op_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor)
+            + backward_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor)
+            for c in problem.cands[n]]
+    for edge in problem.edges:
+        costs.pairs.append(_edge_pairs(problem, edge, scale, topology))
+        if edge.dst == OUTPUT:
+            costs.output_bytes += edge.nbytes * scale
+    acts: dict = {}
+    for owner, nbytes, mult, _part in problem.saved:
+        if owner is None or owner not in problem.cands:
+            acts.setdefault(None, [0.0])[0] += nbytes * scale * mult
+            continue
+        row = acts.setdefault(owner, [0.0] * len(problem.cands[owner]))
+        for i, c in enumerate(problem.cands[owner]):
+            row[i] += nbytes * scale * mult / out_divisor(c, tp)
+    costs.act_bytes = acts
+    for g, (_fqn, numel, _parts, mult) in problem.params.items():
+        costs.param_elems[g] = [numel * mult / out_divisor(c, tp) for c in problem.cands[g]]
+    return costs
+
+
+def _edge_pairs(problem: Problem, edge, scale: float, topology: Topology) -> dict:
+    tp = problem.tp
+    nbytes = edge.nbytes * (scale if edge.scales else 1.0)
+    srcs = {c.outputs[edge.out_index] for c in problem.cands[edge.src]}
+    if edge.dst == OUTPUT:
+        dsts = {("R", False)}
+    else:
+        dsts = {(c.inputs[edge.arg_index], split_of(c)) for c in problem.cands[edge.dst]}
+    pairs = {}
+    for p in srcs:
+        for q, split in dsts:
+            if edge.getitem:
+                if p == q:
+                    pairs[(p, q, split)] = (0.0, 0.0, "none")
+                continue
+            try:
+                name, fwd = redistribute_time_s(p, q, nbytes, tp, topology)
+                bwd = 0.0
+                if edge.grad:
+                    g = "P" if (q == "R" and split) else None
+                    gd, gs = backward_redistribution(p, q, grad_placement=g)
+                    bwd = redistribute_time_s(gd, gs, nbytes, tp, topology)[1]
+            except ValueError:
+                continue  # DTensor cannot do it (S -> P): the pair is not offered
+            pairs[(p, q, split)] = (fwd, bwd, name)
+    return pairs

@@ -1,0 +1,320 @@
+"""The placement problem for one tp degree: ILP nodes, their candidates, weighted edges.
+
+Identical blocks share variables ([Note: layer sharing]): the ILP sees the nodes outside the
+repeated blocks plus ONE representative block (`graph.layer_nodes[0]`); node k of every other
+captured block maps onto node k of the representative. Weights turn the captured graph
+(`num_layers` blocks) into the real model (`total_layers` blocks):
+
+| edge or node                                   | weight per captured item                |
+|------------------------------------------------|-----------------------------------------|
+| node or edge inside a block                    | T / N                                   |
+| block k -> block k' > k (the residual stream)  | (T - 1) / (N - 1)                        |
+| outside -> block, feeding every captured block | T / N (rotary tables, masks)            |
+| outside -> block, feeding some blocks only     | 1 (the embedding feeds the first block) |
+| anything else                                  | 1                                       |
+
+with T = total_layers and N = num_layers. With N = 1 the block-to-block edge is not in the
+captured graph; it is priced by a synthetic edge from the block's output to the block's input
+(weight T - 1), see `_transition_edges`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from autoplan.cost_model.memory import node_producers, saved_tensors
+from autoplan.graph import CapturedGraph
+from autoplan.strategies import (
+    Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
+)
+
+__all__ = ["OUTPUT", "Edge", "Problem", "build_problem"]
+
+OUTPUT = "__output__"
+"""Pseudo-consumer of the graph output: it takes "R" (the graph output must be replicated)."""
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A weighted producer -> consumer edge between ILP nodes.
+
+    Attributes:
+        src, out_index: producer and which of its outputs.
+        dst, arg_index: consumer (or OUTPUT) and which of its tensor arguments.
+        weight: how many real edges it stands for ([Note: layer sharing]).
+        nbytes: global bytes at the captured shapes and the compute dtype.
+        scales: True when the tensor grows with the microbatch (an activation, not a param).
+        grad: True when a gradient flows back along it.
+        getitem: True for a tuple element: placements must be equal, nothing moves.
+        part: "pre" | "layer" | "post": where its cost is paid (the consumer's part).
+    """
+
+    src: str
+    out_index: int
+    dst: str
+    arg_index: int
+    weight: float
+    nbytes: float
+    scales: bool
+    grad: bool
+    getitem: bool
+    part: str
+
+
+@dataclass
+class Problem:
+    """Everything about the placement ILP that does not depend on the microbatch size.
+
+    Attributes:
+        graph, tp: the captured graph and the tp degree.
+        cands: candidates of every node of the full graph (strategies.node_strategies).
+        rep: node name -> its ILP node (itself outside the blocks).
+        nodes: ILP nodes in graph order.
+        part: ILP node -> "pre" | "layer" | "post".
+        weight: ILP node -> multiplicity (T for block nodes when blocks are shared).
+        edges: weighted ILP edges.
+        saved: (owner ILP node or None, global bytes at b = captured batch, multiplicity, part)
+            for every tensor autograd saves (cost_model.memory.saved_tensors).
+        params: ILP get_attr node -> (canonical FQN, numel, parts it belongs to, multiplicity).
+        constants: constant-like nodes (no cost).
+        shared: True when blocks share variables.
+    """
+
+    graph: CapturedGraph
+    tp: int
+    cands: dict[str, list[Candidate]]
+    rep: dict[str, str]
+    nodes: list[str]
+    part: dict[str, str]
+    weight: dict[str, float]
+    edges: list[Edge] = field(default_factory=list)
+    saved: list[tuple] = field(default_factory=list)
+    params: dict[str, tuple[str, int, frozenset, float]] = field(default_factory=dict)
+    constants: set[str] = field(default_factory=set)
+    shared: bool = True
+
+    @property
+    def num_layers(self) -> int:
+        return self.graph.total_layers if self.graph.num_layers else 0
+
+
+def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
+                  cache: StrategyCache | None = None) -> Problem:
+    """Candidates, representatives, weighted edges and saved tensors for a tp degree.
+
+    Args:
+        graph: captured graph.
+        tp: tensor-parallel degree.
+        dtype_bytes: compute dtype width; floating tensors are priced at it.
+        cache: shared StrategyCache.
+    """
+    cands = node_strategies(graph, tp, cache=cache)
+    rep, shared = _representatives(graph, cands)
+    nodes = [n for n in cands if rep[n] == n]
+    layer_of = _layer_of(graph)
+    part = _parts(graph, cands, layer_of)
+    prob = Problem(graph, tp, cands, rep, nodes, {n: part[n] for n in nodes}, {},
+                   constants=constant_like_nodes(graph), shared=shared)
+    n_cap, total = max(graph.num_layers, 1), graph.total_layers
+    for n in nodes:
+        in_block = layer_of.get(n) is not None or part[n] == "layer"
+        prob.weight[n] = (total if shared else total / n_cap) if in_block else 1.0
+    prob.edges = _edges(graph, prob, layer_of, dtype_bytes)
+    prob.saved = _saved(graph, prob, layer_of, dtype_bytes)
+    prob.params = _params(graph, prob)
+    return prob
+
+
+# --- representatives --------------------------------------------------------------------------
+
+def _layer_of(graph: CapturedGraph) -> dict[str, int]:
+    return {name: k for k, names in graph.layer_nodes.items() for name in names}
+
+
+def _representatives(graph: CapturedGraph, cands) -> tuple[dict[str, str], bool]:
+    """[Note: layer sharing]; falls back to no sharing when the blocks do not align."""
+    rep = {n: n for n in cands}
+    blocks = [graph.layer_nodes[k] for k in sorted(graph.layer_nodes)]
+    if len(blocks) < 2:
+        return rep, True
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    first = blocks[0]
+    aligned = all(len(b) == len(first) and all(
+        nodes[a].target == nodes[c].target and cands.get(a) == cands.get(c)
+        for a, c in zip(b, first)) for b in blocks[1:])
+    if not aligned:
+        return rep, False
+    proposals: dict[str, set] = defaultdict(set)
+    for block in blocks:
+        for name, name0 in zip(block, first):
+            rep[name] = name0
+            for a, a0 in zip(tensor_args(nodes[name]), tensor_args(nodes[name0])):
+                if a.op == "get_attr":
+                    proposals[a.name].add(a0.name)
+    block_nodes = {n for b in blocks for n in b}
+    for g, targets in proposals.items():
+        users_in_blocks = all(u.name in block_nodes for u in nodes[g].users)
+        if len(targets) == 1 and users_in_blocks:
+            rep[g] = next(iter(targets))
+    return rep, True
+
+
+def _parts(graph: CapturedGraph, cands, layer_of) -> dict[str, str]:
+    """"layer" for block nodes; "post" for nodes downstream of a block; else "pre".
+    A parameter takes the part of its consumers ("layer" wins, then "pre")."""
+    part: dict[str, str] = {}
+    for node in graph.gm.graph.nodes:
+        if node.name not in cands:
+            continue
+        if node.name in layer_of:
+            part[node.name] = "layer"
+        elif node.op == "call_function" and any(part.get(a.name) in ("layer", "post")
+                                                 for a in tensor_args(node)):
+            part[node.name] = "post"
+        else:
+            part[node.name] = "pre"
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr" and node.name in cands:
+            kinds = {part.get(u.name, "pre") for u in node.users}
+            part[node.name] = "layer" if "layer" in kinds else ("post" if kinds == {"post"}
+                                                                 else "pre")
+    return part
+
+
+# --- edges ------------------------------------------------------------------------------------
+
+def _tensor_bytes(graph, node: torch.fx.Node, index: int, dtype_bytes: int) -> float:
+    meta = node_tensor_meta(graph, node)
+    if index >= len(meta) or meta[index] is None:
+        return 0.0
+    shape, dtype = meta[index]
+    width = dtype_bytes if dtype.is_floating_point else dtype.itemsize
+    numel = 1
+    for s in shape:
+        numel *= s
+    return float(numel * width)
+
+
+def _grad_nodes(graph: CapturedGraph, params: set[str]) -> set[str]:
+    """Nodes whose (floating) output depends on a parameter: a gradient flows into them."""
+    out: set[str] = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr" and node.name in params:
+            out.add(node.name)
+        elif node.op == "call_function" and any(a.name in out for a in tensor_args(node)):
+            meta = node_tensor_meta(graph, node)
+            if any(m is not None and m[1].is_floating_point for m in meta):
+                out.add(node.name)
+    return out
+
+
+def _edges(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[Edge]:
+    from autoplan.cost_model.compute import NO_GRAD_OPS, op_name
+    params = {nd.name for nd in graph.gm.graph.nodes
+              if nd.op == "get_attr" and nd.name in prob.cands and nd.name not in prob.constants}
+    grads = _grad_nodes(graph, params)
+    raw: list[tuple] = []  # (u, k, v, j, kind)
+    for v in graph.gm.graph.nodes:
+        if v.op == "output":
+            for u in tensor_args(v):
+                raw.append((u, 0, None, 0))
+            continue
+        if v.name not in prob.cands or v.op != "call_function":
+            continue
+        for j, u in enumerate(tensor_args(v)):
+            if u.name not in prob.cands:
+                continue
+            k = v.args[1] if v.target is operator.getitem else 0
+            raw.append((u, k, v, j))
+    n_cap, total = max(graph.num_layers, 1), graph.total_layers
+    fanout: dict[tuple, int] = defaultdict(int)
+    for u, k, v, j in raw:
+        if v is not None and u.name not in layer_of and v.name in layer_of:
+            fanout[(u.name, prob.rep[v.name], j)] += 1
+    merged: dict[tuple, Edge] = {}
+    for u, k, v, j in raw:
+        if u.name in prob.constants:
+            continue  # constants run as plain tensors: slicing them is free, no gradient
+        lu, lv = layer_of.get(u.name), (layer_of.get(v.name) if v is not None else None)
+        if lu is not None and lv is not None:
+            w = total / n_cap if lu == lv else (total - 1) / max(n_cap - 1, 1)
+        elif lv is not None:
+            w = total / n_cap if fanout[(u.name, prob.rep[v.name], j)] == n_cap else 1.0
+        else:
+            w = 1.0
+        if not prob.shared and lu is not None and lv is not None and lu == lv:
+            w = total / n_cap
+        dst = OUTPUT if v is None else prob.rep[v.name]
+        no_grad = v is not None and op_name(str(v.target)) in NO_GRAD_OPS
+        edge = Edge(prob.rep[u.name], k, dst, j, w, _tensor_bytes(graph, u, k, dtype_bytes),
+                    u.name not in params, u.name in grads and not no_grad,
+                    v is not None and v.target is operator.getitem,
+                    "post" if v is None else prob.part[dst])
+        key = (edge.src, k, dst, j)
+        if key in merged:
+            old = merged[key]
+            edge = Edge(**{**old.__dict__, "weight": old.weight + w})
+        merged[key] = edge
+    edges = list(merged.values())
+    if graph.num_layers == 1 and total > 1:
+        edges += _transition_edges(graph, prob, layer_of, edges)
+    return edges
+
+
+def _transition_edges(graph, prob: Problem, layer_of, edges: list[Edge]) -> list[Edge]:
+    """N = 1: price block k -> block k+1 by an edge from the block's output (the block node
+    read by "post" nodes, with the input's shape) into the block's first-block-only inputs."""
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    outs = [e for e in edges if e.src in layer_of and prob.part.get(e.dst, "post") == "post"]
+    extra = []
+    for e in edges:
+        if e.src in layer_of or e.dst not in layer_of or not e.scales or e.weight != 1.0:
+            continue
+        shape_in = node_tensor_meta(graph, nodes[e.src])[e.out_index]
+        for o in outs:
+            if node_tensor_meta(graph, nodes[o.src])[o.out_index] == shape_in:
+                extra.append(Edge(o.src, o.out_index, e.dst, e.arg_index,
+                                  graph.total_layers - 1, e.nbytes, True, e.grad, False, "layer"))
+                break
+    return extra
+
+
+def _saved(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[tuple]:
+    infos = [info for name, info in graph.nodes.items()
+             if name in prob.cands and name not in prob.constants]
+    items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes)
+    seen: dict[tuple, float] = {}
+    for it in items:
+        seen[(it.owner, it.slot)] = it.nbytes
+    n_cap, total = max(graph.num_layers, 1), graph.total_layers
+    out = []
+    for (owner, _slot), nbytes in seen.items():
+        layer = layer_of.get(owner)
+        mult = total / n_cap if layer is not None else 1.0
+        ilp = prob.rep.get(owner) if owner in prob.cands else None
+        part = prob.part.get(ilp, "pre") if ilp is not None else "pre"
+        out.append((ilp, nbytes, mult, part))
+    return out
+
+
+def _params(graph: CapturedGraph, prob: Problem) -> dict[str, tuple]:
+    fqns = {}
+    for fqn, info in graph.params.items():
+        for name in (fqn, *info.aliases):
+            fqns[name] = fqn
+    out = {}
+    for node in graph.gm.graph.nodes:
+        if node.op != "get_attr" or prob.rep.get(node.name) != node.name:
+            continue
+        fqn = fqns.get(str(node.target))
+        if fqn is None or graph.params[fqn].is_buffer:
+            continue
+        parts = frozenset(prob.part.get(prob.rep.get(u.name, u.name), "pre")
+                          for u in node.users if u.name in prob.rep) or frozenset({"pre"})
+        mult = prob.weight.get(node.name, 1.0) if "layer" in parts else 1.0
+        out[node.name] = (fqn, graph.params[fqn].numel, parts, mult)
+    return out

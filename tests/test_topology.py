@@ -1,0 +1,109 @@
+"""Topology presets against FORMULAS.md "Hardware", and the YAML file format."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from autoplan.topology import PRESETS, Topology, load_topology, preset, save_topology
+
+# FORMULAS.md, Hardware: (dense bf16 FLOP/s, HBM bytes, HBM B/s, intra-node all-reduce busbw)
+HARDWARE = {
+    "dgx-a100": ("A100-SXM-80GB", 312e12, 80e9, 2.04e12, 235e9),
+    "dgx-h100": ("H100-SXM-80GB", 989e12, 80e9, 3.35e12, 370e9),
+    "h200-node": ("H200-SXM-141GB", 989e12, 141e9, 4.8e12, 367e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+def test_preset_figures_match_formulas_md(name):
+    device_name, bf16, mem, mem_bw, intra_bw = HARDWARE[name]
+    topo = preset(name, num_nodes=4)
+    assert topo.device.name == device_name
+    assert topo.device.flops_per_s("bfloat16") == bf16
+    assert topo.device.mem_bytes == mem
+    assert topo.device.mem_bw_bytes_per_s == mem_bw
+    assert topo.intra_node.bw_bytes_per_s == intra_bw
+    assert (topo.num_nodes, topo.devices_per_node, topo.world_size) == (4, 8, 32)
+    assert topo.source  # every preset cites its figures
+
+
+def test_inter_node_figures():
+    # DGX A100: ~192 GB/s all-reduce busbw across nodes (8 x 200 Gb/s HDR = 200 GB/s raw)
+    assert preset("dgx-a100").inter_node.bw_bytes_per_s == 192e9
+    # DGX H100 / H200: 8 NDR NICs at 46-48 GB/s measured each
+    for name in ("dgx-h100", "h200-node"):
+        bw = preset(name).inter_node.bw_bytes_per_s
+        assert 8 * 46e9 <= bw <= 8 * 48e9
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_yaml_round_trip(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPLAN_CALIBRATION", str(tmp_path / "absent.yaml"))
+    topo = preset(name, num_nodes=2)
+    path = tmp_path / f"{name}.yaml"
+    save_topology(topo, path)
+    assert load_topology(path) == topo
+    assert Topology.from_dict(topo.to_dict()) == topo
+
+
+def _saved(tmp_path, data):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_missing_field_is_named(tmp_path):
+    data = preset("dgx-h100").to_dict()
+    del data["device"]["mem_bw_bytes_per_s"]
+    with pytest.raises(ValueError, match="device.*'mem_bw_bytes_per_s'"):
+        load_topology(_saved(tmp_path, data))
+    data = preset("dgx-h100").to_dict()
+    del data["num_nodes"]
+    with pytest.raises(ValueError, match="'num_nodes'"):
+        load_topology(_saved(tmp_path, data))
+
+
+def test_bad_fields_are_named(tmp_path):
+    data = preset("dgx-h100").to_dict()
+    data["intra_node"]["bw_bytes_per_s"] = "fast"
+    with pytest.raises(ValueError, match="intra_node.bw_bytes_per_s"):
+        load_topology(_saved(tmp_path, data))
+    data = preset("dgx-h100").to_dict()
+    data["gpus"] = 8
+    with pytest.raises(ValueError, match="unknown field.*'gpus'"):
+        load_topology(_saved(tmp_path, data))
+    with pytest.raises(ValueError, match="cannot read topology file"):
+        load_topology(tmp_path / "nowhere.yaml")
+    with pytest.raises(ValueError, match="num_nodes=0"):
+        dataclasses.replace(preset("dgx-h100"), num_nodes=0)
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(ValueError, match="'dgx-b200'.*dgx-a100.*dgx-h100.*local-cpu"):
+        preset("dgx-b200")
+
+
+def test_unknown_dtype_lists_known():
+    with pytest.raises(ValueError, match="'float8'.*bfloat16"):
+        preset("dgx-h100").device.flops_per_s("float8")
+
+
+def test_local_cpu_uses_calibration_when_present(tmp_path, monkeypatch):
+    cal = tmp_path / "local-cpu.yaml"
+    monkeypatch.setenv("AUTOPLAN_CALIBRATION", str(cal))
+    default = preset("local-cpu")
+    assert not default.measured and default.devices_per_node == 4
+    fitted = dataclasses.replace(default, measured=True, source="fitted by calibrate",
+                                 num_nodes=1, devices_per_node=2)
+    save_topology(fitted, cal)
+    topo = preset("local-cpu", num_nodes=2, devices_per_node=8)
+    assert topo.measured and topo.source == "fitted by calibrate"
+    assert (topo.num_nodes, topo.devices_per_node) == (2, 8)
+
+
+def test_with_nodes():
+    topo = preset("dgx-h100").with_nodes(2048)
+    assert topo.world_size == 16384 and topo.device == preset("dgx-h100").device
