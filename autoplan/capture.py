@@ -56,6 +56,9 @@ from autoplan.graph import CapturedGraph, NodeInfo, ParamInfo
 
 __all__ = ["CaptureError", "capture", "capture_preset", "materialize", "retarget_device"]
 
+# Re-exported: they live with the passes, which own graph rewriting.
+from autoplan.passes.device import materialize, retarget_device  # noqa: E402
+
 _WRAPPED = "inner"  # attribute name of the model inside the export wrapper; stripped from FQNs
 
 
@@ -155,62 +158,6 @@ def capture_preset(name: str, *, batch: int, seq_len: int, num_layers: int | Non
     model = build_model(name, device="meta", num_layers=num_layers, dtype=dtype)
     inputs = example_inputs(name, batch=batch, seq_len=seq_len, device="meta")
     return capture(model, inputs, model_name=name, total_layers=model_depth(name))
-
-
-def retarget_device(gm: torch.fx.GraphModule, device: str | torch.device) -> torch.fx.GraphModule:
-    """Replace every torch.device constant in the graph's args/kwargs with `device`
-    (in place; recompiles). `node.meta["val"]` is left as captured."""
-    device = torch.device(device)
-
-    def swap(x: object) -> object:
-        return device if isinstance(x, torch.device) else x
-
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = torch.fx.node.map_aggregate(node.args, swap)
-            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
-    gm.recompile()
-    return gm
-
-
-def materialize(gm: torch.fx.GraphModule, source: nn.Module | Mapping[str, torch.Tensor],
-                device: str | torch.device = "cpu") -> torch.fx.GraphModule:
-    """Give a captured gm real weights: copy each parameter/buffer from `source` onto `device`
-    (cast to the captured dtype), then retarget the graph's device constants. In place.
-
-    Args:
-        source: a module with the same FQNs (its parameters and all buffers, non-persistent ones
-            such as Llama's `rotary_emb.inv_freq` included) or a state dict (which lacks
-            non-persistent buffers unless the caller adds them).
-
-    Raises:
-        ValueError: FQNs missing from `source` (listed) or shapes that differ.
-    """
-    if isinstance(source, nn.Module):
-        tensors = dict(source.named_parameters(remove_duplicate=False))
-        tensors.update(source.named_buffers(remove_duplicate=False))
-    else:
-        tensors = dict(source)
-    targets = [(n, t, True) for n, t in gm.named_parameters()]
-    targets += [(n, t, False) for n, t in gm.named_buffers()]
-    missing = [n for n, _, _ in targets if n not in tensors]
-    if missing:
-        raise ValueError(f"materialize: {len(missing)} FQNs missing from the source: {missing[:8]}"
-                         " (pass the module itself to include non-persistent buffers)")
-    for fqn, old, is_param in targets:
-        src = tensors[fqn]
-        if tuple(src.shape) != tuple(old.shape):
-            raise ValueError(f"materialize: {fqn} has shape {tuple(src.shape)} in the source, "
-                             f"{tuple(old.shape)} in the graph")
-        new = src.detach().to(device=device, dtype=old.dtype, copy=True)
-        owner_name, _, leaf = fqn.rpartition(".")
-        owner = gm.get_submodule(owner_name)
-        if is_param:
-            setattr(owner, leaf, nn.Parameter(new, requires_grad=old.requires_grad))
-        else:
-            owner.register_buffer(leaf, new,
-                                  persistent=leaf not in owner._non_persistent_buffers_set)
-    return retarget_device(gm, device)
 
 
 # --- inputs and errors -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["DeviceSpec", "LinkSpec", "Topology", "load_topology", "preset", "PRESETS"]
+__all__ = ["DeviceSpec", "LinkSpec", "Topology", "load_topology", "save_topology", "preset", "PRESETS"]
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,8 @@ NO_GRAD_OPS = frozenset({
     "eq", "ne", "lt", "gt", "le", "ge", "logical_not", "logical_and", "logical_or",
     "ones_like", "zeros_like", "full_like", "empty_like", "full", "scalar_tensor", "arange",
     "zeros", "ones", "empty", "rand", "rand_like", "randn", "bernoulli", "argmax", "argmin",
+    "new_ones", "new_zeros", "new_full", "new_empty", "__and__", "__or__", "__invert__",
+    "bitwise_and", "bitwise_or", "bitwise_not",
 })
 
 

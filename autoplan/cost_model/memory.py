@@ -118,7 +118,8 @@ def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: in
     - "interleaved-1f1b" with v = num_virtual_stages chunks of 1/v of the rank's layers:
       Megatron-LM's warm-up of 2 (pp - r - 1) + (v - 1) pp chunk-forwards, plus the one in
       steady state, capped at m v: min(2 (pp - r - 1) + (v - 1) pp + 1, m v) / v. For r = 0
-      this is pp (1 + (pp - 1) / (pp v)), Korthikanti et al. 2022 section 4.2.3's factor.
+      this is pp (1 + (pp - 1) / (pp v)), Korthikanti et al. 2022's factor (section 4,
+      pipeline parallelism).
       With v = 1 it is 1f1b.
 
     Raises ValueError for an unknown schedule or out-of-range numbers.
@@ -226,17 +227,19 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
 # | embedding                                  | int64 indices                                  |
 # | cross_entropy_loss                         | log-probabilities (in_bytes)                   |
 # | views, add/sub, casts, clone, cat, sum,    | nothing                                        |
-# | mean, comparisons, creation ops            |                                                |
+# | mean, cumsum, comparisons, creation ops    |                                                |
+# | index, index_select, gather                | their integer indices: negligible, not counted |
+# | an op whose first output is not floating   | nothing: autograd does not record it           |
 # | any other op                               | all its inputs (conservative; kind "unknown")  |
 # Floating tensors are counted at `dtype_bytes` when given (a graph captured in fp32 that trains
 # in bf16), else at the op's output dtype; masks are 1 byte, statistics 4, indices 8.
 # A tensor saved by two ops is counted once when `producers` (from `node_producers`) says where
 # each argument comes from; without it each consumer's copy counts (an over-estimate when, e.g.,
 # separate q/k/v projections read the same normed input).
-# Selective recompute (Korthikanti et al. 2022, section 5) drops the attention scores: the saved
-# tensors of the ops between a score matmul (a batched matmul whose contraction dim is smaller
-# than both output dims, q @ k^T) and the next matmul (scores @ v), plus that matmul's scores
-# operand -- the 5as^2b term. Full recompute keeps only the layer input.
+# Selective recompute (Korthikanti et al. 2022, "selective activation recomputation") drops the
+# attention scores: the saved tensors of the ops between a score matmul (a batched matmul whose
+# contraction dim is smaller than both output dims, q @ k^T) and the next matmul (scores @ v),
+# plus that matmul's scores operand -- the 5as^2b term. Full recompute keeps only the layer input.
 
 PARAM_PREFIX = "param:"
 """`node_producers` marks an argument that is a parameter/buffer (or a view of one) so."""
@@ -244,7 +247,8 @@ PARAM_PREFIX = "param:"
 _NO_SAVE = frozenset({
     "add", "sub", "rsub", "neg", "clone", "contiguous", "copy", "copy_", "_to_copy", "to",
     "type_as", "cat", "stack", "sum", "mean", "tril", "triu", "repeat", "roll", "flip",
-    "constant_pad_nd", "pad", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
+    "constant_pad_nd", "pad", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "cumsum",
+    "diff", "index", "index_select", "gather",
 })
 _NORMS = {"layer_norm": 2, "native_layer_norm": 2, "rms_norm": 1, "_fused_rms_norm": 1,
           "group_norm": 0, "native_group_norm": 0, "batch_norm": 0, "native_batch_norm": 0}
@@ -258,6 +262,8 @@ _SAVES_OUTPUT = frozenset({
 })
 _DROPOUT = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
 _BATCHED = frozenset({"bmm", "matmul", "baddbmm"})
+_FLOATING = frozenset({"float64", "float32", "bfloat16", "float16", "float8_e4m3fn",
+                       "float8_e5m2"})
 
 
 @dataclass(frozen=True)
@@ -340,7 +346,8 @@ class _Rules:
 
     def apply(self) -> None:
         name, node, w = op_name(self.node.target), self.node, self.width
-        if name in VIEW_OPS or name in NO_GRAD_OPS or name in _NO_SAVE:
+        floating = not node.dtypes or node.dtypes[0] in _FLOATING
+        if name in VIEW_OPS or name in NO_GRAD_OPS or name in _NO_SAVE or not floating:
             return
         if name in MATMUL_OPS and name != "convolution":
             self.matmul(name)

@@ -81,7 +81,7 @@ SOURCES = {
        for k in _ZERO},
     "model_state_bytes": "Rajbhandari et al. 2020 (ZeRO), section 5, Table 1",
     **{name: "Korthikanti et al. 2022, Table 2" for name in FORMULAS if name.startswith("act_")},
-    "interleaved_act_factor": "Korthikanti et al. 2022, section 4.2.3",
+    "interleaved_act_factor": "Korthikanti et al. 2022, section 4 (pipeline parallelism)",
     "num_params": "Narayanan et al. SC'21, section 5.1",
     "model_flops": "Narayanan et al. SC'21, appendix (FLOPs)",
     "hardware_flops_full_recompute": "Narayanan et al. SC'21, appendix (FLOPs)",

@@ -37,44 +37,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autoplan.runtime._private import implicit_replication
 
 from autoplan.graph import CapturedGraph
-from autoplan.passes.device import retarget_device
+from autoplan.passes.device import materialize
 from autoplan.passes.pipeline import StageGraph, split_stages
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
 
-__all__ = ["DistributedModel", "cross_entropy_loss", "load_weights"]
+__all__ = ["DistributedModel", "cross_entropy_loss"]
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy. logits: (B, T, V); labels: (B, T) int64."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-
-def load_weights(gm: torch.fx.GraphModule, graph: CapturedGraph,
-                 state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Bind real tensors to `gm`'s parameter/buffer attributes (canonical FQNs).
-
-    `state` maps FQNs (canonical or alias) to full tensors; buffers that are not in a
-    state_dict (non-persistent, e.g. rotary inv_freq) must be included by the caller.
-    Raises KeyError naming the missing FQNs.
-    """
-    missing = []
-    for fqn, info in graph.params.items():
-        names = (fqn, *info.aliases)
-        src = next((state[n] for n in names if n in state), None)
-        if src is None:
-            missing.append(fqn)
-            continue
-        owner_path, _, leaf = fqn.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        value = src.detach().to(device).clone()
-        if info.is_buffer:
-            owner._buffers[leaf] = value
-        else:
-            owner._parameters[leaf] = nn.Parameter(value)
-    if missing:
-        raise KeyError(f"weights missing for {len(missing)} FQN(s): {missing[:8]}")
 
 
 def _stage_forward(gm: torch.fx.GraphModule, mesh, in_placements: list[str],
@@ -102,7 +76,8 @@ class DistributedModel:
     Args:
         graph: the captured graph the plan was made for.
         plan: the plan.
-        state: full weights by FQN (identical on every rank), buffers included.
+        state: the full model (nn.Module) or its weights by FQN, identical on every rank;
+            a mapping must include non-persistent buffers (e.g. rotary inv_freq).
         optimizer: `params -> torch.optim.Optimizer` (default AdamW(lr=1e-3)).
         loss_fn: `(output, labels) -> scalar mean loss` (default token cross-entropy).
         device: "cpu" or "cuda".
@@ -146,8 +121,7 @@ class DistributedModel:
         # A fresh module hierarchy over the captured graph: rebinding weights below must not
         # touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-        retarget_device(gm, self.device)
-        load_weights(gm, graph, state, self.device)
+        materialize(gm, state, self.device)
         stage_graphs = split_stages(gm, graph, plan.stages)
         self.num_stages = len(stage_graphs)
         self._all_stage_graphs = stage_graphs
