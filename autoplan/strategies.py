@@ -52,7 +52,7 @@ import torch.fx
 
 from autoplan import _torch_compat as tc
 from autoplan.graph import CapturedGraph
-from autoplan.plan import format_placement
+from autoplan.plan import format_placement, parse_placement
 
 __all__ = ["Candidate", "node_strategies", "tensor_args", "constant_like_nodes",
            "ignored_nodes", "batch_dims", "node_tensor_meta", "StrategyCache"]
@@ -61,9 +61,10 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _MAX_PARTIAL_INPUTS = 2
-# Enumerate the full product of argument placements up to this many combinations.
-_FULL_PRODUCT_DIRECT = 16
-_FULL_PRODUCT_COMPOSITE = 64
+# Enumerate the full product of argument placements up to this many combinations; above it,
+# the probes of `_seeds` (DTensor's suggestions fill in for ops with a direct rule).
+_FULL_PRODUCT_DIRECT = 1
+_FULL_PRODUCT_COMPOSITE = 16
 
 
 @dataclass(frozen=True)
@@ -241,14 +242,18 @@ def _static_repr(node: torch.fx.Node) -> str:
 
 # --- candidates ------------------------------------------------------------------------------
 
-def node_strategies(graph: CapturedGraph, tp: int, *,
-                    cache: StrategyCache | None = None) -> dict[str, list[Candidate]]:
+def node_strategies(graph: CapturedGraph, tp: int, *, cache: StrategyCache | None = None,
+                    base_tp: int | None = None) -> dict[str, list[Candidate]]:
     """Candidate placements on a tp-way mesh axis for every node of `graph`.
 
     Args:
         graph: the captured graph (global shapes).
         tp: size of the tensor-parallel mesh axis (1 gives every node its all-R candidate).
         cache: optional `StrategyCache` shared between calls.
+        base_tp: a divisor of tp (> 1) whose candidates are computed first (or taken from
+            `cache`); the tp candidates are then only those of base_tp that DTensor still
+            accepts at tp. Exact, because a split valid on tp ranks is valid on any divisor
+            of tp (every size check is a divisibility check) -- and much cheaper than probing.
 
     Returns:
         node name -> candidates, for placeholders, get_attr and call_function nodes in graph
@@ -262,7 +267,12 @@ def node_strategies(graph: CapturedGraph, tp: int, *,
     if tp < 1:
         raise ValueError(f"node_strategies: tp={tp} must be >= 1")
     cache = cache if cache is not None else StrategyCache()
-    ctx = _Context(graph, tp, cache)
+    if base_tp is not None and not (1 < base_tp < tp and tp % base_tp == 0):
+        raise ValueError(f"node_strategies: base_tp={base_tp} must be a divisor of tp={tp} "
+                         "between 1 and tp")
+    if base_tp is not None:
+        node_strategies(graph, base_tp, cache=cache)
+    ctx = _Context(graph, tp, cache, base_tp)
     out: dict[str, list[Candidate]] = {}
     for node in graph.gm.graph.nodes:
         if node.op == "output" or node.name in ctx.ignored:
@@ -320,8 +330,9 @@ def _usable(node, cand: Candidate, users, cands) -> bool:
 class _Context:
     """Per-call state of node_strategies (graph facts computed once)."""
 
-    def __init__(self, graph: CapturedGraph, tp: int, cache: StrategyCache) -> None:
-        self.graph, self.tp, self.cache = graph, tp, cache
+    def __init__(self, graph: CapturedGraph, tp: int, cache: StrategyCache,
+                 base_tp: int | None = None) -> None:
+        self.graph, self.tp, self.cache, self.base_tp = graph, tp, cache, base_tp
         self.fqns = _param_fqns(graph)
         self.consts = constant_like_nodes(graph)
         self.ignored = ignored_nodes(graph) | {
@@ -353,7 +364,8 @@ class _Context:
             return [all_r]
         key = self._key(node)
         if key not in self.cache:
-            found = self._probe(node)
+            base = self.cache.get(key[:-1] + (self.base_tp,)) if self.base_tp else None
+            found = self._verify(node, base) if base is not None else self._probe(node)
             if all_r not in found:
                 found.insert(0, all_r)
             self.cache[key] = found
@@ -393,9 +405,9 @@ class _Context:
         tried: set[tuple] = set()
         answered = False
         # Composite ops give no suggestion to follow (see _torch_compat), so try more combos.
-        limit = _FULL_PRODUCT_COMPOSITE if tc.is_composite(node.target) and \
-            not tc.has_direct_rule(node.target) else _FULL_PRODUCT_DIRECT
-        pending = [c for c in _seeds(options, limit)
+        composite = tc.is_composite(node.target) and not tc.has_direct_rule(node.target)
+        limit = _FULL_PRODUCT_COMPOSITE if composite else _FULL_PRODUCT_DIRECT
+        pending = [c for c in dict.fromkeys(_seeds(options, limit, pairs=composite))
                    if sum(isinstance(p, tc.Partial) for p in c) <= _MAX_PARTIAL_INPUTS]
         while pending:
             combo = pending.pop(0)
@@ -420,6 +432,28 @@ class _Context:
                      node.target, node.name)
         return sorted(found.values(), key=lambda c: (any(p != "R" for p in c.inputs + c.outputs),
                                                      c.shard_factor, c.inputs))
+
+    def _verify(self, node, base: list[Candidate]) -> list[Candidate]:
+        """The candidates of a divisor of tp whose splits still divide at tp.
+
+        [Note: divisor tp] DTensor's rules are structural: which dims a placement may take and
+        where the output lands do not depend on the mesh size; the mesh size enters only
+        through size checks (a sharded dim divides evenly and is at least the mesh size, the
+        dims a view splits a sharded dim into divide). So a combination valid at tp is valid at
+        every divisor of tp with the same output, and the tp candidates are exactly those base
+        candidates whose sharded input and output dims pass the tp size checks (tested against
+        direct probing in tests/test_strategies.py)."""
+        options = self._arg_options(node)
+        found: dict[tuple, Candidate] = {}
+        for cand in base:
+            combo = tuple(parse_placement(p) for p in cand.inputs)
+            outs = tuple(parse_placement(p) for p in cand.outputs)
+            if not _allowed(combo, options):
+                continue
+            made = self._make(node, combo, outs)
+            if made is not None:
+                found.setdefault(made.inputs, made)
+        return list(found.values())
 
     def _make(self, node, inputs, outputs) -> Candidate | None:
         metas = node_tensor_meta(self.graph, node)
@@ -461,9 +495,10 @@ class _Context:
         return cands
 
 
-def _seeds(options: list[list], full_limit: int):
+def _seeds(options: list[list], full_limit: int, *, pairs: bool = False):
     """Every combination when there are at most `full_limit`; otherwise all-R, every
-    single-argument change from all-R, and the all-alike combinations."""
+    single-argument change from all-R (and, with `pairs`, every two-argument change), and the
+    all-alike combinations."""
     if math.prod(len(o) for o in options) <= full_limit:
         yield from itertools.product(*options)
         return
@@ -472,6 +507,12 @@ def _seeds(options: list[list], full_limit: int):
     for i, opts in enumerate(options):
         for p in opts[1:]:
             yield base[:i] + (p,) + base[i + 1:]
+    if pairs:
+        for i, j in itertools.combinations(range(len(options)), 2):
+            for p, q in itertools.product(options[i][1:], options[j][1:]):
+                combo = list(base)
+                combo[i], combo[j] = p, q
+                yield tuple(combo)
     for p in {p for opts in options for p in opts[1:]}:
         yield tuple(p if p in opts else opts[0] for opts in options)
 

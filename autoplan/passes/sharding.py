@@ -13,6 +13,8 @@ runs the fused kernel on the local shards (batch- or head-sharded, as the plan s
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 from torch.distributed.tensor import DTensor
@@ -104,7 +106,8 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
         if node.target is aten.scaled_dot_product_attention.default:
             node.target = sdpa_local
         strategy = strategies.get(name)
-        if strategy is None:
+        # getitem reads one element of a multi-output op: it has no tensor of its own to move.
+        if strategy is None or node.target is operator.getitem:
             continue
         args = tensor_args(node)
         if len(args) != len(strategy.inputs):

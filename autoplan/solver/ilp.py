@@ -240,6 +240,9 @@ def solve(problem: Problem, costs: Costs, *, ranks: list[RankMemory] | None = No
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = 0
+    # Full LP relaxation: the consistency constraints make it nearly tight (measured: a
+    # llama-tiny layer solves in 0.15 s instead of 12 s with the default level).
+    solver.parameters.linearization_level = 2
     status = solver.solve(model.m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

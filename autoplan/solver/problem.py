@@ -112,7 +112,8 @@ def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
         dtype_bytes: compute dtype width; floating tensors are priced at it.
         cache: shared StrategyCache.
     """
-    cands = node_strategies(graph, tp, cache=cache)
+    base = next((d for d in range(2, tp) if tp % d == 0), None)  # smallest prime factor
+    cands = node_strategies(graph, tp, cache=cache, base_tp=base)
     rep, shared = _representatives(graph, cands)
     nodes = [n for n in cands if rep[n] == n]
     layer_of = _layer_of(graph)

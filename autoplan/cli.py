@@ -1,0 +1,277 @@
+"""The `autoplan` command line: plan, export, demo, calibrate.
+
+    autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
+    autoplan plan --model gpt2-tiny --cluster local-cpu --devices-per-node 4 \\
+        --global-batch 8 --seq 16 -o out/tiny
+    autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/x
+    autoplan demo --steps 20 --world-size 4 -o out/demo
+    autoplan calibrate -o ~/.cache/autoplan/local-cpu.yaml
+
+User mistakes (unknown preset, a bad topology file, overrides that cannot work, a model that
+fits nowhere) print `autoplan: error: <message>` on stderr and exit with status 2, leaving no
+output directory behind. Heavy modules (torch, the solver) are imported inside the subcommands,
+so `autoplan --help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # autoplan.plan.SCHEDULES, kept import-free
+_EPILOG = """\
+examples:
+  autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
+  autoplan plan --model llama3-405b --cluster dgx-h100 --nodes 192 --global-batch 2048 \\
+      --seq 8192 --tp 8 --pp 8 --dp 24 -o out/405b
+  autoplan plan --model gpt2-tiny --cluster local-cpu --devices-per-node 4 --global-batch 8 \\
+      --seq 16 -o out/tiny
+  autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/export
+"""
+
+
+class _Failure(Exception):
+    """A subcommand could not run for a reason that is not the user's input (exit 1)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value}")
+    return value
+
+
+def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> None:
+    what = p.add_argument_group("model, cluster and training step")
+    what.add_argument("--model", required=True, metavar="NAME|config.json",
+                      help="model preset (e.g. llama3-70b, gpt2-tiny) or a Hugging Face "
+                           "config.json of a gpt2/llama model")
+    what.add_argument("--cluster", required=True, metavar="PRESET|topology.yaml",
+                      help="cluster preset (dgx-a100, dgx-h100, h200-node, local-cpu) or a "
+                           "topology YAML file")
+    what.add_argument("--nodes", type=_positive_int, metavar="N",
+                      help="number of nodes (default: the preset's 1, or the file's)")
+    what.add_argument("--devices-per-node", type=_positive_int, metavar="N",
+                      help="devices per node (default: the preset's or the file's)")
+    what.add_argument("--global-batch", type=_positive_int, required=True, metavar="B",
+                      help="samples per optimizer step, all ranks together")
+    what.add_argument("--seq", type=_positive_int, required=True, metavar="S",
+                      help="tokens per sample")
+    what.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                      help="compute dtype; 16-bit means mixed precision with fp32 optimizer "
+                           "states (default: %(default)s)")
+    what.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                      help="optimizer whose states are counted (default: %(default)s)")
+    what.add_argument("--max-memory-fraction", type=_fraction, default=0.9, metavar="F",
+                      help="fraction of device memory a plan may use (default: %(default)s)")
+    fix = p.add_argument_group("overrides (fix a choice instead of searching it)")
+    fix.add_argument("--tp", type=_positive_int, help="tensor-parallel degree")
+    fix.add_argument("--pp", type=_positive_int, help="pipeline-parallel degree")
+    fix.add_argument("--dp", type=_positive_int, help="data-parallel degree")
+    fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+    fix.add_argument("--microbatches", type=_positive_int, metavar="M",
+                     help="microbatches per step per dp rank")
+    fix.add_argument("--schedule", choices=_SCHEDULES, help="pipeline schedule")
+    fix.add_argument("--virtual-stages", type=_positive_int, metavar="V",
+                     help="model chunks per pp rank (interleaved-1f1b)")
+    fix.add_argument("--allow-tp-across-nodes", action="store_true",
+                     help="let tp groups span nodes (default: tp stays inside a node)")
+    solver = p.add_argument_group("planning")
+    if capture_depth:
+        solver.add_argument("--num-layers-capture", type=_positive_int, default=2, metavar="K",
+                            help="identical blocks to capture; costs are scaled to the real "
+                                 "depth, so planning time does not grow with it "
+                                 "(default: %(default)s)")
+    solver.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
+                        help="time limit of each ILP solve (default: %(default)s)")
+    solver.add_argument("--top-k", type=int, default=5, metavar="K",
+                        help="runners-up kept for the report (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoplan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Automatic parallelism planner for PyTorch training: finds tensor, "
+                    "pipeline and data parallelism, the ZeRO stage and microbatching for a "
+                    "model on a cluster, predicts step time and memory, and writes reports.",
+        epilog=_EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="plan a model on a cluster; print a summary, write reports",
+                       description="Capture the model on the meta device (nothing is "
+                                   "allocated), solve for the fastest plan that fits, print a "
+                                   "summary; with -o write plan.json, report.md, report.html.")
+    _add_planning_args(p, capture_depth=True)
+    p.add_argument("-o", "--out", metavar="DIR",
+                   help="write plan.json, report.md and report.html into DIR")
+    p.set_defaults(run=_cmd_plan)
+
+    p = sub.add_parser("export", help="plan, then write the per-rank graphs as Python, "
+                                      "Graphviz and JSON",
+                       description="Plan as `autoplan plan` does (capturing the full depth, "
+                                   "since every rank's graph is written), then write per-rank "
+                                   "graph code and plan.json into DIR.")
+    _add_planning_args(p, capture_depth=False)
+    p.add_argument("-o", "--out", metavar="DIR", required=True, help="output directory")
+    p.set_defaults(run=_cmd_export)
+
+    p = sub.add_parser("demo", help="plan, compile and train a small GPT on local CPU ranks "
+                                    "and compare with one process")
+    p.add_argument("--steps", type=_positive_int, metavar="N",
+                   help="training steps (default: the demo's)")
+    p.add_argument("--world-size", type=_positive_int, default=4, metavar="N",
+                   help="local gloo ranks (default: %(default)s)")
+    p.add_argument("-o", "--out", metavar="DIR", help="output directory (default: the demo's)")
+    p.set_defaults(run=_cmd_demo)
+
+    p = sub.add_parser("calibrate", help="measure this machine's CPU ranks and write a "
+                                         "local-cpu topology file")
+    p.add_argument("-o", "--out", metavar="FILE",
+                   help="topology YAML to write (default: ~/.cache/autoplan/local-cpu.yaml)")
+    p.add_argument("--max-ranks", type=_positive_int, metavar="N",
+                   help="largest number of ranks to measure")
+    p.set_defaults(run=_cmd_calibrate)
+    return parser
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+def _topology(args):
+    """The cluster of --cluster, with --nodes / --devices-per-node applied."""
+    import dataclasses
+
+    from autoplan.topology import PRESETS, load_topology, preset
+
+    if args.cluster in PRESETS:
+        topo = preset(args.cluster, num_nodes=args.nodes or 1)
+    elif Path(args.cluster).is_file():
+        topo = load_topology(args.cluster)
+    else:
+        raise ValueError(f"unknown cluster {args.cluster!r}: not a preset "
+                         f"({', '.join(sorted(PRESETS))}) and not a topology YAML file")
+    if args.nodes:
+        topo = topo.with_nodes(args.nodes)
+    if args.devices_per_node:
+        topo = dataclasses.replace(topo, devices_per_node=args.devices_per_node)
+    return topo
+
+
+def _plan(args, num_layers: int | None):
+    """(graph, topology, plan) for the planning arguments; capture at batch 1 and the planned
+    sequence length: the cost model scales costs linearly with tokens from the captured shapes
+    (solver/costs.py, token_scale), and attention is exact at the planned length."""
+    from autoplan.capture import capture_preset
+    from autoplan.models import model_config
+    from autoplan.solver import plan
+    from autoplan.spec import TrainingSpec
+
+    model_config(args.model)  # an unknown preset fails here, before the cluster is read
+    topology = _topology(args)
+    spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
+                        optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
+    graph = capture_preset(args.model, batch=1, seq_len=args.seq, num_layers=num_layers)
+    result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp,
+                  zero_stage=args.zero, num_microbatches=args.microbatches,
+                  schedule=args.schedule, num_virtual_stages=args.virtual_stages,
+                  allow_tp_across_nodes=args.allow_tp_across_nodes,
+                  time_limit_s=args.time_limit, top_k=args.top_k)
+    return graph, topology, result
+
+
+def _cmd_plan(args) -> int:
+    from autoplan.report import render_summary, write_report
+
+    graph, topology, result = _plan(args, args.num_layers_capture)
+    print(render_summary(result, topology=topology))
+    if args.out:
+        paths = write_report(result, args.out, graph=graph, topology=topology)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from autoplan.report import render_summary
+
+    graph, topology, result = _plan(args, None)  # every rank's graph: the full depth
+    try:
+        from autoplan.passes.export import export_plan
+    except ImportError as e:
+        raise _Failure(f"export is not available in this installation: {e}") from None
+    out = Path(args.out)
+    existed = out.exists()
+    try:
+        paths = export_plan(graph, result, out)
+    except BaseException:
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)  # no partial output directory
+        raise
+    print(render_summary(result, topology=topology))
+    print(f"wrote {len(paths)} files into {out}")
+    return 0
+
+
+def _optional(module: str, command: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module).main
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise _Failure(f"`autoplan {command}` is not available in this installation "
+                       f"({module} is missing)") from None
+
+
+def _given(**kwargs) -> dict:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _cmd_demo(args) -> int:
+    run = _optional("autoplan.demo", "demo")
+    return run(**_given(steps=args.steps, world_size=args.world_size, out_dir=args.out)) or 0
+
+
+def _cmd_calibrate(args) -> int:
+    run = _optional("autoplan.calibrate", "calibrate")
+    return run(**_given(out_path=args.out, max_ranks=args.max_ranks)) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 failure, 2 user error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return int(args.run(args))
+    except ValueError as e:  # user mistakes from every layer: NoFeasiblePlan, InvalidConfig, ...
+        print(f"autoplan: error: {e}", file=sys.stderr)
+        return 2
+    except _Failure as e:
+        print(f"autoplan: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"autoplan: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

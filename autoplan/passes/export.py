@@ -1,0 +1,249 @@
+"""Export the rewritten per-rank graphs: readable Python, Graphviz and JSON.
+
+Each rank's stage graph (after `split_stages` and `apply_placements`) is interpreted under DTensor
+on a *fake* process group and traced with `make_fx` on fake tensors into a local graph: local
+shard shapes, and every collective the plan inserted as an explicit `_c10d_functional` call
+(../shared/DESIGN.md, "Passes": this is the exported artifact). Nothing is allocated, so a 70B
+model exports on a laptop.
+
+Ranks that differ only in their dp coordinate run the same code; one file is written per
+(pp rank, tp rank) with the dp ranks that share it listed in the header, together with the
+collectives outside the forward graph: pipeline send/recv and the dp gradient synchronisation
+of the plan's ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autoplan.graph import CapturedGraph
+from autoplan.passes.device import retarget_device
+from autoplan.passes.pipeline import split_stages
+from autoplan.passes.sharding import apply_placements, value_placements
+from autoplan.plan import Plan, parse_placement
+
+__all__ = ["export_plan", "trace_rank", "COLLECTIVE_OPS", "count_collectives"]
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                  "all_to_all_single", "broadcast")
+
+
+def count_collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Functional collectives in a traced local graph, by name."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "_c10d_functional" in str(node.target):
+            name = str(node.target).split(".")[-2]
+            if name in COLLECTIVE_OPS:
+                out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _local_shape(shape, placement: str, tp: int) -> tuple[int, ...]:
+    p = parse_placement(placement)
+    shape = list(shape)
+    if p.is_shard():
+        shape[p.dim] //= tp
+    return tuple(shape)
+
+
+def _val(node: torch.fx.Node):
+    v = node.meta.get("val")
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int):
+    """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, tp_rank).
+
+    Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
+    fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoplan.runtime._private import implicit_replication
+
+    mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
+    tp_mesh = mesh["tp"]
+    tp = plan.mesh.tp
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    retarget_device(gm, "cpu")
+    produced = value_placements(plan)
+    out = []
+    for sg in split_stages(gm, graph, plan.stages):
+        if sg.index % plan.mesh.pp != pp_rank:
+            continue
+        apply_placements(sg.gm, plan)
+        attrs = [n.target for n in sg.gm.graph.nodes if n.op == "get_attr"]
+        placeholders = [n for n in sg.gm.graph.nodes if n.op == "placeholder"]
+        in_pl = [produced.get(n, "R") for n in sg.input_names]
+
+        def run(*flat, _sg=sg, _attrs=attrs, _in_pl=in_pl):
+            params, inputs = flat[:len(_attrs)], flat[len(_attrs):]
+            for target, local in zip(_attrs, params):
+                owner_path, _, leaf = target.rpartition(".")
+                owner = _sg.gm.get_submodule(owner_path) if owner_path else _sg.gm
+                value = local
+                if tp > 1:
+                    value = DTensor.from_local(
+                        local, tp_mesh, (parse_placement(plan.placement_of(target)),),
+                        run_check=False)
+                owner._parameters.pop(leaf, None)
+                owner._buffers.pop(leaf, None)
+                setattr(owner, leaf, value)
+            if tp > 1:
+                inputs = [DTensor.from_local(x, tp_mesh, (parse_placement(p),), run_check=False)
+                          for x, p in zip(inputs, _in_pl)]
+            with implicit_replication():
+                result = _sg.gm(*inputs)
+            flat_out = result if isinstance(result, tuple) else (result,)
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in flat_out)
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            args = []
+            for target in attrs:
+                t = gm.get_parameter(target) if _is_param(gm, target) else gm.get_buffer(target)
+                args.append(torch.empty(_local_shape(t.shape, plan.placement_of(target), tp),
+                                        dtype=t.dtype))
+            for node, p in zip(placeholders, in_pl):
+                v = _val(node)
+                args.append(torch.empty(_local_shape(v.shape, p, tp), dtype=v.dtype))
+            traced = make_fx(run)(*args)
+        _name_placeholders(traced, attrs + [n.name for n in placeholders])
+        out.append((sg.index, traced, sg.input_names, sg.output_names))
+    return out
+
+
+def _is_param(gm: torch.nn.Module, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _name_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> None:
+    """Give the traced placeholders the FQNs / value names they stand for."""
+    for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
+        node.name = node.target = name.replace(".", "_")
+    gm.recompile()
+
+
+def _rank(plan: Plan, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+    return (pp_rank * plan.mesh.dp + dp_rank) * plan.mesh.tp + tp_rank
+
+
+def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
+            collectives: dict[str, int]) -> str:
+    ranks = [_rank(plan, pp_rank, d, tp_rank) for d in range(plan.mesh.dp)]
+    num_stages = len(plan.stages)
+    st = plan.stages[stage]
+    lines = [
+        f"# autoplan export: {plan.model} on {plan.topology}, mesh {plan.mesh} "
+        f"(axes pp, dp, tp), ZeRO-{plan.zero_stage}, schedule {plan.schedule}",
+        f"# pipeline stage {stage} of {num_stages}: layers [{st.layer_start}, {st.layer_end})",
+        f"# runs on global ranks {ranks} (pp rank {pp_rank}, tp rank {tp_rank}, every dp rank)",
+        f"# forward collectives in this graph (tp group): {collectives or 'none'}",
+        f"# stage inputs: {inputs}",
+        f"# stage outputs: {outputs}",
+    ]
+    if stage > 0:
+        lines.append(f"# recv activations from stage {stage - 1} "
+                     f"(rank {_rank(plan, (stage - 1) % plan.mesh.pp, 0, tp_rank)} for dp 0)")
+    if stage < num_stages - 1:
+        lines.append(f"# send activations to stage {stage + 1} "
+                     f"(rank {_rank(plan, (stage + 1) % plan.mesh.pp, 0, tp_rank)} for dp 0)")
+    if plan.mesh.dp > 1:
+        sync = {0: "all-reduce of gradients (replicate)",
+                1: "all-reduce of gradients + broadcast of updated parameters (ZeRO-1)",
+                2: "reduce-scatter of gradients; parameters all-gathered once per step",
+                3: "all-gather of parameters before forward and backward, reduce-scatter of "
+                   "gradients"}[plan.zero_stage]
+        lines.append(f"# dp group {ranks}: {sync}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot(gm: torch.fx.GraphModule, title: str) -> str:
+    lines = [f'digraph "{title}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
+    for node in gm.graph.nodes:
+        label = node.name if node.op != "call_function" else f"{node.name}\\n{node.target}"
+        style = ', style=filled, fillcolor="#ffd27f"' if "_c10d_functional" in str(
+            node.target) else ""
+        lines.append(f'  "{node.name}" [label="{label}"{style}];')
+        for a in node.all_input_nodes:
+            lines.append(f'  "{a.name}" -> "{node.name}";')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _json(gm: torch.fx.GraphModule) -> list[dict]:
+    rows = []
+    for node in gm.graph.nodes:
+        v = node.meta.get("val")
+        rows.append({
+            "name": node.name, "op": node.op, "target": str(node.target),
+            "inputs": [a.name for a in node.all_input_nodes],
+            "shape": list(v.shape) if isinstance(v, torch.Tensor) else None,
+            "collective": "_c10d_functional" in str(node.target),
+        })
+    return rows
+
+
+def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write per-rank graphs for `plan` into `out_dir` (created; files replaced atomically):
+    `plan.json`, and per (pp rank, tp rank) and stage `rank{r}_stage{s}.py` (local graph code),
+    `.dot` (Graphviz) and `.json`. Returns {name: path}.
+
+    Runs on a fake process group in this process; when a process group already exists here
+    (inside torchrun), raises RuntimeError -- export from a planning process instead.
+    Raises ValueError when the graph was captured with fewer layers than the model has.
+    """
+    if graph.num_layers != graph.total_layers:
+        raise ValueError(
+            f"export needs the full model: the graph was captured with {graph.num_layers} of "
+            f"{graph.total_layers} layers")
+    if dist.is_initialized():
+        raise RuntimeError("export_plan runs on a fake process group and needs a process "
+                           "without an initialised default group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {"plan.json": plan.to_json()}
+    try:
+        for pp_rank in range(plan.mesh.pp):
+            for tp_rank in range(plan.mesh.tp):
+                rank = _rank(plan, pp_rank, 0, tp_rank)
+                dist.init_process_group("fake", store=FakeStore(), rank=rank,
+                                        world_size=plan.mesh.world_size)
+                try:
+                    traced = trace_rank(graph, plan, pp_rank, tp_rank)
+                finally:
+                    dist.destroy_process_group()
+                for stage, gm, ins, outs in traced:
+                    stem = f"rank{rank}_stage{stage}"
+                    header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
+                                     count_collectives(gm))
+                    files[f"{stem}.py"] = header + gm.code
+                    files[f"{stem}.dot"] = _dot(gm, stem)
+                    files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
+    except Exception:
+        raise  # nothing has been written yet: outputs are all-or-nothing
+    written = {}
+    for name, text in files.items():
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out_dir / name)
+        written[name] = out_dir / name
+    return written

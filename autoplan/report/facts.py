@@ -1,0 +1,393 @@
+"""What the report says, derived from a `Plan` (and, when given, its graph and topology).
+
+Renderers (markdown.py, html.py) only format these facts, so Markdown, HTML and the CLI summary
+cannot disagree. Everything is SI: seconds, bytes (1 GB = 1e9 B), FLOP/s.
+
+[Note: block roles]
+A repeated block appears `total_layers` times in the real model but only `num_layers` times in
+the captured graph (often 2), and a plan lists parameters and redistributions per captured node.
+The report groups them per *role*: a parameter `model.layers.3.mlp.up_proj.weight` has role
+`model.layers.*.mlp.up_proj.weight`; a redistribution has the role of its consumer, which is the
+consumer's position in its block's op sequence (blocks align by position, see
+`CapturedGraph.layer_nodes`). A role present in every captured block occurs `total_layers` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
+from autoplan.topology import Topology
+
+__all__ = [
+    "MEMORY_KINDS", "AxisFacts", "ParamGroup", "RedistributionGroup", "PartCost",
+    "fmt_bytes", "fmt_time", "fmt_count", "fmt_pct", "model_num_params", "mesh_axes",
+    "param_groups", "redistribution_groups", "part_costs", "tokens_per_s", "memory_rows",
+]
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
+"""Display order of `Prediction.memory_breakdown` keys; other keys follow, "peak" is dropped."""
+
+
+# --- number formatting (SI) ------------------------------------------------------------------
+
+def fmt_bytes(nbytes: float) -> str:
+    """12.3 GB, 456 MB, ... (SI: 1 GB = 1e9 B)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def fmt_time(seconds: float) -> str:
+    """1.23 s, 45.6 ms, 7.8 us."""
+    if abs(seconds) >= 1:
+        return f"{seconds:.3g} s"
+    if abs(seconds) >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds == 0:
+        return "0 s"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def fmt_count(n: float) -> str:
+    """70.6 B, 124 M, 28.5 k (decimal)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f}"
+
+
+def fmt_pct(fraction: float) -> str:
+    """12.3 %; three significant digits below 1 % (0.0132 %)."""
+    if 0 < abs(fraction) < 0.01:
+        return f"{100 * fraction:.3g} %"
+    return f"{100 * fraction:.1f} %"
+
+
+# --- model and mesh ----------------------------------------------------------------------------
+
+def model_num_params(graph: CapturedGraph) -> int:
+    """Trainable parameters of the real model: parameters outside the blocks plus the captured
+    blocks' parameters scaled to `total_layers` ([Note: block roles]); tied weights once."""
+    outside = sum(p.numel for p in graph.params.values()
+                  if not p.is_buffer and p.layer_id is None)
+    inside = sum(p.numel for p in graph.params.values()
+                 if not p.is_buffer and p.layer_id is not None)
+    if graph.num_layers:
+        inside = inside * graph.total_layers // graph.num_layers
+    return outside + inside
+
+
+@dataclass(frozen=True)
+class AxisFacts:
+    """One mesh axis and the topology level its groups map to ([Note: group layout] in
+    cost_model/comm.py).
+
+    Attributes:
+        name, degree: "pp" | "dp" | "tp" and its size.
+        stride: rank distance between members of one group.
+        per_node, num_nodes: members of one group per node, nodes one group spans (0, 0 when the
+            layout is invalid for the topology).
+        level: "-" (degree 1), "intra-node", "inter-node", "hierarchical" or "invalid".
+        text: one line for humans.
+    """
+
+    name: str
+    degree: int
+    stride: int
+    per_node: int
+    num_nodes: int
+    level: str
+    text: str
+
+
+def mesh_axes(plan: Plan, topology: Topology | None) -> list[AxisFacts]:
+    """The three mesh axes, innermost (tp) first, with the link each axis's groups use."""
+    from autoplan.cost_model.comm import group_layout
+
+    mesh = plan.mesh
+    axes = [("tp", mesh.tp, 1), ("dp", mesh.dp, mesh.tp), ("pp", mesh.pp, mesh.tp * mesh.dp)]
+    result = []
+    for name, degree, stride in axes:
+        if degree == 1:
+            result.append(AxisFacts(name, 1, stride, 1, 1, "-", "degree 1: no communication"))
+            continue
+        if topology is None:
+            result.append(AxisFacts(name, degree, stride, 0, 0, "unknown",
+                                    f"{degree} ranks, stride {stride} (topology not given)"))
+            continue
+        try:
+            per_node, num_nodes = group_layout(degree, stride, topology)
+        except ValueError as e:
+            result.append(AxisFacts(name, degree, stride, 0, 0, "invalid", str(e)))
+            continue
+        intra, inter = topology.intra_node, topology.inter_node
+        if num_nodes == 1:
+            level, text = "intra-node", f"{degree} ranks inside one node over {intra.name}"
+        elif per_node == 1:
+            level, text = "inter-node", f"{degree} ranks on {num_nodes} nodes over {inter.name}"
+        else:
+            level = "hierarchical"
+            text = (f"{per_node} ranks per node over {intra.name} x {num_nodes} nodes over "
+                    f"{inter.name} (hierarchical)")
+        result.append(AxisFacts(name, degree, stride, per_node, num_nodes, level, text))
+    return result
+
+
+def tokens_per_s(plan: Plan) -> float:
+    step = plan.prediction.step_time_s
+    return plan.global_batch * plan.seq_len / step if step > 0 else 0.0
+
+
+def memory_rows(plan: Plan) -> list[tuple[str, float]]:
+    """(kind, bytes) of the most loaded rank, in MEMORY_KINDS order, "peak" left out."""
+    breakdown = plan.prediction.memory_breakdown
+    kinds = [k for k in MEMORY_KINDS if k in breakdown]
+    kinds += sorted(k for k in breakdown if k not in MEMORY_KINDS and k != "peak")
+    return [(k, float(breakdown[k])) for k in kinds]
+
+
+# --- parameter placements and redistributions, grouped per block role --------------------------
+
+def _block_role(fqn: str, prefix: str) -> tuple[str, int | None]:
+    """("model.layers.*.mlp.up_proj.weight", 3) for "model.layers.3.mlp.up_proj.weight"."""
+    if prefix:
+        m = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)", fqn)
+        if m:
+            return f"{prefix}.*{fqn[m.end(1):]}", int(m.group(1))
+        return fqn, None
+    m = re.search(r"\.(\d+)\.", fqn)  # no graph: the first numbered component is the block
+    if m:
+        return f"{fqn[:m.start(1)]}*{fqn[m.end(1):]}", int(m.group(1))
+    return fqn, None
+
+
+def _occurrences(layers: set[int], num_layers: int, total_layers: int) -> int:
+    """How often a role seen in captured blocks `layers` occurs in the real model."""
+    if not num_layers or len(layers) >= num_layers:
+        return total_layers or len(layers)
+    if layers == {0}:
+        return 1  # fed from outside the blocks: the first block only
+    if 0 not in layers and len(layers) == num_layers - 1:
+        return total_layers - 1  # fed by the previous block
+    return round(len(layers) * total_layers / num_layers)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters with one role and one placement on the tp axis.
+
+    Attributes:
+        role: FQN with the block index replaced by "*" (the FQN itself outside the blocks).
+        placement: "R" | "S(d)".
+        shape: global shape (empty when no graph was given).
+        count: how many such parameters the real model has.
+        tied_to: the canonical FQN when this is another name of a tied weight, else "".
+    """
+
+    role: str
+    placement: str
+    shape: tuple[int, ...]
+    count: int
+    tied_to: str = ""
+
+
+def param_groups(plan: Plan, graph: CapturedGraph | None = None) -> list[ParamGroup]:
+    """Plan.param_placements grouped per block role ([Note: block roles]), in FQN order of each
+    role's first parameter."""
+    prefix = graph.layer_prefix if graph is not None else ""
+    num_layers = graph.num_layers if graph is not None else 0
+    total = graph.total_layers if graph is not None else 0
+    groups: dict[tuple[str, str, str], tuple[tuple, set[int], int]] = {}
+    canonical = {}  # any FQN (tied aliases too) -> its ParamInfo
+    for info in (graph.params.values() if graph is not None else ()):
+        canonical.update({name: info for name in (info.fqn, *info.aliases)})
+    for fqn, placement in plan.param_placements:
+        role, layer = _block_role(fqn, prefix)
+        info = canonical.get(fqn)
+        shape = info.shape if info is not None else ()
+        tied = _block_role(info.fqn, prefix)[0] if info is not None and info.fqn != fqn else ""
+        key = (role, placement, tied)
+        old_shape, layers, n = groups.get(key, (shape, set(), 0))
+        if layer is not None:
+            layers.add(layer)
+        groups[key] = (old_shape, layers, n + 1)
+    result = []
+    for (role, placement, tied), (shape, layers, n) in groups.items():
+        count = _occurrences(layers, num_layers, total) if layers and graph is not None else n
+        result.append(ParamGroup(role, placement, tuple(shape), count, tied))
+    return result
+
+
+@dataclass(frozen=True)
+class RedistributionGroup:
+    """Redistributions with one consumer role, argument, placement change and collective.
+
+    Attributes:
+        where: the consumer's module path (block index as "*") and op, e.g.
+            "model.layers.*.self_attn.o_proj: linear".
+        edge: "producer -> consumer[arg]" with the node names of the first occurrence.
+        src, dst, collective: the placement change on the tp axis and its collective.
+        bytes: bytes of the tensor moved by one occurrence.
+        time_s: predicted forward time of one occurrence, seconds.
+        count: occurrences in the real model per microbatch.
+        part: "pre" | "block" | "post": where the consumer is.
+    """
+
+    where: str
+    edge: str
+    src: str
+    dst: str
+    collective: str
+    bytes: float
+    time_s: float
+    count: int
+    part: str
+
+
+def _parts(graph: CapturedGraph) -> dict[str, str]:
+    """node -> "pre" | "block" | "post" (outside the blocks, before or after the first block
+    op in graph order)."""
+    parts, seen_block = {}, False
+    for name, info in graph.nodes.items():
+        if info.layer_id is not None:
+            seen_block = True
+            parts[name] = "block"
+        else:
+            parts[name] = "post" if seen_block else "pre"
+    return parts
+
+
+def _op_short(target: str) -> str:
+    from autoplan.cost_model.compute import op_name
+
+    return op_name(target)
+
+
+def redistribution_groups(plan: Plan,
+                          graph: CapturedGraph | None = None) -> list[RedistributionGroup]:
+    """Plan.redistributions grouped per consumer role ([Note: block roles]); without a graph,
+    one group per redistribution."""
+    if graph is None:
+        return [RedistributionGroup(r.consumer, f"{r.producer} -> {r.consumer}[{r.arg_index}]",
+                                    r.src, r.dst, r.collective, r.bytes, r.time_s, 1, "?")
+                for r in plan.redistributions]
+    position = {n: i for names in graph.layer_nodes.values() for i, n in enumerate(names)}
+    parts = _parts(graph)
+    groups: dict[tuple, list] = {}
+    for r in plan.redistributions:
+        info = graph.nodes.get(r.consumer)
+        layer = info.layer_id if info is not None else None
+        role = ("block", position[r.consumer]) if layer is not None else ("node", r.consumer)
+        key = (*role, r.arg_index, r.src, r.dst, r.collective)
+        if key not in groups:
+            path = _block_role(info.module_path, graph.layer_prefix)[0] if info else "?"
+            where = f"{path or '<root>'}: {_op_short(info.target)}" if info else r.consumer
+            edge = f"{r.producer} -> {r.consumer}[{r.arg_index}]"
+            part = parts.get(r.consumer, "?")
+            groups[key] = [where, edge, r, set(), 0, part]
+        entry = groups[key]
+        entry[4] += 1
+        if layer is not None:
+            entry[3].add(layer)
+    result = []
+    for where, edge, r, layers, n, part in groups.values():
+        count = _occurrences(layers, graph.num_layers, graph.total_layers) if layers else n
+        result.append(RedistributionGroup(where, edge, r.src, r.dst, r.collective, r.bytes,
+                                          r.time_s, count, part))
+    return result
+
+
+# --- compute and communication per part ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class PartCost:
+    """Per-microbatch cost of one part of the model on one rank, seconds.
+
+    Attributes:
+        part: "pre" (before the blocks: embeddings), "block" (ONE repeated block), "post"
+            (after the blocks: final norm, head).
+        count: how many times the part occurs (total_layers for "block", else 1).
+        compute_fwd_s, compute_bwd_s: roofline compute (cost_model.compute) at the plan's
+            per-node shard factors.
+        comm_fwd_s, comm_bwd_s: the tp redistributions whose consumer is in the part, forward
+            (Plan's figure) and backward (the dual redistribution, cost_model.comm).
+    """
+
+    part: str
+    count: int
+    compute_fwd_s: float
+    compute_bwd_s: float
+    comm_fwd_s: float
+    comm_bwd_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_fwd_s + self.compute_bwd_s + self.comm_fwd_s + self.comm_bwd_s
+
+
+def _shard_factor(strategy, tp: int) -> float:
+    """tp when an input or output is sharded, else 1 (strategies.Candidate.shard_factor)."""
+    if strategy is None:
+        return 1.0
+    return float(tp) if any(p.startswith("S(") for p in strategy.inputs + strategy.outputs) \
+        else 1.0
+
+
+def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[PartCost]:
+    """Compute and communication per part, per microbatch of `plan.microbatch_size` samples,
+    recomputed from the plan's per-node placements with the cost model (see PartCost).
+
+    The captured graph's shapes are scaled linearly in tokens to the microbatch, as the solver
+    does (solver/costs.py, `token_scale`). Raises ValueError from the cost model (e.g. a dtype
+    the device lists no peak for).
+    """
+    from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
+    from autoplan.cost_model.compute import backward_time_s, op_time_s
+
+    shape = graph.input_shapes[0] if graph.input_shapes else (1, plan.seq_len)
+    captured_tokens = (shape[0] if shape else 1) * (shape[1] if len(shape) > 1 else plan.seq_len)
+    scale = plan.microbatch_size * plan.seq_len / max(captured_tokens, 1)
+    strategies = {s.node: s for s in plan.strategies}
+    rep = {}  # node of a later captured block -> its counterpart in the first block
+    if graph.layer_nodes:
+        first = graph.layer_nodes[min(graph.layer_nodes)]
+        for names in graph.layer_nodes.values():
+            rep.update({n: first[i] for i, n in enumerate(names) if i < len(first)})
+    parts = _parts(graph)
+    tp = plan.mesh.tp
+    sums = {p: [0.0, 0.0, 0.0, 0.0] for p in ("pre", "block", "post")}
+    first_block = set(graph.layer_nodes[min(graph.layer_nodes)]) if graph.layer_nodes else set()
+    for name, info in graph.nodes.items():
+        part = parts[name]
+        if part == "block" and name not in first_block:
+            continue  # one block stands for all ([Note: block roles])
+        strategy = strategies.get(name) or strategies.get(rep.get(name, ""))
+        factor = _shard_factor(strategy, tp)
+        scaled = dataclasses.replace(info, flops=int(info.flops * scale),
+                                     in_bytes=int(info.in_bytes * scale),
+                                     out_bytes=int(info.out_bytes * scale))
+        sums[part][0] += op_time_s(scaled, topology.device, plan.dtype, shard_factor=factor)
+        sums[part][1] += backward_time_s(scaled, topology.device, plan.dtype, shard_factor=factor)
+    for group in redistribution_groups(plan, graph):
+        if group.part not in sums:
+            continue
+        per_part = group.count / graph.total_layers if group.part == "block" else group.count
+        consumer = group.edge.rsplit(" -> ", 1)[1].split("[")[0]
+        strategy = strategies.get(consumer) or strategies.get(rep.get(consumer, ""))
+        split = _shard_factor(strategy, tp) > 1
+        grad = "P" if group.dst == "R" and split else None
+        try:
+            gd, gs = backward_redistribution(group.src, group.dst, grad_placement=grad)
+            bwd = redistribute_time_s(gd, gs, group.bytes, tp, topology)[1]
+        except ValueError:
+            bwd = 0.0
+        sums[group.part][2] += group.time_s * per_part
+        sums[group.part][3] += bwd * per_part
+    counts = {"pre": 1, "block": graph.total_layers, "post": 1}
+    return [PartCost(p, counts[p], *sums[p]) for p in ("pre", "block", "post")
+            if p != "block" or graph.num_layers]

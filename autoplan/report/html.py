@@ -1,0 +1,182 @@
+"""The plan report as ONE self-contained HTML page: the Markdown report's sections (converted by
+a small converter for the subset markdown.py writes) with inline SVG charts, inline CSS, no
+scripts and no URLs, so it opens offline and can be mailed as one file.
+
+Charts: step time split, memory per rank by kind vs device memory (with the runners-up), the
+pipeline timeline (an illustration of the schedule's order from the predicted per-stage times,
+see timeline.py), compute/communication per part, and the alternatives' step times.
+"""
+
+from __future__ import annotations
+
+import re
+from html import escape
+
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
+from autoplan.report import facts as F
+from autoplan.report import svg
+from autoplan.report.markdown import markdown_sections
+from autoplan.report.timeline import predicted_stage_s, simulate, stage_times
+from autoplan.topology import Topology
+
+__all__ = ["render_html", "markdown_to_html"]
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #222;
+       max-width: 1100px; margin: 2em auto; padding: 0 1em; }
+h1 { font-size: 1.6em; border-bottom: 2px solid #4e79a7; }
+h2 { font-size: 1.25em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+h3 { font-size: 1.05em; }
+table { border-collapse: collapse; margin: .5em 0 1em; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f3f5f8; }
+tr:nth-child(even) td { background: #fafbfc; }
+code, pre { font: 12px/1.4 ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; }
+pre { background: #f6f8fa; padding: .6em; overflow-x: auto; }
+figure { margin: 1em 0; } figcaption { color: #555; font-size: 12px; }
+svg text { font-family: system-ui, sans-serif; }
+details summary { cursor: pointer; color: #555; }
+"""
+
+_MEMORY_COLORS = dict(zip(F.MEMORY_KINDS, svg.PALETTE))
+
+
+def _inline(text: str) -> str:
+    out = escape(text, quote=False)
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", out)
+
+
+def _cells(line: str) -> list[str]:
+    parts = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+    return [p.strip().replace("\\|", "|") for p in parts]
+
+
+def markdown_to_html(lines: list[str]) -> str:
+    """HTML of the Markdown subset markdown.py writes: #/##/### headings, pipe tables,
+    paragraphs, 4-space code blocks, `$$ latex $$` lines, inline `code` and **bold**."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.strip():
+            i += 1
+        elif m := re.match(r"(#{1,3}) (.*)", line):
+            out.append(f"<h{len(m.group(1))}>{_inline(m.group(2))}</h{len(m.group(1))}>")
+            i += 1
+        elif line.startswith("|"):
+            rows = []
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(_cells(lines[i]))
+                i += 1
+            head = "".join(f"<th>{_inline(c)}</th>" for c in rows[0])
+            body = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>"
+                           for r in rows[2:])
+            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif line.startswith("    "):
+            out.append(f"<pre>{escape(line[4:])}</pre>")
+            i += 1
+        elif line.startswith("$$"):
+            out.append(f"<details><summary>LaTeX</summary><pre>{escape(line.strip('$ '))}"
+                       "</pre></details>")
+            i += 1
+        else:
+            para = []
+            while i < len(lines) and lines[i].strip() and not re.match(r"[#|$]|    ", lines[i]):
+                para.append(lines[i])
+                i += 1
+            out.append(f"<p>{_inline(' '.join(para))}</p>")
+    return "\n".join(out)
+
+
+def _figure(chart: str, caption: str) -> str:
+    return f"<figure>{chart}<figcaption>{escape(caption)}</figcaption></figure>"
+
+
+def _step_chart(plan: Plan) -> str:
+    p = plan.prediction
+    parts = [("compute", p.compute_s), ("communication", p.comm_s), ("bubble", p.bubble_s)]
+    chart = svg.stacked_bars([("step time", parts)], fmt=F.fmt_time, title="step time split")
+    return _figure(chart, "Predicted step time: compute, exposed communication and pipeline "
+                          "bubble on the critical path.")
+
+
+def _memory_chart(plan: Plan, topology: Topology | None) -> str:
+    rows = [("chosen plan", F.memory_rows(plan))]
+    for a in plan.alternatives:
+        rows.append((f"pp{a.mesh.pp} dp{a.mesh.dp} tp{a.mesh.tp} z{a.zero_stage} "
+                     f"m{a.num_microbatches}", [("total (runner-up)", a.memory_bytes)]))
+    markers = [("device memory", topology.device.mem_bytes)] if topology else []
+    colors = {**_MEMORY_COLORS, "total (runner-up)": "#bab0ac"}
+    chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="memory per rank", markers=markers,
+                             colors=colors)
+    return _figure(chart, "Peak memory of the most loaded rank by kind (the plan records that "
+                          "rank's breakdown) and the runners-up's totals, against the device "
+                          "memory.")
+
+
+def _timeline_chart(plan: Plan, parts) -> str:
+    fwd, bwd = stage_times(plan, parts)
+    m, pp, v = plan.num_microbatches, plan.mesh.pp, plan.num_virtual_stages
+    blocks = simulate(plan.schedule, pp, m, v, fwd, bwd)
+    step = plan.prediction.step_time_s
+    caption = (f"An illustration of the {plan.schedule} schedule's order for {m} microbatches "
+               f"on {pp} pp rank(s), drawn from the predicted per-stage times (stage cost in "
+               "proportion to its blocks; backward = 2 x forward without a graph); labels are "
+               "`stage F|B microbatch`. Pipeline transfers are not drawn.")
+    out = _figure(svg.timeline(blocks, pp, step, fmt=F.fmt_time, title="pipeline timeline"),
+                  caption)
+    if m * v > 16:  # too many blocks to read: also zoom on the warm-up and steady state
+        window = (pp + 4) * predicted_stage_s(plan)  # fill + a few steady microbatches
+        zoom = svg.timeline(blocks, pp, step, fmt=F.fmt_time, window_s=min(window, step),
+                            title="pipeline timeline, start")
+        out += _figure(zoom, f"The first {F.fmt_time(min(window, step))} of the same step.")
+    return out
+
+
+def _parts_chart(parts) -> str:
+    names = {"pre": "before the blocks", "block": "one block", "post": "after the blocks"}
+    rows = [(names[p.part], [("compute fwd", p.compute_fwd_s), ("compute bwd", p.compute_bwd_s),
+                             ("comm fwd", p.comm_fwd_s), ("comm bwd", p.comm_bwd_s)])
+            for p in parts]
+    colors = {"compute fwd": svg.PALETTE[0], "compute bwd": "#a0cbe8",
+              "comm fwd": svg.PALETTE[2], "comm bwd": "#ff9d9a"}
+    chart = svg.stacked_bars(rows, fmt=F.fmt_time, title="compute and communication per part",
+                             colors=colors)
+    return _figure(chart, "Compute and tp communication of one microbatch per part of the "
+                          "model on one rank (every block is alike).")
+
+
+def _alternatives_chart(plan: Plan) -> str:
+    rows = [("chosen plan", [("chosen", plan.prediction.step_time_s)])]
+    for a in plan.alternatives:
+        kind = "over the memory budget" if a.reason.startswith("memory") else "runner-up"
+        rows.append((f"pp{a.mesh.pp} dp{a.mesh.dp} tp{a.mesh.tp} z{a.zero_stage} "
+                     f"m{a.num_microbatches}", [(kind, a.step_time_s)]))
+    colors = {"chosen": svg.PALETTE[4], "runner-up": svg.PALETTE[0],
+              "over the memory budget": svg.PALETTE[2]}
+    chart = svg.stacked_bars(rows, fmt=F.fmt_time, title="alternatives", colors=colors)
+    return _figure(chart, "Predicted step time of the chosen plan and the runners-up.")
+
+
+def render_html(plan: Plan, *, graph: CapturedGraph | None = None,
+                topology: Topology | None = None) -> str:
+    """The report as one self-contained HTML page (module docstring); same arguments and
+    errors as `render_markdown`."""
+    parts = F.part_costs(plan, graph, topology) if graph is not None and topology else None
+    charts = {"prediction": _step_chart(plan), "memory": _memory_chart(plan, topology),
+              "stages": _timeline_chart(plan, parts)}
+    if parts:
+        charts["parts"] = _parts_chart(parts)
+    if plan.alternatives:
+        charts["alternatives"] = _alternatives_chart(plan)
+    body = []
+    for key, lines in markdown_sections(plan, graph, topology):
+        body.append(f'<section id="{key}">{markdown_to_html(lines)}{charts.get(key, "")}'
+                    "</section>")
+    title = escape(f"autoplan: {plan.model} on {plan.topology}")
+    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{title}</title><style>{_CSS}</style></head>\n<body>\n"
+            + "\n".join(body) + "\n</body></html>\n")

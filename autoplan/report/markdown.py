@@ -1,0 +1,252 @@
+"""The plan report as Markdown, and the compact summary the CLI prints.
+
+Sections, in order: summary, mesh axes and topology levels, predicted step, memory per rank,
+pipeline stages, tensor-parallel placements, redistributions, compute and communication per part,
+alternatives, formulas. Every number comes from `report.facts` (or the Plan itself).
+"""
+
+from __future__ import annotations
+
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
+from autoplan.report import facts as F
+from autoplan.report.formulas import plan_formulas
+from autoplan.report.timeline import busiest_rank_s, predicted_stage_s, stage_costs
+from autoplan.topology import Topology
+
+__all__ = ["render_markdown", "render_summary", "markdown_sections", "ZERO_TEXT"]
+
+ZERO_TEXT = {
+    0: "stage 0: parameters, gradients and optimizer states replicated on the dp axis",
+    1: "stage 1: optimizer states sharded on the dp axis",
+    2: "stage 2: optimizer states and gradients sharded on the dp axis",
+    3: "stage 3: optimizer states, gradients and parameters sharded on the dp axis",
+}
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    def cell(x: object) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _cluster_text(topology: Topology | None, plan: Plan) -> str:
+    if topology is None:
+        return f"{plan.topology} (world size {plan.mesh.world_size}; topology not given)"
+    return (f"{topology.name}: {topology.num_nodes} node(s) x {topology.devices_per_node} "
+            f"{topology.device.name} = {topology.world_size} devices"
+            + ("" if topology.measured else "; figures not measured on this cluster"))
+
+
+def _model_text(plan: Plan, graph: CapturedGraph | None) -> str:
+    if graph is None:
+        return plan.model
+    text = f"{plan.model}, {F.fmt_count(F.model_num_params(graph))} parameters"
+    if graph.num_layers:
+        text += f", {graph.total_layers} blocks"
+        if graph.num_layers != graph.total_layers:
+            text += f" (planned from {graph.num_layers} captured identical blocks)"
+    return text
+
+
+def _summary(plan: Plan, graph, topology) -> list[str]:
+    m = plan.mesh
+    tokens = plan.global_batch * plan.seq_len
+    sched = plan.schedule + (f", {plan.num_virtual_stages} model chunks per pp rank"
+                             if plan.num_virtual_stages > 1 else "")
+    rows = [
+        ["model", _model_text(plan, graph)],
+        ["cluster", _cluster_text(topology, plan)],
+        ["mesh", f"pp {m.pp} x dp {m.dp} x tp {m.tp} = world size {m.world_size}"],
+        ["ZeRO", ZERO_TEXT[plan.zero_stage]],
+        ["batch", f"global {plan.global_batch} = dp {m.dp} x {plan.num_microbatches} "
+                  f"microbatches x {plan.microbatch_size} samples; seq {plan.seq_len}; "
+                  f"{F.fmt_count(tokens)} tokens per step"],
+        ["schedule", sched if m.pp > 1 else f"{sched} (pp 1: gradient accumulation over "
+                                            f"{plan.num_microbatches} microbatches)"],
+        ["activation checkpointing", plan.checkpointing],
+        ["dtype", plan.dtype],
+    ]
+    return [f"# autoplan: {plan.model} on {plan.topology}", "", "## Summary", "",
+            *_table(["", ""], rows)]
+
+
+def _mesh(plan: Plan, topology) -> list[str]:
+    rows = [[f"`{a.name}`", a.degree, a.stride, a.level, a.text]
+            for a in F.mesh_axes(plan, topology)]
+    return ["### Mesh axes on the topology", "",
+            "Ranks are ordered (pp, dp, tp), tp innermost, so a tp group is consecutive ranks.",
+            "", *_table(["axis", "degree", "rank stride", "level", "groups"], rows)]
+
+
+def _prediction(plan: Plan, topology) -> list[str]:
+    p = plan.prediction
+    step = p.step_time_s or 1.0
+    rows = [
+        ["step time", F.fmt_time(p.step_time_s), ""],
+        ["compute", F.fmt_time(p.compute_s), F.fmt_pct(p.compute_s / step)],
+        ["communication (exposed)", F.fmt_time(p.comm_s), F.fmt_pct(p.comm_s / step)],
+        ["pipeline bubble", F.fmt_time(p.bubble_s), F.fmt_pct(p.bubble_s / step)],
+        ["tokens/s", F.fmt_count(F.tokens_per_s(plan)), ""],
+        ["model FLOPs per step", f"{p.model_flops:.4g}", "fwd + bwd, no recompute"],
+        ["TFLOP/s per device", f"{p.tflops_per_device:.4g}", ""],
+        ["MFU", F.fmt_pct(p.mfu), f"of {topology.device.name} dense {plan.dtype} peak"
+         if topology else "vs the device's dense peak"],
+    ]
+    return ["## Predicted step", "", *_table(["", "value", "share / note"], rows)]
+
+
+def _memory(plan: Plan, topology) -> list[str]:
+    peak = plan.prediction.memory_bytes
+    rows = [[k, F.fmt_bytes(v), F.fmt_pct(v / peak) if peak else ""]
+            for k, v in F.memory_rows(plan)]
+    rows.append(["**peak**", f"**{F.fmt_bytes(peak)}**", ""])
+    lines = ["## Memory per rank", "",
+             "The most loaded rank at its peak (the backward of its last layer for the oldest "
+             "microbatch in flight).", "", *_table(["kind", "bytes", "share"], rows)]
+    if topology is not None:
+        mem = topology.device.mem_bytes
+        lines += [f"Device memory: {F.fmt_bytes(mem)} per {topology.device.name}; the plan "
+                  f"uses {F.fmt_pct(peak / mem)} of it.", ""]
+    return lines
+
+
+def _stages(plan: Plan) -> list[str]:
+    last = len(plan.stages) - 1
+    rows = []
+    for st in plan.stages:
+        extra = [x for x, on in (("embedding (before the blocks)", st.index == 0),
+                                 ("head (after the blocks)", st.index == last)) if on]
+        rows.append([st.index, st.index % plan.mesh.pp, st.index // plan.mesh.pp,
+                     f"[{st.layer_start}, {st.layer_end})", st.num_layers, ", ".join(extra)])
+    return ["## Pipeline stages", "",
+            *_table(["stage", "pp rank", "chunk", "blocks", "# blocks", "also"], rows)]
+
+
+def _placements(plan: Plan, graph) -> list[str]:
+    groups = F.param_groups(plan, graph)
+    rows = [[f"`{g.role}`" + (f" (tied to `{g.tied_to}`)" if g.tied_to else ""),
+             "x".join(map(str, g.shape)) or "-", f"`{g.placement}`", g.count] for g in groups]
+    own = [g for g in groups if not g.tied_to]
+    sharded = sum(g.count for g in own if g.placement != "R")
+    return ["## Tensor-parallel placements", "",
+            f"Placement of each parameter on the tp axis (tp = {plan.mesh.tp}); one row per "
+            f"role in the repeated block. {sharded} of {sum(g.count for g in own)} "
+            "parameters are sharded.", "",
+            *_table(["parameter", "shape", "placement", "count"], rows)]
+
+
+def _redistributions(plan: Plan, graph) -> list[str]:
+    groups = F.redistribution_groups(plan, graph)
+    lines = ["## Redistributions", ""]
+    if not groups:
+        return lines + ["The plan inserts no redistribution on the tp axis.", ""]
+    m = plan.num_microbatches
+    rows = [[g.where, f"`{g.edge}`", f"`{g.src}` -> `{g.dst}`", g.collective,
+             F.fmt_bytes(g.bytes), F.fmt_time(g.time_s), g.count,
+             F.fmt_time(g.time_s * g.count * m)] for g in groups]
+    total = sum(g.time_s * g.count * m for g in groups)
+    return lines + [
+        f"Every placement change the solver costed and the passes insert, grouped per block "
+        f"role. Times are forward, per occurrence, for one microbatch of "
+        f"{plan.microbatch_size}; the last column sums count x {m} microbatches over all "
+        f"stages ({F.fmt_time(total)} in all).", "",
+        *_table(["consumer", "edge (first occurrence)", "placements", "collective",
+                 "bytes each", "time each", "count", "per step"], rows)]
+
+
+def _parts(plan: Plan, graph, topology) -> list[str]:
+    if graph is None or topology is None:
+        return []
+    names = {"pre": "before the blocks", "block": "one block", "post": "after the blocks"}
+    parts = F.part_costs(plan, graph, topology)
+    rows = [[names[p.part], p.count, F.fmt_time(p.compute_fwd_s), F.fmt_time(p.compute_bwd_s),
+             F.fmt_time(p.comm_fwd_s), F.fmt_time(p.comm_bwd_s)] for p in parts]
+    recomputed = busiest_rank_s(plan, *stage_costs(plan, parts))
+    predicted = predicted_stage_s(plan)
+    check = (f"Cross-check: these parts give the busiest pp rank {F.fmt_time(recomputed)} per "
+             f"microbatch; the solver's step prediction implies {F.fmt_time(predicted)} "
+             "(which also holds pipeline transfers and, with pp = 1, the exposed gradient "
+             "sync).")
+    if predicted > 0 and abs(recomputed / predicted - 1) > 0.1:
+        check = f"**Check: they differ by {F.fmt_pct(recomputed / predicted - 1)}.** " + check
+    return ["## Compute and communication per part", "",
+            "One microbatch on one rank, recomputed from the plan's placements with the cost "
+            "model; communication is the tp redistributions only (the dp gradient sync and "
+            "pipeline transfers are in the step totals).", "",
+            *_table(["part", "count", "compute fwd", "compute bwd", "comm fwd", "comm bwd"],
+                    rows), check, ""]
+
+
+def _alternatives(plan: Plan) -> list[str]:
+    lines = ["## Alternatives", ""]
+    if not plan.alternatives:
+        return lines + ["The solver kept no runner-up.", ""]
+    step = plan.prediction.step_time_s
+    rows = [["**chosen**", f"pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp}",
+             plan.zero_stage, plan.num_microbatches, plan.schedule, F.fmt_time(step), "",
+             F.fmt_bytes(plan.prediction.memory_bytes), ""]]
+    for a in plan.alternatives:
+        delta = f"{(a.step_time_s / step - 1) * 100:+.1f} %" if step else ""
+        rows.append(["", f"pp {a.mesh.pp} x dp {a.mesh.dp} x tp {a.mesh.tp}", a.zero_stage,
+                     a.num_microbatches, a.schedule, F.fmt_time(a.step_time_s), delta,
+                     F.fmt_bytes(a.memory_bytes), a.reason])
+    return lines + _table(["", "mesh", "ZeRO", "microbatches", "schedule", "step time",
+                           "vs chosen", "memory", "why it loses"], rows)
+
+
+def _formulas(plan: Plan) -> list[str]:
+    formulas, symbols = plan_formulas(plan)
+    lines = ["## Formulas", "",
+             "The closed forms of the cost model (autoplan.cost_model.symbolic) that this plan's "
+             "configuration uses; symbols: "
+             + ", ".join(f"{k} = {v}" for k, v in symbols.items()) + ".", ""]
+    for f in formulas:
+        value = f" = {f.value:.4g} for this plan" if f.value is not None else ""
+        lines += [f"### `{f.name}`{value}", "", f"Source: {f.source}.", "",
+                  f"    {f.text}", "", f"$$ {f.latex} $$", ""]
+    return lines
+
+
+def markdown_sections(plan: Plan, graph: CapturedGraph | None = None,
+                      topology: Topology | None = None) -> list[tuple[str, list[str]]]:
+    """The report as (section key, Markdown lines); html.py adds a chart to some keys."""
+    return [("summary", _summary(plan, graph, topology)), ("mesh", _mesh(plan, topology)),
+            ("prediction", _prediction(plan, topology)), ("memory", _memory(plan, topology)),
+            ("stages", _stages(plan)), ("placements", _placements(plan, graph)),
+            ("redistributions", _redistributions(plan, graph)),
+            ("parts", _parts(plan, graph, topology)), ("alternatives", _alternatives(plan)),
+            ("formulas", _formulas(plan))]
+
+
+def render_markdown(plan: Plan, *, graph: CapturedGraph | None = None,
+                    topology: Topology | None = None) -> str:
+    """The plan report as Markdown (see module docstring). `graph` adds parameter counts,
+    shapes, block roles and per-part costs; `topology` adds the device memory and the
+    topology level of each mesh axis. Raises ValueError from the cost model."""
+    lines = [line for _, section in markdown_sections(plan, graph, topology) for line in section]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_summary(plan: Plan, *, topology: Topology | None = None) -> str:
+    """A few lines for a terminal: the plan's `str`, mesh and levels, step time, memory, MFU."""
+    p = plan.prediction
+    lines = [str(plan), f"mesh        pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp "
+                        f"{plan.mesh.tp} = {plan.mesh.world_size} ranks"]
+    for a in F.mesh_axes(plan, topology):
+        lines.append(f"  {a.name} {a.degree:>4}  {a.text}")
+    lines += [
+        f"ZeRO        {ZERO_TEXT[plan.zero_stage]}",
+        f"schedule    {plan.schedule}, {plan.num_microbatches} microbatches of "
+        f"{plan.microbatch_size}",
+        f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
+        f"communication {F.fmt_time(p.comm_s)}, bubble {F.fmt_time(p.bubble_s)})",
+        f"throughput  {F.fmt_count(F.tokens_per_s(plan))} tokens/s, "
+        f"{p.tflops_per_device:.4g} TFLOP/s per device, MFU {F.fmt_pct(p.mfu)}"]
+    mem = f"memory      {F.fmt_bytes(p.memory_bytes)} per device (peak rank)"
+    if topology is not None:
+        mem += (f" of {F.fmt_bytes(topology.device.mem_bytes)} on {topology.device.name} "
+                f"({F.fmt_pct(p.memory_bytes / topology.device.mem_bytes)})")
+    return "\n".join(lines + [mem])

@@ -1,0 +1,69 @@
+"""Writing report files atomically: all-or-nothing per call.
+
+Everything is rendered in memory first; then each file is written to a temporary file in the
+target directory and, once all are written, moved into place with `os.replace` (atomic on POSIX
+and Windows within one file system). A failure before the moves removes the temporary files
+(and the directory, if this call created it), so no half-written output is ever left.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
+from autoplan.topology import Topology
+
+__all__ = ["write_files", "write_report"]
+
+
+def _write_temp(directory: Path, name: str, text: str) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def write_files(files: dict[str, str], out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write {file name: text} into `out_dir` (created if missing), all or nothing (module
+    docstring). Returns {file name: path}. Raises OSError when the directory is not writable."""
+    out = Path(out_dir)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    temps: dict[str, Path] = {}
+    try:
+        for name, text in files.items():
+            temps[name] = _write_temp(out, name, text)
+        for name, tmp in temps.items():
+            os.replace(tmp, out / name)
+    except BaseException:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    return {name: out / name for name in files}
+
+
+def write_report(plan: Plan, out_dir: str | os.PathLike, *, graph: CapturedGraph | None = None,
+                 topology: Topology | None = None) -> dict[str, Path]:
+    """Write `plan.json`, `report.md` and `report.html` into `out_dir`, atomically.
+
+    Returns {"plan.json": path, "report.md": path, "report.html": path}. Raises ValueError from
+    rendering (nothing is written then) and OSError from the file system.
+    """
+    from autoplan.report.html import render_html
+    from autoplan.report.markdown import render_markdown
+
+    files = {
+        "plan.json": plan.to_json() + "\n",
+        "report.md": render_markdown(plan, graph=graph, topology=topology),
+        "report.html": render_html(plan, graph=graph, topology=topology),
+    }
+    return write_files(files, out_dir)

@@ -1,0 +1,20 @@
+"""The solver: per-op placements on the tp axis (an ILP), inside a search over the mesh shape
+(pp, dp, tp), the ZeRO stage, microbatches and the pipeline schedule.
+
+The pipeline, in files:
+    problem.py   candidates (strategies.py) -> ILP nodes, shared blocks, weighted edges
+    costs.py     cost model -> ILP coefficients for one (tp, microbatch size)
+    ilp.py       the ILP, written as math in its docstring, solved with OR-Tools CP-SAT
+    pipeline.py  step time and memory of a configuration (bubble, dp sync, per-rank peak)
+    search.py    configurations, lower bounds, errors ([Note: decomposition])
+    planner.py   plan(): branch and bound over configurations -> the best and runners-up
+    assemble.py  the Plan (placements per node and parameter, redistributions, predictions)
+
+Public: `plan`, `NoFeasiblePlan`, `InvalidConfig` (both ValueError), `DP_SYNC_OVERLAP`.
+"""
+
+from autoplan.solver.pipeline import DP_SYNC_OVERLAP
+from autoplan.solver.planner import plan
+from autoplan.solver.search import InvalidConfig, NoFeasiblePlan
+
+__all__ = ["plan", "NoFeasiblePlan", "InvalidConfig", "DP_SYNC_OVERLAP"]

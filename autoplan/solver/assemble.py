@@ -1,0 +1,118 @@
+"""Turn the chosen configuration and placement into a `Plan` (every field filled).
+
+The ILP chose one candidate per representative node; every captured block takes the choice of
+the representative by position ([Note: layer sharing] in problem.py). Redistributions are listed
+for every edge of the captured graph whose producer output placement differs from the consumer's
+input placement, so the passes insert exactly what the solver priced.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from autoplan.cost_model.comm import redistribute_time_s
+from autoplan.plan import (
+    Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
+)
+from autoplan.solver.costs import token_scale
+from autoplan.solver.pipeline import Assessment, stages_of
+from autoplan.solver.problem import Problem, _tensor_bytes
+from autoplan.strategies import Candidate, tensor_args
+
+__all__ = ["build_plan", "chosen_candidates"]
+
+
+def chosen_candidates(problem: Problem, choice: dict[str, int]) -> dict[str, Candidate]:
+    """Candidate of every node of the graph (block nodes take their representative's)."""
+    out = {}
+    for name, cands in problem.cands.items():
+        rep = problem.rep[name]
+        out[name] = cands[choice[rep]] if rep in choice else cands[0]
+    return out
+
+
+def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
+    """The Plan of `best` with `alternatives` [(Assessment, reason)]."""
+    cfg, sol = best.config, best.solution
+    problem = search.problem(cfg.tp)
+    graph, spec, topology = search.graph, search.spec, search.topology
+    chosen = chosen_candidates(problem, sol.choice)
+    scale = token_scale(problem, cfg.microbatch_size, spec.seq_len)
+    strategies = tuple(NodeStrategy(n.name, chosen[n.name].inputs, chosen[n.name].outputs)
+                       for n in graph.gm.graph.nodes
+                       if n.op == "call_function" and n.name in chosen)
+    return Plan(
+        model=graph.model_name, topology=topology.name,
+        mesh=MeshShape(cfg.pp, cfg.dp, cfg.tp), zero_stage=cfg.zero_stage,
+        global_batch=spec.global_batch, num_microbatches=cfg.num_microbatches,
+        microbatch_size=cfg.microbatch_size, seq_len=spec.seq_len, schedule=cfg.schedule,
+        stages=stages_of(search.total_layers, cfg.pp * cfg.num_virtual_stages),
+        prediction=_prediction(search, best),
+        num_virtual_stages=cfg.num_virtual_stages, checkpointing="none",
+        param_placements=_param_placements(graph, chosen),
+        strategies=strategies,
+        redistributions=_redistributions(search, problem, chosen, scale),
+        alternatives=tuple(
+            Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp), a.config.zero_stage,
+                        a.config.num_microbatches, a.config.schedule, a.step_time_s,
+                        a.memory_bytes, reason)
+            for a, reason in alternatives),
+        dtype=spec.dtype)
+
+
+def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
+    placement = {}
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr" and node.name in chosen:
+            placement[str(node.target)] = chosen[node.name].outputs[0]
+    out = {}
+    for fqn, info in graph.params.items():
+        p = placement.get(fqn) or next((placement[a] for a in info.aliases if a in placement),
+                                       "R")
+        for name in (fqn, *info.aliases):
+            out[name] = p
+    return tuple(sorted(out.items()))
+
+
+def _redistributions(search, problem: Problem, chosen, scale: float) -> tuple:
+    graph, topology, tp = search.graph, search.topology, problem.tp
+    params = {n.name for n in graph.gm.graph.nodes if n.op == "get_attr"}
+    out = []
+    for node in graph.gm.graph.nodes:
+        if node.op == "output":
+            consumer, wanted = "output", ["R"] * len(tensor_args(node))
+        elif node.name in chosen and node.op == "call_function":
+            consumer, wanted = node.name, list(chosen[node.name].inputs)
+        else:
+            continue
+        for j, (u, dst) in enumerate(zip(tensor_args(node), wanted)):
+            if u.name not in chosen:
+                continue
+            k = node.args[1] if node.target is operator.getitem else 0
+            src = chosen[u.name].outputs[k]
+            if src == dst:
+                continue
+            nbytes = _tensor_bytes(graph, u, k, search.spec.dtype_bytes) * (
+                1.0 if u.name in params else scale)
+            name, t = redistribute_time_s(src, dst, nbytes, tp, topology)
+            out.append(Redistribution(u.name, consumer, j, src, dst, name, int(nbytes), t))
+    return tuple(out)
+
+
+def _prediction(search, best: Assessment) -> Prediction:
+    graph, spec, topology = search.graph, search.spec, search.topology
+    n_cap = max(graph.num_layers, 1)
+    layer_of = {name for names in graph.layer_nodes.values() for name in names}
+    fwd = sum(info.flops * (graph.total_layers / n_cap if name in layer_of else 1.0)
+              for name, info in graph.nodes.items())
+    problem = search.problem(best.config.tp)
+    tokens_scale = token_scale(problem, 1, spec.seq_len) * spec.global_batch
+    model_flops = 3.0 * fwd * tokens_scale
+    world = topology.world_size
+    per_device = model_flops / best.step_time_s / world if best.step_time_s > 0 else 0.0
+    peak = topology.device.peak_flops_per_s.get(spec.dtype, 0.0)
+    return Prediction(
+        step_time_s=best.step_time_s, compute_s=best.compute_s, comm_s=best.comm_s,
+        bubble_s=best.bubble_s, memory_bytes=best.memory_bytes,
+        memory_breakdown=dict(best.memory_breakdown), model_flops=model_flops,
+        tflops_per_device=per_device / 1e12, mfu=per_device / peak if peak else 0.0)

@@ -1,0 +1,170 @@
+"""`plan()`: the search of search.py driven to a `Plan` (branch and bound over configurations)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
+from autoplan.solver.assemble import build_plan
+from autoplan.solver.pipeline import Assessment, Config
+from autoplan.solver.search import (
+    InvalidConfig, NoFeasiblePlan, Overrides, Search, enumerate_configs, validate,
+)
+from autoplan.spec import TrainingSpec
+from autoplan.topology import Topology
+
+__all__ = ["plan"]
+
+log = logging.getLogger(__name__)
+
+
+def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
+         tp: int | None = None, pp: int | None = None, dp: int | None = None,
+         zero_stage: int | None = None, num_microbatches: int | None = None,
+         schedule: str | None = None, num_virtual_stages: int | None = None,
+         allow_tp_across_nodes: bool = False, time_limit_s: float = 10.0,
+         top_k: int = 5) -> Plan:
+    """The fastest configuration and placement that fits, as a `Plan`.
+
+    Args:
+        graph: captured model (global shapes). Placements are checked against the captured
+            shapes; batch dims are never split on the tp axis, so any microbatch size is valid.
+            Costs scale linearly with tokens from the captured batch x sequence length (capture
+            at the planned seq_len for exact attention costs).
+        topology: the cluster; spec: the training step.
+        tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages: fix a choice
+            (None: searched).
+        allow_tp_across_nodes: let tp groups span nodes (off: tp <= devices_per_node).
+        time_limit_s: CP-SAT limit per ILP solve, seconds.
+        top_k: runners-up kept in `Plan.alternatives`.
+
+    Returns:
+        A Plan with every field filled (see autoplan.plan.Plan).
+
+    Raises:
+        InvalidConfig: overrides that cannot work (the message names the numbers).
+        NoFeasiblePlan: nothing fits in memory (the message gives the smallest per-device memory
+            any plan needs, with its configuration, and the device's memory).
+    """
+    start = time.perf_counter()
+    overrides = Overrides(tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
+                          allow_tp_across_nodes)
+    validate(graph, topology, spec, overrides)
+    configs = enumerate_configs(graph, topology, spec, overrides)
+    if not configs:
+        raise InvalidConfig(
+            f"no configuration of {topology.world_size} devices satisfies the overrides "
+            f"{_given(overrides)} with global_batch {spec.global_batch} and "
+            f"{graph.total_layers} layers")
+    search = Search(graph, topology, spec, time_limit_s)
+    evaluated = _branch_and_bound(search, configs, top_k)
+    feasible = sorted((a for a in evaluated if a.fits), key=_rank)
+    if not feasible:
+        raise NoFeasiblePlan(_explain_memory(search, configs))
+    best = feasible[0]
+    result = build_plan(search, best, _alternatives(best, evaluated, top_k))
+    log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
+             time.perf_counter() - start, len(configs), len(search.solutions))
+    return result
+
+
+def _given(o: Overrides) -> dict:
+    return {k: v for k, v in vars(o).items() if v is not None and k != "allow_tp_across_nodes"}
+
+
+def _rank(a: Assessment) -> tuple:
+    c = a.config
+    # ties: less memory, then the simpler mesh (less tp, then less pp)
+    return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.pp, c.zero_stage,
+            c.num_microbatches, c.schedule)
+
+
+def _branch_and_bound(search: Search, configs: list[Config], top_k: int) -> list[Assessment]:
+    """[Note: decomposition] steps 2-4 in search.py; returns every exact assessment made."""
+    bounds = []
+    for cfg in configs:
+        lb = search.lower_bound(cfg)
+        bounds.append((lb.step_time_s, lb.fits, cfg))
+    bounds.sort(key=lambda t: (t[0], t[2].tp, t[2].pp))
+    done: list[Assessment] = []
+    best_times: list[float] = []
+    for lb_time, lb_fits, cfg in bounds:
+        if len(best_times) > top_k and lb_time >= best_times[top_k]:
+            break
+        if not lb_fits:
+            continue  # even the most memory-frugal placement does not fit
+        result = _exact(search, cfg)
+        if result is None:
+            continue
+        done.append(result)
+        if result.fits:
+            best_times = sorted(best_times + [result.step_time_s])
+    return done
+
+
+def _exact(search: Search, cfg: Config) -> Assessment | None:
+    sol = search.solution(cfg.tp, cfg.microbatch_size)
+    if sol is None:
+        return None
+    result = search.assess(cfg, sol)
+    if result.fits:
+        return result
+    constrained = search.solution(cfg.tp, cfg.microbatch_size, cfg)
+    if constrained is None:
+        return result  # does not fit: kept to explain alternatives ("memory")
+    again = search.assess(cfg, constrained)
+    return again if again.fits else result
+
+
+def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
+    """Runners-up with the reason each loses: up to two faster ones that do not fit
+    ("memory"), then the fastest that fit."""
+    others = [a for a in evaluated if a.config != best.config]
+    faster_oom = sorted((a for a in others if not a.fits and a.step_time_s < best.step_time_s),
+                        key=_rank)[:min(2, top_k)]
+    fits = sorted((a for a in others if a.fits), key=_rank)
+    chosen = (faster_oom + fits)[:top_k]
+    return [(a, _reason(a, best)) for a in sorted(chosen, key=_rank)]
+
+
+def _reason(a: Assessment, best: Assessment) -> str:
+    if not a.fits:
+        return (f"memory: needs {a.memory_bytes / 1e9:.3g} GB per device, over the budget")
+    deltas = {"bubble": a.bubble_s - best.bubble_s, "communication": a.comm_s - best.comm_s,
+              "compute": a.compute_s - best.compute_s}
+    kind = max(deltas, key=deltas.get)
+    if deltas[kind] <= 0:
+        return "tie: same predicted step time; ranked by memory and simplicity"
+    return f"{kind}: +{deltas[kind] * 1e3:.3g} ms per step vs the chosen plan"
+
+
+def _explain_memory(search: Search, configs: list[Config]) -> str:
+    """NoFeasiblePlan message: the smallest per-device memory any plan needs."""
+    device = search.topology.device
+    budget = search.spec.max_memory_fraction * device.mem_bytes
+    bounds = sorted(((search.lower_bound(c).memory_bytes, c) for c in configs),
+                    key=lambda t: t[0])
+    best: tuple | None = None
+    for lb, cfg in bounds[:8]:  # exact minima of the most promising few
+        if best is not None and lb >= best[0]:
+            break
+        exact = _min_memory(search, cfg)
+        value = exact if exact is not None else lb
+        if best is None or value < best[0]:
+            best = (value, cfg)
+    best_bytes, best_cfg = best
+    return (f"no plan fits in memory: the smallest per-device memory any plan needs is "
+            f"{best_bytes / 1e9:.4g} GB ({best_cfg}), but {device.name} has "
+            f"{device.mem_bytes / 1e9:.4g} GB ({budget / 1e9:.4g} GB usable at "
+            f"max_memory_fraction {search.spec.max_memory_fraction})")
+
+
+def _min_memory(search: Search, cfg: Config) -> float | None:
+    from autoplan.solver.ilp import solve
+    from autoplan.solver.pipeline import rank_memories
+    prob, costs = search.problem(cfg.tp), search.cost(cfg.tp, cfg.microbatch_size)
+    ranks = rank_memories(cfg, search.spec, search.total_layers, costs.output_bytes)
+    sol = solve(prob, costs, ranks=ranks, objective="memory", time_limit_s=search.time_limit_s)
+    return None if sol is None else search.assess(cfg, sol).memory_bytes

@@ -1,0 +1,35 @@
+"""Triton kernels for what the rewritten (tensor-parallel) graphs need and a compiler cannot fuse
+across collectives: vocab-parallel cross-entropy, RMSNorm, SwiGLU gating, AdamW on flat shards.
+
+Each module holds the Triton kernel(s), a torch reference of the same math, and a dispatcher that
+takes ``use_triton``: None (the default) runs Triton for CUDA tensors and the reference
+otherwise, True forces Triton (on CPU tensors only under ``TRITON_INTERPRET=1``, as the tests
+do), False forces the reference.
+"""
+
+from kernels.adamw import adamw_step, adamw_step_reference
+from kernels.cross_entropy import (
+    cross_entropy_grad,
+    cross_entropy_grad_reference,
+    cross_entropy_loss_from_stats,
+    cross_entropy_stats,
+    cross_entropy_stats_reference,
+    vocab_parallel_cross_entropy,
+)
+from kernels.rms_norm import rms_norm, rms_norm_reference
+from kernels.swiglu import swiglu, swiglu_reference
+
+__all__ = [
+    "adamw_step",
+    "adamw_step_reference",
+    "cross_entropy_grad",
+    "cross_entropy_grad_reference",
+    "cross_entropy_loss_from_stats",
+    "cross_entropy_stats",
+    "cross_entropy_stats_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "swiglu",
+    "swiglu_reference",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,94 @@
+"""Jobs that run on every rank of a test cluster, and their single-process references.
+
+A model is named by a *factory*: a picklable callable (module-level function or
+functools.partial of one) returning the model with seeded weights, so every rank and the
+reference start from the same weights; batches are seeded the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from autoplan.runtime.engine import cross_entropy_loss
+
+SEQ = 16
+LR = 1e-3
+
+
+def _preset(name: str, seed: int, overrides: dict):
+    from autoplan.models import build_model
+
+    torch.manual_seed(seed)
+    return build_model(name, device="cpu", **overrides)
+
+
+def preset(name: str, seed: int = 0, **overrides):
+    """Factory for a model preset (HF config) with seeded random weights."""
+    return functools.partial(_preset, name, seed, overrides)
+
+
+def vocab_of(model) -> int:
+    if hasattr(model, "config") and hasattr(model.config, "vocab_size"):
+        return model.config.vocab_size
+    return model.vocab_size
+
+
+def logits(model, x):
+    out = model(x, use_cache=False) if hasattr(model, "config") and hasattr(
+        model.config, "use_cache") else model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def batches(vocab: int, steps: int, batch: int, seq: int = SEQ, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (steps, batch, seq + 1), generator=g)
+    return x[..., :-1], x[..., 1:]
+
+
+def adamw(params):
+    """AdamW with eps = 1e-6. Reduction order differs between one process and N ranks, so a
+    gradient that is (nearly) zero -- GPT-2's key bias has an exactly zero one, softmax being
+    shift-invariant -- carries rounding noise dg ~ 1e-10 of its own size. Adam turns it into a
+    parameter step of up to lr * |dg| / eps: 1e-5 with torch's default eps = 1e-8 (over the
+    1e-6 tolerance, for reasons that have nothing to do with parallelism), 1e-7 with 1e-6."""
+    return torch.optim.AdamW(params, lr=LR, eps=1e-6)
+
+
+def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
+              max_grad_norm: float | None = None, seq: int = SEQ):
+    """Single-process training: (losses per step, parameters after the last step, grad norms
+    before clipping)."""
+    model = factory()
+    opt = adamw(model.parameters())
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses, norms = [], []
+    for i in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym in zip(x[i].chunk(accumulation), y[i].chunk(accumulation)):
+            loss = cross_entropy_loss(logits(model, xm), ym) / accumulation
+            loss.backward()
+            total += loss.item()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                              max_grad_norm)))
+        opt.step()
+        losses.append(total)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, params, norms
+
+
+def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=None,
+          seq: int = SEQ):
+    """On every rank: plan with `overrides` (fixing some of the solver's choices), train, and
+    return (losses, this rank's full parameters, plan JSON)."""
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
+                      max_grad_norm=max_grad_norm, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    return losses, ap.state_dict(), ap.plan.to_json()

@@ -1,0 +1,363 @@
+"""kernels/: each Triton kernel (run by the Triton interpreter on CPU) against its torch reference
+and against plain PyTorch, forward and backward, on tiny inputs with non-power-of-two sizes.
+
+The references are checked with torch.autograd.gradcheck in float64; the Triton paths against the
+references (float64 tight, float32 to rounding, bfloat16 to one bf16 ulp). Every kernel is also
+compiled for an H100 (sm_90) to a cubin, which needs no GPU, so a kernel that only the
+interpreter accepts fails here and not on the first GPU run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: run kernels on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import adamw as adamw_mod  # noqa: E402
+from kernels import cross_entropy as ce_mod  # noqa: E402
+from kernels import rms_norm as rms_mod  # noqa: E402
+from kernels import swiglu as swiglu_mod  # noqa: E402
+
+
+def _probe_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Skip (with the reason) only if the Triton interpreter cannot run a trivial kernel here."""
+    try:
+        x, y = torch.arange(3.0), torch.empty(3)
+        triton.jit(_probe_kernel)[(1,)](x, y, 3, BLOCK=4)
+        ok = torch.equal(y, 2 * x)
+    except Exception as e:  # noqa: BLE001 - the reason goes into the skip message
+        pytest.skip(f"the Triton interpreter cannot run on this machine: {type(e).__name__}: {e}")
+    assert ok, "the Triton interpreter ran but computed a wrong result"
+
+
+def _bf16_close(actual, expected):
+    """Equal up to one bfloat16 ulp (2**-7 relative): Triton and ATen reduce in different orders."""
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=2**-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+BOTH = pytest.mark.parametrize("use_triton", [False, True], ids=["reference", "triton"])
+
+
+@BOTH
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_equals_torch(use_triton, reduction):
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 37, dtype=torch.float64, requires_grad=True)  # (B, T, V)
+    targets = torch.randint(0, 37, (2, 3))
+    targets[0, 1] = -100  # ignored row
+    loss = kernels.vocab_parallel_cross_entropy(logits, targets, reduction=reduction,
+                                                use_triton=use_triton)
+    expected = F.cross_entropy(logits.transpose(1, 2), targets, reduction=reduction)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    upstream = torch.randn_like(loss)
+    grad, = torch.autograd.grad(loss, logits, upstream)
+    expected_grad, = torch.autograd.grad(expected, logits, upstream)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    assert grad[0, 1].abs().max() == 0  # the ignored row gets no gradient
+
+
+@BOTH
+def test_cross_entropy_gradcheck(use_triton):
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([3, 0])
+    torch.autograd.gradcheck(lambda x: kernels.vocab_parallel_cross_entropy(
+        x, targets, reduction="none", use_triton=use_triton), (logits,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_triton_pieces_equal_reference(dtype):
+    # V_local = 1300 > the kernel's 1024-element block: two loop iterations, the second partial.
+    torch.manual_seed(2)
+    logits = (3 * torch.randn(3, 1300)).to(dtype)
+    targets = torch.tensor([5, 1299 + 700, -100])  # in slice, in slice, outside it
+    got = kernels.cross_entropy_stats(logits, targets, 700, use_triton=True)
+    want = kernels.cross_entropy_stats_reference(logits, targets, 700)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    grad_loss = torch.randn(3)
+    got = kernels.cross_entropy_grad(logits, targets, 700, want[0], want[1], grad_loss,
+                                     use_triton=True)
+    want = kernels.cross_entropy_grad_reference(logits, targets, 700, want[0], want[1], grad_loss)
+    assert got.dtype == dtype
+    if dtype == torch.bfloat16:
+        _bf16_close(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@BOTH
+def test_vocab_split_into_two_shards_combined_by_hand(use_triton):
+    # Two tp ranks simulated in one process: [0, 19) and [19, 37), combined as the all-reduces do.
+    torch.manual_seed(3)
+    logits = torch.randn(6, 37, dtype=torch.float64)
+    targets = torch.tensor([0, 18, 19, 36, 7, 25])
+    shards = [(logits[:, :19], 0), (logits[:, 19:], 19)]
+    stats = [kernels.cross_entropy_stats(x, targets, start, use_triton=use_triton)
+             for x, start in shards]
+    row_max = torch.maximum(stats[0][0], stats[1][0])  # all-reduce MAX
+    sumexp = sum(s * torch.exp(m - row_max) for m, s, _ in stats)  # rescale, all-reduce SUM
+    target_logit = stats[0][2] + stats[1][2]  # all-reduce SUM
+    loss = kernels.cross_entropy_loss_from_stats(row_max, sumexp, target_logit)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, targets, reduction="none"),
+                               rtol=1e-12, atol=1e-12)
+    upstream = torch.randn(6, dtype=torch.float64)
+    grad = torch.cat([kernels.cross_entropy_grad(x, targets, start, row_max, sumexp, upstream,
+                                                 use_triton=use_triton) for x, start in shards], 1)
+    full = logits.clone().requires_grad_()
+    expected, = torch.autograd.grad(F.cross_entropy(full, targets, reduction="none"), full, upstream)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def _vocab_parallel_job(logits, targets, use_triton):
+    """On each rank of the cluster: this rank's vocabulary shard, loss and gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bounds = [logits.shape[1] * r // world for r in range(world + 1)]
+    local = logits[:, bounds[rank]:bounds[rank + 1]].clone().requires_grad_()
+    loss = kernels.vocab_parallel_cross_entropy(local, targets, bounds[rank], dist.group.WORLD,
+                                                use_triton=use_triton)
+    loss.backward()
+    return loss.detach(), local.grad
+
+
+@pytest.mark.slow
+def test_vocab_parallel_cross_entropy_on_gloo_ranks(clusters):
+    torch.manual_seed(4)
+    logits = torch.randn(5, 37, dtype=torch.float64)
+    targets = torch.tensor([0, 9, 10, 36, -100])
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full, targets)
+    expected_grad, = torch.autograd.grad(expected, full)
+    for use_triton in (False, True):
+        results = clusters.get(4).run(_vocab_parallel_job, logits, targets, use_triton,
+                                      timeout_s=120)
+        for loss, _ in results:
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+        grad = torch.cat([g for _, g in results], dim=1)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_cross_entropy_errors(monkeypatch):
+    logits, targets = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match=r"local_logits must be \(N, V_local\)"):
+        kernels.cross_entropy_stats(torch.randn(4, 0), targets, 0)
+    with pytest.raises(ValueError, match="targets must be int64 of shape"):
+        kernels.cross_entropy_stats(logits, targets.int(), 0)
+    with pytest.raises(ValueError, match="vocab_start=3 needs a group"):
+        kernels.vocab_parallel_cross_entropy(logits, targets, 3)
+    with pytest.raises(ValueError, match=r"target 10 is outside \[0, 10\)"):
+        kernels.vocab_parallel_cross_entropy(logits, torch.tensor([1, 2, 10, 3]))
+    with pytest.raises(ValueError, match="reduction must be"):
+        kernels.vocab_parallel_cross_entropy(logits, targets, reduction="avg")
+    with pytest.raises(ValueError, match=r"targets shape \(3,\)"):
+        kernels.vocab_parallel_cross_entropy(logits, targets[:3])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        kernels.cross_entropy_stats(logits, targets, 0, use_triton=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+
+@BOTH
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_hf_llama(use_triton, dtype):
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    torch.manual_seed(5)
+    hf = llama.LlamaRMSNorm(13, eps=1e-5).to(dtype)  # H = 13: not a power of two
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.1 * torch.randn(13))
+    x = torch.randn(2, 3, 13, dtype=dtype, requires_grad=True)
+    y = kernels.rms_norm(x, hf.weight, 1e-5, use_triton=use_triton)
+    expected = hf(x)
+    dy = torch.randn_like(y)
+    got_grads = torch.autograd.grad(y, (x, hf.weight), dy)
+    want_grads = torch.autograd.grad(expected, (x, hf.weight), dy)
+    assert y.dtype == expected.dtype == dtype
+    for got, want in [(y, expected), *zip(got_grads, want_grads)]:
+        if dtype == torch.bfloat16:
+            _bf16_close(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@BOTH
+def test_rms_norm_gradcheck(use_triton):
+    torch.manual_seed(6)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: kernels.rms_norm(a, b, 1e-6, use_triton=use_triton),
+                             (x, w))
+
+
+def test_rms_norm_triton_several_rows_per_backward_program(monkeypatch):
+    # 7 rows on 3 programs: rows 0,3,6 / 1,4 / 2,5, each program summing its weight gradient.
+    monkeypatch.setattr(rms_mod, "_MAX_BWD_PROGRAMS", 3)
+    torch.manual_seed(7)
+    x = torch.randn(7, 24, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(24, dtype=torch.float64, requires_grad=True)
+    y = kernels.rms_norm(x, w, use_triton=True)
+    expected = kernels.rms_norm_reference(x, w)
+    dy = torch.randn_like(y)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(y, (x, w), dy),
+                         torch.autograd.grad(expected, (x, w), dy)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_rms_norm_errors():
+    with pytest.raises(ValueError, match=r"weight must be \(H,\).*\(2, 4\).*\(5,\)"):
+        kernels.rms_norm(torch.randn(2, 4), torch.ones(5))
+    with pytest.raises(ValueError, match="must be floating point"):
+        kernels.rms_norm(torch.ones(2, 4, dtype=torch.int64), torch.ones(4))
+    with pytest.raises(ValueError, match="exceeds the fused kernel's single-block limit"):
+        kernels.rms_norm(torch.randn(1, rms_mod.MAX_FUSED_HIDDEN + 1),
+                         torch.ones(rms_mod.MAX_FUSED_HIDDEN + 1), use_triton=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU
+# ---------------------------------------------------------------------------------------------
+
+
+@BOTH
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_swiglu_equals_torch(use_triton, dtype):
+    torch.manual_seed(8)
+    # 3 * 700 = 2100 elements: three 1024-element programs, the last one partial.
+    gate = torch.randn(3, 700, dtype=dtype, requires_grad=True)
+    up = torch.randn(3, 700, dtype=dtype, requires_grad=True)
+    y = kernels.swiglu(gate, up, use_triton=use_triton)
+    expected = F.silu(gate) * up
+    dy = torch.randn_like(y)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6}
+    for got, want in [(y, expected), *zip(torch.autograd.grad(y, (gate, up), dy),
+                                          torch.autograd.grad(expected, (gate, up), dy))]:
+        assert got.dtype == dtype
+        if dtype == torch.bfloat16:
+            _bf16_close(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=tol[dtype], atol=tol[dtype])
+
+
+@BOTH
+def test_swiglu_gradcheck(use_triton):
+    torch.manual_seed(9)
+    gate = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda g, u: kernels.swiglu(g, u, use_triton=use_triton), (gate, up))
+
+
+def test_swiglu_errors():
+    with pytest.raises(ValueError, match=r"one shape and dtype.*\(2, 3\).*\(2, 4\)"):
+        kernels.swiglu(torch.randn(2, 3), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        kernels.swiglu(torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("betas, weight_decay", [((0.9, 0.999), 0.01), ((0.3, 0.95), 0.0)],
+                         ids=["default", "large-lerp-weight-no-decay"])
+def test_adamw_equals_torch_optim(betas, weight_decay):
+    # 2500 elements: three 1024-element programs; beta1 = 0.3 takes ATen's other lerp branch.
+    torch.manual_seed(10)
+    lr, eps, numel = 1e-2, 1e-8, 2500
+    torch_param = torch.nn.Parameter(torch.randn(numel))
+    opt = torch.optim.AdamW([torch_param], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            foreach=False)
+    shards = {name: [torch_param.detach().clone(), torch.zeros(numel), torch.zeros(numel)]
+              for name in ("reference", "triton")}
+    for step in range(1, 4):
+        grad = torch.randn(numel)
+        torch_param.grad = grad.clone()
+        opt.step()
+        for name, (param, exp_avg, exp_avg_sq) in shards.items():
+            kernels.adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps,
+                               weight_decay, use_triton=name == "triton")
+    state = opt.state[torch_param]
+    want = [torch_param.detach(), state["exp_avg"], state["exp_avg_sq"]]
+    for got, expected in zip(shards["reference"], want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)  # op for op: bit for bit
+    for got, expected in zip(shards["triton"], want):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_adamw_errors():
+    p = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"grad must be a flat contiguous float32 shard, got "
+                                         r"torch.float64 of shape \(8,\)"):
+        kernels.adamw_step(p, p.double(), p.clone(), p.clone(), 1, 1e-3)
+    with pytest.raises(ValueError, match=r"exp_avg has shape \(7,\), param \(8,\)"):
+        kernels.adamw_step(p, p.clone(), torch.zeros(7), p.clone(), 1, 1e-3)
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        kernels.adamw_step(p, p.clone(), p.clone(), p.clone(), 0, 1e-3)
+    with pytest.raises(ValueError, match="flat contiguous float32 shard.*\\(2, 4\\)"):
+        kernels.adamw_step(p.view(2, 4), p.view(2, 4), p.view(2, 4), p.view(2, 4), 1, 1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels compile for a real GPU
+# ---------------------------------------------------------------------------------------------
+
+# (module, kernel index in its _kernels() tuple, argument types in order with {dt} the data dtype
+# and {acc} the statistics dtype, constexprs)
+_COMPILED = [
+    (ce_mod, 0, ["*{dt}", "*i64", "*{acc}", "*{acc}", "*{acc}", "i32", "i32", "i32"],
+     {"BLOCK_V": 1024}),
+    (ce_mod, 1, ["*{dt}", "*i64", "*{acc}", "*{acc}", "*{acc}", "*{dt}", "i32", "i32", "i32",
+                 "i32"], {"BLOCK_V": 1024}),
+    (rms_mod, 0, ["*{dt}", "*{dt}", "*{dt}", "*{acc}", "i32", "i32", "i32", "fp32"],
+     {"BLOCK_H": 4096}),
+    (rms_mod, 1, ["*{dt}", "*{dt}", "*{dt}", "*{acc}", "*{dt}", "*{acc}", "i32", "i32", "i32",
+                  "i32", "i32"], {"BLOCK_H": 4096}),
+    (swiglu_mod, 0, ["*{dt}", "*{dt}", "*{dt}", "i32"], {"BLOCK": 1024}),
+    (swiglu_mod, 1, ["*{dt}"] * 5 + ["i32"], {"BLOCK": 1024}),
+    (adamw_mod, None, ["*fp32"] * 4 + ["i32"] + ["fp32"] * 7,
+     {"SMALL_LERP_WEIGHT": True, "BLOCK": 1024}),
+]
+
+
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+def test_kernels_compile_for_sm90(dt, monkeypatch, tmp_path):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend to compile with")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled JITFunction, not the interpreter's
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    for module, index, types, constexprs in _COMPILED:
+        kernel = module._kernels(False)
+        kernel = kernel if index is None else kernel[index]
+        names = [p.name for p in kernel.params if not p.is_constexpr]
+        signature = {n: t.format(dt=dt, acc="fp32") for n, t in zip(names, types, strict=True)}
+        signature.update({n: "constexpr" for n in constexprs})
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], f"{module.__name__}: {kernel.__name__} produced no cubin"
