@@ -26,6 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sharding_rule",
            "has_direct_rule", "is_composite", "decompose", "propagate_trace",
+           "strict_redistribution",
            "Placement", "Partial", "Replicate", "Shard"]
 
 
@@ -242,3 +243,11 @@ def propagate_trace(trace: Trace, placements: list, mesh: DeviceMesh) -> Propaga
             env[ref] = p
     outputs = tuple(env.get(r) if is_ref(r) else None for r in trace.outputs)
     return Propagation(tuple(placements), outputs, moved)
+
+
+def strict_redistribution():
+    """A context in which DTensor raises instead of redistributing implicitly (any placement
+    change, communication or not): wrap the execution of a planned op in it to prove the plan
+    left nothing implicit. torch's ExplicitRedistributionContext(strict=True)."""
+    from torch.distributed.tensor._utils import ExplicitRedistributionContext
+    return ExplicitRedistributionContext(strict=True)

@@ -64,7 +64,7 @@ _MAX_PARTIAL_INPUTS = 2
 # Enumerate the full product of argument placements up to this many combinations; above it,
 # the probes of `_seeds` (DTensor's suggestions fill in for ops with a direct rule).
 _FULL_PRODUCT_DIRECT = 1
-_FULL_PRODUCT_COMPOSITE = 16
+_FULL_PRODUCT_COMPOSITE = 64
 
 
 @dataclass(frozen=True)
@@ -463,6 +463,8 @@ class _Context:
         for i, p in enumerate(outputs):
             if p is None:
                 continue
+            if type(p) not in (tc.Shard, tc.Replicate, tc.Partial):
+                return None  # e.g. _StridedShard from a view merging a sharded dim
             if isinstance(p, tc.Partial) and p.reduce_op != "sum":
                 return None  # "P" means a sum; avg/max partials have no plan spelling
             if isinstance(p, tc.Shard):

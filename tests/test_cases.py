@@ -92,4 +92,4 @@ def test_c8_microbatches_do_not_divide():
                       num_microbatches=3)
     with pytest.raises(ValueError, match=r"8.*3|3.*8") as err:
         ap.plan
-    assert "divid" in str(err.value)
+    assert "not divisible" in str(err.value)

@@ -118,13 +118,20 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
             src = _src_placement(arg, plan, produced, param_names)
             if src == dst:
                 continue
+            record = Redistribution(
+                producer=arg.meta.get("orig_name", arg.name), consumer=name, arg_index=i,
+                src=src, dst=dst, collective="", bytes=0, time_s=0.0)
+            if src == "R" and dst == "P":
+                # R -> P moves no data (DTensor keeps the value on one rank's share); DTensor
+                # forbids it as a user redistribution, and performs it itself inside the op
+                # whose rule asks for a Partial input (e.g. the bias of a row-parallel addmm).
+                inserted.append(record)
+                continue
             with gm.graph.inserting_before(node):
                 moved = gm.graph.call_function(redistribute, (arg, dst))
             moved.meta["orig_name"] = f"redistribute_{arg.name}_{name}"
             _replace_ith_use(node, i, arg, moved)
-            inserted.append(Redistribution(
-                producer=arg.meta.get("orig_name", arg.name), consumer=name, arg_index=i,
-                src=src, dst=dst, collective="", bytes=0, time_s=0.0))
+            inserted.append(record)
     gm.graph.lint()
     gm.recompile()
     return inserted

@@ -18,6 +18,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from autoplan.cost_model.comm import backward_redistribution, group_layout, redistribute_time_s
+from autoplan.cost_model.compute import backward_time_s, op_name, op_time_s
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.topology import Topology
@@ -107,8 +109,6 @@ class AxisFacts:
 
 def mesh_axes(plan: Plan, topology: Topology | None) -> list[AxisFacts]:
     """The three mesh axes, innermost (tp) first, with the link each axis's groups use."""
-    from autoplan.cost_model.comm import group_layout
-
     mesh = plan.mesh
     axes = [("tp", mesh.tp, 1), ("dp", mesh.dp, mesh.tp), ("pp", mesh.pp, mesh.tp * mesh.dp)]
     result = []
@@ -229,17 +229,19 @@ class RedistributionGroup:
 
     Attributes:
         where: the consumer's module path (block index as "*") and op, e.g.
-            "model.layers.*.self_attn.o_proj: linear".
-        edge: "producer -> consumer[arg]" with the node names of the first occurrence.
+            "model.layers.*.self_attn.o_proj: linear"; "graph output" for the output.
+        producer, consumer, arg_index: the edge of the first occurrence (fx node names).
         src, dst, collective: the placement change on the tp axis and its collective.
         bytes: bytes of the tensor moved by one occurrence.
         time_s: predicted forward time of one occurrence, seconds.
         count: occurrences in the real model per microbatch.
-        part: "pre" | "block" | "post": where the consumer is.
+        part: "pre" | "block" | "post": where the consumer is ("?" without a graph).
     """
 
     where: str
-    edge: str
+    producer: str
+    consumer: str
+    arg_index: int
     src: str
     dst: str
     collective: str
@@ -247,6 +249,10 @@ class RedistributionGroup:
     time_s: float
     count: int
     part: str
+
+    @property
+    def edge(self) -> str:
+        return f"{self.producer} -> {self.consumer}[{self.arg_index}]"
 
 
 def _parts(graph: CapturedGraph) -> dict[str, str]:
@@ -262,44 +268,38 @@ def _parts(graph: CapturedGraph) -> dict[str, str]:
     return parts
 
 
-def _op_short(target: str) -> str:
-    from autoplan.cost_model.compute import op_name
-
-    return op_name(target)
-
-
 def redistribution_groups(plan: Plan,
                           graph: CapturedGraph | None = None) -> list[RedistributionGroup]:
     """Plan.redistributions grouped per consumer role ([Note: block roles]); without a graph,
     one group per redistribution."""
     if graph is None:
-        return [RedistributionGroup(r.consumer, f"{r.producer} -> {r.consumer}[{r.arg_index}]",
-                                    r.src, r.dst, r.collective, r.bytes, r.time_s, 1, "?")
+        return [RedistributionGroup(r.consumer, r.producer, r.consumer, r.arg_index, r.src,
+                                    r.dst, r.collective, r.bytes, r.time_s, 1, "?")
                 for r in plan.redistributions]
     position = {n: i for names in graph.layer_nodes.values() for i, n in enumerate(names)}
     parts = _parts(graph)
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple, tuple[RedistributionGroup, set[int], list[int]]] = {}
     for r in plan.redistributions:
-        info = graph.nodes.get(r.consumer)
+        info = graph.nodes.get(r.consumer)  # None: the graph output
         layer = info.layer_id if info is not None else None
         role = ("block", position[r.consumer]) if layer is not None else ("node", r.consumer)
         key = (*role, r.arg_index, r.src, r.dst, r.collective)
         if key not in groups:
-            path = _block_role(info.module_path, graph.layer_prefix)[0] if info else "?"
-            where = f"{path or '<root>'}: {_op_short(info.target)}" if info else r.consumer
-            edge = f"{r.producer} -> {r.consumer}[{r.arg_index}]"
-            part = parts.get(r.consumer, "?")
-            groups[key] = [where, edge, r, set(), 0, part]
-        entry = groups[key]
-        entry[4] += 1
+            if info is None:
+                where, part = "graph output", "post"
+            else:
+                path = _block_role(info.module_path, graph.layer_prefix)[0] or "<root>"
+                where, part = f"{path}: {op_name(info.target)}", parts[r.consumer]
+            first = RedistributionGroup(where, r.producer, r.consumer, r.arg_index, r.src,
+                                        r.dst, r.collective, r.bytes, r.time_s, 0, part)
+            groups[key] = (first, set(), [0])
+        _, layers, seen = groups[key]
+        seen[0] += 1
         if layer is not None:
-            entry[3].add(layer)
-    result = []
-    for where, edge, r, layers, n, part in groups.values():
-        count = _occurrences(layers, graph.num_layers, graph.total_layers) if layers else n
-        result.append(RedistributionGroup(where, edge, r.src, r.dst, r.collective, r.bytes,
-                                          r.time_s, count, part))
-    return result
+            layers.add(layer)
+    return [dataclasses.replace(
+        first, count=_occurrences(layers, graph.num_layers, graph.total_layers) if layers
+        else seen[0]) for first, layers, seen in groups.values()]
 
 
 # --- compute and communication per part ----------------------------------------------------------
@@ -346,46 +346,41 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
     does (solver/costs.py, `token_scale`). Raises ValueError from the cost model (e.g. a dtype
     the device lists no peak for).
     """
-    from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-    from autoplan.cost_model.compute import backward_time_s, op_time_s
-
     shape = graph.input_shapes[0] if graph.input_shapes else (1, plan.seq_len)
     captured_tokens = (shape[0] if shape else 1) * (shape[1] if len(shape) > 1 else plan.seq_len)
     scale = plan.microbatch_size * plan.seq_len / max(captured_tokens, 1)
     strategies = {s.node: s for s in plan.strategies}
-    rep = {}  # node of a later captured block -> its counterpart in the first block
-    if graph.layer_nodes:
-        first = graph.layer_nodes[min(graph.layer_nodes)]
-        for names in graph.layer_nodes.values():
-            rep.update({n: first[i] for i, n in enumerate(names) if i < len(first)})
+    first_block = graph.layer_nodes[min(graph.layer_nodes)] if graph.layer_nodes else ()
+    rep = {n: first_block[i] for names in graph.layer_nodes.values()  # block k -> block 0
+           for i, n in enumerate(names) if i < len(first_block)}
+
+    def factor_of(node: str) -> float:
+        return _shard_factor(strategies.get(node) or strategies.get(rep.get(node, "")), tp)
+
     parts = _parts(graph)
     tp = plan.mesh.tp
     sums = {p: [0.0, 0.0, 0.0, 0.0] for p in ("pre", "block", "post")}
-    first_block = set(graph.layer_nodes[min(graph.layer_nodes)]) if graph.layer_nodes else set()
     for name, info in graph.nodes.items():
-        part = parts[name]
-        if part == "block" and name not in first_block:
-            continue  # one block stands for all ([Note: block roles])
-        strategy = strategies.get(name) or strategies.get(rep.get(name, ""))
-        factor = _shard_factor(strategy, tp)
+        if parts[name] == "block" and rep.get(name) != name:
+            continue  # the first block stands for all ([Note: block roles])
         scaled = dataclasses.replace(info, flops=int(info.flops * scale),
                                      in_bytes=int(info.in_bytes * scale),
                                      out_bytes=int(info.out_bytes * scale))
-        sums[part][0] += op_time_s(scaled, topology.device, plan.dtype, shard_factor=factor)
-        sums[part][1] += backward_time_s(scaled, topology.device, plan.dtype, shard_factor=factor)
+        factor = factor_of(name)
+        sums[parts[name]][0] += op_time_s(scaled, topology.device, plan.dtype,
+                                          shard_factor=factor)
+        sums[parts[name]][1] += backward_time_s(scaled, topology.device, plan.dtype,
+                                                shard_factor=factor)
     for group in redistribution_groups(plan, graph):
-        if group.part not in sums:
-            continue
         per_part = group.count / graph.total_layers if group.part == "block" else group.count
-        consumer = group.edge.rsplit(" -> ", 1)[1].split("[")[0]
-        strategy = strategies.get(consumer) or strategies.get(rep.get(consumer, ""))
-        split = _shard_factor(strategy, tp) > 1
-        grad = "P" if group.dst == "R" and split else None
+        # the gradient of a replicated input of a split op is a partial sum (Megatron's f),
+        # as solver/costs.py prices it
+        grad = "P" if group.dst == "R" and factor_of(group.consumer) > 1 else None
         try:
             gd, gs = backward_redistribution(group.src, group.dst, grad_placement=grad)
             bwd = redistribute_time_s(gd, gs, group.bytes, tp, topology)[1]
         except ValueError:
-            bwd = 0.0
+            bwd = 0.0  # DTensor has no such backward redistribution: nothing is priced
         sums[group.part][2] += group.time_s * per_part
         sums[group.part][3] += bwd * per_part
     counts = {"pre": 1, "block": graph.total_layers, "post": 1}

@@ -24,6 +24,13 @@ ZERO_TEXT = {
 }
 
 
+def _n(count: int, noun: str) -> str:
+    """"1 microbatch", "4 microbatches"."""
+    if count == 1:
+        return f"1 {noun}"
+    return f"{count} {noun}{'es' if noun.endswith('ch') else 's'}"
+
+
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     def cell(x: object) -> str:
         return str(x).replace("|", "\\|").replace("\n", " ")
@@ -61,11 +68,12 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         ["cluster", _cluster_text(topology, plan)],
         ["mesh", f"pp {m.pp} x dp {m.dp} x tp {m.tp} = world size {m.world_size}"],
         ["ZeRO", ZERO_TEXT[plan.zero_stage]],
-        ["batch", f"global {plan.global_batch} = dp {m.dp} x {plan.num_microbatches} "
-                  f"microbatches x {plan.microbatch_size} samples; seq {plan.seq_len}; "
+        ["batch", f"global {plan.global_batch} = dp {m.dp} x "
+                  f"{_n(plan.num_microbatches, 'microbatch')} x "
+                  f"{_n(plan.microbatch_size, 'sample')}; seq {plan.seq_len}; "
                   f"{F.fmt_count(tokens)} tokens per step"],
         ["schedule", sched if m.pp > 1 else f"{sched} (pp 1: gradient accumulation over "
-                                            f"{plan.num_microbatches} microbatches)"],
+                                            f"{_n(plan.num_microbatches, 'microbatch')})"],
         ["activation checkpointing", plan.checkpointing],
         ["dtype", plan.dtype],
     ]
@@ -239,8 +247,8 @@ def render_summary(plan: Plan, *, topology: Topology | None = None) -> str:
         lines.append(f"  {a.name} {a.degree:>4}  {a.text}")
     lines += [
         f"ZeRO        {ZERO_TEXT[plan.zero_stage]}",
-        f"schedule    {plan.schedule}, {plan.num_microbatches} microbatches of "
-        f"{plan.microbatch_size}",
+        f"schedule    {plan.schedule}, {_n(plan.num_microbatches, 'microbatch')} of "
+        f"{_n(plan.microbatch_size, 'sample')}",
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
         f"communication {F.fmt_time(p.comm_s)}, bubble {F.fmt_time(p.bubble_s)})",
         f"throughput  {F.fmt_count(F.tokens_per_s(plan))} tokens/s, "

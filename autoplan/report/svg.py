@@ -65,8 +65,8 @@ def _axis(scale: float, ticks: list[float], y0: float, y1: float,
 
 def _svg(height: float, body: list[str], title: str) -> str:
     # inline SVG in HTML5 needs no xmlns; the page then holds no URL at all
-    return (f'<svg viewBox="0 0 {_WIDTH} {height:.0f}" '
-            f'width="{_WIDTH}" height="{height:.0f}" font-family="system-ui, sans-serif" role="img" aria-label="{escape(title)}">'
+    return (f'<svg viewBox="0 0 {_WIDTH} {height:.0f}" width="{_WIDTH}" height="{height:.0f}" '
+            f'font-family="system-ui, sans-serif" role="img" aria-label="{escape(title)}">'
             + "".join(body) + "</svg>")
 
 

@@ -9,7 +9,7 @@ and Windows within one file system). A failure before the moves removes the temp
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from autoplan.graph import CapturedGraph
@@ -20,14 +20,15 @@ __all__ = ["write_files", "write_report"]
 
 
 def _write_temp(directory: Path, name: str, text: str) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    """A new hidden file next to the target, with the permissions a plain open() gives."""
+    tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             f.write(text)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
-    return Path(tmp)
+    return tmp
 
 
 def write_files(files: dict[str, str], out_dir: str | os.PathLike) -> dict[str, Path]:
