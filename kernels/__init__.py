@@ -3,8 +3,11 @@ across collectives: vocab-parallel cross-entropy, RMSNorm, SwiGLU gating, AdamW 
 
 Each module holds the Triton kernel(s), a torch reference of the same math, and a dispatcher that
 takes ``use_triton``: None (the default) runs Triton for CUDA tensors and the reference
-otherwise, True forces Triton (on CPU tensors only under ``TRITON_INTERPRET=1``, as the tests
-do), False forces the reference.
+otherwise, True forces Triton, False forces the reference.
+
+Triton on CPU tensors needs the Triton interpreter, which ``TRITON_INTERPRET=1`` selects only if
+it is set before triton is first imported: triton.jit picks the interpreter or the compiler when
+it decorates, and triton.language decorates its own helpers (tl.sum, ...) at import.
 """
 
 from kernels.adamw import adamw_step, adamw_step_reference

@@ -11,8 +11,8 @@ makes about ten passes. For step t (1-based), elementwise:
     p  <- p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
 The kernel follows torch's operation order and roundings: the scalars are formed in float64 on
-the host and rounded to float32 once, lerp and addcmul are fused multiply-adds (as ATen's CPU kernels),
-sqrt and the divisions are IEEE-rounded (``tl.sqrt_rn``, ``tl.div_rn``), so it matches
+the host and rounded to float32 once, lerp and addcmul are fused multiply-adds (as in ATen's CPU
+kernels), sqrt and the divisions are IEEE-rounded (``tl.sqrt_rn``, ``tl.div_rn``), so it matches
 torch.optim.AdamW(foreach=False) to within float32 rounding (tested at rtol 1e-6). Not bit for bit
 on CPU: ATen's vectorized float32 sqrt is not always correctly rounded (1 ulp off for about one
 element in six on an AVX-512 build), and the kernel's is.
@@ -20,17 +20,17 @@ element in six on an AVX-512 build), and the kernel's is.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["adamw_step", "adamw_step_reference"]
 
 _BLOCK = 1024  # elements per program
 
 
+@triton.jit
 def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, numel,
                   decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
                   neg_step_size, SMALL_LERP_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
@@ -55,27 +55,24 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, numel,
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
 
 
-@functools.cache
-def _kernels(interpret: bool):
-    """The jitted kernel. triton.jit picks the interpreter or the compiler from TRITON_INTERPRET
-    when it decorates, so decorate on first use, once per mode, not at import time."""
-    del interpret  # only the cache key
-    return triton.jit(_adamw_kernel)
-
-
 def _pick_triton(use_triton: bool | None, tensors: list[torch.Tensor], fn: str) -> bool:
-    """None: Triton on CUDA, reference elsewhere. True: Triton, which on CPU needs the interpreter."""
+    """None: Triton on CUDA, the reference elsewhere. True: Triton (CPU: only interpreted)."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
-        raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    on_cuda = next(iter(devices)).type == "cuda"
+        raise ValueError(f"{fn}: all tensors must be on one device, "
+                         f"got {sorted(map(str, devices))}")
+    device = next(iter(devices))
     if use_triton is None:
-        return on_cuda
+        return device.type == "cuda"
     if not use_triton:
         return False
-    if not on_cuda and not triton.knobs.runtime.interpret:
-        raise ValueError(f"{fn}: use_triton=True on {next(iter(devices))} tensors needs "
-                         "TRITON_INTERPRET=1 (the Triton interpreter); pass use_triton=None or False")
+    # Both this module's kernels and triton.language's own helpers (tl.sum, ...) are
+    # decorated at import: all must be interpreted for CPU tensors.
+    interpreted = all(isinstance(f, InterpretedFunction) for f in (_adamw_kernel, tl.sum))
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"{fn}: use_triton=True on {device} tensors needs the Triton interpreter: "
+                         "set TRITON_INTERPRET=1 before triton is first imported (triton.jit picks "
+                         "the interpreter when it decorates), or pass use_triton=None or False")
     return True
 
 
@@ -112,8 +109,9 @@ def adamw_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-               exp_avg_sq: torch.Tensor, step: int, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-               eps: float = 1e-8, weight_decay: float = 1e-2, use_triton: bool | None = None) -> None:
+               exp_avg_sq: torch.Tensor, step: int, lr: float,
+               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+               weight_decay: float = 1e-2, use_triton: bool | None = None) -> None:
     """One AdamW update of a flat shard, in place (Loshchilov & Hutter 2019, Algorithm 2).
 
     Same math as torch.optim.AdamW(foreach=False, amsgrad=False, maximize=False) for one step:
@@ -143,9 +141,10 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     beta1, beta2 = betas
     # The host scalars in float64, as torch forms them; Triton rounds float arguments to float32.
     lerp_weight = 1 - beta1
-    kernel = _kernels(triton.knobs.runtime.interpret)
-    kernel[(triton.cdiv(numel, _BLOCK),)](
+    _adamw_kernel[(triton.cdiv(numel, _BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, numel,
         1 - lr * weight_decay, lerp_weight, beta2, 1 - beta2, (1 - beta2**step) ** 0.5, eps,
         -(lr / (1 - beta1**step)),
-        SMALL_LERP_WEIGHT=abs(lerp_weight) < 0.5, BLOCK=_BLOCK)
+        SMALL_LERP_WEIGHT=abs(lerp_weight) < 0.5, BLOCK=_BLOCK,
+        # No contraction beyond the explicit fmas: p * decay + q must round twice, as in torch.
+        enable_fp_fusion=False)

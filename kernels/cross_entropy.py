@@ -13,9 +13,12 @@ those are all-reduced (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al
     m = max_r m_r          s = sum_r s_r * exp(m_r - m)          t = sum_r t_r
     loss_i = log(s) + m - t                      (= logsumexp(x[i, :]) - x[i, target_i])
 
-and the gradient never leaves the rank: d loss_i / d x[i, j] = exp(x[i, j] - m) / s - [j == target_i]
-restricted to the local slice. Megatron all-reduces the max first and then the shifted sum; the
-online rescaling above reads the logits once instead of twice and is the same math.
+and the gradient never leaves the rank, (softmax - onehot) on the local slice:
+
+    d loss_i / d x[i, j] = exp(x[i, j] - m) / s - [j == target_i]
+
+Megatron all-reduces the max first and then the shifted sum; the online rescaling above reads
+the logits once instead of twice and is the same math.
 
 Each piece has a Triton kernel (one program per row, looping over the vocabulary in blocks) and a
 torch reference. All statistics are computed in float32 (float64 for float64 logits).
@@ -23,12 +26,11 @@ torch reference. All statistics are computed in float32 (float64 for float64 log
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = [
     "cross_entropy_stats",
@@ -43,10 +45,11 @@ _BLOCK_V = 1024  # vocabulary elements per loop iteration of a program
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernels (decorated lazily, see _kernels)
+# Triton kernels
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
 def _stats_kernel(
     logits_ptr, targets_ptr, max_ptr, sumexp_ptr, target_logit_ptr,
     stride_row, vocab_local, vocab_start,
@@ -73,6 +76,7 @@ def _stats_kernel(
     tl.store(target_logit_ptr + row, target_logit)
 
 
+@triton.jit
 def _grad_kernel(
     logits_ptr, targets_ptr, max_ptr, sumexp_ptr, grad_loss_ptr, grad_logits_ptr,
     stride_row, stride_grad_row, vocab_local, vocab_start,
@@ -95,28 +99,24 @@ def _grad_kernel(
         tl.store(grad_row_ptr + offs, grad.to(grad_logits_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _kernels(interpret: bool):
-    """The jitted kernels. triton.jit picks the interpreter or the compiler from TRITON_INTERPRET
-    when it decorates, so decorate on first use, once per mode, not at import time (another module
-    may import this one before a test sets the variable)."""
-    del interpret  # only the cache key
-    return triton.jit(_stats_kernel), triton.jit(_grad_kernel)
-
-
 def _pick_triton(use_triton: bool | None, tensors: list[torch.Tensor], fn: str) -> bool:
-    """None: Triton on CUDA, reference elsewhere. True: Triton, which on CPU needs the interpreter."""
+    """None: Triton on CUDA, the reference elsewhere. True: Triton (CPU: only interpreted)."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
-        raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    on_cuda = next(iter(devices)).type == "cuda"
+        raise ValueError(f"{fn}: all tensors must be on one device, "
+                         f"got {sorted(map(str, devices))}")
+    device = next(iter(devices))
     if use_triton is None:
-        return on_cuda
+        return device.type == "cuda"
     if not use_triton:
         return False
-    if not on_cuda and not triton.knobs.runtime.interpret:
-        raise ValueError(f"{fn}: use_triton=True on {next(iter(devices))} tensors needs "
-                         "TRITON_INTERPRET=1 (the Triton interpreter); pass use_triton=None or False")
+    # Both this module's kernels and triton.language's own helpers (tl.sum, ...) are
+    # decorated at import: all must be interpreted for CPU tensors.
+    interpreted = all(isinstance(f, InterpretedFunction) for f in (_stats_kernel, tl.sum))
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"{fn}: use_triton=True on {device} tensors needs the Triton interpreter: "
+                         "set TRITON_INTERPRET=1 before triton is first imported (triton.jit picks "
+                         "the interpreter when it decorates), or pass use_triton=None or False")
     return True
 
 
@@ -141,7 +141,7 @@ def _check_logits(local_logits: torch.Tensor, targets: torch.Tensor, fn: str) ->
 
 
 def cross_entropy_stats_reference(local_logits: torch.Tensor, targets: torch.Tensor,
-                                  vocab_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  vocab_start: int) -> tuple[torch.Tensor, ...]:
     """Torch reference of :func:`cross_entropy_stats` (same arguments, same results)."""
     _check_logits(local_logits, targets, "cross_entropy_stats_reference")
     x = local_logits.to(_acc_dtype(local_logits.dtype))  # (N, V_local)
@@ -154,7 +154,7 @@ def cross_entropy_stats_reference(local_logits: torch.Tensor, targets: torch.Ten
 
 
 def cross_entropy_stats(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                        use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        use_triton: bool | None = None) -> tuple[torch.Tensor, ...]:
     """Per-row statistics of one vocabulary shard, to be combined across tp ranks.
 
     Args:
@@ -184,10 +184,9 @@ def cross_entropy_stats(local_logits: torch.Tensor, targets: torch.Tensor, vocab
     row_max, sumexp, target_logit = (torch.empty(num_rows, dtype=acc, device=logits.device)
                                      for _ in range(3))
     if num_rows:
-        stats_kernel, _ = _kernels(triton.knobs.runtime.interpret)
         block_v = min(_BLOCK_V, triton.next_power_of_2(vocab_local))
-        stats_kernel[(num_rows,)](logits, targets.contiguous(), row_max, sumexp, target_logit,
-                                  logits.stride(0), vocab_local, vocab_start, BLOCK_V=block_v)
+        _stats_kernel[(num_rows,)](logits, targets.contiguous(), row_max, sumexp, target_logit,
+                                   logits.stride(0), vocab_local, vocab_start, BLOCK_V=block_v)
     return row_max, sumexp, target_logit
 
 
@@ -198,8 +197,8 @@ def cross_entropy_loss_from_stats(row_max: torch.Tensor, sumexp: torch.Tensor,
     return torch.log(sumexp) + row_max - target_logit
 
 
-def cross_entropy_grad_reference(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                 row_max: torch.Tensor, sumexp: torch.Tensor,
+def cross_entropy_grad_reference(local_logits: torch.Tensor, targets: torch.Tensor,
+                                 vocab_start: int, row_max: torch.Tensor, sumexp: torch.Tensor,
                                  grad_loss: torch.Tensor) -> torch.Tensor:
     """Torch reference of :func:`cross_entropy_grad` (same arguments, same result)."""
     _check_logits(local_logits, targets, "cross_entropy_grad_reference")
@@ -216,7 +215,8 @@ def cross_entropy_grad(local_logits: torch.Tensor, targets: torch.Tensor, vocab_
                        use_triton: bool | None = None) -> torch.Tensor:
     """Gradient of the per-row loss with respect to this shard's logits.
 
-    grad[i, j] = grad_loss[i] * (exp(x[i, j] - row_max[i]) / sumexp[i] - [j == targets[i] - vocab_start])
+    grad[i, j] = grad_loss[i] * (exp(x[i, j] - row_max[i]) / sumexp[i]
+                                 - [j == targets[i] - vocab_start])
 
     i.e. (softmax - onehot) restricted to the local slice (Shoeybi et al. 2019, sec. 3).
 
@@ -244,9 +244,8 @@ def cross_entropy_grad(local_logits: torch.Tensor, targets: torch.Tensor, vocab_
     logits = local_logits if local_logits.stride(1) == 1 else local_logits.contiguous()
     grad_logits = torch.empty_like(logits)
     if num_rows:
-        _, grad_kernel = _kernels(triton.knobs.runtime.interpret)
         acc = _acc_dtype(logits.dtype)
-        grad_kernel[(num_rows,)](
+        _grad_kernel[(num_rows,)](
             logits, targets.contiguous(), row_max.to(acc).contiguous(), sumexp.to(acc).contiguous(),
             grad_loss.contiguous(), grad_logits, logits.stride(0), grad_logits.stride(0),
             vocab_local, vocab_start, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab_local)))
@@ -321,22 +320,24 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
             are not checked (that would need one more collective) and count as a target logit of 0.
     """
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', "
-                         f"got {reduction!r}")
+        raise ValueError("vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or "
+                         f"'none', got {reduction!r}")
     if local_logits.dim() < 1 or targets.shape != local_logits.shape[:-1]:
-        raise ValueError(f"vocab_parallel_cross_entropy: targets shape {tuple(targets.shape)} must be "
-                         f"local_logits shape {tuple(local_logits.shape)} without its last dim")
+        raise ValueError(f"vocab_parallel_cross_entropy: targets shape {tuple(targets.shape)} "
+                         f"must be local_logits shape {tuple(local_logits.shape)} without its "
+                         "last dim")
     batch_shape = targets.shape
     logits_2d = local_logits.reshape(-1, local_logits.shape[-1])  # (N, V_local)
     targets_1d = targets.reshape(-1)  # (N,)
     if group is None:
         if vocab_start != 0:
-            raise ValueError(f"vocab_parallel_cross_entropy: vocab_start={vocab_start} needs a group; "
-                             "without one the shard is the whole vocabulary and starts at 0")
+            raise ValueError(f"vocab_parallel_cross_entropy: vocab_start={vocab_start} needs a "
+                             "group; without one the shard is the whole vocabulary, from 0")
         bad = (targets_1d != ignore_index) & ((targets_1d < 0) | (targets_1d >= logits_2d.shape[1]))
         if bool(bad.any()):
             raise ValueError(f"vocab_parallel_cross_entropy: target {int(targets_1d[bad][0])} is "
-                             f"outside [0, {logits_2d.shape[1]}) and is not ignore_index={ignore_index}")
+                             f"outside [0, {logits_2d.shape[1]}) and is not "
+                             f"ignore_index={ignore_index}")
     loss = _VocabParallelCrossEntropy.apply(logits_2d, targets_1d, vocab_start, ignore_index,
                                             group, use_triton)  # (N,)
     if reduction == "none":

@@ -15,11 +15,10 @@ Backward (n = x * rstd, rstd = 1 / sqrt(mean(x^2) + eps), g = dy * w, H = hidden
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
@@ -27,6 +26,7 @@ MAX_FUSED_HIDDEN = 65536  # one program holds a whole row: Triton blocks top out
 _MAX_BWD_PROGRAMS = 256  # backward programs, each accumulating a partial weight gradient
 
 
+@triton.jit
 def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, hidden, eps,
                 BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -46,6 +46,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, hidden, eps,
     tl.store(rstd_ptr + row, rstd)
 
 
+@triton.jit
 def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
                 stride_dy, stride_x, stride_dx, num_rows, hidden,
                 BLOCK_H: tl.constexpr):
@@ -63,7 +64,8 @@ def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
         dy = tl.load(dy_ptr + row64 * stride_dy + offs, mask=mask, other=0.0).to(acc_ty)
         rstd = tl.load(rstd_ptr + row64)
         normed = x * rstd
-        # Autograd of the HF form rounds both to the input dtype; a no-op for float32 inputs.
+        # As HF: its forward multiplies the weight by normed rounded to x's dtype, and its
+        # autograd rounds dy * w to x's dtype (both no-ops for float32).
         g = (dy * w).to(x_ptr.dtype.element_ty).to(acc_ty)
         dw += dy * normed.to(x_ptr.dtype.element_ty).to(acc_ty)
         dx = rstd * (g - normed * (tl.sum(g * normed, axis=0) / hidden))
@@ -71,27 +73,24 @@ def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
     tl.store(dw_partial_ptr + pid * hidden + offs, dw, mask=mask)
 
 
-@functools.cache
-def _kernels(interpret: bool):
-    """The jitted kernels. triton.jit picks the interpreter or the compiler from TRITON_INTERPRET
-    when it decorates, so decorate on first use, once per mode, not at import time."""
-    del interpret  # only the cache key
-    return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
-
-
 def _pick_triton(use_triton: bool | None, tensors: list[torch.Tensor], fn: str) -> bool:
-    """None: Triton on CUDA, reference elsewhere. True: Triton, which on CPU needs the interpreter."""
+    """None: Triton on CUDA, the reference elsewhere. True: Triton (CPU: only interpreted)."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
-        raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    on_cuda = next(iter(devices)).type == "cuda"
+        raise ValueError(f"{fn}: all tensors must be on one device, "
+                         f"got {sorted(map(str, devices))}")
+    device = next(iter(devices))
     if use_triton is None:
-        return on_cuda
+        return device.type == "cuda"
     if not use_triton:
         return False
-    if not on_cuda and not triton.knobs.runtime.interpret:
-        raise ValueError(f"{fn}: use_triton=True on {next(iter(devices))} tensors needs "
-                         "TRITON_INTERPRET=1 (the Triton interpreter); pass use_triton=None or False")
+    # Both this module's kernels and triton.language's own helpers (tl.sum, ...) are
+    # decorated at import: all must be interpreted for CPU tensors.
+    interpreted = all(isinstance(f, InterpretedFunction) for f in (_fwd_kernel, tl.sum))
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"{fn}: use_triton=True on {device} tensors needs the Triton interpreter: "
+                         "set TRITON_INTERPRET=1 before triton is first imported (triton.jit picks "
+                         "the interpreter when it decorates), or pass use_triton=None or False")
     return True
 
 
@@ -108,9 +107,9 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty(x_2d.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(x_2d.shape[0], dtype=_acc_dtype(x.dtype, weight.dtype), device=x.device)
         if x_2d.shape[0]:
-            fwd, _ = _kernels(triton.knobs.runtime.interpret)
-            fwd[(x_2d.shape[0],)](x_2d, weight.contiguous(), y, rstd, x_2d.stride(0), y.stride(0),
-                                  hidden, eps, BLOCK_H=triton.next_power_of_2(hidden))
+            _fwd_kernel[(x_2d.shape[0],)](x_2d, weight.contiguous(), y, rstd, x_2d.stride(0),
+                                          y.stride(0), hidden, eps,
+                                          BLOCK_H=triton.next_power_of_2(hidden))
         ctx.save_for_backward(x_2d, weight, rstd)
         ctx.x_shape = x.shape
         return y.reshape(x.shape)
@@ -124,10 +123,9 @@ class _RMSNorm(torch.autograd.Function):
         num_programs = max(1, min(num_rows, _MAX_BWD_PROGRAMS))
         dw_partial = torch.zeros(num_programs, hidden, dtype=rstd.dtype, device=x_2d.device)
         if num_rows:
-            _, bwd = _kernels(triton.knobs.runtime.interpret)
-            bwd[(num_programs,)](dy_2d, x_2d, weight.contiguous(), rstd, dx, dw_partial,
-                                 dy_2d.stride(0), x_2d.stride(0), dx.stride(0), num_rows, hidden,
-                                 BLOCK_H=triton.next_power_of_2(hidden))
+            _bwd_kernel[(num_programs,)](dy_2d, x_2d, weight.contiguous(), rstd, dx, dw_partial,
+                                         dy_2d.stride(0), x_2d.stride(0), dx.stride(0), num_rows,
+                                         hidden, BLOCK_H=triton.next_power_of_2(hidden))
         return dx.reshape(ctx.x_shape), dw_partial.sum(0).to(weight.dtype), None
 
 
@@ -168,9 +166,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight must be (H,) with H = x's last dim; got x "
                          f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
-    if not _pick_triton(use_triton, [x, weight], "rms_norm"):
-        return rms_norm_reference(x, weight, eps)
-    if x.shape[-1] > MAX_FUSED_HIDDEN:
+    wants_triton = use_triton or (use_triton is None and x.is_cuda)
+    if wants_triton and x.shape[-1] > MAX_FUSED_HIDDEN:
         raise ValueError(f"rms_norm: hidden size {x.shape[-1]} exceeds the fused kernel's "
                          f"single-block limit {MAX_FUSED_HIDDEN}; use use_triton=False")
+    if not _pick_triton(use_triton, [x, weight], "rms_norm"):
+        return rms_norm_reference(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps)

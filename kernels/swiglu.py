@@ -14,18 +14,18 @@ The forward rounds silu(gate) to the input dtype before the multiply, as eager
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["swiglu", "swiglu_reference"]
 
 _BLOCK = 1024  # elements per program
 
 
+@triton.jit
 def _fwd_kernel(gate_ptr, up_ptr, y_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -36,6 +36,7 @@ def _fwd_kernel(gate_ptr, up_ptr, y_ptr, numel, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, (silu * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
 def _bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -50,27 +51,24 @@ def _bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.c
     tl.store(dup_ptr + offs, (dy * silu).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _kernels(interpret: bool):
-    """The jitted kernels. triton.jit picks the interpreter or the compiler from TRITON_INTERPRET
-    when it decorates, so decorate on first use, once per mode, not at import time."""
-    del interpret  # only the cache key
-    return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
-
-
 def _pick_triton(use_triton: bool | None, tensors: list[torch.Tensor], fn: str) -> bool:
-    """None: Triton on CUDA, reference elsewhere. True: Triton, which on CPU needs the interpreter."""
+    """None: Triton on CUDA, the reference elsewhere. True: Triton (CPU: only interpreted)."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
-        raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    on_cuda = next(iter(devices)).type == "cuda"
+        raise ValueError(f"{fn}: all tensors must be on one device, "
+                         f"got {sorted(map(str, devices))}")
+    device = next(iter(devices))
     if use_triton is None:
-        return on_cuda
+        return device.type == "cuda"
     if not use_triton:
         return False
-    if not on_cuda and not triton.knobs.runtime.interpret:
-        raise ValueError(f"{fn}: use_triton=True on {next(iter(devices))} tensors needs "
-                         "TRITON_INTERPRET=1 (the Triton interpreter); pass use_triton=None or False")
+    # Both this module's kernels and triton.language's own helpers (tl.sum, ...) are
+    # decorated at import: all must be interpreted for CPU tensors.
+    interpreted = all(isinstance(f, InterpretedFunction) for f in (_fwd_kernel, tl.sum))
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"{fn}: use_triton=True on {device} tensors needs the Triton interpreter: "
+                         "set TRITON_INTERPRET=1 before triton is first imported (triton.jit picks "
+                         "the interpreter when it decorates), or pass use_triton=None or False")
     return True
 
 
@@ -81,8 +79,7 @@ class _SwiGLU(torch.autograd.Function):
         y = torch.empty_like(gate)
         numel = gate.numel()
         if numel:
-            fwd, _ = _kernels(triton.knobs.runtime.interpret)
-            fwd[(triton.cdiv(numel, _BLOCK),)](gate, up, y, numel, BLOCK=_BLOCK)
+            _fwd_kernel[(triton.cdiv(numel, _BLOCK),)](gate, up, y, numel, BLOCK=_BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
@@ -93,8 +90,8 @@ class _SwiGLU(torch.autograd.Function):
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         numel = gate.numel()
         if numel:
-            _, bwd = _kernels(triton.knobs.runtime.interpret)
-            bwd[(triton.cdiv(numel, _BLOCK),)](dy, gate, up, dgate, dup, numel, BLOCK=_BLOCK)
+            _bwd_kernel[(triton.cdiv(numel, _BLOCK),)](dy, gate, up, dgate, dup, numel,
+                                                       BLOCK=_BLOCK)
         return dgate, dup
 
 

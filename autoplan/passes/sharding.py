@@ -9,10 +9,12 @@ with no implicit communication, because the solver's candidates come from DTenso
 
 `aten.scaled_dot_product_attention` has no DTensor rule; it is replaced by `sdpa_local`, which
 runs the fused kernel on the local shards (batch- or head-sharded, as the plan says).
+`aten.view` becomes `aten.reshape` ([Note: view under DTensor]).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -100,11 +102,20 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
     produced = value_placements(plan)
     inserted: list[Redistribution] = []
     for node in list(gm.graph.nodes):
+        if node.op == "output":
+            inserted += _redistribute_outputs(gm, node, plan, produced, param_names)
+            continue
         if node.op != "call_function":
             continue
         name = node.meta.get("orig_name", node.name)
         if node.target is aten.scaled_dot_product_attention.default:
             node.target = sdpa_local
+        elif node.target is aten.view.default:
+            # [Note: view under DTensor] A DTensor's strides are global: after a transpose of
+            # a sharded tensor, `contiguous()` can see a contiguous *global* layout and do
+            # nothing while the local shard stays strided, and the next `view` fails on it.
+            # `reshape` has the same sharding rule and copies the local shard when it must.
+            node.target = aten.reshape.default
         strategy = strategies.get(name)
         # getitem reads one element of a multi-output op: it has no tensor of its own to move.
         if strategy is None or node.target is operator.getitem:
@@ -134,6 +145,23 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
             inserted.append(record)
     gm.graph.lint()
     gm.recompile()
+    return inserted
+
+
+def _redistribute_outputs(gm, node, plan, produced, param_names) -> list[Redistribution]:
+    """The graph output must leave in the placements the plan gives it (Replicate for the
+    model's final output): insert the plan's redistributions whose consumer is "output"."""
+    wanted = {(r.producer, r.arg_index): r for r in plan.redistributions
+              if r.consumer == "output"}
+    inserted = []
+    for i, arg in enumerate(tensor_args(node)):
+        r = wanted.get((arg.meta.get("orig_name", arg.name), i))
+        if r is None:
+            continue
+        with gm.graph.inserting_before(node):
+            moved = gm.graph.call_function(redistribute, (arg, r.dst))
+        _replace_ith_use(node, i, arg, moved)
+        inserted.append(dataclasses.replace(r, collective="", bytes=0, time_s=0.0))
     return inserted
 
 

@@ -349,6 +349,7 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
     shape = graph.input_shapes[0] if graph.input_shapes else (1, plan.seq_len)
     captured_tokens = (shape[0] if shape else 1) * (shape[1] if len(shape) > 1 else plan.seq_len)
     scale = plan.microbatch_size * plan.seq_len / max(captured_tokens, 1)
+    tp = plan.mesh.tp
     strategies = {s.node: s for s in plan.strategies}
     first_block = graph.layer_nodes[min(graph.layer_nodes)] if graph.layer_nodes else ()
     rep = {n: first_block[i] for names in graph.layer_nodes.values()  # block k -> block 0
@@ -358,7 +359,6 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
         return _shard_factor(strategies.get(node) or strategies.get(rep.get(node, "")), tp)
 
     parts = _parts(graph)
-    tp = plan.mesh.tp
     sums = {p: [0.0, 0.0, 0.0, 0.0] for p in ("pre", "block", "post")}
     for name, info in graph.nodes.items():
         if parts[name] == "block" and rep.get(name) != name:

@@ -90,6 +90,12 @@ def markdown_to_html(lines: list[str]) -> str:
     return "\n".join(out)
 
 
+def _alt_label(a) -> str:
+    schedule = {"interleaved-1f1b": "i1f1b"}.get(a.schedule, a.schedule)
+    return (f"pp{a.mesh.pp} dp{a.mesh.dp} tp{a.mesh.tp} z{a.zero_stage} "
+            f"m{a.num_microbatches} {schedule}")
+
+
 def _figure(chart: str, caption: str) -> str:
     return f"<figure>{chart}<figcaption>{escape(caption)}</figcaption></figure>"
 
@@ -105,8 +111,7 @@ def _step_chart(plan: Plan) -> str:
 def _memory_chart(plan: Plan, topology: Topology | None) -> str:
     rows = [("chosen plan", F.memory_rows(plan))]
     for a in plan.alternatives:
-        rows.append((f"pp{a.mesh.pp} dp{a.mesh.dp} tp{a.mesh.tp} z{a.zero_stage} "
-                     f"m{a.num_microbatches}", [("total (runner-up)", a.memory_bytes)]))
+        rows.append((_alt_label(a), [("total (runner-up)", a.memory_bytes)]))
     markers = [("device memory", topology.device.mem_bytes)] if topology else []
     colors = {**_MEMORY_COLORS, "total (runner-up)": "#bab0ac"}
     chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="memory per rank", markers=markers,
@@ -152,8 +157,7 @@ def _alternatives_chart(plan: Plan) -> str:
     rows = [("chosen plan", [("chosen", plan.prediction.step_time_s)])]
     for a in plan.alternatives:
         kind = "over the memory budget" if a.reason.startswith("memory") else "runner-up"
-        rows.append((f"pp{a.mesh.pp} dp{a.mesh.dp} tp{a.mesh.tp} z{a.zero_stage} "
-                     f"m{a.num_microbatches}", [(kind, a.step_time_s)]))
+        rows.append((_alt_label(a), [(kind, a.step_time_s)]))
     colors = {"chosen": svg.PALETTE[4], "runner-up": svg.PALETTE[0],
               "over the memory budget": svg.PALETTE[2]}
     chart = svg.stacked_bars(rows, fmt=F.fmt_time, title="alternatives", colors=colors)
@@ -172,7 +176,7 @@ def render_html(plan: Plan, *, graph: CapturedGraph | None = None,
     if plan.alternatives:
         charts["alternatives"] = _alternatives_chart(plan)
     body = []
-    for key, lines in markdown_sections(plan, graph, topology):
+    for key, lines in markdown_sections(plan, graph, topology, parts):
         body.append(f'<section id="{key}">{markdown_to_html(lines)}{charts.get(key, "")}'
                     "</section>")
     title = escape(f"autoplan: {plan.model} on {plan.topology}")

@@ -165,11 +165,10 @@ def _redistributions(plan: Plan, graph) -> list[str]:
                  "bytes each", "time each", "count", "per step"], rows)]
 
 
-def _parts(plan: Plan, graph, topology) -> list[str]:
-    if graph is None or topology is None:
+def _parts(plan: Plan, parts: list[F.PartCost] | None) -> list[str]:
+    if parts is None:
         return []
     names = {"pre": "before the blocks", "block": "one block", "post": "after the blocks"}
-    parts = F.part_costs(plan, graph, topology)
     rows = [[names[p.part], p.count, F.fmt_time(p.compute_fwd_s), F.fmt_time(p.compute_bwd_s),
              F.fmt_time(p.comm_fwd_s), F.fmt_time(p.comm_bwd_s)] for p in parts]
     recomputed = busiest_rank_s(plan, *stage_costs(plan, parts))
@@ -219,14 +218,17 @@ def _formulas(plan: Plan) -> list[str]:
 
 
 def markdown_sections(plan: Plan, graph: CapturedGraph | None = None,
-                      topology: Topology | None = None) -> list[tuple[str, list[str]]]:
-    """The report as (section key, Markdown lines); html.py adds a chart to some keys."""
+                      topology: Topology | None = None,
+                      parts: list[F.PartCost] | None = None) -> list[tuple[str, list[str]]]:
+    """The report as (section key, Markdown lines); html.py adds a chart to some keys.
+    `parts`: F.part_costs(plan, graph, topology), computed here when None and both given."""
+    if parts is None and graph is not None and topology is not None:
+        parts = F.part_costs(plan, graph, topology)
     return [("summary", _summary(plan, graph, topology)), ("mesh", _mesh(plan, topology)),
             ("prediction", _prediction(plan, topology)), ("memory", _memory(plan, topology)),
             ("stages", _stages(plan)), ("placements", _placements(plan, graph)),
-            ("redistributions", _redistributions(plan, graph)),
-            ("parts", _parts(plan, graph, topology)), ("alternatives", _alternatives(plan)),
-            ("formulas", _formulas(plan))]
+            ("redistributions", _redistributions(plan, graph)), ("parts", _parts(plan, parts)),
+            ("alternatives", _alternatives(plan)), ("formulas", _formulas(plan))]
 
 
 def render_markdown(plan: Plan, *, graph: CapturedGraph | None = None,
@@ -247,8 +249,10 @@ def render_summary(plan: Plan, *, topology: Topology | None = None) -> str:
         lines.append(f"  {a.name} {a.degree:>4}  {a.text}")
     lines += [
         f"ZeRO        {ZERO_TEXT[plan.zero_stage]}",
-        f"schedule    {plan.schedule}, {_n(plan.num_microbatches, 'microbatch')} of "
-        f"{_n(plan.microbatch_size, 'sample')}",
+        f"schedule    {plan.schedule}"
+        + (f" ({plan.num_virtual_stages} chunks per pp rank)" if plan.num_virtual_stages > 1
+           else "")
+        + f", {_n(plan.num_microbatches, 'microbatch')} of {_n(plan.microbatch_size, 'sample')}",
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
         f"communication {F.fmt_time(p.comm_s)}, bubble {F.fmt_time(p.bubble_s)})",
         f"throughput  {F.fmt_count(F.tokens_per_s(plan))} tokens/s, "

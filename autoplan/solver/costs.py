@@ -15,7 +15,9 @@ exact when the graph is captured at the planned sequence length). Parameter tens
   `redistribute_time_s(p, q)` plus backward `redistribute_time_s(*backward_redistribution(p, q,
   grad_placement=g))` where g = "P" when q = "R" and v's candidate splits the work (the
   gradient of a replicated input of a split op is a partial sum: Megatron's f operator,
-  Shoeybi et al. 2019 section 3); pairs DTensor cannot do (S -> P) are absent;
+  Shoeybi et al. 2019 section 3); pairs DTensor cannot do (S -> P) are absent, and so are
+  pairs that would gather or reshuffle a split parameter (S(d) -> R / S(e)): autograd would
+  keep the gathered copy of every layer until the backward, memory the model does not price;
 - activation bytes: each saved tensor divided by tp when its owner's candidate output is S(d);
 - parameter elements per device: numel / tp when the get_attr candidate is S(d).
 """
@@ -125,6 +127,11 @@ def _edge_pairs(problem: Problem, edge, scale: float, topology: Topology) -> dic
             if edge.getitem:
                 if p == q:
                     pairs[(p, q, split)] = (0.0, 0.0, "none")
+                continue
+            if not edge.scales and p != q and p != "R":
+                # A split parameter is used as it is stored (or sliced further from R): an
+                # all-gathered weight would be saved by autograd for the backward in every
+                # layer -- ZeRO-3 on the dp axis is the way to store weights split.
                 continue
             try:
                 name, fwd = redistribute_time_s(p, q, nbytes, tp, topology)

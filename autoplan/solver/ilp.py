@@ -247,8 +247,12 @@ def solve(problem: Problem, costs: Costs, *, ranks: list[RankMemory] | None = No
         model = _build(problem, costs, integer, ranks, budget_bytes, objective)
         model.s.SetTimeLimit(int(time_limit_s * 1000))
         status = model.s.Solve()
-        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if status == pywraplp.Solver.INFEASIBLE:
             return None  # the LP is infeasible only when the ILP is
+        if not integer and status != pywraplp.Solver.OPTIMAL:
+            continue  # GLOP gave up (numerics, time): CP-SAT decides
+        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            return None
         values = model.values()
         if all(min(abs(v), abs(1 - v)) < _INTEGRAL for xs in values.values() for v in xs):
             optimal = status == pywraplp.Solver.OPTIMAL

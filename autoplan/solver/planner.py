@@ -120,11 +120,23 @@ def _exact(search: Search, cfg: Config) -> Assessment | None:
 
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
     """Runners-up with the reason each loses: up to two faster ones that do not fit
-    ("memory"), then the fastest that fit."""
-    others = [a for a in evaluated if a.config != best.config]
-    faster_oom = sorted((a for a in others if not a.fits and a.step_time_s < best.step_time_s),
-                        key=_rank)[:min(2, top_k)]
-    fits = sorted((a for a in others if a.fits), key=_rank)
+    ("memory"), then the fastest that fit; one per (mesh, microbatches, schedule), so that
+    the list shows different plans rather than ZeRO stages of one."""
+    def group(a: Assessment) -> tuple:
+        c = a.config
+        return (c.pp, c.dp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages)
+
+    seen = {group(best)}
+    faster_oom, fits = [], []
+    for a in sorted(evaluated, key=_rank):
+        if group(a) in seen:
+            continue
+        if a.fits:
+            seen.add(group(a))
+            fits.append(a)
+        elif a.step_time_s < best.step_time_s and len(faster_oom) < min(2, top_k):
+            seen.add(group(a))
+            faster_oom.append(a)
     chosen = (faster_oom + fits)[:top_k]
     return [(a, _reason(a, best)) for a in sorted(chosen, key=_rank)]
 

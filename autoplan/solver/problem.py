@@ -137,7 +137,13 @@ def _layer_of(graph: CapturedGraph) -> dict[str, int]:
 
 
 def _representatives(graph: CapturedGraph, cands) -> tuple[dict[str, str], bool]:
-    """[Note: layer sharing]; falls back to no sharing when the blocks do not align."""
+    """[Note: layer sharing]; falls back to no sharing when the blocks do not align (same ops
+    with the same shapes, position by position).
+
+    Node k of every block gets the candidates common to node k of all blocks (in place, in
+    `cands`): the first block may differ from the others only because its input comes from
+    outside (a graph input is never Partial), and a shared choice must be valid in every block.
+    """
     rep = {n: n for n in cands}
     blocks = [graph.layer_nodes[k] for k in sorted(graph.layer_nodes)]
     if len(blocks) < 2:
@@ -145,10 +151,14 @@ def _representatives(graph: CapturedGraph, cands) -> tuple[dict[str, str], bool]
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     first = blocks[0]
     aligned = all(len(b) == len(first) and all(
-        nodes[a].target == nodes[c].target and cands.get(a) == cands.get(c)
+        nodes[a].target == nodes[c].target and graph.nodes[a].shapes == graph.nodes[c].shapes
         for a, c in zip(b, first)) for b in blocks[1:])
     if not aligned:
         return rep, False
+    for i, name0 in enumerate(first):
+        common = [c for c in cands[name0] if all(c in cands[b[i]] for b in blocks[1:])]
+        for b in blocks:
+            cands[b[i]] = common
     proposals: dict[str, set] = defaultdict(set)
     for block in blocks:
         for name, name0 in zip(block, first):
