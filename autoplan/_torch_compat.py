@@ -25,7 +25,7 @@ from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sharding_rule",
-           "has_direct_rule", "is_composite", "decompose", "propagate_trace",
+           "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution",
            "Placement", "Partial", "Replicate", "Shard"]
 
@@ -63,6 +63,11 @@ def tp_mesh(tp: int) -> DeviceMesh:
 
 def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def is_aten_op(target: Any) -> bool:
+    """True for an aten OpOverload (what DTensor's rules are keyed by)."""
+    return isinstance(target, torch._ops.OpOverload)
 
 
 def has_direct_rule(op: Any) -> bool:

@@ -124,28 +124,14 @@ def node_tensor_meta(graph: CapturedGraph, node: torch.fx.Node) -> list[tuple | 
     return [None]
 
 
-def _param_fqns(graph: CapturedGraph) -> dict[str, str]:
-    """Every FQN (canonical and alias) -> canonical FQN."""
-    out = {}
-    for fqn, info in graph.params.items():
-        out[fqn] = fqn
-        for alias in info.aliases:
-            out[alias] = fqn
-    return out
-
-
-def _is_parameter(graph: CapturedGraph, node: torch.fx.Node, fqns: dict[str, str]) -> bool:
-    canon = fqns.get(str(node.target))
-    return canon is not None and not graph.params[canon].is_buffer
-
-
 def constant_like_nodes(graph: CapturedGraph) -> set[str]:
     """Names of nodes that depend on no parameter and no graph input (buffers count as
     constants). They run as plain tensors and get the single candidate R."""
-    fqns = _param_fqns(graph)
+    trained = {name for fqn, info in graph.params.items() if not info.is_buffer
+               for name in (fqn, *info.aliases)}
     const: set[str] = set()
     for node in graph.gm.graph.nodes:
-        if node.op == "get_attr" and not _is_parameter(graph, node, fqns):
+        if node.op == "get_attr" and str(node.target) not in trained:
             const.add(node.name)
         elif node.op == "call_function" and all(a.name in const for a in tensor_args(node)):
             const.add(node.name)
@@ -187,11 +173,8 @@ def batch_dims(graph: CapturedGraph, *, cache: dict | None = None) -> dict[str, 
 
 
 def _batch_dims_of_op(graph, node, known, mesh, cache) -> tuple:
-    args = tensor_args(node)
-    dims = [known.get(a.name, (None,))[0] if a.target is not operator.getitem
-            else known[a.name][0] for a in args]
-    metas = node_tensor_meta(graph, node)
-    none = tuple(None for _ in metas)
+    dims = [known.get(a.name, (None,))[0] for a in tensor_args(node)]
+    none = tuple(None for _ in node_tensor_meta(graph, node))
     if all(d is None for d in dims):
         return none
     placements = [tc.Shard(d) if d is not None else tc.Replicate() for d in dims]
@@ -204,13 +187,9 @@ def _batch_dims_of_op(graph, node, known, mesh, cache) -> tuple:
     return tuple(p.dim if isinstance(p, tc.Shard) else None for p in prop.outputs)
 
 
-def _arg_specs(graph, node):
-    """(shape, dtype) of each tensor argument (the element for getitem producers)."""
-    specs = []
-    for a in tensor_args(node):
-        metas = node_tensor_meta(graph, a)
-        specs.append(metas[0])
-    return specs
+def _arg_specs(graph, node) -> list[tuple]:
+    """(shape, dtype) of each tensor argument (a getitem node carries its element's)."""
+    return [node_tensor_meta(graph, a)[0] for a in tensor_args(node)]
 
 
 def _propagate_node(graph, node, placements, mesh, cache=None) -> tc.Propagation:
@@ -333,7 +312,6 @@ class _Context:
     def __init__(self, graph: CapturedGraph, tp: int, cache: StrategyCache,
                  base_tp: int | None = None) -> None:
         self.graph, self.tp, self.cache, self.base_tp = graph, tp, cache, base_tp
-        self.fqns = _param_fqns(graph)
         self.consts = constant_like_nodes(graph)
         self.ignored = ignored_nodes(graph) | {
             n.name for n in graph.gm.graph.nodes
@@ -359,7 +337,7 @@ class _Context:
             return [Candidate((p,), (p,), 1.0) for p in seen]
         if node.target is _SDPA:
             return self._sdpa(node)
-        if not isinstance(node.target, torch._ops.OpOverload):
+        if not tc.is_aten_op(node.target):
             log.info("strategies: %s (%s) is not an aten op; only all-R", node.name, node.target)
             return [all_r]
         key = self._key(node)

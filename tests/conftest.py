@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from autoplan.runtime.launcher import LocalCluster
+# Triton reads TRITON_INTERPRET when it is first imported (torch.export imports it), so the
+# kernels' interpreter tests need it set before any test module loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from autoplan.runtime.launcher import LocalCluster  # noqa: E402
 
 
 class _Clusters:

@@ -9,7 +9,7 @@ with no implicit communication, because the solver's candidates come from DTenso
 
 `aten.scaled_dot_product_attention` has no DTensor rule; it is replaced by `sdpa_local`, which
 runs the fused kernel on the local shards (batch- or head-sharded, as the plan says).
-`aten.view` becomes `aten.reshape` ([Note: view under DTensor]).
+`aten.view` / `aten.reshape` become `reshape` ([Note: view under DTensor]).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.plan import Plan, Redistribution, parse_placement
 
-__all__ = ["apply_placements", "redistribute", "sdpa_local", "tensor_args",
+__all__ = ["apply_placements", "redistribute", "reshape", "sdpa_local", "tensor_args",
            "check_redistributions"]
 
 aten = torch.ops.aten
@@ -41,6 +41,29 @@ def redistribute(x, placement: str):
     if tuple(x.placements) == (p,):
         return x
     return x.redistribute(x.device_mesh, (p,))
+
+
+def _contiguous_local(t):
+    if isinstance(t, DTensor) and not t._local_tensor.is_contiguous():
+        return DTensor.from_local(
+            t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
+            shape=t.shape, stride=torch._prims_common.make_contiguous_strides_for(t.shape))
+    return t
+
+
+def reshape(x, shape):
+    """`aten.view` / `aten.reshape` that works on strided local shards.
+
+    [Note: view under DTensor] A DTensor's strides are global: after a transpose of a sharded
+    tensor, DTensor can take the global layout for viewable while the local shard is strided,
+    and run `view` on it, which fails -- in forward, and in backward when the incoming gradient
+    is strided. The local shard (and, through a hook, the gradient) is made contiguous first (a
+    copy only when it is strided, as `reshape` would make); the sharding rule is DTensor's.
+    """
+    out = aten.reshape.default(_contiguous_local(x), shape)
+    if isinstance(out, DTensor) and out.requires_grad:
+        out.register_hook(_contiguous_local)
+    return out
 
 
 def sdpa_local(q, k, v, attn_mask=None, *args, **kwargs):
@@ -110,12 +133,8 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
         name = node.meta.get("orig_name", node.name)
         if node.target is aten.scaled_dot_product_attention.default:
             node.target = sdpa_local
-        elif node.target is aten.view.default:
-            # [Note: view under DTensor] A DTensor's strides are global: after a transpose of
-            # a sharded tensor, `contiguous()` can see a contiguous *global* layout and do
-            # nothing while the local shard stays strided, and the next `view` fails on it.
-            # `reshape` has the same sharding rule and copies the local shard when it must.
-            node.target = aten.reshape.default
+        elif node.target in (aten.view.default, aten.reshape.default):
+            node.target = reshape
         strategy = strategies.get(name)
         # getitem reads one element of a multi-output op: it has no tensor of its own to move.
         if strategy is None or node.target is operator.getitem:

@@ -39,9 +39,10 @@ Objective (seconds per microbatch through the whole model, fwd + bwd)
 Solving ([Note: LP first]): the LP relaxation (x, y in [0, 1]) is solved with GLOP first. The
 edge constraints make it tight -- on every llama/gpt2 layer we measured its optimum is integral
 -- and an integral LP optimum is an optimum of the ILP (the LP bound is met by an integral
-point), found in ~30 ms instead of ~250 ms. When the LP optimum is fractional (ties, or binding
-memory constraints) the same model is solved as an ILP by CP-SAT (linearization_level 2, one
-deterministic worker). Units inside the model: ns for time, kB (1e3 B) for memory.
+point), found in ~30 ms instead of ~250 ms. When the LP optimum is fractional (ties), and
+always under memory constraints (knapsack-like, the LP is fractional), the model is solved as an
+ILP by CP-SAT (linearization_level 2, one deterministic worker, relative gap 1e-4).
+Units inside the model: ns for time, kB (1e3 B) for memory.
 Compute, communication and transition (edge) costs stay separate in `Solution`.
 """
 
@@ -119,7 +120,7 @@ class _Model:
             # Full LP relaxation inside CP-SAT: a llama-tiny layer solves in 0.15 s instead
             # of 12 s with the default level; one worker keeps the answer deterministic.
             self.s.SetSolverSpecificParametersAsString(
-                "linearization_level:2 num_workers:1 random_seed:0")
+                "linearization_level:2 num_workers:1 random_seed:0 relative_gap_limit:1e-4")
         self.x: dict[str, list] = {}
         self.y: list[dict] = []
 
@@ -243,7 +244,8 @@ def solve(problem: Problem, costs: Costs, *, ranks: list[RankMemory] | None = No
     """
     start = time.perf_counter()
     optimal = True
-    for integer in (False, True):
+    # Memory constraints (knapsack-like) make the LP fractional: go to CP-SAT directly.
+    for integer in ((True,) if ranks is not None or objective == "memory" else (False, True)):
         model = _build(problem, costs, integer, ranks, budget_bytes, objective)
         model.s.SetTimeLimit(int(time_limit_s * 1000))
         status = model.s.Solve()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -82,40 +83,46 @@ def _rank(a: Assessment) -> tuple:
 
 
 def _branch_and_bound(search: Search, configs: list[Config], top_k: int) -> list[Assessment]:
-    """[Note: decomposition] steps 2-4 in search.py; returns every exact assessment made."""
-    bounds = []
-    for cfg in configs:
+    """[Note: decomposition] steps 2-4 in search.py; returns every assessment made.
+
+    A heap of configurations by lower bound. A configuration is first bounded without an ILP;
+    when popped, its time-optimal placement is assessed; if that does not fit, it goes back
+    with the unconstrained step time as its (tighter) bound, and only if it is popped again
+    before the best plan is proven is the memory-constrained ILP solved. Once the next bound
+    is no better than the best plan, runners-up are filled in for the report with at most
+    `top_k` more ILP solves (no constrained ones: those stay "memory" alternatives).
+    """
+    heap: list[tuple] = []
+    for i, cfg in enumerate(configs):
         lb = search.lower_bound(cfg)
-        bounds.append((lb.step_time_s, lb.fits, cfg))
-    bounds.sort(key=lambda t: (t[0], t[2].tp, t[2].pp))
+        if lb.fits:
+            heapq.heappush(heap, (lb.step_time_s, cfg.tp, cfg.pp, i, cfg, None))
     done: list[Assessment] = []
-    best_times: list[float] = []
-    for lb_time, lb_fits, cfg in bounds:
-        if len(best_times) > top_k and lb_time >= best_times[top_k]:
+    best = float("inf")
+    fill_solves = fill_fits = 0
+    while heap:
+        bound, _tp, _pp, i, cfg, unfit = heapq.heappop(heap)
+        proving = bound < best
+        if not proving and (fill_fits >= top_k or fill_solves >= top_k):
             break
-        if not lb_fits:
-            continue  # even the most memory-frugal placement does not fit
-        result = _exact(search, cfg)
-        if result is None:
-            continue
+        if unfit is None:
+            known = (cfg.tp, cfg.microbatch_size) in search.solutions
+            fill_solves += 0 if (proving or known) else 1
+            result = search.assess(cfg, search.solution(cfg.tp, cfg.microbatch_size))
+            if not result.fits and search.memory_bound(cfg).fits:
+                heapq.heappush(heap, (result.step_time_s, cfg.tp, cfg.pp, i, cfg, result))
+                continue
+        elif proving:
+            constrained = search.solution(cfg.tp, cfg.microbatch_size, cfg)
+            again = search.assess(cfg, constrained) if constrained is not None else None
+            result = again if again is not None and again.fits else unfit
+        else:
+            result = unfit  # a runner-up that needs more memory than its fastest placement
         done.append(result)
         if result.fits:
-            best_times = sorted(best_times + [result.step_time_s])
+            best = min(best, result.step_time_s)
+            fill_fits += 0 if proving else 1
     return done
-
-
-def _exact(search: Search, cfg: Config) -> Assessment | None:
-    sol = search.solution(cfg.tp, cfg.microbatch_size)
-    if sol is None:
-        return None
-    result = search.assess(cfg, sol)
-    if result.fits:
-        return result
-    constrained = search.solution(cfg.tp, cfg.microbatch_size, cfg)
-    if constrained is None:
-        return result  # does not fit: kept to explain alternatives ("memory")
-    again = search.assess(cfg, constrained)
-    return again if again.fits else result
 
 
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:

@@ -194,11 +194,12 @@ class Search:
 
     def solution(self, tp: int, b: int, cfg: Config | None = None) -> Solution | None:
         """Time-optimal placement; with `cfg`, under its per-rank memory constraints."""
-        key = (tp, b) if cfg is None else (tp, b, cfg)
+        prob, costs = self.problem(tp), self.cost(tp, b)
+        ranks = None if cfg is None else rank_memories(
+            cfg, self.spec, self.total_layers, costs.output_bytes)
+        # configurations with the same memory coefficients share the constrained ILP
+        key = (tp, b) if cfg is None else (tp, b, _signature(ranks))
         if key not in self.solutions:
-            prob, costs = self.problem(tp), self.cost(tp, b)
-            ranks = None if cfg is None else rank_memories(
-                cfg, self.spec, self.total_layers, costs.output_bytes)
             budget = self.spec.max_memory_fraction * self.topology.device.mem_bytes
             self.solutions[key] = solve(prob, costs, ranks=ranks, budget_bytes=budget,
                                         time_limit_s=self.time_limit_s)
@@ -217,6 +218,15 @@ class Search:
                       output_bytes=costs.output_bytes,
                       boundary_bytes=self.boundary_bytes(cfg.tp, cfg.microbatch_size))
 
+    def memory_bound(self, cfg: Config) -> Assessment:
+        """An Assessment whose memory no placement at this (tp, b) can beat: every node and
+        parameter at its smallest candidate (exact costs of this tp, not divided)."""
+        key = ("memory", cfg.tp, cfg.microbatch_size)
+        if key not in self.bounds:
+            self.bounds[key] = _lower_bound(self.problem(cfg.tp),
+                                            self.cost(cfg.tp, cfg.microbatch_size), 1)
+        return self.assess(cfg, self.bounds[key])
+
     def lower_bound(self, cfg: Config) -> Assessment:
         """[Note: decomposition] step 2: an Assessment no exact one can beat, from the tp = 1
         problem (no strategies needed) with compute, parameters and activations divided by tp:
@@ -230,6 +240,14 @@ class Search:
         return assess(cfg, sol, self.spec, self.topology, total_layers=self.total_layers,
                       output_bytes=self.cost(1, cfg.microbatch_size).output_bytes,
                       boundary_bytes=self.boundary_bytes(1, cfg.microbatch_size) / cfg.tp)
+
+
+def _signature(ranks) -> tuple:
+    """Per-rank memory coefficients rounded to 6 significant digits (a cache key)."""
+    r6 = lambda v: float(f"{v:.6g}")  # noqa: E731
+    return tuple((tuple(sorted((k, r6(v)) for k, v in r.param_coef.items())),
+                  tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes))
+                 for r in ranks)
 
 
 def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
