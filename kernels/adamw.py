@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from kernels._dispatch import pick_triton
 
 __all__ = ["adamw_step", "adamw_step_reference"]
 
@@ -56,24 +57,7 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, numel,
 
 
 def _pick_triton(use_triton: bool | None, tensors: list[torch.Tensor], fn: str) -> bool:
-    """None: Triton on CUDA, the reference elsewhere. True: Triton (CPU: only interpreted)."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"{fn}: all tensors must be on one device, "
-                         f"got {sorted(map(str, devices))}")
-    device = next(iter(devices))
-    if use_triton is None:
-        return device.type == "cuda"
-    if not use_triton:
-        return False
-    # Both this module's kernels and triton.language's own helpers (tl.sum, ...) are
-    # decorated at import: all must be interpreted for CPU tensors.
-    interpreted = all(isinstance(f, InterpretedFunction) for f in (_adamw_kernel, tl.sum))
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(f"{fn}: use_triton=True on {device} tensors needs the Triton interpreter: "
-                         "set TRITON_INTERPRET=1 before triton is first imported (triton.jit picks "
-                         "the interpreter when it decorates), or pass use_triton=None or False")
-    return True
+    return pick_triton(use_triton, tensors, fn, _adamw_kernel)
 
 
 def _check(param, grad, exp_avg, exp_avg_sq, step, betas, fn):

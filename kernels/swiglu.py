@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from kernels._dispatch import pick_triton
 
 __all__ = ["swiglu", "swiglu_reference"]
 
@@ -52,24 +53,7 @@ def _bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.c
 
 
 def _pick_triton(use_triton: bool | None, tensors: list[torch.Tensor], fn: str) -> bool:
-    """None: Triton on CUDA, the reference elsewhere. True: Triton (CPU: only interpreted)."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"{fn}: all tensors must be on one device, "
-                         f"got {sorted(map(str, devices))}")
-    device = next(iter(devices))
-    if use_triton is None:
-        return device.type == "cuda"
-    if not use_triton:
-        return False
-    # Both this module's kernels and triton.language's own helpers (tl.sum, ...) are
-    # decorated at import: all must be interpreted for CPU tensors.
-    interpreted = all(isinstance(f, InterpretedFunction) for f in (_fwd_kernel, tl.sum))
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(f"{fn}: use_triton=True on {device} tensors needs the Triton interpreter: "
-                         "set TRITON_INTERPRET=1 before triton is first imported (triton.jit picks "
-                         "the interpreter when it decorates), or pass use_triton=None or False")
-    return True
+    return pick_triton(use_triton, tensors, fn, _fwd_kernel)
 
 
 class _SwiGLU(torch.autograd.Function):
