@@ -7,7 +7,9 @@ and when. One rank is one process with one intra-op thread, as `LocalCluster` ru
 
 [Note: calibration fits]
 Each timing is the median of several repeats, each repeat long enough (`min_time_s`) for the
-clock; the machine may be shared and noisy, so medians, never means or minima.
+clock; the machine may be shared and noisy, so medians, never means or minima, and the repeats
+of the sizes of one measurement are interleaved, so that a burst of load from other processes
+cannot bend a fitted curve.
 
 - Matmul: fp32 square matmuls `(d, d) @ (d, d)`, 2 d^3 FLOPs each. `peak_flops_per_s["float32"]`
   is the largest measured rate. `matmul_efficiency` E is fitted so that compute.py's curve,
@@ -18,7 +20,8 @@ clock; the machine may be shared and noisy, so medians, never means or minima.
   determined by the data; we keep peak = the largest measured rate (so MFU stays "of measured
   peak"), which lets E exceed 1 when this CPU saturates at smaller d than the curve assumes. The
   fit's rms relative error and the half-dim that would fit best are reported in `source`.
-  `peak_flops_per_s["bfloat16"]`: the largest rate of bf16 matmuls of the sizes >= 256.
+  `peak_flops_per_s["bfloat16"]`: the largest rate of bf16 matmuls of d = 256 and 512 (512
+  skipped where bf16 is emulated and slow).
 - Memory bandwidth: tensor copy (reads n, writes n bytes) and add (reads 2n, writes n) on
   arrays far larger than the caches; bytes moved / time, in the roofline's counting (input plus
   output bytes, no write-allocate); `mem_bw_bytes_per_s` is the mean of the two.
@@ -36,6 +39,7 @@ clock; the machine may be shared and noisy, so medians, never means or minima.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -46,7 +50,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
@@ -54,8 +58,10 @@ from autoplan.topology import DeviceSpec, LinkSpec, Topology, load_topology, sav
 
 __all__ = [
     "main", "measure", "default_out_path", "fit_matmul_efficiency", "best_half_dim",
-    "fit_all_reduce", "all_reduce_factor_steps", "time_per_call_s",
+    "fit_all_reduce", "all_reduce_factor_steps", "median_call_times_s",
 ]
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ class _Settings:
 _FULL = _Settings(matmul_dims=(64, 128, 256, 512, 1024), bf16_dims=(256, 512),
                   mem_bytes=64 * 2**20,
                   all_reduce_bytes=(4, 64, 2**10, 2**14, 2**16, 2**18, 2**20, 2**22),
-                  repeats=5, min_time_s=0.01)
+                  repeats=7, min_time_s=0.01)
 _QUICK = _Settings(matmul_dims=(64, 128, 256, 512), bf16_dims=(256,), mem_bytes=32 * 2**20,
                    all_reduce_bytes=(4, 2**12, 2**16, 2**18, 2**21), repeats=3, min_time_s=0.003)
 
@@ -87,49 +93,67 @@ def default_out_path() -> Path:
 
 # --- timing -----------------------------------------------------------------------------------
 
-def time_per_call_s(fn: Callable[[], object], *, repeats: int, min_time_s: float) -> float:
-    """Median over `repeats` of the mean time of one `fn()` call, seconds.
+def median_call_times_s(fns: Mapping[K, Callable[[], object]], *, repeats: int,
+                        min_time_s: float) -> dict[K, float]:
+    """Median over `repeats` of the mean time of one call, seconds, for each of `fns`.
 
-    One warm-up call, one call to size the loop, then each repeat loops `fn` enough times to
-    last about `min_time_s`.
+    Each fn gets one warm-up call and one call to size its loop (about `min_time_s` long).
+    Repeats are interleaved over the fns (f1, f2, ..., f1, f2, ...), so that a burst of load
+    from other processes on a shared machine hits all of them alike instead of one.
     """
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    once_s = time.perf_counter() - t0
-    iters = max(1, math.ceil(min_time_s / max(once_s, 1e-9)))
-    samples = []
-    for _ in range(repeats):
+    loops = {}
+    for key, fn in fns.items():
+        fn()
         t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
+        fn()
+        loops[key] = max(1, math.ceil(min_time_s / max(time.perf_counter() - t0, 1e-9)))
+    samples: dict[K, list[float]] = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            iters = loops[key]
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples[key].append((time.perf_counter() - t0) / iters)
+    return {key: statistics.median(ts) for key, ts in samples.items()}
 
 
-def _matmul_rate(dim: int, dtype: torch.dtype, s: _Settings) -> float:
-    """FLOP/s of one (dim, dim) @ (dim, dim) matmul on this thread: 2 dim^3 / time."""
-    a, b = torch.randn(dim, dim).to(dtype), torch.randn(dim, dim).to(dtype)
-    c = torch.empty(dim, dim, dtype=dtype)
-    t = time_per_call_s(lambda: torch.mm(a, b, out=c), repeats=s.repeats,
-                        min_time_s=s.min_time_s)
-    return 2.0 * dim**3 / t
+def _matmul_rates(dims: tuple[int, ...], dtype: torch.dtype, s: _Settings) -> dict[int, float]:
+    """FLOP/s of (d, d) @ (d, d) matmuls on this thread: 2 d^3 / time, per d in `dims`."""
+    ops = {}
+    for d in dims:
+        a, b = torch.randn(d, d).to(dtype), torch.randn(d, d).to(dtype)
+        ops[d] = functools.partial(torch.mm, a, b, out=torch.empty(d, d, dtype=dtype))
+    times = median_call_times_s(ops, repeats=s.repeats, min_time_s=s.min_time_s)
+    return {d: 2.0 * d**3 / t for d, t in times.items()}
+
+
+def _bf16_dims(s: _Settings, limit_s: float = 0.05) -> tuple[int, ...]:
+    """The bf16 sizes whose one matmul should take under `limit_s` (bf16 is emulated, and slow,
+    on CPUs without bf16 units), extrapolated as d^3 from the smallest."""
+    d0 = s.bf16_dims[0]
+    a = torch.randn(d0, d0).to(torch.bfloat16)
+    torch.mm(a, a)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    t = time.perf_counter() - t0
+    return tuple(d for d in s.bf16_dims if d == d0 or t * (d / d0) ** 3 < limit_s)
 
 
 def _mem_bw(s: _Settings) -> tuple[float, float]:
     """(copy, add) bandwidth in B/s: bytes read plus written per second."""
     n = s.mem_bytes // 4
     a, b, c = torch.randn(n), torch.randn(n), torch.zeros(n)
-    copy_s = time_per_call_s(lambda: c.copy_(a), repeats=s.repeats, min_time_s=s.min_time_s)
-    add_s = time_per_call_s(lambda: torch.add(a, b, out=c), repeats=s.repeats,
-                            min_time_s=s.min_time_s)
-    return 2 * a.nbytes / copy_s, 3 * a.nbytes / add_s
+    times = median_call_times_s({"copy": lambda: c.copy_(a),
+                                 "add": lambda: torch.add(a, b, out=c)},
+                                repeats=s.repeats, min_time_s=s.min_time_s)
+    return 2 * a.nbytes / times["copy"], 3 * a.nbytes / times["add"]
 
 
 def _launch_latency_s(s: _Settings) -> float:
     x, y = torch.ones(1), torch.ones(1)
-    return time_per_call_s(lambda: torch.add(x, y), repeats=s.repeats + 2,
-                           min_time_s=s.min_time_s)
+    return median_call_times_s({"add": lambda: torch.add(x, y)}, repeats=s.repeats + 2,
+                               min_time_s=s.min_time_s)["add"]
 
 
 def _mem_total_bytes() -> float:
@@ -158,31 +182,37 @@ def _all_reduce_job(group_sizes: list[int], nbytes_list: list[int], repeats: int
     out = []
     for p in group_sizes:
         if rank < p:
-            out += [(p, n, _time_all_reduce_s(n, groups[p], repeats, min_time_s))
-                    for n in nbytes_list]
+            out += [(p, n, t) for n, t in _time_all_reduce_s(nbytes_list, groups[p], repeats,
+                                                             min_time_s).items()]
         dist.barrier()  # the other ranks wait here; the next group starts together
     return out
 
 
-def _time_all_reduce_s(nbytes: int, group, repeats: int, min_time_s: float) -> float:
+def _time_all_reduce_s(nbytes_list: list[int], group, repeats: int,
+                       min_time_s: float) -> dict[int, float]:
+    """Median seconds of one all_reduce per message size on `group`. Repeats are interleaved
+    over the sizes, so that a burst of load from other processes hits all sizes alike."""
     import torch.distributed as dist
 
-    buf = torch.zeros(max(1, nbytes // 4))
-    dist.all_reduce(buf, group=group)  # warm-up (connections, buffers)
-    t0 = time.perf_counter()
-    dist.all_reduce(buf, group=group)
-    # Members must agree on the loop count, or one would wait for a call that never comes.
-    once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
-    iters = max(1, math.ceil(min_time_s / max(float(once), 1e-9)))
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
+    loops = {}
+    for n in nbytes_list:
+        buf = torch.zeros(max(1, n // 4))
+        dist.all_reduce(buf, group=group)  # warm-up (connections, buffers)
         t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(buf, group=group)
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
+        dist.all_reduce(buf, group=group)
+        # Members must agree on the loop count, or one would wait for a call that never comes.
+        once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
+        loops[n] = (buf, max(1, math.ceil(min_time_s / max(float(once), 1e-9))))
+    samples: dict[int, list[float]] = {n: [] for n in nbytes_list}
+    for _ in range(repeats):
+        for n, (buf, iters) in loops.items():
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(buf, group=group)
+            samples[n].append((time.perf_counter() - t0) / iters)
+    return {n: statistics.median(ts) for n, ts in samples.items()}
 
 
 def _concurrent_matmul_job(dim: int, repeats: int, min_time_s: float) -> float:
@@ -191,7 +221,7 @@ def _concurrent_matmul_job(dim: int, repeats: int, min_time_s: float) -> float:
 
     dist.barrier()
     s = _Settings((dim,), (), 0, (), repeats, min_time_s)
-    rate = _matmul_rate(dim, torch.float32, s)
+    rate = _matmul_rates((dim,), torch.float32, s)[dim]
     dist.barrier()
     return rate
 
@@ -269,9 +299,9 @@ def fit_all_reduce(samples: list[tuple[int, float, float]]) -> tuple[float, floa
     svv = sum(v * v for _, v in rows)
     su, sv = sum(u for u, _ in rows), sum(v for _, v in rows)
     det = suu * svv - suv * suv
-    alpha, inv_bw = ((svv * su - suv * sv) / det, (suu * sv - suv * su) / det) if det > 0 \
-        else (-1.0, 0.0)
-    if alpha < 0:
+    if det > 0:  # 2x2 normal equations of the relative least squares
+        alpha, inv_bw = (svv * su - suv * sv) / det, (suu * sv - suv * su) / det
+    if det <= 0 or alpha < 0:  # one size only, or a negative latency: bandwidth alone
         alpha, inv_bw = 0.0, sv / svv if svv > 0 else 0.0
     if inv_bw <= 0:
         raise ValueError(
@@ -285,18 +315,15 @@ def fit_all_reduce(samples: list[tuple[int, float, float]]) -> tuple[float, floa
 
 def _measure_rank_compute(s: _Settings) -> dict:
     """Single-thread compute figures of one rank, measured in this process."""
-    rates = {d: _matmul_rate(d, torch.float32, s) for d in s.matmul_dims}
+    rates = _matmul_rates(s.matmul_dims, torch.float32, s)
     peak = max(rates.values())
     eff, eff_rms = fit_matmul_efficiency(list(rates), list(rates.values()), peak)
     half_dim, half_rms = best_half_dim(list(rates), list(rates.values()), peak)
-    bf16 = {}
-    for d in s.bf16_dims:  # bf16 is emulated (slow) on CPUs without bf16 units: stop early
-        bf16[d] = _matmul_rate(d, torch.bfloat16, s)
-        if 2.0 * d**3 / bf16[d] > 0.05:
-            break
+    bf16 = _matmul_rates(_bf16_dims(s), torch.bfloat16, s)
     copy_bw, add_bw = _mem_bw(s)
     return dict(matmul_rates=rates, peak_fp32=peak, eff=eff, eff_rms=eff_rms,
                 half_dim=half_dim, half_rms=half_rms, peak_bf16=max(bf16.values()),
+                bf16_dims=tuple(bf16),
                 copy_bw=copy_bw, add_bw=add_bw, mem_bw=(copy_bw + add_bw) / 2,
                 launch_s=_launch_latency_s(s))
 
@@ -318,7 +345,13 @@ def _measure_ranks(max_ranks: int, s: _Settings) -> dict:
             slowest[(p, n)] = max(t, slowest.get((p, n), 0.0))
     samples = [(p, n, t) for (p, n), t in sorted(slowest.items())]
     latency_s, bw, rms = fit_all_reduce(samples)
-    return dict(samples=samples, latency_s=latency_s, bw=bw, ar_rms=rms,
+    per_p = {}
+    for p in group_sizes:  # informative: cores are shared once p exceeds them
+        try:
+            per_p[p] = fit_all_reduce([x for x in samples if x[0] == p])[:2]
+        except ValueError:
+            pass
+    return dict(samples=samples, latency_s=latency_s, bw=bw, ar_rms=rms, per_p=per_p,
                 concurrent_fp32=statistics.median(concurrent))
 
 
@@ -364,24 +397,32 @@ def _cpu_model() -> str:
 
 
 def _source(fig: dict, s: _Settings, max_ranks: int, quick: bool) -> str:
+    """What was measured, how and when ([Note: calibration fits]), for `Topology.source`."""
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    dims = s.matmul_dims
-    sizes = s.all_reduce_bytes
-    return (
-        f"autoplan calibrate{' --quick' if quick else ''} on {socket.gethostname()} at {when} "
-        f"({_cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}); all figures fitted "
-        f"by calibrate, medians of {s.repeats} repeats. Device = one rank = one thread: peak "
-        f"float32 = largest rate of square matmuls d={dims[0]}..{dims[-1]}; matmul_efficiency "
-        f"fitted to compute.py's curve (rms rel. error {fig['eff_rms']:.0%}; a half-dim of "
-        f"{fig['half_dim']:.0f} would fit to {fig['half_rms']:.0%}); bfloat16 peak from d="
-        f"{','.join(map(str, s.bf16_dims))}; mem_bw = mean of copy {fig['copy_bw']:.3g} and add "
-        f"{fig['add_bw']:.3g} B/s on {s.mem_bytes / 2**20:.0f} MiB arrays; launch latency = "
-        f"torch.add on 1 element; mem_bytes = MemTotal / {max_ranks}. With all {max_ranks} "
-        f"ranks computing at once a 256 matmul runs at {fig['concurrent_fp32']:.3g} FLOP/s per "
-        f"rank ({fig['concurrent_fp32'] / fig['peak_fp32']:.0%} of peak). Links: gloo "
-        f"all_reduce on 2..{max_ranks} local ranks, {sizes[0]} B..{sizes[-1] / 2**20:g} MiB, "
-        f"fit t = 2(p-1) latency + n 2(p-1)/p / busbw (rms rel. error {fig['ar_rms']:.0%}); "
-        "one machine has no inter-node link, so inter_node repeats the loopback fit.")
+    dims, sizes = s.matmul_dims, s.all_reduce_bytes
+    per_p = ", ".join(f"p={p} {lat:.2g}/{bw:.2g}" for p, (lat, bw) in fig["per_p"].items())
+    parts = [
+        f"autoplan calibrate{' (quick)' if quick else ''} on {socket.gethostname()} at {when} "
+        f"({_cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}); all figures "
+        f"fitted by calibrate, medians of {s.repeats} repeats",
+        f"device = one rank = one thread: peak float32 = largest rate of square matmuls "
+        f"d={dims[0]}..{dims[-1]}",
+        f"matmul_efficiency fitted to compute.py's curve (rms rel. error {fig['eff_rms']:.0%}; "
+        f"a half-dim of {fig['half_dim']:.0f} would fit to {fig['half_rms']:.0%})",
+        f"bfloat16 peak from d={','.join(map(str, fig['bf16_dims']))}",
+        f"mem_bw = mean of copy {fig['copy_bw']:.3g} and add {fig['add_bw']:.3g} B/s on "
+        f"{s.mem_bytes / 2**20:.0f} MiB arrays",
+        "launch latency = torch.add on 1 element",
+        f"mem_bytes = MemTotal / {max_ranks}",
+        f"with all {max_ranks} ranks computing at once a 256 matmul runs at "
+        f"{fig['concurrent_fp32']:.3g} FLOP/s per rank "
+        f"({fig['concurrent_fp32'] / fig['peak_fp32']:.0%} of peak)",
+        f"links: gloo all_reduce on 2..{max_ranks} local ranks, {sizes[0]} B..."
+        f"{sizes[-1] / 2**20:g} MiB, fit t = 2(p-1) latency + n 2(p-1)/p / busbw (rms rel. "
+        f"error {fig['ar_rms']:.0%}; fitted per p, latency_s/busbw: {per_p})",
+        "one machine has no inter-node link, so inter_node repeats the loopback fit",
+    ]
+    return "; ".join(parts) + "."
 
 
 def _write_atomically(topo: Topology, out: Path) -> None:

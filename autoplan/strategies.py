@@ -32,11 +32,16 @@ parallelism, which the dp mesh axis does; keeping it off the tp axis also keeps 
 valid for any microbatch size (batch dims are found by propagating Shard(0) from the inputs
 through DTensor's rules, `batch_dims`).
 
-Enumeration: instead of the full product of per-argument placements, each node is probed with
-the all-R combination, every single-argument change from it, and the "all arguments alike"
-combinations; whenever DTensor would redistribute, its suggestion (a valid combination with
-its output) is kept too. Results are cached by (op, argument shapes/dtypes/allowed placements,
-static arguments, tp), so the identical layers of a transformer cost one layer.
+Enumeration: an op with a direct DTensor rule is probed with the all-R combination, every
+single-argument change from it and the "all arguments alike" combinations; whenever DTensor
+would redistribute, its suggestion (a valid combination) is probed too. A composite op
+(aten.linear, [Note: composite ops] in _torch_compat.py) gives no suggestion, so it is probed
+with every combination up to 64 (else every one- and two-argument change). At most two Partial
+inputs. A split that a view refuses, or a parameter split no consumer computes with, is then
+pruned (`_prune`). For a tp with a divisor already planned, the divisor's candidates are
+re-checked by size instead ([Note: divisor tp]). Results are cached by (op, argument
+shapes/dtypes/allowed placements, static arguments, tp), so identical layers cost one layer.
+Measured: a 2-layer llama3-8b graph for tp 2, 4, 8 in ~1 s cold, ~0.3 s with DTensor warm.
 """
 
 from __future__ import annotations
@@ -317,7 +322,7 @@ class _Context:
             n.name for n in graph.gm.graph.nodes
             if n.op in ("call_module", "call_method") and not n.users}
         self.mesh = tc.tp_mesh(tp) if tp > 1 else None
-        key = ("batch_dims", id(graph.gm))
+        key = ("batch_dims", graph.gm)
         if key not in cache:
             cache[key] = batch_dims(graph, cache=cache)
         self.bdims = cache[key]

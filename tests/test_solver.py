@@ -20,7 +20,7 @@ from autoplan.solver.costs import build_costs
 from autoplan.solver.ilp import evaluate, solve
 from autoplan.solver.problem import build_problem
 from autoplan.spec import TrainingSpec
-from autoplan.strategies import constant_like_nodes, node_tensor_meta, tensor_args
+from autoplan.strategies import constant_like_nodes, tensor_args
 from autoplan.topology import preset
 
 aten = torch.ops.aten
@@ -213,6 +213,20 @@ def test_no_plan_fits_names_the_smallest_memory_and_the_device(llama, local4):
     assert isinstance(err.value, ValueError)
 
 
+def test_c10_a_plan_just_over_budget_is_rejected(llama, local4):
+    """Everything fixed (no placement freedom at tp=1): the predicted peak -- parameters,
+    gradients, optimizer states, activations x in-flight microbatches, temporaries -- decides."""
+    fixed = dict(tp=1, pp=2, dp=2, zero_stage=1, num_microbatches=2, schedule="gpipe")
+    spec = TrainingSpec(global_batch=8, seq_len=16)
+    peak = plan(llama, local4, spec, **fixed).prediction
+    assert {"params", "grads", "optimizer", "activations", "temporaries"} <= set(
+        peak.memory_breakdown)
+    fits = _small_device(local4, peak.memory_bytes / 0.9 * 1.001)
+    assert plan(llama, fits, spec, **fixed).prediction.memory_bytes == peak.memory_bytes
+    with pytest.raises(NoFeasiblePlan):
+        plan(llama, _small_device(local4, peak.memory_bytes / 0.9 * 0.999), spec, **fixed)
+
+
 def test_batch_not_divisible_names_the_numbers(llama, local4):
     with pytest.raises(InvalidConfig, match="global_batch 8 is not divisible by dp 4 x "
                                             "num_microbatches 3"):
@@ -272,6 +286,19 @@ def test_c11_ilp_size_does_not_grow_with_depth():
     assert sizes[0] == sizes[1] == sizes[2], sizes
 
 
+def test_the_answer_does_not_depend_on_how_many_blocks_were_captured(local4):
+    """1, 2 or 4 captured blocks of an 8-layer model: the same ILP, the same costs."""
+    spec = TrainingSpec(global_batch=8, seq_len=16)
+    results = []
+    for n in (1, 2, 4):
+        graph = capture_preset("llama-tiny", batch=1, seq_len=16, num_layers=n)
+        graph.total_layers = 8
+        prob = build_problem(graph, 2, spec.dtype_bytes)
+        sol = solve(prob, build_costs(prob, 2, spec, local4))
+        results.append((sol.num_vars, sol.compute_s, sol.comm_s, sol.param_elems, sol.act_bytes))
+    assert results[0] == results[1] == results[2]
+
+
 def test_shallow_capture_lists_every_layer_parameter(local4):
     graph = capture_preset("llama-tiny", batch=1, seq_len=16, num_layers=1)
     graph.total_layers = 4
@@ -301,3 +328,21 @@ def test_ilp_equals_exhaustive_search_on_a_small_problem():
             continue
         best = value if best is None else min(best, value)
     assert sol.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_branch_and_bound_equals_exhaustive_search_over_configurations(llama, local4):
+    """Solve every configuration exactly (memory-constrained where needed): the best step
+    time equals the plan's. The device is small enough that memory binds."""
+    from autoplan.solver.search import Overrides, Search, enumerate_configs
+    topo = _small_device(local4, 3e5)
+    spec = TrainingSpec(global_batch=8, seq_len=16)
+    best = plan(llama, topo, spec).prediction.step_time_s
+    search, times = Search(llama, topo, spec, 10.0), []
+    for cfg in enumerate_configs(llama, topo, spec, Overrides()):
+        result = search.assess(cfg, search.solution(cfg.tp, cfg.microbatch_size))
+        if not result.fits:
+            constrained = search.solution(cfg.tp, cfg.microbatch_size, cfg)
+            result = search.assess(cfg, constrained) if constrained is not None else result
+        if result.fits:
+            times.append(result.step_time_s)
+    assert best == pytest.approx(min(times), rel=1e-9)

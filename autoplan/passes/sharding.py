@@ -209,11 +209,11 @@ def _replace_ith_use(node: torch.fx.Node, index: int, old: torch.fx.Node,
     node.kwargs = torch.fx.node.map_arg(node.kwargs, swap)
 
 
-def check_redistributions(plan: Plan, inserted: list[Redistribution]) -> None:
-    """Lint: the inserted redistributions are exactly the plan's (every costed one inserted,
-    none uncosted). Raises ValueError listing the differences."""
+def check_redistributions(planned: list[Redistribution], inserted: list[Redistribution]) -> None:
+    """Lint: the inserted redistributions are exactly the planned ones (every costed one
+    inserted, none uncosted). Raises ValueError listing the differences."""
     key = lambda r: (r.producer, r.consumer, r.arg_index, r.src, r.dst)  # noqa: E731
-    want = {key(r) for r in plan.redistributions}
+    want = {key(r) for r in planned}
     got = {key(r) for r in inserted}
     if want != got:
         raise ValueError(

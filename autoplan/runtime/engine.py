@@ -34,14 +34,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from autoplan.runtime._private import implicit_replication
 
 from autoplan.graph import CapturedGraph
 from autoplan.passes.device import materialize
-from autoplan.passes.pipeline import StageGraph, split_stages
+from autoplan.passes.pipeline import split_stages
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
+from autoplan.runtime._private import implicit_replication
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
 
@@ -141,8 +141,7 @@ class DistributedModel:
             out.append((sg.index, self._apply_data_parallel(sg.gm)))
         # Lint: the redistributions inserted in this rank's stages are exactly the plan's.
         held = {n.meta.get("orig_name", n.name) for sg in mine for n in sg.gm.graph.nodes}
-        check_redistributions(
-            _PlanView([r for r in plan.redistributions if r.consumer in held]), inserted)
+        check_redistributions([r for r in plan.redistributions if r.consumer in held], inserted)
         self.stage_graphs = {sg.index: sg for sg in mine}
         return out
 
@@ -193,7 +192,7 @@ class DistributedModel:
             for fqn in fqns:
                 holders[fqn].add(idx)
         for idx, m in self.stages:
-            for name, p in _named_leaf_params(m):
+            for name, p in m.named_parameters():
                 if len(holders.get(name, ())) > 1:
                     stage_params[name].append(p)
         groups = {}
@@ -285,13 +284,13 @@ class DistributedModel:
             grads = [p.grad for p in copies if p.grad is not None]
             if not grads:
                 continue
-            total = _local(grads[0]).clone()
+            total = _compat.local_tensor(grads[0]).clone()
             for g in grads[1:]:
-                total += _local(g)
+                total += _compat.local_tensor(g)
             if group is not None:
                 dist.all_reduce(total, group=group)
             for g in grads:
-                _local(g).copy_(total)
+                _compat.local_tensor(g).copy_(total)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip all gradients by their global L2 norm over every rank (tied weights once)."""
@@ -302,29 +301,10 @@ class DistributedModel:
         """Full (unsharded) parameters held by this rank, by FQN (collective over tp/dp)."""
         out = {}
         for _, m in self.stages:
-            for name, p in _named_leaf_params(m):
+            for name, p in m.named_parameters():
                 t = p.full_tensor() if isinstance(p, DTensor) else p
                 out[name] = t.detach().clone()
         return out
-
-
-class _PlanView:
-    def __init__(self, redistributions):
-        self.redistributions = redistributions
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _has_meta(gm: nn.Module) -> bool:
-    return any(t.is_meta for t in list(gm.parameters()) + list(gm.buffers()))
-
-
-def _named_leaf_params(m: nn.Module):
-    """(fqn, param) with the FQN of the original model (wrappers' prefixes dropped)."""
-    for name, p in m.named_parameters():
-        yield name, p
 
 
 def _untie_across_stages(gm: torch.fx.GraphModule) -> None:

@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.runtime._private import replicate_module
 
-__all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm"]
+__all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
+           "local_tensor"]
 
 
 def replicate(module: nn.Module, dp_mesh) -> nn.Module:
@@ -35,7 +36,8 @@ def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool) -> n
     return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -74,7 +76,7 @@ class ShardedOptimizer:
         if self.inner is not None:
             self.inner.step()
         for p, o in zip(self.params, self.owner):
-            dist.broadcast(_local(p), src=self.ranks[o], group=self.group)
+            dist.broadcast(local_tensor(p), src=self.ranks[o], group=self.group)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict() if self.inner is not None else {}
@@ -122,7 +124,7 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     total = sq.sqrt().float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        _local(g).mul_(coef)
+        local_tensor(g).mul_(coef)
     return total
 
 

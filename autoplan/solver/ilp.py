@@ -17,8 +17,8 @@ Constraints
                   for e = (u, k) -> (v, j) and every p, (q, s); for the graph output,
                   q = R only: the output is replicated
                   -- implemented in add_edge_constraint(); pairs DTensor cannot redistribute
-                  (S -> P) and, for getitem edges, pairs with p != q have no variable, which
-                  forbids them
+                  (S -> P), pairs that would gather a split parameter (costs.py) and, for
+                  getitem edges, pairs with p != q have no variable, which forbids them
     (tied)        a parameter read by several get_attr nodes takes one placement
                   -- implemented in add_tied_constraint()
     (memory_r)    sum_g a_r(g) elems(g, c) x[g, c] + sum_n b_r(n) act(n, c) x[n, c] + K_r <= M
@@ -33,8 +33,9 @@ Objective (seconds per microbatch through the whole model, fwd + bwd)
        + sum_e w_e sum_k (t_fwd(e, k) + t_bwd(e, k)) y[e, k]
        + eps * (number of nodes not all-R)
     -- implemented in add_objective(); eps (1 ns) only breaks ties towards replication.
-    With objective="memory" the objective is instead min z, z >= memory_r for all r (the
-    smallest memory a plan of this (tp, microbatch) needs; used to explain infeasibility).
+    With objective="memory" the objective is instead min z, (memory_max_r) z >= memory_r for
+    all r (the smallest memory a plan of this configuration needs; explains infeasibility)
+    -- implemented in add_memory_objective().
 
 Solving ([Note: LP first]): the LP relaxation (x, y in [0, 1]) is solved with GLOP first. The
 edge constraints make it tight -- on every llama/gpt2 layer we measured its optimum is integral

@@ -246,11 +246,20 @@ def _edges(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[E
     for u, k, v, j in raw:
         if v is not None and u.name not in layer_of and v.name in layer_of:
             fanout[(u.name, prob.rep[v.name], j)] += 1
+    if n_cap == 1:  # one captured block: the residual stream enters the first block only
+        stream = {node_tensor_meta(graph, u)[k] for u, k, v, j in raw
+                  if u.name in layer_of and (v is None or v.name not in layer_of)}
+        for key in fanout:
+            u = next(n for n, *_ in raw if n.name == key[0])
+            if node_tensor_meta(graph, u)[0] in stream:
+                fanout[key] = 0
     merged: dict[tuple, Edge] = {}
     for u, k, v, j in raw:
         if u.name in prob.constants:
             continue  # constants run as plain tensors: slicing them is free, no gradient
         lu, lv = layer_of.get(u.name), (layer_of.get(v.name) if v is not None else None)
+        if lu is None and u.op == "get_attr" and prob.part.get(prob.rep[u.name]) == "layer":
+            lu = lv  # a block's own parameter: counted like the block's nodes
         if lu is not None and lv is not None:
             w = total / n_cap if lu == lv else (total - 1) / max(n_cap - 1, 1)
         elif lv is not None:

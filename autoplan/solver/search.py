@@ -15,7 +15,6 @@ exhaustive search with far fewer ILP solves.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from autoplan.cost_model.comm import group_layout
@@ -29,9 +28,8 @@ from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
 from autoplan.topology import Topology
 
-__all__ = ["NoFeasiblePlan", "InvalidConfig", "Overrides", "Search", "enumerate_configs"]
-
-log = logging.getLogger(__name__)
+__all__ = ["NoFeasiblePlan", "InvalidConfig", "Overrides", "Search", "enumerate_configs",
+           "validate"]
 
 
 class NoFeasiblePlan(ValueError):

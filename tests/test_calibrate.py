@@ -1,0 +1,114 @@
+"""`autoplan calibrate`: the fits recover known figures, and one quick run on 2 gloo ranks writes
+a measured topology that the `local-cpu` preset picks up."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from autoplan import calibrate
+from autoplan.cost_model import comm, compute
+from autoplan.topology import LinkSpec, load_topology, preset
+
+
+def test_fit_all_reduce_recovers_alpha_and_busbw():
+    latency_s, bw = 40e-6, 2.5e9
+    samples = []
+    for p in (2, 3, 4):
+        factor, steps = calibrate.all_reduce_factor_steps(p)
+        samples += [(p, n, steps * latency_s + n * factor / bw) for n in (4, 2**12, 2**20, 2**22)]
+    fit_latency_s, fit_bw, rms = calibrate.fit_all_reduce(samples)
+    assert fit_latency_s == pytest.approx(latency_s, rel=1e-9)
+    assert fit_bw == pytest.approx(bw, rel=1e-9)
+    assert rms < 1e-9
+
+
+def test_fit_all_reduce_clamps_negative_latency_and_rejects_flat_times():
+    # Pure bandwidth data with the smallest sample fast: latency would come out < 0.
+    samples = [(2, 2**16, 0.8 * 2**16 / 1e9)] + [(2, n, n / 1e9) for n in (2**20, 2**22)]
+    latency_s, bw, _ = calibrate.fit_all_reduce(samples)
+    assert latency_s == 0.0 and bw == pytest.approx(1e9, rel=0.15)
+    with pytest.raises(ValueError, match="do not grow with message size"):
+        calibrate.fit_all_reduce([(2, 4, 2e-3), (2, 2**22, 1e-3)])
+    with pytest.raises(ValueError, match="p >= 2"):
+        calibrate.fit_all_reduce([(1, 4, 1e-3)])
+
+
+def test_all_reduce_model_is_comms():
+    """The fitted model is the one comm.py prices with: same factor and steps."""
+    link = LinkSpec("x", bw_bytes_per_s=3e9, latency_s=7e-6)
+    for p in (2, 3, 4):
+        topo = dataclasses.replace(preset("local-cpu", devices_per_node=p), intra_node=link)
+        factor, steps = calibrate.all_reduce_factor_steps(p)
+        n = 3 * 2**20
+        assert comm.collective_time_s("all_reduce", n, p, topo) == pytest.approx(
+            steps * link.latency_s + n * factor / link.bw_bytes_per_s)
+
+
+def test_fit_matmul_efficiency_recovers_computes_curve():
+    peak, eff = 1e11, 0.7
+    dims = [64, 128, 256, 512, 1024]
+    rates = [peak * eff * d / (d + compute.MATMUL_HALF_DIM) for d in dims]
+    fit_eff, rms = calibrate.fit_matmul_efficiency(dims, rates, peak)
+    assert fit_eff == pytest.approx(eff) and rms < 1e-9
+    # A CPU that saturates earlier: the best half-dim is found (32 is on the grid).
+    rates = [peak * 0.9 * d / (d + 32) for d in dims]
+    half_dim, rms = calibrate.best_half_dim(dims, rates, peak)
+    assert half_dim == pytest.approx(32) and rms < 1e-9
+    with pytest.raises(ValueError):
+        calibrate.fit_matmul_efficiency(dims, [0.0] * len(dims), peak)
+
+
+def test_max_ranks_below_two_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="max_ranks=1"):
+        calibrate.main(out_path=str(tmp_path / "t.yaml"), max_ranks=1)
+    assert not (tmp_path / "t.yaml").exists()
+
+
+def test_cli_reports_a_bad_max_ranks(tmp_path, capsys):
+    from autoplan import cli
+
+    assert cli.main(["calibrate", "-o", str(tmp_path / "t.yaml"), "--max-ranks", "1"]) == 2
+    assert "max_ranks=1" in capsys.readouterr().err
+
+
+def test_default_out_path_is_where_the_preset_looks(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOPLAN_CALIBRATION", str(tmp_path / "c.yaml"))
+    assert calibrate.default_out_path() == tmp_path / "c.yaml"
+    monkeypatch.delenv("AUTOPLAN_CALIBRATION")
+    assert calibrate.default_out_path().parts[-3:] == (".cache", "autoplan", "local-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "sub" / "local-cpu.yaml"  # directory is created
+    assert calibrate.main(out_path=str(out), max_ranks=2, quick=True) == 0
+    return out
+
+
+def test_quick_run_writes_a_measured_plausible_topology(calibrated):
+    topo = load_topology(calibrated)
+    assert topo.measured and "calibrate" in topo.source and "inter_node" in topo.source
+    assert [p.name for p in calibrated.parent.iterdir()] == ["local-cpu.yaml"]  # no temp left
+    dev = topo.device
+    assert 1e8 < dev.peak_flops_per_s["float32"] < 1e13
+    assert 1e6 < dev.peak_flops_per_s["bfloat16"] < 1e13
+    assert 0 < dev.matmul_efficiency < 10
+    assert 1e8 < dev.mem_bw_bytes_per_s < 1e12
+    assert 1e-8 < dev.launch_latency_s < 1e-2
+    assert 1e8 < dev.mem_bytes < 1e13
+    for link in (topo.intra_node, topo.inter_node):
+        assert 1e6 < link.bw_bytes_per_s < 1e12
+        assert 0 <= link.latency_s < 0.1
+        assert all(math.isfinite(x) for x in (link.bw_bytes_per_s, link.latency_s))
+
+
+def test_preset_local_cpu_reads_the_calibration(calibrated, monkeypatch):
+    monkeypatch.setenv("AUTOPLAN_CALIBRATION", str(calibrated))
+    topo = preset("local-cpu", devices_per_node=2)
+    written = load_topology(calibrated)
+    assert topo.measured and topo.devices_per_node == 2
+    assert topo.device == written.device
+    assert topo.intra_node == written.intra_node and topo.inter_node == written.inter_node
