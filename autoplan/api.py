@@ -108,7 +108,14 @@ class AutoParallel:
                 f"has {dist.get_world_size()} ranks")
         name = type(self.module).__name__
         graph = capture(self.module, self._example(self.options.global_batch), model_name=name)
-        plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
+        overrides = dict(self.options.overrides)
+        checkpointing = overrides.pop("checkpointing", None)
+        if checkpointing is not None and "checkpointing" in inspect.signature(solve).parameters:
+            overrides["checkpointing"] = checkpointing
+            checkpointing = None
+        plan = solve(graph, topo, self.spec, **overrides)
+        if checkpointing is not None:
+            plan = dataclasses.replace(plan, checkpointing=checkpointing)
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [plan.to_json() if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
@@ -199,13 +206,14 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
         dtype: compute dtype; optimizer: `params -> Optimizer` (default AdamW(lr=1e-3));
         max_grad_norm: clip the global gradient norm.
         **overrides: fix solver choices: tp, pp, dp, zero_stage, num_microbatches, schedule,
-            num_virtual_stages, allow_tp_across_nodes.
+            num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" | "selective" |
+            "full").
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
-               "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s"}
+               "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise ValueError(f"autoparallel: unknown option(s) {unknown}; allowed: {sorted(allowed)}")

@@ -7,6 +7,8 @@ The optimizer is AdamW with eps = 1e-6 (see `_jobs.adamw` for why not 1e-8).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,3 +57,18 @@ def test_matches_single_process(clusters, references, name, mesh, zero):
         assert_matches(name, result, references(name))
         held |= set(result[1])
     assert held == set(references(name)[1]), "some parameters are held by no rank"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("mesh", ["dp2xtp2", "pp2xdp2"])
+def test_activation_checkpointing_matches(clusters, references, mesh, policy):
+    """Recomputing blocks in backward changes memory, never the numbers."""
+    overrides = dict(MESHES[mesh], zero_stage=3, checkpointing=policy)
+    if "pp" in overrides:
+        overrides["num_microbatches"] = 2
+    results = clusters.get(4).run(_jobs.train, _jobs.preset("gpt2-tiny"), STEPS, BATCH,
+                                  overrides, timeout_s=180)
+    for result in results:
+        assert_matches("gpt2-tiny", result, references("gpt2-tiny"))
+        assert json.loads(result[2])["checkpointing"] == policy

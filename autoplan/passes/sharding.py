@@ -160,6 +160,7 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
             with gm.graph.inserting_before(node):
                 moved = gm.graph.call_function(redistribute, (arg, dst))
             moved.meta["orig_name"] = f"redistribute_{arg.name}_{name}"
+            moved.meta["redistribute_for"] = name
             _replace_ith_use(node, i, arg, moved)
             inserted.append(record)
     gm.graph.lint()

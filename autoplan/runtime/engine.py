@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoplan.graph import CapturedGraph
+from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.device import materialize
 from autoplan.passes.pipeline import split_stages
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
@@ -128,10 +129,13 @@ class DistributedModel:
         self._param_fqns = {fqn for fqn, p in graph.params.items() if not p.is_buffer}
         mine = [sg for sg in stage_graphs if sg.index % plan.mesh.pp == self.pp_rank]
         produced = value_placements(plan)
-        inserted, out = [], []
+        inserted, out, held = [], [], set()
         for sg in mine:
             _untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
+            held |= {n.meta.get("orig_name", n.name) for n in sg.gm.graph.nodes}
+            # Checkpoint after placements: a block's redistributions are recomputed with it.
+            wrap_checkpointing(sg.gm, graph, plan.checkpointing)
             if plan.mesh.tp > 1:
                 self._distribute_params(sg.gm)
                 sg.gm.forward = _stage_forward(
@@ -140,7 +144,6 @@ class DistributedModel:
                     [produced.get(n, "R") for n in sg.output_names])
             out.append((sg.index, self._apply_data_parallel(sg.gm)))
         # Lint: the redistributions inserted in this rank's stages are exactly the plan's.
-        held = {n.meta.get("orig_name", n.name) for sg in mine for n in sg.gm.graph.nodes}
         check_redistributions([r for r in plan.redistributions if r.consumer in held], inserted)
         self.stage_graphs = {sg.index: sg for sg in mine}
         return out

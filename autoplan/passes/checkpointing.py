@@ -1,0 +1,130 @@
+"""Activation checkpointing: wrap each repeated block of a stage graph in
+`torch.utils.checkpoint`.
+
+Run after `apply_placements` (so the redistributions a block's ops need are recomputed with
+them). Each block's ops -- the nodes of `CapturedGraph.layer_nodes[k]` and the redistributions
+inserted for them -- move into a sub-GraphModule that is called through
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`. Parameters stay outside the region
+(get_attr nodes of the stage, passed in as arguments), so FSDP2's unsharded parameters and the
+DTensor parameters the stage holds at call time are the ones used, in forward and recompute.
+
+Policies (the plan's `checkpointing`):
+- "full": keep only the block's inputs; recompute the whole block in backward.
+- "selective": recompute the attention core (scaled-dot-product attention, softmax, dropout) and
+  keep every other activation -- Korthikanti et al. 2022, section 5 ("selective activation
+  recomputation"), via torch's selective-checkpoint contexts.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from autoplan.graph import CapturedGraph
+
+__all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES"]
+
+POLICIES = ("none", "selective", "full")
+
+aten = torch.ops.aten
+_RECOMPUTE_SELECTIVE = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._softmax.default, aten.native_dropout.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return (CheckpointPolicy.PREFER_RECOMPUTE if op in _RECOMPUTE_SELECTIVE
+            else CheckpointPolicy.MUST_SAVE)
+
+
+def run_checkpointed(block: torch.nn.Module, policy: str, *args):
+    """Call `block(*args)` under activation checkpointing with `policy`."""
+    if policy == "full":
+        return checkpoint(block, *args, use_reentrant=False)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    return checkpoint(block, *args, use_reentrant=False, context_fn=context_fn)
+
+
+def _block_of(node: torch.fx.Node, layer_of: dict[str, int]) -> int | None:
+    if node.op != "call_function":
+        return None
+    name = node.meta.get("orig_name", node.name)
+    if name in layer_of:
+        return layer_of[name]
+    consumer = node.meta.get("redistribute_for")
+    return layer_of.get(consumer) if consumer is not None else None
+
+
+def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: str) -> int:
+    """Wrap every block of `gm` (in place); returns the number of blocks wrapped.
+
+    Raises ValueError for an unknown policy, or when a block's ops are interleaved with an op
+    outside the block that both reads from and feeds the block (naming the node).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"checkpointing policy {policy!r} is not one of {POLICIES}")
+    if policy == "none":
+        return 0
+    layer_of = {n: k for k, names in graph.layer_nodes.items() for n in names}
+    blocks: dict[int, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        k = _block_of(node, layer_of)
+        if k is not None:
+            blocks.setdefault(k, []).append(node)
+    for k, nodes in sorted(blocks.items()):
+        _wrap_block(gm, k, nodes, policy)
+    gm.graph.lint()
+    gm.recompile()
+    return len(blocks)
+
+
+def _wrap_block(gm: torch.fx.GraphModule, k: int, nodes: list[torch.fx.Node],
+                policy: str) -> None:
+    members = set(nodes)
+    inputs: list[torch.fx.Node] = []
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if a not in members and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    last = nodes[-1]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for out in outputs:
+        for user in out.users:
+            if user not in members and order[user] < order[last]:
+                raise ValueError(
+                    f"cannot checkpoint block {k}: {user.name} ({user.target}) sits between "
+                    f"the block's ops and reads {out.name} from it")
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for a in inputs:
+        env[a] = sub.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for node in nodes:
+        env[node] = sub.node_copy(node, lambda a: env[a])
+    sub.output(tuple(env[o] for o in outputs))
+    block = torch.fx.GraphModule(torch.nn.Module(), sub, class_name=f"Block{k}")
+    name = f"checkpointed_block_{k}"
+    gm.add_submodule(name, block)
+    with gm.graph.inserting_after(last):
+        handle = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(handle):
+        call = gm.graph.call_function(run_checkpointed, (handle, policy, *inputs))
+    replacements = []
+    with gm.graph.inserting_after(call):
+        for i, out in enumerate(outputs):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+            item.meta = dict(out.meta)
+            replacements.append((out, item))
+    for out, item in replacements:
+        out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
+    for node in reversed(nodes):
+        gm.graph.erase_node(node)
