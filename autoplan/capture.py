@@ -457,6 +457,16 @@ def _node_info(node: torch.fx.Node, counter: flop_counter.FlopCounterMode,
     val = node.meta.get("val")
     outs = _tensors(val)
     path = _module_path(node, module_names)
+    dynamic = [t for t in outs if not all(isinstance(d, int) for d in t.shape)]
+    if dynamic:
+        # nonzero, masked_select, boolean indexing...: the output size depends on the values
+        # (an unbacked symbol). Plans need static shapes to cost and to split.
+        raise CaptureError(
+            f"{model_name!r} node {node.name} ({_target_name(node.target)}) in module "
+            f"{path or '<root>'} has a data-dependent output shape "
+            f"{tuple(dynamic[0].shape)}: the number of elements depends on the input values "
+            "(e.g. routing tokens to experts with nonzero); autoplan plans static shapes. "
+            "Use a fixed-capacity formulation (pad each expert to a capacity).")
     try:
         flops = _node_flops(node, counter)
     except Exception as e:  # noqa: BLE001

@@ -83,12 +83,15 @@ def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
 def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=None,
           seq: int = SEQ):
     """On every rank: plan with `overrides` (fixing some of the solver's choices), train, and
-    return (losses, this rank's full parameters, plan JSON)."""
+    return (losses, this rank's full parameters, plan JSON, gradient norms before clipping)."""
     from autoplan.api import autoparallel
 
     model = factory()
     ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
                       max_grad_norm=max_grad_norm, **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)
-    losses = [ap.step(x[i], y[i]) for i in range(steps)]
-    return losses, ap.state_dict(), ap.plan.to_json()
+    losses, norms = [], []
+    for i in range(steps):
+        losses.append(ap.step(x[i], y[i]))
+        norms.append(ap._engine.grad_norm)
+    return losses, ap.state_dict(), ap.plan.to_json(), norms

@@ -48,3 +48,74 @@ def _shared_use(seed: int) -> SharedUse:
 
 def shared_use(seed: int = 0):
     return functools.partial(_shared_use, seed)
+
+
+class InPlaceAndIndexing(nn.Module):
+    """C6: an in-place clamp_ right after a row-parallel matmul (a Partial value under tp), a
+    `+=` on a view of a module output, and advanced indexing `t[..., [-2], :]`."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8):
+        super().__init__()
+        self.vocab_size = vocab
+        self.embed = nn.Embedding(vocab, hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)                      # (B, T, h)
+        h = self.down(F.gelu(self.up(x)))        # row-parallel under tp: Partial before clamp
+        h.clamp_(-0.5, 0.5)
+        p = self.proj(x)
+        p.view(-1)[::2] += 1.0                   # in-place on a view of a module output
+        second_last = x[..., [-2], :]            # (B, 1, h): advanced indexing, position T-2
+        return self.head(h + p + second_last)
+
+
+def _in_place(seed: int) -> InPlaceAndIndexing:
+    torch.manual_seed(seed)
+    return InPlaceAndIndexing()
+
+
+def in_place(seed: int = 0):
+    return functools.partial(_in_place, seed)
+
+
+class DataDependentLoop(nn.Module):
+    """C7: a submodule called a number of times that depends on the input values."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8):
+        super().__init__()
+        self.vocab_size = vocab
+        self.embed = nn.Embedding(vocab, hidden)
+        self.step = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for _ in range(int(idx[0, 0]) % 3 + 1):   # depends on the token values
+            x = x + torch.tanh(self.step(x))
+        return self.head(x)
+
+
+class TinyMoE(nn.Module):
+    """C7: a top-1 mixture-of-experts layer whose tokens per expert depend on the data."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8, num_experts: int = 4):
+        super().__init__()
+        self.vocab_size = vocab
+        self.embed = nn.Embedding(vocab, hidden)
+        self.router = nn.Linear(hidden, num_experts)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_experts))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)                                   # (B, T, h)
+        flat = x.reshape(-1, x.shape[-1])                     # (N, h)
+        choice = self.router(flat).argmax(-1)                 # (N,)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = torch.nonzero(choice == e).squeeze(-1)     # data-dependent count
+            out = out.index_add(0, rows, expert(flat[rows]))
+        return self.head(out.reshape(x.shape))

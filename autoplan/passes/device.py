@@ -52,6 +52,15 @@ def materialize(gm: torch.fx.GraphModule, source: nn.Module | Mapping[str, torch
         tensors = dict(source)
     targets = [(n, t, True) for n, t in gm.named_parameters()]
     targets += [(n, t, False) for n, t in gm.named_buffers()]
+    # Constants that torch.export lifted out of the code (e.g. the index list of
+    # `t[..., [-2], :]`) are the graph's own: they keep their captured value.
+    targets = [(n, t, p) for n, t, p in targets
+               if n in tensors or not (n.startswith("lifted_tensor") and not t.is_meta)]
+    own = [(n, t) for n, t in gm.named_buffers() if n not in tensors and n.startswith(
+        "lifted_tensor") and not t.is_meta]
+    for fqn, t in own:
+        owner_name, _, leaf = fqn.rpartition(".")
+        gm.get_submodule(owner_name).register_buffer(leaf, t.to(device))
     missing = [n for n, _, _ in targets if n not in tensors]
     if missing:
         raise ValueError(f"materialize: {len(missing)} FQNs missing from the source: {missing[:8]}"

@@ -100,6 +100,7 @@ class DistributedModel:
         self.graph = graph
         self.loss_fn = loss_fn
         self.max_grad_norm = max_grad_norm
+        self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
         self.mesh = init_device_mesh(self.device.type, plan.mesh.shape,
                                      mesh_dim_names=plan.mesh.axis_names)
@@ -161,10 +162,8 @@ class DistributedModel:
                 if not isinstance(p, DTensor):
                     owner._parameters[leaf] = nn.Parameter(
                         distribute_tensor(p.data, tp_mesh, placement))
-            elif leaf in owner._buffers:
-                b = owner._buffers[leaf]
-                if not isinstance(b, DTensor):
-                    owner._buffers[leaf] = distribute_tensor(b, tp_mesh, placement)
+            # Buffers (rotary tables, lifted constants) stay plain tensors: only constant-like
+            # nodes read them, and those run replicated (implicit replication).
 
     def _apply_data_parallel(self, gm: nn.Module) -> nn.Module:
         plan = self.plan
@@ -198,6 +197,8 @@ class DistributedModel:
             for name, p in m.named_parameters():
                 if len(holders.get(name, ())) > 1:
                     stage_params[name].append(p)
+        # Each tied weight counts once in a global gradient norm: in its first stage.
+        self.tied_owner_stage = {fqn: min(h) for fqn, h in holders.items() if len(h) > 1}
         groups = {}
         # Every rank creates every group, in the same order (new_group is collective).
         mesh_ranks = self.mesh.mesh  # (pp, dp, tp) tensor of global ranks
@@ -253,7 +254,7 @@ class DistributedModel:
             local = self._forward_backward(x, y)
         self._sync_tied_grads()
         if self.max_grad_norm is not None:
-            self.clip_grad_norm(self.max_grad_norm)
+            self.grad_norm = float(self.clip_grad_norm(self.max_grad_norm))
         self.optimizer.step()
         if self.plan.mesh.dp > 1:
             dist.all_reduce(local, group=self.mesh["dp"].get_group())

@@ -105,8 +105,7 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     seen_tied = set()
     sq = torch.zeros((), dtype=torch.float64)
     grads = []
-    tied_first = {fqn: min(i for i, m in model.stages if _holds(m, fqn))
-                  for fqn in model._tied}
+    tied_first = model.tied_owner_stage  # global: the first stage holding each tied weight
     for idx, m in model.stages:
         for name, p in m.named_parameters():
             if p.grad is None:
@@ -126,7 +125,3 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     for g in grads:
         local_tensor(g).mul_(coef)
     return total
-
-
-def _holds(module: nn.Module, fqn: str) -> bool:
-    return any(n == fqn for n, _ in module.named_parameters())

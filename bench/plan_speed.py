@@ -1,0 +1,195 @@
+"""Planning speed: capture + solve + report, per model and cluster, against the bars of issue 4.
+
+    python bench/plan_speed.py            # every case, 3 runs each -> bench/results/plan_speed.json
+    python bench/plan_speed.py --runs 1 --case llama3-8b
+
+What is measured. Every run is a fresh Python process (`--worker CASE`), so each pays the same
+cold costs: the first torch.export, DTensor's first sharding propagations, OR-Tools' first
+model. Inside the worker the clock starts after the imports of torch and autoplan (`import_s`,
+recorded but not part of the bar: `import torch` alone takes 1-2 s on this machine and does not
+depend on the model) and then covers, in order,
+
+    capture_s   capture_preset(...) on the meta device (builds the model; an HF preset imports
+                transformers here, lazily, on first use -- counted)
+    solve_s     autoplan.solver.plan(...)
+    report_s    render_markdown + render_html (strings; nothing is written)
+
+`plan_s` = capture_s + solve_s + report_s is what the bars apply to; `process_s` is the whole
+subprocess as the parent saw it (interpreter start and imports included), for reference.
+
+The cases are the CLI's: a preset captured with 2 identical blocks (`autoplan plan`'s
+--num-layers-capture default) and planned at its real depth. The depth cases plan the same
+Llama-3-8B block repeated 8, 32 and 128 times on 16 DGX-H100 nodes (total_layers = N, 2
+blocks captured): the bar is
+time(128) <= 2 x time(8). The `full-N` cases capture all N blocks of a small nanoGPT (width 256)
+to show what a full capture costs: torch.export traces every block (linear in N) while the
+solver's problem does not grow (identical blocks share one set of variables); their `solve_s`
+is the depth-independence of the planner proper, their `capture_s` is torch.export's.
+
+Median of the runs per case; the JSON holds every run, the medians and the bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_START = time.perf_counter()
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT = ROOT / "bench" / "results" / "plan_speed.json"
+
+# name: (model, cluster, nodes, global_batch, seq_len, total_layers or None, capture layers)
+CASES: dict[str, tuple] = {
+    "llama3-405b": ("llama3-405b", "dgx-h100", 2048, 2048, 8192, None, 2),
+    "gpt3-175b": ("gpt3-175b", "dgx-a100", 128, 1536, 2048, None, 2),
+    "llama3-8b": ("llama3-8b", "dgx-h100", 1, 64, 8192, None, 2),
+    "depth-8": ("llama3-8b", "dgx-h100", 16, 256, 4096, 8, 2),
+    "depth-32": ("llama3-8b", "dgx-h100", 16, 256, 4096, 32, 2),
+    "depth-128": ("llama3-8b", "dgx-h100", 16, 256, 4096, 128, 2),
+    "full-8": ("nanogpt", "dgx-h100", 1, 64, 1024, 8, 8),
+    "full-32": ("nanogpt", "dgx-h100", 1, 64, 1024, 32, 32),
+    "full-128": ("nanogpt", "dgx-h100", 1, 64, 1024, 128, 128),
+}
+BARS_S = {"llama3-405b": 10.0, "gpt3-175b": 5.0, "llama3-8b": 3.0}
+DEPTH_RATIO_BAR = 2.0  # plan_s(depth-128) <= 2 x plan_s(depth-8)
+_NANOGPT = dict(vocab_size=50304, n_embd=256, n_head=4, block_size=1024, dropout=0.0, bias=True)
+
+
+def _capture(case: str):
+    model, _cluster, _nodes, _gb, seq, total, keep = CASES[case]
+    from autoplan.capture import capture, capture_preset
+    if model == "nanogpt":
+        import torch
+        from autoplan.models.nanogpt import GPT, GPTConfig
+        with torch.device("meta"):
+            net = GPT(GPTConfig(n_layer=keep, **_NANOGPT))
+        return capture(net, (torch.zeros(1, seq, dtype=torch.long),), model_name=case,
+                       total_layers=total)
+    graph = capture_preset(model, batch=1, seq_len=seq, num_layers=keep)
+    if total is not None:  # the same block at another depth
+        graph.total_layers = total
+        graph.model_name = f"{model} x{total} layers"
+    return graph
+
+
+def worker(case: str) -> dict:
+    """One measurement (run in a fresh process); returns the phase times and the plan."""
+    import autoplan.report  # noqa: F401  (imports are timed apart, see the module docstring)
+    import autoplan.solver  # noqa: F401
+    import torch  # noqa: F401
+    from autoplan.report import render_html, render_markdown
+    from autoplan.solver import plan
+    from autoplan.spec import TrainingSpec
+    from autoplan.topology import preset
+
+    t_import = time.perf_counter()
+    _model, cluster, nodes, global_batch, seq, _total, _keep = CASES[case]
+    graph = _capture(case)
+    t_capture = time.perf_counter()
+    topology = preset(cluster, num_nodes=nodes)
+    spec = TrainingSpec(global_batch=global_batch, seq_len=seq, dtype="bfloat16")
+    result = plan(graph, topology, spec)
+    t_solve = time.perf_counter()
+    markdown = render_markdown(result, graph=graph, topology=topology)
+    html = render_html(result, graph=graph, topology=topology)
+    t_report = time.perf_counter()
+    return {
+        "import_s": t_import - _START, "capture_s": t_capture - t_import,
+        "solve_s": t_solve - t_capture, "report_s": t_report - t_solve,
+        "plan_s": t_report - t_import, "report_chars": len(markdown) + len(html),
+        "plan": str(result), "step_time_s": result.prediction.step_time_s,
+        "world_size": topology.world_size, "total_layers": graph.total_layers,
+        "captured_layers": graph.num_layers,
+    }
+
+
+def _measure(case: str) -> dict:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--worker", case], capture_output=True,
+                          text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {case} failed:\n{proc.stderr[-4000:]}")
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    run["process_s"] = wall
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--case", action="append", choices=sorted(CASES))
+    parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("-o", "--out", type=Path, default=RESULT)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker)))
+        return 0
+    cases = args.case or list(CASES)
+    results: dict[str, dict] = {}
+    for case in cases:
+        runs = [_measure(case) for _ in range(args.runs)]
+        medians = {k: statistics.median(r[k] for r in runs)
+                   for k in ("import_s", "capture_s", "solve_s", "report_s", "plan_s",
+                             "process_s")}
+        results[case] = {"config": dict(zip(("model", "cluster", "nodes", "global_batch",
+                                             "seq_len", "total_layers", "captured_layers"),
+                                            CASES[case])),
+                         "runs": runs, "median": medians, "plan": runs[0]["plan"]}
+        print(f"{case}: plan {medians['plan_s']:.2f} s", file=sys.stderr)
+    bars = _bars(results)
+    report = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
+                          "cpus": _cpus()},
+              "runs_per_case": args.runs, "cases": results, "bars": bars}
+    if args.case is None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    _print_table(results, bars)
+    return 0 if all(b["ok"] for b in bars) else 1
+
+
+def _cpus() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _bars(results: dict) -> list[dict]:
+    bars = []
+    for case, limit in BARS_S.items():
+        if case in results:
+            value = results[case]["median"]["plan_s"]
+            bars.append({"bar": f"{case} plan_s <= {limit} s", "value": value,
+                         "ok": value <= limit})
+    for prefix in ("depth", "full"):
+        lo, hi = results.get(f"{prefix}-8"), results.get(f"{prefix}-128")
+        if lo and hi:
+            key = "plan_s" if prefix == "depth" else "solve_s"
+            ratio = hi["median"][key] / lo["median"][key]
+            bars.append({"bar": f"{prefix}-128 {key} <= {DEPTH_RATIO_BAR} x {prefix}-8",
+                         "value": ratio, "ok": ratio <= DEPTH_RATIO_BAR})
+    return bars
+
+
+def _print_table(results: dict, bars: list[dict]) -> None:
+    head = f"{'case':<12} {'import':>7} {'capture':>8} {'solve':>7} {'report':>7} " \
+           f"{'plan':>7} {'process':>8}  plan"
+    print(head)
+    print("-" * len(head))
+    for case, r in results.items():
+        m = r["median"]
+        print(f"{case:<12} {m['import_s']:7.2f} {m['capture_s']:8.2f} {m['solve_s']:7.2f} "
+              f"{m['report_s']:7.2f} {m['plan_s']:7.2f} {m['process_s']:8.2f}  {r['plan']}")
+    print()
+    for b in bars:
+        print(f"{'ok  ' if b['ok'] else 'FAIL'} {b['bar']}: {b['value']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
