@@ -135,6 +135,11 @@ class AutoParallel:
                     "autoplan.runtime.LocalCluster (this process has no process group)")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         plan = self.plan
+        if _on_meta(self.module):
+            raise ValueError(
+                "the model is on the meta device: materialise it before training (e.g. "
+                "model.to_empty(device='cpu') and its init_weights(), which also recomputes "
+                "non-persistent buffers such as rotary tables), or load a checkpoint")
         _broadcast_weights(self.module)
         # The runtime graph is captured at the microbatch size: view shapes are static.
         graph = capture(self.module, self._example(plan.microbatch_size),
@@ -150,6 +155,19 @@ class AutoParallel:
         return self._engine.step(input_ids, labels)
 
     __call__ = step
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Sharded checkpoint (torch.distributed.checkpoint) of parameters and optimizer
+        states; every rank calls it. Loadable under any other plan or world size."""
+        if self._engine is None:
+            self._engine = self._compile()
+        self._engine.save(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by `save`, resharding to this plan; every rank calls it."""
+        if self._engine is None:
+            self._engine = self._compile()
+        self._engine.load(path)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters held by this rank (collective over tp/dp)."""

@@ -95,3 +95,42 @@ def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=Non
         losses.append(ap.step(x[i], y[i]))
         norms.append(ap._engine.grad_norm)
     return losses, ap.state_dict(), ap.plan.to_json(), norms
+
+
+def _preset_via_meta(name: str, seed: int, overrides: dict):
+    """Build on the meta device, then materialise: to_empty + HF init_weights (which also
+    recomputes non-persistent buffers such as rotary inv_freq)."""
+    from autoplan.models import build_model
+
+    model = build_model(name, device="meta", **overrides)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def preset_via_meta(name: str, seed: int = 0, **overrides):
+    return functools.partial(_preset_via_meta, name, seed, overrides)
+
+
+def train_resume(factory, batch: int, first: dict, second: dict, path: str, *, seq: int = SEQ):
+    """On every rank: 1 step under plan `first`, save; a new model under plan `second` (same
+    ranks) loads the checkpoint and takes 1 more step. Returns (losses, params, the rotary
+    buffer values each stage graph holds after loading)."""
+    from autoplan.api import autoparallel
+
+    x, y = batches(vocab_of(factory()), 2, batch, seq)
+    a = autoparallel(factory(), global_batch=batch, seq_len=seq, optimizer=adamw, **first)
+    losses = [a.step(x[0], y[0])]
+    a.save(path)
+    b = autoparallel(factory(), global_batch=batch, seq_len=seq, optimizer=adamw, **second)
+    # garbage weights: everything must come from the checkpoint
+    with torch.no_grad():
+        for p in b.module.parameters():
+            p.normal_()
+    b.load(path)
+    losses.append(b.step(x[1], y[1]))
+    buffers = [sg.gm.get_buffer(n.target).clone()
+               for sg in b._engine.stage_graphs.values() for n in sg.gm.graph.nodes
+               if n.op == "get_attr" and n.target.endswith("inv_freq")]
+    return losses, b.state_dict(), buffers

@@ -301,6 +301,19 @@ class DistributedModel:
         return _compat.clip_grad_norm(self, max_norm)
 
     # -- state --------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Sharded checkpoint of parameters and optimizer states (collective); see
+        autoplan.runtime.checkpoint."""
+        from autoplan.runtime.checkpoint import save
+
+        save(self, path)
+
+    def load(self, path) -> None:
+        """Load a checkpoint written by `save` under any plan (collective, reshards)."""
+        from autoplan.runtime.checkpoint import load
+
+        load(self, path)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters held by this rank, by FQN (collective over tp/dp)."""
         out = {}
