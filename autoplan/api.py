@@ -48,6 +48,7 @@ class PlanOptions:
     dtype: str = "float32"
     optimizer: Callable | None = None
     max_grad_norm: float | None = None
+    device_memory_bytes: float | None = None
     overrides: tuple[tuple[str, object], ...] = ()
 
 
@@ -69,6 +70,13 @@ class AutoParallel:
     # -- planning ---------------------------------------------------------------------------
     @property
     def topology(self) -> Topology:
+        topo = self._cluster()
+        if self.options.device_memory_bytes is not None:
+            device = dataclasses.replace(topo.device, mem_bytes=self.options.device_memory_bytes)
+            topo = dataclasses.replace(topo, device=device)
+        return topo
+
+    def _cluster(self) -> Topology:
         o = self.options
         world = dist.get_world_size() if dist.is_initialized() else (o.world_size or 1)
         if o.cluster.endswith((".yaml", ".yml", ".json")):
@@ -213,7 +221,7 @@ def _broadcast_weights(module: nn.Module) -> None:
 def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str = "local-cpu",
                  num_nodes: int = 1, world_size: int | None = None, dtype: str = "float32",
                  optimizer: Callable | None = None, max_grad_norm: float | None = None,
-                 **overrides):
+                 device_memory_bytes: float | None = None, **overrides):
     """Decorate a module class, a factory function or an instance.
 
     Args:
@@ -223,6 +231,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
             planning outside a process group.
         dtype: compute dtype; optimizer: `params -> Optimizer` (default AdamW(lr=1e-3));
         max_grad_norm: clip the global gradient norm.
+        device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,
+            e.g. to leave room for something else).
         **overrides: fix solver choices: tp, pp, dp, zero_stage, num_microbatches, schedule,
             num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" | "selective" |
             "full").
@@ -238,7 +248,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, max_grad_norm=max_grad_norm,
-                          overrides=tuple(sorted(overrides.items())))
+                          device_memory_bytes=device_memory_bytes, overrides=tuple(sorted(overrides.items())))
 
     def wrap(obj):
         if isinstance(obj, nn.Module):
