@@ -124,6 +124,17 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int):
     return out
 
 
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding and redistribution plans by mesh *shape*; the cached ones name
+    the process groups of the rank traced last, which are gone once it is destroyed."""
+    from torch.distributed.tensor import _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 def _is_param(gm: torch.nn.Module, target: str) -> bool:
     try:
         gm.get_parameter(target)
@@ -230,6 +241,7 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
                     traced = trace_rank(graph, plan, pp_rank, tp_rank)
                 finally:
                     dist.destroy_process_group()
+                    _clear_dtensor_caches()
                 for stage, gm, ins, outs in traced:
                     stem = f"rank{rank}_stage{stage}"
                     header = _header(plan, pp_rank, tp_rank, stage, ins, outs,

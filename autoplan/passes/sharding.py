@@ -40,6 +40,7 @@ def redistribute(x, placement: str):
     p = parse_placement(placement)
     if tuple(x.placements) == (p,):
         return x
+
     return x.redistribute(x.device_mesh, (p,))
 
 
