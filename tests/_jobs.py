@@ -80,15 +80,28 @@ def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
     return losses, params, norms
 
 
+def memory_budget(factory, batch: int, overrides: dict, fraction: float, seq: int = SEQ):
+    """A per-device memory budget `fraction` of what the plan needs with ample memory: under
+    it the planner has to split weights on the tp axis instead of replicating them (tiny
+    models are latency-bound, so with ample memory replication wins)."""
+    from autoplan.api import autoparallel
+
+    ample = autoparallel(factory(), global_batch=batch, seq_len=seq, **overrides).plan
+    return ample.prediction.memory_bytes * fraction
+
+
 def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=None,
-          seq: int = SEQ):
+          seq: int = SEQ, memory_fraction: float | None = None):
     """On every rank: plan with `overrides` (fixing some of the solver's choices), train, and
     return (losses, this rank's full parameters, plan JSON, gradient norms before clipping)."""
     from autoplan.api import autoparallel
 
+    budget = None
+    if memory_fraction is not None:
+        budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
     model = factory()
     ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
-                      max_grad_norm=max_grad_norm, **overrides)
+                      max_grad_norm=max_grad_norm, device_memory_bytes=budget, **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)
     losses, norms = [], []
     for i in range(steps):

@@ -134,7 +134,12 @@ class DistributedModel:
         for sg in mine:
             _untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
-            held |= {n.meta.get("orig_name", n.name) for n in sg.gm.graph.nodes}
+            # consumers this rank runs (a stage input placeholder named after its producer in
+            # an earlier stage is not one)
+            held |= {n.meta.get("orig_name", n.name) for n in sg.gm.graph.nodes
+                     if n.op == "call_function"}
+            if sg.index == self.num_stages - 1:
+                held.add("output")
             # Checkpoint after placements: a block's redistributions are recomputed with it.
             wrap_checkpointing(sg.gm, graph, plan.checkpointing)
             if plan.mesh.tp > 1:
