@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import os
 from pathlib import Path
 from typing import Callable
@@ -116,14 +115,7 @@ class AutoParallel:
                 f"has {dist.get_world_size()} ranks")
         name = type(self.module).__name__
         graph = capture(self.module, self._example(self.options.global_batch), model_name=name)
-        overrides = dict(self.options.overrides)
-        checkpointing = overrides.pop("checkpointing", None)
-        if checkpointing is not None and "checkpointing" in inspect.signature(solve).parameters:
-            overrides["checkpointing"] = checkpointing
-            checkpointing = None
-        plan = solve(graph, topo, self.spec, **overrides)
-        if checkpointing is not None:
-            plan = dataclasses.replace(plan, checkpointing=checkpointing)
+        plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [plan.to_json() if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)

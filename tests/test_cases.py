@@ -104,10 +104,9 @@ def test_c6_in_place_after_partial_view_add_and_indexing(clusters, overrides):
     results, _ = _run(clusters, 2, _models.in_place(), 3, 4, overrides)
     plan = json.loads(results[0][2])
     if plan["mesh"]["tp"] > 1:
-        partial_out = {s["node"] for s in plan["strategies"] if "P" in s["outputs"]}
+        # clamp is not linear: it never reads a Partial value (a P -> R all-reduce comes first)
         clamps = [s for s in plan["strategies"] if s["node"].startswith("clamp")]
         assert clamps and all("P" not in s["inputs"] for s in clamps)
-        del partial_out
 
 
 def test_c7_data_dependent_calls_fail_at_capture():

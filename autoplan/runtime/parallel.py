@@ -9,7 +9,6 @@ DTensor parameters).
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
