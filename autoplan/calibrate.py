@@ -12,29 +12,56 @@ of the sizes of one measurement are interleaved, so that a burst of load from ot
 cannot bend a fitted curve.
 
 - Matmul: fp32 square matmuls `(d, d) @ (d, d)`, 2 d^3 FLOPs each. `peak_flops_per_s["float32"]`
-  is the largest measured rate. `matmul_efficiency` E is fitted so that compute.py's curve,
-  rate(d) = peak * efficiency(d) with efficiency(d) = E * g(d) (g(d) = d / (d + MATMUL_HALF_DIM)
-  today; we call `compute.matmul_efficiency`, so the fit follows the curve if it changes), matches
-  the measured rates r(d) in relative least squares: minimize sum_d (peak E g(d) / r(d) - 1)^2,
-  closed form E = sum a / sum a^2 with a = peak g(d) / r(d). Only the product peak * E is
-  determined by the data; we keep peak = the largest measured rate (so MFU stays "of measured
-  peak"), which lets E exceed 1 when this CPU saturates at smaller d than the curve assumes. The
-  fit's rms relative error and the half-dim that would fit best are reported in `source`.
+  is the largest measured rate. compute.py's curve, rate(d) = peak * E * d / (d + H), is fitted
+  with the call's floor (`torch.add` on 1 element, no autograd), t(d) = 2 d^3 / rate(d) + floor,
+  to the measured
+  times in relative least squares: for each half-dim H of a log grid (1..4096, 4 points per
+  octave) 1 / E has a closed form (`fit_matmul_efficiency`); the (E, H) of least error are
+  `matmul_efficiency` and `matmul_half_dim`. Only peak * E is determined by the data; we keep
+  peak = the largest measured rate (so MFU stays "of measured peak"), which lets E exceed 1.
   `peak_flops_per_s["bfloat16"]`: the largest rate of bf16 matmuls of d = 256 and 512 (512
   skipped where bf16 is emulated and slow).
-- Memory bandwidth: tensor copy (reads n, writes n bytes) and add (reads 2n, writes n) on
-  arrays far larger than the caches; bytes moved / time, in the roofline's counting (input plus
-  output bytes, no write-allocate); `mem_bw_bytes_per_s` is the mean of the two.
-- Launch latency: the time of `torch.add` on 1-element tensors from Python, the per-op floor of
-  an eager or FX-interpreted graph.
-- Collectives: gloo `all_reduce` of float32 buffers on subgroups of the first p = 2..max_ranks
-  ranks of one `LocalCluster(max_ranks)`; per (p, n) the slowest rank's median time of
-  back-to-back calls. Fit of comm.py's [Note: collective cost] for all-reduce,
-  t = 2(p-1) * latency_s + n * 2(p-1)/p / bw_bytes_per_s (nccl-tests busbw factor), by relative
-  least squares over all (p, n) samples (2x2 normal equations; a negative latency is clamped to 0
-  and the bandwidth refitted). One machine has no inter-node link: `inter_node` repeats the
-  loopback fit, and `source` says so.
-- `mem_bytes`: MemTotal of /proc/meminfo divided by max_ranks (the ranks share the RAM).
+- Memory bandwidth (`mem_bw_bytes_per_s`): what the roofline's byte term means for an eager
+  graph's elementwise ops: a chain of out-of-place multiplies and adds on 2 MiB tensors (an
+  activation's size), `mem_bytes` of them so that they do not stay in the caches; bytes in the
+  roofline's counting (inputs plus output of each op) / time. Allocation of each output is part
+  of it, as in training (a copy into a preallocated array runs ~30% faster).
+- Transcendental ops (`elementwise_s_per_elem`): each op of compute.TRANSCENDENTAL_OPS on the
+  same tensors, time per element (the roofline takes the larger of it and the byte term).
+- Launch latency (`launch_latency_s`, the roofline's per-op floor): what one op of a training
+  step costs beyond its FLOPs and bytes -- Python and dispatch, autograd's recording and its
+  engine, allocation of the output. Fitted on a reference training graph (nanoGPT: 2 blocks of
+  width 128, 4 heads, vocabulary 256; batch 8 x 64 tokens; its captured aten graph with real
+  weights, forward + cross-entropy + backward, as the runtime runs a stage): the latency that
+  makes compute.py's roofline sum over the graph equal the measured time
+  (`fit_launch_latency`), and no less than one op of a 1-element autograd chain (100 multiplies
+  from Python), the floor measured directly.
+- Shared speed (`DeviceSpec.shared_speed`): ranks of one machine share its cores. For
+  n = 1..max_ranks, the first n ranks of a `LocalCluster(max_ranks)` run d = 256 matmuls for a
+  fixed window at the same time (the others wait in a barrier, asleep); each rank's throughput is
+  work done / window (a throughput, not a median of short calls: time slicing by the scheduler
+  must count), and shared_speed[n] is the median rank's throughput over the rate the fitted curve
+  gives one rank alone at d = 256. Median of `speed_rounds` rounds.
+- Collectives (`LinkSpec.collectives`, [Note: measured collectives] in cost_model/comm.py): for
+  every rank count N = 2..max_ranks and group size p dividing N, the first N ranks form g = N / p
+  groups of p consecutive ranks and every group runs the collective at the same time (as SPMD runs
+  every group of a mesh axis); per (kind, p, g, size) the slowest rank's median time of
+  back-to-back calls. Kinds: all_reduce, all_gather (all_gather_into_tensor, n = output bytes),
+  reduce_scatter (reduce_scatter_tensor, n = input bytes), broadcast, and send_recv (p = 2:
+  half a ping-pong between the ranks of each pair). Each (kind, p, g) is fitted to comm.py's
+  t = steps(p) * latency_s + n * factor(p) / bw_bytes_per_s by relative least squares (2x2
+  normal equations; a negative latency is clamped to 0 and the bandwidth refitted).
+  all_to_all: gloo has none for DTensor, which falls back to all_gather + chunk
+  (torch/distributed/tensor/_redistribute.py), so it is priced as that all-gather of the p-times
+  larger full tensor: the all_gather fit with busbw / p. The link's own latency_s and
+  bw_bytes_per_s are the all_reduce fit over all samples (the fallback for unmeasured groups).
+  One machine has no inter-node link: `inter_node` repeats the loopback figures, as `source`
+  says.
+- DTensor overhead (`dtensor_op_overhead_s`): the median over add, mul, view, transpose and gelu
+  of (time on tiny DTensors sharded over all max_ranks ranks - time on plain tensors), all ranks
+  at once, divided by shared_speed[max_ranks] (a one-rank figure, as the others).
+- `mem_bytes`: MemTotal of /proc/meminfo divided by max_ranks (the ranks share the RAM; the
+  `local-cpu` preset rescales it to its own rank count).
 """
 
 from __future__ import annotations
@@ -58,7 +85,8 @@ from autoplan.topology import DeviceSpec, LinkSpec, Topology, load_topology, sav
 
 __all__ = [
     "main", "measure", "default_out_path", "fit_matmul_efficiency", "best_half_dim",
-    "fit_all_reduce", "all_reduce_factor_steps", "median_call_times_s",
+    "fit_collective", "fit_all_reduce", "all_reduce_factor_steps", "median_call_times_s",
+    "shared_speed_job",
 ]
 
 K = TypeVar("K")
@@ -71,17 +99,20 @@ class _Settings:
     matmul_dims: tuple[int, ...]
     bf16_dims: tuple[int, ...]
     mem_bytes: int            # size of each array of the bandwidth test
-    all_reduce_bytes: tuple[int, ...]
+    collective_bytes: tuple[int, ...]
     repeats: int
     min_time_s: float         # shortest repeat; shorter calls are looped
+    speed_window_s: float     # throughput window of the shared-speed measurement
+    speed_rounds: int
 
 
-_FULL = _Settings(matmul_dims=(64, 128, 256, 512, 1024), bf16_dims=(256, 512),
+_FULL = _Settings(matmul_dims=(16, 32, 64, 128, 256, 512, 1024), bf16_dims=(256, 512),
                   mem_bytes=64 * 2**20,
-                  all_reduce_bytes=(4, 64, 2**10, 2**14, 2**16, 2**18, 2**20, 2**22),
-                  repeats=7, min_time_s=0.01)
-_QUICK = _Settings(matmul_dims=(64, 128, 256, 512), bf16_dims=(256,), mem_bytes=32 * 2**20,
-                   all_reduce_bytes=(4, 2**12, 2**16, 2**18, 2**21), repeats=3, min_time_s=0.003)
+                  collective_bytes=(4, 2**10, 2**14, 2**17, 2**20, 2**22, 2**24),
+                  repeats=7, min_time_s=0.01, speed_window_s=0.3, speed_rounds=3)
+_QUICK = _Settings(matmul_dims=(32, 64, 128, 256), bf16_dims=(256,), mem_bytes=16 * 2**20,
+                   collective_bytes=(4, 2**14, 2**20), repeats=3, min_time_s=0.003,
+                   speed_window_s=0.05, speed_rounds=1)
 
 
 def default_out_path() -> Path:
@@ -140,20 +171,107 @@ def _bf16_dims(s: _Settings, limit_s: float = 0.05) -> tuple[int, ...]:
     return tuple(d for d in s.bf16_dims if d == d0 or t * (d / d0) ** 3 < limit_s)
 
 
-def _mem_bw(s: _Settings) -> tuple[float, float]:
-    """(copy, add) bandwidth in B/s: bytes read plus written per second."""
-    n = s.mem_bytes // 4
-    a, b, c = torch.randn(n), torch.randn(n), torch.zeros(n)
-    times = median_call_times_s({"copy": lambda: c.copy_(a),
-                                 "add": lambda: torch.add(a, b, out=c)},
-                                repeats=s.repeats, min_time_s=s.min_time_s)
-    return 2 * a.nbytes / times["copy"], 3 * a.nbytes / times["add"]
+_CHUNK_BYTES = 2 * 2**20
+"""Size of one activation-like tensor of the elementwise measurements (2 MiB)."""
+
+_TRANSCENDENTAL_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "tanh": torch.tanh, "exp": torch.exp, "erf": torch.erf, "sigmoid": torch.sigmoid,
+    "log": torch.log, "pow": lambda x: torch.pow(x, 3.0), "sin": torch.sin, "cos": torch.cos,
+    "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt, "_softmax": lambda x: torch.softmax(x.view(-1, 1024), -1),
+    "_log_softmax": lambda x: torch.log_softmax(x.view(-1, 1024), -1),
+}
 
 
-def _launch_latency_s(s: _Settings) -> float:
+def _elementwise(s: _Settings) -> tuple[float, dict[str, float]]:
+    """(bandwidth B/s, {op: seconds per element}) of out-of-place elementwise ops on
+    activation-like tensors that do not stay in the caches ([Note: calibration fits])."""
+    n = _CHUNK_BYTES // 4
+    count = max(4, s.mem_bytes // _CHUNK_BYTES)
+    xs = [torch.rand(n) + 0.5 for _ in range(count)]  # positive: log, sqrt, rsqrt are defined
+
+    def chain():  # the bytes roofline counts: 2 n per unary op, 3 n per binary one, x 4 bytes
+        for x in xs:
+            a = x * 0.5
+            b = a + x
+            c = b * a
+            (c + 1.0) * x
+
+    def unary(fn):
+        return lambda: [fn(x) for x in xs]
+
+    fns = {"chain": chain, **{op: unary(fn) for op, fn in _TRANSCENDENTAL_FNS.items()}}
+    times = median_call_times_s(fns, repeats=s.repeats, min_time_s=s.min_time_s)
+    chain_bytes = count * n * 4 * (2 + 3 + 3 + 2 + 3)
+    per_elem = {op: times[op] / (count * n) for op in _TRANSCENDENTAL_FNS}
+    return chain_bytes / times["chain"], per_elem
+
+
+def _dispatch_s(s: _Settings) -> float:
+    """Time of `torch.add` on 1-element tensors without autograd: the floor of the
+    microbenchmarks' calls (the matmul fit's launch term)."""
     x, y = torch.ones(1), torch.ones(1)
     return median_call_times_s({"add": lambda: torch.add(x, y)}, repeats=s.repeats + 2,
                                min_time_s=s.min_time_s)["add"]
+
+
+def _launch_latency_s(s: _Settings, chain: int = 100) -> float:
+    """Forward time of one op of a training graph on a 1-element tensor: dispatch plus
+    autograd's recording of the op (the floor every op of a training step pays)."""
+    w = torch.ones(1, requires_grad=True)
+
+    def forward():
+        x = w
+        for _ in range(chain):
+            x = x * 1.0001
+        return x
+
+    return median_call_times_s({"fwd": forward}, repeats=s.repeats + 2,
+                               min_time_s=s.min_time_s)["fwd"] / chain
+
+
+def _reference_step(s: _Settings):
+    """(step fn, captured graph) of the reference training graph of [Note: calibration fits]:
+    nanoGPT, 2 blocks of width 128, 4 heads, vocabulary 256, batch 8 x 64 tokens, run as the
+    runtime runs a stage: the captured aten graph with real weights, forward and backward."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from autoplan.capture import capture
+    from autoplan.models.nanogpt import GPT, GPTConfig
+    from autoplan.passes.device import materialize
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=128))
+    x = torch.randint(0, 256, (8, 64))
+    graph = capture(model, (x,), model_name="calibrate-reference")
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    materialize(gm, model, "cpu")
+
+    def step():
+        F.cross_entropy(gm(x).reshape(-1, 256), x.reshape(-1)).backward()
+
+    return step, graph
+
+
+def fit_launch_latency(device: DeviceSpec, graph, measured_s: float, *,
+                       floor_s: float = 0.0) -> tuple[float, float]:
+    """The launch latency that makes compute.py's roofline (forward + backward of every node of
+    `graph`) equal `measured_s`: (measured - roofline without launches) / launches counted, no
+    less than `floor_s`. Returns (latency_s, roofline without launches, seconds)."""
+    import dataclasses
+
+    from autoplan.cost_model.compute import backward_time_s, op_time_s
+
+    bare = dataclasses.replace(device, launch_latency_s=0.0)
+    unit = dataclasses.replace(device, launch_latency_s=1.0)
+    nodes = list(graph.nodes.values())
+    roofline = sum(op_time_s(n, bare, "float32") + backward_time_s(n, bare, "float32")
+                   for n in nodes)
+    launches = sum(op_time_s(n, unit, "float32") + backward_time_s(n, unit, "float32")
+                   for n in nodes) - roofline
+    return max(floor_s, (measured_s - roofline) / max(launches, 1.0)), roofline
 
 
 def _mem_total_bytes() -> float:
@@ -171,99 +289,192 @@ def _mem_total_bytes() -> float:
 
 # --- rank jobs (module-level: LocalCluster pickles them by name) --------------------------------
 
-def _all_reduce_job(group_sizes: list[int], nbytes_list: list[int], repeats: int,
-                    min_time_s: float) -> list[tuple[int, int, float]]:
-    """On every rank: time all_reduce on the subgroups of the first p ranks, p in group_sizes.
-    Returns this rank's (p, nbytes, median seconds) for the groups it belongs to."""
+def shared_speed_job(counts: list[int], window_s: float, rounds: int,
+                     dim: int = 256) -> dict[int, list[float]]:
+    """On every rank: for each n in `counts` (rounds interleaved), the first n ranks run
+    (dim, dim) matmuls for `window_s` at once while the others wait in a barrier. Returns this
+    rank's FLOP/s for every n it took part in: {n: [rate per round]}."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
     rank = dist.get_rank()
-    groups = {p: dist.new_group(ranks=list(range(p))) for p in group_sizes}  # all ranks call
-    out = []
-    for p in group_sizes:
-        if rank < p:
-            out += [(p, n, t) for n, t in _time_all_reduce_s(nbytes_list, groups[p], repeats,
-                                                             min_time_s).items()]
-        dist.barrier()  # the other ranks wait here; the next group starts together
-    return out
+    a, b = torch.randn(dim, dim), torch.randn(dim, dim)
+    out_buf = torch.empty(dim, dim)
+    torch.mm(a, b, out=out_buf)
+    rates: dict[int, list[float]] = {}
+    for _ in range(rounds):
+        for n in counts:
+            dist.barrier()
+            if rank < n:
+                calls, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < window_s:
+                    torch.mm(a, b, out=out_buf)
+                    calls += 1
+                rates.setdefault(n, []).append(2.0 * dim**3 * calls /
+                                               (time.perf_counter() - t0))
+            dist.barrier()
+    return rates
 
 
-def _time_all_reduce_s(nbytes_list: list[int], group, repeats: int,
-                       min_time_s: float) -> dict[int, float]:
-    """Median seconds of one all_reduce per message size on `group`. Repeats are interleaved
-    over the sizes, so that a burst of load from other processes hits all sizes alike."""
+def dtensor_overhead_job(repeats: int, min_time_s: float) -> float:
+    """On every rank: seconds an op costs more on DTensors sharded over all ranks than on plain
+    tensors (median over add, mul, view, transpose, gelu on tiny tensors; none communicates)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    p = dist.get_world_size()
+    a, b, w = torch.randn(2 * p, 8), torch.randn(2 * p, 8), torch.randn(8, 8)
+    da, db = (distribute_tensor(t, mesh, [Shard(0)]) for t in (a, b))
+    dw = distribute_tensor(w, mesh, [Replicate()])
+    gelu = torch.nn.functional.gelu
+    pairs = {"add": (lambda: a + b, lambda: da + db), "mul": (lambda: a * 2.0, lambda: da * 2.0),
+             "view": (lambda: a.view(p, 16), lambda: da.view(p, 16)),
+             "t": (lambda: w.t(), lambda: dw.t()), "gelu": (lambda: gelu(a), lambda: gelu(da))}
+    fns = {(k, i): f for k, fs in pairs.items() for i, f in enumerate(fs)}
+    times = median_call_times_s(fns, repeats=repeats, min_time_s=min_time_s)
+    return statistics.median(max(0.0, times[(k, 1)] - times[(k, 0)]) for k in pairs)
+
+
+def _collective_fns(kind: str, nbytes: int, group, ranks: list[int]):
+    """A zero-argument call of `kind` on `group` moving `nbytes` ([Note: collective cost])."""
+    import torch.distributed as dist
+
+    p, me = len(ranks), dist.get_rank()
+    numel = max(p, nbytes // 4 // p * p)  # divisible by p for the sharded kinds
+    buf = torch.zeros(numel)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(buf, group=group)
+    if kind == "all_gather":
+        shard = torch.zeros(numel // p)
+        return lambda: dist.all_gather_into_tensor(buf, shard, group=group)
+    if kind == "reduce_scatter":
+        shard = torch.zeros(numel // p)
+        return lambda: dist.reduce_scatter_tensor(shard, buf, group=group)
+    if kind == "broadcast":
+        return lambda: dist.broadcast(buf, src=ranks[0], group=group)
+    peer = ranks[1] if me == ranks[0] else ranks[0]  # send_recv: half a ping-pong
+
+    def ping_pong():
+        if me == ranks[0]:
+            dist.send(buf, peer, group=group)
+            dist.recv(buf, peer, group=group)
+        else:
+            dist.recv(buf, peer, group=group)
+            dist.send(buf, peer, group=group)
+    return ping_pong
+
+
+def _time_group_s(kind: str, nbytes_list: list[int], group, ranks: list[int], repeats: int,
+                  min_time_s: float) -> dict[int, float]:
+    """Median seconds of one `kind` per message size on `group`. Repeats are interleaved over
+    the sizes, so that a burst of load from other processes hits all sizes alike."""
     import torch.distributed as dist
 
     loops = {}
     for n in nbytes_list:
-        buf = torch.zeros(max(1, n // 4))
-        dist.all_reduce(buf, group=group)  # warm-up (connections, buffers)
+        fn = _collective_fns(kind, n, group, ranks)
+        fn()  # warm-up (connections, buffers)
         t0 = time.perf_counter()
-        dist.all_reduce(buf, group=group)
+        fn()
         # Members must agree on the loop count, or one would wait for a call that never comes.
         once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
-        loops[n] = (buf, max(1, math.ceil(min_time_s / max(float(once), 1e-9))))
+        loops[n] = (fn, max(1, math.ceil(min_time_s / max(float(once), 1e-9))))
     samples: dict[int, list[float]] = {n: [] for n in nbytes_list}
     for _ in range(repeats):
-        for n, (buf, iters) in loops.items():
+        for n, (fn, iters) in loops.items():
             dist.barrier(group=group)
             t0 = time.perf_counter()
             for _ in range(iters):
-                dist.all_reduce(buf, group=group)
-            samples[n].append((time.perf_counter() - t0) / iters)
+                fn()
+            per_call = (time.perf_counter() - t0) / iters
+            samples[n].append(per_call / 2 if kind == "send_recv" else per_call)
     return {n: statistics.median(ts) for n, ts in samples.items()}
 
 
-def _concurrent_matmul_job(dim: int, repeats: int, min_time_s: float) -> float:
-    """On every rank at once: fp32 matmul FLOP/s of this rank while all ranks compute."""
+def _collectives_job(max_ranks: int, nbytes_list: list[int], repeats: int,
+                     min_time_s: float) -> list[tuple[str, int, int, int, float]]:
+    """On every rank: for N = 2..max_ranks and p | N, g = N / p concurrent groups of p
+    consecutive ranks among the first N time every kind ([Note: calibration fits]).
+    Returns this rank's (kind, p, g, nbytes, median seconds)."""
     import torch.distributed as dist
 
-    dist.barrier()
-    s = _Settings((dim,), (), 0, (), repeats, min_time_s)
-    rate = _matmul_rates((dim,), torch.float32, s)[dim]
-    dist.barrier()
-    return rate
+    rank = dist.get_rank()
+    out = []
+    for total in range(2, max_ranks + 1):
+        for p in (d for d in range(2, total + 1) if total % d == 0):
+            g = total // p
+            layouts = [list(range(i * p, (i + 1) * p)) for i in range(g)]
+            groups = [dist.new_group(ranks=r) for r in layouts]  # every rank creates every group
+            mine = next((i for i, r in enumerate(layouts) if rank in r), None)
+            kinds = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+            kinds += ["send_recv"] if p == 2 else []
+            for kind in kinds:
+                if mine is not None:
+                    times = _time_group_s(kind, nbytes_list, groups[mine], layouts[mine],
+                                          repeats, min_time_s)
+                    out += [(kind, p, g, n, t) for n, t in times.items()]
+                dist.barrier()  # the idle ranks wait here; the next kind starts together
+    return out
 
 
 # --- fits -------------------------------------------------------------------------------------
 
+def _curve(d: float, half_dim: float | None) -> float:
+    from autoplan.cost_model.compute import matmul_efficiency
+
+    unit = DeviceSpec("fit", {"float32": 1.0}, 1.0, 1.0, matmul_efficiency=1.0,
+                      matmul_half_dim=half_dim if half_dim is not None else 128.0)
+    return matmul_efficiency(d, unit)
+
+
 def fit_matmul_efficiency(dims: list[float], rates_flops_per_s: list[float],
-                          peak_flops_per_s: float,
-                          half_dim: float | None = None) -> tuple[float, float]:
-    """Fit `matmul_efficiency` E to measured square-matmul rates ([Note: calibration fits]).
+                          peak_flops_per_s: float, half_dim: float | None = None, *,
+                          launch_latency_s: float = 0.0) -> tuple[float, float]:
+    """Fit `matmul_efficiency` E to measured square-matmul rates for a given half-dim
+    ([Note: calibration fits]).
+
+    The model is compute.py's roofline for a (d, d) @ (d, d) matmul,
+    t(d) = 2 d^3 / (peak E g(d)) + launch_latency_s, g(d) = d / (d + half_dim), fitted to the
+    measured times 2 d^3 / rate in relative least squares; x = 1 / E has the closed form
+    x = sum_d c_d (1 - L / t_d) / sum_d c_d^2 with c_d = 2 d^3 / (peak g(d) t_d).
 
     Args:
         dims: matmul edge d of each measurement.
         rates_flops_per_s: measured FLOP/s at each d.
         peak_flops_per_s: the device peak the curve multiplies.
-        half_dim: use d / (d + half_dim) as the curve; None: compute.py's curve as it is.
+        half_dim: the curve's half-dim; None: the GPU presets' default (compute.MATMUL_HALF_DIM).
+        launch_latency_s: the per-op floor the roofline adds (0: rates are pure compute).
 
-    Returns (E, rms relative error of the fitted rates). Raises ValueError for empty or
+    Returns (E, rms relative error of the fitted times). Raises ValueError for empty or
     non-positive input.
     """
-    from autoplan.cost_model.compute import matmul_efficiency
-
     if not dims or len(dims) != len(rates_flops_per_s) or peak_flops_per_s <= 0 \
             or min(rates_flops_per_s) <= 0:
         raise ValueError(f"fit_matmul_efficiency: need matching positive dims and rates and a "
                          f"positive peak; got {dims}, {rates_flops_per_s}, {peak_flops_per_s}")
-    unit = DeviceSpec("fit", {"float32": 1.0}, 1.0, 1.0, matmul_efficiency=1.0)
-    a = [peak_flops_per_s * (d / (d + half_dim) if half_dim is not None
-                             else matmul_efficiency(d, unit)) / r
-         for d, r in zip(dims, rates_flops_per_s)]
-    e = sum(a) / sum(x * x for x in a)
-    rms = math.sqrt(sum((e * x - 1) ** 2 for x in a) / len(a))
-    return e, rms
+    times = [2.0 * d**3 / r for d, r in zip(dims, rates_flops_per_s)]
+    c = [2.0 * d**3 / (peak_flops_per_s * _curve(d, half_dim) * t) for d, t in zip(dims, times)]
+    x = sum(ci * (1 - launch_latency_s / t) for ci, t in zip(c, times)) / sum(ci * ci for ci in c)
+    if x <= 0:
+        raise ValueError(f"fit_matmul_efficiency: the launch latency {launch_latency_s} s "
+                         f"explains all of the measured times {times}")
+    rms = math.sqrt(sum((ci * x + launch_latency_s / t - 1) ** 2 for ci, t in zip(c, times))
+                    / len(c))
+    return 1.0 / x, rms
 
 
 def best_half_dim(dims: list[float], rates_flops_per_s: list[float],
-                  peak_flops_per_s: float) -> tuple[float, float]:
-    """The half-dim H of d / (d + H) that fits the rates best (log grid 1..4096), and its rms
-    relative error. Informative only: compute.py's MATMUL_HALF_DIM is not a topology field."""
+                  peak_flops_per_s: float, *,
+                  launch_latency_s: float = 0.0) -> tuple[float, float]:
+    """The half-dim H of d / (d + H) that fits the rates best (log grid 1..4096, 4 points per
+    octave, with E fitted for each, `fit_matmul_efficiency`) and its rms relative error."""
     grid = [2 ** (k / 4) for k in range(49)]
-    fits = [(fit_matmul_efficiency(dims, rates_flops_per_s, peak_flops_per_s, h)[1], h)
-            for h in grid]
+    fits = [(fit_matmul_efficiency(dims, rates_flops_per_s, peak_flops_per_s, h,
+                                   launch_latency_s=launch_latency_s)[1], h) for h in grid]
     rms, h = min(fits)
     return h, rms
 
@@ -271,14 +482,18 @@ def best_half_dim(dims: list[float], rates_flops_per_s: list[float],
 def all_reduce_factor_steps(group_size: int) -> tuple[float, int]:
     """(bandwidth factor, latency steps) of a ring all-reduce on p ranks: (2(p-1)/p, 2(p-1)),
     as comm.py's [Note: collective cost] (nccl-tests PERFORMANCE.md)."""
-    p = group_size
-    return 2 * (p - 1) / p, 2 * (p - 1)
+    from autoplan.cost_model.comm import factor_steps
+
+    return factor_steps("all_reduce", group_size)
 
 
-def fit_all_reduce(samples: list[tuple[int, float, float]]) -> tuple[float, float, float]:
-    """Fit t = steps(p) * latency_s + nbytes * factor(p) / bw_bytes_per_s to all-reduce samples.
+def fit_collective(kind: str,
+                   samples: list[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """Fit t = steps(p) * latency_s + nbytes * factor(p) / bw_bytes_per_s (comm.py's formula
+    for `kind`) to samples.
 
     Args:
+        kind: a collective of comm.COLLECTIVES.
         samples: (group size p, nbytes, seconds) triples.
 
     Relative least squares (each sample's error divided by its time, so 4-byte and 4-MB
@@ -287,12 +502,14 @@ def fit_all_reduce(samples: list[tuple[int, float, float]]) -> tuple[float, floa
     Returns (latency_s, bw_bytes_per_s, rms relative error). Raises ValueError when the samples
     cannot determine a positive bandwidth (all messages tiny, or times that fall with size).
     """
+    from autoplan.cost_model.comm import factor_steps
+
     if not samples or any(t <= 0 or p < 2 for p, _, t in samples):
-        raise ValueError(f"fit_all_reduce: need samples (p >= 2, nbytes, seconds > 0); "
-                         f"got {samples}")
+        raise ValueError(f"fit_collective({kind!r}): need samples (p >= 2, nbytes, seconds > 0);"
+                         f" got {samples}")
     rows = []
     for p, n, t in samples:
-        factor, steps = all_reduce_factor_steps(p)
+        factor, steps = factor_steps(kind, p)
         rows.append((steps / t, n * factor / t))  # model / t = alpha * u + inv_bw * v; target 1
     suu = sum(u * u for u, _ in rows)
     suv = sum(u * v for u, v in rows)
@@ -305,54 +522,90 @@ def fit_all_reduce(samples: list[tuple[int, float, float]]) -> tuple[float, floa
         alpha, inv_bw = 0.0, sv / svv if svv > 0 else 0.0
     if inv_bw <= 0:
         raise ValueError(
-            "calibrate: all_reduce times do not grow with message size, so no bandwidth can be "
+            f"calibrate: {kind} times do not grow with message size, so no bandwidth can be "
             f"fitted; samples (p, bytes, s): {samples}")
     rms = math.sqrt(sum((alpha * u + inv_bw * v - 1) ** 2 for u, v in rows) / len(rows))
     return alpha, 1.0 / inv_bw, rms
+
+
+def fit_all_reduce(samples: list[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """`fit_collective("all_reduce", samples)`: (latency_s, bw_bytes_per_s, rms)."""
+    return fit_collective("all_reduce", samples)
 
 
 # --- measure and write --------------------------------------------------------------------------
 
 def _measure_rank_compute(s: _Settings) -> dict:
     """Single-thread compute figures of one rank, measured in this process."""
+    launch_s, dispatch_s = _launch_latency_s(s), _dispatch_s(s)
     rates = _matmul_rates(s.matmul_dims, torch.float32, s)
     peak = max(rates.values())
-    eff, eff_rms = fit_matmul_efficiency(list(rates), list(rates.values()), peak)
-    half_dim, half_rms = best_half_dim(list(rates), list(rates.values()), peak)
+    dims, values = list(rates), list(rates.values())
+    half_dim, rms = best_half_dim(dims, values, peak, launch_latency_s=dispatch_s)
+    eff, _ = fit_matmul_efficiency(dims, values, peak, half_dim, launch_latency_s=dispatch_s)
+    _, rms_128 = fit_matmul_efficiency(dims, values, peak, 128.0, launch_latency_s=dispatch_s)
     bf16 = _matmul_rates(_bf16_dims(s), torch.bfloat16, s)
-    copy_bw, add_bw = _mem_bw(s)
-    return dict(matmul_rates=rates, peak_fp32=peak, eff=eff, eff_rms=eff_rms,
-                half_dim=half_dim, half_rms=half_rms, peak_bf16=max(bf16.values()),
-                bf16_dims=tuple(bf16),
-                copy_bw=copy_bw, add_bw=add_bw, mem_bw=(copy_bw + add_bw) / 2,
-                launch_s=_launch_latency_s(s))
+    mem_bw, per_elem = _elementwise(s)
+    device = DeviceSpec("fit", {"float32": peak}, 1.0, mem_bw, matmul_efficiency=eff,
+                        matmul_half_dim=half_dim, elementwise_s_per_elem=per_elem)
+    step, graph = _reference_step(s)
+    measured = median_call_times_s({"step": step}, repeats=s.repeats, min_time_s=s.min_time_s)
+    floor_s, roofline = fit_launch_latency(device, graph, measured["step"], floor_s=launch_s)
+    return dict(matmul_rates=rates, peak_fp32=peak, eff=eff, half_dim=half_dim, eff_rms=rms,
+                rms_128=rms_128, peak_bf16=max(bf16.values()), bf16_dims=tuple(bf16),
+                mem_bw=mem_bw, elementwise=per_elem, launch_s=floor_s, chain_launch_s=launch_s,
+                reference_s=measured["step"], reference_roofline_s=roofline)
 
 
-def _measure_ranks(max_ranks: int, s: _Settings) -> dict:
-    """all_reduce samples on 2..max_ranks gloo ranks and the fp32 matmul rate per rank when all
-    max_ranks ranks compute at once (for `source`: the cost of sharing the cores)."""
+def _fit_tables(samples: list[tuple[str, int, int, int, float]]) -> tuple[dict, dict]:
+    """LinkSpec.collectives {kind: {p: {g: [latency_s, bw]}}} and their rms errors."""
+    by_key: dict[tuple[str, int, int], list] = {}
+    for kind, p, g, n, t in samples:
+        by_key.setdefault((kind, p, g), []).append((p, n, t))
+    table: dict = {}
+    errors: dict = {}
+    for (kind, p, g), rows in sorted(by_key.items()):
+        try:
+            latency_s, bw, rms = fit_collective(kind, rows)
+        except ValueError:  # noise swamped the sizes: the link's own figures stand in
+            errors[(kind, p, g)] = float("nan")
+            continue
+        table.setdefault(kind, {}).setdefault(p, {})[g] = [latency_s, bw]
+        errors[(kind, p, g)] = rms
+    for p, by_g in table.get("all_gather", {}).items():  # gloo's all_to_all for DTensor
+        table.setdefault("all_to_all", {})[p] = {g: [lat, bw / p] for g, (lat, bw) in
+                                                 by_g.items()}
+    return table, errors
+
+
+def _measure_ranks(max_ranks: int, s: _Settings, solo_rate_256: float) -> dict:
+    """Shared speed and collective fits on a LocalCluster(max_ranks) ([Note: calibration
+    fits]); `solo_rate_256`: one rank's d = 256 matmul rate from the fitted curve."""
     from autoplan.runtime.launcher import LocalCluster
 
-    group_sizes = list(range(2, max_ranks + 1))
+    counts = list(range(1, max_ranks + 1))
     with LocalCluster(max_ranks) as cluster:
-        per_rank = cluster.run(_all_reduce_job, group_sizes, list(s.all_reduce_bytes),
-                               s.repeats, s.min_time_s, timeout_s=300.0)
-        concurrent = cluster.run(_concurrent_matmul_job, 256, s.repeats, s.min_time_s,
-                                 timeout_s=120.0)
-    slowest: dict[tuple[int, int], float] = {}
+        speeds = cluster.run(shared_speed_job, counts, s.speed_window_s, s.speed_rounds,
+                             timeout_s=120.0)
+        per_rank = cluster.run(_collectives_job, max_ranks, list(s.collective_bytes),
+                               s.repeats, s.min_time_s, timeout_s=600.0)
+        dtensor = cluster.run(dtensor_overhead_job, s.repeats, s.min_time_s, timeout_s=120.0)
+    shared = {}
+    for n in counts:
+        per_round = [statistics.median(r[n][i] for r in speeds if n in r)
+                     for i in range(s.speed_rounds)]
+        shared[n] = statistics.median(per_round) / solo_rate_256
+    slowest: dict[tuple, float] = {}
     for rows in per_rank:
-        for p, n, t in rows:
-            slowest[(p, n)] = max(t, slowest.get((p, n), 0.0))
-    samples = [(p, n, t) for (p, n), t in sorted(slowest.items())]
-    latency_s, bw, rms = fit_all_reduce(samples)
-    per_p = {}
-    for p in group_sizes:  # informative: cores are shared once p exceeds them
-        try:
-            per_p[p] = fit_all_reduce([x for x in samples if x[0] == p])[:2]
-        except ValueError:
-            pass
-    return dict(samples=samples, latency_s=latency_s, bw=bw, ar_rms=rms, per_p=per_p,
-                concurrent_fp32=statistics.median(concurrent))
+        for kind, p, g, n, t in rows:
+            slowest[(kind, p, g, n)] = max(t, slowest.get((kind, p, g, n), 0.0))
+    samples = [(*k, t) for k, t in sorted(slowest.items())]
+    table, errors = _fit_tables(samples)
+    latency_s, bw, rms = fit_collective(
+        "all_reduce", [(p, n, t) for kind, p, _g, n, t in samples if kind == "all_reduce"])
+    return dict(samples=samples, shared_speed=shared, collectives=table, fit_errors=errors,
+                latency_s=latency_s, bw=bw, ar_rms=rms,
+                dtensor_s=statistics.median(dtensor) / shared[max_ranks])
 
 
 def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
@@ -363,7 +616,7 @@ def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
     """
     if not isinstance(max_ranks, int) or isinstance(max_ranks, bool) or max_ranks < 2:
         raise ValueError(f"calibrate: max_ranks={max_ranks!r} must be an integer >= 2 "
-                         "(all_reduce is measured on 2..max_ranks ranks)")
+                         "(collectives are measured on 2..max_ranks ranks)")
     s = _QUICK if quick else _FULL
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank = one thread, as LocalCluster runs them
@@ -371,16 +624,20 @@ def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
         fig = _measure_rank_compute(s)
     finally:
         torch.set_num_threads(threads)
-    fig.update(_measure_ranks(max_ranks, s))
+    solo_256 = fig["peak_fp32"] * fig["eff"] * 256 / (256 + fig["half_dim"])
+    fig.update(_measure_ranks(max_ranks, s, solo_256))
     fig["mem_bytes"] = _mem_total_bytes() / max_ranks
-    link = LinkSpec("gloo-loopback", bw_bytes_per_s=fig["bw"], latency_s=fig["latency_s"])
+    link = LinkSpec("gloo-loopback", bw_bytes_per_s=fig["bw"], latency_s=fig["latency_s"],
+                    collectives=fig["collectives"])
     topo = Topology(
         name="local-cpu", num_nodes=1, devices_per_node=max_ranks,
         device=DeviceSpec(
             name=f"cpu-rank ({_cpu_model()}, 1 thread)",
             peak_flops_per_s={"float32": fig["peak_fp32"], "bfloat16": fig["peak_bf16"]},
             mem_bytes=fig["mem_bytes"], mem_bw_bytes_per_s=fig["mem_bw"],
-            matmul_efficiency=fig["eff"], launch_latency_s=fig["launch_s"]),
+            matmul_efficiency=fig["eff"], launch_latency_s=fig["launch_s"],
+            matmul_half_dim=fig["half_dim"], shared_speed=fig["shared_speed"],
+            elementwise_s_per_elem=fig["elementwise"], dtensor_op_overhead_s=fig["dtensor_s"]),
         intra_node=link, inter_node=link, measured=True,
         source=_source(fig, s, max_ranks, quick))
     return topo, fig
@@ -399,27 +656,38 @@ def _cpu_model() -> str:
 def _source(fig: dict, s: _Settings, max_ranks: int, quick: bool) -> str:
     """What was measured, how and when ([Note: calibration fits]), for `Topology.source`."""
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    dims, sizes = s.matmul_dims, s.all_reduce_bytes
-    per_p = ", ".join(f"p={p} {lat:.2g}/{bw:.2g}" for p, (lat, bw) in fig["per_p"].items())
+    dims, sizes = s.matmul_dims, s.collective_bytes
+    fitted = {k: v for k, v in fig["fit_errors"].items() if v == v}
+    unfit = sorted(k for k, v in fig["fit_errors"].items() if v != v)
+    worst = max(fitted.items(), key=lambda kv: kv[1]) if fitted else (None, 0.0)
     parts = [
         f"autoplan calibrate{' (quick)' if quick else ''} on {socket.gethostname()} at {when} "
         f"({_cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}); all figures "
         f"fitted by calibrate, medians of {s.repeats} repeats",
         f"device = one rank = one thread: peak float32 = largest rate of square matmuls "
         f"d={dims[0]}..{dims[-1]}",
-        f"matmul_efficiency fitted to compute.py's curve (rms rel. error {fig['eff_rms']:.0%}; "
-        f"a half-dim of {fig['half_dim']:.0f} would fit to {fig['half_rms']:.0%})",
+        f"matmul_efficiency and matmul_half_dim fitted together (rms rel. error "
+        f"{fig['eff_rms']:.0%}; the GPU default half-dim 128 would fit to {fig['rms_128']:.0%})",
         f"bfloat16 peak from d={','.join(map(str, fig['bf16_dims']))}",
-        f"mem_bw = mean of copy {fig['copy_bw']:.3g} and add {fig['add_bw']:.3g} B/s on "
-        f"{s.mem_bytes / 2**20:.0f} MiB arrays",
-        "launch latency = torch.add on 1 element",
+        f"mem_bw = bytes (roofline counting) / time of a chain of out-of-place multiplies and "
+        f"adds on {_CHUNK_BYTES / 2**20:g} MiB tensors, {s.mem_bytes / 2**20:.0f} MiB of them",
+        "elementwise_s_per_elem = time per element of each transcendental op on the same "
+        "tensors",
+        f"launch latency fitted on the reference training graph ({fig['reference_s'] * 1e3:.3g}"
+        f" ms measured, {fig['reference_roofline_s'] * 1e3:.3g} ms roofline without launches; "
+        f"floor: one op of a 1-element autograd chain, {fig['chain_launch_s'] * 1e6:.3g} us)",
+        f"dtensor_op_overhead_s = median extra time of add, mul, view, t, gelu on DTensors "
+        f"over {max_ranks} ranks vs plain tensors, all ranks at once, over shared_speed",
         f"mem_bytes = MemTotal / {max_ranks}",
-        f"with all {max_ranks} ranks computing at once a 256 matmul runs at "
-        f"{fig['concurrent_fp32']:.3g} FLOP/s per rank "
-        f"({fig['concurrent_fp32'] / fig['peak_fp32']:.0%} of peak)",
-        f"links: gloo all_reduce on 2..{max_ranks} local ranks, {sizes[0]} B..."
-        f"{sizes[-1] / 2**20:g} MiB, fit t = 2(p-1) latency + n 2(p-1)/p / busbw (rms rel. "
-        f"error {fig['ar_rms']:.0%}; fitted per p, latency_s/busbw: {per_p})",
+        "shared_speed = per-rank d=256 matmul throughput with n ranks at once over one rank's "
+        f"fitted rate, {s.speed_window_s:g} s windows: " + ", ".join(
+            f"n={n} {v:.2f}" for n, v in fig["shared_speed"].items()),
+        f"links: gloo collectives on g concurrent groups of p ranks (N = p g = 2..{max_ranks}), "
+        f"{sizes[0]} B...{sizes[-1] / 2**20:g} MiB, fitted per (kind, p, g) to comm.py's "
+        f"alpha-beta formula (worst rms rel. error {worst[1]:.0%} for {worst[0]}"
+        + (f"; not fittable, link figures used: {unfit}" if unfit else "") + "); all_to_all "
+        "= gloo's all_gather fallback; the link's own figures = all_reduce over all samples "
+        f"(rms rel. error {fig['ar_rms']:.0%})",
         "one machine has no inter-node link, so inter_node repeats the loopback fit",
     ]
     return "; ".join(parts) + "."
@@ -443,17 +711,22 @@ def _print_table(topo: Topology, fig: dict, out: Path) -> None:
     rows = [
         ("peak float32 per rank", f"{dev.peak_flops_per_s['float32']:.3g} FLOP/s"),
         ("peak bfloat16 per rank", f"{dev.peak_flops_per_s['bfloat16']:.3g} FLOP/s"),
-        ("matmul_efficiency", f"{dev.matmul_efficiency:.3g} (rms rel. error "
-                              f"{fig['eff_rms']:.0%})"),
+        ("matmul_efficiency", f"{dev.matmul_efficiency:.3g}, half-dim "
+                              f"{dev.matmul_half_dim:.3g} (rms rel. error {fig['eff_rms']:.0%})"),
         ("mem_bw", f"{dev.mem_bw_bytes_per_s:.3g} B/s"),
         ("launch_latency", f"{dev.launch_latency_s:.3g} s"),
+        ("DTensor overhead per op", f"{dev.dtensor_op_overhead_s:.3g} s"),
         ("mem per rank", f"{dev.mem_bytes:.3g} B"),
+        ("shared speed (n ranks at once)",
+         ", ".join(f"{n}: {v:.2f}" for n, v in dev.shared_speed.items())),
         ("all_reduce busbw", f"{link.bw_bytes_per_s:.3g} B/s"),
         ("all_reduce latency per step", f"{link.latency_s:.3g} s (rms rel. error "
                                         f"{fig['ar_rms']:.0%})"),
-        (f"float32 per rank, {topo.devices_per_node} at once", f"{fig['concurrent_fp32']:.3g} "
-                                                              "FLOP/s"),
     ]
+    for kind, by_p in link.collectives.items():
+        for p, by_g in by_p.items():
+            for g, (lat, bw) in by_g.items():
+                rows.append((f"{kind} p={p} g={g}", f"{lat:.3g} s/step, {bw:.3g} B/s"))
     width = max(len(k) for k, _ in rows)
     print(f"autoplan calibrate: wrote {out}")
     for k, v in rows:
@@ -466,7 +739,8 @@ def main(out_path: str | None = None, max_ranks: int = 4, quick: bool = False) -
     Args:
         out_path: file to write (atomically: temporary file + os.replace; directories are
             created); default `default_out_path()`, where the `local-cpu` preset looks.
-        max_ranks: all_reduce is measured on 2..max_ranks gloo ranks; mem_bytes = RAM / it.
+        max_ranks: collectives and shared speed are measured on up to max_ranks gloo ranks;
+            mem_bytes = RAM / it.
         quick: fewer sizes and repeats (a few seconds; for tests).
 
     Returns 0. Raises ValueError for max_ranks < 2 or unusable measurements.

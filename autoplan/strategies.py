@@ -287,16 +287,24 @@ def _prune(graph: CapturedGraph, cands: dict[str, list[Candidate]]) -> None:
     The all-R candidate is never dropped.
     """
     nodes = {n.name: n for n in graph.gm.graph.nodes}
-    changed = True
-    while changed:
-        changed = False
-        for name, lst in cands.items():
-            node = nodes[name]
-            users = [(u, i) for u in node.users if u.name in cands
-                     for i, a in enumerate(tensor_args(u)) if a is node]
-            keep = [c for c in lst if _usable(node, c, users, cands)]
-            if len(keep) < len(lst):
-                cands[name], changed = keep, True
+    users = {name: [(u, i) for u in nodes[name].users if u.name in cands
+                    for i, a in enumerate(tensor_args(u)) if a is nodes[name]]
+             for name in cands}
+    # A worklist: a node is checked again only when a consumer lost candidates (its producers
+    # are what that can affect). Removal is monotone, so the fixpoint is the same as
+    # re-checking every node until nothing changes; consumers first, so one pass mostly does.
+    pending, queued = list(cands), set(cands)
+    while pending:
+        name = pending.pop()
+        queued.discard(name)
+        lst = cands[name]
+        keep = [c for c in lst if _usable(nodes[name], c, users[name], cands)]
+        if len(keep) < len(lst):
+            cands[name] = keep
+            for a in tensor_args(nodes[name]):
+                if a.name in cands and a.name not in queued:
+                    pending.append(a.name)
+                    queued.add(a.name)
 
 
 def _usable(node, cand: Candidate, users, cands) -> bool:
@@ -363,8 +371,7 @@ class _Context:
         for a, (shape, dtype) in zip(tensor_args(node), _arg_specs(self.graph, node)):
             bdim = self._bdim_of(a)
             opts = [tc.Replicate()]
-            from_data = a.op != "placeholder" and a.name not in self.consts
-            if dtype.is_floating_point and from_data:
+            if dtype.is_floating_point and _arg_kind(a, self.consts) == "data":
                 opts.append(tc.Partial())
             opts += [tc.Shard(d) for d in range(len(shape))
                      if d != bdim and self._splittable(shape[d])]
@@ -377,7 +384,7 @@ class _Context:
 
     def _key(self, node) -> tuple:
         specs = _arg_specs(self.graph, node)
-        arg_keys = tuple((s, str(d), self._bdim_of(a), a.op == "placeholder" or a.name in self.consts)
+        arg_keys = tuple((s, str(d), self._bdim_of(a), _arg_kind(a, self.consts))
                          for a, (s, d) in zip(tensor_args(node), specs))
         return (str(node.target), arg_keys, _static_repr(node), self.bdims.get(node.name), self.tp)
 
@@ -480,6 +487,13 @@ class _Context:
         return cands
 
 
+def _arg_kind(arg: torch.fx.Node, consts: set[str]) -> str:
+    """"fixed" (graph input or constant: R only, never Partial) or "data" (an activation or a
+    parameter: a parameter may be taken as Partial, e.g. the bias of a row-parallel addmm,
+    which DTensor adds to a partial sum)."""
+    return "fixed" if arg.op == "placeholder" or arg.name in consts else "data"
+
+
 def _seeds(options: list[list], full_limit: int, *, pairs: bool = False):
     """Every combination when there are at most `full_limit`; otherwise all-R, every
     single-argument change from all-R (and, with `pairs`, every two-argument change), and the
@@ -498,7 +512,7 @@ def _seeds(options: list[list], full_limit: int, *, pairs: bool = False):
                 combo = list(base)
                 combo[i], combo[j] = p, q
                 yield tuple(combo)
-    for p in {p for opts in options for p in opts[1:]}:
+    for p in dict.fromkeys(p for opts in options for p in opts[1:]):  # ordered, unlike a set
         yield tuple(p if p in opts else opts[0] for opts in options)
 
 

@@ -35,6 +35,26 @@ class DeviceSpec:
         mem_bw_bytes_per_s: device memory bandwidth in B/s.
         matmul_efficiency: fraction of peak a large matmul reaches (1.0 if unknown).
         launch_latency_s: per-op floor (kernel launch / dispatch overhead), seconds.
+        matmul_half_dim: smallest matmul dim at which a matmul reaches half of
+            `matmul_efficiency` (cost_model/compute.py, [Note: matmul efficiency curve]). The
+            GPU presets keep the default 128, an assumption (one tensor-core tile edge); for CPU
+            ranks `autoplan calibrate` fits it (a one-thread CPU matmul saturates near 16-32).
+        shared_speed: {n: fraction of its solo speed a device keeps while n devices of its node
+            compute at once}. Empty for devices that share nothing they compute with (GPUs:
+            every n gives 1.0). CPU ranks of one machine share its cores, caches and memory
+            bandwidth: `autoplan calibrate` measures the throughput of n ranks at once for
+            n = 1..devices_per_node (0.5 for 4 ranks on 2 free cores). See `speed`.
+        elementwise_s_per_elem: {aten op name: seconds per output element} of the elementwise
+            ops whose arithmetic rather than memory traffic can bound them (tanh, exp, erf, pow,
+            ...; compute.TRANSCENDENTAL_OPS), fitted by `autoplan calibrate` for CPU ranks (a
+            one-thread tanh takes ~2.5 ns per element, 7x a multiply's memory traffic). Empty for
+            GPUs: their special-function units outpace memory, so the roofline's byte term bounds
+            these ops (assumption, not measured).
+        dtensor_op_overhead_s: host time an op costs more on DTensors (tensor parallelism:
+            sharding propagation, placement checks, in Python) than on plain tensors, seconds per
+            op and direction. Fitted by `autoplan calibrate` for CPU ranks, where the host also
+            runs the kernels (~20-40 us). 0 for GPUs: the host runs ahead of the device, so this
+            time overlaps kernels of the sizes planned there (assumption, not measured).
     """
 
     name: str
@@ -43,6 +63,10 @@ class DeviceSpec:
     mem_bw_bytes_per_s: float
     matmul_efficiency: float = 1.0
     launch_latency_s: float = 0.0
+    matmul_half_dim: float = 128.0
+    shared_speed: dict[int, float] = field(default_factory=dict)
+    elementwise_s_per_elem: dict[str, float] = field(default_factory=dict)
+    dtensor_op_overhead_s: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; raises ValueError naming the dtypes this device lists."""
@@ -51,6 +75,21 @@ class DeviceSpec:
                 f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}; "
                 f"known: {sorted(self.peak_flops_per_s)}")
         return self.peak_flops_per_s[dtype]
+
+    def speed(self, busy_devices: int) -> float:
+        """Fraction of its solo speed a device keeps while `busy_devices` devices of its node
+        compute at once: the `shared_speed` entry; 1.0 without entries. A count beyond the
+        measured ones takes the nearest measured count below it, scaled by measured / busy (a
+        fixed total throughput shared by more devices)."""
+        if busy_devices in self.shared_speed:
+            return self.shared_speed[busy_devices]
+        if busy_devices <= 1 or not self.shared_speed:
+            return 1.0
+        below = [n for n in self.shared_speed if n < busy_devices]
+        if not below:
+            return 1.0
+        n = max(below)
+        return self.shared_speed[n] * n / busy_devices
 
 
 @dataclass(frozen=True)
@@ -61,11 +100,32 @@ class LinkSpec:
         name: "nvlink", "infiniband", "gloo-loopback", ...
         bw_bytes_per_s: all-reduce bus bandwidth per device (nccl-tests busbw), B/s.
         latency_s: per-step latency (alpha) of a collective on this level, seconds.
+        collectives: measured alpha-beta fits per collective, for links whose collectives are
+            not the ring algorithm at one busbw (gloo on CPU ranks: other algorithms per kind,
+            and cores shared by all groups at once): {kind: {group size p: {concurrent groups
+            g: [latency_s, bw_bytes_per_s]}}}, where g groups of p ranks ran the collective at
+            the same time, as SPMD runs every group of a mesh axis. Fitted by
+            `autoplan calibrate`; comm.py uses an entry with the kind's bus-bandwidth factor and
+            latency steps ([Note: collective cost] there) and falls back to
+            bw_bytes_per_s / latency_s. Empty for the GPU presets.
     """
 
     name: str
     bw_bytes_per_s: float
     latency_s: float
+    collectives: dict[str, dict[int, dict[int, list[float]]]] = field(default_factory=dict)
+
+    def fit(self, kind: str, group_size: int,
+            concurrent_groups: int) -> tuple[float, float]:
+        """(latency_s, bw_bytes_per_s) of `kind` on `group_size` ranks with
+        `concurrent_groups` groups at once: the measured entry, else the one of the nearest
+        measured number of groups, else the link's own figures."""
+        by_groups = self.collectives.get(kind, {}).get(group_size)
+        if not by_groups:
+            return self.latency_s, self.bw_bytes_per_s
+        g = min(by_groups, key=lambda n: (abs(n - concurrent_groups), n))
+        latency_s, bw = by_groups[g]
+        return float(latency_s), float(bw)
 
 
 @dataclass(frozen=True)
@@ -138,6 +198,14 @@ def _from_dict(cls, data, where: str):
             if not isinstance(value, dict) or not value:
                 raise ValueError(f"{where}.{name}: expected a mapping dtype -> FLOP/s")
             value = {str(k): float(v) for k, v in value.items()}
+        elif name == "shared_speed":
+            value = _int_keyed(value, f"{where}.{name}", lambda v, w: _positive(v, w))
+        elif name == "elementwise_s_per_elem":
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}.{name}: expected a mapping op -> seconds")
+            value = {str(k): _positive(v, f"{where}.{name}[{k}]") for k, v in value.items()}
+        elif name == "collectives":
+            value = _collectives(value, f"{where}.{name}")
         elif f.type in ("float", float):
             try:
                 value = float(value)
@@ -148,6 +216,47 @@ def _from_dict(cls, data, where: str):
                 raise ValueError(f"{where}.{name}: expected an integer, got {value!r}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _positive(value, where: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if not out > 0:
+        raise ValueError(f"{where}: expected a number > 0, got {value!r}")
+    return out
+
+
+def _int_keyed(value, where: str, convert) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(value).__name__}")
+    out = {}
+    for k, v in value.items():
+        try:
+            key = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected integer keys, got {k!r}") from None
+        out[key] = convert(v, f"{where}[{key}]")
+    return out
+
+
+def _collectives(value, where: str) -> dict:
+    """{kind: {group size: {concurrent groups: [latency_s, bw_bytes_per_s]}}} (LinkSpec)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a mapping kind -> fits, got {type(value).__name__}")
+
+    def pair(v, w):
+        if not isinstance(v, (list, tuple)) or len(v) != 2:
+            raise ValueError(f"{w}: expected [latency_s, bw_bytes_per_s], got {v!r}")
+        latency = float(v[0])
+        if latency < 0:
+            raise ValueError(f"{w}: latency_s {latency} must be >= 0")
+        return [latency, _positive(v[1], w)]
+
+    return {str(kind): _int_keyed(fits, f"{where}.{kind}",
+                                  lambda g, w: _int_keyed(g, w, pair))
+            for kind, fits in value.items()}
 
 
 def load_topology(path: str | os.PathLike) -> Topology:
@@ -222,17 +331,25 @@ def _h200_node(num_nodes: int = 1) -> Topology:
 
 def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
     """N gloo ranks on this machine. Uses `~/.cache/autoplan/local-cpu.yaml` (written by
-    `autoplan calibrate`) when present; otherwise conservative defaults, `measured=False`."""
+    `autoplan calibrate`) when present; otherwise conservative defaults, `measured=False`
+    (assumptions, not measured: a 16 GB machine whose RAM the ranks share, 50 GFLOP/s fp32 per
+    rank, 10 GB/s memory, 1 GB/s gloo). The ranks share the RAM, so mem_bytes follows the rank
+    count either way."""
     cal = Path(os.environ.get("AUTOPLAN_CALIBRATION",
                               Path.home() / ".cache" / "autoplan" / "local-cpu.yaml"))
     if cal.is_file():
         topo = load_topology(cal)
-        return dataclasses.replace(topo, num_nodes=num_nodes, devices_per_node=devices_per_node)
+        # The ranks share the machine's RAM: the file's per-rank figure is for its own rank
+        # count; the node total divided by this one is the derived figure.
+        mem_bytes = topo.device.mem_bytes * topo.devices_per_node / devices_per_node
+        return dataclasses.replace(
+            topo, num_nodes=num_nodes, devices_per_node=devices_per_node,
+            device=dataclasses.replace(topo.device, mem_bytes=mem_bytes))
     return Topology(
         name="local-cpu", num_nodes=num_nodes, devices_per_node=devices_per_node,
         device=DeviceSpec(
             name="cpu-rank", peak_flops_per_s={"float32": 50e9, "bfloat16": 20e9},
-            mem_bytes=4e9, mem_bw_bytes_per_s=10e9, matmul_efficiency=0.5,
+            mem_bytes=16e9 / devices_per_node, mem_bw_bytes_per_s=10e9, matmul_efficiency=0.5,
             launch_latency_s=10e-6),
         intra_node=LinkSpec("gloo-loopback", bw_bytes_per_s=1e9, latency_s=50e-6),
         inter_node=LinkSpec("gloo-tcp", bw_bytes_per_s=1e9, latency_s=100e-6),

@@ -228,21 +228,37 @@ def test_first_stage_activations_under_1f1b():
                                                     t=t, L=L))
 
 
-def test_peak_memory_composes_one_moment():
+def test_peak_memory_is_the_larger_of_two_moments():
+    """[Note: peak moments]: A = activations at their height, B = end of the backward."""
     states = memory.model_state_bytes(8e9, 3, 8)
     layer = 2 * 8e9 / 32
     peak = memory.peak_memory_bytes(model_states=states, activation_bytes=1e9,
                                     in_flight_microbatches=4, zero_stage=3, dp=8,
                                     layer_param_bytes=layer, output_bytes=0.5e9,
                                     comm_buffer_bytes=0.1e9)
-    # gathered params of the current and the prefetched layer + the unsharded layer gradient
-    assert peak["temporaries"] == pytest.approx(3 * layer + 0.5e9)
-    assert peak["activations"] == 4e9
+    # A: gathered params of the current and the prefetched layer + the logits
+    assert peak["temporaries"] == pytest.approx(2 * layer + 0.5e9)
+    assert peak["activations"] == 4e9 and peak["grads"] == states["grads"]
     assert peak["peak"] == pytest.approx(sum(v for k, v in peak.items() if k != "peak"))
+    # B: no activations left, the last unit's unsharded gradient on top of the sharded ones
+    unit = 2 * 8e9  # one unit holding all of the rank's parameters (the runtime's)
+    late = memory.peak_memory_bytes(model_states=states, activation_bytes=1e6,
+                                    in_flight_microbatches=1, zero_stage=3, dp=8,
+                                    gather_unit_bytes=unit, grads_at_activation_peak=False)
+    assert late["activations"] == 0 and late["grads"] == pytest.approx(states["grads"] + unit)
+    assert late["temporaries"] == pytest.approx(unit * (1 + 1 / 8))  # gathered + AG input
+    early = memory.peak_memory_bytes(model_states=states, activation_bytes=30e9,
+                                     in_flight_microbatches=1, zero_stage=3, dp=8,
+                                     gather_unit_bytes=unit, grads_at_activation_peak=False)
+    assert early["grads"] == 0 and early["activations"] == 30e9
     zero1 = memory.peak_memory_bytes(model_states=memory.model_state_bytes(8e9, 1, 8),
                                      activation_bytes=1e9, in_flight_microbatches=1,
                                      zero_stage=1, dp=8, layer_param_bytes=layer)
     assert zero1["temporaries"] == 0
+    replicate = memory.peak_memory_bytes(model_states=memory.model_state_bytes(8e9, 0, 8),
+                                         activation_bytes=1e9, in_flight_microbatches=1,
+                                         zero_stage=0, dp=8, gather_unit_bytes=unit)
+    assert replicate["temporaries"] == unit  # FSDP2's replicate gathers a full copy
     with pytest.raises(ValueError, match="optimizer"):
         memory.peak_memory_bytes(model_states={"params": 1, "grads": 1},
                                  activation_bytes=0, in_flight_microbatches=1)
@@ -335,8 +351,8 @@ def test_hierarchical_group_and_its_levels():
 
 def test_collective_errors():
     topo = preset("dgx-h100", num_nodes=2)
-    with pytest.raises(ValueError, match="'broadcast'.*all_reduce"):
-        comm.collective_time_s("broadcast", 1.0, 8, topo)
+    with pytest.raises(ValueError, match="'scatter'.*all_reduce"):
+        comm.collective_time_s("scatter", 1.0, 8, topo)
     with pytest.raises(ValueError, match="nbytes=-1"):
         comm.collective_time_s("all_reduce", -1, 8, topo)
     with pytest.raises(ValueError, match="group_size=0"):
@@ -468,3 +484,35 @@ def test_captured_layer_times_are_positive_and_matmul_dominated():
     flops = sum(n.flops for n in nodes)
     assert flops / fwd < 989e12 * dev.matmul_efficiency
     assert 1.5 * fwd < bwd < 2.5 * fwd
+
+
+def test_measured_link_entries_and_transcendental_ops():
+    """[Note: measured collectives] and the roofline's elementwise term ([Note: roofline])."""
+    import dataclasses
+
+    topo = preset("local-cpu", devices_per_node=4)
+    link = dataclasses.replace(topo.intra_node, collectives={
+        "all_gather": {2: {1: [1e-4, 5e8], 2: [3e-4, 2e8]}}})
+    topo = dataclasses.replace(topo, intra_node=link)
+    n = 2**20
+    # 2 groups of 2 on 4 ranks run at once: the (p=2, g=2) entry
+    assert comm.collective_time_s("all_gather", n, 2, topo) == pytest.approx(3e-4 + n / 2 / 2e8)
+    assert comm.collective_time_s("all_gather", n, 2, topo, concurrent_groups=1) == \
+        pytest.approx(1e-4 + n / 2 / 5e8)
+    assert comm.collective_time_s("all_reduce", n, 2, topo) == pytest.approx(
+        2 * link.latency_s + n / link.bw_bytes_per_s)  # no entry: the link's own figures
+    node = NodeInfo("t", "aten.tanh.default", ((1024, 1024),), ("float32",), 4 * 2**20,
+                    4 * 2**20, 0, "", 0)
+    dev = topo.device
+    slow = dataclasses.replace(dev, elementwise_s_per_elem={"tanh": 3e-9})
+    assert compute.op_time_s(node, dev, "float32") == pytest.approx(
+        8 * 2**20 / dev.mem_bw_bytes_per_s + dev.launch_latency_s)
+    assert compute.op_time_s(node, slow, "float32") == pytest.approx(
+        2**20 * 3e-9 + dev.launch_latency_s)
+    # tanh's gradient reuses its output (no tanh again); pow's evaluates pow again
+    assert compute.backward_time_s(node, slow, "float32") == pytest.approx(
+        compute.backward_time_s(node, dev, "float32"))
+    power = dataclasses.replace(node, target="aten.pow.Tensor_Scalar")
+    slow_pow = dataclasses.replace(dev, elementwise_s_per_elem={"pow": 3e-9})
+    assert compute.backward_time_s(power, slow_pow, "float32") == pytest.approx(
+        2**20 * 3e-9 + dev.launch_latency_s)

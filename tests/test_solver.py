@@ -216,7 +216,8 @@ def test_no_plan_fits_names_the_smallest_memory_and_the_device(llama, local4):
 def test_c10_a_plan_just_over_budget_is_rejected(llama, local4):
     """Everything fixed (no placement freedom at tp=1): the predicted peak -- parameters,
     gradients, optimizer states, activations x in-flight microbatches, temporaries -- decides."""
-    fixed = dict(tp=1, pp=2, dp=2, zero_stage=1, num_microbatches=2, schedule="gpipe")
+    fixed = dict(tp=1, pp=2, dp=2, zero_stage=1, num_microbatches=2, schedule="gpipe",
+                 checkpointing="none")
     spec = TrainingSpec(global_batch=8, seq_len=16)
     peak = plan(llama, local4, spec, **fixed).prediction
     assert {"params", "grads", "optimizer", "activations", "temporaries"} <= set(
@@ -338,10 +339,10 @@ def test_branch_and_bound_equals_exhaustive_search_over_configurations(llama, lo
     spec = TrainingSpec(global_batch=8, seq_len=16)
     best = plan(llama, topo, spec).prediction.step_time_s
     search, times = Search(llama, topo, spec, 10.0), []
-    for cfg in enumerate_configs(llama, topo, spec, Overrides()):
-        result = search.assess(cfg, search.solution(cfg.tp, cfg.microbatch_size))
+    for cfg in enumerate_configs(llama, topo, spec, Overrides(), search.policies()):
+        result = search.assess(cfg, search.solution(cfg))
         if not result.fits:
-            constrained = search.solution(cfg.tp, cfg.microbatch_size, cfg)
+            constrained = search.solution(cfg, constrained=True)
             result = search.assess(cfg, constrained) if constrained is not None else result
         if result.fits:
             times.append(result.step_time_s)

@@ -107,3 +107,38 @@ def test_local_cpu_uses_calibration_when_present(tmp_path, monkeypatch):
 def test_with_nodes():
     topo = preset("dgx-h100").with_nodes(2048)
     assert topo.world_size == 16384 and topo.device == preset("dgx-h100").device
+
+
+def test_measured_fields_round_trip_and_speed(tmp_path):
+    """The fields `autoplan calibrate` fits for CPU ranks survive YAML, and DeviceSpec.speed
+    scales a fixed total throughput beyond the measured rank counts."""
+    base = preset("dgx-h100")
+    device = dataclasses.replace(base.device, matmul_half_dim=24.0,
+                                 shared_speed={1: 1.0, 2: 0.98, 4: 0.5},
+                                 elementwise_s_per_elem={"tanh": 2.5e-9},
+                                 dtensor_op_overhead_s=3e-5)
+    link = dataclasses.replace(base.intra_node, collectives={
+        "all_reduce": {2: {1: [1e-4, 1e9], 2: [2e-4, 7e8]}}})
+    topo = dataclasses.replace(base, device=device, intra_node=link)
+    path = tmp_path / "t.yaml"
+    save_topology(topo, path)
+    assert load_topology(path) == topo
+    assert [device.speed(n) for n in (1, 2, 4)] == [1.0, 0.98, 0.5]
+    assert device.speed(8) == pytest.approx(0.25) and device.speed(3) == pytest.approx(0.98 * 2 / 3)
+    assert base.device.speed(8) == 1.0  # GPUs share nothing
+    assert link.fit("all_reduce", 2, 2) == (2e-4, 7e8)
+    assert link.fit("all_reduce", 2, 3) == (2e-4, 7e8)  # nearest measured group count
+    assert link.fit("all_gather", 2, 1) == (base.intra_node.latency_s, base.intra_node.bw_bytes_per_s)
+    data = topo.to_dict()
+    data["intra_node"]["collectives"]["all_reduce"][2][1] = [1e-4]
+    with pytest.raises(ValueError, match=r"collectives.*latency_s, bw_bytes_per_s"):
+        load_topology(_saved(tmp_path, data))
+
+
+def test_local_cpu_memory_follows_the_rank_count(tmp_path, monkeypatch):
+    cal = tmp_path / "local-cpu.yaml"
+    monkeypatch.setenv("AUTOPLAN_CALIBRATION", str(cal))
+    default = preset("local-cpu", devices_per_node=4)
+    save_topology(dataclasses.replace(default, measured=True, devices_per_node=4), cal)
+    two = preset("local-cpu", devices_per_node=2)
+    assert two.device.mem_bytes == pytest.approx(2 * default.device.mem_bytes)

@@ -12,10 +12,20 @@ nccl-tests PERFORMANCE.md for the bus-bandwidth factors):
 | all_gather     | (p-1)/p     | p-1      |
 | reduce_scatter | (p-1)/p     | p-1      |
 | all_to_all     | (p-1)/p     | p-1      |
+| broadcast      | 1           | p-1      |
 | send_recv      | 1           | 1        |
 
 `n` is the full buffer per rank as nccl-tests counts it: the all-gather's output, the
-reduce-scatter's input, the all-reduce's buffer, the all-to-all's per-rank send buffer.
+reduce-scatter's input, the all-reduce's buffer, the all-to-all's per-rank send buffer, the
+broadcast's buffer (busbw factor 1, nccl-tests PERFORMANCE.md; a pipelined ring broadcast makes
+p-1 hops).
+
+[Note: measured collectives]
+A link may carry fitted (latency, busbw) per kind, group size p and number g of groups running
+at once (`LinkSpec.collectives`, written by `autoplan calibrate` for gloo on CPU ranks, whose
+algorithms differ per kind and whose groups share the machine's cores). A flat collective on such
+a link uses the entry's figures in the formula above; g defaults to the groups of the mesh axis
+inside one node, devices_per_node / p, since SPMD runs all of them at once.
 
 [Note: group layout]
 Mesh axes are ("pp", "dp", "tp") with tp innermost, so a group of the tp axis has stride 1, of
@@ -56,11 +66,12 @@ from autoplan.plan import parse_placement
 from autoplan.topology import LinkSpec, Topology
 
 __all__ = [
-    "COLLECTIVES", "collective_time_s", "group_layout", "p2p_time_s", "redistribute_time_s",
+    "COLLECTIVES", "factor_steps", "collective_time_s", "group_layout", "p2p_time_s", "redistribute_time_s",
     "backward_redistribution",
 ]
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+               "send_recv")
 
 _FACTOR_STEPS = {
     # kind: (bandwidth factor(p), latency steps(p)); [Note: collective cost]
@@ -68,8 +79,18 @@ _FACTOR_STEPS = {
     "all_gather": (lambda p: (p - 1) / p, lambda p: p - 1),
     "reduce_scatter": (lambda p: (p - 1) / p, lambda p: p - 1),
     "all_to_all": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "broadcast": (lambda p: 1.0, lambda p: p - 1),
     "send_recv": (lambda p: 1.0, lambda p: 1),
 }
+
+
+def factor_steps(kind: str, group_size: int) -> tuple[float, int]:
+    """(bus-bandwidth factor, latency steps) of `kind` on `group_size` ranks
+    ([Note: collective cost]); ValueError for an unknown kind."""
+    if kind not in _FACTOR_STEPS:
+        raise ValueError(f"unknown collective {kind!r}; known: {list(COLLECTIVES)}")
+    factor, steps = _FACTOR_STEPS[kind]
+    return factor(group_size), steps(group_size)
 
 
 def group_layout(group_size: int, stride: int, topology: Topology) -> tuple[int, int]:
@@ -142,8 +163,10 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
         group_size: ranks in the group (1 -> 0 s).
         topology: the cluster.
         stride: rank distance between consecutive members ([Note: group layout]).
-        concurrent_groups: groups sharing one node's NICs at once; default: all groups of the
-            axis, devices_per_node / k ([Note: inter-node bandwidth share]).
+        concurrent_groups: groups running at once: across nodes, those sharing one node's NICs
+            (default: all groups of the axis, devices_per_node / k, [Note: inter-node bandwidth
+            share]); inside a node, the entry of a measured link to use (default
+            devices_per_node / group_size, [Note: measured collectives]).
 
     send_recv prices one message between consecutive members (a pipeline hop); it crosses
     nodes when the group spans nodes.
@@ -158,8 +181,9 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
         return p2p_time_s(nbytes, topology, crosses_nodes=num_nodes > 1,
                           concurrent_pairs=concurrent_groups)
     if num_nodes == 1:
-        intra = topology.intra_node
-        return _flat_s(kind, nbytes, group_size, intra.bw_bytes_per_s, intra.latency_s)
+        groups = concurrent_groups or max(1, topology.devices_per_node // group_size)
+        latency_s, bw = topology.intra_node.fit(kind, group_size, groups)
+        return _flat_s(kind, nbytes, group_size, bw, latency_s)
     inter_bw = _inter_bw_per_rank(topology, k, concurrent_groups)
     if k == 1:
         return _flat_s(kind, nbytes, group_size, inter_bw, topology.inter_node.latency_s)
@@ -171,15 +195,18 @@ def p2p_time_s(nbytes: float, topology: Topology, *, crosses_nodes: bool,
                concurrent_pairs: int | None = None) -> float:
     """One point-to-point message (pipeline send/recv), seconds: latency + nbytes / bw.
 
-    Inside a node: `intra_node` bandwidth and latency. Across nodes: every rank of a node sends
-    at once at a pipeline stage boundary, so each gets one rail, `inter bw / devices_per_node`,
-    unless `concurrent_pairs` says how many pairs share the node's NICs
-    ([Note: inter-node bandwidth share]). Raises ValueError for negative bytes.
+    Inside a node: `intra_node` bandwidth and latency (a measured "send_recv" entry for
+    `concurrent_pairs` pairs when the link has one, default devices_per_node / 2, [Note:
+    measured collectives]). Across nodes: every rank of a node sends at once at a pipeline stage
+    boundary, so each gets one rail, `inter bw / devices_per_node`, unless `concurrent_pairs`
+    says how many pairs share the node's NICs ([Note: inter-node bandwidth share]). Raises
+    ValueError for negative bytes.
     """
     _check("send_recv", nbytes)
     if not crosses_nodes:
-        link = topology.intra_node
-        return nbytes / link.bw_bytes_per_s + link.latency_s
+        pairs = concurrent_pairs or max(1, topology.devices_per_node // 2)
+        latency_s, bw = topology.intra_node.fit("send_recv", 2, pairs)
+        return nbytes / bw + latency_s
     pairs = topology.devices_per_node if concurrent_pairs is None else concurrent_pairs
     if pairs < 1:
         raise ValueError(f"concurrent_pairs={concurrent_pairs} must be >= 1")

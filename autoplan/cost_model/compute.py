@@ -11,6 +11,14 @@ ops memory-bound, as elementwise ops are); `bytes` are the node's input plus out
 matmul-like ops and fused attention use the efficiency factor; memory-bound ops are assumed to
 reach the device's memory bandwidth (a fused elementwise kernel does, to within ~10%).
 
+Elementwise ops whose arithmetic can outlast their memory traffic (transcendentals: tanh, exp,
+erf, pow, ...; TRANSCENDENTAL_OPS) have a third term, elements x device.elementwise_s_per_elem[op]
+(measured per op by `autoplan calibrate` for CPU ranks; empty for GPUs, where the byte term
+bounds them): t = max(compute, bytes, elements) + launch. In the backward the ops whose gradient
+evaluates a transcendental again (BACKWARD_TRANSCENDENTAL: pow -> pow, erf -> exp, gelu -> tanh or
+erf, silu -> sigmoid; torch/csrc/autograd/derivatives.yaml) pay it again; tanh, exp, sigmoid,
+log and softmax reuse their output or divide.
+
 Work sharding: with `shard_factor = f` each rank does `flops / f` and moves `bytes / f` (a tensor
 split over f ranks); collectives are priced separately by `comm`.
 
@@ -19,11 +27,14 @@ A large matmul reaches `device.matmul_efficiency` of peak (fitted by `autoplan c
 presets use 0.8). Small and skinny matmuls do worse because tiles are partly empty and there are
 too few of them to fill the machine. We model this as saturating in the smallest of (m, n, k):
 
-    efficiency(d) = device.matmul_efficiency * d / (d + MATMUL_HALF_DIM),   d = min(m, n, k)
+    efficiency(d) = device.matmul_efficiency * d / (d + device.matmul_half_dim),  d = min(m, n, k)
 
-MATMUL_HALF_DIM = 128 is an assumption (not derived, not fitted): half of the large-matmul
-efficiency at d = 128 (one tensor-core tile edge), 89% of it at d = 1024 and 97% at d = 4096.
-Very skinny matmuls (m = 1, decoding) become memory-bound through the roofline's byte term anyway.
+The half-dim is a device figure. For the GPU presets it is MATMUL_HALF_DIM = 128, an assumption
+(not derived, not fitted): half of the large-matmul efficiency at d = 128 (one tensor-core tile
+edge), 89% of it at d = 1024 and 97% at d = 4096. A one-thread CPU matmul has no tiles to fill
+a machine with and saturates much earlier: `autoplan calibrate` fits the half-dim together with
+the efficiency (16-32 on an AVX-512 core). Very skinny matmuls (m = 1, decoding) become
+memory-bound through the roofline's byte term anyway.
 
 Backward: a matmul-like op does two matmuls of the forward's size (input gradient and weight
 gradient), so 2x forward FLOPs: forward + backward = 3x forward (Narayanan et al., SC'21,
@@ -46,12 +57,14 @@ from autoplan.topology import DeviceSpec
 
 __all__ = [
     "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "ATTENTION_OPS",
+    "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
     "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "matmul_dims", "matmul_efficiency", "op_time_s",
     "backward_time_s", "graph_forward_time_s", "graph_backward_time_s",
 ]
 
 MATMUL_HALF_DIM = 128.0
-"""Smallest matmul dim at which efficiency is half of `matmul_efficiency` (assumption)."""
+"""Smallest matmul dim at which efficiency is half of `matmul_efficiency`: the GPU presets'
+`DeviceSpec.matmul_half_dim` (its default; assumption, see [Note: matmul efficiency curve])."""
 
 BACKWARD_BYTES_FACTOR = 1.5
 """Backward bytes / forward bytes of a memory-bound op (assumption, see module docstring)."""
@@ -80,6 +93,11 @@ ATTENTION_OPS = frozenset({
     "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
     "_efficient_attention_forward",
 })
+TRANSCENDENTAL_OPS = frozenset({
+    "tanh", "exp", "erf", "sigmoid", "log", "pow", "sin", "cos", "gelu", "silu", "sqrt",
+    "rsqrt", "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax",
+})
+BACKWARD_TRANSCENDENTAL = frozenset({"pow", "erf", "gelu", "silu"})
 NO_GRAD_OPS = frozenset({
     "eq", "ne", "lt", "gt", "le", "ge", "logical_not", "logical_and", "logical_or",
     "ones_like", "zeros_like", "full_like", "empty_like", "full", "scalar_tensor", "arange",
@@ -121,7 +139,7 @@ def matmul_dims(node: NodeInfo) -> tuple[int, int, int, int]:
 def matmul_efficiency(min_dim: float, device: DeviceSpec) -> float:
     """Fraction of peak reached by a matmul whose smallest dim is `min_dim`
     (see [Note: matmul efficiency curve]); in (0, device.matmul_efficiency]."""
-    return device.matmul_efficiency * min_dim / (min_dim + MATMUL_HALF_DIM)
+    return device.matmul_efficiency * min_dim / (min_dim + device.matmul_half_dim)
 
 
 def _bytes_scale(node: NodeInfo, dtype: str) -> float:
@@ -132,9 +150,18 @@ def _bytes_scale(node: NodeInfo, dtype: str) -> float:
 
 
 def _roofline_s(flops: float, nbytes: float, efficiency: float, device: DeviceSpec,
-                dtype: str) -> float:
+                dtype: str, elementwise_s: float = 0.0) -> float:
     compute_s = flops / (device.flops_per_s(dtype) * efficiency) if flops > 0 else 0.0
-    return max(compute_s, nbytes / device.mem_bw_bytes_per_s) + device.launch_latency_s
+    return (max(compute_s, nbytes / device.mem_bw_bytes_per_s, elementwise_s)
+            + device.launch_latency_s)
+
+
+def _elementwise_s(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> float:
+    """elements x the device's measured cost of a transcendental op ([Note: roofline])."""
+    cost = device.elementwise_s_per_elem.get(op_name(node.target))
+    if not cost or not node.shapes:
+        return 0.0
+    return math.prod(node.shapes[0]) / shard_factor * cost
 
 
 def _efficiency(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> float:
@@ -176,7 +203,8 @@ def op_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
         return 0.0
     nbytes = (node.in_bytes + node.out_bytes) * _bytes_scale(node, dtype) / shard_factor
     flops = node.flops / shard_factor
-    return _roofline_s(flops, nbytes, _efficiency(node, device, shard_factor), device, dtype)
+    return _roofline_s(flops, nbytes, _efficiency(node, device, shard_factor), device, dtype,
+                       _elementwise_s(node, device, shard_factor))
 
 
 def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
@@ -198,7 +226,8 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
         return 2.0 * _roofline_s(flops, nbytes, efficiency, device, dtype)
     if name in ATTENTION_OPS:
         return _roofline_s(2.5 * flops, 2.0 * nbytes, efficiency, device, dtype)
-    return _roofline_s(flops, BACKWARD_BYTES_FACTOR * nbytes, efficiency, device, dtype)
+    again = _elementwise_s(node, device, shard_factor) if name in BACKWARD_TRANSCENDENTAL else 0.0
+    return _roofline_s(flops, BACKWARD_BYTES_FACTOR * nbytes, efficiency, device, dtype, again)
 
 
 def graph_forward_time_s(nodes: Iterable[NodeInfo], device: DeviceSpec, dtype: str, *,

@@ -147,61 +147,91 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
                       in_flight_microbatches: float, zero_stage: int = 0, dp: int = 1,
                       layer_param_bytes: float = 0.0, recompute_bytes: float = 0.0,
                       output_bytes: float = 0.0, comm_buffer_bytes: float = 0.0,
-                      prefetch_layers: int = 1) -> dict[str, float]:
+                      prefetch_layers: int = 1, gather_unit_bytes: float | None = None,
+                      grads_at_activation_peak: bool = True,
+                      late_activation_bytes: float = 0.0) -> dict[str, float]:
     """Peak memory of one rank, with its breakdown, bytes.
 
-    The peak is taken at one moment -- the backward of the last layer of the rank's stage for
-    the oldest microbatch in flight -- and counts what is live then, each thing once:
+    [Note: peak moments] The peak is a peak, not a sum of unrelated maxima: it is the larger of
+    two moments, each counting what is live then once.
 
-    - model states ("params", "grads", "optimizer") from `model_state_bytes`;
-    - "activations": activation_bytes x in_flight_microbatches;
-    - "temporaries", the transients of that moment:
-      * ZeRO-3 (dp > 1): the all-gathered parameters of the layer being computed and of the
-        `prefetch_layers` next ones (FSDP prefetches the next layer): (1 + prefetch_layers) x
-        layer_param_bytes;
-      * ZeRO-2/3 (dp > 1): that layer's unsharded gradient before its reduce-scatter,
-        layer_param_bytes (gradients are kept in the parameters' dtype);
-      * recompute_bytes: that layer's activations rematerialised for its backward (full
-        recompute: one layer's activations without checkpointing; selective: its attention
-        scores);
-      * output_bytes: the logits and loss working set (last pipeline stage);
-    - "comm_buffers": collective buffers (NCCL, DDP buckets), comm_buffer_bytes.
+    A. Activations at their height: the backward of the rank's last layer for the oldest
+       microbatch in flight is about to start (its recomputation, if any, running):
+       params + optimizer + (gradients, if `grads_at_activation_peak`: earlier microbatches'
+       backward already made them) + activation_bytes x in_flight_microbatches +
+       recompute_bytes + output_bytes (logits and loss working set, last pipeline stage).
+    B. The backward of the rank's first layer (of its last microbatch), before the gradient
+       reduction: params + optimizer + the gradients in full (the unsharded gradients of the
+       data-parallel unit, ZeRO-2/3 with dp > 1, on top of model_states["grads"]) +
+       `late_activation_bytes` (what that layer and the layers before it still hold) +
+       recompute_bytes (that layer's recomputation).
 
-    The forward peak holds the same items minus the gradient and recompute transients, so the
-    backward moment is the peak. "peak" is the sum of the other entries.
+    Both moments also hold the data-parallel gather buffers and the collective buffers
+    (`comm_buffer_bytes`: NCCL/DDP buckets, pipeline receive buffers):
+    - per-layer units (`gather_unit_bytes` None; FSDP with one unit per block, prefetching the
+      next): ZeRO-3 holds the gathered parameters of the current layer and of `prefetch_layers`
+      next ones, (1 + prefetch_layers) x layer_param_bytes, and the unsharded gradient of one
+      layer, layer_param_bytes, is B's extra;
+    - one unit of `gather_unit_bytes` (the runtime's: one FSDP2 unit per pipeline stage, see
+      solver/pipeline.py [Note: memory per rank]): with dp > 1 every ZeRO stage holds the
+      gathered unit (FSDP2's replicate gathers too), ZeRO-2/3 also its all-gather input, one
+      dp-th of it; B's extra unsharded gradient is the whole unit.
 
     Args:
-        model_states: {"params", "grads", "optimizer"} bytes of this rank.
+        model_states: {"params", "grads", "optimizer"} bytes of this rank (`model_state_bytes`).
         activation_bytes: saved activations of one microbatch through all of this rank's layers
             (after tensor/sequence sharding and the checkpointing policy).
         in_flight_microbatches: from `pipeline_in_flight_microbatches` (1 without pipelining).
         zero_stage, dp: ZeRO stage and data-parallel degree.
         layer_param_bytes: parameters of the largest layer on this rank at compute precision,
             before ZeRO sharding.
-        recompute_bytes, output_bytes, comm_buffer_bytes: see above.
-        prefetch_layers: layers gathered ahead under ZeRO-3.
+        recompute_bytes: activations rematerialised for a backward (full recompute: one layer's
+            activations without checkpointing; selective: its attention scores).
+        output_bytes, comm_buffer_bytes: see above.
+        prefetch_layers: layers gathered ahead under ZeRO-3 with per-layer units.
+        gather_unit_bytes: parameters of one data-parallel unit at compute precision, unsharded
+            (None: per-layer units).
+        grads_at_activation_peak: whether gradients exist at moment A (True for gradient
+            accumulation and steady-state 1F1B; False for one microbatch or GPipe, when the
+            step starts without gradients).
+        late_activation_bytes: activations held at moment B (one layer of one microbatch and
+            what precedes the layers on the first pipeline rank).
 
-    Raises ValueError for a missing model-state entry or a negative size.
+    Returns the breakdown of the larger moment: params, grads, optimizer, activations,
+    temporaries, comm_buffers, and "peak" = their sum. Raises ValueError for a missing
+    model-state entry or a negative size.
     """
     missing = sorted({"params", "grads", "optimizer"} - set(model_states))
     if missing:
         raise ValueError(f"model_states lacks {missing}; pass model_state_bytes(...)")
     sizes = dict(activation_bytes=activation_bytes, in_flight_microbatches=in_flight_microbatches,
                  layer_param_bytes=layer_param_bytes, recompute_bytes=recompute_bytes,
-                 output_bytes=output_bytes, comm_buffer_bytes=comm_buffer_bytes)
+                 output_bytes=output_bytes, comm_buffer_bytes=comm_buffer_bytes,
+                 gather_unit_bytes=gather_unit_bytes or 0.0,
+                 late_activation_bytes=late_activation_bytes)
     negative = {k: v for k, v in sizes.items() if not v >= 0}
     if negative:
         raise ValueError(f"sizes must be >= 0: {negative}")
-    gathered = (1 + prefetch_layers) * layer_param_bytes if zero_stage == 3 and dp > 1 else 0.0
-    unsharded_grad = layer_param_bytes if zero_stage >= 2 and dp > 1 else 0.0
-    breakdown = {
-        "params": float(model_states["params"]),
-        "grads": float(model_states["grads"]),
-        "optimizer": float(model_states["optimizer"]),
-        "activations": activation_bytes * in_flight_microbatches,
-        "temporaries": gathered + unsharded_grad + recompute_bytes + output_bytes,
-        "comm_buffers": float(comm_buffer_bytes),
-    }
+    sharded = zero_stage >= 2 and dp > 1
+    if gather_unit_bytes is None:
+        gathered = (1 + prefetch_layers) * layer_param_bytes if zero_stage == 3 and dp > 1 \
+            else 0.0
+        unsharded_grad = layer_param_bytes if sharded else 0.0
+    else:
+        gathered = gather_unit_bytes * (1 + (1 / dp if sharded else 0)) if dp > 1 else 0.0
+        unsharded_grad = gather_unit_bytes if sharded else 0.0
+    grads = float(model_states["grads"])
+    base = {"params": float(model_states["params"]),
+            "optimizer": float(model_states["optimizer"]),
+            "comm_buffers": float(comm_buffer_bytes)}
+    moment_a = {**base, "grads": grads if grads_at_activation_peak else 0.0,
+                "activations": activation_bytes * in_flight_microbatches,
+                "temporaries": gathered + recompute_bytes + output_bytes}
+    moment_b = {**base, "grads": grads + unsharded_grad, "activations": late_activation_bytes,
+                "temporaries": gathered + recompute_bytes}
+    breakdown = max(moment_a, moment_b, key=lambda m: sum(m.values()))
+    breakdown = {k: breakdown[k] for k in ("params", "grads", "optimizer", "activations",
+                                           "temporaries", "comm_buffers")}
     breakdown["peak"] = sum(breakdown.values())
     return breakdown
 

@@ -1,14 +1,16 @@
 """The solver: per-op placements on the tp axis (an ILP), inside a search over the mesh shape
-(pp, dp, tp), the ZeRO stage, microbatches and the pipeline schedule.
+(pp, dp, tp), the ZeRO stage, microbatches, the pipeline schedule and activation checkpointing.
 
 The pipeline, in files:
-    problem.py   candidates (strategies.py) -> ILP nodes, shared blocks, weighted edges
-    costs.py     cost model -> ILP coefficients for one (tp, microbatch size)
-    ilp.py       the ILP, written as math in its docstring, solved with OR-Tools CP-SAT
-    pipeline.py  step time and memory of a configuration (bubble, dp sync, per-rank peak)
-    search.py    configurations, lower bounds, errors ([Note: decomposition])
-    planner.py   plan(): branch and bound over configurations -> the best and runners-up
-    assemble.py  the Plan (placements per node and parameter, redistributions, predictions)
+    problem.py        candidates (strategies.py) -> ILP nodes, shared blocks, weighted edges
+    costs.py          cost model -> ILP coefficients for one (tp, microbatch size)
+    checkpointing.py  what a checkpointing policy does to those coefficients and to memory
+    ilp.py            the ILP, written as math in its docstring, solved with OR-Tools (GLOP
+                      first, CP-SAT when the LP is fractional)
+    pipeline.py       step time and memory of a configuration (bubble, dp sync, per-rank peak)
+    search.py         configurations, bounds, step forms, errors ([Note: decomposition])
+    planner.py        plan(): branch and bound over configurations -> the best and runners-up
+    assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
 Public: `plan`, `NoFeasiblePlan`, `InvalidConfig` (both ValueError), `DP_SYNC_OVERLAP`.
 """

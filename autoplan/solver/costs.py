@@ -10,7 +10,9 @@ of `spec.seq_len` tokens scales activation sizes, FLOPs and bytes by
 exact when the graph is captured at the planned sequence length). Parameter tensors do not scale.
 
 - compute of node n under candidate c: cost_model.compute.op_time_s + backward_time_s at
-  shard_factor(c), seconds;
+  shard_factor(c), seconds; with tp > 1 every op (views included) also pays the device's
+  `dtensor_op_overhead_s` once in the forward and once in the backward (if it has one), since the
+  runtime runs tensor-parallel stages on DTensors;
 - edge (u -> v) with producer placement p and consumer placement q: forward
   `redistribute_time_s(p, q)` plus backward `redistribute_time_s(*backward_redistribution(p, q,
   grad_placement=g))` where g = "P" when q = "R" and v's candidate splits the work (the
@@ -28,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import backward_time_s, op_time_s
+from autoplan.cost_model.compute import NO_GRAD_OPS, backward_time_s, op_name, op_time_s
 from autoplan.solver.problem import OUTPUT, Problem
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -91,9 +93,10 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
         scaled = dataclasses.replace(info, flops=int(info.flops * scale),
                                      in_bytes=int(info.in_bytes * scale),
                                      out_bytes=int(info.out_bytes * scale))
+        host = _dtensor_host_s(info, device) if tp > 1 else 0.0
         costs.compute_s[n] = [
             op_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor)
-            + backward_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor)
+            + backward_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor) + host
             for c in problem.cands[n]]
     for edge in problem.edges:
         costs.pairs.append(_edge_pairs(problem, edge, scale, topology))
@@ -111,6 +114,12 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
     for g, (_fqn, numel, _parts, mult) in problem.params.items():
         costs.param_elems[g] = [numel * mult / out_divisor(c, tp) for c in problem.cands[g]]
     return costs
+
+
+def _dtensor_host_s(info, device) -> float:
+    """DTensor dispatch overhead of one op, forward plus backward (module docstring)."""
+    name = op_name(info.target)
+    return device.dtensor_op_overhead_s * (1 if name in NO_GRAD_OPS else 2)
 
 
 def _edge_pairs(problem: Problem, edge, scale: float, topology: Topology) -> dict:

@@ -1,28 +1,58 @@
 """Analytic step time and memory of one configuration, given a solved placement.
 
-[Note: step time] For pp ranks, v model chunks per rank (interleaved 1F1B), m microbatches:
+[Note: step time] For pp ranks, v model chunks per rank (interleaved 1F1B), m microbatches, R =
+dp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per node:
 
-    t_stage  = max over pp ranks r of (compute_r + tp_comm_r + p2p_r)   one microbatch, fwd+bwd
-    bubble   = (pp - 1) / v * t_stage          (Narayanan et al. SC'21: bubble fraction
-                                                (p-1)/m for GPipe and 1F1B, (p-1)/(v m)
-                                                interleaved; FORMULAS.md "FLOPs and pipeline")
-    dp_sync  = ZeRO 0: all_reduce(G); ZeRO 1/2: reduce_scatter(G) + all_gather(W);
-               ZeRO 3: m * (reduce_scatter(G) + 2 all_gather(W))  (parameters gathered for
-               the forward and again for the backward of every microbatch: 1.5x the traffic of
-               ZeRO 0-2 per step without accumulation; ZeRO section 7, FORMULAS.md)
-               over the dp group (stride tp), G / W = the rank's gradient / parameter bytes
-    step     = m * t_stage + bubble + (1 - DP_SYNC_OVERLAP) * dp_sync
+    t_comp   = max over pp ranks r of compute_r / speed(N)     one microbatch, fwd + bwd
+    t_comm   = max over pp ranks r of (tp_comm_r + p2p_r)      (compute and comm of the busiest)
+    pipeline = sum over slots j = 0 .. m v + pp - 2 of
+               (t_comp speed(N) / speed(a_j R) + t_comm) / v,   a_j = min(j + 1, pp, m v,
+                                                                         m v + pp - 1 - j)
+    step     = pipeline + dp_sync + optimizer
 
-p2p_r = 2 v p2p_time_s(boundary bytes) per microbatch on a pipeline rank (the activation forward
-and its gradient backward, v times with interleaving) when pp > 1.
+- speed(n) = DeviceSpec.speed(n): the fraction of its solo speed a device keeps while n devices
+  of its node compute (1 for GPUs; measured for CPU ranks sharing cores, `autoplan calibrate`).
+  In SPMD all N ranks of a node compute at once, so a microbatch's compute runs at speed(N).
+- The pipeline is m v + pp - 1 slots of one chunk-microbatch each, a_j of the pp stages busy in
+  slot j (fill and drain). With dedicated devices (speed 1) this is the textbook
+  m t_stage + (pp - 1) t_stage / v (Narayanan et al. SC'21: bubble fraction (p - 1) / m,
+  (p - 1) / (v m) interleaved; FORMULAS.md "FLOPs and pipeline"). Ranks that share cores run
+  faster while others idle in the bubble, so there a slot's compute takes t_comp speed(N) /
+  speed(a_j R). `bubble_s` = pipeline - m (t_comp + t_comm).
+- p2p_r = 2 v p2p_time_s(boundary bytes) per microbatch on a pipeline rank (the activation
+  forward and its gradient backward, v times with interleaving) when pp > 1; the R pairs of a
+  stage boundary send at once.
+- dp_sync, over the dp group (stride tp), G / W = the rank's gradient / parameter bytes, as the
+  runtime issues it (autoplan/runtime/engine.py, step 4: one FSDP2 unit per pipeline stage):
+    ZeRO 0: all_reduce(G) (FSDP2 replicate)          ZeRO 1: all_reduce(G) + broadcast(W)
+    ZeRO 2: reduce_scatter(G) + all_gather(W)       ZeRO 3: reduce_scatter(G) + 2 all_gather(W)
+  (ZeRO-3 gathers the parameters for the forward and again for the backward: 1.5x the traffic of
+  ZeRO 0-2, ZeRO section 7, FORMULAS.md). Without pipelining the engine accumulates microbatches
+  by calling backward m times, and FSDP2 reduces (and ZeRO 2/3 re-gathers) on every one: m
+  times; the pipelining schedules reduce once, on the last microbatch, while ZeRO-3 still
+  gathers for every microbatch. DP_SYNC_OVERLAP of it is hidden behind compute.
+- optimizer = (parameters whose states this rank steps) x OPTIMIZER_BYTES_PER_PARAM /
+  (mem_bw speed(N)): a memory-bound pass over the states.
 
 [Note: memory per rank] Rank r holds the layers of its stages; the first rank also what comes
-before the blocks, the last rank what comes after. Its peak is
-cost_model.memory.peak_memory_bytes with model_state_bytes of its parameter elements (after
-tp), its activations per microbatch times pipeline_in_flight_microbatches(schedule, pp, m, r, v),
-ZeRO-3 gathered layers (1 + ZERO3_PREFETCH_LAYERS) and the ZeRO-2/3 unsharded layer gradient,
-and the logits (graph output, replicated) on the last rank. The same quantities, linear in the
-placements, are the ILP's memory constraints (`rank_memories`).
+before the blocks, the last rank what comes after. Its peak is cost_model.memory.
+peak_memory_bytes ([Note: peak moments] there) with model_state_bytes of its parameter elements
+(after tp), its activations per microbatch times pipeline_in_flight_microbatches(schedule, pp,
+m, r, v), the logits (graph output, replicated) on the last rank, and what this runtime adds
+(autoplan/runtime/engine.py, step 4: each pipeline stage is ONE FSDP2 unit):
+- with dp > 1 the stage's parameters are gathered whole (FSDP2's replicate gathers them too)
+  and stay gathered from the forward to the end of the backward (FSDP2 keeps a root unit
+  unsharded after the forward), ZeRO-2/3 also hold the all-gather input (a dp-th), and the
+  unsharded gradients of the whole stage exist before the reduction: `gather_unit_bytes` =
+  the stage's parameters at compute precision;
+- gradients exist while activations are at their height only when an earlier microbatch's
+  backward made them (`grads_at_activation_peak`): gradient accumulation without pipelining
+  (m > 1), 1F1B with more microbatches than the rank holds in flight; not for m = 1 or GPipe
+  (the step starts with set_to_none gradients);
+- pipeline receive buffers (comm_buffers): torch.distributed.pipelining allocates one per
+  microbatch for each boundary a rank receives across -- activations from the previous stage,
+  gradients from the next -- m x boundary bytes each, live for the whole step.
+`rank_memories` gives the ILP the same quantities as linear forms, one per moment and rank.
 """
 
 from __future__ import annotations
@@ -38,17 +68,25 @@ from autoplan.solver.ilp import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["DP_SYNC_OVERLAP", "ZERO3_PREFETCH_LAYERS", "Config", "Assessment", "stages_of",
+__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "Config", "Assessment", "stages_of",
            "assess", "rank_memories"]
 
-DP_SYNC_OVERLAP = 0.5
+DP_SYNC_OVERLAP = 0.0
 """Fraction of the data-parallel gradient sync (and ZeRO-3 parameter gathers) hidden behind
-backward compute. Assumption, not fitted: bucketed all-reduce starts while the backward of the
-later layers still runs (PyTorch DDP, Li et al. VLDB 2020, section 3.2.3; FSDP prefetching), and
-roughly half of it overlaps for typical bucket sizes. `autoplan calibrate` does not fit it yet."""
+compute. Derived from the runtime, not assumed: autoplan/runtime/engine.py wraps each pipeline
+stage as one FSDP2 (or replicate) unit, so the stage's gradients are reduced after its whole
+backward and its parameters gathered before its forward and backward start -- there is nothing
+left to overlap with (bucketed overlap, PyTorch DDP, Li et al. VLDB 2020, section 3.2.3, needs
+one unit per block). Megatron-LM, in the runs of Narayanan et al. SC'21, likewise all-reduced the
+data-parallel gradients after the pipeline flush."""
 
-ZERO3_PREFETCH_LAYERS = 1
-"""Layers FSDP gathers ahead under ZeRO-3 (torch FSDP2 default forward prefetch of one)."""
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 80.0, "sgd": 12.0}
+"""Bytes an optimizer step moves per fp32 parameter it updates. Derived from torch's AdamW
+(torch/optim/adam.py, `_single_tensor_adam` with decoupled weight decay; the foreach variant
+makes the same passes): param.mul_ (read/write p: 2 accesses), exp_avg.lerp_ (m, g -> m: 3),
+exp_avg_sq.mul_ + addcmul_ (v -> v, v, g -> v: 5), denom = sqrt, div, add_ (6), param.addcdiv_
+(p, m, denom -> p: 4): 20 accesses of 4 bytes. SGD without momentum: param.add_(grad): 3 x 4."""
+
 
 
 @dataclass(frozen=True)
@@ -85,6 +123,7 @@ class Assessment:
     memory_breakdown: dict[str, float] = field(default_factory=dict)
     fits: bool = True
     solution: Solution | None = None
+    optimizer_s: float = 0.0
 
 
 def stages_of(total_layers: int, num_stages: int) -> tuple[Stage, ...]:
@@ -118,42 +157,62 @@ def _share(part: str, r: int, cfg: Config, layers: list[int], total_layers: int)
     return 1.0 if r == cfg.pp - 1 else 0.0
 
 
-def _state_bytes_per_elem(cfg: Config, spec: TrainingSpec) -> float:
-    return sum(model_state_bytes(1.0, cfg.zero_stage, cfg.dp, mixed_precision=spec.mixed_precision,
-                                 optimizer=spec.optimizer).values())
+def _unit_factor(cfg: Config) -> float:
+    """Gathered bytes per parameter byte at moment A ([Note: memory per rank])."""
+    if cfg.dp == 1:
+        return 0.0
+    return 1.0 + (1.0 / cfg.dp if cfg.zero_stage >= 2 else 0.0)
 
 
-def _layer_param_bytes(sol: Solution, total_layers: int, spec: TrainingSpec) -> float:
-    if total_layers:
-        return sol.param_elems.get("layer", 0.0) / total_layers * spec.dtype_bytes
-    return sum(sol.param_elems.values()) * spec.dtype_bytes
+def _recv_buffer_bytes(cfg: Config, r: int, boundary_bytes: float) -> float:
+    """Pipeline receive buffers of rank r ([Note: memory per rank])."""
+    if cfg.pp == 1:
+        return 0.0
+    sides = (r > 0) + (r < cfg.pp - 1) if cfg.num_virtual_stages == 1 else 2
+    return sides * cfg.num_microbatches * cfg.num_virtual_stages * boundary_bytes
 
 
-def _transient_factor(cfg: Config) -> float:
-    gathered = 1 + ZERO3_PREFETCH_LAYERS if cfg.zero_stage == 3 and cfg.dp > 1 else 0
-    return gathered + (1 if cfg.zero_stage >= 2 and cfg.dp > 1 else 0)
+def _late_coef(r: int, layers: list[int], shares: dict, total_layers: int) -> dict:
+    """Activation coefficients of moment B: one layer of one microbatch (when the rank holds
+    layers) and what precedes the layers (first rank): [Note: peak moments]."""
+    coef = {"pre": shares["pre"]}
+    if total_layers and layers[r]:
+        coef["layer"] = 1.0 / total_layers
+    return coef
+
+
+def _grads_at_activation_peak(cfg: Config, in_flight: float) -> bool:
+    if cfg.pp == 1:
+        return cfg.num_microbatches > 1
+    return cfg.schedule != "gpipe" and cfg.num_microbatches > in_flight
 
 
 def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
-                  output_bytes: float) -> list[RankMemory]:
-    """[Note: memory per rank] as linear forms for the ILP, one per pipeline rank."""
+                  output_bytes: float, boundary_bytes: float = 0.0) -> list[RankMemory]:
+    """[Note: memory per rank] as linear forms for the ILP: per pipeline rank, one form per
+    moment of [Note: peak moments] (A: activations at their height, B: the backward of the
+    rank's first layer), so that "every form within the budget" is exactly "the peak within
+    the budget"."""
     layers = _rank_layers(cfg, total_layers)
-    state = _state_bytes_per_elem(cfg, spec)
-    transient = _transient_factor(cfg) * spec.dtype_bytes
+    states = model_state_bytes(1.0, cfg.zero_stage, cfg.dp,
+                               mixed_precision=spec.mixed_precision, optimizer=spec.optimizer)
+    kept = states["params"] + states["optimizer"] + _unit_factor(cfg) * spec.dtype_bytes
+    unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp > 1 else 0.0
     out = []
     for r in range(cfg.pp):
         in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches,
                                                     r, cfg.num_virtual_stages)
-        pcoef, acoef = {}, {}
-        for part in ("pre", "layer", "post"):
-            share = _share(part, r, cfg, layers, total_layers)
-            pcoef[part] = state * share
-            acoef[part] = in_flight * share
-        if total_layers:
-            pcoef["layer"] += transient / total_layers
-        else:
-            pcoef = {k: v + transient for k, v in pcoef.items()}
-        out.append(RankMemory(pcoef, acoef, output_bytes if r == cfg.pp - 1 else 0.0))
+        grads_a = states["grads"] if _grads_at_activation_peak(cfg, in_flight) else 0.0
+        recv = _recv_buffer_bytes(cfg, r, boundary_bytes)
+        shares = {part: _share(part, r, cfg, layers, total_layers)
+                  for part in ("pre", "layer", "post")}
+        moment_a = RankMemory({p: (kept + grads_a) * sh for p, sh in shares.items()},
+                              {p: in_flight * sh for p, sh in shares.items()},
+                              (output_bytes if r == cfg.pp - 1 else 0.0) + recv)
+        moment_b = RankMemory({p: (kept + states["grads"] + unsharded) * sh
+                               for p, sh in shares.items()}, _late_coef(r, layers, shares,
+                                                                        total_layers), recv)
+        out += [moment_a, moment_b]
     return out
 
 
@@ -165,38 +224,68 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     """
     layers = _rank_layers(cfg, total_layers)
     v = cfg.num_virtual_stages
+    busy = min(topology.devices_per_node, cfg.pp * cfg.dp * cfg.tp)
+    speed = topology.device.speed(busy)
     p2p = 0.0
     if cfg.pp > 1:
         crosses = cfg.tp * cfg.dp >= topology.devices_per_node
-        p2p = 2 * v * p2p_time_s(boundary_bytes, topology, crosses_nodes=crosses)
+        pairs = None if crosses else cfg.tp * cfg.dp
+        p2p = 2 * v * p2p_time_s(boundary_bytes, topology, crosses_nodes=crosses,
+                                 concurrent_pairs=pairs)
     per_rank = []
     for r in range(cfg.pp):
         comp = sum(sol.compute_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
-                   for p in ("pre", "layer", "post"))
+                   for p in ("pre", "layer", "post")) / speed
         comm = sum(sol.comm_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
                    for p in ("pre", "layer", "post"))
         per_rank.append((comp + comm + p2p, comp, comm + p2p))
-    t_stage, comp, comm = max(per_rank)
-    memories = [_rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes)
-                for r in range(cfg.pp)]
+    _t_stage, comp, comm = max(per_rank)
+    pipeline = _pipeline_s(cfg, comp, comm, topology, busy)
+    memories = [_rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
+                           boundary_bytes) for r in range(cfg.pp)]
     worst = max(range(cfg.pp), key=lambda r: memories[r]["peak"])
     elems = max(sum(sol.param_elems.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
                     for p in ("pre", "layer", "post")) for r in range(cfg.pp))
     dp_sync = _dp_sync_s(cfg, spec, topology, elems)
-    m = cfg.num_microbatches
-    bubble = (cfg.pp - 1) / v * t_stage
     exposed = (1 - DP_SYNC_OVERLAP) * dp_sync
+    optimizer = _optimizer_s(cfg, spec, topology, elems, speed)
+    m = cfg.num_microbatches
     breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
     peak = memories[worst]["peak"]
-    return Assessment(cfg, m * t_stage + bubble + exposed, m * comp, m * comm + exposed, bubble,
-                      dp_sync, peak, breakdown,
-                      peak <= spec.max_memory_fraction * topology.device.mem_bytes, sol)
+    return Assessment(cfg, pipeline + exposed + optimizer, m * comp + optimizer,
+                      m * comm + exposed, pipeline - m * (comp + comm), dp_sync, peak,
+                      breakdown, peak <= spec.max_memory_fraction * topology.device.mem_bytes,
+                      sol, optimizer)
 
 
-def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes) -> dict[str, float]:
+def _pipeline_s(cfg: Config, comp: float, comm: float, topology: Topology, busy: int) -> float:
+    """The pipeline term of [Note: step time]: m v + pp - 1 slots of one chunk-microbatch."""
+    pp, v, m = cfg.pp, cfg.num_virtual_stages, cfg.num_microbatches
+    per_stage = max(1, busy // pp)  # R ranks of a stage on this node
+    device = topology.device
+    total = 0.0
+    for j in range(m * v + pp - 1):
+        active = min(j + 1, pp, m * v, m * v + pp - 1 - j)
+        scale = device.speed(busy) / device.speed(active * per_stage)
+        total += (comp * scale + comm) / v
+    return total
+
+
+def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float,
+                 speed: float) -> float:
+    """Optimizer step of one rank: a memory-bound pass over the states it steps."""
+    stepped = elems / (cfg.dp if cfg.zero_stage >= 1 else 1)
+    nbytes = stepped * OPTIMIZER_BYTES_PER_PARAM.get(spec.optimizer, 0.0)
+    return nbytes / (topology.device.mem_bw_bytes_per_s * speed)
+
+
+def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
+               boundary_bytes) -> dict[str, float]:
     share = {p: _share(p, r, cfg, layers, total_layers) for p in ("pre", "layer", "post")}
     elems = sum(sol.param_elems.get(p, 0.0) * s for p, s in share.items())
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
+    late = sum(sol.act_bytes.get(p, 0.0) * c
+               for p, c in _late_coef(r, layers, share, total_layers).items())
     states = model_state_bytes(elems, cfg.zero_stage, cfg.dp,
                                mixed_precision=spec.mixed_precision, optimizer=spec.optimizer)
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
@@ -204,19 +293,26 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes) -> dict[st
     return peak_memory_bytes(
         model_states=states, activation_bytes=acts, in_flight_microbatches=in_flight,
         zero_stage=cfg.zero_stage, dp=cfg.dp,
-        layer_param_bytes=_layer_param_bytes(sol, total_layers, spec),
         output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
-        prefetch_layers=ZERO3_PREFETCH_LAYERS)
+        comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
+        gather_unit_bytes=elems * spec.dtype_bytes,
+        grads_at_activation_peak=_grads_at_activation_peak(cfg, in_flight),
+        late_activation_bytes=late)
 
 
 def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float) -> float:
+    """The dp group's collectives per step ([Note: step time], dp_sync)."""
     if cfg.dp == 1:
         return 0.0
     _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
     grads, weights = elems * grad_b, elems * spec.dtype_bytes
     t = lambda kind, n: collective_time_s(kind, n, cfg.dp, topology, stride=cfg.tp)  # noqa: E731
+    m = cfg.num_microbatches
+    reductions = m if cfg.pp == 1 else 1
     if cfg.zero_stage == 0:
-        return t("all_reduce", grads)
-    if cfg.zero_stage in (1, 2):
-        return t("reduce_scatter", grads) + t("all_gather", weights)
-    return cfg.num_microbatches * (t("reduce_scatter", grads) + 2 * t("all_gather", weights))
+        return reductions * t("all_reduce", grads)
+    if cfg.zero_stage == 1:
+        return reductions * t("all_reduce", grads) + t("broadcast", weights)
+    if cfg.zero_stage == 2:
+        return reductions * t("reduce_scatter", grads) + m * t("all_gather", weights)
+    return reductions * t("reduce_scatter", grads) + 2 * m * t("all_gather", weights)

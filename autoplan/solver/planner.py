@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import logging
 import time
@@ -9,9 +11,10 @@ import time
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
-from autoplan.solver.pipeline import Assessment, Config
+from autoplan.solver.pipeline import Assessment
 from autoplan.solver.search import (
-    InvalidConfig, NoFeasiblePlan, Overrides, Search, enumerate_configs, validate,
+    InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, Search, enumerate_configs, same_argmin,
+    validate,
 )
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -25,8 +28,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          tp: int | None = None, pp: int | None = None, dp: int | None = None,
          zero_stage: int | None = None, num_microbatches: int | None = None,
          schedule: str | None = None, num_virtual_stages: int | None = None,
-         allow_tp_across_nodes: bool = False, time_limit_s: float = 10.0,
-         top_k: int = 5) -> Plan:
+         checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
+         time_limit_s: float = 10.0, top_k: int = 5) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -35,8 +38,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             Costs scale linearly with tokens from the captured batch x sequence length (capture
             at the planned seq_len for exact attention costs).
         topology: the cluster; spec: the training step.
-        tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages: fix a choice
-            (None: searched).
+        tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
+            checkpointing ("none" | "selective" | "full"): fix a choice (None: searched).
         allow_tp_across_nodes: let tp groups span nodes (off: tp <= devices_per_node).
         time_limit_s: CP-SAT limit per ILP solve, seconds.
         top_k: runners-up kept in `Plan.alternatives`.
@@ -49,17 +52,39 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         NoFeasiblePlan: nothing fits in memory (the message gives the smallest per-device memory
             any plan needs, with its configuration, and the device's memory).
     """
+    with _collector_paused():
+        return _plan(graph, topology, spec, Overrides(
+            tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
+            allow_tp_across_nodes, checkpointing), time_limit_s, top_k)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause CPython's cyclic garbage collector while planning. The search allocates many
+    small acyclic objects, which trigger collections; each full one re-scans the ~360,000
+    objects torch and transformers keep alive (0.2 s of a 1 s plan, measured on 2 cores) and
+    finds next to nothing: reference counting frees the search's garbage anyway. The previous
+    state is restored on exit, also on error."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
+          time_limit_s: float, top_k: int) -> Plan:
     start = time.perf_counter()
-    overrides = Overrides(tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-                          allow_tp_across_nodes)
     validate(graph, topology, spec, overrides)
-    configs = enumerate_configs(graph, topology, spec, overrides)
+    search = Search(graph, topology, spec, time_limit_s)
+    configs = enumerate_configs(graph, topology, spec, overrides, search.policies())
     if not configs:
         raise InvalidConfig(
             f"no configuration of {topology.world_size} devices satisfies the overrides "
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
-    search = Search(graph, topology, spec, time_limit_s)
     evaluated = _branch_and_bound(search, configs, top_k)
     feasible = sorted((a for a in evaluated if a.fits), key=_rank)
     if not feasible:
@@ -75,64 +100,131 @@ def _given(o: Overrides) -> dict:
     return {k: v for k, v in vars(o).items() if v is not None and k != "allow_tp_across_nodes"}
 
 
+_POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
 def _rank(a: Assessment) -> tuple:
     c = a.config
-    # ties: less memory, then the simpler mesh (less tp, then less pp)
+    # ties: less memory, then the simpler mesh (less tp, then less pp), then less recompute
     return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.pp, c.zero_stage,
-            c.num_microbatches, c.schedule)
+            c.num_microbatches, c.schedule, c.num_virtual_stages,
+            _POLICY_ORDER[c.checkpointing])
 
 
-def _branch_and_bound(search: Search, configs: list[Config], top_k: int) -> list[Assessment]:
+# states of a configuration in the branch and bound
+_BOUNDED, _REFINED, _RELAXED, _UNFIT = 0, 1, 2, 3
+
+
+def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> list[Assessment]:
     """[Note: decomposition] steps 2-4 in search.py; returns every assessment made.
 
-    A heap of configurations by lower bound. A configuration is first bounded without an ILP;
-    when popped, its time-optimal placement is assessed; if that does not fit, it goes back
-    with the unconstrained step time as its (tighter) bound, and only if it is popped again
-    before the best plan is proven is the memory-constrained ILP solved. Once the next bound
-    is no better than the best plan, runners-up are filled in for the report with at most
-    `top_k` more ILP solves (no constrained ones: those stay "memory" alternatives).
+    A heap of configurations by lower bound; each moves through up to four states, with a
+    tighter bound at each:
+    1. bounded without an ILP (search.lower_bound);
+    2. popped: the time-optimal placement of its (tp, b, policy) -- one ILP shared by all the
+       configurations of those -- is assessed. When the configuration's step time orders
+       placements like one microbatch's time (pp = 1 and dp = 1: `same_argmin`), that is its
+       optimum; otherwise the bound is refined (search.refined_bound) and it goes back;
+    3. popped again: the LP relaxation of its own step-time ILP ([Note: step form]) either
+       certifies an optimum or gives a bound, with which it goes back;
+    4. popped again: its step-time ILP (CP-SAT) gives its optimum.
+    An optimum that does not fit goes back with its step time as its bound and, popped again
+    before the best plan is proven, the memory-constrained ILP decides.
+    Once the next bound is no better than the best plan, runners-up are filled in for the
+    report with at most `top_k` more ILP solves, of time-optimal placements only: a runner-up
+    whose own ILP was not solved while proving is assessed at its (tp, b, policy)'s placement
+    (a plan it can run, so its step time is no better than its optimum), and constrained ones
+    stay "memory" alternatives.
     """
     heap: list[tuple] = []
     for i, cfg in enumerate(configs):
         lb = search.lower_bound(cfg)
         if lb.fits:
-            heapq.heappush(heap, (lb.step_time_s, cfg.tp, cfg.pp, i, cfg, None))
+            heapq.heappush(heap, (lb.step_time_s, cfg.tp, cfg.pp, i, _BOUNDED, cfg, None))
     done: list[Assessment] = []
     best = float("inf")
-    fill_solves = fill_fits = 0
+    fill_solves, fill_groups = 0, set()
+
+    def settle(i: int, cfg: PlanConfig, result: Assessment) -> Assessment | None:
+        """`result` is cfg's unconstrained optimum: final, or back on the heap to be solved
+        under its memory constraints."""
+        if not result.fits and search.memory_bound(cfg).fits:
+            heapq.heappush(heap, (result.step_time_s, cfg.tp, cfg.pp, i, _UNFIT, cfg, result))
+            return None
+        return result
+
     while heap:
-        bound, _tp, _pp, i, cfg, unfit = heapq.heappop(heap)
+        bound, _tp, _pp, i, state, cfg, payload = heapq.heappop(heap)
         proving = bound < best
-        if not proving and (fill_fits >= top_k or fill_solves >= top_k):
+        if not proving and (len(fill_groups) >= top_k or fill_solves >= top_k):
             break
-        if unfit is None:
-            known = (cfg.tp, cfg.microbatch_size) in search.solutions
-            fill_solves += 0 if (proving or known) else 1
-            result = search.assess(cfg, search.solution(cfg.tp, cfg.microbatch_size))
-            if not result.fits and search.memory_bound(cfg).fits:
-                heapq.heappush(heap, (result.step_time_s, cfg.tp, cfg.pp, i, cfg, result))
+        solved = len(search.solutions)
+        result = None
+        if state == _BOUNDED:
+            sol = search.solution(cfg)
+            quick = search.assess(cfg, sol)
+            if same_argmin(search.step_form(cfg)):
+                result = settle(i, cfg, quick)
+            else:
+                refined = max(bound, search.refined_bound(cfg, sol))
+                heapq.heappush(heap, (refined, cfg.tp, cfg.pp, i, _REFINED, cfg, quick))
+        elif state == _REFINED and proving and not search.solved(cfg, exact=True):
+            lp_bound, _certified = search.relaxation(cfg)
+            if not search.solved(cfg, exact=True):  # not certified by the LP: CP-SAT later
+                heapq.heappush(heap, (max(bound, lp_bound), cfg.tp, cfg.pp, i, _RELAXED, cfg,
+                                      payload))
                 continue
+            result = settle(i, cfg, _exact(search, cfg, payload))
+        elif state in (_REFINED, _RELAXED) and (proving or search.solved(cfg, exact=True)):
+            result = settle(i, cfg, _exact(search, cfg, payload))
+        elif state in (_REFINED, _RELAXED):
+            result = payload  # a runner-up: assessed at its (tp, b, policy) placement
         elif proving:
-            constrained = search.solution(cfg.tp, cfg.microbatch_size, cfg)
-            again = search.assess(cfg, constrained) if constrained is not None else None
-            result = again if again is not None and again.fits else unfit
+            result = _constrained(search, cfg, payload)
         else:
-            result = unfit  # a runner-up that needs more memory than its fastest placement
+            result = payload  # a runner-up that needs more memory than its fastest placement
+        fill_solves += 0 if proving else len(search.solutions) - solved
+        if result is None:
+            continue
         done.append(result)
         if result.fits:
             best = min(best, result.step_time_s)
-            fill_fits += 0 if proving else 1
+            if not proving:
+                fill_groups.add(_group(result))
     return done
+
+
+def _constrained(search: Search, cfg: PlanConfig, unfit: Assessment) -> Assessment:
+    """cfg's optimum under its memory constraints, or `unfit` when nothing fits. Safeguard:
+    the ILP's memory forms are pipeline.py's linear image of its peak; should they misjudge a
+    placement (tests/test_planner_scale.py::test_memory_forms_equal_assess checks they do not),
+    the placement of least memory is tried before the configuration is given up."""
+    for sol in (search.solution(cfg, constrained=True), search.smallest(cfg)):
+        result = search.assess(cfg, sol) if sol is not None else None
+        if result is not None and result.fits:
+            return result
+    return unfit
+
+
+def _exact(search: Search, cfg: PlanConfig, quick: Assessment) -> Assessment:
+    """cfg's unconstrained optimum (its own step-time ILP); `quick`, the placement of its
+    (tp, b, policy), when that is as good (equal up to the ILP's tie-breaks)."""
+    exact = search.assess(cfg, search.solution(cfg, exact=True))
+    return quick if quick.fits and quick.step_time_s < exact.step_time_s else exact
+
+
+def _group(a: Assessment) -> tuple:
+    """What makes a runner-up a different plan: all but the ZeRO stage."""
+    c = a.config
+    return (c.pp, c.dp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages,
+            c.checkpointing)
 
 
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
     """Runners-up with the reason each loses: up to two faster ones that do not fit
     ("memory"), then the fastest that fit; one per (mesh, microbatches, schedule), so that
     the list shows different plans rather than ZeRO stages of one."""
-    def group(a: Assessment) -> tuple:
-        c = a.config
-        return (c.pp, c.dp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages)
-
+    group = _group
     seen = {group(best)}
     faster_oom, fits = [], []
     for a in sorted(evaluated, key=_rank):
@@ -153,13 +245,16 @@ def _reason(a: Assessment, best: Assessment) -> str:
         return (f"memory: needs {a.memory_bytes / 1e9:.3g} GB per device, over the budget")
     deltas = {"bubble": a.bubble_s - best.bubble_s, "communication": a.comm_s - best.comm_s,
               "compute": a.compute_s - best.compute_s}
+    if deltas["compute"] > 0 and _POLICY_ORDER[a.config.checkpointing] > _POLICY_ORDER[
+            best.config.checkpointing]:
+        deltas["recomputation"] = deltas.pop("compute")  # the extra compute is the recompute
     kind = max(deltas, key=deltas.get)
     if deltas[kind] <= 0:
         return "tie: same predicted step time; ranked by memory and simplicity"
     return f"{kind}: +{deltas[kind] * 1e3:.3g} ms per step vs the chosen plan"
 
 
-def _explain_memory(search: Search, configs: list[Config]) -> str:
+def _explain_memory(search: Search, configs: list[PlanConfig]) -> str:
     """NoFeasiblePlan message: the smallest per-device memory any plan needs."""
     device = search.topology.device
     budget = search.spec.max_memory_fraction * device.mem_bytes
@@ -180,10 +275,6 @@ def _explain_memory(search: Search, configs: list[Config]) -> str:
             f"max_memory_fraction {search.spec.max_memory_fraction})")
 
 
-def _min_memory(search: Search, cfg: Config) -> float | None:
-    from autoplan.solver.ilp import solve
-    from autoplan.solver.pipeline import rank_memories
-    prob, costs = search.problem(cfg.tp), search.cost(cfg.tp, cfg.microbatch_size)
-    ranks = rank_memories(cfg, search.spec, search.total_layers, costs.output_bytes)
-    sol = solve(prob, costs, ranks=ranks, objective="memory", time_limit_s=search.time_limit_s)
+def _min_memory(search: Search, cfg: PlanConfig) -> float | None:
+    sol = search.smallest(cfg)
     return None if sol is None else search.assess(cfg, sol).memory_bytes

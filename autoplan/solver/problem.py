@@ -79,6 +79,8 @@ class Problem:
         edges: weighted ILP edges.
         saved: (owner ILP node or None, global bytes at b = captured batch, multiplicity, part)
             for every tensor autograd saves (cost_model.memory.saved_tensors).
+        scores: the entries of `saved` that selective checkpointing drops (attention-score
+            tensors, cost_model.memory [Note: saved tensors]); empty for fused attention.
         params: ILP get_attr node -> (canonical FQN, numel, parts it belongs to, multiplicity).
         constants: constant-like nodes (no cost).
         shared: True when blocks share variables.
@@ -93,6 +95,7 @@ class Problem:
     weight: dict[str, float]
     edges: list[Edge] = field(default_factory=list)
     saved: list[tuple] = field(default_factory=list)
+    scores: list[tuple] = field(default_factory=list)
     params: dict[str, tuple[str, int, frozenset, float]] = field(default_factory=dict)
     constants: set[str] = field(default_factory=set)
     shared: bool = True
@@ -125,7 +128,7 @@ def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
         in_block = layer_of.get(n) is not None or part[n] == "layer"
         prob.weight[n] = (total if shared else total / n_cap) if in_block else 1.0
     prob.edges = _edges(graph, prob, layer_of, dtype_bytes)
-    prob.saved = _saved(graph, prob, layer_of, dtype_bytes)
+    prob.saved, prob.scores = _saved(graph, prob, layer_of, dtype_bytes)
     prob.params = _params(graph, prob)
     return prob
 
@@ -303,22 +306,29 @@ def _transition_edges(graph, prob: Problem, layer_of, edges: list[Edge]) -> list
     return extra
 
 
-def _saved(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[tuple]:
+def _saved(graph: CapturedGraph, prob: Problem, layer_of,
+           dtype_bytes) -> tuple[list[tuple], list[tuple]]:
+    """(every saved tensor, the attention-score ones) as Problem.saved entries."""
     infos = [info for name, info in graph.nodes.items()
              if name in prob.cands and name not in prob.constants]
     items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes)
     seen: dict[tuple, float] = {}
+    scores: set[tuple] = set()
     for it in items:
         seen[(it.owner, it.slot)] = it.nbytes
+        if it.attention_scores:
+            scores.add((it.owner, it.slot))
     n_cap, total = max(graph.num_layers, 1), graph.total_layers
-    out = []
-    for (owner, _slot), nbytes in seen.items():
+    out, dropped = [], []
+    for (owner, slot), nbytes in seen.items():
         layer = layer_of.get(owner)
         mult = total / n_cap if layer is not None else 1.0
         ilp = prob.rep.get(owner) if owner in prob.cands else None
         part = prob.part.get(ilp, "pre") if ilp is not None else "pre"
         out.append((ilp, nbytes, mult, part))
-    return out
+        if (owner, slot) in scores:
+            dropped.append(out[-1])
+    return out, dropped
 
 
 def _params(graph: CapturedGraph, prob: Problem) -> dict[str, tuple]:

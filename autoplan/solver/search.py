@@ -1,16 +1,25 @@
-"""The outer search: mesh shape (pp, dp, tp), ZeRO stage, microbatches and schedule.
+"""The outer search: mesh shape (pp, dp, tp), ZeRO stage, microbatches, schedule and activation
+checkpointing.
 
-[Note: decomposition] The placement ILP (ilp.py) depends on the configuration only through tp
-and the microbatch size b (its costs) and, when memory binds, through the memory coefficients.
+[Note: decomposition] The placement ILP (ilp.py) of a configuration depends on it through tp,
+the microbatch size b and the checkpointing policy (its costs, [Note: checkpointing] in
+checkpointing.py), through its step form (how pipeline.py turns per-part totals into a step
+time: microbatches and bubble, the pipeline ranks' shares, the data-parallel sync and optimizer
+per parameter, [Note: step form] in ilp.py) and, when memory binds, through its memory forms.
 So: (1) enumerate every valid configuration; (2) bound each one from below without an ILP
 (every node at its cheapest candidate, no tp communication, parameters and activations at their
-smallest split) -- `_lower_bound`; (3) visit configurations by increasing bound, solving the
-time-optimal ILP once per (tp, b) (cached) and assessing the configuration analytically
-(pipeline.py); a configuration whose time-optimal placement does not fit in memory gets the ILP
-again with its per-rank memory constraints; (4) stop when the next bound is no better than the
-(top_k + 1)-th best step time found. The result is the optimum of the cost model over all
-configurations (up to CP-SAT's time limit, reported by Solution.optimal), the same answer as
-exhaustive search with far fewer ILP solves.
+smallest split) -- `_lower_bound`; (3) visit configurations by increasing bound (planner.py):
+the time-optimal placement of one microbatch, solved once per (tp, b, policy) and shared, is
+the optimum of every configuration whose step form orders placements alike (pp = 1, nothing
+per parameter: `same_argmin`), and otherwise a feasible plan and a tighter bound
+(`Search.refined_bound`); then the LP relaxation of the configuration's own step-time ILP
+certifies an optimum or tightens the bound again; then CP-SAT solves that ILP; a configuration
+whose optimum does not fit in memory gets its ILP again with its per-rank memory constraints;
+(4) stop when the next bound is no better than the best step time found. The result is the
+optimum of the cost model over all configurations and placements, up to the ILP's tie-breaks
+(1 ns per ILP node) and the relative gap 1e-7 (and CP-SAT's time limit, reported by
+Solution.optimal): the same answer as exhaustive search (tests/test_planner_scale.py checks it
+on random problems), with far fewer ILP solves.
 """
 
 from __future__ import annotations
@@ -20,16 +29,17 @@ from dataclasses import dataclass, field
 from autoplan.cost_model.comm import group_layout
 from autoplan.graph import CapturedGraph
 from autoplan.plan import SCHEDULES
+from autoplan.solver import checkpointing as ckpt
 from autoplan.solver.costs import Costs, build_costs
-from autoplan.solver.ilp import Solution, solve
-from autoplan.solver.pipeline import Assessment, Config, assess, rank_memories
+from autoplan.solver.ilp import TIME_FORM, RankMemory, Solution, StepForm, relax, solve
+from autoplan.solver.pipeline import Assessment, Config, assess, rank_memories, stages_of
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
 from autoplan.topology import Topology
 
-__all__ = ["NoFeasiblePlan", "InvalidConfig", "Overrides", "Search", "enumerate_configs",
-           "validate"]
+__all__ = ["NoFeasiblePlan", "InvalidConfig", "Overrides", "PlanConfig", "Search",
+           "enumerate_configs", "same_argmin", "validate"]
 
 
 class NoFeasiblePlan(ValueError):
@@ -53,6 +63,20 @@ class Overrides:
     schedule: str | None = None
     num_virtual_stages: int | None = None
     allow_tp_across_nodes: bool = False
+    checkpointing: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanConfig(Config):
+    """A point of the outer search: pipeline.Config plus the activation checkpointing policy
+    ("none" | "selective" | "full", [Note: checkpointing]); pipeline.py prices the policy
+    through the Solution and memory forms this module hands it."""
+
+    checkpointing: str = "none"
+
+    def __str__(self) -> str:
+        extra = "" if self.checkpointing == "none" else f", {self.checkpointing} checkpointing"
+        return super().__str__() + extra
 
 
 def _divisors(n: int) -> list[int]:
@@ -87,6 +111,11 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
     if o.pp is not None and o.pp * v > max(layers, 1):
         raise InvalidConfig(f"pp {o.pp} x num_virtual_stages {v} = {o.pp * v} stages is more "
                             f"than the model's {layers} layers")
+    if o.checkpointing is not None and o.checkpointing not in ckpt.POLICIES:
+        raise InvalidConfig(f"checkpointing {o.checkpointing!r} is not one of {ckpt.POLICIES}")
+    if o.checkpointing not in (None, "none") and not layers:
+        raise InvalidConfig(f"checkpointing {o.checkpointing!r} needs repeated blocks; "
+                            f"{graph.model_name} has none")
     if o.num_microbatches is not None:
         _check_microbatches(spec, o, world)
 
@@ -108,8 +137,10 @@ def _check_microbatches(spec: TrainingSpec, o: Overrides, world: int) -> None:
 
 
 def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
-                      o: Overrides) -> list[Config]:
-    """Every configuration the overrides allow ([Note: decomposition], step 1)."""
+                      o: Overrides, policies: tuple[str, ...] = ("none",)) -> list[PlanConfig]:
+    """Every configuration the overrides allow ([Note: decomposition], step 1); `policies`:
+    the checkpointing policies to search (checkpointing.policies), unless overridden."""
+    policies = (o.checkpointing,) if o.checkpointing is not None else policies
     world, layers = topology.world_size, graph.total_layers if graph.num_layers else 0
     out = []
     for tp in _divisors(world):
@@ -122,7 +153,7 @@ def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSp
                 continue
             if pp > max(layers, 1) or not _layout_ok(tp, dp, pp, topology):
                 continue
-            out += _configs_for_mesh(pp, dp, tp, layers, spec, o)
+            out += _configs_for_mesh(pp, dp, tp, layers, spec, o, policies)
     return out
 
 
@@ -136,7 +167,7 @@ def _layout_ok(tp: int, dp: int, pp: int, topology: Topology) -> bool:
     return True
 
 
-def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides) -> list[Config]:
+def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies) -> list[PlanConfig]:
     if spec.global_batch % dp:
         return []
     zeros = [o.zero_stage] if o.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
@@ -157,13 +188,15 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides) -> list[Config]:
             for sched, v in schedules:
                 if sched == "interleaved-1f1b" and m % pp:
                     continue  # the interleaved schedule runs microbatches in rounds of pp
-                out.append(Config(pp, dp, tp, zero, m, spec.global_batch // (dp * m), sched, v))
+                b = spec.global_batch // (dp * m)
+                out += [PlanConfig(pp, dp, tp, zero, m, b, sched, v, policy)
+                        for policy in policies]
     return out
 
 
 @dataclass
 class Search:
-    """State of one planning run: problems per tp, costs and solutions per (tp, b)."""
+    """State of one planning run: problems per tp, costs and solutions per (tp, b, policy)."""
 
     graph: CapturedGraph
     topology: Topology
@@ -179,65 +212,206 @@ class Search:
     def total_layers(self) -> int:
         return self.graph.total_layers if self.graph.num_layers else 0
 
+    @property
+    def budget_bytes(self) -> float:
+        return self.spec.max_memory_fraction * self.topology.device.mem_bytes
+
+    def policies(self) -> tuple[str, ...]:
+        """Checkpointing policies worth searching for this graph (checkpointing.policies)."""
+        return ckpt.policies(self.problem(1))
+
     def problem(self, tp: int) -> Problem:
         if tp not in self.problems:
             self.problems[tp] = build_problem(self.graph, tp, self.spec.dtype_bytes,
                                               cache=self.cache)
         return self.problems[tp]
 
-    def cost(self, tp: int, b: int) -> Costs:
-        if (tp, b) not in self.costs:
-            self.costs[(tp, b)] = build_costs(self.problem(tp), b, self.spec, self.topology)
-        return self.costs[(tp, b)]
+    def cost(self, tp: int, b: int, policy: str = "none") -> Costs:
+        key = (tp, b, policy)
+        if key not in self.costs:
+            if policy == "none":
+                self.costs[key] = build_costs(self.problem(tp), b, self.spec, self.topology)
+            else:
+                self.costs[key] = ckpt.checkpointed_costs(
+                    self.problem(tp), self.cost(tp, b), policy, self.spec, self.topology)
+        return self.costs[key]
 
-    def solution(self, tp: int, b: int, cfg: Config | None = None) -> Solution | None:
-        """Time-optimal placement; with `cfg`, under its per-rank memory constraints."""
-        prob, costs = self.problem(tp), self.cost(tp, b)
-        ranks = None if cfg is None else rank_memories(
-            cfg, self.spec, self.total_layers, costs.output_bytes)
-        # configurations with the same memory coefficients share the constrained ILP
-        key = (tp, b) if cfg is None else (tp, b, _signature(ranks))
+    def ranks(self, cfg: PlanConfig, tp: int | None = None) -> list[RankMemory]:
+        """Per-rank memory forms of `cfg` for the ILP (tp: of another problem, for bounds)."""
+        tp = cfg.tp if tp is None else tp
+        costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing)
+        boundary = self.boundary_bytes(tp, cfg.microbatch_size)
+        ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
+                              boundary_bytes=boundary)
+        return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
+                                       ckpt.score_bytes(self.problem(tp), costs))
+
+    def solution(self, cfg: PlanConfig, *, exact: bool = False,
+                 constrained: bool = False) -> Solution | None:
+        """A placement for cfg: by default the time-optimal one of its (tp, b, policy),
+        shared by every configuration of those; `exact`: the one minimising cfg's own step
+        time ([Note: step form]); `constrained`: that under cfg's per-rank memory constraints
+        (None when nothing fits)."""
+        key, form, ranks = self._key(cfg, exact, constrained)
         if key not in self.solutions:
-            budget = self.spec.max_memory_fraction * self.topology.device.mem_bytes
-            self.solutions[key] = solve(prob, costs, ranks=ranks, budget_bytes=budget,
+            tp, b, policy = cfg.tp, cfg.microbatch_size, cfg.checkpointing
+            self.solutions[key] = solve(self.problem(tp), self.cost(tp, b, policy), form=form,
+                                        ranks=ranks, budget_bytes=self.budget_bytes,
                                         time_limit_s=self.time_limit_s)
         return self.solutions[key]
 
+    def relaxation(self, cfg: PlanConfig) -> tuple[float, Solution | None]:
+        """ilp.relax of cfg's own step-time ILP: (its LP bound, a certified optimum or None);
+        a certified optimum is also recorded as cfg's exact solution."""
+        key, form, _ranks = self._key(cfg, True, False)
+        relax_key = ("relax",) + key
+        if relax_key not in self.bounds:
+            tp, b, policy = cfg.tp, cfg.microbatch_size, cfg.checkpointing
+            self.bounds[relax_key] = relax(self.problem(tp), self.cost(tp, b, policy),
+                                           form=form, time_limit_s=self.time_limit_s)
+            certified = self.bounds[relax_key][1]
+            if certified is not None:
+                self.solutions.setdefault(key, certified)
+        return self.bounds[relax_key]
+
+    def solved(self, cfg: PlanConfig, *, exact: bool = False) -> bool:
+        """True when `solution(cfg, exact=exact)` needs no new ILP."""
+        return self._key(cfg, exact, False)[0] in self.solutions
+
+    def _key(self, cfg: PlanConfig, exact: bool, constrained: bool) -> tuple:
+        """(cache key, form, ranks) of a `solution` call."""
+        tp, b, policy = cfg.tp, cfg.microbatch_size, cfg.checkpointing
+        form = self.step_form(cfg) if exact or constrained else TIME_FORM
+        if not constrained and same_argmin(form):
+            form = TIME_FORM
+        ranks = self.ranks(cfg) if constrained else None
+        # configurations with the same form (and memory coefficients) share the ILP
+        key = (tp, b, policy) if form is TIME_FORM and ranks is None else (
+            tp, b, policy, _form_signature(form), ranks and _signature(ranks))
+        return key, form, ranks
+
+    def smallest(self, cfg: PlanConfig) -> Solution | None:
+        """The placement of least peak memory for cfg (the ILP's memory objective)."""
+        key = ("smallest", cfg)
+        if key not in self.bounds:
+            self.bounds[key] = solve(
+                self.problem(cfg.tp), self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing),
+                ranks=self.ranks(cfg), objective="memory", time_limit_s=self.time_limit_s)
+        return self.bounds[key]
+
+    def step_form(self, cfg: PlanConfig) -> StepForm:
+        """[Note: step form] of cfg (ilp.py): pipeline.assess as an affine function of the
+        per-part totals. The shares follow pipeline.py's stages (`stages_of`, stage i on rank
+        i % pp); the factors and the constant are read off pipeline.assess itself, from a zero
+        placement and unit totals on the first rank, so they follow its formulas
+        (tests/test_planner_scale.py checks the form against assess on random placements)."""
+        key = ("form", cfg)
+        if key not in self.bounds:
+            def probe(**totals) -> float:
+                return self.assess(cfg, Solution({}, **totals)).step_time_s
+            zero, elems = probe(), 1e9
+            self.bounds[key] = StepForm(
+                probe(compute_s={"pre": 1.0}) - zero, probe(comm_s={"pre": 1.0}) - zero,
+                _rank_shares(cfg, self.total_layers),
+                (probe(param_elems={"pre": elems}) - zero) / elems, zero)
+        return self.bounds[key]
+
+    def refined_bound(self, cfg: PlanConfig, sol: Solution) -> float:
+        """A step time no placement of cfg beats, given the time-optimal placement `sol` of
+        its (tp, b, policy) (total time X* per microbatch). The busiest rank carries at least
+        the average, X* / pp (every part's shares sum to 1 over the ranks), and at least its
+        own parts' cheapest compute; the sync at least the smallest parameter split."""
+        form = self.step_form(cfg)
+        mins = self._cheapest(cfg)
+        slack = len(self.problem(cfg.tp).nodes) * 1e-9  # the ILP's tie-breaks ([Note: step form])
+        average = (sol.objective_s - slack) / cfg.pp if sol.optimal else 0.0
+        own = max(sum(s * mins.compute_s.get(p, 0.0) for p, s in rank) for rank in form.shares)
+        elems = max(sum(s * mins.param_elems.get(p, 0.0) for p, s in rank)
+                    for rank in form.shares)
+        factor = min(form.compute_factor, form.comm_factor)
+        return factor * max(average, own) + form.sync_s_per_elem * elems + form.const_s
+
+    def _cheapest(self, cfg: PlanConfig) -> Solution:
+        key = ("memory", cfg.tp, cfg.microbatch_size, cfg.checkpointing)
+        if key not in self.bounds:
+            self.bounds[key] = _lower_bound(
+                self.problem(cfg.tp), self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing),
+                1)
+        return self.bounds[key]
+
     def boundary_bytes(self, tp: int, b: int) -> float:
+        """Bytes of the residual stream between blocks, one microbatch (global)."""
         prob, costs = self.problem(tp), self.cost(tp, b)
         sizes = [e.nbytes for e in prob.edges
                  if prob.part.get(e.src) == "layer" and (e.dst == OUTPUT or
                                                          prob.part.get(e.dst) != "layer")]
         return max(sizes, default=costs.output_bytes) * costs.scale
 
-    def assess(self, cfg: Config, sol: Solution) -> Assessment:
-        costs = self.cost(cfg.tp, cfg.microbatch_size)
-        return assess(cfg, sol, self.spec, self.topology, total_layers=self.total_layers,
-                      output_bytes=costs.output_bytes,
-                      boundary_bytes=self.boundary_bytes(cfg.tp, cfg.microbatch_size))
+    def assess(self, cfg: PlanConfig, sol: Solution, *, tp: int | None = None,
+               divide: int = 1) -> Assessment:
+        """pipeline.assess of `cfg` with placement `sol` under cfg's checkpointing policy.
+        (tp, divide): for bounds, quantities of the tp problem with the boundary divided."""
+        tp = cfg.tp if tp is None else tp
+        b, policy = cfg.microbatch_size, cfg.checkpointing
+        costs = self.cost(tp, b, policy)
+        boundary = self.boundary_bytes(tp, b)
+        seen, transient = ckpt.checkpointed_solution(
+            sol, policy, self.total_layers, boundary, ckpt.score_bytes(self.problem(tp), costs))
+        result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
+                        output_bytes=costs.output_bytes, boundary_bytes=boundary / divide)
+        return ckpt.with_transient(result, transient, self.budget_bytes)
 
-    def memory_bound(self, cfg: Config) -> Assessment:
-        """An Assessment whose memory no placement at this (tp, b) can beat: every node and
-        parameter at its smallest candidate (exact costs of this tp, not divided)."""
-        key = ("memory", cfg.tp, cfg.microbatch_size)
-        if key not in self.bounds:
-            self.bounds[key] = _lower_bound(self.problem(cfg.tp),
-                                            self.cost(cfg.tp, cfg.microbatch_size), 1)
-        return self.assess(cfg, self.bounds[key])
+    def memory_bound(self, cfg: PlanConfig) -> Assessment:
+        """An Assessment whose memory no placement at this (tp, b, policy) can beat: every
+        node and parameter at its smallest candidate (exact costs of this tp, not divided)."""
+        return self.assess(cfg, self._cheapest(cfg))
 
-    def lower_bound(self, cfg: Config) -> Assessment:
+    def lower_bound(self, cfg: PlanConfig) -> Assessment:
         """[Note: decomposition] step 2: an Assessment no exact one can beat, from the tp = 1
         problem (no strategies needed) with compute, parameters and activations divided by tp:
         a split op takes at least 1/tp of the replicated time (the roofline's efficiency only
-        drops on smaller shapes), a split tensor holds exactly 1/tp."""
-        key = (cfg.tp, cfg.microbatch_size)
+        drops on smaller shapes), a split tensor holds exactly 1/tp. Under "full" checkpointing
+        a block's saved input is priced replicated at every tp, so it is not divided."""
+        key = (cfg.tp, cfg.microbatch_size, cfg.checkpointing)
         if key not in self.bounds:
-            self.bounds[key] = _lower_bound(self.problem(1), self.cost(1, cfg.microbatch_size),
-                                            cfg.tp)
-        sol = self.bounds[key]
-        return assess(cfg, sol, self.spec, self.topology, total_layers=self.total_layers,
-                      output_bytes=self.cost(1, cfg.microbatch_size).output_bytes,
-                      boundary_bytes=self.boundary_bytes(1, cfg.microbatch_size) / cfg.tp)
+            self.bounds[key] = _lower_bound(
+                self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing), cfg.tp)
+        return self.assess(cfg, self.bounds[key], tp=1, divide=cfg.tp)
+
+
+def _rank_shares(cfg: Config, total_layers: int) -> tuple:
+    """Each pipeline rank's share of the parts (pipeline.py's stages), ranks that another
+    rank bounds part by part left out: ((part, share), ...) per rank."""
+    layers = [0] * cfg.pp
+    for st in stages_of(total_layers, cfg.pp * cfg.num_virtual_stages):
+        layers[st.index % cfg.pp] += st.num_layers
+    ranks = [{"pre": float(r == 0), "layer": layers[r] / total_layers if total_layers else 1.0,
+              "post": float(r == cfg.pp - 1)} for r in range(cfg.pp)]
+    kept: list[dict] = []
+    for r in ranks:
+        if r in kept or any(all(r[p] <= o[p] for p in r) for o in ranks if o != r):
+            continue
+        kept.append(r)
+    return tuple(tuple((p, v) for p, v in r.items() if v) for r in kept)
+
+
+def same_argmin(form: StepForm, other: StepForm = TIME_FORM) -> bool:
+    """True when the two forms order placements alike: one rank each with proportional
+    shares, proportional compute and communication factors, no sync term."""
+    if len(form.shares) != 1 or len(other.shares) != 1 or form.sync_s_per_elem or \
+            other.sync_s_per_elem:
+        return False
+    a, b = dict(form.shares[0]), dict(other.shares[0])
+    ratios = {round(a[p] * form.compute_factor / (b[p] * other.compute_factor), 12)
+              for p in a} | {round(a[p] * form.comm_factor / (b[p] * other.comm_factor), 12)
+                             for p in a}
+    return a.keys() == b.keys() and len(ratios) <= 1
+
+
+def _form_signature(form: StepForm) -> tuple:
+    r9 = lambda v: float(f"{v:.9g}")  # noqa: E731
+    return (r9(form.compute_factor), r9(form.comm_factor),
+            tuple(tuple((p, r9(v)) for p, v in r) for r in form.shares), r9(form.sync_s_per_elem))
 
 
 def _signature(ranks) -> tuple:

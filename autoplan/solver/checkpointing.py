@@ -1,0 +1,157 @@
+"""Activation checkpointing as a dimension of the search: what a policy does to the placement
+ILP's time coefficients and to a configuration's memory.
+
+[Note: checkpointing] The policies are the Plan's `checkpointing`, one for every stage (the
+runtime wraps each repeated block, autoplan/passes/checkpointing.py):
+
+- "none": autograd keeps every tensor it saves (cost_model.memory, [Note: saved tensors]).
+- "selective": the tensors of the attention-score region are not kept (the cost model's
+  "selective" policy, `SavedTensor.attention_scores`) and the ops that own them run their
+  forward again in the backward (Korthikanti et al. 2022, section 5). A graph whose attention is
+  one fused op (scaled_dot_product_attention) has no such region: "selective" then prices
+  exactly like "none" and is not searched (`policies`).
+- "full": a block keeps only its input -- the residual stream entering it, priced at its global
+  size, i.e. replicated on the tp axis -- and its whole forward, redistributions included, runs
+  again in its backward (Chen et al. 2016; Korthikanti et al. 2022, section 4).
+
+Time. The recomputed nodes' forward compute (cost_model.compute.op_time_s at the candidate's
+shard factor) is added to their ILP compute coefficient, and the forward redistribution of
+every edge into a recomputed node is added to that edge's backward time (`checkpointed_costs`).
+The placement ILP therefore prices recomputation exactly, with its form unchanged.
+
+Memory of pipeline rank r, with f_r microbatches in flight and L_r of the T blocks:
+
+    none       f_r (L_r / T) A                          (A: saved bytes of all T blocks)
+    selective  f_r (L_r / T) (A - S) + S_1              (S: score bytes of all T blocks; S_1 one
+                                                         block's, rematerialised, replicated)
+    full       f_r L_r I + A / T                        (I: one block's input; A / T: one
+                                                         block's activations, rematerialised
+                                                         during its backward)
+
+plus what is outside the blocks (embedding, head: never checkpointed). For the ILP these are
+changes to `RankMemory` (`checkpointed_ranks`: for "full" the block activations' coefficient
+becomes 1 / T and f_r L_r I is a constant); for a solved placement, changes to the Solution's
+activation totals and a transient added to the peak (`checkpointed_solution`, `with_transient`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoplan.cost_model.compute import op_time_s
+from autoplan.solver.costs import Costs, out_divisor
+from autoplan.solver.ilp import RankMemory, Solution
+from autoplan.solver.pipeline import Assessment
+from autoplan.solver.problem import Problem
+from autoplan.spec import TrainingSpec
+from autoplan.topology import Topology
+
+__all__ = ["POLICIES", "policies", "recomputed_nodes", "checkpointed_costs",
+           "checkpointed_ranks", "checkpointed_solution", "with_transient", "score_bytes"]
+
+POLICIES = ("none", "selective", "full")
+
+
+def policies(problem: Problem) -> tuple[str, ...]:
+    """The policies worth searching: "selective" only with an attention-score region, "full"
+    only with repeated blocks (nothing else is checkpointed)."""
+    out = ["none"]
+    if problem.num_layers and any(part == "layer" for *_x, part in problem.scores):
+        out.append("selective")
+    if problem.num_layers:
+        out.append("full")
+    return tuple(out)
+
+
+def recomputed_nodes(problem: Problem, policy: str) -> set[str]:
+    """ILP nodes whose forward runs again in the backward under `policy`."""
+    if policy == "full":
+        return {n for n in problem.nodes
+                if problem.part[n] == "layer" and n in problem.graph.nodes}
+    if policy == "selective":
+        return {owner for owner, _b, _m, part in problem.scores
+                if owner is not None and part == "layer"}
+    return set()
+
+
+def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: TrainingSpec,
+                       topology: Topology) -> Costs:
+    """`costs` with the recomputation of `policy` folded in (see the module docstring); for
+    "selective" the activation rows also lose the score tensors."""
+    nodes = recomputed_nodes(problem, policy)
+    if not nodes:
+        return costs
+    compute = dict(costs.compute_s)
+    for n in nodes & compute.keys():
+        info = problem.graph.nodes[n]
+        scaled = dataclasses.replace(info, flops=int(info.flops * costs.scale),
+                                     in_bytes=int(info.in_bytes * costs.scale),
+                                     out_bytes=int(info.out_bytes * costs.scale))
+        compute[n] = [t + op_time_s(scaled, topology.device, spec.dtype,
+                                    shard_factor=c.shard_factor)
+                      for t, c in zip(compute[n], problem.cands[n])]
+    pairs = [{key: (fwd, bwd + fwd, name) for key, (fwd, bwd, name) in row.items()}
+             if edge.dst in nodes else row for edge, row in zip(problem.edges, costs.pairs)]
+    acts = costs.act_bytes
+    if policy == "selective":
+        acts = {k: list(v) for k, v in acts.items()}
+        for owner, nbytes, mult, part in problem.scores:
+            if part != "layer" or owner is None:
+                continue
+            row = acts[owner]
+            for i, c in enumerate(problem.cands[owner]):
+                row[i] -= nbytes * costs.scale * mult / out_divisor(c, problem.tp)
+    return dataclasses.replace(costs, compute_s=compute, pairs=pairs, act_bytes=acts)
+
+
+def score_bytes(problem: Problem, costs: Costs) -> float:
+    """S_1: one block's attention-score tensors at the microbatch, replicated, bytes."""
+    if not problem.num_layers:
+        return 0.0
+    return sum(nbytes * costs.scale * mult for _o, nbytes, mult, part in problem.scores
+               if part == "layer") / problem.num_layers
+
+
+def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
+                       input_bytes: float, scores_bytes: float) -> list[RankMemory]:
+    """Per-rank memory forms (pipeline.rank_memories) under `policy`. A rank's block
+    activation coefficient is f_r L_r / T, so f_r L_r = coefficient x T."""
+    if policy == "none" or not total_layers:
+        return ranks
+    out = []
+    for rank in ranks:
+        held = rank.act_coef.get("layer", 0.0) * total_layers  # f_r L_r
+        act = dict(rank.act_coef)
+        const = rank.const_bytes
+        if policy == "full":
+            act["layer"] = 1.0 / total_layers if held else 0.0
+            const += held * input_bytes
+        else:
+            const += scores_bytes if held else 0.0
+        out.append(RankMemory(dict(rank.param_coef), act, const))
+    return out
+
+
+def checkpointed_solution(sol: Solution, policy: str, total_layers: int, input_bytes: float,
+                          scores_bytes: float) -> tuple[Solution, float]:
+    """(the Solution pipeline.assess should see, the transient to add to the peak): under
+    "full" the blocks' activation total becomes T x I and one block's activations are the
+    transient; under "selective" (rows already without scores) the transient is S_1."""
+    if policy == "none" or not total_layers:
+        return sol, 0.0
+    if policy == "selective":
+        return sol, scores_bytes
+    layer = sol.act_bytes.get("layer", 0.0)
+    acts = {**sol.act_bytes, "layer": total_layers * input_bytes}
+    return dataclasses.replace(sol, act_bytes=acts), layer / total_layers
+
+
+def with_transient(a: Assessment, transient_bytes: float, budget_bytes: float) -> Assessment:
+    """`a` with `transient_bytes` more on every pipeline rank (so on the worst one)."""
+    if not transient_bytes:
+        return a
+    breakdown = dict(a.memory_breakdown)
+    breakdown["temporaries"] = breakdown.get("temporaries", 0.0) + transient_bytes
+    peak = a.memory_bytes + transient_bytes
+    return dataclasses.replace(a, memory_bytes=peak, memory_breakdown=breakdown,
+                               fits=peak <= budget_bytes)
