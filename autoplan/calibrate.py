@@ -456,8 +456,11 @@ def fit_matmul_efficiency(dims: list[float], rates_flops_per_s: list[float],
             or min(rates_flops_per_s) <= 0:
         raise ValueError(f"fit_matmul_efficiency: need matching positive dims and rates and a "
                          f"positive peak; got {dims}, {rates_flops_per_s}, {peak_flops_per_s}")
-    times = [2.0 * d**3 / r for d, r in zip(dims, rates_flops_per_s)]
-    c = [2.0 * d**3 / (peak_flops_per_s * _curve(d, half_dim) * t) for d, t in zip(dims, times)]
+    # sizes whose time the launch floor all but explains carry no information on compute
+    measured = [(d, 2.0 * d**3 / r) for d, r in zip(dims, rates_flops_per_s)]
+    kept = [(d, t) for d, t in measured if t > 1.5 * launch_latency_s] or measured[-1:]
+    times = [t for _, t in kept]
+    c = [2.0 * d**3 / (peak_flops_per_s * _curve(d, half_dim) * t) for d, t in kept]
     x = sum(ci * (1 - launch_latency_s / t) for ci, t in zip(c, times)) / sum(ci * ci for ci in c)
     if x <= 0:
         raise ValueError(f"fit_matmul_efficiency: the launch latency {launch_latency_s} s "

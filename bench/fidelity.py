@@ -26,7 +26,8 @@ since every synchronisation waits for it -- and, per plan, (1) the measured step
 median over the quietest half of its steps (the highest probes), and (2) the prediction is made
 with the calibration whose shared_speed for this rank count is the one of those steps: their
 median probe over the calibrated one-rank rate at d = 256, the definition of
-DeviceSpec.shared_speed. Every other
+DeviceSpec.shared_speed; n < N busy ranks (pipeline fill and drain) share the same throughput,
+min(1, speed x N / n). Every other
 figure is calibrate's. The calibrate-time prediction is kept in the JSON (`at_calibration`).
 
 [Note: measured peak memory]
@@ -56,12 +57,16 @@ Bands (DESIGN.md bars): step time within +-20%, peak memory within +-10% of meas
 - Selective checkpointing under torch's selective-checkpoint contexts peaks in the middle of the
   backward (recomputed attention plus the backward's own working set of the decomposed GELU),
   between the two moments of [Note: peak moments]: measured above the prediction.
-- Step time: every synchronisation waits for the slowest rank, and on a shared machine the
-  scheduler slows ranks independently; FSDP2's copies and hooks and the loss outside the
-  captured graph are not priced either. The model sits 10-20% under the measured steps.
-- 4 ranks on 2 cores with other jobs running: step times of one plan vary 2-4x from step to
-  step; the probes cannot follow load that changes within a step, and the result depends on
-  the machine's load (recorded as `machine.loadavg`).
+- Step time: the model sits under the measured step, 4-17% for data and pipeline parallelism
+  on 2 ranks, 20-36% for tensor parallelism and on 4 ranks (2026-11-29 run, quiet machine):
+  every synchronisation waits for the slowest rank (a tensor-parallel step has ~40 of them), a
+  tp step measures ~2x the collective time its planned redistributions are priced at (gloo's
+  all_to_all falls back to all_gather, and DTensor's backward redistributions are only partly
+  priced), FSDP2's copies and hooks and the loss outside the captured graph are not priced,
+  and 4 ranks time-sliced on 2 cores lose cache contents the matmul probe does not show.
+- On a loaded machine (other jobs: load average above ~5) step times of one plan vary 2-4x from
+  step to step; the probes cannot follow load that changes within a step. `machine.loadavg` in
+  the JSON records the load of the run.
 """
 
 from __future__ import annotations
@@ -401,10 +406,14 @@ def _with_probe_speed(cal: Path, out: Path, world: int, rate: float) -> float:
 
     topo = load_topology(cal)
     speed = rate / (topo.device.flops_per_s("float32") * matmul_efficiency(256, topo.device))
-    device = dc.replace(topo.device, shared_speed={**topo.device.shared_speed, world: speed})
+    # The probe gives the throughput the machine has for our ranks now, speed x world rank-
+    # speeds; fewer busy ranks (pipeline fill and drain) share it, at most one core each.
+    shared = {n: min(1.0, speed * world / n) for n in range(1, world)}
+    device = dc.replace(topo.device, shared_speed={**topo.device.shared_speed, **shared,
+                                                   world: speed})
     save_topology(dc.replace(topo, device=device, source=(
-        f"{topo.source} bench/fidelity.py: shared_speed[{world}] measured alongside the "
-        "timed steps.")), out)
+        f"{topo.source} bench/fidelity.py: shared_speed[1..{world}] from the speed probes "
+        "taken alongside the timed steps.")), out)
     return speed
 
 

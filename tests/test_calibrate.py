@@ -61,6 +61,36 @@ def test_fit_matmul_efficiency_recovers_computes_curve():
         calibrate.fit_matmul_efficiency(dims, [0.0] * len(dims), peak)
 
 
+def test_fit_collective_uses_each_kinds_factor_and_steps():
+    latency_s, bw = 2e-4, 8e8
+    for kind in ("all_gather", "reduce_scatter", "broadcast", "send_recv"):
+        samples = []
+        for p in ((2,) if kind == "send_recv" else (2, 4)):
+            factor, steps = comm.factor_steps(kind, p)
+            samples += [(p, n, steps * latency_s + n * factor / bw) for n in (4, 2**16, 2**22)]
+        fit_latency_s, fit_bw, rms = calibrate.fit_collective(kind, samples)
+        assert (fit_latency_s, fit_bw) == (pytest.approx(latency_s), pytest.approx(bw)), kind
+
+
+def test_fit_launch_latency_closes_the_roofline_on_a_graph():
+    """The per-op floor is what the measured graph takes beyond the roofline, per launch."""
+    import dataclasses as dc
+
+    from autoplan.graph import NodeInfo
+
+    dev = dc.replace(preset("local-cpu").device, launch_latency_s=0.0)
+    mm = NodeInfo("mm", "aten.mm.default", ((64, 64),), ("float32",), 64 * 64 * 4,
+                  2 * 64 * 64 * 4, 2 * 64**3, "", None)
+    add = NodeInfo("add", "aten.add.Tensor", ((64, 64),), ("float32",), 64 * 64 * 4,
+                   2 * 64 * 64 * 4, 0, "", None)
+    view = NodeInfo("view", "aten.view.default", ((64, 64),), ("float32",), 0, 0, 0, "", None)
+    graph = type("G", (), {"nodes": {"mm": mm, "add": add, "view": view}})()
+    floor, roofline = calibrate.fit_launch_latency(dev, graph, 1.0)
+    # launches: mm forward 1 + backward 2, add 1 + 1, the view none
+    assert floor == pytest.approx((1.0 - roofline) / 5)
+    assert calibrate.fit_launch_latency(dev, graph, 0.0, floor_s=1e-6)[0] == 1e-6
+
+
 def test_max_ranks_below_two_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="max_ranks=1"):
         calibrate.main(out_path=str(tmp_path / "t.yaml"), max_ranks=1)
@@ -103,6 +133,15 @@ def test_quick_run_writes_a_measured_plausible_topology(calibrated):
         assert 1e6 < link.bw_bytes_per_s < 1e12
         assert 0 <= link.latency_s < 0.1
         assert all(math.isfinite(x) for x in (link.bw_bytes_per_s, link.latency_s))
+    # the figures of issue 3's CPU findings: half-dim, shared cores, per-kind gloo fits
+    assert 1 <= dev.matmul_half_dim <= 4096
+    assert set(dev.shared_speed) == {1, 2} and all(0 < v < 3 for v in dev.shared_speed.values())
+    assert {"tanh", "exp"} <= set(dev.elementwise_s_per_elem)
+    assert 0 <= dev.dtensor_op_overhead_s < 0.1
+    fits = topo.intra_node.collectives
+    assert set(fits["all_to_all"][2]) == {1}  # 2 ranks: one group of 2
+    for kind, by_p in fits.items():
+        assert kind in comm.COLLECTIVES and set(by_p) == {2}, kind
 
 
 def test_preset_local_cpu_reads_the_calibration(calibrated, monkeypatch):
