@@ -1,4 +1,4 @@
-"""Every use of torch's private DTensor sharding-propagation API, in one place.
+"""Every use of torch's private APIs, in one place.
 
 autoplan asks DTensor's own sharding rules which placements an op accepts and what it produces
 (../shared/DESIGN.md, "Placements"). Those rules live behind private names
@@ -6,12 +6,18 @@ autoplan asks DTensor's own sharding rules which placements an op accepts and wh
 between torch releases; this module is the only one that touches them, so a torch upgrade is
 fixed here. Written against torch 2.13.
 
+The runtime and the export pass need a few more private names, also kept here (at the end of
+the module): FSDP2-based replication (`replicate_module`), a re-entrant implicit replication
+switch (`implicit_replication`) and the reset of DTensor's plan caches
+(`clear_dtensor_caches`).
+
 No process group is needed: the mesh is built with `_init_backend=False`, which is enough for
 sharding propagation (it reads the mesh shape, never communicates).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,7 +32,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sharding_rule",
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
-           "strict_redistribution",
+           "strict_redistribution", "replicate_module", "implicit_replication",
+           "clear_dtensor_caches",
            "Placement", "Partial", "Replicate", "Shard"]
 
 
@@ -256,3 +263,38 @@ def strict_redistribution():
     left nothing implicit. torch's ExplicitRedistributionContext(strict=True)."""
     from torch.distributed.tensor._utils import ExplicitRedistributionContext
     return ExplicitRedistributionContext(strict=True)
+
+
+# --- runtime and export helpers ---------------------------------------------------------------
+
+def replicate_module(module: torch.nn.Module, dp_mesh) -> torch.nn.Module:
+    """DDP on FSDP2's machinery (`torch.distributed._composable.replicate_with_fsdp`), which
+    composes with DTensor tensor parallelism and torch.distributed.pipelining."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate(module, mesh=dp_mesh)
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """Like torch.distributed.tensor.experimental.implicit_replication, but re-entrant: it
+    restores the previous setting on exit instead of switching it off, so a stage forward
+    nested inside a step's forward+backward does not end the step's replication early."""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
+
+
+def clear_dtensor_caches() -> None:
+    """DTensor caches sharding and redistribution plans by mesh *shape*; the cached ones name
+    the process groups of the rank traced last, which are gone once it is destroyed."""
+    from torch.distributed.tensor import _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()

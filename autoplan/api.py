@@ -100,6 +100,13 @@ class AutoParallel:
             self._plan = self._make_plan()
         return self._plan
 
+    @property
+    def graph(self):
+        """The captured graph (autoplan.graph.CapturedGraph) the plan was made for; capturing
+        and planning on first access, as `plan` does."""
+        _ = self.plan
+        return self._graph
+
     def _example(self, batch: int) -> tuple[torch.Tensor]:
         device = "meta" if _on_meta(self.module) else "cpu"
         return (torch.zeros(batch, self.options.seq_len, dtype=torch.long, device=device),)

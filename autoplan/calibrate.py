@@ -36,12 +36,22 @@ cannot bend a fitted curve.
   makes compute.py's roofline sum over the graph equal the measured time
   (`fit_launch_latency`), and no less than one op of a 1-element autograd chain (100 multiplies
   from Python), the floor measured directly.
-- Shared speed (`DeviceSpec.shared_speed`): ranks of one machine share its cores. For
-  n = 1..max_ranks, the first n ranks of a `LocalCluster(max_ranks)` run d = 256 matmuls for a
-  fixed window at the same time (the others wait in a barrier, asleep); each rank's throughput is
-  work done / window (a throughput, not a median of short calls: time slicing by the scheduler
-  must count), and shared_speed[n] is the median rank's throughput over the rate the fitted curve
-  gives one rank alone at d = 256. Median of `speed_rounds` rounds.
+- Shared speed (`DeviceSpec.shared_speed`): ranks of one machine share its cores, caches and
+  memory bandwidth. For n = 1..max_ranks, the first n ranks of a `LocalCluster(max_ranks)` run
+  the reference training step (below) for a fixed window at the same time (the others wait in
+  a barrier, asleep); each rank's throughput is steps done / window (a throughput, not a median
+  of short calls: time slicing by the scheduler must count), and shared_speed[n] is the median
+  rank's throughput times the model's one-rank time of that step (`reference_roofline_s`,
+  equal to its measured time by the launch-latency fit). Median of `speed_rounds` rounds. A
+  training step, not a matmul: n ranks on shared cores lose more on its elementwise ops
+  (memory bandwidth, caches) than on matmuls (4 ranks on 2 cores: ~0.42 for a d=256 matmul
+  loop, less for the step).
+- Sync skew (`DeviceSpec.sync_skew_s`, cost_model/comm.py [Note: stragglers]): for
+  n = 2..max_ranks the first n ranks run rounds of [a compute chunk of (256, 256) matmuls,
+  ~`skew_chunk_s` alone; a 4-byte all_reduce over the n ranks], each timing its own chunk; a
+  round lasts as long as its slowest chunk, so the wait for stragglers per synchronisation is
+  the slowest chunk minus the mean one: its median over `skew_iters` x `repeats` rounds (the
+  ranks agree on it: all-gathered chunk times).
 - Collectives (`LinkSpec.collectives`, [Note: measured collectives] in cost_model/comm.py): for
   every rank count N = 2..max_ranks and group size p dividing N, the first N ranks form g = N / p
   groups of p consecutive ranks and every group runs the collective at the same time (as SPMD runs
@@ -57,9 +67,21 @@ cannot bend a fitted curve.
   bw_bytes_per_s are the all_reduce fit over all samples (the fallback for unmeasured groups).
   One machine has no inter-node link: `inter_node` repeats the loopback figures, as `source`
   says.
-- DTensor overhead (`dtensor_op_overhead_s`): the median over add, mul, view, transpose and gelu
-  of (time on tiny DTensors sharded over all max_ranks ranks - time on plain tensors), all ranks
-  at once, divided by shared_speed[max_ranks] (a one-rank figure, as the others).
+- DTensor overhead (`dtensor_op_overhead_s`): the reference training step with its weights and
+  input as Replicate DTensors over all max_ranks ranks, run as the engine runs a
+  tensor-parallel stage (sdpa and view/reshape swapped as passes.sharding does, implicit
+  replication; nothing communicates), minus the plain step, per DTensor dispatch as the cost
+  model counts them (`compute.dtensor_dispatches`: forward, and backward for ops with a
+  gradient); all ranks at once, times shared_speed[max_ranks] (a one-rank figure, as the
+  others). A real graph's ops, not a few tiny ones: the backward runs several DTensor ops per
+  node, and the fit carries that.
+- DTensor redistribution overhead (`dtensor_redistribute_s`): per redistribution, a small
+  (8, 8 p) Shard(1) -> Replicate (all-gather plus the local reassembly a non-leading dim needs)
+  minus a raw all_gather_into_tensor of the same bytes, all ranks at once, times
+  shared_speed[max_ranks].
+- Optimizer ops (`optimizer_op_s`, `dtensor_optimizer_op_s`): one AdamW step over the reference
+  model's parameters, plain and as replicated DTensors, less its memory-bound pass, per tensor
+  and op (`fit_optimizer_op_s`), times shared_speed[max_ranks].
 - `mem_bytes`: MemTotal of /proc/meminfo divided by max_ranks (the ranks share the RAM; the
   `local-cpu` preset rescales it to its own rank count).
 """
@@ -86,7 +108,8 @@ from autoplan.topology import DeviceSpec, LinkSpec, Topology, load_topology, sav
 __all__ = [
     "main", "measure", "default_out_path", "fit_matmul_efficiency", "best_half_dim",
     "fit_collective", "fit_all_reduce", "all_reduce_factor_steps", "median_call_times_s",
-    "shared_speed_job",
+    "shared_speed_job", "sync_skew_job", "reference_step", "reference_roofline_s",
+    "fit_optimizer_op_s",
 ]
 
 K = TypeVar("K")
@@ -104,15 +127,19 @@ class _Settings:
     min_time_s: float         # shortest repeat; shorter calls are looped
     speed_window_s: float     # throughput window of the shared-speed measurement
     speed_rounds: int
+    skew_chunk_s: float       # compute between two synchronisations of the sync-skew test
+    skew_iters: int           # synchronisations per repeat of it
 
 
 _FULL = _Settings(matmul_dims=(16, 32, 64, 128, 256, 512, 1024), bf16_dims=(256, 512),
                   mem_bytes=64 * 2**20,
                   collective_bytes=(4, 2**10, 2**14, 2**17, 2**20, 2**22, 2**24),
-                  repeats=7, min_time_s=0.01, speed_window_s=0.3, speed_rounds=3)
+                  repeats=7, min_time_s=0.01, speed_window_s=0.3, speed_rounds=3,
+                  skew_chunk_s=0.005, skew_iters=20)
 _QUICK = _Settings(matmul_dims=(32, 64, 128, 256), bf16_dims=(256,), mem_bytes=16 * 2**20,
                    collective_bytes=(4, 2**14, 2**20), repeats=3, min_time_s=0.003,
-                   speed_window_s=0.05, speed_rounds=1)
+                   speed_window_s=0.05, speed_rounds=1,
+                   skew_chunk_s=0.002, skew_iters=5)
 
 
 def default_out_path() -> Path:
@@ -230,10 +257,12 @@ def _launch_latency_s(s: _Settings, chain: int = 100) -> float:
                                min_time_s=s.min_time_s)["fwd"] / chain
 
 
-def _reference_step(s: _Settings):
-    """(step fn, captured graph) of the reference training graph of [Note: calibration fits]:
-    nanoGPT, 2 blocks of width 128, 4 heads, vocabulary 256, batch 8 x 64 tokens, run as the
-    runtime runs a stage: the captured aten graph with real weights, forward and backward."""
+@functools.lru_cache(maxsize=1)
+def reference_step():
+    """(step fn, captured graph, materialized graph module, input) of the reference training
+    graph of [Note: calibration fits]: nanoGPT, 2 blocks of width 128, 4 heads, vocabulary
+    256, batch 8 x 64 tokens, run as the runtime runs a stage: the captured aten graph with real
+    weights, forward, cross-entropy and backward. Built once per process (capture takes ~1 s)."""
     import copy
 
     import torch.nn.functional as F
@@ -252,7 +281,18 @@ def _reference_step(s: _Settings):
     def step():
         F.cross_entropy(gm(x).reshape(-1, 256), x.reshape(-1)).backward()
 
-    return step, graph
+    return step, graph, gm, x
+
+
+def reference_roofline_s(device: DeviceSpec, graph=None) -> float:
+    """compute.py's time of the reference training graph on one rank alone (forward +
+    backward of every node; `fit_launch_latency` makes it equal the measured step), seconds.
+    `graph`: the reference graph (default: built by `reference_step`)."""
+    from autoplan.cost_model.compute import backward_time_s, op_time_s
+
+    graph = graph if graph is not None else reference_step()[1]
+    return sum(op_time_s(n, device, "float32") + backward_time_s(n, device, "float32")
+               for n in graph.nodes.values())
 
 
 def fit_launch_latency(device: DeviceSpec, graph, measured_s: float, *,
@@ -274,6 +314,23 @@ def fit_launch_latency(device: DeviceSpec, graph, measured_s: float, *,
     return max(floor_s, (measured_s - roofline) / max(launches, 1.0)), roofline
 
 
+def fit_optimizer_op_s(samples: list[dict], mem_bw_bytes_per_s: float) -> tuple[float, float]:
+    """(optimizer_op_s, dtensor_optimizer_op_s): per parameter tensor and op, the host time of
+    an AdamW step beyond its memory-bound pass (pipeline.OPTIMIZER_BYTES_PER_PARAM bytes per
+    element over `mem_bw_bytes_per_s`), divided by pipeline.OPTIMIZER_OPS_PER_TENSOR["adamw"];
+    the median over `samples` ({"adamw_plain_s", "adamw_dtensor_s", "tensors", "elements"}, one
+    per rank, from `dtensor_overhead_job`), no less than 0."""
+    from autoplan.solver.pipeline import OPTIMIZER_BYTES_PER_PARAM, OPTIMIZER_OPS_PER_TENSOR
+
+    def per_op(key: str) -> float:
+        return statistics.median(
+            max(0.0, r[key] - r["elements"] * OPTIMIZER_BYTES_PER_PARAM["adamw"]
+                / mem_bw_bytes_per_s) / (r["tensors"] * OPTIMIZER_OPS_PER_TENSOR["adamw"])
+            for r in samples)
+
+    return per_op("adamw_plain_s"), per_op("adamw_dtensor_s")
+
+
 def _mem_total_bytes() -> float:
     """MemTotal of /proc/meminfo, bytes; ValueError where there is no /proc/meminfo."""
     try:
@@ -289,53 +346,173 @@ def _mem_total_bytes() -> float:
 
 # --- rank jobs (module-level: LocalCluster pickles them by name) --------------------------------
 
-def shared_speed_job(counts: list[int], window_s: float, rounds: int,
-                     dim: int = 256) -> dict[int, list[float]]:
-    """On every rank: for each n in `counts` (rounds interleaved), the first n ranks run
-    (dim, dim) matmuls for `window_s` at once while the others wait in a barrier. Returns this
-    rank's FLOP/s for every n it took part in: {n: [rate per round]}."""
+def _speed_windows(work: Callable[[], float], counts: list[int], window_s: float,
+                   rounds: int) -> dict[int, list[float]]:
+    """For each n in `counts` (rounds interleaved) the first n ranks call `work` (returning
+    the work one call did) for `window_s` at once while the others wait in a barrier, asleep;
+    returns this rank's work per second for every n it took part in: {n: [rate per round]}.
+    A throughput over the window, not a median of calls: time slicing must count."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     rank = dist.get_rank()
-    a, b = torch.randn(dim, dim), torch.randn(dim, dim)
-    out_buf = torch.empty(dim, dim)
-    torch.mm(a, b, out=out_buf)
     rates: dict[int, list[float]] = {}
     for _ in range(rounds):
         for n in counts:
             dist.barrier()
             if rank < n:
-                calls, t0 = 0, time.perf_counter()
+                done, t0 = 0.0, time.perf_counter()
                 while time.perf_counter() - t0 < window_s:
-                    torch.mm(a, b, out=out_buf)
-                    calls += 1
-                rates.setdefault(n, []).append(2.0 * dim**3 * calls /
-                                               (time.perf_counter() - t0))
+                    done += work()
+                rates.setdefault(n, []).append(done / (time.perf_counter() - t0))
             dist.barrier()
     return rates
 
 
-def dtensor_overhead_job(repeats: int, min_time_s: float) -> float:
-    """On every rank: seconds an op costs more on DTensors sharded over all ranks than on plain
-    tensors (median over add, mul, view, transpose, gelu on tiny tensors; none communicates)."""
+def shared_speed_job(counts: list[int], window_s: float, rounds: int) -> dict[int, list[float]]:
+    """On every rank: reference training steps per second (`reference_step`) with the first
+    n ranks stepping at once, for each n in `counts` ([Note: calibration fits], shared speed):
+    {n: [steps/s per round]}."""
+    torch.set_num_threads(1)
+    step = reference_step()[0]
+    step()  # warm-up: allocator, autograd caches
+
+    def one_step() -> float:
+        step()
+        return 1.0
+
+    return _speed_windows(one_step, counts, window_s, rounds)
+
+
+def sync_skew_job(max_ranks: int, chunk_s: float, iters: int, repeats: int) -> dict[int, float]:
+    """On every rank: for n = 2..max_ranks, the first n ranks run `iters` x `repeats` rounds of
+    [compute chunk; 4-byte all_reduce over the n ranks], each rank timing its own chunk from the
+    moment the previous all_reduce returned. A round lasts as long as its slowest chunk, so a
+    synchronisation costs the slowest rank's chunk minus the mean one: the wait for stragglers
+    ([Note: calibration fits], sync skew). A chunk is (256, 256) matmuls for ~`chunk_s` alone.
+    Returns {n: median over rounds of (max - mean) chunk time, seconds}."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
+    rank = dist.get_rank()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    out_buf = torch.empty(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, b, out=out_buf)
+    calls = torch.tensor([max(1, round(chunk_s / ((time.perf_counter() - t0) / 20)))])
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank runs the same chunk
+    k, flag, rounds = int(calls), torch.zeros(1), iters * repeats
+    skew: dict[int, float] = {}
+    for n in range(2, max_ranks + 1):
+        group = dist.new_group(list(range(n)))  # collective: every rank creates it
+        if rank < n:
+            mine = torch.zeros(rounds, dtype=torch.float64)
+            dist.barrier(group=group)
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    torch.mm(a, b, out=out_buf)
+                mine[r] = time.perf_counter() - t0
+                dist.all_reduce(flag, group=group)
+            every = torch.zeros(n * rounds, dtype=torch.float64)
+            dist.all_gather_into_tensor(every, mine, group=group)
+            chunks = every.view(n, rounds)
+            skew[n] = float((chunks.max(dim=0).values - chunks.mean(dim=0)).median())
+        dist.barrier()
+    return skew
+
+
+def dtensor_overhead_job(repeats: int, min_time_s: float) -> dict:
+    """On every rank, the host-time figures of DTensor and of the optimizer step
+    ([Note: calibration fits]), all ranks at once; nothing communicates (replicated values need
+    no collective). Returns {"dispatch_s": seconds per DTensor dispatch (`compute.
+    dtensor_dispatches` counting, constant-like nodes excluded as the solver does) that the
+    reference training step costs more with its weights and input as Replicate DTensors over
+    all ranks -- run as the engine runs a tensor-parallel stage, under implicit replication --
+    than with plain tensors; "adamw_plain_s" / "adamw_dtensor_s": one AdamW step over the
+    reference model's parameters as plain tensors / as those DTensors; "tensors", "elements":
+    how many parameter tensors and elements that step updates; "redistribute_s":
+    `_redistribute_overhead_s`}."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from autoplan._torch_compat import implicit_replication
+    from autoplan.cost_model.compute import dtensor_dispatches
+    from autoplan.passes.sharding import reshape, sdpa_local
+    from autoplan.strategies import constant_like_nodes
+
+    torch.set_num_threads(1)
+    step, graph, gm, x = reference_step()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    p = dist.get_world_size()
-    a, b, w = torch.randn(2 * p, 8), torch.randn(2 * p, 8), torch.randn(8, 8)
-    da, db = (distribute_tensor(t, mesh, [Shard(0)]) for t in (a, b))
-    dw = distribute_tensor(w, mesh, [Replicate()])
-    gelu = torch.nn.functional.gelu
-    pairs = {"add": (lambda: a + b, lambda: da + db), "mul": (lambda: a * 2.0, lambda: da * 2.0),
-             "view": (lambda: a.view(p, 16), lambda: da.view(p, 16)),
-             "t": (lambda: w.t(), lambda: dw.t()), "gelu": (lambda: gelu(a), lambda: gelu(da))}
-    fns = {(k, i): f for k, fs in pairs.items() for i, f in enumerate(fs)}
-    times = median_call_times_s(fns, repeats=repeats, min_time_s=min_time_s)
-    return statistics.median(max(0.0, times[(k, 1)] - times[(k, 0)]) for k in pairs)
+    dgm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    aten = torch.ops.aten
+    done: dict[int, nn.Parameter] = {}
+    for node in dgm.graph.nodes:
+        # the op swaps of passes.sharding.apply_placements, as the engine runs a stage
+        if node.target is aten.scaled_dot_product_attention.default:
+            node.target = sdpa_local
+        elif node.target in (aten.view.default, aten.reshape.default):
+            node.target = reshape
+        if node.op != "get_attr":
+            continue
+        owner_path, _, leaf = node.target.rpartition(".")
+        owner = dgm.get_submodule(owner_path) if owner_path else dgm
+        p = owner._parameters.get(leaf)
+        if p is not None:
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()]))
+            owner._parameters[leaf] = done[id(p)]
+    dgm.recompile()
+
+    def dtensor_step():
+        with implicit_replication():
+            out = dgm(DTensor.from_local(x, mesh, [Replicate()], run_check=False))
+            F.cross_entropy(out.to_local().reshape(-1, 256), x.reshape(-1)).backward()
+
+    step()
+    dtensor_step()  # every parameter has a gradient now, for the optimizer steps
+    plain = list(dict.fromkeys(gm.parameters()))
+    distributed = list(done.values())
+    adamw = {"adamw_plain_s": torch.optim.AdamW(plain, lr=1e-6),
+             "adamw_dtensor_s": torch.optim.AdamW(distributed, lr=1e-6)}
+    times = median_call_times_s({"plain": step, "dtensor": dtensor_step,
+                                 **{k: opt.step for k, opt in adamw.items()}},
+                                repeats=repeats, min_time_s=min_time_s)
+    constants = constant_like_nodes(graph)
+    count = sum(dtensor_dispatches(n) for name, n in graph.nodes.items() if name not in constants)
+    return {"dispatch_s": max(0.0, times["dtensor"] - times["plain"]) / max(count, 1),
+            "adamw_plain_s": times["adamw_plain_s"], "adamw_dtensor_s": times["adamw_dtensor_s"],
+            "tensors": len(plain), "elements": sum(p.numel() for p in plain),
+            "redistribute_s": _redistribute_overhead_s(mesh, repeats)}
+
+
+def _redistribute_overhead_s(mesh, repeats: int, calls: int = 100) -> float:
+    """Host time of one DTensor redistribution beyond its collective, seconds: a small
+    activation-like tensor (8, 8 p) Shard(1) -> Replicate (all-gather, then the local
+    reassembly a non-leading dim needs), minus a raw all_gather_into_tensor of the same bytes.
+    Interleaved repeats of `calls` calls each, the same count on every rank (collectives)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    p = mesh.size()
+    sharded = distribute_tensor(torch.randn(8, 8 * p), mesh, [Shard(1)])
+    local, full = sharded.to_local().contiguous(), torch.empty(8 * p, 8)
+    fns = {"dtensor": lambda: sharded.redistribute(mesh, [Replicate()]),
+           "raw": lambda: dist.all_gather_into_tensor(full, local)}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[key].append((time.perf_counter() - t0) / calls)
+    return max(0.0, statistics.median(samples["dtensor"]) - statistics.median(samples["raw"]))
 
 
 def _collective_fns(kind: str, nbytes: int, group, ranks: list[int]):
@@ -551,7 +728,7 @@ def _measure_rank_compute(s: _Settings) -> dict:
     mem_bw, per_elem = _elementwise(s)
     device = DeviceSpec("fit", {"float32": peak}, 1.0, mem_bw, matmul_efficiency=eff,
                         matmul_half_dim=half_dim, elementwise_s_per_elem=per_elem)
-    step, graph = _reference_step(s)
+    step, graph, _gm, _x = reference_step()
     measured = median_call_times_s({"step": step}, repeats=s.repeats, min_time_s=s.min_time_s)
     floor_s, roofline = fit_launch_latency(device, graph, measured["step"], floor_s=launch_s)
     return dict(matmul_rates=rates, peak_fp32=peak, eff=eff, half_dim=half_dim, eff_rms=rms,
@@ -581,23 +758,27 @@ def _fit_tables(samples: list[tuple[str, int, int, int, float]]) -> tuple[dict, 
     return table, errors
 
 
-def _measure_ranks(max_ranks: int, s: _Settings, solo_rate_256: float) -> dict:
-    """Shared speed and collective fits on a LocalCluster(max_ranks) ([Note: calibration
-    fits]); `solo_rate_256`: one rank's d = 256 matmul rate from the fitted curve."""
+def _measure_ranks(max_ranks: int, s: _Settings, solo_step_s: float) -> dict:
+    """Shared speed, sync skew, collective fits and DTensor overhead on a
+    LocalCluster(max_ranks) ([Note: calibration fits]); `solo_step_s`: compute.py's time of the
+    reference training step on one rank alone (`reference_roofline_s`)."""
     from autoplan.runtime.launcher import LocalCluster
 
     counts = list(range(1, max_ranks + 1))
     with LocalCluster(max_ranks) as cluster:
         speeds = cluster.run(shared_speed_job, counts, s.speed_window_s, s.speed_rounds,
-                             timeout_s=120.0)
+                             timeout_s=300.0)
+        skews = cluster.run(sync_skew_job, max_ranks, s.skew_chunk_s, s.skew_iters, s.repeats,
+                            timeout_s=300.0)
         per_rank = cluster.run(_collectives_job, max_ranks, list(s.collective_bytes),
                                s.repeats, s.min_time_s, timeout_s=600.0)
-        dtensor = cluster.run(dtensor_overhead_job, s.repeats, s.min_time_s, timeout_s=120.0)
+        dtensor = cluster.run(dtensor_overhead_job, s.repeats, s.min_time_s, timeout_s=300.0)
     shared = {}
     for n in counts:
         per_round = [statistics.median(r[n][i] for r in speeds if n in r)
                      for i in range(s.speed_rounds)]
-        shared[n] = statistics.median(per_round) / solo_rate_256
+        shared[n] = statistics.median(per_round) * solo_step_s
+    skew = {n: skews[0][n] for n in counts[1:]}  # the ranks computed the same figure
     slowest: dict[tuple, float] = {}
     for rows in per_rank:
         for kind, p, g, n, t in rows:
@@ -606,9 +787,13 @@ def _measure_ranks(max_ranks: int, s: _Settings, solo_rate_256: float) -> dict:
     table, errors = _fit_tables(samples)
     latency_s, bw, rms = fit_collective(
         "all_reduce", [(p, n, t) for kind, p, _g, n, t in samples if kind == "all_reduce"])
-    return dict(samples=samples, shared_speed=shared, collectives=table, fit_errors=errors,
-                latency_s=latency_s, bw=bw, ar_rms=rms,
-                dtensor_s=statistics.median(dtensor) / shared[max_ranks])
+    speed = shared[max_ranks]  # all ranks measured at once: one-rank figures below
+    return dict(samples=samples, shared_speed=shared, sync_skew=skew, collectives=table,
+                fit_errors=errors, latency_s=latency_s, bw=bw, ar_rms=rms,
+                dtensor_s=statistics.median(r["dispatch_s"] for r in dtensor) * speed,
+                redistribute_s=statistics.median(r["redistribute_s"] for r in dtensor) * speed,
+                adamw=[{k: r[k] * speed if k.endswith("_s") else r[k] for k in r}
+                       for r in dtensor])
 
 
 def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
@@ -627,8 +812,13 @@ def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
         fig = _measure_rank_compute(s)
     finally:
         torch.set_num_threads(threads)
-    solo_256 = fig["peak_fp32"] * fig["eff"] * 256 / (256 + fig["half_dim"])
-    fig.update(_measure_ranks(max_ranks, s, solo_256))
+    solo = DeviceSpec("fit", {"float32": fig["peak_fp32"]}, 1.0, fig["mem_bw"],
+                      matmul_efficiency=fig["eff"], launch_latency_s=fig["launch_s"],
+                      matmul_half_dim=fig["half_dim"], elementwise_s_per_elem=fig["elementwise"])
+    fig["solo_step_s"] = reference_roofline_s(solo)
+    fig.update(_measure_ranks(max_ranks, s, fig["solo_step_s"]))
+    fig["optimizer_op_s"], fig["dtensor_optimizer_op_s"] = fit_optimizer_op_s(
+        fig["adamw"], fig["mem_bw"])
     fig["mem_bytes"] = _mem_total_bytes() / max_ranks
     link = LinkSpec("gloo-loopback", bw_bytes_per_s=fig["bw"], latency_s=fig["latency_s"],
                     collectives=fig["collectives"])
@@ -640,7 +830,10 @@ def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
             mem_bytes=fig["mem_bytes"], mem_bw_bytes_per_s=fig["mem_bw"],
             matmul_efficiency=fig["eff"], launch_latency_s=fig["launch_s"],
             matmul_half_dim=fig["half_dim"], shared_speed=fig["shared_speed"],
-            elementwise_s_per_elem=fig["elementwise"], dtensor_op_overhead_s=fig["dtensor_s"]),
+            elementwise_s_per_elem=fig["elementwise"], dtensor_op_overhead_s=fig["dtensor_s"],
+            sync_skew_s=fig["sync_skew"], optimizer_op_s=fig["optimizer_op_s"],
+            dtensor_redistribute_s=fig["redistribute_s"],
+            dtensor_optimizer_op_s=fig["dtensor_optimizer_op_s"]),
         intra_node=link, inter_node=link, measured=True,
         source=_source(fig, s, max_ranks, quick))
     return topo, fig
@@ -679,11 +872,19 @@ def _source(fig: dict, s: _Settings, max_ranks: int, quick: bool) -> str:
         f"launch latency fitted on the reference training graph ({fig['reference_s'] * 1e3:.3g}"
         f" ms measured, {fig['reference_roofline_s'] * 1e3:.3g} ms roofline without launches; "
         f"floor: one op of a 1-element autograd chain, {fig['chain_launch_s'] * 1e6:.3g} us)",
-        f"dtensor_op_overhead_s = median extra time of add, mul, view, t, gelu on DTensors "
-        f"over {max_ranks} ranks vs plain tensors, all ranks at once, over shared_speed",
+        f"dtensor_op_overhead_s = extra time of the reference step on replicated DTensors over "
+        f"{max_ranks} ranks vs plain tensors, per DTensor dispatch, times shared_speed",
+        f"optimizer_op_s / dtensor_optimizer_op_s = AdamW step over the reference model's "
+        f"{fig['adamw'][0]['tensors']} parameter tensors (plain / replicated DTensors) less its "
+        "memory pass, per tensor and op, times shared_speed",
+        "dtensor_redistribute_s = DTensor Shard(1) -> Replicate of an (8, 8p) tensor minus a "
+        "raw all_gather of it, times shared_speed",
+        "sync_skew_s = slowest minus mean chunk of rounds [compute chunk of "
+        f"{s.skew_chunk_s * 1e3:g} ms; 4-byte all_reduce]: " + ", ".join(f"n={n} {v * 1e3:.2f} ms" for n, v in fig["sync_skew"].items()),
         f"mem_bytes = MemTotal / {max_ranks}",
-        "shared_speed = per-rank d=256 matmul throughput with n ranks at once over one rank's "
-        f"fitted rate, {s.speed_window_s:g} s windows: " + ", ".join(
+        "shared_speed = per-rank reference-step throughput with n ranks at once times the "
+        f"model's one-rank step time ({fig['solo_step_s'] * 1e3:.3g} ms), "
+        f"{s.speed_window_s:g} s windows: " + ", ".join(
             f"n={n} {v:.2f}" for n, v in fig["shared_speed"].items()),
         f"links: gloo collectives on g concurrent groups of p ranks (N = p g = 2..{max_ranks}), "
         f"{sizes[0]} B...{sizes[-1] / 2**20:g} MiB, fitted per (kind, p, g) to comm.py's "
@@ -719,9 +920,14 @@ def _print_table(topo: Topology, fig: dict, out: Path) -> None:
         ("mem_bw", f"{dev.mem_bw_bytes_per_s:.3g} B/s"),
         ("launch_latency", f"{dev.launch_latency_s:.3g} s"),
         ("DTensor overhead per op", f"{dev.dtensor_op_overhead_s:.3g} s"),
+        ("DTensor redistribution overhead", f"{dev.dtensor_redistribute_s:.3g} s"),
+        ("optimizer op per tensor", f"{dev.optimizer_op_s:.3g} s plain, "
+                                    f"{dev.dtensor_optimizer_op_s:.3g} s DTensor"),
         ("mem per rank", f"{dev.mem_bytes:.3g} B"),
         ("shared speed (n ranks at once)",
          ", ".join(f"{n}: {v:.2f}" for n, v in dev.shared_speed.items())),
+        ("sync skew (n ranks at once)",
+         ", ".join(f"{n}: {v:.3g} s" for n, v in dev.sync_skew_s.items())),
         ("all_reduce busbw", f"{link.bw_bytes_per_s:.3g} B/s"),
         ("all_reduce latency per step", f"{link.latency_s:.3g} s (rms rel. error "
                                         f"{fig['ar_rms']:.0%})"),

@@ -91,6 +91,9 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--schedule", choices=_SCHEDULES, help="pipeline schedule")
     fix.add_argument("--virtual-stages", type=_positive_int, metavar="V",
                      help="model chunks per pp rank (interleaved-1f1b)")
+    fix.add_argument("--checkpointing", choices=("none", "selective", "full"),
+                     help="activation checkpointing of every block: selective keeps matmul "
+                          "and attention outputs, full keeps block inputs")
     fix.add_argument("--allow-tp-across-nodes", action="store_true",
                      help="let tp groups span nodes (default: tp stays inside a node)")
     solver = p.add_argument_group("planning")
@@ -190,6 +193,7 @@ def _plan(args, num_layers: int | None):
     result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp,
                   zero_stage=args.zero, num_microbatches=args.microbatches,
                   schedule=args.schedule, num_virtual_stages=args.virtual_stages,
+                  checkpointing=args.checkpointing,
                   allow_tp_across_nodes=args.allow_tp_across_nodes,
                   time_limit_s=args.time_limit, top_k=args.top_k)
     return graph, topology, result

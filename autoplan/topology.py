@@ -55,6 +55,26 @@ class DeviceSpec:
             op and direction. Fitted by `autoplan calibrate` for CPU ranks, where the host also
             runs the kernels (~20-40 us). 0 for GPUs: the host runs ahead of the device, so this
             time overlaps kernels of the sizes planned there (assumption, not measured).
+        sync_skew_s: {n: seconds a rank waits, at each blocking collective, for the slowest of
+            its peers when n devices of its node compute between collectives} -- stragglers
+            from time slicing and other processes, beyond the collective's own (lock-step)
+            time. Fitted by `autoplan calibrate` for CPU ranks (a compute chunk, then a 4-byte
+            all_reduce, vs the chunks alone). Empty for GPUs: kernels queue behind each other
+            on the device, so host jitter does not reach the collective (assumption, not
+            measured). See `skew`.
+        optimizer_op_s: host time of one op of the optimizer step on one parameter tensor,
+            beyond its memory traffic (dispatch of an in-place op without autograd), seconds;
+            the step costs solver.pipeline.OPTIMIZER_OPS_PER_TENSOR of them per tensor (torch's
+            single-tensor AdamW on CPU). Fitted by `autoplan calibrate` for CPU ranks. 0 for
+            GPUs: foreach / fused optimizers update all tensors in a few kernels and the host
+            runs ahead (assumption, not measured).
+        dtensor_optimizer_op_s: the same for DTensor parameters (tensor parallelism, FSDP2's
+            ZeRO-0/2/3), whose every op also goes through DTensor dispatch. Fitted by
+            `autoplan calibrate`; 0 for GPUs (as above).
+        dtensor_redistribute_s: host time of one DTensor redistribution beyond its collective
+            (the Redistribute autograd function, functional-collective wrappers, reassembling a
+            non-leading shard dim), seconds. Fitted by `autoplan calibrate` for CPU ranks; 0
+            for GPUs (the host runs ahead of the device; assumption, not measured).
     """
 
     name: str
@@ -67,6 +87,10 @@ class DeviceSpec:
     shared_speed: dict[int, float] = field(default_factory=dict)
     elementwise_s_per_elem: dict[str, float] = field(default_factory=dict)
     dtensor_op_overhead_s: float = 0.0
+    sync_skew_s: dict[int, float] = field(default_factory=dict)
+    optimizer_op_s: float = 0.0
+    dtensor_optimizer_op_s: float = 0.0
+    dtensor_redistribute_s: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; raises ValueError naming the dtypes this device lists."""
@@ -90,6 +114,13 @@ class DeviceSpec:
             return 1.0
         n = max(below)
         return self.shared_speed[n] * n / busy_devices
+
+    def skew(self, busy_devices: int) -> float:
+        """Expected wait for stragglers at one blocking collective while `busy_devices`
+        devices of the node compute (`sync_skew_s`), seconds: the entry, else the nearest
+        measured count below it; 0.0 without entries or for one device."""
+        below = [n for n in self.sync_skew_s if n <= busy_devices]
+        return self.sync_skew_s[max(below)] if below and busy_devices > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -200,6 +231,8 @@ def _from_dict(cls, data, where: str):
             value = {str(k): float(v) for k, v in value.items()}
         elif name == "shared_speed":
             value = _int_keyed(value, f"{where}.{name}", lambda v, w: _positive(v, w))
+        elif name == "sync_skew_s":
+            value = _int_keyed(value, f"{where}.{name}", _non_negative)
         elif name == "elementwise_s_per_elem":
             if not isinstance(value, dict):
                 raise ValueError(f"{where}.{name}: expected a mapping op -> seconds")
@@ -225,6 +258,16 @@ def _positive(value, where: str) -> float:
         raise ValueError(f"{where}: expected a number, got {value!r}") from None
     if not out > 0:
         raise ValueError(f"{where}: expected a number > 0, got {value!r}")
+    return out
+
+
+def _non_negative(value, where: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if not out >= 0:
+        raise ValueError(f"{where}: expected a number >= 0, got {value!r}")
     return out
 
 

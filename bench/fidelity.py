@@ -20,12 +20,13 @@ processes on a shared machine hits every plan alike. The bench raises its own sc
 priority (`--nice`, default -10, when allowed); calibration runs under the same priority.
 
 The machine may be shared with other jobs, and then the speed our ranks get changes by 2x within
-minutes. So every step is preceded by a speed probe -- all ranks run d = 256 matmuls for
-PROBE_WINDOW_S at once (`calibrate.shared_speed_job`); the step's speed is the slowest rank's,
+minutes. So every step is preceded by a speed probe -- all ranks run calibrate's reference
+training step for PROBE_WINDOW_S at once (`calibrate.shared_speed_job`, the workload
+DeviceSpec.shared_speed is measured with); the step's speed is the slowest rank's,
 since every synchronisation waits for it -- and, per plan, (1) the measured step time is the
 median over the quietest half of its steps (the highest probes), and (2) the prediction is made
 with the calibration whose shared_speed for this rank count is the one of those steps: their
-median probe over the calibrated one-rank rate at d = 256, the definition of
+median probe (steps/s) times the model's one-rank reference step time, the definition of
 DeviceSpec.shared_speed; n < N busy ranks (pipeline fill and drain) share the same throughput,
 min(1, speed x N / n). Every other
 figure is calibrate's. The calibrate-time prediction is kept in the JSON (`at_calibration`).
@@ -47,23 +48,20 @@ NotImplemented for them, as torch's MemTracker does, so their local ops come bac
 
 Bands (DESIGN.md bars): step time within +-20%, peak memory within +-10% of measured.
 
-[Note: known gaps] What the model does not capture, and which plans it shows in:
-- Pipeline ranks hold the weights of every stage, not only their own: the runtime keeps each
-  stage's graph module in `DistributedModel._all_stage_graphs`, and the stages a rank does not
-  run still hold the full-model weights `materialize` loaded (autoplan/runtime/engine.py). The
-  model prices a rank's own stages only, so pp plans measure one other stage's fp32 parameters
-  more than predicted (-11% to -14% here). A runtime fix, not a model one: keep only the
-  parameter names of the other stages.
-- Selective checkpointing under torch's selective-checkpoint contexts peaks in the middle of the
-  backward (recomputed attention plus the backward's own working set of the decomposed GELU),
-  between the two moments of [Note: peak moments]: measured above the prediction.
-- Step time: the model sits under the measured step, 4-17% for data and pipeline parallelism
-  on 2 ranks, 20-36% for tensor parallelism and on 4 ranks (2026-11-29 run, quiet machine):
-  every synchronisation waits for the slowest rank (a tensor-parallel step has ~40 of them), a
-  tp step measures ~2x the collective time its planned redistributions are priced at (gloo's
-  all_to_all falls back to all_gather, and DTensor's backward redistributions are only partly
-  priced), FSDP2's copies and hooks and the loss outside the captured graph are not priced,
-  and 4 ranks time-sliced on 2 cores lose cache contents the matmul probe does not show.
+[Note: known gaps] What the model does not capture, and which plans it shows in (2026-11-29
+runs on a quiet machine, all ten plans in both bands; the margins move by ~5 points between
+calibrations):
+- Step time: the model sits 0-20% under the measured step, most for the 4-rank plans (dp4 ZeRO-1
+  -16 to -20%, dp4 selective -15 to -18%) and tensor parallelism (tp2 -16 to -19%). Unpriced:
+  FSDP2's gradient packing and copies run at a fraction of the calibrated memory bandwidth in a
+  training process (fresh buffers; 22 ms for 13 MB of gradients on 4 ranks against ~4 ms at
+  `mem_bw`), its hooks, and the loss outside the captured graph; a tp step waits ~25% longer
+  at its collectives than they are priced (gloo's all_to_all falls back to all_gather).
+- Matmul efficiency is taken at the captured shapes, not the microbatch's (no effect with the
+  CPU fit's half-dim of 1; for GPU presets microbatches of few tokens would be flattered).
+- Peak memory: dropout masks are priced where dropout has p = 0 (this model: ~3% of the
+  activations; NodeInfo does not record p), selective checkpointing's transient is one
+  replicated block (+6% for dp4 selective).
 - On a loaded machine (other jobs: load average above ~5) step times of one plan vary 2-4x from
   step to step; the probes cannot follow load that changes within a step. `machine.loadavg` in
   the JSON records the load of the run.
@@ -79,7 +77,6 @@ import platform
 import statistics
 import sys
 import time
-import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -95,7 +92,7 @@ MODEL = dict(preset="gpt2-demo", n_layer=4, n_embd=256, n_head=4, vocab_size=256
              n_positions=128)
 GLOBAL_BATCH, SEQ_LEN = 8, 128
 WARMUP_STEPS = 2
-PROBE_WINDOW_S = 0.1
+PROBE_WINDOW_S = 0.2
 
 # (name, world size, overrides of @autoparallel)
 PLANS: list[tuple[str, int, dict]] = [
@@ -119,82 +116,9 @@ QUICK_BATCH, QUICK_SEQ = 4, 32
 # --- peak memory: live tensor storage bytes ----------------------------------------------------
 
 def _make_tracker():
-    """A `LiveTensorBytes` instance ([Note: measured peak memory]); built lazily so that the
-    parent process of the bench does not import torch before it must."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class LiveTensorBytes(TorchDispatchMode):
-        """Peak of the live tensor storage bytes allocated by aten ops under the mode."""
-
-        def __init__(self):
-            super().__init__()
-            self.sizes: dict[int, int] = {}  # StorageImpl address -> bytes
-            self.current = 0
-            self.peak = 0
-            self._resize = None
-
-        def reset_peak(self) -> None:
-            self.peak = self.current
-
-        def _free(self, key: int) -> None:
-            self.current -= self.sizes.pop(key, 0)
-
-        @staticmethod
-        def _storage(t):
-            """The storage of a plain CPU tensor (a DTensor's local one), else None."""
-            if isinstance(t, DTensor):
-                t = t._local_tensor
-            if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-                return None  # fake tensors (sharding propagation), other subclasses
-            return t.untyped_storage() if t.device.type == "cpu" else None
-
-        def _track(self, st, inputs: set[int]) -> None:
-            key, nbytes = st._cdata, st.nbytes()
-            old = self.sizes.get(key)
-            if old is None and key in inputs:
-                return  # a view of, or in-place op on, a storage allocated before the mode
-            if old is None:
-                self.sizes[key] = nbytes
-                weakref.finalize(st, self._free, key)
-                self.current += nbytes
-            elif old != nbytes:
-                self.sizes[key] = nbytes
-                self.current += nbytes - old
-            self.peak = max(self.peak, self.current)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented  # let DTensor lower to local ops, which come back here
-            inputs = {st._cdata for leaf in tree_leaves((args, kwargs))
-                      if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None}
-            out = func(*args, **(kwargs or {}))
-            for leaf in tree_leaves(out):
-                if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None:
-                    self._track(st, inputs)
-            return out
-
-        def __enter__(self):
-            tracker, original = self, torch.UntypedStorage.resize_
-
-            def resize_(storage, size):
-                out = original(storage, size)
-                key = storage._cdata
-                if key in tracker.sizes:
-                    tracker.current += storage.nbytes() - tracker.sizes[key]
-                    tracker.sizes[key] = storage.nbytes()
-                    tracker.peak = max(tracker.peak, tracker.current)
-                return out
-
-            self._resize = original
-            torch.UntypedStorage.resize_ = resize_
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            torch.UntypedStorage.resize_ = self._resize
-            return super().__exit__(*exc)
+    """A `LiveTensorBytes` ([Note: measured peak memory]); imported lazily so that the parent
+    process of the bench does not import torch before it must."""
+    from autoplan.runtime.live_bytes import LiveTensorBytes
 
     return LiveTensorBytes()
 
@@ -247,14 +171,15 @@ def build_job(name: str, overrides: dict, model: dict, global_batch: int,
     return {"plan": ap.plan.to_json(), "peak_bytes": tracker.peak, "resident_bytes": resident}
 
 
-def _probe_rate(window_s: float, dim: int = 256) -> float:
-    """This rank's FLOP/s of (dim, dim) matmuls over `window_s`, all ranks at once."""
+def _probe_rate(window_s: float) -> float:
+    """This rank's reference training steps per second over `window_s`, all ranks at once
+    (`calibrate.shared_speed_job`, the workload that defines DeviceSpec.shared_speed)."""
     import torch.distributed as dist
 
     from autoplan.calibrate import shared_speed_job
 
     world = dist.get_world_size()
-    return shared_speed_job([world], window_s, 1, dim)[world][0]
+    return shared_speed_job([world], window_s, 1)[world][0]
 
 
 def time_job(names: list[str], model: dict, global_batch: int, seq_len: int, steps: int,
@@ -362,20 +287,25 @@ def _typical_rounds(probes: list[float]) -> list[int]:
 
 
 def _predict(row: dict, model: dict, batch: int, seq: int) -> dict:
-    """The solver's prediction for the row's configuration (its overrides) on the local-cpu
-    topology that AUTOPLAN_CALIBRATION names, planned in this process for world_size ranks."""
+    """The cost model's prediction for the plan that ran (its configuration and placements,
+    `solver.planner.reprice`) on the local-cpu topology that AUTOPLAN_CALIBRATION names, for
+    world_size ranks. Also planned afresh there (`replanned_same_placements`: whether the solver
+    would choose the same placements at the probed speed)."""
     from autoplan.api import autoparallel
     from autoplan.models import build_model
     from autoplan.plan import Plan
+    from autoplan.solver.planner import reprice
 
     config = {k: v for k, v in model.items() if k != "preset"}
     meta = build_model(model["preset"], device="meta", **config)
-    plan = autoparallel(meta, global_batch=batch, seq_len=seq, world_size=row["world_size"],
-                        **row["overrides"]).plan
+    ap = autoparallel(meta, global_batch=batch, seq_len=seq, world_size=row["world_size"],
+                      **row["overrides"])
+    replanned = ap.plan
     ran = Plan.from_json(row["plan_json"])
+    plan = reprice(ap.graph, ran, ap.topology, ap.spec)
     pred = plan.prediction
     return {"plan": str(plan),
-            "same_placements_as_run": _placements(plan) == _placements(ran),
+            "replanned_same_placements": _placements(replanned) == _placements(ran),
             "step_time_s": pred.step_time_s, "peak_bytes": pred.memory_bytes,
             "compute_s": pred.compute_s, "comm_s": pred.comm_s, "bubble_s": pred.bubble_s,
             "memory_breakdown": dict(pred.memory_breakdown),
@@ -397,15 +327,16 @@ def _compare(row: dict) -> None:
 
 
 def _with_probe_speed(cal: Path, out: Path, world: int, rate: float) -> float:
-    """Write `out`: the calibration `cal` with shared_speed[world] = `rate` over the calibrated
-    one-rank rate at d = 256 ([Note: measured step time]); returns that speed."""
+    """Write `out`: the calibration `cal` with shared_speed[world] = `rate` (reference steps
+    per second) times the model's one-rank reference step time, the definition of
+    DeviceSpec.shared_speed ([Note: measured step time]); returns that speed."""
     import dataclasses as dc
 
-    from autoplan.cost_model.compute import matmul_efficiency
+    from autoplan.calibrate import reference_roofline_s
     from autoplan.topology import load_topology, save_topology
 
     topo = load_topology(cal)
-    speed = rate / (topo.device.flops_per_s("float32") * matmul_efficiency(256, topo.device))
+    speed = rate * reference_roofline_s(topo.device)
     # The probe gives the throughput the machine has for our ranks now, speed x world rank-
     # speeds; fewer busy ranks (pipeline fill and drain) share it, at most one core each.
     shared = {n: min(1.0, speed * world / n) for n in range(1, world)}
@@ -446,8 +377,9 @@ def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
         f"minutes on this {result['machine']['cpus']}-core machine) runs `autoplan calibrate`, "
         f"then trains each plan of a GPT-2-style model ({result['model_summary']}, global batch "
         f"{result['global_batch']} x {result['seq_len']} tokens, fp32, AdamW) on local gloo "
-        "ranks and compares the solver's prediction (`Plan.prediction` for the plan's overrides "
-        "on the calibrated `local-cpu` topology) with the measured median step time and the "
+        "ranks and compares the cost model's prediction for the plan that ran (its "
+        "configuration and placements priced by `solver.planner.reprice` on the calibrated "
+        "`local-cpu` topology) with the measured median step time and the "
         "per-rank peak of live tensor bytes (parameters, gradients, optimizer states, "
         "activations, temporaries, gathered parameters, collective buffers: a TorchDispatchMode "
         "that tracks every storage aten allocates, see [Note: measured peak memory] in "
@@ -456,7 +388,10 @@ def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
         f"step time]). Bands: step time +-{TIME_BAND:.0%}, peak memory +-{MEMORY_BAND:.0%}. "
         f"Calibrated figures: matmul efficiency {dev['matmul_efficiency']:.2f} with half-dim "
         f"{dev['matmul_half_dim']:.0f}, per-op floor {dev['launch_latency_s'] * 1e6:.0f} us, "
-        f"elementwise bandwidth {dev['mem_bw_bytes_per_s'] / 1e9:.0f} GB/s. Results: "
+        f"elementwise bandwidth {dev['mem_bw_bytes_per_s'] / 1e9:.0f} GB/s, DTensor overhead "
+        f"{dev['dtensor_op_overhead_s'] * 1e6:.0f} us per dispatch, sync skew "
+        + ", ".join(f"{v * 1e3:.2f} ms ({n} ranks)" for n, v in dev['sync_skew_s'].items())
+        + ". Results: "
         f"`bench/results/fidelity.json` ({result['date']}, load average "
         f"{result['machine']['loadavg'][0]:.1f}); why a plan is out of its band: [Note: known "
         f"gaps] in `bench/fidelity.py`.\n\n{table(rows)}\n")

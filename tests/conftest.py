@@ -1,5 +1,6 @@
 """Shared fixtures: gloo clusters are started once per session and reused by every test
-(process start-up and imports dominate a tiny job), and each job has a timeout."""
+(process start-up and imports dominate a tiny job), and each job has a timeout; a fake process
+group per test module (`fake_world`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from autoplan.runtime.launcher import LocalCluster  # noqa: E402
 
@@ -34,3 +36,16 @@ def clusters():
     c = _Clusters()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """A fake process group of 4 ranks (no communication): lets DTensor really dispatch ops on
+    meta tensors so that implicit redistributions can be caught."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    if owned:
+        dist.destroy_process_group()

@@ -138,6 +138,7 @@ def test_quick_run_writes_a_measured_plausible_topology(calibrated):
     assert set(dev.shared_speed) == {1, 2} and all(0 < v < 3 for v in dev.shared_speed.values())
     assert {"tanh", "exp"} <= set(dev.elementwise_s_per_elem)
     assert 0 <= dev.dtensor_op_overhead_s < 0.1
+    assert set(dev.sync_skew_s) == {2} and 0 <= dev.sync_skew_s[2] < 0.1
     fits = topo.intra_node.collectives
     assert set(fits["all_to_all"][2]) == {1}  # 2 ranks: one group of 2
     for kind, by_p in fits.items():

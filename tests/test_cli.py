@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import types
 
+import pytest
 import yaml
 
 from autoplan.cli import main
@@ -40,6 +41,16 @@ def test_plan_tiny_writes_the_report(capsys, tmp_path):
     assert str(plan) in out
     assert "step time" in out and "per device" in out and "MFU" in out
     assert "## Predicted step" in (out_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_plan_checkpointing_override(capsys, tmp_path, policy):
+    out_dir = tmp_path / policy
+    code, _out, err = _run(capsys, "plan", "--model", "gpt2-tiny", "--cluster", "local-cpu",
+                           "--devices-per-node", "2", "--global-batch", "4", "--seq", "16",
+                           "--checkpointing", policy, "-o", str(out_dir))
+    assert code == 0, err
+    assert Plan.from_json((out_dir / "plan.json").read_text()).checkpointing == policy
 
 
 def test_plan_llama3_70b_on_8_dgx_h100_nodes(capsys, tmp_path):

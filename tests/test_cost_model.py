@@ -349,6 +349,25 @@ def test_hierarchical_group_and_its_levels():
         assert spanning >= comm.collective_time_s(kind, n, k, topo)
 
 
+def test_stragglers_add_the_skew_to_every_collective_but_not_to_p2p():
+    """[Note: stragglers]: with n busy devices each blocking collective waits skew(n) more."""
+    import dataclasses
+
+    base = preset("dgx-h100", num_nodes=2)
+    skewed = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, sync_skew_s={2: 1e-4, 8: 3e-3}))
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        for size, stride in ((8, 1), (16, 1), (2, 8)):  # flat, hierarchical, inter-node
+            plain = comm.collective_time_s(kind, 1e6, size, base, stride=stride)
+            assert comm.collective_time_s(kind, 1e6, size, skewed, stride=stride) == (
+                pytest.approx(plain + 3e-3))  # all 8 devices of a node busy under SPMD
+    assert comm.collective_time_s("all_reduce", 1e6, 1, skewed) == 0.0
+    assert comm.collective_time_s("send_recv", 1e6, 2, skewed) == pytest.approx(
+        comm.collective_time_s("send_recv", 1e6, 2, base))
+    assert comm.redistribute_time_s("S(0)", "R", 1e6, 8, skewed)[1] == pytest.approx(
+        comm.redistribute_time_s("S(0)", "R", 1e6, 8, base)[1] + 3e-3)
+
+
 def test_collective_errors():
     topo = preset("dgx-h100", num_nodes=2)
     with pytest.raises(ValueError, match="'scatter'.*all_reduce"):
@@ -516,3 +535,8 @@ def test_measured_link_entries_and_transcendental_ops():
     slow_pow = dataclasses.replace(dev, elementwise_s_per_elem={"pow": 3e-9})
     assert compute.backward_time_s(power, slow_pow, "float32") == pytest.approx(
         2**20 * 3e-9 + dev.launch_latency_s)
+    # a node rescaled to a quarter of the tokens (solver/costs.py scales bytes, not shapes)
+    # costs a quarter of the elements
+    quarter = dataclasses.replace(node, in_bytes=2**20, out_bytes=2**20)
+    assert compute.op_time_s(quarter, slow, "float32") == pytest.approx(
+        2**18 * 3e-9 + dev.launch_latency_s)

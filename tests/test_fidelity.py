@@ -30,7 +30,7 @@ PLAN_KEYS = {"name", "world_size", "overrides", "measured_step_time_s", "step_ti
              "measured_peak_bytes", "peak_bytes_per_rank", "predicted", "time_error",
              "memory_error", "time_ok", "memory_ok"}
 PREDICTED_KEYS = {"step_time_s", "peak_bytes", "compute_s", "comm_s", "bubble_s",
-                  "memory_breakdown", "same_placements_as_run"}
+                  "memory_breakdown", "replanned_same_placements"}
 
 
 def _bench():

@@ -89,6 +89,36 @@ def test_checkpointing_saves_less_and_computes_the_same(policy):
         assert saved < base, (saved, base)
 
 
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_checkpointing_holds_what_the_cost_model_prices(policy):
+    """Live tensor bytes a forward leaves for the backward (saved tensors, selective
+    checkpointing's cache of matmul and attention outputs, checkpointed block inputs, the
+    logits) equal the solver's quantities for the policy within 2%:
+    none A, selective A - A_blocks + K + T I, full A - A_blocks + T I."""
+    from autoplan.runtime.live_bytes import LiveTensorBytes
+    from autoplan.solver.problem import build_problem
+
+    model, graph, gm = _captured("gpt2-tiny", batch=4, seq=32)
+    if policy != "none":
+        wrap_checkpointing(gm, graph, policy)
+    x = torch.randint(0, 64, (4, 32))
+    with LiveTensorBytes() as live:
+        before = live.current
+        out = gm(x)
+        held = live.current - before - out.numel() * out.element_size()  # less the logits
+    out.sum().backward()
+    prob = build_problem(graph, 1, 4)
+    every = sum(b * m for _o, b, m, _p in prob.saved)
+    blocks = sum(b * m for _o, b, m, part in prob.saved if part == "layer")
+    kept = sum(b * m for _o, b, m, _p in prob.kept_selective)
+    inputs = graph.total_layers * 4 * 32 * model.config.n_embd * 4  # T I, fp32
+    want = {"none": every, "selective": every - blocks + kept + inputs,
+            "full": every - blocks + inputs}[policy]
+    assert held == pytest.approx(want, rel=0.05), (policy, held, want)
+    if policy == "selective":
+        assert kept < 0.5 * blocks  # what the policy is for
+
+
 def test_checkpointing_policy_is_checked():
     _, graph, gm = _captured()
     with pytest.raises(ValueError, match="not one of"):

@@ -418,20 +418,56 @@ def test_c11_solver_model_has_no_duplicate_constraints():
 
 # --- activation checkpointing ------------------------------------------------------------------
 
-def test_full_checkpointing_is_chosen_when_activations_do_not_fit():
-    """A budget between the full-checkpointing peak and the no-checkpointing peak of a fixed
-    configuration: the planner checkpoints, and its memory counts one block input per layer
-    in flight plus one block's activations rematerialised."""
+def test_checkpointing_is_chosen_when_activations_do_not_fit():
+    """Budgets between the peaks of a fixed configuration under the three policies: the
+    planner takes the fastest policy that fits -- none, then selective (keeps matmul and
+    attention outputs, recomputes the elementwise ops), then full (keeps block inputs,
+    recomputes everything)."""
     graph = capture_preset("llama-tiny", batch=1, seq_len=16)
     topology = preset("local-cpu", devices_per_node=2)
     spec = TrainingSpec(global_batch=8, seq_len=16)
     fixed = dict(tp=1, pp=2, dp=1, zero_stage=0, num_microbatches=8, schedule="gpipe")
-    none = plan(graph, topology, spec, checkpointing="none", **fixed)
-    full = plan(graph, topology, spec, checkpointing="full", **fixed)
-    assert full.prediction.memory_bytes < none.prediction.memory_bytes
-    assert full.prediction.step_time_s > none.prediction.step_time_s  # the recompute
-    budget = (full.prediction.memory_bytes + none.prediction.memory_bytes) / 2
-    p = plan(graph, _with_memory(topology, budget / spec.max_memory_fraction), spec, **fixed)
-    assert p.checkpointing == "full" and p.prediction.memory_bytes <= budget
+    none, selective, full = (plan(graph, topology, spec, checkpointing=c, **fixed)
+                             for c in ("none", "selective", "full"))
+    mem = [p.prediction.memory_bytes for p in (none, selective, full)]
+    time_s = [p.prediction.step_time_s for p in (none, selective, full)]
+    assert mem[0] > mem[1] > mem[2] and time_s[0] < time_s[1] < time_s[2]
+    for hi, lo, want in ((0, 1, "selective"), (1, 2, "full")):
+        budget = (mem[hi] + mem[lo]) / 2
+        p = plan(graph, _with_memory(topology, budget / spec.max_memory_fraction), spec,
+                 **fixed)
+        assert p.checkpointing == want and p.prediction.memory_bytes <= budget
     with pytest.raises(InvalidConfig, match="checkpointing 'every' is not one of"):
         plan(graph, topology, spec, checkpointing="every")
+
+
+# --- repricing a fixed plan -------------------------------------------------------------------
+
+def test_reprice_reproduces_the_plan_and_follows_the_figures():
+    """`reprice` evaluates a plan's own configuration and placements: on the topology it was
+    made for it gives the same prediction; on a slower device, the same plan (placements,
+    memory) with more compute time; on another device count it refuses."""
+    from autoplan.solver.planner import reprice
+
+    graph = capture_preset("gpt2-tiny", batch=1, seq_len=32)
+    spec = TrainingSpec(global_batch=8, seq_len=32)
+    topology = preset("local-cpu", devices_per_node=4)
+    budget = _with_memory(topology, 2e6)  # tight: the planner splits weights on the tp axis
+    for fixed in (dict(tp=2, dp=2), dict(pp=2, tp=2, num_microbatches=4, schedule="gpipe"),
+                  dict(dp=4, zero_stage=1, checkpointing="selective"),
+                  dict(pp=2, dp=2, zero_stage=3, checkpointing="full")):
+        made = plan(graph, budget, spec, **fixed)
+        again = reprice(graph, made, budget, spec)
+        assert again.prediction == made.prediction, fixed
+        assert (again.redistributions, again.param_placements, again.strategies) == (
+            made.redistributions, made.param_placements, made.strategies)
+        slow = dataclasses.replace(budget, device=dataclasses.replace(
+            budget.device, peak_flops_per_s={k: v / 2 for k, v in
+                                             budget.device.peak_flops_per_s.items()}))
+        slower = reprice(graph, made, slow, spec)
+        assert slower.param_placements == made.param_placements
+        assert slower.prediction.memory_bytes == made.prediction.memory_bytes
+        assert slower.prediction.compute_s > made.prediction.compute_s
+    assert any(p != "R" for _, p in plan(graph, budget, spec, tp=2, dp=2).param_placements)
+    with pytest.raises(InvalidConfig, match="needs 4 devices"):
+        reprice(graph, made, preset("local-cpu", devices_per_node=2), spec)

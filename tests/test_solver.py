@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from _helpers import check_candidate
 from autoplan import _torch_compat as tc
 from autoplan.capture import capture, capture_preset
 from autoplan.models.mlp import MLP, WideMLP
@@ -143,17 +143,6 @@ def test_plan_is_consistent(llama, gpt2, local4, tp):
 
 # --- the runtime contract: DTensor runs every chosen strategy as planned --------------------------
 
-@pytest.fixture(scope="module")
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_chosen_strategies_run_under_dtensor(name, tp, request, local4, fake_world):
@@ -161,7 +150,6 @@ def test_chosen_strategies_run_under_dtensor(name, tp, request, local4, fake_wor
     outputs; and a real DTensor dispatch (fake process group, strict: no implicit
     redistribution allowed) produces the planned outputs."""
     from torch.distributed.tensor import DeviceMesh
-    from test_strategies import check_candidate
     from autoplan.strategies import Candidate, _propagate_node
     graph = request.getfixturevalue(name)
     p = plan(graph, local4, TrainingSpec(global_batch=8, seq_len=16), tp=tp)

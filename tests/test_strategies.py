@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from _helpers import check_candidate
 from autoplan import _torch_compat as tc
 from autoplan.capture import capture, capture_preset
 from autoplan.plan import parse_placement
 from autoplan.strategies import (
-    Candidate, StrategyCache, batch_dims, constant_like_nodes, ignored_nodes, node_strategies,
+    StrategyCache, batch_dims, constant_like_nodes, ignored_nodes, node_strategies,
     node_tensor_meta, tensor_args,
 )
 
@@ -33,19 +33,6 @@ def llama():
 @pytest.fixture(scope="module")
 def gpt2():
     return capture_preset("gpt2-tiny", batch=2, seq_len=16)
-
-
-@pytest.fixture(scope="module")
-def fake_world():
-    """A fake process group of 4 ranks (no communication): lets DTensor really dispatch ops on
-    meta tensors so that implicit redistributions can be caught."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 def _nodes(graph):
@@ -190,42 +177,6 @@ def test_sdpa_rule_splits_heads_only_when_both_head_counts_divide(llama):
 
 
 # --- DTensor is the judge ----------------------------------------------------------------------
-
-def _dtensor_args(graph, node, placements, mesh, tp):
-    from torch.distributed.tensor import DTensor
-    specs = [node_tensor_meta(graph, a)[0] if a.target is not operator.getitem
-             else node_tensor_meta(graph, a)[0] for a in tensor_args(node)]
-    it = iter(range(len(specs)))
-
-    def make(_n):
-        i = next(it)
-        shape, dtype = specs[i]
-        p = parse_placement(placements[i])
-        local = list(shape)
-        if isinstance(p, tc.Shard):
-            local[p.dim] //= tp
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(torch.empty(local, dtype=dtype, device="meta"), mesh, [p],
-                                  run_check=False, shape=torch.Size(shape), stride=stride)
-
-    return torch.fx.node.map_arg((node.args, node.kwargs), make)
-
-
-def check_candidate(graph, node, cand: Candidate, tp: int, mesh) -> None:
-    """Run `node` under DTensor (fake process group) with inputs at `cand.inputs`: no implicit
-    redistribution (strict), outputs at `cand.outputs`."""
-    args, kwargs = _dtensor_args(graph, node, cand.inputs, mesh, tp)
-    with tc.strict_redistribution():
-        out = node.target(*args, **kwargs)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    got = tuple(tc_format(o) for o in outs)
-    assert got == cand.outputs, (node.name, cand, got)
-
-
-def tc_format(value) -> str:
-    from autoplan.plan import format_placement
-    return format_placement(value.placements[0]) if hasattr(value, "placements") else "R"
-
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -66,6 +66,22 @@ def test_matches_single_process(clusters, references, name, mesh, zero):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["dp2xtp2", "pp2xdp2"])
+def test_zero1_matches_single_process(clusters, references, mesh):
+    """ZeRO-1: each dp rank steps the parameters it owns, then one all-gather of the packed
+    updates (DTensor shards under tp, tied weights across pipeline stages) restores them all."""
+    overrides = dict(MESHES[mesh], zero_stage=1)
+    if "pp" in overrides:
+        overrides["num_microbatches"] = 2
+    results = clusters.get(4).run(_jobs.train, _jobs.preset("gpt2-tiny"), STEPS, BATCH,
+                                  overrides, timeout_s=180,
+                                  memory_fraction=0.9 if "tp" in overrides else None)
+    for result in results:
+        assert_matches("gpt2-tiny", result, references("gpt2-tiny"))
+        assert json.loads(result[2])["zero_stage"] == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "selective"])
 @pytest.mark.parametrize("mesh", ["dp2xtp2", "pp2xdp2"])
 def test_activation_checkpointing_matches(clusters, references, mesh, policy):

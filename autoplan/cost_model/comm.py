@@ -27,6 +27,15 @@ algorithms differ per kind and whose groups share the machine's cores). A flat c
 a link uses the entry's figures in the formula above; g defaults to the groups of the mesh axis
 inside one node, devices_per_node / p, since SPMD runs all of them at once.
 
+[Note: stragglers]
+A collective starts when its last member arrives. Back-to-back timings (nccl-tests, calibrate's
+fits) have the members in lock-step; in a training step each member arrives after its own
+compute, and where devices share cores or run other processes (CPU ranks) the last one is late
+by a random amount. `DeviceSpec.skew(n)` (`sync_skew_s`, fitted by `autoplan calibrate`; 0 for
+the GPU presets) is that expected wait per blocking collective with n busy devices on the node
+(all of them, under SPMD); `collective_time_s` adds it to every collective of a group. Pipeline
+send/recv does not pay it: a stage waiting for its neighbour is the pipeline term's business.
+
 [Note: group layout]
 Mesh axes are ("pp", "dp", "tp") with tp innermost, so a group of the tp axis has stride 1, of
 the dp axis stride tp, of the pp axis stride tp * dp. From the group size p, the stride s and the
@@ -94,7 +103,16 @@ def factor_steps(kind: str, group_size: int) -> tuple[float, int]:
 
 
 def group_layout(group_size: int, stride: int, topology: Topology) -> tuple[int, int]:
-    """(members per node k, nodes spanned N) of a group ([Note: group layout]).
+    """(members per node k, nodes spanned N) of a group ([Note: stragglers]
+A collective starts when its last member arrives. Back-to-back timings (nccl-tests, calibrate's
+fits) have the members in lock-step; in a training step each member arrives after its own
+compute, and where devices share cores or run other processes (CPU ranks) the last one is late
+by a random amount. `DeviceSpec.skew(n)` (`sync_skew_s`, fitted by `autoplan calibrate`; 0 for
+the GPU presets) is that expected wait per blocking collective with n busy devices on the node
+(all of them, under SPMD); `collective_time_s` adds it to every collective of a group. Pipeline
+send/recv does not pay it: a stage waiting for its neighbour is the pipeline term's business.
+
+[Note: group layout]).
 
     Raises ValueError when the group does not fit in the cluster or straddles node boundaries
     unevenly, naming the numbers.
@@ -162,7 +180,16 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
         nbytes: full buffer per rank as nccl-tests counts it ([Note: collective cost]), bytes.
         group_size: ranks in the group (1 -> 0 s).
         topology: the cluster.
-        stride: rank distance between consecutive members ([Note: group layout]).
+        stride: rank distance between consecutive members ([Note: stragglers]
+A collective starts when its last member arrives. Back-to-back timings (nccl-tests, calibrate's
+fits) have the members in lock-step; in a training step each member arrives after its own
+compute, and where devices share cores or run other processes (CPU ranks) the last one is late
+by a random amount. `DeviceSpec.skew(n)` (`sync_skew_s`, fitted by `autoplan calibrate`; 0 for
+the GPU presets) is that expected wait per blocking collective with n busy devices on the node
+(all of them, under SPMD); `collective_time_s` adds it to every collective of a group. Pipeline
+send/recv does not pay it: a stage waiting for its neighbour is the pipeline term's business.
+
+[Note: group layout]).
         concurrent_groups: groups running at once: across nodes, those sharing one node's NICs
             (default: all groups of the axis, devices_per_node / k, [Note: inter-node bandwidth
             share]); inside a node, the entry of a measured link to use (default
@@ -180,15 +207,16 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
     if kind == "send_recv":
         return p2p_time_s(nbytes, topology, crosses_nodes=num_nodes > 1,
                           concurrent_pairs=concurrent_groups)
+    skew = topology.device.skew(topology.devices_per_node)  # [Note: stragglers]
     if num_nodes == 1:
         groups = concurrent_groups or max(1, topology.devices_per_node // group_size)
         latency_s, bw = topology.intra_node.fit(kind, group_size, groups)
-        return _flat_s(kind, nbytes, group_size, bw, latency_s)
+        return _flat_s(kind, nbytes, group_size, bw, latency_s) + skew
     inter_bw = _inter_bw_per_rank(topology, k, concurrent_groups)
     if k == 1:
-        return _flat_s(kind, nbytes, group_size, inter_bw, topology.inter_node.latency_s)
+        return _flat_s(kind, nbytes, group_size, inter_bw, topology.inter_node.latency_s) + skew
     return _hierarchical_s(kind, nbytes, k, num_nodes, topology.intra_node, inter_bw,
-                           topology.inter_node.latency_s)
+                           topology.inter_node.latency_s) + skew
 
 
 def p2p_time_s(nbytes: float, topology: Topology, *, crosses_nodes: bool,
@@ -249,6 +277,9 @@ def redistribute_time_s(src: str, dst: str, nbytes: float, group_size: int, topo
             on the other mesh axes).
         group_size, topology, stride, concurrent_groups: as `collective_time_s`.
 
+    The time is the collective's plus `DeviceSpec.dtensor_redistribute_s` (DTensor's host
+    work around it; 0 for the GPU presets).
+
     Returns (collective name, seconds). Raises ValueError for a bad placement or S -> P.
     """
     a, b = _kind(src), _kind(dst)
@@ -267,8 +298,10 @@ def redistribute_time_s(src: str, dst: str, nbytes: float, group_size: int, topo
         kind, n = "all_gather", nbytes
     else:
         kind, n = "all_to_all", nbytes / group_size
+    # DTensor's own host work around the collective (DeviceSpec.dtensor_redistribute_s)
     return kind, collective_time_s(kind, n, group_size, topology, stride=stride,
-                                   concurrent_groups=concurrent_groups)
+                                   concurrent_groups=concurrent_groups) + \
+        topology.device.dtensor_redistribute_s
 
 
 def backward_redistribution(src: str, dst: str, *,

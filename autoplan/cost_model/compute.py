@@ -59,7 +59,7 @@ __all__ = [
     "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "ATTENTION_OPS",
     "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
     "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "matmul_dims", "matmul_efficiency", "op_time_s",
-    "backward_time_s", "graph_forward_time_s", "graph_backward_time_s",
+    "backward_time_s", "graph_forward_time_s", "graph_backward_time_s", "dtensor_dispatches",
 ]
 
 MATMUL_HALF_DIM = 128.0
@@ -157,11 +157,15 @@ def _roofline_s(flops: float, nbytes: float, efficiency: float, device: DeviceSp
 
 
 def _elementwise_s(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> float:
-    """elements x the device's measured cost of a transcendental op ([Note: roofline])."""
+    """elements x the device's measured cost of a transcendental op ([Note: roofline]). The
+    elements are the output bytes over the output's element width, not the captured shape, so
+    that a node rescaled to another microbatch (solver/costs.py scales bytes and FLOPs by the
+    token count) is priced at its own size."""
     cost = device.elementwise_s_per_elem.get(op_name(node.target))
     if not cost or not node.shapes:
         return 0.0
-    return math.prod(node.shapes[0]) / shard_factor * cost
+    width = DTYPE_BYTES.get(node.dtypes[0], 4) if node.dtypes else 4
+    return node.out_bytes / width / shard_factor * cost
 
 
 def _efficiency(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> float:
@@ -245,3 +249,12 @@ def graph_backward_time_s(nodes: Iterable[NodeInfo], device: DeviceSpec, dtype: 
     factors = shard_factor or {}
     return sum(backward_time_s(n, device, dtype, shard_factor=factors.get(n.name, 1.0))
                for n in nodes)
+
+
+def dtensor_dispatches(node: NodeInfo) -> int:
+    """Times the host pays `DeviceSpec.dtensor_op_overhead_s` for `node` on a tensor-parallel
+    stage: once in the forward and once in the backward (none for ops without a gradient).
+    The count the overhead is defined against: `autoplan calibrate` fits the overhead per
+    dispatch so counted on a reference graph, whose backward runs more DTensor ops than one per
+    node (a matmul's backward is two matmuls and transposes)."""
+    return 1 if op_name(node.target) in NO_GRAD_OPS else 2

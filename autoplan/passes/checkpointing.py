@@ -10,9 +10,13 @@ DTensor parameters the stage holds at call time are the ones used, in forward an
 
 Policies (the plan's `checkpointing`):
 - "full": keep only the block's inputs; recompute the whole block in backward.
-- "selective": recompute the attention core (scaled-dot-product attention, softmax, dropout) and
-  keep every other activation -- Korthikanti et al. 2022, section 5 ("selective activation
-  recomputation"), via torch's selective-checkpoint contexts.
+- "selective": torch's selective activation checkpointing at op level (the save-list policy
+  of torchtitan's op SAC): the outputs of the matmuls and of fused attention -- the ops whose
+  recomputation would cost FLOPs -- are kept; every other op of the block (norms, activation
+  functions, softmax, dropout, residual adds) runs again in the backward from them and the
+  block's inputs. (Korthikanti et al. 2022, section 5, recompute only the attention core; with
+  fused attention that core keeps nothing worth dropping, while the elementwise ops of the MLP
+  keep the largest tensors.) Priced by autoplan/solver/checkpointing.py from the same op list.
 """
 
 from __future__ import annotations
@@ -27,22 +31,25 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from autoplan.graph import CapturedGraph
 
-__all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES"]
+__all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES", "SELECTIVE_SAVED_OPS"]
 
 POLICIES = ("none", "selective", "full")
 
 aten = torch.ops.aten
-_RECOMPUTE_SELECTIVE = {
+SELECTIVE_SAVED_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
-    aten._softmax.default, aten.native_dropout.default,
-}
+    aten._scaled_dot_product_cudnn_attention.default,
+})
+"""Ops whose outputs "selective" keeps (every other op is recomputed); the cost model's
+`solver.checkpointing.SELECTIVE_SAVED` names the same ops."""
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
-    return (CheckpointPolicy.PREFER_RECOMPUTE if op in _RECOMPUTE_SELECTIVE
-            else CheckpointPolicy.MUST_SAVE)
+    return (CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def run_checkpointed(block: torch.nn.Module, policy: str, *args):

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autoplan._torch_compat import clear_dtensor_caches, implicit_replication
 from autoplan.graph import CapturedGraph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.pipeline import split_stages
@@ -70,8 +71,6 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int):
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
     """
     from torch.distributed.device_mesh import init_device_mesh
-
-    from autoplan.runtime._private import implicit_replication
 
     mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
     tp_mesh = mesh["tp"]
@@ -122,17 +121,6 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int):
         _name_placeholders(traced, attrs + [n.name for n in placeholders])
         out.append((sg.index, traced, sg.input_names, sg.output_names))
     return out
-
-
-def _clear_dtensor_caches() -> None:
-    """DTensor caches sharding and redistribution plans by mesh *shape*; the cached ones name
-    the process groups of the rank traced last, which are gone once it is destroyed."""
-    from torch.distributed.tensor import _redistribute
-
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
 
 
 def _is_param(gm: torch.nn.Module, target: str) -> bool:
@@ -241,7 +229,7 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
                     traced = trace_rank(graph, plan, pp_rank, tp_rank)
                 finally:
                     dist.destroy_process_group()
-                    _clear_dtensor_caches()
+                    clear_dtensor_caches()
                 for stage, gm, ins, outs in traced:
                     stem = f"rank{rank}_stage{stage}"
                     header = _header(plan, pp_rank, tp_rank, stage, ins, outs,

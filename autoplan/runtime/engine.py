@@ -12,7 +12,7 @@ Build order (each step needs the previous one):
    0 -> `replicate` (DDP-style all-reduce), 2 -> `fully_shard(reshard_after_forward=False)`,
    3 -> `fully_shard(reshard_after_forward=True)`. ZeRO-1 (optimizer states only) is not
    expressible in FSDP2: it runs `replicate` for the gradients and a sharded optimizer
-   (`ShardedOptimizer`): each dp rank steps the parameters it owns, then broadcasts them.
+   (`ShardedOptimizer`): each dp rank steps the parameters it owns, then all-gathers them.
 5. Pipeline parallelism: `torch.distributed.pipelining` stages and schedules (GPipe, 1F1B,
    interleaved 1F1B); without pp, microbatches are plain gradient accumulation.
 6. Weights used by several stages (tied embedding and head) get their gradients summed over
@@ -25,6 +25,7 @@ each microbatch's mean loss is scaled by 1/num_microbatches and dp gradients are
 from __future__ import annotations
 
 import copy
+import gc
 from collections import defaultdict
 from typing import Callable
 
@@ -42,7 +43,7 @@ from autoplan.passes.pipeline import split_stages
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
-from autoplan.runtime._private import implicit_replication
+from autoplan._torch_compat import implicit_replication
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
 
@@ -116,6 +117,9 @@ class DistributedModel:
         else:
             self.optimizer = make_opt(params)
         self._schedule = self._build_schedule() if plan.mesh.pp > 1 else None
+        # Construction leaves the full model's weights in reference cycles (fx graph modules);
+        # free them now, not at a time of the cycle collector's choosing.
+        gc.collect()
 
     # -- construction -------------------------------------------------------------------
     def _build_stages(self, state) -> list[tuple[int, nn.Module]]:
@@ -126,9 +130,15 @@ class DistributedModel:
         materialize(gm, state, self.device)
         stage_graphs = split_stages(gm, graph, plan.stages)
         self.num_stages = len(stage_graphs)
-        self._all_stage_graphs = stage_graphs
-        self._param_fqns = {fqn for fqn, p in graph.params.items() if not p.is_buffer}
+        param_fqns = {fqn for fqn, p in graph.params.items() if not p.is_buffer}
+        # Parameter FQNs of every stage (tied weights span stages); the graphs of the stages
+        # other ranks run are dropped with the full weights `materialize` loaded into them.
+        self._stage_param_fqns = {
+            sg.index: {n.target for n in sg.gm.graph.nodes
+                       if n.op == "get_attr" and n.target in param_fqns}
+            for sg in stage_graphs}
         mine = [sg for sg in stage_graphs if sg.index % plan.mesh.pp == self.pp_rank]
+        del gm, stage_graphs
         produced = value_placements(plan)
         inserted, out, held = [], [], set()
         for sg in mine:
@@ -194,8 +204,7 @@ class DistributedModel:
         holders: dict[str, set[int]] = defaultdict(set)
         stage_params: dict[str, list] = defaultdict(list)
         pp = self.plan.mesh.pp
-        all_stages = self._all_stage_params()
-        for idx, fqns in all_stages.items():
+        for idx, fqns in self._stage_param_fqns.items():
             for fqn in fqns:
                 holders[fqn].add(idx)
         for idx, m in self.stages:
@@ -220,14 +229,6 @@ class DistributedModel:
             if fqn in stage_params:
                 groups[fqn] = (stage_params[fqn], mine)
         return groups
-
-    def _all_stage_params(self) -> dict[int, set[str]]:
-        """Parameter FQNs used by each stage of the whole pipeline (all ranks)."""
-        out = {}
-        for sg in self._all_stage_graphs:
-            out[sg.index] = {n.target for n in sg.gm.graph.nodes
-                             if n.op == "get_attr" and n.target in self._param_fqns}
-        return out
 
     # -- training -----------------------------------------------------------------------
     def _build_schedule(self):

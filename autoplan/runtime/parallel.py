@@ -19,7 +19,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor
 
-from autoplan.runtime._private import replicate_module
+from autoplan._torch_compat import replicate_module
 
 __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
            "local_tensor"]
@@ -44,8 +44,8 @@ class ShardedOptimizer:
     """ZeRO-1: each dp rank keeps optimizer states for the parameters it owns only.
 
     Parameters are assigned to owners greedily by size (largest first, to the least loaded
-    rank). `step` runs the inner optimizer on owned parameters, then every parameter is
-    broadcast from its owner over the dp group, so all replicas stay equal.
+    rank). `step` runs the inner optimizer on owned parameters, then all-gathers the updated
+    parameters over the dp group (packed flat per dtype), so all replicas stay equal.
     """
 
     def __init__(self, params: list[nn.Parameter], make_optimizer: Callable, dp_mesh):
@@ -72,10 +72,35 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Step the owned parameters, then one all-gather per dtype of every rank's owned
+        parameters packed flat (DeepSpeed ZeRO-1's gather of the updated partitions; one
+        collective, not one broadcast per parameter)."""
         if self.inner is not None:
             self.inner.step()
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
         for p, o in zip(self.params, self.owner):
-            dist.broadcast(local_tensor(p), src=self.ranks[o], group=self.group)
+            t = local_tensor(p)
+            by_dtype.setdefault(t.dtype, []).append((t, o))
+        me = self.ranks.index(dist.get_rank())
+        for dtype, items in by_dtype.items():
+            # dp peers hold the same local shapes (one tp coordinate), so every rank knows
+            # every rank's packed length.
+            lengths = [sum(t.numel() for t, o in items if o == r) for r in range(len(self.ranks))]
+            width = max(lengths)
+            if width == 0:
+                continue
+            send = torch.zeros(width, dtype=dtype, device=items[0][0].device)
+            mine = [t.reshape(-1) for t, o in items if o == me]
+            if mine:
+                torch.cat(mine, out=send[:lengths[me]])
+            recv = torch.empty(width * len(self.ranks), dtype=dtype, device=send.device)
+            dist.all_gather_into_tensor(recv, send, group=self.group)
+            offsets = [r * width for r in range(len(self.ranks))]
+            for t, o in items:
+                n = t.numel()
+                if o != me:
+                    t.copy_(recv[offsets[o]:offsets[o] + n].view_as(t))
+                offsets[o] += n
 
     def state_dict(self) -> dict:
         return self.inner.state_dict() if self.inner is not None else {}

@@ -7,6 +7,8 @@ The pipeline, in files:
     checkpointing.py  what a checkpointing policy does to those coefficients and to memory
     ilp.py            the ILP, written as math in its docstring, solved with OR-Tools (GLOP
                       first, CP-SAT when the LP is fractional)
+    ilp_model.py      the ILP as an OR-Tools model (one add_* per block of that math)
+    ilp_types.py      its inputs (per-rank memory, step form) and its Solution
     pipeline.py       step time and memory of a configuration (bubble, dp sync, per-rank peak)
     search.py         configurations, bounds, step forms, errors ([Note: decomposition])
     planner.py        plan(): branch and bound over configurations -> the best and runners-up

@@ -5,11 +5,12 @@ ILP's time coefficients and to a configuration's memory.
 runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 
 - "none": autograd keeps every tensor it saves (cost_model.memory, [Note: saved tensors]).
-- "selective": the tensors of the attention-score region are not kept (the cost model's
-  "selective" policy, `SavedTensor.attention_scores`) and the ops that own them run their
-  forward again in the backward (Korthikanti et al. 2022, section 5). A graph whose attention is
-  one fused op (scaled_dot_product_attention) has no such region: "selective" then prices
-  exactly like "none" and is not searched (`policies`).
+- "selective": op-level selective checkpointing as the runtime runs it (torch's selective
+  checkpoint contexts, autoplan/passes/checkpointing.py): a block keeps the outputs of its
+  matmuls and fused attention (`SELECTIVE_SAVED`, the runtime's SELECTIVE_SAVED_OPS) and its
+  input; its other ops run their forward again in the backward. (Korthikanti et al. 2022,
+  section 5, drop only the attention scores; cost_model.memory keeps that published variant
+  for its formula checks.)
 - "full": a block keeps only its input -- the residual stream entering it, priced at its global
   size, i.e. replicated on the tp axis -- and its whole forward, redistributions included, runs
   again in its backward (Chen et al. 2016; Korthikanti et al. 2022, section 4).
@@ -22,8 +23,9 @@ The placement ILP therefore prices recomputation exactly, with its form unchange
 Memory of pipeline rank r, with f_r microbatches in flight and L_r of the T blocks:
 
     none       f_r (L_r / T) A                          (A: saved bytes of all T blocks)
-    selective  f_r (L_r / T) (A - S) + S_1              (S: score bytes of all T blocks; S_1 one
-                                                         block's, rematerialised, replicated)
+    selective  f_r (L_r / T) K + f_r L_r I + A_1        (K: kept outputs of all T blocks;
+                                                         A_1: one block's saved bytes,
+                                                         rematerialised, replicated)
     full       f_r L_r I + A / T                        (I: one block's input; A / T: one
                                                          block's activations, rematerialised
                                                          during its backward)
@@ -46,38 +48,41 @@ from autoplan.solver.problem import Problem
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["POLICIES", "policies", "recomputed_nodes", "checkpointed_costs",
-           "checkpointed_ranks", "checkpointed_solution", "with_transient", "score_bytes"]
+__all__ = ["POLICIES", "SELECTIVE_SAVED", "policies", "recomputed_nodes", "checkpointed_costs",
+           "checkpointed_ranks", "checkpointed_solution", "with_transient", "block_bytes"]
 
 POLICIES = ("none", "selective", "full")
 
+SELECTIVE_SAVED = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
+})
+"""aten op names whose outputs "selective" keeps: the runtime's
+passes.checkpointing.SELECTIVE_SAVED_OPS (the captured graph holds scaled_dot_product_attention,
+which runs as one of the fused kernels)."""
+
 
 def policies(problem: Problem) -> tuple[str, ...]:
-    """The policies worth searching: "selective" only with an attention-score region, "full"
-    only with repeated blocks (nothing else is checkpointed)."""
-    out = ["none"]
-    if problem.num_layers and any(part == "layer" for *_x, part in problem.scores):
-        out.append("selective")
-    if problem.num_layers:
-        out.append("full")
-    return tuple(out)
+    """The policies worth searching: checkpointing needs repeated blocks (nothing else is
+    checkpointed)."""
+    return ("none", "selective", "full") if problem.num_layers else ("none",)
 
 
 def recomputed_nodes(problem: Problem, policy: str) -> set[str]:
     """ILP nodes whose forward runs again in the backward under `policy`."""
+    block = {n for n in problem.nodes if problem.part[n] == "layer" and n in problem.graph.nodes}
     if policy == "full":
-        return {n for n in problem.nodes
-                if problem.part[n] == "layer" and n in problem.graph.nodes}
+        return block
     if policy == "selective":
-        return {owner for owner, _b, _m, part in problem.scores
-                if owner is not None and part == "layer"}
+        return block - {owner for owner, *_x in problem.kept_selective}
     return set()
 
 
 def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: TrainingSpec,
                        topology: Topology) -> Costs:
     """`costs` with the recomputation of `policy` folded in (see the module docstring); for
-    "selective" the activation rows also lose the score tensors."""
+    "selective" the block nodes' activation rows become the outputs they keep."""
     nodes = recomputed_nodes(problem, policy)
     if not nodes:
         return costs
@@ -94,26 +99,27 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
              if edge.dst in nodes else row for edge, row in zip(problem.edges, costs.pairs)]
     acts = costs.act_bytes
     if policy == "selective":
-        acts = {k: list(v) for k, v in acts.items()}
-        for owner, nbytes, mult, part in problem.scores:
-            if part != "layer" or owner is None:
-                continue
-            row = acts[owner]
+        acts = {k: (v if k is None or problem.part.get(k) != "layer" else [0.0] * len(v))
+                for k, v in acts.items()}
+        for owner, nbytes, mult, part in problem.kept_selective:
+            row = acts.setdefault(owner, [0.0] * len(problem.cands[owner]))
             for i, c in enumerate(problem.cands[owner]):
-                row[i] -= nbytes * costs.scale * mult / out_divisor(c, problem.tp)
+                row[i] += nbytes * costs.scale * mult / out_divisor(c, problem.tp)
     return dataclasses.replace(costs, compute_s=compute, pairs=pairs, act_bytes=acts)
 
 
-def score_bytes(problem: Problem, costs: Costs) -> float:
-    """S_1: one block's attention-score tensors at the microbatch, replicated, bytes."""
+def block_bytes(problem: Problem, costs: Costs) -> float:
+    """A_1: one block's saved tensors at the microbatch, replicated (an upper bound under
+    tensor parallelism), bytes: what a block's recomputation rematerialises under
+    "selective"."""
     if not problem.num_layers:
         return 0.0
-    return sum(nbytes * costs.scale * mult for _o, nbytes, mult, part in problem.scores
+    return sum(nbytes * costs.scale * mult for _o, nbytes, mult, part in problem.saved
                if part == "layer") / problem.num_layers
 
 
 def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
-                       input_bytes: float, scores_bytes: float) -> list[RankMemory]:
+                       input_bytes: float, one_block_bytes: float) -> list[RankMemory]:
     """Per-rank memory forms (pipeline.rank_memories) under `policy`. A rank's block
     activation coefficient is f_r L_r / T, so f_r L_r = coefficient x T."""
     if policy == "none" or not total_layers:
@@ -126,21 +132,24 @@ def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
         if policy == "full":
             act["layer"] = 1.0 / total_layers if held else 0.0
             const += held * input_bytes
-        else:
-            const += scores_bytes if held else 0.0
+        else:  # selective: rows are the kept outputs already
+            const += held * input_bytes + (one_block_bytes if held else 0.0)
         out.append(RankMemory(dict(rank.param_coef), act, const))
     return out
 
 
 def checkpointed_solution(sol: Solution, policy: str, total_layers: int, input_bytes: float,
-                          scores_bytes: float) -> tuple[Solution, float]:
+                          one_block_bytes: float) -> tuple[Solution, float]:
     """(the Solution pipeline.assess should see, the transient to add to the peak): under
     "full" the blocks' activation total becomes T x I and one block's activations are the
-    transient; under "selective" (rows already without scores) the transient is S_1."""
+    transient; under "selective" (rows already the kept outputs) the blocks' inputs T x I are
+    added and the transient is A_1 (`block_bytes`)."""
     if policy == "none" or not total_layers:
         return sol, 0.0
     if policy == "selective":
-        return sol, scores_bytes
+        acts = {**sol.act_bytes,
+                "layer": sol.act_bytes.get("layer", 0.0) + total_layers * input_bytes}
+        return dataclasses.replace(sol, act_bytes=acts), one_block_bytes
     layer = sol.act_bytes.get("layer", 0.0)
     acts = {**sol.act_bytes, "layer": total_layers * input_bytes}
     return dataclasses.replace(sol, act_bytes=acts), layer / total_layers

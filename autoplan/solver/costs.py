@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import NO_GRAD_OPS, backward_time_s, op_name, op_time_s
+from autoplan.cost_model.compute import backward_time_s, dtensor_dispatches, op_time_s
 from autoplan.solver.problem import OUTPUT, Problem
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -118,8 +118,7 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
 
 def _dtensor_host_s(info, device) -> float:
     """DTensor dispatch overhead of one op, forward plus backward (module docstring)."""
-    name = op_name(info.target)
-    return device.dtensor_op_overhead_s * (1 if name in NO_GRAD_OPS else 2)
+    return device.dtensor_op_overhead_s * dtensor_dispatches(info)
 
 
 def _edge_pairs(problem: Problem, edge, scale: float, topology: Topology) -> dict:

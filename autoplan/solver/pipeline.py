@@ -24,15 +24,21 @@ dp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per 
   stage boundary send at once.
 - dp_sync, over the dp group (stride tp), G / W = the rank's gradient / parameter bytes, as the
   runtime issues it (autoplan/runtime/engine.py, step 4: one FSDP2 unit per pipeline stage):
-    ZeRO 0: all_reduce(G) (FSDP2 replicate)          ZeRO 1: all_reduce(G) + broadcast(W)
+    ZeRO 0: all_reduce(G) (FSDP2 replicate)          ZeRO 1: all_reduce(G) + all_gather(W)
     ZeRO 2: reduce_scatter(G) + all_gather(W)       ZeRO 3: reduce_scatter(G) + 2 all_gather(W)
   (ZeRO-3 gathers the parameters for the forward and again for the backward: 1.5x the traffic of
   ZeRO 0-2, ZeRO section 7, FORMULAS.md). Without pipelining the engine accumulates microbatches
   by calling backward m times, and FSDP2 reduces (and ZeRO 2/3 re-gathers) on every one: m
   times; the pipelining schedules reduce once, on the last microbatch, while ZeRO-3 still
   gathers for every microbatch. DP_SYNC_OVERLAP of it is hidden behind compute.
-- optimizer = (parameters whose states this rank steps) x OPTIMIZER_BYTES_PER_PARAM /
-  (mem_bw speed(N)): a memory-bound pass over the states.
+- dp_local: the local passes of the runtime around the dp collectives -- packing gradients into
+  a flat buffer, dividing, unpacking (`_dp_local_s`) -- at mem_bw, over speed(N); exposed, like
+  dp_sync.
+- optimizer = [(parameters whose states this rank steps) x OPTIMIZER_BYTES_PER_PARAM /
+  mem_bw + (parameter tensors it steps) x OPTIMIZER_OPS_PER_TENSOR x op_s] / speed(N): a
+  memory-bound pass over the states plus the host time of the per-tensor ops (op_s =
+  DeviceSpec.optimizer_op_s, or dtensor_optimizer_op_s when the parameters are DTensors: tp > 1,
+  or dp > 1 with FSDP2, i.e. ZeRO 0, 2, 3).
 
 [Note: memory per rank] Rank r holds the layers of its stages; the first rank also what comes
 before the blocks, the last rank what comes after. Its peak is cost_model.memory.
@@ -68,7 +74,7 @@ from autoplan.solver.ilp import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "Config", "Assessment", "stages_of",
+__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR", "Config", "Assessment", "stages_of",
            "assess", "rank_memories"]
 
 DP_SYNC_OVERLAP = 0.0
@@ -86,6 +92,11 @@ OPTIMIZER_BYTES_PER_PARAM = {"adamw": 80.0, "sgd": 12.0}
 makes the same passes): param.mul_ (read/write p: 2 accesses), exp_avg.lerp_ (m, g -> m: 3),
 exp_avg_sq.mul_ + addcmul_ (v -> v, v, g -> v: 5), denom = sqrt, div, add_ (6), param.addcdiv_
 (p, m, denom -> p: 4): 20 accesses of 4 bytes. SGD without momentum: param.add_(grad): 3 x 4."""
+
+OPTIMIZER_OPS_PER_TENSOR = {"adamw": 9, "sgd": 1}
+"""Ops an optimizer step runs per parameter tensor, from the same functions: AdamW's step
+counter add_, then param.mul_, exp_avg.lerp_, exp_avg_sq.mul_ and addcmul_, sqrt, div, add_,
+param.addcdiv_ (bias corrections are Python floats); SGD without momentum: param.add_."""
 
 
 
@@ -217,12 +228,16 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
 
 
 def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
-           total_layers: int, output_bytes: float, boundary_bytes: float) -> Assessment:
-    """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`.
+           total_layers: int, output_bytes: float, boundary_bytes: float,
+           param_tensors: dict[str, float] | None = None) -> Assessment:
+    """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`;
+    `param_tensors`: parameter tensors per part ("pre", "layer": all blocks, "post") for the
+    optimizer's per-tensor ops (none: not priced).
 
     Raises ValueError (from the cost model) when a mesh group straddles nodes unevenly.
     """
     layers = _rank_layers(cfg, total_layers)
+    param_tensors = param_tensors or {}
     v = cfg.num_virtual_stages
     busy = min(topology.devices_per_node, cfg.pp * cfg.dp * cfg.tp)
     speed = topology.device.speed(busy)
@@ -247,8 +262,10 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     elems = max(sum(sol.param_elems.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
                     for p in ("pre", "layer", "post")) for r in range(cfg.pp))
     dp_sync = _dp_sync_s(cfg, spec, topology, elems)
-    exposed = (1 - DP_SYNC_OVERLAP) * dp_sync
-    optimizer = _optimizer_s(cfg, spec, topology, elems, speed)
+    exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(cfg, spec, topology, elems) / speed
+    tensors = max(sum(param_tensors.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
+                      for p in ("pre", "layer", "post")) for r in range(cfg.pp))
+    optimizer = _optimizer_s(cfg, spec, topology, elems, tensors, speed)
     m = cfg.num_microbatches
     breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
     peak = memories[worst]["peak"]
@@ -272,11 +289,19 @@ def _pipeline_s(cfg: Config, comp: float, comm: float, topology: Topology, busy:
 
 
 def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float,
-                 speed: float) -> float:
-    """Optimizer step of one rank: a memory-bound pass over the states it steps."""
-    stepped = elems / (cfg.dp if cfg.zero_stage >= 1 else 1)
-    nbytes = stepped * OPTIMIZER_BYTES_PER_PARAM.get(spec.optimizer, 0.0)
-    return nbytes / (topology.device.mem_bw_bytes_per_s * speed)
+                 tensors: float, speed: float) -> float:
+    """Optimizer step of one rank ([Note: step time], optimizer): a memory-bound pass over the
+    states it steps plus the host time of the per-tensor ops."""
+    # ZeRO >= 1 shards the states: a dp-th of the elements; ZeRO-1 (whole tensors per owner)
+    # a dp-th of the tensors, FSDP2 (ZeRO 2, 3) a shard of every tensor
+    nbytes = elems / (cfg.dp if cfg.zero_stage >= 1 else 1) * OPTIMIZER_BYTES_PER_PARAM.get(
+        spec.optimizer, 0.0)
+    device = topology.device
+    dtensor = cfg.tp > 1 or (cfg.dp > 1 and cfg.zero_stage != 1)
+    op_s = device.dtensor_optimizer_op_s if dtensor else device.optimizer_op_s
+    stepped = tensors / (cfg.dp if cfg.zero_stage == 1 else 1)
+    host = stepped * OPTIMIZER_OPS_PER_TENSOR.get(spec.optimizer, 0) * op_s
+    return (nbytes / device.mem_bw_bytes_per_s + host) / speed
 
 
 def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
@@ -300,6 +325,25 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         late_activation_bytes=late)
 
 
+def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float) -> float:
+    """The local passes around the dp collectives ([Note: step time], dp_local), memory-bound:
+    FSDP2 packs the gradients into a flat buffer, divides them by dp in place and unpacks the
+    result into the gradient tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    foreach_reduce): 3 passes reading and writing G, per reduction; ZeRO-1's optimizer
+    (runtime/parallel.py ShardedOptimizer) packs the owned parameters (W / dp) and copies all
+    of them out of the received buffer (W)."""
+    if cfg.dp == 1:
+        return 0.0
+    _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
+    grads, weights = elems * grad_b, elems * spec.dtype_bytes
+    device = topology.device
+    reductions = cfg.num_microbatches if cfg.pp == 1 else 1
+    passes = reductions * 3 * 2 * grads
+    if cfg.zero_stage == 1:
+        passes += 2 * weights / cfg.dp + 2 * weights
+    return passes / device.mem_bw_bytes_per_s
+
+
 def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float) -> float:
     """The dp group's collectives per step ([Note: step time], dp_sync)."""
     if cfg.dp == 1:
@@ -312,7 +356,7 @@ def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float
     if cfg.zero_stage == 0:
         return reductions * t("all_reduce", grads)
     if cfg.zero_stage == 1:
-        return reductions * t("all_reduce", grads) + t("broadcast", weights)
+        return reductions * t("all_reduce", grads) + t("all_gather", weights)
     if cfg.zero_stage == 2:
         return reductions * t("reduce_scatter", grads) + m * t("all_gather", weights)
     return reductions * t("reduce_scatter", grads) + 2 * m * t("all_gather", weights)

@@ -11,6 +11,7 @@ import time
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
+from autoplan.solver.ilp import evaluate
 from autoplan.solver.pipeline import Assessment
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, Search, enumerate_configs, same_argmin,
@@ -19,7 +20,7 @@ from autoplan.solver.search import (
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["plan"]
+__all__ = ["plan", "reprice"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,47 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         return _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
             allow_tp_across_nodes, checkpointing), time_limit_s, top_k)
+
+
+def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec) -> Plan:
+    """`plan` -- its configuration and placements, unchanged -- priced on `topology`: the same
+    Plan with the prediction the cost model makes there (no search; alternatives dropped).
+    For comparing a plan that ran with what the model says under other figures (bench/
+    fidelity.py prices the plan it ran at the machine speed measured during the run), or a plan
+    made for one cluster on another of the same size.
+
+    Raises InvalidConfig when the plan does not belong to this graph and world size (a node
+    without the plan's placements among its candidates, another device count).
+    """
+    if plan.mesh.world_size != topology.world_size:
+        raise InvalidConfig(f"plan {plan.mesh} needs {plan.mesh.world_size} devices; topology "
+                            f"{topology.name} has {topology.world_size}")
+    with _collector_paused():
+        search = Search(graph, topology, spec, time_limit_s=10.0)
+        cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
+                         plan.num_microbatches, plan.microbatch_size, plan.schedule,
+                         plan.num_virtual_stages, plan.checkpointing)
+        problem = search.problem(cfg.tp)
+        wanted = {st.node: (st.inputs, st.outputs) for st in plan.strategies}
+        fqn_of = {g: fqn for g, (fqn, *_x) in problem.params.items()}
+        choice = {}
+        for n in problem.nodes:
+            cands = problem.cands[n]
+            if n in wanted:
+                match = [i for i, c in enumerate(cands) if (c.inputs, c.outputs) == wanted[n]]
+            elif n in fqn_of:
+                place = plan.placement_of(fqn_of[n])
+                match = [i for i, c in enumerate(cands) if c.outputs[:1] == (place,)]
+            else:  # graph inputs, constants: not part of a plan, replicated
+                match = [i for i, c in enumerate(cands) if all(o == "R" for o in c.outputs)]
+                match = match or [0]
+            if not match:
+                raise InvalidConfig(f"plan node {n}: placements {wanted.get(n)} are not among "
+                                    f"its {len(cands)} candidates on this graph")
+            choice[n] = match[0]
+        costs = search.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing)
+        assessed = search.assess(cfg, evaluate(problem, costs, choice))
+        return build_plan(search, assessed, [])
 
 
 @contextlib.contextmanager

@@ -79,8 +79,11 @@ class Problem:
         edges: weighted ILP edges.
         saved: (owner ILP node or None, global bytes at b = captured batch, multiplicity, part)
             for every tensor autograd saves (cost_model.memory.saved_tensors).
-        scores: the entries of `saved` that selective checkpointing drops (attention-score
-            tensors, cost_model.memory [Note: saved tensors]); empty for fused attention.
+        scores: the entries of `saved` that are attention-score tensors (cost_model.memory
+            [Note: saved tensors]); empty for fused attention.
+        kept_selective: (ILP node, bytes of all its outputs at b = captured batch,
+            multiplicity, part) for every block op whose outputs "selective" checkpointing
+            keeps (solver.checkpointing.SELECTIVE_SAVED: matmuls, fused attention).
         params: ILP get_attr node -> (canonical FQN, numel, parts it belongs to, multiplicity).
         constants: constant-like nodes (no cost).
         shared: True when blocks share variables.
@@ -96,6 +99,7 @@ class Problem:
     edges: list[Edge] = field(default_factory=list)
     saved: list[tuple] = field(default_factory=list)
     scores: list[tuple] = field(default_factory=list)
+    kept_selective: list[tuple] = field(default_factory=list)
     params: dict[str, tuple[str, int, frozenset, float]] = field(default_factory=dict)
     constants: set[str] = field(default_factory=set)
     shared: bool = True
@@ -129,6 +133,7 @@ def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
         prob.weight[n] = (total if shared else total / n_cap) if in_block else 1.0
     prob.edges = _edges(graph, prob, layer_of, dtype_bytes)
     prob.saved, prob.scores = _saved(graph, prob, layer_of, dtype_bytes)
+    prob.kept_selective = _kept_selective(graph, prob, layer_of, dtype_bytes)
     prob.params = _params(graph, prob)
     return prob
 
@@ -329,6 +334,26 @@ def _saved(graph: CapturedGraph, prob: Problem, layer_of,
         if (owner, slot) in scores:
             dropped.append(out[-1])
     return out, dropped
+
+
+def _kept_selective(graph: CapturedGraph, prob: Problem, layer_of,
+                    dtype_bytes) -> list[tuple]:
+    """Problem.kept_selective: the outputs of the block ops "selective" keeps."""
+    from autoplan.cost_model.compute import op_name
+    from autoplan.solver.checkpointing import SELECTIVE_SAVED
+
+    n_cap, total = max(graph.num_layers, 1), graph.total_layers
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    out = []
+    for name, info in graph.nodes.items():
+        if (layer_of.get(name) is None or name not in prob.cands or name in prob.constants
+                or op_name(info.target) not in SELECTIVE_SAVED):
+            continue
+        nbytes = sum(_tensor_bytes(graph, nodes[name], i, dtype_bytes)
+                     for i in range(len(info.shapes)))
+        ilp = prob.rep[name]
+        out.append((ilp, nbytes, total / n_cap, prob.part.get(ilp, "layer")))
+    return out
 
 
 def _params(graph: CapturedGraph, prob: Problem) -> dict[str, tuple]:

@@ -244,7 +244,7 @@ class Search:
         ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
                               boundary_bytes=boundary)
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
-                                       ckpt.score_bytes(self.problem(tp), costs))
+                                       ckpt.block_bytes(self.problem(tp), costs))
 
     def solution(self, cfg: PlanConfig, *, exact: bool = False,
                  constrained: bool = False) -> Solution | None:
@@ -356,10 +356,20 @@ class Search:
         costs = self.cost(tp, b, policy)
         boundary = self.boundary_bytes(tp, b)
         seen, transient = ckpt.checkpointed_solution(
-            sol, policy, self.total_layers, boundary, ckpt.score_bytes(self.problem(tp), costs))
+            sol, policy, self.total_layers, boundary, ckpt.block_bytes(self.problem(tp), costs))
         result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
-                        output_bytes=costs.output_bytes, boundary_bytes=boundary / divide)
+                        output_bytes=costs.output_bytes, boundary_bytes=boundary / divide,
+                        param_tensors=self.param_tensors(tp))
         return ckpt.with_transient(result, transient, self.budget_bytes)
+
+    def param_tensors(self, tp: int) -> dict[str, float]:
+        """Parameter tensors per part (each tied weight in every part that uses it, blocks
+        times their multiplicity), for the optimizer's per-tensor ops."""
+        out: dict[str, float] = {}
+        for _fqn, _numel, parts, mult in self.problem(tp).params.values():
+            for part in parts:
+                out[part] = out.get(part, 0.0) + mult
+        return out
 
     def memory_bound(self, cfg: PlanConfig) -> Assessment:
         """An Assessment whose memory no placement at this (tp, b, policy) can beat: every

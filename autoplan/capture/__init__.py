@@ -1,0 +1,131 @@
+"""Capture: nn.Module + example inputs -> `CapturedGraph` (an aten FX graph + per-node facts).
+
+The steps, in order:
+1. `torch.export.export(strict=False)` of a thin wrapper that calls the model (HF models with
+   `use_cache=False`) and returns one tensor (`.logits` of a ModelOutput, the first tensor of a
+   tuple). Export runs on fake tensors, so a model on the meta device is captured without
+   allocating it; a model on the meta device gets its example inputs moved to meta.
+   The graph stays at the export training-IR level (aten.linear, aten.addmm, aten.view,
+   aten.scaled_dot_product_attention, ...): no core-aten decomposition, because strategies and
+   costs speak these ops.
+2. Clean the unlifted graph (`ep.module()`) into a plain GraphModule: placeholders named after the
+   model's forward arguments (`input_ids`), then one get_attr per parameter/buffer at its
+   canonical FQN (tied weights: one node, see [Note: tied weights]), then the ops; the export
+   guard module, `aten._assert_tensor_metadata` nodes (they pin the capture device) and the pytree
+   codegen are dropped; the output is one tensor.
+3. Device constants (`aten.arange(..., device=...)`, `aten.to(..., device)`) are set to meta; the
+   passes (or `materialize`) retarget them with `retarget_device`. `node.meta["val"]` keeps the
+   export's fake tensors (global shapes, on the capture device).
+4. Per call_function node: shapes, dtypes, bytes, forward FLOPs (torch.utils.flop_counter run on
+   meta tensors, see `_node_flops`), innermost module FQN and layer id.
+5. Repeated blocks: the nn.ModuleList / nn.ModuleDict (digit keys) with the most children of one
+   class holds the layers (`layer_prefix` overrides); ops under `{layer_prefix}.{k}` get
+   layer id k.
+
+[Note: tied weights] Export may read a tied tensor under either name (GPT-2's embedding reads
+`lm_head.weight`). Every name is mapped by tensor identity to its canonical FQN, the first name
+`named_parameters(remove_duplicate=False)` yields (`transformer.wte.weight`); the others are
+`ParamInfo.aliases` and are absent from the GraphModule.
+
+What capture cannot do raises `CaptureError`, naming the module FQN, the source line and the
+original error (data-dependent control flow such as `if x.sum() > 0:`, `.item()` used as a
+shape or a condition, ops without a meta/fake kernel).
+
+Files: this package's __init__ (the API: `capture`, `capture_preset`, `CaptureError`), trace.py
+(step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
+weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.flop_counter as flop_counter
+from torch import nn
+
+from autoplan.graph import CapturedGraph, NodeInfo
+
+__all__ = ["CaptureError", "capture", "capture_preset", "materialize", "retarget_device"]
+
+# Re-exported: they live with the passes, which own graph rewriting.
+from autoplan.passes.device import materialize, retarget_device  # noqa: E402
+
+
+class CaptureError(ValueError):
+    """The model could not be captured; the message names the module FQN and the failing op.
+
+    Attributes:
+        partial_graph: what torch.export had traced before it failed (text; may be empty).
+    """
+
+    partial_graph: str = ""
+
+
+# The steps raise CaptureError: they are imported once it exists (importing one of them runs
+# this module first).
+from autoplan.capture.clean import _clean_graph  # noqa: E402
+from autoplan.capture.facts import (_check_layers_align, _dtype_name, _find_layers,  # noqa: E402
+                                    _node_info, _param_infos)
+from autoplan.capture.trace import _check_inputs, _export, _input_names  # noqa: E402
+
+
+def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
+            model_name: str = "model", layer_prefix: str | None = None,
+            total_layers: int | None = None) -> CapturedGraph:
+    """Capture `model(*example_inputs)` as an aten FX graph with per-node facts.
+
+    Args:
+        model: any nn.Module; on the meta device to capture without allocating (recommended).
+        example_inputs: positional tensor inputs with their global shapes (e.g. input_ids
+            (batch, seq) int64); moved to meta when the model is on meta.
+        model_name: name for reports and error messages.
+        layer_prefix: FQN of the ModuleList/ModuleDict of repeated blocks (default: detected,
+            the container with most children of one class); "" for no layers.
+        total_layers: depth of the real model when `model` is a shallow copy (default: the
+            number of blocks captured).
+
+    Returns:
+        CapturedGraph; `gm(*inputs)` returns one tensor. Parameters/buffers are meta attributes
+        at canonical FQNs; use `materialize` to load real weights.
+
+    Raises:
+        CaptureError: the model does not trace (message: module FQN, source line, cause).
+        ValueError: bad inputs or a `layer_prefix` that names no module container.
+    """
+    inputs = _check_inputs(model, example_inputs)
+    if total_layers is not None and total_layers < 1:
+        raise ValueError(f"total_layers must be >= 1, got {total_layers}")
+    ep = _export(model, inputs, model_name)
+    gm = _clean_graph(ep.module(), model, _input_names(model, len(inputs)))
+    retarget_device(gm, torch.device("meta"))
+
+    prefix, num_layers = _find_layers(model, layer_prefix)
+    module_names = {name for name, _ in model.named_modules()}
+    nodes: dict[str, NodeInfo] = {}
+    with flop_counter.FlopCounterMode(display=False) as counter:
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                nodes[node.name] = _node_info(node, counter, module_names, prefix, model_name)
+    layer_nodes: dict[int, list[str]] = {k: [] for k in range(num_layers)}
+    for info in nodes.values():
+        if info.layer_id is not None:
+            layer_nodes.setdefault(info.layer_id, []).append(info.name)
+    _check_layers_align(nodes, layer_nodes, prefix, model_name)
+    return CapturedGraph(
+        gm=gm, nodes=nodes, params=_param_infos(model, prefix),
+        input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")),
+        input_shapes=tuple(tuple(t.shape) for t in inputs),
+        input_dtypes=tuple(_dtype_name(t.dtype) for t in inputs),
+        layer_prefix=prefix, num_layers=num_layers,
+        layer_nodes={k: tuple(v) for k, v in sorted(layer_nodes.items())},
+        model_name=model_name, total_layers=total_layers or num_layers)
+
+
+def capture_preset(name: str, *, batch: int, seq_len: int, num_layers: int | None = None,
+                   dtype: torch.dtype | None = None) -> CapturedGraph:
+    """Build preset `name` on meta with at most `num_layers` blocks and capture it on
+    (batch, seq_len) inputs; `total_layers` is the preset's real depth (see autoplan.models)."""
+    from autoplan.models import build_model, example_inputs, model_depth
+
+    model = build_model(name, device="meta", num_layers=num_layers, dtype=dtype)
+    inputs = example_inputs(name, batch=batch, seq_len=seq_len, device="meta")
+    return capture(model, inputs, model_name=name, total_layers=model_depth(name))

@@ -1,0 +1,362 @@
+"""Building the placement ILP of ilp.py as an OR-Tools model ([Note: model building]).
+
+`_Model` holds the model under construction; each of its add_* methods builds one block of the
+math in ilp.py's docstring (the names there say which). `_build` assembles a whole model for
+one objective; ilp.py solves it. Units inside the model: ns for time, kB (1e3 B) for memory,
+elements for parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from ortools.linear_solver import pywraplp
+
+from autoplan.solver.costs import Costs, split_of
+from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, RankMemory, StepForm
+from autoplan.solver.problem import OUTPUT, Problem
+
+_KB = 1e3
+
+
+class _Model:
+    """The model under construction (pywraplp: GLOP for the LP, CP-SAT for the ILP); each
+    add_* builds one block of ilp.py's docstring. [Note: model building]: coefficients are set on
+    pywraplp's constraint objects directly (its operator API costs ~10 us per term, which was
+    most of a solve); a node with one candidate is the constant 1, and an edge with one end
+    fixed needs no y variables (its pair costs become the other end's x coefficients and an
+    unavailable pair forbids that candidate); identical constraints are added once."""
+
+    def __init__(self, problem: Problem, costs: Costs, integer: bool) -> None:
+        self.p, self.c, self.integer = problem, costs, integer
+        self.s = pywraplp.Solver.CreateSolver("CP_SAT" if integer else "GLOP")
+        if integer:
+            # Full LP relaxation inside CP-SAT: a llama-tiny layer solves in 0.15 s instead
+            # of 12 s with the default level; one worker keeps the answer deterministic.
+            self.s.SetSolverSpecificParametersAsString(
+                "linearization_level:2 num_workers:1 random_seed:0 "
+                f"relative_gap_limit:{_GAP} mip_max_bound:1e14")
+        else:
+            # A step-time objective reaches 1e10-1e11 ns; GLOP then finds the optimum but
+            # calls it IMPRECISE (a dual residual of ~1e-7 against its absolute tolerance)
+            # and pywraplp drops the solution. The primal side is exact (residuals ~1e-15),
+            # and the placement is re-evaluated (and, when fractional, solved by CP-SAT).
+            self.s.SetSolverSpecificParametersAsString("change_status_to_imprecise: false")
+        self.x: dict[str, list] = {}  # a variable per candidate, or [None]: fixed to its one
+        self.y: list[dict] = []
+        # per part: variable -> ns (time) and variable -> elements; the constants of fixed
+        # nodes separately (they matter in the stage/sync constraints of pp > 1)
+        self.comp = {p: defaultdict(float) for p in _PARTS}
+        self.comm = {p: defaultdict(float) for p in _PARTS}
+        self.elems = {p: defaultdict(float) for p in _PARTS}
+        self.comp_const = dict.fromkeys(_PARTS, 0.0)
+        self.comm_const = dict.fromkeys(_PARTS, 0.0)
+        self.elems_const = dict.fromkeys(_PARTS, 0.0)
+        self.ties: dict = defaultdict(float)
+        self.infeasible = ""  # the constraint that cannot hold, when found while building
+        self._seen: set[tuple] = set()
+
+    def var(self, name: str):
+        return self.s.BoolVar(name) if self.integer else self.s.NumVar(0.0, 1.0, name)
+
+    def bound_var(self, ceiling: float, name: str):
+        """A variable >= 0 that bounds a max (T, E, z): for CP-SAT integral (ns, elements, kB;
+        rounding up costs at most one unit) and at most `ceiling` (it needs finite domains);
+        continuous and unbounded above for the LP."""
+        top = math.ceil(ceiling) + 1.0
+        if self.integer:
+            return self.s.IntVar(0.0, top, name)
+        return self.s.NumVar(0.0, self.s.infinity(), name)
+
+    def constraint(self, terms: dict, lb: float, ub: float, name: str) -> None:
+        """lb <= sum(coef * var) <= ub, skipping zero terms and exact duplicates."""
+        terms = {v: c for v, c in terms.items() if c}
+        if not terms:
+            if lb > 1e-9 or ub < -1e-9:
+                self.infeasible = self.infeasible or name
+            return
+        key = (tuple(sorted((v.index(), c) for v, c in terms.items())), lb, ub)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        ct = self.s.Constraint(lb, ub, name)
+        for v, c in terms.items():
+            ct.SetCoefficient(v, c)
+
+    def forbid(self, n: str, i: int, why: str) -> None:
+        v = self.x[n][i]
+        if v is None:
+            self.infeasible = self.infeasible or why
+        else:
+            v.SetUb(0.0)
+
+    def add_node_constraint(self) -> None:
+        for n in self.p.nodes:
+            k = len(self.p.cands[n])
+            if k == 1:
+                self.x[n] = [None]
+                continue
+            self.x[n] = [self.var(f"x[{n},{i}]") for i in range(k)]
+            self.constraint({v: 1.0 for v in self.x[n]}, 1.0, 1.0, f"one_hot[{n}]")
+
+    def _sum_x(self, n: str, pred) -> tuple[dict, float]:
+        """(terms, constant) of the sum of x[n, c] over candidates c with pred(c)."""
+        terms, const = {}, 0.0
+        for v, c in zip(self.x[n], self.p.cands[n]):
+            if pred(c):
+                if v is None:
+                    const += 1.0
+                else:
+                    terms[v] = terms.get(v, 0.0) + 1.0
+        return terms, const
+
+    def add_edge_constraint(self) -> None:
+        for i, (edge, pairs) in enumerate(zip(self.p.edges, self.c.pairs)):
+            k = edge.out_index
+            src_fixed = self.x[edge.src] == [None]
+            dst_fixed = edge.dst == OUTPUT or self.x[edge.dst] == [None]
+            if src_fixed or dst_fixed:
+                self.y.append({})
+                self._fold_edge(i, edge, pairs)
+                continue
+            # sorted: the pairs come from sets (costs.py), whose order changes between
+            # processes (string hashing); the model, and so its tie-breaks, must not
+            y = {key: self.var(f"y[{i},{key}]") for key in sorted(pairs)}
+            self.y.append(y)
+            by_src, by_dst = defaultdict(dict), defaultdict(dict)
+            for (p, q, s), var in y.items():
+                by_src[p][var] = 1.0
+                by_dst[(q, s)][var] = 1.0
+            for p in dict.fromkeys(c.outputs[k] for c in self.p.cands[edge.src]):
+                terms, _ = self._sum_x(edge.src, lambda c, p=p: c.outputs[k] == p)
+                self.constraint({**by_src.get(p, {}), **{v: -c for v, c in terms.items()}},
+                                0.0, 0.0, f"edge_src[{i},{p}]")
+            j = edge.arg_index
+            dsts = dict.fromkeys((c.inputs[j], split_of(c)) for c in self.p.cands[edge.dst])
+            for q, s in dsts:
+                terms, _ = self._sum_x(
+                    edge.dst, lambda c, q=q, s=s: (c.inputs[j], split_of(c)) == (q, s))
+                self.constraint({**by_dst.get((q, s), {}), **{v: -c for v, c in terms.items()}},
+                                0.0, 0.0, f"edge_dst[{i},{q},{s}]")
+            for key, var in y.items():
+                fwd, bwd, _ = pairs[key]
+                self.comm[edge.part][var] += edge.weight * (fwd + bwd) * _NS
+
+    def _fold_edge(self, i: int, edge, pairs) -> None:
+        """An edge with a fixed end: its cost and availability land on the other end's x."""
+        k = edge.out_index
+        src_cands = self.p.cands[edge.src]
+        if edge.dst == OUTPUT:
+            dst_keys = [("R", False)]
+        else:
+            dst_keys = [(c.inputs[edge.arg_index], split_of(c)) for c in self.p.cands[edge.dst]]
+        free_src = self.x[edge.src] != [None]
+        if not free_src and (edge.dst == OUTPUT or self.x[edge.dst] == [None]):
+            key = (src_cands[0].outputs[k], *dst_keys[0])
+            if key not in pairs:
+                self.infeasible = self.infeasible or f"edge[{i},{key}] (no redistribution)"
+            else:
+                self.comm_const[edge.part] += edge.weight * sum(pairs[key][:2]) * _NS
+            return
+        side = edge.src if free_src else edge.dst
+        for ci, cand in enumerate(self.p.cands[side]):
+            key = (cand.outputs[k], *dst_keys[0]) if free_src else \
+                (src_cands[0].outputs[k], *dst_keys[ci])
+            if key not in pairs:
+                self.forbid(side, ci, f"edge[{i},{key}] (no redistribution)")
+                continue
+            fwd, bwd, _ = pairs[key]
+            self.comm[edge.part][self.x[side][ci]] += edge.weight * (fwd + bwd) * _NS
+
+    def add_tied_constraint(self) -> None:
+        by_fqn = defaultdict(list)
+        for g, (fqn, *_rest) in self.p.params.items():
+            by_fqn[fqn].append(g)
+        for fqn, nodes in by_fqn.items():
+            for other in nodes[1:]:
+                for place in dict.fromkeys(c.outputs[0] for c in self.p.cands[nodes[0]]):
+                    same = lambda c, pl=place: c.outputs[0] == pl  # noqa: E731
+                    (a, ca), (b, cb) = self._sum_x(nodes[0], same), self._sum_x(other, same)
+                    self.constraint({**a, **{v: -c for v, c in b.items()}}, cb - ca, cb - ca,
+                                    f"tied[{fqn},{place}]")
+
+    def memory_expr(self, rank: RankMemory) -> tuple[dict, float]:
+        """(terms in kB, constant kB) of one rank's memory."""
+        terms: dict = defaultdict(float)
+        const = rank.const_bytes / _KB
+        for g, elems in self.c.param_elems.items():
+            coef = max((rank.param_coef.get(part, 0.0) for part in self.p.params[g][2]),
+                       default=0.0)
+            for v, e in zip(self.x[g], elems):
+                if v is None:
+                    const += coef * e / _KB
+                else:
+                    terms[v] += coef * e / _KB
+        for n, row in self.c.act_bytes.items():
+            coef = rank.act_coef.get(self.p.part.get(n, "pre") if n is not None else "pre", 0.0)
+            if n is None or n not in self.x:
+                const += coef * row[0] / _KB
+                continue
+            for v, b in zip(self.x[n], row):
+                if v is None:
+                    const += coef * b / _KB
+                else:
+                    terms[v] += coef * b / _KB
+        return terms, const
+
+    def add_memory_constraint(self, ranks: list[RankMemory], budget_bytes: float) -> None:
+        for r, rank in _undominated(ranks):
+            terms, const = self.memory_expr(rank)
+            self.constraint(terms, -self.s.infinity(), budget_bytes / _KB - const,
+                            f"memory[rank {r}]")
+
+    def add_placement_costs(self) -> None:
+        """Per-part compute and parameter-element terms of every node (the pairs' terms come
+        from add_edge_constraint)."""
+        for n in self.p.nodes:
+            w, part = self.p.weight[n], self.p.part[n]
+            for v, t, c in zip(self.x[n], self.c.compute_s.get(n, []), self.p.cands[n]):
+                if v is None:
+                    self.comp_const[part] += w * t * _NS
+                    continue
+                self.comp[part][v] += w * t * _NS
+                if any(pl != "R" for pl in c.inputs + c.outputs):
+                    self.ties[v] += _TIE_BREAK
+        for g, elems in self.c.param_elems.items():
+            for part in self.p.params[g][2]:
+                for v, e in zip(self.x[g], elems):
+                    if v is None:
+                        self.elems_const[part] += e
+                    else:
+                        self.elems[part][v] += e
+
+    def add_objective(self, form: StepForm, busiest: int | None = None) -> None:
+        """[Note: step form]; `busiest`: the rank rho assumed busiest (a_c != a_m)."""
+        obj: dict = defaultdict(float, self.ties)
+        a_c, a_m, b = form.compute_factor, form.comm_factor, form.sync_s_per_elem * _NS
+        if len(form.shares) == 1 or busiest is not None:
+            rank = form.shares[0 if busiest is None else busiest]
+            self._add_terms(obj, rank, self.comp, a_c)
+            self._add_terms(obj, rank, self.comm, a_m)
+            if busiest is not None:
+                for r, other in enumerate(form.shares):
+                    if r != busiest:
+                        self._at_least(rank, other, f"busiest[rank {busiest} >= {r}]")
+        else:
+            big_t = self.bound_var(self._ceiling(form, elems=False), "T")
+            obj[big_t] += a_m
+            for r, rank in enumerate(form.shares):
+                self._at_least(big_t, rank, f"stage[rank {r}]")
+        if len(form.shares) == 1:
+            self._add_terms(obj, form.shares[0], self.elems, b)
+        elif b:
+            big_e = self.bound_var(self._ceiling(form, elems=True), "E")
+            obj[big_e] += b
+            for r, rank in enumerate(form.shares):
+                self._at_least(big_e, rank, f"sync[rank {r}]", elems=True)
+        objective = self.s.Objective()
+        for v, c in obj.items():
+            objective.SetCoefficient(v, c)
+        objective.SetMinimization()
+
+    @staticmethod
+    def _add_terms(obj: dict, rank, terms: dict, factor: float) -> None:
+        for part, share in rank:
+            for v, c in terms[part].items():
+                obj[v] += factor * share * c
+
+    def _ceiling(self, form: StepForm, *, elems: bool) -> float:
+        """An upper bound of every rank's row: CP-SAT needs finite domains."""
+        most = 0.0
+        for rank in form.shares:
+            row, const = self._row(rank, elems)
+            most = max(most, const + sum(c for c in row.values() if c > 0))
+        return most * (1 + 1e-9)
+
+    def _row(self, rank, elems: bool) -> tuple[dict, float]:
+        """(terms, constant) of sum_p s[r, p] (C_p + M_p), or of sum_p s[r, p] P_p."""
+        row: dict = defaultdict(float)
+        const = 0.0
+        kinds = ((self.elems, self.elems_const),) if elems else (
+            (self.comp, self.comp_const), (self.comm, self.comm_const))
+        for part, share in rank:
+            for terms, consts in kinds:
+                const += share * consts[part]
+                for v, c in terms[part].items():
+                    row[v] += share * c
+        return row, const
+
+    def _at_least(self, bound, rank, name: str, *, elems: bool = False) -> None:
+        """bound >= the rank's row; `bound` a variable or another rank's row."""
+        row, const = self._row(rank, elems)
+        if isinstance(bound, tuple):  # a rank: its row - this row >= 0
+            lhs, lconst = self._row(bound, elems)
+        else:
+            lhs, lconst = {bound: 1.0}, 0.0
+        terms = defaultdict(float, lhs)
+        for v, c in row.items():
+            terms[v] -= c
+        if self.integer:
+            # CP-SAT scales a constraint to integer coefficients and gives up (reports it
+            # infeasible) when they span 1e0..1e10 with fractions: round to whole ns
+            # (elements), at most half a unit per term.
+            terms = {v: float(round(c)) for v, c in terms.items()}
+        self.constraint(terms, const - lconst, self.s.infinity(), name)
+
+    def add_memory_objective(self, ranks: list[RankMemory]) -> None:
+        exprs = [(r, *self.memory_expr(rank)) for r, rank in _undominated(ranks)]
+        ceiling = max((c + sum(v for v in t.values() if v > 0) for _r, t, c in exprs),
+                      default=0.0)
+        z = self.bound_var(ceiling, "z")
+        for r, terms, const in exprs:
+            self.constraint({**{v: -c for v, c in terms.items()}, z: 1.0}, const,
+                            self.s.infinity(), f"memory_max[rank {r}]")
+        objective = self.s.Objective()
+        objective.SetCoefficient(z, 1.0)
+        objective.SetMinimization()
+
+    def values(self) -> dict[str, list[float]]:
+        return {n: [1.0 if v is None else v.solution_value() for v in xs]
+                for n, xs in self.x.items()}
+
+
+def _undominated(ranks: list[RankMemory]) -> list[tuple[int, RankMemory]]:
+    """Ranks whose memory no other rank bounds from above coefficient by coefficient (all
+    coefficients and element counts are >= 0, so a dominated rank's constraint is implied)."""
+    def vec(r: RankMemory) -> tuple:
+        parts = sorted(set(r.param_coef) | set(r.act_coef))
+        return tuple((r.param_coef.get(p, 0.0), r.act_coef.get(p, 0.0)) for p in parts)
+
+    def leq(a: RankMemory, b: RankMemory) -> bool:
+        parts = set(a.param_coef) | set(a.act_coef) | set(b.param_coef) | set(b.act_coef)
+        return a.const_bytes <= b.const_bytes and all(
+            a.param_coef.get(p, 0.0) <= b.param_coef.get(p, 0.0)
+            and a.act_coef.get(p, 0.0) <= b.act_coef.get(p, 0.0) for p in parts)
+
+    out: list[tuple[int, RankMemory]] = []
+    seen = set()
+    for r, rank in enumerate(ranks):
+        key = (vec(rank), rank.const_bytes)
+        if key in seen:
+            continue
+        seen.add(key)
+        if any(leq(rank, other) and not leq(other, rank) for other in ranks):
+            continue
+        out.append((r, rank))
+    return out
+
+
+def _build(problem, costs, integer, ranks, budget_bytes, objective, form, busiest) -> _Model:
+    model = _Model(problem, costs, integer)
+    model.add_node_constraint()
+    model.add_edge_constraint()
+    model.add_tied_constraint()
+    if objective == "memory":
+        model.add_memory_objective(ranks or [])
+    else:
+        if ranks is not None:
+            model.add_memory_constraint(ranks, budget_bytes)
+        model.add_placement_costs()
+        model.add_objective(form, busiest)
+    return model

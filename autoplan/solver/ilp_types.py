@@ -1,0 +1,102 @@
+"""The data of the placement ILP (ilp.py): what a solve is given besides the problem and its
+costs -- the memory of each pipeline rank (`RankMemory`) and the step time to minimise
+(`StepForm`, [Note: step form] in ilp.py) -- and what it returns (`Solution`).
+
+Also the constants both the model (ilp_model.py) and the solve (ilp.py) use: the units inside
+the model (ns for time) and the parts a model is split into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RankMemory", "StepForm", "TIME_FORM", "Solution"]
+
+_NS = 1e9
+_TIE_BREAK = 1.0  # ns
+_GAP = 1e-7  # relative optimality gap accepted from CP-SAT and from a rounded LP optimum
+_PARTS = ("pre", "layer", "post")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Memory of one pipeline rank as a linear function of the placements, bytes.
+
+    Attributes:
+        param_coef: part -> bytes per parameter element (elements as costs.param_elems count
+            them, multiplicity included). A parameter in several parts takes the largest.
+        act_coef: part -> factor on activation bytes (in flight x share of the part on the rank).
+        const_bytes: placement-independent bytes (logits working set, ...).
+    """
+
+    param_coef: dict[str, float]
+    act_coef: dict[str, float]
+    const_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepForm:
+    """The step time of one configuration as a function of the placement ([Note: step form]).
+
+    Attributes:
+        compute_factor, comm_factor: a_c, a_m, seconds of step per second of the busiest
+            rank's compute (communication) per microbatch.
+        shares: per pipeline rank (those no other rank dominates), ((part, share), ...).
+        sync_s_per_elem: B, data-parallel sync and optimizer seconds per parameter element.
+        const_s: K, seconds (constant in the placement; not in the ILP objective).
+    """
+
+    compute_factor: float
+    comm_factor: float
+    shares: tuple[tuple[tuple[str, float], ...], ...]
+    sync_s_per_elem: float = 0.0
+    const_s: float = 0.0
+
+    @property
+    def one_factor(self) -> bool:
+        """a_c = a_m: the busiest rank is the one of the largest weighted time."""
+        return abs(self.compute_factor - self.comm_factor) <= 1e-12 * max(
+            abs(self.compute_factor), abs(self.comm_factor), 1e-300)
+
+    def value(self, sol: "Solution") -> float:
+        """The step time this form gives `sol`, seconds."""
+        def on(rank, per_part: dict) -> float:
+            return sum(s * per_part.get(p, 0.0) for p, s in rank)
+        busiest = max(self.shares, key=lambda rank: (
+            on(rank, sol.compute_s) + on(rank, sol.comm_s), on(rank, sol.compute_s)))
+        elems = max(on(rank, sol.param_elems) for rank in self.shares)
+        return (self.compute_factor * on(busiest, sol.compute_s)
+                + self.comm_factor * on(busiest, sol.comm_s)
+                + self.sync_s_per_elem * elems + self.const_s)
+
+
+TIME_FORM = StepForm(1.0, 1.0, (tuple((p, 1.0) for p in _PARTS),))
+"""One microbatch through the whole model (the time-optimal placement of a (tp, b, policy))."""
+
+
+@dataclass
+class Solution:
+    """A solved placement and its cost breakdown (weighted totals over the whole model).
+
+    Attributes:
+        choice: ILP node -> index of its chosen candidate.
+        compute_s, comm_s: part -> seconds per microbatch (fwd + bwd).
+        param_elems, act_bytes: part -> parameter elements per device, activation bytes per
+            microbatch per device.
+        objective_s: compute + comm, seconds per microbatch.
+        optimal: CP-SAT proved optimality (False: best found within the time limit).
+        num_vars, num_constraints, solve_s: model size and wall time.
+        integer_solver: True when the LP was fractional and CP-SAT solved the ILP.
+    """
+
+    choice: dict[str, int]
+    compute_s: dict[str, float] = field(default_factory=dict)
+    comm_s: dict[str, float] = field(default_factory=dict)
+    param_elems: dict[str, float] = field(default_factory=dict)
+    act_bytes: dict[str, float] = field(default_factory=dict)
+    objective_s: float = 0.0
+    optimal: bool = True
+    num_vars: int = 0
+    num_constraints: int = 0
+    solve_s: float = 0.0
+    integer_solver: bool = False

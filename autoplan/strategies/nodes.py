@@ -1,0 +1,143 @@
+"""Graph helpers of the candidate rules: the tensor arguments of a node ([Note: argument
+order]), output shapes, constant-like and ignored nodes, batch dims, and DTensor's sharding
+propagation for one node (through the decomposition for a composite op).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from autoplan import _torch_compat as tc
+from autoplan.graph import CapturedGraph
+
+
+def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The fx Nodes among `node`'s args and kwargs, in [Note: argument order]."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+    return found
+
+
+def _fetch_attr(gm: torch.fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def node_tensor_meta(graph: CapturedGraph, node: torch.fx.Node) -> list[tuple | None]:
+    """(shape, dtype) of each output of `node` (None for a non-tensor output).
+
+    Reads `node.meta["val"]` (set by torch.export) and falls back to the attribute for
+    get_attr nodes and to `graph.input_shapes` for placeholders.
+    """
+    val = node.meta.get("val")
+    if val is None and node.op == "get_attr":
+        val = _fetch_attr(graph.gm, node.target)
+    if val is None and node.op == "placeholder" and node.name in graph.input_names:
+        i = graph.input_names.index(node.name)
+        return [(tuple(graph.input_shapes[i]), getattr(torch, graph.input_dtypes[i]))]
+    if isinstance(val, torch.Tensor):
+        return [(tuple(int(s) for s in val.shape), val.dtype)]
+    if isinstance(val, (tuple, list)):
+        return [(tuple(int(s) for s in v.shape), v.dtype) if isinstance(v, torch.Tensor)
+                else None for v in val]
+    return [None]
+
+
+def constant_like_nodes(graph: CapturedGraph) -> set[str]:
+    """Names of nodes that depend on no parameter and no graph input (buffers count as
+    constants). They run as plain tensors and get the single candidate R."""
+    trained = {name for fqn, info in graph.params.items() if not info.is_buffer
+               for name in (fqn, *info.aliases)}
+    const: set[str] = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) not in trained:
+            const.add(node.name)
+        elif node.op == "call_function" and all(a.name in const for a in tensor_args(node)):
+            const.add(node.name)
+    return const
+
+
+def ignored_nodes(graph: CapturedGraph) -> set[str]:
+    """call_function nodes with no tensor output and no users (`_assert_tensor_metadata`):
+    they get no candidates and no cost; the runtime runs them on whatever it has or drops them."""
+    out = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and not node.users and node.target is not operator.getitem:
+            if all(m is None for m in node_tensor_meta(graph, node)):
+                out.add(node.name)
+    return out
+
+
+def batch_dims(graph: CapturedGraph, *, cache: dict | None = None) -> dict[str, tuple]:
+    """Batch-carrying dim of each output of each node (None where there is none).
+
+    Found by running DTensor's rules on a 2-way mesh with the graph inputs Shard(0) and all
+    parameters and constants Replicate (pure data parallelism): where the batch split lands is
+    the batch dim. Names map to one entry per output.
+    """
+    mesh = tc.tp_mesh(2)
+    consts = constant_like_nodes(graph)
+    out: dict[str, tuple] = {}
+    for node in graph.gm.graph.nodes:
+        metas = node_tensor_meta(graph, node)
+        if node.op == "placeholder":
+            out[node.name] = tuple(0 if m and len(m[0]) >= 1 else None for m in metas)
+        elif node.op != "call_function" or node.name in consts:
+            out[node.name] = tuple(None for _ in metas)
+        elif node.target is operator.getitem:
+            out[node.name] = (out[node.args[0].name][node.args[1]],)
+        else:
+            out[node.name] = _batch_dims_of_op(graph, node, out, mesh, cache)
+    return out
+
+
+def _batch_dims_of_op(graph, node, known, mesh, cache) -> tuple:
+    dims = [known.get(a.name, (None,))[0] for a in tensor_args(node)]
+    none = tuple(None for _ in node_tensor_meta(graph, node))
+    if all(d is None for d in dims):
+        return none
+    placements = [tc.Shard(d) if d is not None else tc.Replicate() for d in dims]
+    try:
+        prop = _propagate_node(graph, node, placements, mesh, cache)
+    except Exception:  # no rule, or DTensor refuses: the batch split ends here
+        return none
+    if prop.moves_inputs:
+        return none
+    return tuple(p.dim if isinstance(p, tc.Shard) else None for p in prop.outputs)
+
+
+def _arg_specs(graph, node) -> list[tuple]:
+    """(shape, dtype) of each tensor argument (a getitem node carries its element's)."""
+    return [node_tensor_meta(graph, a)[0] for a in tensor_args(node)]
+
+
+def _propagate_node(graph, node, placements, mesh, cache=None) -> tc.Propagation:
+    specs = _arg_specs(graph, node)
+    it = iter(range(len(specs)))
+
+    def to_arg(_n):
+        i = next(it)
+        return tc.TensorArg(specs[i][0], specs[i][1], placements[i])
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), to_arg)
+    op = node.target
+    if tc.has_direct_rule(op) or not tc.is_composite(op):
+        return tc.propagate(op, tuple(args), dict(kwargs), mesh)
+    # [Note: composite ops] in autoplan/_torch_compat.py
+    key = ("trace", str(op), tuple(specs), _static_repr(node))
+    trace = cache.get(key) if cache is not None else None
+    if trace is None:
+        trace = tc.decompose(op, tuple(args), dict(kwargs))
+        if cache is not None:
+            cache[key] = trace
+    return tc.propagate_trace(trace, list(placements), mesh)
+
+
+def _static_repr(node: torch.fx.Node) -> str:
+    """The node's arguments with tensors blanked out: what, besides shapes, a rule reads."""
+    return repr(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: "<T>"))
