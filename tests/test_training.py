@@ -70,15 +70,21 @@ def test_matches_single_process(clusters, references, name, mesh, zero):
 def test_zero1_matches_single_process(clusters, references, mesh):
     """ZeRO-1: each dp rank steps the parameters it owns, then one all-gather of the packed
     updates (DTensor shards under tp, tied weights across pipeline stages) restores them all."""
-    overrides = dict(MESHES[mesh], zero_stage=1)
+    for plan in _gpt2_tiny_matches(clusters, references, dict(MESHES[mesh], zero_stage=1)):
+        assert plan["zero_stage"] == 1
+
+
+def _gpt2_tiny_matches(clusters, references, overrides):
+    """Train gpt2-tiny on 4 ranks under `overrides` (2 microbatches with pp; a memory budget
+    that splits weights with tp), check every rank against one process; the ranks' plans."""
     if "pp" in overrides:
-        overrides["num_microbatches"] = 2
+        overrides = dict(overrides, num_microbatches=2)
     results = clusters.get(4).run(_jobs.train, _jobs.preset("gpt2-tiny"), STEPS, BATCH,
                                   overrides, timeout_s=180,
                                   memory_fraction=0.9 if "tp" in overrides else None)
     for result in results:
         assert_matches("gpt2-tiny", result, references("gpt2-tiny"))
-        assert json.loads(result[2])["zero_stage"] == 1
+    return [json.loads(result[2]) for result in results]
 
 
 @pytest.mark.slow
@@ -87,11 +93,5 @@ def test_zero1_matches_single_process(clusters, references, mesh):
 def test_activation_checkpointing_matches(clusters, references, mesh, policy):
     """Recomputing blocks in backward changes memory, never the numbers."""
     overrides = dict(MESHES[mesh], zero_stage=3, checkpointing=policy)
-    if "pp" in overrides:
-        overrides["num_microbatches"] = 2
-    results = clusters.get(4).run(_jobs.train, _jobs.preset("gpt2-tiny"), STEPS, BATCH,
-                                  overrides, timeout_s=180,
-                                  memory_fraction=0.9 if "tp" in overrides else None)
-    for result in results:
-        assert_matches("gpt2-tiny", result, references("gpt2-tiny"))
-        assert json.loads(result[2])["checkpointing"] == policy
+    for plan in _gpt2_tiny_matches(clusters, references, overrides):
+        assert plan["checkpointing"] == policy

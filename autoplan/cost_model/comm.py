@@ -103,16 +103,7 @@ def factor_steps(kind: str, group_size: int) -> tuple[float, int]:
 
 
 def group_layout(group_size: int, stride: int, topology: Topology) -> tuple[int, int]:
-    """(members per node k, nodes spanned N) of a group ([Note: stragglers]
-A collective starts when its last member arrives. Back-to-back timings (nccl-tests, calibrate's
-fits) have the members in lock-step; in a training step each member arrives after its own
-compute, and where devices share cores or run other processes (CPU ranks) the last one is late
-by a random amount. `DeviceSpec.skew(n)` (`sync_skew_s`, fitted by `autoplan calibrate`; 0 for
-the GPU presets) is that expected wait per blocking collective with n busy devices on the node
-(all of them, under SPMD); `collective_time_s` adds it to every collective of a group. Pipeline
-send/recv does not pay it: a stage waiting for its neighbour is the pipeline term's business.
-
-[Note: group layout]).
+    """(members per node k, nodes spanned N) of a group ([Note: group layout]).
 
     Raises ValueError when the group does not fit in the cluster or straddles node boundaries
     unevenly, naming the numbers.
@@ -180,16 +171,7 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
         nbytes: full buffer per rank as nccl-tests counts it ([Note: collective cost]), bytes.
         group_size: ranks in the group (1 -> 0 s).
         topology: the cluster.
-        stride: rank distance between consecutive members ([Note: stragglers]
-A collective starts when its last member arrives. Back-to-back timings (nccl-tests, calibrate's
-fits) have the members in lock-step; in a training step each member arrives after its own
-compute, and where devices share cores or run other processes (CPU ranks) the last one is late
-by a random amount. `DeviceSpec.skew(n)` (`sync_skew_s`, fitted by `autoplan calibrate`; 0 for
-the GPU presets) is that expected wait per blocking collective with n busy devices on the node
-(all of them, under SPMD); `collective_time_s` adds it to every collective of a group. Pipeline
-send/recv does not pay it: a stage waiting for its neighbour is the pipeline term's business.
-
-[Note: group layout]).
+        stride: rank distance between consecutive members ([Note: group layout]).
         concurrent_groups: groups running at once: across nodes, those sharing one node's NICs
             (default: all groups of the axis, devices_per_node / k, [Note: inter-node bandwidth
             share]); inside a node, the entry of a measured link to use (default

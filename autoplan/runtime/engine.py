@@ -14,7 +14,8 @@ Build order (each step needs the previous one):
    expressible in FSDP2: it runs `replicate` for the gradients and a sharded optimizer
    (`ShardedOptimizer`): each dp rank steps the parameters it owns, then all-gathers them.
 5. Pipeline parallelism: `torch.distributed.pipelining` stages and schedules (GPipe, 1F1B,
-   interleaved 1F1B); without pp, microbatches are plain gradient accumulation.
+   interleaved 1F1B); without pp, microbatches are plain gradient accumulation (replicated
+   gradients, ZeRO 0/1, are reduced once, after the last microbatch).
 6. Weights used by several stages (tied embedding and head) get their gradients summed over
    the stages that hold them before the optimizer step, so the copies stay identical.
 
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoplan.graph import CapturedGraph
@@ -281,8 +283,14 @@ class DistributedModel:
             dist.all_reduce(local, group=self.mesh["pp"].get_group())
         else:
             (_, module), = self.stages
+            # Gradient accumulation: replicated gradients (ZeRO 0, 1) are reduced once, after
+            # the last microbatch (DDP's no_sync); ZeRO 2/3 reduce-scatter every microbatch, so
+            # that no rank ever holds the stage's whole gradient.
+            sync_last_only = self.plan.zero_stage <= 1 and isinstance(module, FSDPModule)
             total = torch.zeros(())
-            for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
+                if sync_last_only:
+                    module.set_requires_gradient_sync(i == m - 1)
                 loss = self.loss_fn(module(xm), ym) / m
                 loss.backward()
                 total += loss.detach()

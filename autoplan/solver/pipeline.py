@@ -28,9 +28,10 @@ dp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per 
     ZeRO 2: reduce_scatter(G) + all_gather(W)       ZeRO 3: reduce_scatter(G) + 2 all_gather(W)
   (ZeRO-3 gathers the parameters for the forward and again for the backward: 1.5x the traffic of
   ZeRO 0-2, ZeRO section 7, FORMULAS.md). Without pipelining the engine accumulates microbatches
-  by calling backward m times, and FSDP2 reduces (and ZeRO 2/3 re-gathers) on every one: m
-  times; the pipelining schedules reduce once, on the last microbatch, while ZeRO-3 still
-  gathers for every microbatch. DP_SYNC_OVERLAP of it is hidden behind compute.
+  by calling backward m times: replicated gradients (ZeRO 0, 1) are reduced once, after the
+  last (DDP's no_sync), while ZeRO 2/3 reduce-scatter (and re-gather) on every one, m times, so
+  that gradients stay sharded; the pipelining schedules reduce once, on the last microbatch,
+  while ZeRO-3 still gathers for every microbatch. DP_SYNC_OVERLAP of it is hidden behind compute.
 - dp_local: the local passes of the runtime around the dp collectives -- packing gradients into
   a flat buffer, dividing, unpacking (`_dp_local_s`) -- at mem_bw, over speed(N); exposed, like
   dp_sync.
@@ -325,6 +326,12 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         late_activation_bytes=late)
 
 
+def _reductions(cfg: Config) -> int:
+    """Gradient reductions per step ([Note: step time], dp_sync): one, except for ZeRO 2/3
+    accumulating microbatches without pipelining, which reduce-scatter every microbatch."""
+    return cfg.num_microbatches if cfg.pp == 1 and cfg.zero_stage >= 2 else 1
+
+
 def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float) -> float:
     """The local passes around the dp collectives ([Note: step time], dp_local), memory-bound:
     FSDP2 packs the gradients into a flat buffer, divides them by dp in place and unpacks the
@@ -337,8 +344,7 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
     grads, weights = elems * grad_b, elems * spec.dtype_bytes
     device = topology.device
-    reductions = cfg.num_microbatches if cfg.pp == 1 else 1
-    passes = reductions * 3 * 2 * grads
+    passes = _reductions(cfg) * 3 * 2 * grads
     if cfg.zero_stage == 1:
         passes += 2 * weights / cfg.dp + 2 * weights
     return passes / device.mem_bw_bytes_per_s
@@ -352,7 +358,7 @@ def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float
     grads, weights = elems * grad_b, elems * spec.dtype_bytes
     t = lambda kind, n: collective_time_s(kind, n, cfg.dp, topology, stride=cfg.tp)  # noqa: E731
     m = cfg.num_microbatches
-    reductions = m if cfg.pp == 1 else 1
+    reductions = _reductions(cfg)
     if cfg.zero_stage == 0:
         return reductions * t("all_reduce", grads)
     if cfg.zero_stage == 1:
