@@ -11,14 +11,16 @@ The pipeline, in files:
     ilp_types.py      its inputs (per-rank memory, step form) and its Solution
     pipeline.py       step time and memory of a configuration (bubble, dp sync, per-rank peak)
     search.py         configurations, bounds, step forms, errors ([Note: decomposition])
-    planner.py        plan(): branch and bound over configurations -> the best and runners-up
+    planner.py        plan(): branch and bound over configurations -> the best and runners-up;
+                      reprice(): a fixed plan priced on another topology
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
-Public: `plan`, `NoFeasiblePlan`, `InvalidConfig` (both ValueError), `DP_SYNC_OVERLAP`.
+Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig` (both ValueError),
+`DP_SYNC_OVERLAP`.
 """
 
 from autoplan.solver.pipeline import DP_SYNC_OVERLAP
-from autoplan.solver.planner import plan
+from autoplan.solver.planner import plan, reprice
 from autoplan.solver.search import InvalidConfig, NoFeasiblePlan
 
-__all__ = ["plan", "NoFeasiblePlan", "InvalidConfig", "DP_SYNC_OVERLAP"]
+__all__ = ["plan", "reprice", "NoFeasiblePlan", "InvalidConfig", "DP_SYNC_OVERLAP"]
