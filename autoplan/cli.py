@@ -26,8 +26,9 @@ _SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # autoplan.plan.SCHEDULES, k
 _EPILOG = """\
 examples:
   autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
-  autoplan plan --model llama3-405b --cluster dgx-h100 --nodes 192 --global-batch 2048 \\
-      --seq 8192 --tp 8 --pp 8 --dp 24 -o out/405b
+  autoplan plan --model gpt3-175b --cluster dgx-a100 --nodes 128 --global-batch 1536 \\
+      --seq 2048 --tp 8 --pp 8 --dp 16 --microbatches 96 --schedule interleaved-1f1b \\
+      -o out/gpt3
   autoplan plan --model gpt2-tiny --cluster local-cpu --devices-per-node 4 --global-batch 8 \\
       --seq 16 -o out/tiny
   autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/export
@@ -162,10 +163,16 @@ def _topology(args):
 
     from autoplan.topology import PRESETS, load_topology, preset
 
-    if args.cluster in PRESETS:
+    if args.cluster == "local-cpu" and args.devices_per_node:
+        # the ranks share the machine's RAM: the preset divides it by its rank count
+        topo = preset(args.cluster, num_nodes=args.nodes or 1,
+                      devices_per_node=args.devices_per_node)
+    elif args.cluster in PRESETS:
         topo = preset(args.cluster, num_nodes=args.nodes or 1)
     elif Path(args.cluster).is_file():
         topo = load_topology(args.cluster)
+    elif args.cluster.endswith((".yaml", ".yml", ".json")):
+        raise ValueError(f"topology file {args.cluster!r} not found")
     else:
         raise ValueError(f"unknown cluster {args.cluster!r}: not a preset "
                          f"({', '.join(sorted(PRESETS))}) and not a topology YAML file")
@@ -257,6 +264,23 @@ def _cmd_calibrate(args) -> int:
     return run(**_given(out_path=args.out, max_ranks=args.max_ranks)) or 0
 
 
+def _check_out(out: str | None, command: str) -> None:
+    """Refuse an output path that cannot be written, before any work: for `calibrate` a file
+    (its directory may be missing), for the others a directory."""
+    if not out:
+        return
+    path = Path(out).expanduser()
+    if command == "calibrate":
+        if path.is_dir():
+            raise ValueError(f"-o {out}: is a directory; calibrate writes a topology YAML file")
+        blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    else:
+        blocked = path if path.exists() and not path.is_dir() else next(
+            (p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"-o {out}: {blocked} is a file, not a directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 failure, 2 user error)."""
     parser = build_parser()
@@ -265,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return e.code if isinstance(e.code, int) else 2
     try:
+        _check_out(getattr(args, "out", None), args.command)
         return int(args.run(args))
     except ValueError as e:  # user mistakes from every layer: NoFeasiblePlan, InvalidConfig, ...
         print(f"autoplan: error: {e}", file=sys.stderr)

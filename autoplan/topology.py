@@ -228,7 +228,7 @@ def _from_dict(cls, data, where: str):
         elif name == "peak_flops_per_s":
             if not isinstance(value, dict) or not value:
                 raise ValueError(f"{where}.{name}: expected a mapping dtype -> FLOP/s")
-            value = {str(k): float(v) for k, v in value.items()}
+            value = {str(k): _positive(v, f"{where}.{name}[{k}]") for k, v in value.items()}
         elif name == "shared_speed":
             value = _int_keyed(value, f"{where}.{name}", lambda v, w: _positive(v, w))
         elif name == "sync_skew_s":
@@ -240,13 +240,13 @@ def _from_dict(cls, data, where: str):
         elif name == "collectives":
             value = _collectives(value, f"{where}.{name}")
         elif f.type in ("float", float):
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"{where}.{name}: expected a number, got {value!r}") from None
+            # times (latencies, overheads) may be 0; sizes, rates and fractions must be > 0
+            check = _non_negative if name.endswith("_s") and not name.endswith("_per_s") \
+                else _positive
+            value = check(value, f"{where}.{name}")
         elif f.type in ("int", int):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{where}.{name}: expected an integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}.{name}: expected an integer >= 1, got {value!r}")
         kwargs[name] = value
     return cls(**kwargs)
 

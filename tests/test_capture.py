@@ -342,3 +342,12 @@ def test_build_model_from_config_path(tmp_path):
     path.write_text((__import__("json").dumps(model_config("llama-tiny"))))
     model = build_model(str(path), num_layers=1, vocab_size=32)
     assert len(model.model.layers) == 1 and model.lm_head.weight.shape == (32, 32)
+
+
+@pytest.mark.parametrize("name, field", [("gpt2-tiny", "n_positions"),
+                                         ("llama-tiny", "max_position_embeddings"),
+                                         ("nanogpt-tiny", "block_size")])
+def test_sequence_longer_than_the_positions_is_refused(name, field):
+    """On meta tensors a too-long sequence traces, and would fail only when it runs."""
+    with pytest.raises(ValueError, match=rf"sequence length \d+ is longer .* {field} = \d+"):
+        capture_preset(name, batch=1, seq_len=100_000)

@@ -28,6 +28,25 @@ def test_help_lists_the_subcommands(capsys):
     assert code == 0 and "--num-layers-capture" in out and "--allow-tp-across-nodes" in out
 
 
+def test_help_examples_are_valid(capsys, tmp_path):
+    """Every example of `autoplan --help` parses; the fixed published-scale one plans (the
+    solver is bypassed) and reports TFLOP/s and MFU."""
+    import shlex
+
+    from autoplan.cli import _EPILOG, build_parser
+
+    commands = [shlex.split(c.replace("\\\n", " "))
+                for c in _EPILOG.split("\n  autoplan ")[1:]]
+    assert len(commands) == 4
+    for argv in commands:
+        build_parser().parse_args(argv)  # SystemExit on a bad example
+    fixed = next(a for a in commands if "--tp" in a)
+    fixed[fixed.index("-o") + 1] = str(tmp_path / "fixed")
+    code, out, err = _run(capsys, *fixed)
+    assert code == 0, err
+    assert "TFLOP/s per device" in out and "MFU" in out
+
+
 def test_plan_tiny_writes_the_report(capsys, tmp_path):
     out_dir = tmp_path / "tiny"
     code, out, err = _run(capsys, "plan", "--model", "gpt2-tiny", "--cluster", "local-cpu",
@@ -193,3 +212,32 @@ def test_missing_optional_command_is_a_clear_failure(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "autoplan.calibrate", None)  # import raises
     code, _, err = _run(capsys, "calibrate")
     assert code == 1 and "autoplan calibrate" in err and "not available" in err
+
+
+def test_output_path_that_is_a_file_fails_before_planning(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep")
+    for out in (blocker, blocker / "sub"):
+        code, out_text, err = _run(capsys, "plan", "--model", "gpt2-tiny", "--cluster",
+                                   "local-cpu", "--global-batch", "4", "--seq", "16",
+                                   "-o", str(out))
+        assert code == 2 and f"{blocker} is a file" in err and "step time" not in out_text
+    code, _, err = _run(capsys, "calibrate", "-o", str(tmp_path))
+    assert code == 2 and "is a directory" in err
+    assert blocker.read_text() == "keep"
+
+
+def test_local_cpu_memory_follows_devices_per_node(capsys, tmp_path, monkeypatch):
+    """The local-cpu ranks share the machine's RAM: --devices-per-node 2 gives each twice
+    what 4 ranks get."""
+    monkeypatch.setenv("AUTOPLAN_CALIBRATION", str(tmp_path / "absent.yaml"))
+    per_rank = {}
+    for n in (2, 4):
+        code, _, err = _run(capsys, "plan", "--model", "gpt2-tiny", "--cluster", "local-cpu",
+                            "--devices-per-node", str(n), "--global-batch", "4", "--seq", "16",
+                            "-o", str(tmp_path / str(n)))
+        assert code == 0, err
+        per_rank[n] = preset("local-cpu", devices_per_node=n).device.mem_bytes
+        report = (tmp_path / str(n) / "report.md").read_text()
+        assert f"{per_rank[n] / 1e9:.3g} GB" in report, report
+    assert per_rank[2] == 2 * per_rank[4]

@@ -44,6 +44,26 @@ def test_files_per_rank_and_stage(exported):
     assert not list(out.glob(".*")), "temporary files left behind"
 
 
+def test_export_over_an_earlier_one_leaves_only_this_plan(tmp_path):
+    """A pp1 x tp1 export into a directory holding a 4-rank one: the 4-rank graphs go, the
+    user's own files stay; a failing export creates no directory."""
+    graph = capture_preset("llama-tiny", batch=2, seq_len=16)
+    spec = TrainingSpec(4, 16)
+    out = tmp_path / "graphs"
+    export_plan(graph, solve(graph, preset("local-cpu", devices_per_node=4), spec, tp=2, pp=2,
+                             num_microbatches=2), out)
+    (out / "notes.txt").write_text("mine")
+    files = export_plan(graph, solve(graph, preset("local-cpu", devices_per_node=1), spec), out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*files, "notes.txt"])
+    assert sorted(files) == ["plan.json", "rank0_stage0.dot", "rank0_stage0.json",
+                             "rank0_stage0.py"]
+    shallow = capture_preset("llama-tiny", batch=2, seq_len=16, num_layers=1)
+    plan = solve(shallow, preset("local-cpu", devices_per_node=1), spec)
+    with pytest.raises(ValueError, match="export needs the full model"):
+        export_plan(shallow, plan, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
 def test_collectives_in_graphs_are_the_plans(exported):
     """Every redistribution the plan costs with a collective appears once in the traced local
     graph of its stage, and no other collective does (DTensor added nothing implicit)."""

@@ -79,6 +79,19 @@ def test_bad_fields_are_named(tmp_path):
         load_topology(tmp_path / "nowhere.yaml")
     with pytest.raises(ValueError, match="num_nodes=0"):
         dataclasses.replace(preset("dgx-h100"), num_nodes=0)
+    # numbers out of range are named, not priced (a negative bandwidth made negative steps)
+    for path, value, want in ((("intra_node", "bw_bytes_per_s"), -3.7e11, "> 0"),
+                              (("inter_node", "latency_s"), -1e-6, ">= 0"),
+                              (("device", "peak_flops_per_s", "bfloat16"), -1, "> 0"),
+                              (("device", "mem_bytes"), 0, "> 0"),
+                              (("devices_per_node",), 0, ">= 1")):
+        data = preset("dgx-h100").to_dict()
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(ValueError, match=rf"{path[-1]}.*{want}"):
+            load_topology(_saved(tmp_path, data))
 
 
 def test_unknown_preset_lists_known():

@@ -68,6 +68,24 @@ from autoplan.capture.facts import (_check_layers_align, _dtype_name, _find_laye
 from autoplan.capture.trace import _check_inputs, _export, _input_names  # noqa: E402
 
 
+_POSITION_FIELDS = ("n_positions", "max_position_embeddings", "block_size")
+
+
+def _check_positions(model: nn.Module, inputs, model_name: str) -> None:
+    """A token sequence (dim 1 of the first input) no longer than the positions the model's
+    config declares: a longer one traces on meta tensors and fails only when it runs (an
+    embedding index out of range)."""
+    config = getattr(model, "config", None)
+    if config is None or not inputs or inputs[0].dim() < 2:
+        return
+    seq = inputs[0].shape[1]
+    for field in _POSITION_FIELDS:
+        limit = getattr(config, field, None)
+        if isinstance(limit, int) and seq > limit:
+            raise ValueError(f"{model_name}: sequence length {seq} is longer than the model's "
+                             f"{field} = {limit}")
+
+
 def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
             model_name: str = "model", layer_prefix: str | None = None,
             total_layers: int | None = None) -> CapturedGraph:
@@ -89,9 +107,12 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
 
     Raises:
         CaptureError: the model does not trace (message: module FQN, source line, cause).
-        ValueError: bad inputs or a `layer_prefix` that names no module container.
+        ValueError: bad inputs, a sequence longer than the model's positions (its config's
+            n_positions / max_position_embeddings / block_size), or a `layer_prefix` that
+            names no module container.
     """
     inputs = _check_inputs(model, example_inputs)
+    _check_positions(model, inputs, model_name)
     if total_layers is not None and total_layers < 1:
         raise ValueError(f"total_layers must be >= 1, got {total_layers}")
     ep = _export(model, inputs, model_name)

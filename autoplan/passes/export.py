@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -199,7 +200,8 @@ def _json(gm: torch.fx.GraphModule) -> list[dict]:
 
 
 def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write per-rank graphs for `plan` into `out_dir` (created; files replaced atomically):
+    """Write per-rank graphs for `plan` into `out_dir` (created; files replaced atomically, the
+    graphs of an earlier export there that this plan does not have removed):
     `plan.json`, and per (pp rank, tp rank) and stage `rank{r}_stage{s}.py` (local graph code),
     `.dot` (Graphviz) and `.json`. Returns {name: path}.
 
@@ -217,7 +219,6 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {"plan.json": plan.to_json()}
     try:
         for pp_rank in range(plan.mesh.pp):
@@ -239,6 +240,7 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
                     files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
     except Exception:
         raise  # nothing has been written yet: outputs are all-or-nothing
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed trace leaves nothing
     written = {}
     for name, text in files.items():
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.")
@@ -246,4 +248,9 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
             f.write(text)
         os.replace(tmp, out_dir / name)
         written[name] = out_dir / name
+    # a previous export's graphs of ranks or stages this plan does not have would read as
+    # this plan's: remove them (only files of the export's own naming)
+    for old in out_dir.glob("rank*_stage*.*"):
+        if old.name not in files and re.fullmatch(r"rank\d+_stage\d+\.(py|dot|json)", old.name):
+            old.unlink()
     return written

@@ -118,6 +118,8 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
                             f"{graph.model_name} has none")
     if o.num_microbatches is not None:
         _check_microbatches(spec, o, world)
+    elif o.dp is not None and spec.global_batch % o.dp:
+        raise InvalidConfig(f"global_batch {spec.global_batch} is not divisible by dp {o.dp}")
 
 
 def _check_microbatches(spec: TrainingSpec, o: Overrides, world: int) -> None:
