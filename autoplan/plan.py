@@ -170,6 +170,8 @@ class Alternative:
     step_time_s: float
     memory_bytes: float
     reason: str
+    checkpointing: str = "none"
+    num_virtual_stages: int = 1
 
 
 @dataclass(frozen=True)

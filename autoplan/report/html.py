@@ -92,8 +92,10 @@ def markdown_to_html(lines: list[str]) -> str:
 
 def _alt_label(a) -> str:
     schedule = {"interleaved-1f1b": "i1f1b"}.get(a.schedule, a.schedule)
+    v = f" v{a.num_virtual_stages}" if a.num_virtual_stages > 1 else ""
+    ckpt = {"none": ""}.get(a.checkpointing, f" {a.checkpointing[:3]}-ckpt")
     return (f"pp{a.mesh.pp} dp{a.mesh.dp} tp{a.mesh.tp} z{a.zero_stage} "
-            f"m{a.num_microbatches} {schedule}")
+            f"m{a.num_microbatches} {schedule}{v}{ckpt}")
 
 
 def _figure(chart: str, caption: str) -> str:

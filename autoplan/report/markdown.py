@@ -142,7 +142,7 @@ def _placements(plan: Plan, graph) -> list[str]:
     return ["## Tensor-parallel placements", "",
             f"Placement of each parameter on the tp axis (tp = {plan.mesh.tp}); one row per "
             f"role in the repeated block. {sharded} of {sum(g.count for g in own)} "
-            "parameters are sharded.", "",
+            "parameters are sharded (a tied weight counted once).", "",
             *_table(["parameter", "shape", "placement", "count"], rows)]
 
 
@@ -193,15 +193,21 @@ def _alternatives(plan: Plan) -> list[str]:
         return lines + ["The solver kept no runner-up.", ""]
     step = plan.prediction.step_time_s
     rows = [["**chosen**", f"pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp}",
-             plan.zero_stage, plan.num_microbatches, plan.schedule, F.fmt_time(step), "",
-             F.fmt_bytes(plan.prediction.memory_bytes), ""]]
+             plan.zero_stage, plan.num_microbatches,
+             _schedule(plan.schedule, plan.num_virtual_stages), plan.checkpointing,
+             F.fmt_time(step), "", F.fmt_bytes(plan.prediction.memory_bytes), ""]]
     for a in plan.alternatives:
         delta = f"{(a.step_time_s / step - 1) * 100:+.1f} %" if step else ""
         rows.append(["", f"pp {a.mesh.pp} x dp {a.mesh.dp} x tp {a.mesh.tp}", a.zero_stage,
-                     a.num_microbatches, a.schedule, F.fmt_time(a.step_time_s), delta,
+                     a.num_microbatches, _schedule(a.schedule, a.num_virtual_stages),
+                     a.checkpointing, F.fmt_time(a.step_time_s), delta,
                      F.fmt_bytes(a.memory_bytes), a.reason])
-    return lines + _table(["", "mesh", "ZeRO", "microbatches", "schedule", "step time",
-                           "vs chosen", "memory", "why it loses"], rows)
+    return lines + _table(["", "mesh", "ZeRO", "microbatches", "schedule", "checkpointing",
+                           "step time", "vs chosen", "memory", "why it loses"], rows)
+
+
+def _schedule(schedule: str, num_virtual_stages: int) -> str:
+    return f"{schedule} (v = {num_virtual_stages})" if num_virtual_stages > 1 else schedule
 
 
 def _formulas(plan: Plan) -> list[str]:

@@ -56,7 +56,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         alternatives=tuple(
             Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp), a.config.zero_stage,
                         a.config.num_microbatches, a.config.schedule, a.step_time_s,
-                        a.memory_bytes, reason)
+                        a.memory_bytes, reason, a.config.checkpointing,
+                        a.config.num_virtual_stages)
             for a, reason in alternatives),
         dtype=spec.dtype)
 

@@ -293,7 +293,9 @@ def _reason(a: Assessment, best: Assessment) -> str:
     kind = max(deltas, key=deltas.get)
     if deltas[kind] <= 0:
         return "tie: same predicted step time; ranked by memory and simplicity"
-    return f"{kind}: +{deltas[kind] * 1e3:.3g} ms per step vs the chosen plan"
+    d = deltas[kind]
+    amount = f"{d:.3g} s" if d >= 1 else f"{d * 1e3:.3g} ms"
+    return f"{kind}: +{amount} per step vs the chosen plan"
 
 
 def _explain_memory(search: Search, configs: list[PlanConfig]) -> str:
