@@ -484,7 +484,8 @@ def dtensor_overhead_job(repeats: int, min_time_s: float) -> dict:
                                  **{k: opt.step for k, opt in adamw.items()}},
                                 repeats=repeats, min_time_s=min_time_s)
     constants = constant_like_nodes(graph)
-    count = sum(dtensor_dispatches(n) for name, n in graph.nodes.items() if name not in constants)
+    count = sum(dtensor_dispatches(n) for name, n in graph.nodes.items()
+                if name not in constants)
     return {"dispatch_s": max(0.0, times["dtensor"] - times["plain"]) / max(count, 1),
             "adamw_plain_s": times["adamw_plain_s"], "adamw_dtensor_s": times["adamw_dtensor_s"],
             "tensors": len(plain), "elements": sum(p.numel() for p in plain),
@@ -880,7 +881,8 @@ def _source(fig: dict, s: _Settings, max_ranks: int, quick: bool) -> str:
         "dtensor_redistribute_s = DTensor Shard(1) -> Replicate of an (8, 8p) tensor minus a "
         "raw all_gather of it, times shared_speed",
         "sync_skew_s = slowest minus mean chunk of rounds [compute chunk of "
-        f"{s.skew_chunk_s * 1e3:g} ms; 4-byte all_reduce]: " + ", ".join(f"n={n} {v * 1e3:.2f} ms" for n, v in fig["sync_skew"].items()),
+        f"{s.skew_chunk_s * 1e3:g} ms; 4-byte all_reduce]: "
+        + ", ".join(f"n={n} {v * 1e3:.2f} ms" for n, v in fig["sync_skew"].items()),
         f"mem_bytes = MemTotal / {max_ranks}",
         "shared_speed = per-rank reference-step throughput with n ranks at once times the "
         f"model's one-rank step time ({fig['solo_step_s'] * 1e3:.3g} ms), "

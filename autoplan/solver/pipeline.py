@@ -8,7 +8,7 @@ dp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per 
     pipeline = sum over slots j = 0 .. m v + pp - 2 of
                (t_comp speed(N) / speed(a_j R) + t_comm) / v,   a_j = min(j + 1, pp, m v,
                                                                          m v + pp - 1 - j)
-    step     = pipeline + dp_sync + optimizer
+    step     = pipeline + dp_sync + dp_local + optimizer
 
 - speed(n) = DeviceSpec.speed(n): the fraction of its solo speed a device keeps while n devices
   of its node compute (1 for GPUs; measured for CPU ranks sharing cores, `autoplan calibrate`).
@@ -75,7 +75,8 @@ from autoplan.solver.ilp import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR", "Config", "Assessment", "stages_of",
+__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR", "Config",
+           "Assessment", "stages_of",
            "assess", "rank_memories"]
 
 DP_SYNC_OVERLAP = 0.0
