@@ -270,13 +270,11 @@ def _check_out(out: str | None, command: str) -> None:
     if not out:
         return
     path = Path(out).expanduser()
-    if command == "calibrate":
-        if path.is_dir():
-            raise ValueError(f"-o {out}: is a directory; calibrate writes a topology YAML file")
-        blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    else:
-        blocked = path if path.exists() and not path.is_dir() else next(
-            (p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if command == "calibrate" and path.is_dir():
+        raise ValueError(f"-o {out}: is a directory; calibrate writes a topology YAML file")
+    # what must be directories: the parents, and the path itself except for calibrate's file
+    dirs = [*path.parents] if command == "calibrate" else [path, *path.parents]
+    blocked = next((p for p in dirs if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise ValueError(f"-o {out}: {blocked} is a file, not a directory")
 

@@ -251,24 +251,26 @@ def _from_dict(cls, data, where: str):
     return cls(**kwargs)
 
 
-def _positive(value, where: str) -> float:
+def _number(value, where: str, *, zero_ok: bool) -> float:
+    """`value` as a float > 0 (>= 0 with zero_ok); ValueError naming `where` otherwise."""
     try:
         out = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: expected a number, got {value!r}") from None
-    if not out > 0:
-        raise ValueError(f"{where}: expected a number > 0, got {value!r}")
+    if not (out >= 0 if zero_ok else out > 0):
+        raise ValueError(f"{where}: expected a number {'>=' if zero_ok else '>'} 0, "
+                         f"got {value!r}")
     return out
+
+
+def _positive(value, where: str) -> float:
+    return _number(value, where, zero_ok=False)
 
 
 def _non_negative(value, where: str) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: expected a number, got {value!r}") from None
-    if not out >= 0:
-        raise ValueError(f"{where}: expected a number >= 0, got {value!r}")
-    return out
+    return _number(value, where, zero_ok=True)
+
+
 
 
 def _int_keyed(value, where: str, convert) -> dict:

@@ -114,21 +114,16 @@ def dtensor_overhead_job(repeats: int, min_time_s: float) -> dict:
 
     from autoplan._torch_compat import implicit_replication
     from autoplan.cost_model.compute import dtensor_dispatches
-    from autoplan.passes.sharding import reshape, sdpa_local
+    from autoplan.passes.sharding import swap_dtensor_op
     from autoplan.strategies import constant_like_nodes
 
     torch.set_num_threads(1)
     step, graph, gm, x = reference_step()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     dgm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    aten = torch.ops.aten
     done: dict[int, nn.Parameter] = {}
     for node in dgm.graph.nodes:
-        # the op swaps of passes.sharding.apply_placements, as the engine runs a stage
-        if node.target is aten.scaled_dot_product_attention.default:
-            node.target = sdpa_local
-        elif node.target in (aten.view.default, aten.reshape.default):
-            node.target = reshape
+        swap_dtensor_op(node)  # as apply_placements does for the engine's stages
         if node.op != "get_attr":
             continue
         owner_path, _, leaf = node.target.rpartition(".")

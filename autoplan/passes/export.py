@@ -220,26 +220,24 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
 
     out_dir = Path(out_dir)
     files: dict[str, str] = {"plan.json": plan.to_json()}
-    try:
-        for pp_rank in range(plan.mesh.pp):
-            for tp_rank in range(plan.mesh.tp):
-                rank = _rank(plan, pp_rank, 0, tp_rank)
-                dist.init_process_group("fake", store=FakeStore(), rank=rank,
-                                        world_size=plan.mesh.world_size)
-                try:
-                    traced = trace_rank(graph, plan, pp_rank, tp_rank)
-                finally:
-                    dist.destroy_process_group()
-                    clear_dtensor_caches()
-                for stage, gm, ins, outs in traced:
-                    stem = f"rank{rank}_stage{stage}"
-                    header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
-                                     count_collectives(gm))
-                    files[f"{stem}.py"] = header + gm.code
-                    files[f"{stem}.dot"] = _dot(gm, stem)
-                    files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
-    except Exception:
-        raise  # nothing has been written yet: outputs are all-or-nothing
+    # traced in memory first: a failure writes nothing (all-or-nothing outputs)
+    for pp_rank in range(plan.mesh.pp):
+        for tp_rank in range(plan.mesh.tp):
+            rank = _rank(plan, pp_rank, 0, tp_rank)
+            dist.init_process_group("fake", store=FakeStore(), rank=rank,
+                                    world_size=plan.mesh.world_size)
+            try:
+                traced = trace_rank(graph, plan, pp_rank, tp_rank)
+            finally:
+                dist.destroy_process_group()
+                clear_dtensor_caches()
+            for stage, gm, ins, outs in traced:
+                stem = f"rank{rank}_stage{stage}"
+                header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
+                                 count_collectives(gm))
+                files[f"{stem}.py"] = header + gm.code
+                files[f"{stem}.dot"] = _dot(gm, stem)
+                files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
     out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed trace leaves nothing
     written = {}
     for name, text in files.items():

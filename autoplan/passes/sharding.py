@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.plan import Plan, Redistribution, parse_placement
 
-__all__ = ["apply_placements", "redistribute", "reshape", "sdpa_local", "tensor_args",
+__all__ = ["apply_placements", "redistribute", "reshape", "sdpa_local", "swap_dtensor_op",
+           "tensor_args",
            "check_redistributions"]
 
 aten = torch.ops.aten
@@ -114,6 +115,15 @@ def value_placements(plan: Plan) -> dict[str, str]:
     return out
 
 
+def swap_dtensor_op(node: torch.fx.Node) -> None:
+    """Point a call of an op that DTensor cannot run as captured at our version of it, in place:
+    scaled_dot_product_attention -> `sdpa_local`, view / reshape -> `reshape`."""
+    if node.target is aten.scaled_dot_product_attention.default:
+        node.target = sdpa_local
+    elif node.target in (aten.view.default, aten.reshape.default):
+        node.target = reshape
+
+
 def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
                      param_names: dict[str, str] | None = None) -> list[Redistribution]:
     """Insert the plan's redistributions into `gm` (in place) and swap sdpa for `sdpa_local`.
@@ -132,10 +142,7 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
         if node.op != "call_function":
             continue
         name = node.meta.get("orig_name", node.name)
-        if node.target is aten.scaled_dot_product_attention.default:
-            node.target = sdpa_local
-        elif node.target in (aten.view.default, aten.reshape.default):
-            node.target = reshape
+        swap_dtensor_op(node)
         strategy = strategies.get(name)
         # getitem reads one element of a multi-output op: it has no tensor of its own to move.
         if strategy is None or node.target is operator.getitem:

@@ -327,6 +327,12 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         late_activation_bytes=late)
 
 
+def _grad_weight_bytes(spec: TrainingSpec, elems: float) -> tuple[float, float]:
+    """(gradient bytes, compute-precision weight bytes) of `elems` parameters."""
+    _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
+    return elems * grad_b, elems * spec.dtype_bytes
+
+
 def _reductions(cfg: Config) -> int:
     """Gradient reductions per step ([Note: step time], dp_sync): one, except for ZeRO 2/3
     accumulating microbatches without pipelining, which reduce-scatter every microbatch."""
@@ -342,8 +348,7 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     of them out of the received buffer (W)."""
     if cfg.dp == 1:
         return 0.0
-    _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
-    grads, weights = elems * grad_b, elems * spec.dtype_bytes
+    grads, weights = _grad_weight_bytes(spec, elems)
     device = topology.device
     passes = _reductions(cfg) * 3 * 2 * grads
     if cfg.zero_stage == 1:
@@ -355,8 +360,7 @@ def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float
     """The dp group's collectives per step ([Note: step time], dp_sync)."""
     if cfg.dp == 1:
         return 0.0
-    _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
-    grads, weights = elems * grad_b, elems * spec.dtype_bytes
+    grads, weights = _grad_weight_bytes(spec, elems)
     t = lambda kind, n: collective_time_s(kind, n, cfg.dp, topology, stride=cfg.tp)  # noqa: E731
     m = cfg.num_microbatches
     reductions = _reductions(cfg)

@@ -20,6 +20,7 @@ captured graph; it is priced by a synthetic edge from the block's output to the 
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -107,6 +108,16 @@ class Problem:
     @property
     def num_layers(self) -> int:
         return self.graph.total_layers if self.graph.num_layers else 0
+
+    @functools.cached_property
+    def param_tensors(self) -> dict[str, float]:
+        """Parameter tensors per part (a tied weight in every part that uses it, block ones
+        times their multiplicity), for the optimizer's per-tensor ops."""
+        out: dict[str, float] = {}
+        for _fqn, _numel, parts, mult in self.params.values():
+            for part in parts:
+                out[part] = out.get(part, 0.0) + mult
+        return out
 
 
 def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,

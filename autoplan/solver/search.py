@@ -361,17 +361,8 @@ class Search:
             sol, policy, self.total_layers, boundary, ckpt.block_bytes(self.problem(tp), costs))
         result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
                         output_bytes=costs.output_bytes, boundary_bytes=boundary / divide,
-                        param_tensors=self.param_tensors(tp))
+                        param_tensors=self.problem(tp).param_tensors)
         return ckpt.with_transient(result, transient, self.budget_bytes)
-
-    def param_tensors(self, tp: int) -> dict[str, float]:
-        """Parameter tensors per part (each tied weight in every part that uses it, blocks
-        times their multiplicity), for the optimizer's per-tensor ops."""
-        out: dict[str, float] = {}
-        for _fqn, _numel, parts, mult in self.problem(tp).params.values():
-            for part in parts:
-                out[part] = out.get(part, 0.0) + mult
-        return out
 
     def memory_bound(self, cfg: PlanConfig) -> Assessment:
         """An Assessment whose memory no placement at this (tp, b, policy) can beat: every
