@@ -267,12 +267,14 @@ def strict_redistribution():
 
 # --- runtime and export helpers ---------------------------------------------------------------
 
-def replicate_module(module: torch.nn.Module, dp_mesh) -> torch.nn.Module:
+def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None) -> torch.nn.Module:
     """DDP on FSDP2's machinery (`torch.distributed._composable.replicate_with_fsdp`), which
-    composes with DTensor tensor parallelism and torch.distributed.pipelining."""
+    composes with DTensor tensor parallelism and torch.distributed.pipelining; `mp_policy` is
+    FSDP2's MixedPrecisionPolicy (None: fp32)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    return replicate(module, mesh=dp_mesh)
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    return replicate(module, mesh=dp_mesh, **kwargs)
 
 
 @contextlib.contextmanager
@@ -298,3 +300,59 @@ def clear_dtensor_caches() -> None:
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
+
+
+def local_shard_offset(global_shape, mesh: DeviceMesh,
+                       placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard of a DTensor of `global_shape` at
+    `placements` on `mesh` (a rank of the mesh): the shard is
+    `global[offset[d] : offset[d] + local_shape[d]]` along every tensor dim d; see
+    `local_shard_slices` (defined below) for what it accepts."""
+    slices = local_shard_slices(global_shape, mesh, placements)
+    return tuple(s.stop - s.start for s in slices), tuple(s.start for s in slices)
+
+
+__all__ += ["local_shard_offset"]
+
+
+def local_shard_slices(global_shape, mesh: DeviceMesh, placements) -> tuple[slice, ...] | None:
+    """The block of a tensor of `global_shape` that this rank holds as a DTensor with
+    `placements` on `mesh`: one slice per tensor dim; None when this rank is not in `mesh`.
+
+    torch's `compute_local_shape_and_global_offset` (what DCP uses) gives the local shape and the
+    *first* global index along each dim, which describes the shard only when it is one
+    contiguous block. That holds for `Shard` and `Replicate`, and for FSDP2 over tp:
+    `_StridedShard(d, split_factor=k)` followed by `Shard(d)` on later mesh axes of total size k
+    (the dp shard of the tp shard; tests/test_hf_checkpoint.py checks it against
+    `full_tensor()`, uneven sizes included).
+
+    Raises:
+        ValueError: a `Partial` placement, or a `_StridedShard` whose split factor is not the
+            size of the later mesh axes sharding the same dim (a non-contiguous shard).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise ValueError(f"placements {tuple(placements)}: a Partial placement on mesh "
+                             f"axis {axis} has no slice of the full tensor")
+        if isinstance(p, _StridedShard):
+            later = 1
+            for j in range(axis + 1, len(placements)):
+                q = placements[j]
+                if isinstance(q, Shard) and not isinstance(q, _StridedShard) and q.dim == p.dim:
+                    later *= mesh.size(j)
+            if later != p.split_factor:
+                raise ValueError(
+                    f"placements {tuple(placements)} on mesh {tuple(mesh.shape)}: "
+                    f"{p} on mesh axis {axis} is not FSDP-over-tp nesting (later Shard({p.dim}) "
+                    f"axes have size {later}, split factor {p.split_factor}): not a contiguous "
+                    f"block")
+    if mesh.get_coordinate() is None:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+__all__ += ["local_shard_slices"]

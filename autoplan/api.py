@@ -12,15 +12,20 @@ ranks, which must number the topology's world size; without one, the wrapper pla
 reports/exports) for the topology without running (`world_size` sets the rank count of the
 `local-cpu` preset).
 
-Every rank plans the same way (capture and solver are deterministic); rank 0's plan and weights
-are broadcast anyway, so all ranks start from one plan and one set of weights.
+Every rank plans the same way (capture and solver are deterministic); rank 0's plan is
+broadcast anyway, so all ranks run one plan. Each rank then builds only its shards
+([Note: sharded construction] in autoplan/runtime/weights.py): from the factory's recorded
+construction, a Hugging Face checkpoint (`weights=` / `from_pretrained`), or the real weights of
+the model given.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +37,7 @@ from autoplan.plan import Plan
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology, load_topology, preset
 
-__all__ = ["autoparallel", "AutoParallel", "PlanOptions"]
+__all__ = ["autoparallel", "AutoParallel", "PlanOptions", "from_pretrained"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,9 @@ class PlanOptions:
     optimizer: Callable | None = None
     max_grad_norm: float | None = None
     device_memory_bytes: float | None = None
+    weights: str | None = None
+    init: Callable | None = None
+    seed: int | None = None
     overrides: tuple[tuple[str, object], ...] = ()
 
 
@@ -59,9 +67,10 @@ class AutoParallel:
         options: PlanOptions.
     """
 
-    def __init__(self, module: nn.Module, options: PlanOptions):
+    def __init__(self, module: nn.Module, options: PlanOptions, init_trace=None):
         self.module = module
         self.options = options
+        self._init_trace = init_trace  # the factory's construction, recorded on meta
         self._plan: Plan | None = None
         self._graph = None
         self._engine = None
@@ -107,12 +116,13 @@ class AutoParallel:
         _ = self.plan
         return self._graph
 
-    def _example(self, batch: int) -> tuple[torch.Tensor]:
-        device = "meta" if _on_meta(self.module) else "cpu"
+    def _example(self, batch: int, meta: bool = False) -> tuple[torch.Tensor]:
+        device = "meta" if meta or _on_meta(self.module) else "cpu"
         return (torch.zeros(batch, self.options.seq_len, dtype=torch.long, device=device),)
 
     def _make_plan(self) -> Plan:
         from autoplan.capture import capture
+        from autoplan.runtime.precision import Precision
         from autoplan.solver import plan as solve
 
         topo = self.topology
@@ -121,7 +131,11 @@ class AutoParallel:
                 f"cluster {topo.name!r} has {topo.world_size} devices but this process group "
                 f"has {dist.get_world_size()} ranks")
         name = type(self.module).__name__
-        graph = capture(self.module, self._example(self.options.global_batch), model_name=name)
+        # Planned on the graph the runtime will run: a meta copy in the compute dtype (a 16-bit
+        # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
+        source = self._capture_source(Precision.of(self.options.dtype))
+        graph = capture(source, self._example(self.options.global_batch, meta=_on_meta(source)),
+                        model_name=name)
         plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [plan.to_json() if dist.get_rank() == 0 else None]
@@ -134,6 +148,7 @@ class AutoParallel:
     def _compile(self):
         from autoplan.capture import capture
         from autoplan.runtime.engine import DistributedModel
+        from autoplan.runtime.precision import Precision
 
         if not dist.is_initialized():
             if self.topology.world_size != 1:
@@ -142,17 +157,60 @@ class AutoParallel:
                     "autoplan.runtime.LocalCluster (this process has no process group)")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         plan = self.plan
-        if _on_meta(self.module):
-            raise ValueError(
-                "the model is on the meta device: materialise it before training (e.g. "
-                "model.to_empty(device='cpu') and its init_weights(), which also recomputes "
-                "non-persistent buffers such as rotary tables), or load a checkpoint")
-        _broadcast_weights(self.module)
-        # The runtime graph is captured at the microbatch size: view shapes are static.
-        graph = capture(self.module, self._example(plan.microbatch_size),
+        precision = Precision.of(plan.dtype)
+        # The runtime graph is captured at the microbatch size (view shapes are static) and in
+        # the compute dtype ([Note: precision recipe]), from a meta copy: nothing allocated.
+        source = self._capture_source(precision)
+        graph = capture(source, self._example(plan.microbatch_size, meta=_on_meta(source)),
                         model_name=type(self.module).__name__)
-        return DistributedModel(graph, plan, self.module, optimizer=self.options.optimizer,
-                                max_grad_norm=self.options.max_grad_norm)
+        engine = DistributedModel(graph, plan, self._weight_source(graph),
+                                  optimizer=self.options.optimizer,
+                                  max_grad_norm=self.options.max_grad_norm,
+                                  seed=self.options.seed)
+        if self.options.weights is not None and _is_dcp(self.options.weights):
+            engine.load(self.options.weights)
+        return engine
+
+    def _capture_source(self, precision) -> nn.Module:
+        """What planning and the runtime capture (the same, so that their graphs match node for
+        node): the model itself when it has real fp32 weights (constants torch.export lifts
+        out of forward keep their values), else a meta copy in the compute dtype."""
+        if not _on_meta(self.module) and not precision.mixed:
+            return self.module
+        return meta_skeleton(self.module, precision.compute_dtype if precision.mixed else None)
+
+    def _weight_source(self, graph):
+        """Where this rank's shards come from ([Note: sharded construction])."""
+        from autoplan.runtime.deferred_init import record
+        from autoplan.runtime.weights import HFWeights, InitReplay, ModuleWeights
+
+        path = self.options.weights
+        if not _on_meta(self.module) and path is None:
+            return ModuleWeights(self.module)
+        trace = self._init_trace
+        if trace is None:
+            if not _on_meta(self.module):
+                raise ValueError("weights= is given for a model that already has real weights: "
+                                 "build it on the meta device (or decorate its factory)")
+            init = self.options.init or default_init
+            _, trace = record(lambda: init(self.module))
+        replay = InitReplay(trace, self.module, params=path is None)
+        if path is None or _is_dcp(path):
+            return replay
+        aliases = {a: fqn for fqn, p in graph.params.items() for a in p.aliases}
+        return HFWeights(path, replay, aliases)
+
+    def build(self) -> "AutoParallel":
+        """Capture, plan and build this rank's shards now (the first `step` otherwise does);
+        collective: every rank calls it. Returns self."""
+        if self._engine is None:
+            self._engine = self._compile()
+        return self
+
+    def memory_stats(self) -> dict[str, object]:
+        """This rank's measured memory peaks by phase (construction, first step, last step)
+        next to the plan's prediction; see DistributedModel.memory_stats."""
+        return self.build()._engine.memory_stats()
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimizer step on the global batch (same tensors on every rank); returns the
@@ -175,6 +233,20 @@ class AutoParallel:
         if self._engine is None:
             self._engine = self._compile()
         self._engine.load(path)
+
+    def save_pretrained(self, path: str | os.PathLike, *,
+                        max_shard_bytes: int = 5_000_000_000) -> None:
+        """A consolidated Hugging Face checkpoint of the trained weights (safetensors, plus the
+        model's `config.json` when it has an HF config) that
+        `AutoModelForCausalLM.from_pretrained(path)` loads; every rank calls it. Gathered tensor
+        by tensor: no rank holds more than its shards plus one full tensor."""
+        self.build()._engine.save_pretrained(path, config=getattr(self.module, "config", None),
+                                             max_shard_bytes=max_shard_bytes)
+
+    def bytes_read(self) -> int | None:
+        """Bytes this rank read from the HF checkpoint given as `weights=` (None otherwise)."""
+        source = self.build()._engine.weight_source
+        return getattr(source, "bytes_read", None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters held by this rank (collective over tp/dp)."""
@@ -209,19 +281,89 @@ def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters())
 
 
-@torch.no_grad()
-def _broadcast_weights(module: nn.Module) -> None:
-    if dist.get_world_size() == 1:
-        return
+def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
+    """An `AutoParallel` over the Hugging Face causal LM in checkpoint directory `path`
+    (config.json + safetensors): the model is built from its config on meta and each rank
+    reads only the slices of the weights it owns. `options` are `autoparallel`'s
+    (global_batch, seq_len, cluster, dtype, overrides, ...).
+
+    Raises ValueError when `path` has no config.json."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"from_pretrained: {str(path)!r} has no config.json")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    if getattr(config, "_attn_implementation", None) in (None, "eager"):
+        config._attn_implementation = "sdpa"
+
+    def build():
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    build.__name__ = type(config).__name__.replace("Config", "")
+    return autoparallel(build, weights=str(path), **options)()
+
+
+def _record_construction(factory: Callable, args: tuple, kwargs: dict):
+    """Run the factory on meta, recording its init; (module, trace). A factory that builds
+    real weights anyway (an explicit device, a weight file read in the constructor) is run
+    again as it is, and its module is sharded slice by slice, with a warning naming why."""
+    from autoplan.runtime.deferred_init import DeferredInitError, record
+
+    try:
+        module, trace = record(lambda: factory(*args, **kwargs))
+    except DeferredInitError as e:
+        warnings.warn(f"autoparallel: building {getattr(factory, '__name__', factory)} on the "
+                      f"meta device failed ({e}); building it with real weights on every rank")
+        return factory(*args, **kwargs), None
+    if isinstance(module, nn.Module) and not _on_meta(module):
+        return module, None  # real weights after all: sharded slice by slice
+    return module, trace
+
+
+def _is_dcp(path) -> bool:
+    """A torch.distributed.checkpoint directory (from `save`), as opposed to an HF one."""
+    return (Path(path) / ".metadata").is_file()
+
+
+def meta_skeleton(module: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of `module` whose parameters and buffers are meta tensors (nothing copied or
+    allocated); floating parameters in `param_dtype` when given (buffers keep theirs)."""
+    memo = {}
     for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.data, src=0)
+        dtype = param_dtype if (param_dtype is not None and isinstance(t, nn.Parameter)
+                                and t.is_floating_point()) else t.dtype
+        meta = torch.empty(t.shape, dtype=dtype, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) \
+            if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def default_init(module: nn.Module) -> None:
+    """The model's own init: HF `init_weights()` when it has one (it also recomputes
+    non-persistent buffers such as rotary tables), else every submodule's
+    `reset_parameters()` in `named_modules()` order."""
+    if hasattr(module, "init_weights"):
+        module.init_weights()
+        return
+    for m in module.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
 
 
 def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str = "local-cpu",
                  num_nodes: int = 1, world_size: int | None = None, dtype: str = "float32",
                  optimizer: Callable | None = None, max_grad_norm: float | None = None,
-                 device_memory_bytes: float | None = None, **overrides):
+                 device_memory_bytes: float | None = None, weights: str | None = None,
+                 init: Callable | None = None, seed: int | None = None, **overrides):
     """Decorate a module class, a factory function or an instance.
+
+    A class or factory is run on the meta device with its construction recorded; each rank
+    later replays it on its own shards only ([Note: RNG contract for initialisation]): the
+    weights equal `torch.manual_seed(s); factory()` on one process, s being the generator state
+    when the factory was called. An instance with real weights is sharded slice by slice; an
+    instance on meta is initialised by `init` (default: HF `init_weights()`, else every
+    module's `reset_parameters()`), recorded and replayed the same way.
 
     Args:
         global_batch, seq_len: the training step (samples, tokens per sample).
@@ -232,6 +374,11 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
         max_grad_norm: clip the global gradient norm.
         device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,
             e.g. to leave room for something else).
+        weights: a Hugging Face checkpoint directory (config.json + safetensors; each rank
+            reads only its slices) or a directory written by `save`, loaded at build.
+        init: `module -> None`, the init of a model given on meta (see above).
+        seed: the seed of dropout and every other random op in training ([Note: RNG contract]
+            in autoplan/passes/rng.py; default: rank 0's `torch.initial_seed()`).
         **overrides: fix solver choices: tp, pp, dp, zero_stage, num_microbatches, schedule,
             num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" | "selective" |
             "full").
@@ -247,7 +394,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, max_grad_norm=max_grad_norm,
-                          device_memory_bytes=device_memory_bytes, overrides=tuple(sorted(overrides.items())))
+                          device_memory_bytes=device_memory_bytes, weights=weights, init=init, seed=seed,
+                          overrides=tuple(sorted(overrides.items())))
 
     def wrap(obj):
         if isinstance(obj, nn.Module):
@@ -255,11 +403,11 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
         if callable(obj):
             @functools.wraps(obj, updated=())
             def build(*args, **kwargs):
-                module = obj(*args, **kwargs)
+                module, trace = _record_construction(obj, args, kwargs)
                 if not isinstance(module, nn.Module):
                     raise TypeError(f"autoparallel: {getattr(obj, '__name__', obj)} returned "
                                     f"{type(module).__name__}, not an nn.Module")
-                return AutoParallel(module, options)
+                return AutoParallel(module, options, init_trace=trace)
             return build
         raise TypeError(f"autoparallel: cannot decorate {type(obj).__name__}; expected an "
                         "nn.Module class, a factory function or an instance")

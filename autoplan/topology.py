@@ -393,7 +393,8 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
     return Topology(
         name="local-cpu", num_nodes=num_nodes, devices_per_node=devices_per_node,
         device=DeviceSpec(
-            name="cpu-rank", peak_flops_per_s={"float32": 50e9, "bfloat16": 20e9},
+            name="cpu-rank", peak_flops_per_s={"float32": 50e9, "bfloat16": 20e9,
+                                               "float16": 20e9},
             mem_bytes=16e9 / devices_per_node, mem_bw_bytes_per_s=10e9, matmul_efficiency=0.5,
             launch_latency_s=10e-6),
         intra_node=LinkSpec("gloo-loopback", bw_bytes_per_s=1e9, latency_s=50e-6),

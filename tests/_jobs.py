@@ -80,12 +80,15 @@ def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
     return losses, params, norms
 
 
-def memory_budget(factory, batch: int, overrides: dict, fraction: float, seq: int = SEQ):
+def memory_budget(factory, batch: int, overrides: dict, fraction: float | None,
+                  seq: int = SEQ):
     """A per-device memory budget `fraction` of what the plan needs with ample memory: under
     it the planner has to split weights on the tp axis instead of replicating them (tiny
-    models are latency-bound, so with ample memory replication wins)."""
+    models are latency-bound, so with ample memory replication wins). None for None."""
     from autoplan.api import autoparallel
 
+    if fraction is None:
+        return None
     ample = autoparallel(factory(), global_batch=batch, seq_len=seq, **overrides).plan
     return ample.prediction.memory_bytes * fraction
 
@@ -96,9 +99,7 @@ def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=Non
     return (losses, this rank's full parameters, plan JSON, gradient norms before clipping)."""
     from autoplan.api import autoparallel
 
-    budget = None
-    if memory_fraction is not None:
-        budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
+    budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
     model = factory()
     ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
                       max_grad_norm=max_grad_norm, device_memory_bytes=budget, **overrides)
@@ -147,3 +148,229 @@ def train_resume(factory, batch: int, first: dict, second: dict, path: str, *, s
                for sg in b._engine.stage_graphs.values() for n in sg.gm.graph.nodes
                if n.op == "get_attr" and n.target.endswith("inv_freq")]
     return losses, b.state_dict(), buffers
+
+
+def reference_keyed(factory, steps: int, batch: int, seed: int, *, seq: int = SEQ):
+    """Single-process eager training with random ops under the RNG contract
+    (autoplan.passes.rng.keyed_random_ops): (losses, parameters after the last step)."""
+    from autoplan.passes.rng import keyed_random_ops
+
+    model = factory()
+    model.train()
+    opt = adamw(model.parameters())
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        with keyed_random_ops(seed, step=i):
+            loss = cross_entropy_loss(logits(model, x[i]), y[i])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train_seeded(factory, steps: int, batch: int, overrides: dict, seed: int, *,
+                 seq: int = SEQ, memory_fraction: float | None = None):
+    """`train` with an explicit random-op seed: (losses, this rank's full parameters)."""
+    from autoplan.api import autoparallel
+
+    budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, seed=seed,
+                      device_memory_bytes=budget, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    return losses, ap.state_dict()
+
+
+def build_tracked(factory_name: str, seed: int, overrides: dict, batch: int, config: dict,
+                  dtype: str = "float32"):
+    """On every rank: decorate the preset's factory (recorded on meta), build under the
+    live-bytes tracker; returns (full parameters after construction, live-bytes peak of the
+    build, this rank's local parameter bytes, largest full tensor bytes, buffer bytes)."""
+    from autoplan.api import autoparallel
+    from autoplan.models import build_model
+    from autoplan.runtime.live_bytes import LiveTensorBytes
+
+    factory = autoparallel(lambda: build_model(factory_name, device="meta", **config),
+                           global_batch=batch, seq_len=SEQ, dtype=dtype, **overrides)
+    torch.manual_seed(seed)
+    ap = factory()
+    _ = ap.plan  # planning allocates nothing real, but keep it outside the measurement
+    with LiveTensorBytes() as live:
+        ap.build()
+    engine = ap._engine
+    # this rank's share as allocated (FSDP2 pads uneven shards): unique storages of its shards
+    storages = {}
+    for p in engine._unique_params():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    local = sum(storages.values())
+    largest = max(p.numel * 4 for p in ap.graph.params.values())
+    buffers = sum(b.numel() * b.element_size() for sg in engine.stage_graphs.values()
+                  for b in sg.gm.buffers())
+    return ap.state_dict(), live.peak, local, largest, buffers
+
+
+def reference_mixed(factory, steps: int, batch: int, dtype: str, *, seq: int = SEQ):
+    """Single-process mixed precision, the recipe of [Note: precision recipe]: the model's
+    parameters in `dtype` for forward and backward, fp32 master weights stepped by AdamW (fp32
+    states), gradients cast to fp32. Returns (losses, fp32 master parameters)."""
+    low = getattr(torch, dtype)
+    model = factory()
+    masters = {k: v.detach().clone().float().requires_grad_(True)
+               for k, v in model.named_parameters()}
+    for p in model.parameters():
+        p.data = p.data.to(low)
+    opt = adamw(list(masters.values()))
+    params = dict(model.named_parameters())
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = []
+    for i in range(steps):
+        model.zero_grad()
+        loss = cross_entropy_loss(logits(model, x[i]), y[i])
+        loss.backward()
+        for k, m in masters.items():
+            m.grad = params[k].grad.float()
+        opt.step()
+        with torch.no_grad():
+            for k, m in masters.items():
+                params[k].copy_(m)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in masters.items()}
+
+
+class _DtypeLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Output dtypes of the matmuls run under it (DTensors through their local ops)."""
+
+    MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.bmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.matmul_dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func in self.MATMULS:
+            self.matmul_dtypes.add(str(out.dtype))
+        return out
+
+
+def train_mixed(factory, steps: int, batch: int, overrides: dict, dtype: str, *,
+                seq: int = SEQ, memory_fraction: float | None = None):
+    """On every rank: train under a 16-bit plan; returns (losses, full master parameters,
+    matmul output dtypes, dtypes of the dp collectives (FSDP2's reduce-scatter / all-reduce),
+    master dtypes, optimizer state dtypes, the report's precision line)."""
+    import torch.distributed as dist
+
+    from autoplan.api import autoparallel
+
+    budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, dtype=dtype,
+                      device_memory_bytes=budget, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    collective_dtypes = set()
+    originals = (dist.reduce_scatter_single, dist.all_reduce)
+
+    def spy(original):
+        def call(*args, **kwargs):
+            t = kwargs.get("input", args[1] if len(args) > 1 else None) \
+                if original is originals[0] else (args[0] if args else kwargs["tensor"])
+            if t is not None and t.is_floating_point() and t.numel() > 1:
+                collective_dtypes.add(str(t.dtype))
+            return original(*args, **kwargs)
+        return call
+
+    ap.build()
+    log = _DtypeLog()
+    losses = []
+    dist.reduce_scatter_single, dist.all_reduce = spy(originals[0]), spy(originals[1])
+    try:
+        for i in range(steps):
+            with log:
+                losses.append(ap.step(x[i], y[i]))
+    finally:
+        dist.reduce_scatter_single, dist.all_reduce = originals
+    engine = ap._engine
+    masters = {str(p.dtype) for p in engine._unique_params()}
+    opt = getattr(engine.optimizer, "inner", engine.optimizer)
+    states = {str(v.dtype) for s in (opt.state.values() if opt else ())
+              for v in s.values() if torch.is_tensor(v) and v.numel() > 1}
+    return (losses, ap.state_dict(), log.matmul_dtypes, collective_dtypes, masters, states,
+            engine.precision.describe())
+
+
+def train_fp16_overflow(factory, batch: int, overrides: dict, *, seq: int = SEQ):
+    """On every rank: 3 fp16 steps; in step 2 one rank's gradient gets an inf (injected after
+    the backward). Returns (losses, parameters after each step, loss scale after each step,
+    skipped steps)."""
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, dtype="float16",
+                      **overrides).build()
+    engine = ap._engine
+    grads = engine._local_grads
+
+    def poisoned():
+        out = grads()
+        if engine.num_steps == 2 and torch.distributed.get_rank() == 0 and out:
+            out[0].view(-1)[0] = float("inf")
+        return out
+
+    engine._local_grads = poisoned
+    x, y = batches(vocab_of(model), 3, batch, seq)
+    losses, params, scales = [], [], []
+    for i in range(3):
+        losses.append(ap.step(x[i], y[i]))
+        params.append(ap.state_dict())
+        scales.append(engine.scaler.scale)
+    return losses, params, scales, engine.skipped_steps
+
+
+def train_factory_stats(name: str, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
+    """On every rank: decorate a factory (recorded on meta, seed 11), train; returns (losses,
+    full parameters, memory_stats())."""
+    from autoplan.api import autoparallel
+    from autoplan.models import build_model
+
+    factory = autoparallel(lambda: build_model(name, device="meta"), global_batch=batch,
+                           seq_len=seq, optimizer=adamw, **overrides)
+    torch.manual_seed(11)
+    ap = factory()
+    x, y = batches(vocab_of(ap.module), steps, batch, seq)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    return losses, ap.state_dict(), ap.memory_stats()
+
+
+def _hf_load(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+
+
+def hf_loader(path: str):
+    """Factory: the HF model in checkpoint directory `path`, loaded whole on this process."""
+    return functools.partial(_hf_load, path)
+
+
+def train_from_hf(path: str, out: str, steps: int, batch: int, overrides: dict, *,
+                  seq: int = SEQ, memory_fraction: float | None = None):
+    """On every rank: `autoplan.from_pretrained(path)` (each rank reads its slices), train,
+    `save_pretrained(out)`. Returns (losses, this rank's full parameters, bytes read)."""
+    import autoplan
+
+    budget = memory_budget(hf_loader(path), batch, overrides, memory_fraction, seq)
+    ap = autoplan.from_pretrained(path, global_batch=batch, seq_len=seq, optimizer=adamw,
+                                  device_memory_bytes=budget, **overrides)
+    x, y = batches(vocab_of(ap.module), steps, batch, seq)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    ap.save_pretrained(out)
+    return losses, ap.state_dict(), ap.bytes_read()

@@ -20,7 +20,8 @@ cannot bend a fitted curve.
   `matmul_efficiency` and `matmul_half_dim`. Only peak * E is determined by the data; we keep
   peak = the largest measured rate (so MFU stays "of measured peak"), which lets E exceed 1.
   `peak_flops_per_s["bfloat16"]`: the largest rate of bf16 matmuls of d = 256 and 512 (512
-  skipped where bf16 is emulated and slow).
+  skipped where bf16 is emulated and slow); `["float16"]` is not measured and takes the bf16
+  figure (a CPU has no faster fp16 path).
 - Memory bandwidth (`mem_bw_bytes_per_s`): what the roofline's byte term means for an eager
   graph's elementwise ops: a chain of out-of-place multiplies and adds on 2 MiB tensors (an
   activation's size), `mem_bytes` of them so that they do not stay in the caches; bytes in the
@@ -155,7 +156,9 @@ def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
         name="local-cpu", num_nodes=1, devices_per_node=max_ranks,
         device=DeviceSpec(
             name=f"cpu-rank ({_cpu_model()}, 1 thread)",
-            peak_flops_per_s={"float32": fig["peak_fp32"], "bfloat16": fig["peak_bf16"]},
+            # fp16 is not measured: priced at the bf16 rate (a CPU has no faster fp16 path)
+            peak_flops_per_s={"float32": fig["peak_fp32"], "bfloat16": fig["peak_bf16"],
+                              "float16": fig["peak_bf16"]},
             mem_bytes=fig["mem_bytes"], mem_bw_bytes_per_s=fig["mem_bw"],
             matmul_efficiency=fig["eff"], launch_latency_s=fig["launch_s"],
             matmul_half_dim=fig["half_dim"], shared_speed=fig["shared_speed"],

@@ -23,7 +23,7 @@ from autoplan.cost_model.compute import (
 from autoplan.graph import NodeInfo
 
 __all__ = [
-    "STATE_BYTES_PER_PARAM", "model_state_bytes", "activation_bytes_per_layer_closed_form",
+    "STATE_BYTES_PER_PARAM", "FSDP2_MIXED_STATE_BYTES", "model_state_bytes", "activation_bytes_per_layer_closed_form",
     "activation_bytes_from_graph", "saved_tensors", "node_producers", "SavedTensor",
     "pipeline_in_flight_microbatches", "peak_memory_bytes", "RECOMPUTE_POLICIES", "PARAM_PREFIX",
 ]
@@ -42,9 +42,17 @@ STATE_BYTES_PER_PARAM = {
 }
 
 
+# autoplan's runtime recipe ([Note: precision recipe] in autoplan/runtime/precision.py): FSDP2's
+# MixedPrecisionPolicy keeps the parameters as fp32 masters (sharded like parameters), reduces
+# gradients in fp32 and AdamW keeps fp32 moments; the 16-bit compute copy of a data-parallel unit
+# is a transient, priced with the gathered unit (peak_memory_bytes). Same 16 bytes per parameter
+# as ZeRO's K = 12 recipe, split 4 + 4 + 8: ZeRO-1/2 then shard less than the paper's split.
+FSDP2_MIXED_STATE_BYTES = {"adamw": (4.0, 4.0, 8.0), "sgd": (4.0, 4.0, 0.0)}
+
+
 def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
                       mixed_precision: bool = True,
-                      optimizer: str = "adamw") -> dict[str, float]:
+                      optimizer: str = "adamw", recipe: str = "zero") -> dict[str, float]:
     """Bytes per rank of parameters, gradients and optimizer states (ZeRO Table 1).
 
     Stage 1 shards the optimizer states over the dp ranks, stage 2 also the gradients, stage 3
@@ -58,10 +66,14 @@ def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
         dp: data-parallel degree N_d (>= 1).
         mixed_precision: 16-bit params/grads with fp32 master states; False for fp32 training.
         optimizer: "adamw" or "sgd" (see STATE_BYTES_PER_PARAM).
+        recipe: "zero" (the paper's mixed-precision split, above) or "fsdp2" (what autoplan's
+            runtime holds under mixed precision: FSDP2_MIXED_STATE_BYTES); fp32 is the same.
 
     Returns {"params", "grads", "optimizer"} in bytes. Raises ValueError for a bad stage, dp,
-    parameter count or optimizer.
+    parameter count, optimizer or recipe.
     """
+    if recipe not in ("zero", "fsdp2"):
+        raise ValueError(f"recipe {recipe!r} is not 'zero' or 'fsdp2'")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
     if dp < 1 or num_params < 0:
@@ -70,6 +82,8 @@ def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
     if key not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"optimizer {optimizer!r} not in ['adamw', 'sgd']")
     params, grads, states = STATE_BYTES_PER_PARAM[key]
+    if recipe == "fsdp2" and mixed_precision:
+        params, grads, states = FSDP2_MIXED_STATE_BYTES[optimizer]
     return {
         "params": num_params * params / (dp if zero_stage >= 3 else 1),
         "grads": num_params * grads / (dp if zero_stage >= 2 else 1),
@@ -149,7 +163,8 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
                       output_bytes: float = 0.0, comm_buffer_bytes: float = 0.0,
                       prefetch_layers: int = 1, gather_unit_bytes: float | None = None,
                       grads_at_activation_peak: bool = True,
-                      late_activation_bytes: float = 0.0) -> dict[str, float]:
+                      late_activation_bytes: float = 0.0,
+                      cast_unit: bool = False) -> dict[str, float]:
     """Peak memory of one rank, with its breakdown, bytes.
 
     [Note: peak moments] The peak is a peak, not a sum of unrelated maxima: it is the larger of
@@ -196,6 +211,8 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
             step starts without gradients).
         late_activation_bytes: activations held at moment B (one layer of one microbatch and
             what precedes the layers on the first pipeline rank).
+        cast_unit: mixed precision at dp 1: FSDP2 still makes the unit's 16-bit compute copy
+            (`gather_unit_bytes`), held like a gathered unit.
 
     Returns the breakdown of the larger moment: params, grads, optimizer, activations,
     temporaries, comm_buffers, and "peak" = their sum. Raises ValueError for a missing
@@ -218,7 +235,8 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
             else 0.0
         unsharded_grad = layer_param_bytes if sharded else 0.0
     else:
-        gathered = gather_unit_bytes * (1 + (1 / dp if sharded else 0)) if dp > 1 else 0.0
+        gathered = gather_unit_bytes * (1 + (1 / dp if sharded else 0)) if dp > 1 \
+            else (gather_unit_bytes if cast_unit else 0.0)
         unsharded_grad = gather_unit_bytes if sharded else 0.0
     grads = float(model_states["grads"])
     base = {"params": float(model_states["params"]),

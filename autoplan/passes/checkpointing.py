@@ -17,11 +17,14 @@ Policies (the plan's `checkpointing`):
   block's inputs. (Korthikanti et al. 2022, section 5, recompute only the attention core; with
   fused attention that core keeps nothing worth dropping, while the elementwise ops of the MLP
   keep the largest tensors.) Priced by autoplan/solver/checkpointing.py from the same op list.
+
+Random ops (autoplan/passes/rng.py) read a mutable RandomState that enters a block as an
+argument; the recompute runs with the state the forward saw (see `run_checkpointed`).
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import operator
 
 import torch
@@ -30,6 +33,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from autoplan.graph import CapturedGraph
+from autoplan.passes.rng import RandomState
 
 __all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES", "SELECTIVE_SAVED_OPS"]
 
@@ -52,11 +56,42 @@ def _selective_policy(ctx, op, *args, **kwargs):
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
+@contextlib.contextmanager
+def _restored(states: list[RandomState], snaps: list[tuple]):
+    """Run with each state at its snapshot, then put back where the engine has moved it."""
+    now = [s.snapshot() for s in states]
+    for s, snap in zip(states, snaps):
+        s.restore(snap)
+    try:
+        yield
+    finally:
+        for s, snap in zip(states, now):
+            s.restore(snap)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
 def run_checkpointed(block: torch.nn.Module, policy: str, *args):
-    """Call `block(*args)` under activation checkpointing with `policy`."""
-    if policy == "full":
-        return checkpoint(block, *args, use_reentrant=False)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    """Call `block(*args)` under activation checkpointing with `policy`.
+
+    A RandomState among `args` is snapshot now and restored around the recompute: by the time
+    the backward runs, the engine has moved it on (to the next microbatch or step), and the
+    recomputed random ops must draw the forward's values ([Note: RNG contract] in
+    autoplan/passes/rng.py).
+    """
+    states = [a for a in args if isinstance(a, RandomState)]
+    snaps = [s.snapshot() for s in states]
+
+    def context_fn():
+        forward, recompute = ((contextlib.nullcontext(), contextlib.nullcontext())
+                              if policy == "full" else
+                              create_selective_checkpoint_contexts(_selective_policy))
+        return forward, _both(recompute, _restored(states, snaps))
+
     return checkpoint(block, *args, use_reentrant=False, context_fn=context_fn)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import gc
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -40,11 +41,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoplan.graph import CapturedGraph
 from autoplan.passes.checkpointing import wrap_checkpointing
-from autoplan.passes.device import materialize
+from autoplan.passes.device import retarget_device
 from autoplan.passes.pipeline import split_stages
+from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, random_op_indices
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
+from autoplan.runtime.checks import check_against_plan
+from autoplan.runtime.memory_stats import PhasePeaks
+from autoplan.runtime.precision import LossScaler, Precision
+from autoplan.runtime.weights import ModuleWeights, Targets, WeightSource
 from autoplan._torch_compat import implicit_replication
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
@@ -91,9 +97,11 @@ class DistributedModel:
     Raises ValueError when the world size does not match the plan.
     """
 
-    def __init__(self, graph: CapturedGraph, plan: Plan, state: dict[str, torch.Tensor], *,
+    def __init__(self, graph: CapturedGraph, plan: Plan,
+                 weights: WeightSource | nn.Module | Mapping[str, torch.Tensor], *,
                  optimizer: Callable | None = None, loss_fn: Callable = cross_entropy_loss,
-                 device: str = "cpu", max_grad_norm: float | None = None):
+                 device: str = "cpu", max_grad_norm: float | None = None,
+                 seed: int | None = None):
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(
@@ -105,36 +113,53 @@ class DistributedModel:
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
-        self.mesh = init_device_mesh(self.device.type, plan.mesh.shape,
-                                     mesh_dim_names=plan.mesh.axis_names)
-        self.pp_rank = self.mesh["pp"].get_local_rank()
-        self.dp_rank = self.mesh["dp"].get_local_rank()
-        self.tp_rank = self.mesh["tp"].get_local_rank()
-        self.stages = self._build_stages(state)
-        self._tied = self._tied_groups()
-        params = self._unique_params()
-        make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-        if plan.zero_stage == 1 and plan.mesh.dp > 1:
-            self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"])
+        self.precision = Precision.of(plan.dtype)
+        self.memory = PhasePeaks(self.device)
+        self.num_steps = 0
+        self.skipped_steps = 0  # fp16 steps skipped for an overflowing gradient
+        self.seed = _common_seed(seed)
+        if not isinstance(weights, (nn.Module, Mapping)):
+            source = weights
         else:
-            self.optimizer = make_opt(params)
-        self._schedule = self._build_schedule() if plan.mesh.pp > 1 else None
-        # Construction leaves the full model's weights in reference cycles (fx graph modules);
-        # free them now, not at a time of the cycle collector's choosing.
-        gc.collect()
+            source = ModuleWeights(weights)
+        with self.memory.phase("construction"):
+            self.mesh = init_device_mesh(self.device.type, plan.mesh.shape,
+                                         mesh_dim_names=plan.mesh.axis_names)
+            self.pp_rank = self.mesh["pp"].get_local_rank()
+            self.dp_rank = self.mesh["dp"].get_local_rank()
+            self.tp_rank = self.mesh["tp"].get_local_rank()
+            self.stages = self._build_stages()
+            self._tied = self._tied_groups()
+            source.fill(self._targets())
+            self.weight_source = source
+            check_against_plan(self)
+            params = self._unique_params()
+            make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+            if plan.zero_stage == 1 and plan.mesh.dp > 1:
+                self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"])
+            else:
+                self.optimizer = make_opt(params)
+            self.scaler = LossScaler() if self.precision.loss_scaling else None
+            self._schedule = self._build_schedule() if plan.mesh.pp > 1 else None
+            self._count_microbatches()
+            gc.collect()
 
     # -- construction -------------------------------------------------------------------
-    def _build_stages(self, state) -> list[tuple[int, nn.Module]]:
+    def _build_stages(self) -> list[tuple[int, nn.Module]]:
+        """This rank's stages, planned and sharded on the meta device, then allocated: each
+        rank holds only its shards ([Note: sharded construction] in runtime/weights.py)."""
         plan, graph = self.plan, self.graph
-        # A fresh module hierarchy over the captured graph: rebinding weights below must not
-        # touch the caller's CapturedGraph.
+        # A fresh module hierarchy over the captured graph, its weights on meta (in the master
+        # dtype): rebinding them must not touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-        materialize(gm, state, self.device)
+        random_ops = random_op_indices(gm)
+        _weights_to_meta(gm, self.precision.master_dtype)
+        retarget_device(gm, self.device)
         stage_graphs = split_stages(gm, graph, plan.stages)
         self.num_stages = len(stage_graphs)
         param_fqns = {fqn for fqn, p in graph.params.items() if not p.is_buffer}
         # Parameter FQNs of every stage (tied weights span stages); the graphs of the stages
-        # other ranks run are dropped with the full weights `materialize` loaded into them.
+        # other ranks run are dropped.
         self._stage_param_fqns = {
             sg.index: {n.target for n in sg.gm.graph.nodes
                        if n.op == "get_attr" and n.target in param_fqns}
@@ -143,9 +168,16 @@ class DistributedModel:
         del gm, stage_graphs
         produced = value_placements(plan)
         inserted, out, held = [], [], set()
+        self._random_states: dict[int, RandomState] = {}
         for sg in mine:
             _untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
+            # Random ops read (seed, step, sample) -- never the layout ([Note: RNG contract]);
+            # before checkpointing, so that recomputed blocks replay the forward's state.
+            if random_ops:
+                make_random_ops_layout_invariant(sg.gm, random_ops)
+                sg.gm.random_state.seed = self.seed
+                self._random_states[sg.index] = sg.gm.random_state
             # consumers this rank runs (a stage input placeholder named after its producer in
             # an earlier stage is not one)
             held |= {n.meta.get("orig_name", n.name) for n in sg.gm.graph.nodes
@@ -164,7 +196,24 @@ class DistributedModel:
         # Lint: the redistributions inserted in this rank's stages are exactly the plan's.
         check_redistributions([r for r in plan.redistributions if r.consumer in held], inserted)
         self.stage_graphs = {sg.index: sg for sg in mine}
+        for _, module in out:
+            _allocate(module, self.device)
         return out
+
+    def _targets(self) -> Targets:
+        """The tensors this rank must fill: its parameters, and the buffers still on meta
+        (lifted constants keep their captured values)."""
+        params: dict[str, list[torch.Tensor]] = defaultdict(list)
+        buffers: dict[str, list[tuple[nn.Module, str]]] = defaultdict(list)
+        for _, module in self.stages:
+            for fqn, p in module.named_parameters():
+                params[fqn].append(p)
+        for sg in self.stage_graphs.values():
+            for fqn, b in sg.gm.named_buffers():
+                if b.is_meta:
+                    owner, _, leaf = fqn.rpartition(".")
+                    buffers[fqn].append((sg.gm.get_submodule(owner), leaf))
+        return Targets(dict(params), dict(buffers), self.device)
 
     def _distribute_params(self, gm: torch.fx.GraphModule) -> None:
         tp_mesh = self.mesh["tp"]
@@ -183,13 +232,17 @@ class DistributedModel:
             # nodes read them, and those run replicated (implicit replication).
 
     def _apply_data_parallel(self, gm: nn.Module) -> nn.Module:
+        """FSDP2 by ZeRO stage on the dp axis; with a 16-bit plan also at dp 1, because FSDP2's
+        MixedPrecisionPolicy is what casts the fp32 master weights for compute."""
         plan = self.plan
-        if plan.mesh.dp == 1 or not list(gm.parameters()):
+        mp = self.precision.policy()
+        if not list(gm.parameters()) or (plan.mesh.dp == 1 and mp is None):
             return gm
         dp_mesh = self.mesh["dp"]
         if plan.zero_stage in (0, 1):
-            return _compat.replicate(gm, dp_mesh)
-        return _compat.fully_shard(gm, dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+            return _compat.replicate(gm, dp_mesh, mp_policy=mp)
+        return _compat.fully_shard(gm, dp_mesh, reshard_after_forward=plan.zero_stage == 3,
+                                   mp_policy=mp)
 
     def _unique_params(self) -> list[nn.Parameter]:
         seen, out = set(), []
@@ -234,11 +287,35 @@ class DistributedModel:
 
     # -- training -----------------------------------------------------------------------
     def _build_schedule(self):
+        last = self.num_stages - 1  # its output leaves replicated (the model's output)
+        examples = {idx: (self._examples(self.stage_graphs[idx].input_names),
+                          self._examples(self.stage_graphs[idx].output_names, idx == last))
+                    for idx, _ in self.stages}
         return _compat.build_schedule(self.plan, self.stages, self.num_stages, self.device,
-                                      self.mesh["pp"].get_group(), self._pp_loss)
+                                      self.mesh["pp"].get_group(), self._pp_loss, examples)
+
+    def _examples(self, names: list[str], replicated: bool = False) -> tuple[torch.Tensor, ...]:
+        """Empty tensors shaped like this rank's local part of the named values at the
+        microbatch size (the runtime graph's shapes, cut by the value's tp placement)."""
+        vals = {n.name: n.meta.get("val") for n in self.graph.gm.graph.nodes}
+        produced = value_placements(self.plan)
+        out = []
+        for name in names:
+            val = vals[name]
+            shape = list(val.shape)
+            placement = parse_placement("R" if replicated else produced.get(name, "R"))
+            if self.plan.mesh.tp > 1 and placement.is_shard():
+                chunks = torch.empty(shape[placement.dim], device="meta").chunk(
+                    self.plan.mesh.tp)
+                shape[placement.dim] = chunks[self.tp_rank].shape[0] \
+                    if self.tp_rank < len(chunks) else 0
+            # floating values carry gradients between stages (the metadata says so)
+            out.append(torch.empty(shape, dtype=val.dtype, device=self.device,
+                                   requires_grad=val.dtype.is_floating_point))
+        return tuple(out)
 
     def _pp_loss(self, output, labels):
-        return self.loss_fn(output, labels)
+        return self.loss_fn(output, labels) * self._loss_scale()
 
     def _local_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         dp = self.plan.mesh.dp
@@ -254,6 +331,15 @@ class DistributedModel:
         input_ids, labels: (global_batch, seq_len). Returns the global mean loss (every rank).
         """
         x, y = self._local_batch(input_ids), self._local_batch(labels)
+        self.num_steps += 1
+        with self.memory.phase("first_step" if self.num_steps == 1 else "step"):
+            local = self._step(x, y)
+        return local
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        for state in self._random_states.values():
+            state.step = self.num_steps - 1
+        self._microbatch = defaultdict(int)
         self.optimizer.zero_grad(set_to_none=True)
         # Constant-like tensors (position ids, masks) stay plain tensors inside a DTensor
         # stage; their use in backward (e.g. embedding_dense_backward) needs the same implicit
@@ -261,13 +347,58 @@ class DistributedModel:
         with implicit_replication():
             local = self._forward_backward(x, y)
         self._sync_tied_grads()
-        if self.max_grad_norm is not None:
-            self.grad_norm = float(self.clip_grad_norm(self.max_grad_norm))
-        self.optimizer.step()
+        if self.scaler is None or self.scaler.unscale_and_check(self._local_grads()):
+            if self.max_grad_norm is not None:
+                self.grad_norm = float(self.clip_grad_norm(self.max_grad_norm))
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
         if self.plan.mesh.dp > 1:
             dist.all_reduce(local, group=self.mesh["dp"].get_group())
             local = local / self.plan.mesh.dp
         return float(local)
+
+    def _count_microbatches(self) -> None:
+        """Before each forward of a stage (microbatch j, in increasing order on every stage
+        under every schedule), point its random ops at the samples that microbatch holds:
+        dp_rank * local_batch + j * microbatch_size ([Note: RNG contract]). Shape inference
+        (meta inputs) is not a microbatch."""
+        local_batch = self.plan.global_batch // self.plan.mesh.dp
+        mb = local_batch // self.plan.num_microbatches
+        self._microbatch: dict[int, int] = defaultdict(int)
+        for idx, module in self.stages:
+            state = self._random_states.get(idx)
+            if state is None:
+                continue
+
+            def hook(_module, args, idx=idx, state=state):
+                if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                    return
+                j = self._microbatch[idx]
+                self._microbatch[idx] = j + 1
+                state.sample_offset = self.dp_rank * local_batch + j * mb
+
+            module.register_forward_pre_hook(hook)
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [_compat.local_tensor(p.grad) for p in self._unique_params()
+                if p.grad is not None]
+
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def memory_stats(self) -> dict[str, object]:
+        """Measured peaks of this rank by phase, bytes: `construction_peak_bytes`,
+        `first_step_peak_bytes`, `step_peak_bytes` (the last step after the first), with the
+        measure used (resident set high-water mark on CPU, CUDA's max allocated on GPU), the
+        baseline resident bytes before construction, this rank's parameter bytes and the plan's
+        predicted peak (`predicted_peak_bytes`)."""
+        out = self.memory.as_dict()
+        out["local_param_bytes"] = sum(
+            _compat.local_tensor(p).numel() * _compat.local_tensor(p).element_size()
+            for p in self._unique_params())
+        out["predicted_peak_bytes"] = self.plan.prediction.memory_bytes
+        return out
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all microbatches; returns this dp rank's mean loss."""
@@ -278,8 +409,8 @@ class DistributedModel:
             is_last = any(idx == self.num_stages - 1 for idx, _ in self.stages)
             self._schedule.step(*((x,) if is_first else ()), target=y if is_last else None,
                                 losses=losses)
-            local = torch.stack([l.detach() for l in losses]).mean() if is_last \
-                else torch.zeros(())
+            local = torch.stack([l.detach().float() for l in losses]).mean() \
+                / self._loss_scale() if is_last else torch.zeros(())
             dist.all_reduce(local, group=self.mesh["pp"].get_group())
         else:
             (_, module), = self.stages
@@ -291,9 +422,9 @@ class DistributedModel:
             for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
                 if sync_last_only:
                     module.set_requires_gradient_sync(i == m - 1)
-                loss = self.loss_fn(module(xm), ym) / m
-                loss.backward()
-                total += loss.detach()
+                loss = self.loss_fn(module(xm), ym) / m  # the hook counts microbatch i
+                (loss * self._loss_scale() if self.scaler else loss).backward()
+                total += loss.detach().float()
             local = total
         return local
 
@@ -328,6 +459,34 @@ class DistributedModel:
 
         load(self, path)
 
+    def save_pretrained(self, path, *, config=None, max_shard_bytes: int = 5_000_000_000) -> None:
+        """A consolidated Hugging Face checkpoint (safetensors, sharded files + index above
+        `max_shard_bytes`, `config.json` from `config`) that `from_pretrained` loads; gathered
+        tensor by tensor, so no rank holds more than its shards plus one full tensor
+        (collective; see autoplan.runtime.hf_checkpoint). Weights are written in the master
+        dtype (fp32 under mixed precision); a tied weight once, under its first name."""
+        from autoplan.runtime.hf_checkpoint import HFTensor, save_hf_weights
+
+        pp, mesh = self.plan.mesh.pp, self.mesh.mesh  # mesh: (pp, dp, tp) global ranks
+        first_stage = {}
+        for idx in sorted(self._stage_param_fqns):
+            for fqn in self._stage_param_fqns[idx]:
+                first_stage.setdefault(fqn, idx)
+        dtype = self.precision.master_dtype
+        entries = []
+        for fqn, info in self.graph.params.items():
+            if info.is_buffer or fqn not in first_stage:
+                continue
+            writer = int(mesh[first_stage[fqn] % pp, 0, 0])
+            entries.append(HFTensor(fqn, tuple(info.shape),
+                                    dtype or getattr(torch, info.dtype), writer))
+        local = {}
+        for idx, module in self.stages:
+            for fqn, p in module.named_parameters():
+                if first_stage.get(fqn) == idx:
+                    local[fqn] = p
+        save_hf_weights(path, entries, local, config=config, max_shard_bytes=max_shard_bytes)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters held by this rank, by FQN (collective over tp/dp)."""
         out = {}
@@ -346,3 +505,42 @@ def _untie_across_stages(gm: torch.fx.GraphModule) -> None:
             owner = gm.get_submodule(owner_path) if owner_path else gm
             if leaf in owner._parameters:
                 owner._parameters[leaf] = nn.Parameter(owner._parameters[leaf].detach().clone())
+
+
+def _common_seed(seed: int | None) -> int:
+    """The seed of the random ops: `seed`, or rank 0's `torch.initial_seed()` (the last
+    `torch.manual_seed`), the same on every rank."""
+    if seed is None:
+        box = [torch.initial_seed()]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        seed = int(box[0])
+    return int(seed)
+
+
+def _weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None) -> None:
+    """Every parameter of `gm` becomes a meta tensor of its shape (in `master_dtype` when
+    given: fp32 masters of a 16-bit graph), and every buffer not owned by the graph (lifted
+    constants keep their captured values) a meta tensor; nothing is allocated."""
+    for fqn, p in list(gm.named_parameters()):
+        owner_path, _, leaf = fqn.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        dtype = master_dtype if master_dtype is not None and p.is_floating_point() else p.dtype
+        owner._parameters[leaf] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"),
+                                               requires_grad=p.requires_grad)
+    for fqn, b in list(gm.named_buffers()):
+        if fqn.rpartition(".")[2].startswith("lifted_tensor") and not b.is_meta:
+            continue
+        owner_path, _, leaf = fqn.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner._buffers[leaf] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+
+
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on `device`, uninitialised (FSDP2 re-points its
+    sharded parameters under `to_empty`); buffers stay as they are: meta ones are filled by
+    the weight source, real ones (lifted constants) keep their values."""
+    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items()]
+    module.to_empty(device=device)
+    for m, name, b in buffers:
+        m._buffers[name] = b

@@ -25,14 +25,19 @@ __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "cl
            "local_tensor"]
 
 
-def replicate(module: nn.Module, dp_mesh) -> nn.Module:
-    """ZeRO-0: parameters replicated on the dp axis, gradients all-reduced (averaged)."""
-    return replicate_module(module, dp_mesh)
+def replicate(module: nn.Module, dp_mesh, *, mp_policy=None) -> nn.Module:
+    """ZeRO-0: parameters replicated on the dp axis, gradients all-reduced (averaged);
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32)."""
+    return replicate_module(module, dp_mesh, mp_policy=mp_policy)
 
 
-def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool) -> nn.Module:
-    """ZeRO-3 (reshard_after_forward=True) or ZeRO-2 (False) with FSDP2 on the dp axis."""
-    return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
+                mp_policy=None) -> nn.Module:
+    """ZeRO-3 (reshard_after_forward=True) or ZeRO-2 (False) with FSDP2 on the dp axis;
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32)."""
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                        **kwargs)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -107,9 +112,15 @@ class ShardedOptimizer:
 
 
 def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
-                   device: torch.device, pp_group, loss_fn: Callable):
-    """A torch.distributed.pipelining schedule for this rank's stages (plan.schedule)."""
-    pipeline_stages = [PipelineStage(m, idx, num_stages, device, group=pp_group)
+                   device: torch.device, pp_group, loss_fn: Callable,
+                   examples: dict[int, tuple[tuple, tuple]]):
+    """A torch.distributed.pipelining schedule for this rank's stages (plan.schedule).
+
+    `examples`: stage index -> (input tensors, output tensors) of one microbatch, local shapes
+    and dtypes: static metadata, so that the schedule runs no forward of its own to infer them
+    (an extra forward would also move the stages' random-op microbatch counters)."""
+    pipeline_stages = [PipelineStage(m, idx, num_stages, device, group=pp_group,
+                                     input_args=examples[idx][0], output_args=examples[idx][1])
                        for idx, m in stages]
     m = plan.num_microbatches
     if plan.schedule == "interleaved-1f1b":

@@ -170,10 +170,11 @@ def _share(part: str, r: int, cfg: Config, layers: list[int], total_layers: int)
     return 1.0 if r == cfg.pp - 1 else 0.0
 
 
-def _unit_factor(cfg: Config) -> float:
-    """Gathered bytes per parameter byte at moment A ([Note: memory per rank])."""
+def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
+    """Gathered bytes per parameter byte at moment A ([Note: memory per rank]); at dp 1 under
+    mixed precision, FSDP2's 16-bit compute copy of the unit."""
     if cfg.dp == 1:
-        return 0.0
+        return 1.0 if mixed_precision else 0.0
     return 1.0 + (1.0 / cfg.dp if cfg.zero_stage >= 2 else 0.0)
 
 
@@ -207,9 +208,10 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
     rank's first layer), so that "every form within the budget" is exactly "the peak within
     the budget"."""
     layers = _rank_layers(cfg, total_layers)
-    states = model_state_bytes(1.0, cfg.zero_stage, cfg.dp,
-                               mixed_precision=spec.mixed_precision, optimizer=spec.optimizer)
-    kept = states["params"] + states["optimizer"] + _unit_factor(cfg) * spec.dtype_bytes
+    states = model_state_bytes(1.0, cfg.zero_stage, cfg.dp, mixed_precision=spec.mixed_precision,
+                               optimizer=spec.optimizer, recipe="fsdp2")
+    kept = states["params"] + states["optimizer"] + \
+        _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
     unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp > 1 else 0.0
     out = []
     for r in range(cfg.pp):
@@ -313,8 +315,8 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
     late = sum(sol.act_bytes.get(p, 0.0) * c
                for p, c in _late_coef(r, layers, share, total_layers).items())
-    states = model_state_bytes(elems, cfg.zero_stage, cfg.dp,
-                               mixed_precision=spec.mixed_precision, optimizer=spec.optimizer)
+    states = model_state_bytes(elems, cfg.zero_stage, cfg.dp, mixed_precision=spec.mixed_precision,
+                               optimizer=spec.optimizer, recipe="fsdp2")
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
                                                 cfg.num_virtual_stages)
     return peak_memory_bytes(
@@ -324,7 +326,7 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
         gather_unit_bytes=elems * spec.dtype_bytes,
         grads_at_activation_peak=_grads_at_activation_peak(cfg, in_flight),
-        late_activation_bytes=late)
+        late_activation_bytes=late, cast_unit=spec.mixed_precision)
 
 
 def _grad_weight_bytes(spec: TrainingSpec, elems: float) -> tuple[float, float]:

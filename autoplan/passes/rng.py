@@ -1,0 +1,512 @@
+"""Layout-invariant random ops: dropout and attention dropout whose masks do not depend on the
+parallel layout.
+
+[Note: RNG contract]
+Every random value is a function of (seed, step, k, b, position in the sample) only -- never of
+the dp/tp/pp degrees, the number of microbatches or the rank:
+- k is the op's index among the random ops of the FULL captured graph in topological order
+  (`random_op_indices`, before stage splitting), or the call order in eager mode
+  (`keyed_random_ops`); both orders are program order.
+- b is the global sample: the row of the global batch (dim 0 of the op's input is the batch
+  dim). Rank-local row r of the microbatch running now is sample
+  `RandomState.sample_offset + (offset of the rank's batch shard) + r`.
+- For each sample the whole per-sample tensor (shape `global_shape[1:]`) is drawn in float32 on
+  the CPU from a `torch.Generator` seeded with `sample_seed(seed, step, k, b)`; a rank keeps the
+  part it holds (a Shard(d>0) slices dim d-1 of the sample; Replicate keeps all of it). CPU
+  draws because CUDA's Philox stream differs from the CPU's Mersenne Twister: the values would
+  otherwise depend on the device.
+- Bernoulli(q) is `u < q` for uniform u; dropout(p) keeps an element with `u < 1 - p`, the
+  same as eager CPU dropout's `bernoulli_(1 - p)`, so both paths give the same mask bit for bit.
+  out = x * (keep / (1 - p)) in x's dtype (the arithmetic of aten's CPU dropout); p == 0 or
+  train=False is the identity and p == 1 gives zeros (no draws, so no index k).
+- Attention dropout (SDPA with 0 < dropout_p < 1) is computed explicitly (torch's math path) and
+  drops attention probabilities with the mask of per-sample shape (H, T, S).
+The cost: B small CPU draws per op (B per-sample generators), copied to the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+from torch.fx.operator_schemas import normalize_function
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoplan._torch_compat import is_aten_op, local_shard_offset
+from autoplan.passes.sharding import sdpa_local
+
+__all__ = ["RandomState", "sample_seed", "random_op_indices", "make_random_ops_layout_invariant",
+           "keyed_dropout", "keyed_native_dropout", "keyed_bernoulli", "keyed_bernoulli_",
+           "keyed_rand_like", "keyed_sdpa", "KeyedRandomOps", "keyed_random_ops"]
+
+aten = torch.ops.aten
+_SDPA = aten.scaled_dot_product_attention.default
+_DROPOUTS = frozenset({aten.dropout.default, aten.native_dropout.default})
+_ELEMENTWISE = frozenset({aten.bernoulli.p, aten.bernoulli_.float, aten.rand_like.default,
+                          aten.randn_like.default})
+_GRAPH_OPS = _DROPOUTS | _ELEMENTWISE | {_SDPA}
+_EAGER_OPS = _ELEMENTWISE | {aten.native_dropout.default}
+_SUPPORTED = ("dropout, native_dropout, bernoulli.p, bernoulli_.float, rand_like, randn_like "
+              "and scaled_dot_product_attention")
+
+
+class RandomState(torch.nn.Module):
+    """Where a stage is in training, as the random ops of [Note: RNG contract] read it.
+
+    Mutable on purpose: one instance lives on each stage GraphModule (`gm.random_state`, read by
+    a get_attr node) and the engine moves it on per step and per microbatch, while the graph
+    stays the same. Checkpointed blocks `snapshot()` it at forward time and `restore()` it around
+    the recompute (autoplan/passes/checkpointing.py). An nn.Module only so that the get_attr
+    node targets a submodule, as FX expects (lint warns on any other attribute); it holds no
+    parameters or buffers.
+
+    Attributes:
+        seed: the run's seed.
+        step: the training step (optimizer step), from 0.
+        sample_offset: global sample index of local row 0 of the microbatch now running on this
+            rank, before any tp batch sharding: dp_rank * local_batch + microbatch * mb_size.
+    """
+
+    def __init__(self, seed: int, step: int = 0, sample_offset: int = 0):
+        super().__init__()
+        self.seed, self.step, self.sample_offset = seed, step, sample_offset
+
+    def extra_repr(self) -> str:
+        return f"seed={self.seed}, step={self.step}, sample_offset={self.sample_offset}"
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """(seed, step, sample_offset) now."""
+        return (self.seed, self.step, self.sample_offset)
+
+    def restore(self, snap: tuple[int, int, int]) -> None:
+        """Go back to a `snapshot()`."""
+        self.seed, self.step, self.sample_offset = snap
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    # SplitMix64 (Steele, Lea, Flood, "Fast splittable pseudorandom number generators",
+    # OOPSLA 2014); constants from Vigna's splitmix64.c (prng.di.unimi.it).
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sample_seed(seed: int, step: int, k: int, b: int) -> int:
+    """The 63-bit generator seed of sample b of random op k at `step`: h = 0, then
+    h = splitmix64(h XOR v) for v in (seed, step, k, b) (each taken mod 2**64), then h >> 1.
+    Pure Python ints, so every rank and device computes the same number."""
+    h = 0
+    for v in (seed, step, k, b):
+        h = _splitmix64(h ^ (v & _MASK64))
+    return h >> 1
+
+
+def _draw(state: RandomState, k: int, global_shape, offset, local_shape,
+          normal: bool = False) -> torch.Tensor:
+    """Keyed values of the block `local_shape` at `offset` of a `global_shape` tensor whose
+    dim 0 is the batch: float32 on the CPU, uniform [0, 1) or standard normal."""
+    sample_shape = tuple(global_shape[1:])
+    index = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:]))
+    whole = tuple(local_shape[1:]) == sample_shape
+    out = torch.empty(tuple(local_shape), dtype=torch.float32)
+    draw = torch.randn if normal else torch.rand
+    first = state.sample_offset + offset[0]
+    for i in range(local_shape[0]):
+        gen = torch.Generator().manual_seed(sample_seed(state.seed, state.step, k, first + i))
+        values = draw(sample_shape, generator=gen, dtype=torch.float32)
+        out[i] = values if whole else values[index]
+    return out
+
+
+def _split(x: torch.Tensor, op: str):
+    """(local tensor, global shape, global offset of the local block) of a plain tensor (the
+    whole tensor, offset 0) or a DTensor (its shard)."""
+    if x.dim() == 0:
+        raise ValueError(f"{op}: input is 0-d; the RNG contract keys dim 0 as the batch dim")
+    if not isinstance(x, DTensor):
+        return x, tuple(x.shape), (0,) * x.dim()
+    if any(p.is_partial() for p in x.placements):
+        raise ValueError(
+            f"{op}: input has placements {tuple(x.placements)}; reduce the Partial first (the "
+            "dropout of a partial sum is not the dropout of the sum)")
+    local_shape, offset = local_shard_offset(x.shape, x.device_mesh, x.placements)
+    local = x.to_local()
+    assert tuple(local.shape) == local_shape, (op, local.shape, local_shape)
+    return local, tuple(x.shape), offset
+
+
+def _like(local: torch.Tensor, x: torch.Tensor, shape=None, stride=None) -> torch.Tensor:
+    """`local` as the same kind of tensor as `x` (a DTensor with x's placements)."""
+    if not isinstance(x, DTensor):
+        return local
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape if shape is None else shape,
+                              stride=x.stride() if stride is None else stride)
+
+
+def _check_p(p: float, name: str, op: str) -> None:
+    if not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ValueError(f"{op}: {name}={p!r} must be a number in [0, 1]")
+
+
+def _keep(state: RandomState, x: torch.Tensor, q: float, k: int, op: str):
+    """(local tensor, bool mask `u < q` of the local block: True with probability q)."""
+    local, shape, offset = _split(x, op)
+    u = _draw(state, k, shape, offset, local.shape)
+    return local, (u < q).to(local.device)
+
+
+def keyed_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool,
+                  k: int) -> torch.Tensor:
+    """aten.dropout under [Note: RNG contract]: x * keep / (1 - p), keep ~ Bernoulli(1 - p).
+
+    Args:
+        state: seed, step and the global sample of local row 0.
+        x: (B, ...) plain tensor (rows are samples state.sample_offset + r) or DTensor at
+            Replicate / Shard(d) on its mesh (global shape (B, ...)).
+        p: drop probability in [0, 1]; train: False is the identity.
+        k: the op's index (`random_op_indices`).
+    Returns the same kind of tensor as x (same placements); differentiable in x.
+
+    Raises:
+        ValueError: p outside [0, 1], a 0-d x, or a Partial placement.
+    """
+    _check_p(p, "p", "dropout")
+    if not train or p == 0:
+        return x
+    if p == 1:
+        return x * 0  # what aten's dropout returns for p == 1 (no draws)
+    local, keep = _keep(state, x, 1 - p, k, "dropout")
+    return _like(local * keep.to(local.dtype).div_(1 - p), x)
+
+
+def keyed_native_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool | None,
+                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten.native_dropout under [Note: RNG contract]: (keyed_dropout's output, bool keep mask),
+    both of x's kind. Cases that draw nothing (train False, p in {0, 1}) run aten's own op.
+    Raises ValueError like `keyed_dropout`."""
+    _check_p(p, "p", "native_dropout")
+    if train is False or p in (0, 1):
+        return aten.native_dropout.default(x, p, train)
+    local, keep = _keep(state, x, 1 - p, k, "native_dropout")
+    return (_like(local * keep.to(local.dtype).div_(1 - p), x),
+            _like(keep, x, stride=x.stride()))
+
+
+def keyed_bernoulli(state: RandomState, x: torch.Tensor, p: float, k: int) -> torch.Tensor:
+    """aten.bernoulli.p under [Note: RNG contract]: `u < p` in x's dtype, x's shape and kind.
+    Raises ValueError for p outside [0, 1], a 0-d x or a Partial x."""
+    _check_p(p, "p", "bernoulli")
+    local, keep = _keep(state, x, p, k, "bernoulli")
+    return _like(keep.to(local.dtype), x)
+
+
+def keyed_bernoulli_(state: RandomState, x: torch.Tensor, p: float, k: int) -> torch.Tensor:
+    """aten.bernoulli_.float under [Note: RNG contract]: fills x in place, returns x."""
+    return x.copy_(keyed_bernoulli(state, x, p, k))
+
+
+def keyed_rand_like(state: RandomState, x: torch.Tensor, k: int, *, normal: bool = False,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """aten.rand_like (normal=False) / randn_like (normal=True) under [Note: RNG contract]:
+    drawn in float32, cast to `dtype` (default x's), x's shape, device and kind."""
+    op = "randn_like" if normal else "rand_like"
+    local, shape, offset = _split(x, op)
+    values = _draw(state, k, shape, offset, local.shape, normal=normal)
+    return _like(values.to(device=local.device, dtype=dtype or local.dtype), x)
+
+
+def _local_mask(mask, query, local_shape, offset):
+    """The part of `mask` (broadcastable to the scores (B, H, T, S)) that the local q sees."""
+    if mask is None:
+        return None
+    if isinstance(mask, DTensor):
+        if mask.placements == query.placements:
+            return mask.to_local()
+        if not all(p.is_replicate() for p in mask.placements):
+            raise ValueError(
+                f"scaled_dot_product_attention: attn_mask at {tuple(mask.placements)} with q "
+                f"at {tuple(query.placements)}; give it q's placements or Replicate")
+        mask = mask.to_local()
+    lead = query.dim() - mask.dim()  # the mask's dims align with q's from the right
+    for d in range(query.dim() - 2):
+        md = d - lead
+        if md >= 0 and mask.shape[md] != 1 and local_shape[d] != query.shape[d]:
+            mask = mask.narrow(md, offset[d], local_shape[d])
+    return mask
+
+
+def _attention_probs(q, k, mask, is_causal: bool, scale, enable_gqa: bool) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) as torch's math SDPA computes it: q and k^T each scaled by
+    sqrt(|scale|) (torch's `_scaled_dot_product_attention_math`, for stability), a bool mask
+    sets -inf where False, softmax in float32 with fully masked rows set to 0 (torch's
+    `_safe_softmax`), cast back to q's dtype. Formula: F.scaled_dot_product_attention docs.
+    (b, h, L, E) x (b, h|hk, S, E) -> (b, h, L, S)."""
+    L, S = q.size(-2), k.size(-2)
+    scale = 1 / math.sqrt(q.size(-1)) if scale is None else scale
+    if enable_gqa:
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+    if is_causal:
+        if mask is not None:
+            raise ValueError("scaled_dot_product_attention: is_causal=True with an attn_mask")
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+    root = math.sqrt(abs(scale))
+    scores = (q * math.copysign(root, scale)) @ (k.transpose(-2, -1) * root)  # (b, h, L, S)
+    if mask is not None:
+        scores = (scores.masked_fill(mask.logical_not(), float("-inf"))
+                  if mask.dtype == torch.bool else scores + mask)
+    probs = torch.softmax(scores.float(), dim=-1)
+    if mask is not None:
+        probs = probs.masked_fill(scores.eq(float("-inf")).all(-1, keepdim=True), 0.0)
+    return probs.to(q.dtype)
+
+
+def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p: float = 0.0,
+               is_causal: bool = False, k: int = 0, *, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    """aten.scaled_dot_product_attention with attention dropout under [Note: RNG contract].
+
+    Args:
+        query: (B, H, T, E); key, value: (B, Hk, S, E), (B, Hk, S, Ev) -- plain tensors or
+            DTensors with one common placement, Replicate or Shard(d) of a batch or head dim.
+        attn_mask: bool (True = attend) or additive, broadcastable to (B, H, T, S); a plain
+            mask is sliced like q along sharded dims where its size is not 1.
+        dropout_p: in [0, 1]; outside (0, 1) nothing is drawn and `sdpa_local` runs.
+        k: the op's index. scale, enable_gqa, is_causal: as in torch.
+    Returns (B, H, T, Ev) of q's kind and placements; differentiable in q, k, v.
+
+    Raises:
+        ValueError: dropout_p outside [0, 1]; q, k, v placements that differ, are Partial or
+            shard T, S or E; is_causal with a mask; a mask at another placement.
+    """
+    op = "scaled_dot_product_attention"
+    _check_p(dropout_p, "dropout_p", op)
+    if not 0 < dropout_p < 1:
+        return sdpa_local(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                          enable_gqa=enable_gqa)
+    if isinstance(query, DTensor):
+        places = tuple(query.placements)
+        bad = [p for p in places if p.is_partial() or (p.is_shard()
+                                                       and p.dim % query.dim() >= query.dim() - 2)]
+        if bad or tuple(key.placements) != places or tuple(value.placements) != places:
+            raise ValueError(
+                f"{op}: q, k, v at {places}, {tuple(key.placements)}, "
+                f"{tuple(value.placements)}; keyed attention dropout needs one common "
+                "placement, Replicate or Shard of a batch or head dim")
+    q, shape, offset = _split(query, op)
+    kl, vl = (key.to_local(), value.to_local()) if isinstance(key, DTensor) else (key, value)
+    probs = _attention_probs(q, kl, _local_mask(attn_mask, query, q.shape, offset), is_causal,
+                             scale, enable_gqa)  # (b, h, T, S) local
+    S = key.shape[-2]
+    u = _draw(state, k, (*shape[:-1], S), (*offset[:-1], 0), (*q.shape[:-1], S))
+    keep = (u < 1 - dropout_p).to(device=probs.device, dtype=probs.dtype)
+    probs = probs * keep.div_(1 - dropout_p)
+    if enable_gqa:
+        vl = vl.repeat_interleave(q.size(-3) // vl.size(-3), -3)
+    out = probs @ vl  # (b, h, T, Ev)
+    global_shape = torch.Size((*shape[:-1], value.shape[-1]))
+    stride = torch.empty(global_shape, device="meta").stride()  # contiguous, like `out`
+    return _like(out, query, shape=global_shape, stride=stride)
+
+
+# --- the graph pass ------------------------------------------------------------------------------
+
+def _named(op, args, kwargs) -> dict:
+    """The op's arguments by name (its Python signature: `input` for aten's `self`), defaults
+    filled in."""
+    pair = normalize_function(op, tuple(args), dict(kwargs), normalize_to_only_use_kwargs=True)
+    if pair is None:
+        raise ValueError(f"{op}: cannot bind args {args} kwargs {kwargs} to its schema")
+    return pair.kwargs
+
+
+def _draws(op, named: dict, where: str, supported: frozenset) -> bool:
+    """True when `op` with these arguments draws random numbers (see [Note: RNG contract] for
+    the cases that do not); raises for a seeded op that is not in `supported`. Callers skip
+    ops without torch.Tag.nondeterministic_seeded first (every random aten op carries it)."""
+    if op in _DROPOUTS or "dropout_p" in named:
+        name = "p" if op in _DROPOUTS else "dropout_p"
+        p = named[name]
+        _check_p(p, name, where)
+        train = named.get("train", True)
+        if not isinstance(train, (bool, type(None))):
+            raise ValueError(f"{where}: train={train!r} must be a constant bool")
+        draws = train is not False and 0 < p < 1
+    else:
+        draws = True
+    if draws and op not in supported:
+        raise ValueError(f"{where}: {op} draws random numbers and has no layout-invariant "
+                         f"version; supported: {_SUPPORTED}")
+    return draws
+
+
+def _random_nodes(gm: torch.fx.GraphModule):
+    """(node, aten op, named args) of every node that draws random numbers."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = _SDPA if node.target is sdpa_local else node.target
+        if not is_aten_op(op) or torch.Tag.nondeterministic_seeded not in op.tags:
+            continue
+        named = _named(op, node.args, node.kwargs)
+        if _draws(op, named, f"node {node.name} ({node.target})", _GRAPH_OPS):
+            yield node, op, named
+
+
+def random_op_indices(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """k of [Note: RNG contract] for every random node of a full captured graph: node name ->
+    index in topological order. Ops that draw nothing (dropout with p in {0, 1} or train=False,
+    SDPA without dropout) have none.
+
+    Raises:
+        ValueError: a seeded op without a keyed version (naming the node and op), a
+            non-constant p, or an input whose dim 0 is not the graph's batch size (dim 0 of the
+            first placeholder).
+    """
+    batch = next((n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"
+                  and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()), None)
+    out: dict[str, int] = {}
+    for node, op, named in _random_nodes(gm):
+        x = named.get("input", named.get("query"))
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if batch is not None and isinstance(val, torch.Tensor) and (
+                val.dim() == 0 or val.shape[0] != batch):
+            raise ValueError(
+                f"node {node.name} ({op}): input of shape {tuple(val.shape)} whose dim 0 is not "
+                f"the batch ({batch}); the RNG contract keys dim 0 as the global sample")
+        out[node.meta.get("orig_name", node.name)] = len(out)
+    return out
+
+
+def _replacement(op, named: dict, state: torch.fx.Node, k: int):
+    if op is _SDPA:
+        return keyed_sdpa, (state, named["query"], named["key"], named["value"],
+                            named["attn_mask"], named["dropout_p"], named["is_causal"], k), \
+            {"scale": named["scale"], "enable_gqa": named["enable_gqa"]}
+    if op in _DROPOUTS:
+        fn = keyed_dropout if op is aten.dropout.default else keyed_native_dropout
+        return fn, (state, named["input"], named["p"], named["train"], k), {}
+    if op in (aten.bernoulli.p, aten.bernoulli_.float):
+        fn = keyed_bernoulli if op is aten.bernoulli.p else keyed_bernoulli_
+        return fn, (state, named["input"], named["p"], k), {}
+    return keyed_rand_like, (state, named["input"], k), {
+        "normal": op is aten.randn_like.default, "dtype": named.get("dtype")}
+
+
+def make_random_ops_layout_invariant(gm: torch.fx.GraphModule, indices: dict[str, int],
+                                     state_attr: str = "random_state") -> int:
+    """Replace every random node of a (stage) graph by its keyed version, in place.
+
+    Nodes are looked up in `indices` (from `random_op_indices` of the full graph) by
+    `meta["orig_name"]` (else their name). The RandomState is the submodule `gm.<state_attr>`
+    (registered as RandomState(seed=0) when absent: the engine sets seed, step and
+    sample_offset before each forward), read by one get_attr node placed before the first op.
+    SDPA nodes may already be `sharding.sdpa_local`. Keeps node.meta. Recompiles. Returns the
+    number of nodes replaced.
+
+    Raises:
+        ValueError: a random node missing from `indices` (they come from another graph), an
+            attribute `state_attr` that is not a RandomState, or what `random_op_indices` raises.
+    """
+    state = getattr(gm, state_attr, None)
+    if state is None:
+        state = RandomState(seed=0)
+        setattr(gm, state_attr, state)
+    if not isinstance(state, RandomState):
+        raise ValueError(f"gm.{state_attr} is a {type(state).__name__}, not a RandomState")
+    found = list(_random_nodes(gm))
+    if not found:
+        return 0
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        state_node = gm.graph.get_attr(state_attr)
+    for node, op, named in found:
+        name = node.meta.get("orig_name", node.name)
+        if name not in indices:
+            raise ValueError(f"node {node.name} ({op}) draws random numbers but {name!r} has no "
+                             "index; compute the indices with random_op_indices on the full "
+                             "graph this stage was split from")
+        fn, args, kwargs = _replacement(op, named, state_node, indices[name])
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(fn, args, kwargs)
+        new.meta = dict(node.meta)
+        new.meta["orig_name"] = name
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return len(found)
+
+
+# --- eager models ----------------------------------------------------------------------------
+
+class KeyedRandomOps(TorchDispatchMode):
+    """Eager random ops under [Note: RNG contract], for a plain single-process model.
+
+    Below autograd, eager CPU dropout reaches `aten.bernoulli_.float` (aten.dropout is
+    CompositeImplicitAutograd: empty_like, bernoulli_(1 - p), div_, mul), and so does the
+    attention dropout of SDPA, which takes the math path on CPU (its bernoulli_ is on the
+    (B, H, T, S) probabilities). Those, bernoulli.p, rand_like, randn_like and native_dropout
+    (CUDA's fused dropout; its saved mask keeps autograd right) get keyed values; rows are
+    global samples `sample_offset + r`. A fused SDPA kernel with dropout (CUDA) or any other
+    seeded op raises ValueError: its backward would draw again.
+
+    k counts the random ops in call order from 0; setting `step` or `sample_offset`, or
+    `next_step()`, restarts it, so set one of them before every forward (e.g.
+    `mode.sample_offset = i * mb` per accumulated microbatch).
+    """
+
+    def __init__(self, seed: int, step: int = 0, sample_offset: int = 0):
+        super().__init__()
+        self.state = RandomState(seed, step, sample_offset)
+        self.num_drawn = 0
+        """Random ops drawn since the last reset: the k of the next one."""
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step, self.num_drawn = value, 0
+
+    @property
+    def sample_offset(self) -> int:
+        return self.state.sample_offset
+
+    @sample_offset.setter
+    def sample_offset(self, value: int) -> None:
+        self.state.sample_offset, self.num_drawn = value, 0
+
+    def next_step(self) -> None:
+        """Move to the next training step (k restarts at 0)."""
+        self.step = self.step + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        named = _named(func, args, kwargs)
+        if not _draws(func, named, f"keyed_random_ops: {func}", _EAGER_OPS):
+            return func(*args, **kwargs)
+        k, state = self.num_drawn, self.state
+        self.num_drawn += 1
+        if func is aten.native_dropout.default:
+            return keyed_native_dropout(state, named["input"], named["p"], named["train"], k)
+        if func is aten.bernoulli.p:
+            return keyed_bernoulli(state, named["input"], named["p"], k)
+        if func is aten.bernoulli_.float:
+            return keyed_bernoulli_(state, named["input"], named["p"], k)
+        return keyed_rand_like(state, named["input"], k, normal=func is aten.randn_like.default,
+                               dtype=named.get("dtype"))
+
+
+def keyed_random_ops(seed: int, step: int = 0, sample_offset: int = 0) -> KeyedRandomOps:
+    """`with keyed_random_ops(seed) as mode: model(x)` -- see KeyedRandomOps."""
+    return KeyedRandomOps(seed, step, sample_offset)

@@ -1,0 +1,478 @@
+"""Hugging Face checkpoints (safetensors) in and out of a model sharded across ranks.
+
+`load_hf_weights` fills this rank's parameters -- plain tensors, tp DTensors, FSDP2 shards, the
+stages a rank holds -- reading from the files only the block each shard covers
+(`safe_open(...).get_slice(key)[slices]`, which copies just those bytes out of the memory map).
+
+`save_hf_weights` writes one consolidated checkpoint that `from_pretrained` loads: every tensor
+is gathered (`DTensor.full_tensor()`) to the rank that writes it, streamed into its file and
+dropped, so no rank holds more than its shards plus one full tensor (plus a write buffer of at
+most `_CHUNK_BYTES`). Files are written in the safetensors format directly, tensor by tensor
+(the safetensors library only writes from a dict that holds a whole file in memory):
+
+    [8 bytes: N, little-endian u64][N bytes: JSON header, space-padded][raw tensor bytes]
+
+header = {name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...,
+"__metadata__": {"format": "pt"}}, offsets relative to the first data byte, data little-endian
+and C-contiguous (https://github.com/huggingface/safetensors, README "Format"). Several files
+are indexed by `model.safetensors.index.json` (`{"metadata": {"total_size": ...},
+"weight_map": {name: file}}`), as `transformers` writes them.
+
+[Note: atomic HF save] Files go to a sibling `{path}.tmp-{token}`; a gather of every rank's
+status (it doubles as the barrier) tells rank 0 whether all files are complete; only then does
+it move the directory to `path` (replacing an old one after the new one is complete) and tell
+the others. A failure on any rank -- including a write error, after which that rank still takes
+part in the remaining gathers so nobody hangs -- removes the temporary directory and raises on
+every rank; a crashed process leaves at most a `*.tmp-*` sibling, never a partial `path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from autoplan._torch_compat import local_shard_slices
+
+__all__ = ["HFTensor", "LoadStats", "load_hf_weights", "save_hf_weights", "plan_hf_files"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_CHUNK_BYTES = 64 * 2**20  # write buffer: a tensor is converted and written in pieces this big
+
+# torch dtype -> safetensors dtype name (safetensors README, "Format").
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+# --- loading --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What `load_hf_weights` read on this rank.
+
+    Attributes:
+        bytes_read: bytes of the slices read, at the file's dtype (before any cast).
+        num_tensors: parameters filled (shards of zero elements included).
+    """
+
+    bytes_read: int
+    num_tensors: int
+
+
+def _key_files(path: Path) -> tuple[dict[str, Path] | None, list[Path]]:
+    """(checkpoint key -> file from the index, or None for a single file; the files)."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"load_hf_weights: {path} is not a .safetensors file; only "
+                             f"safetensors checkpoints are supported")
+        return None, [path]
+    if not path.is_dir():
+        raise ValueError(f"load_hf_weights: checkpoint directory {path} does not exist")
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"load_hf_weights: cannot read the weight_map of {index}: "
+                             f"{e}") from e
+        keys = {k: path / f for k, f in weight_map.items()}
+        return keys, sorted(set(keys.values()))
+    if (path / SINGLE_FILE).exists():
+        return None, [path / SINGLE_FILE]
+    others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if others:
+        raise ValueError(f"load_hf_weights: {path} holds {others[:3]} but no {SINGLE_FILE} or "
+                         f"{INDEX_FILE}; only safetensors checkpoints are supported (convert "
+                         f"with transformers' save_pretrained(safe_serialization=True))")
+    raise ValueError(f"load_hf_weights: {path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def _open(stack: contextlib.ExitStack, file: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:  # safe_open reads and validates the header: a truncated file fails here
+        return stack.enter_context(safe_open(str(file), framework="pt"))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"load_hf_weights: cannot read safetensors file {file}: {e}") from e
+
+
+def _resolve(fqns: Sequence[str], available, aliases: Mapping[str, str]) -> dict[str, str]:
+    """fqn -> the checkpoint key holding it (itself, or an alias in either direction)."""
+    reverse: dict[str, list[str]] = {}
+    for a, b in aliases.items():
+        reverse.setdefault(b, []).append(a)
+    keys, missing = {}, []
+    for fqn in fqns:
+        candidates = [fqn, *([aliases[fqn]] if fqn in aliases else []), *reverse.get(fqn, [])]
+        found = next((c for c in candidates if c in available), None)
+        if found is None:
+            missing.append(fqn)
+        else:
+            keys[fqn] = found
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"load_hf_weights: {len(missing)} parameter(s) missing from the "
+                         f"checkpoint (aliases tried): {missing[:8]}{more}")
+    return keys
+
+
+def _target(fqn: str, p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """(the local tensor to fill, the global slices it covers; None: nothing to read)."""
+    if not isinstance(p, DTensor):
+        return p, tuple(slice(0, n) for n in p.shape)
+    local = p.to_local()
+    slices = local_shard_slices(p.shape, p.device_mesh, p.placements)
+    if slices is None:
+        return local, None
+    want = tuple(s.stop - s.start for s in slices)
+    if math.prod(want) == 0 and local.numel() == 0:
+        # FSDP2 gives an empty shard of a tp shard the shape (0, 0), whatever the global shape.
+        return local, None
+    if tuple(local.shape) != want:
+        raise ValueError(f"load_hf_weights: {fqn!r} with placements {tuple(p.placements)} on "
+                         f"mesh {tuple(p.device_mesh.shape)}: local shard has shape "
+                         f"{tuple(local.shape)}, torch computes {want} from global shape "
+                         f"{tuple(p.shape)}")
+    return local, slices
+
+
+@torch.no_grad()
+def load_hf_weights(path: str | os.PathLike, params: Mapping[str, torch.Tensor], *,
+                    aliases: Mapping[str, str] | None = None) -> LoadStats:
+    """Fill this rank's `params` in place from the HF safetensors checkpoint at `path`.
+
+    Args:
+        path: a directory with `model.safetensors`, or with `model-0000k-of-0000n.safetensors`
+            files and `model.safetensors.index.json`; or one `.safetensors` file.
+        params: fqn -> this rank's tensor of that parameter. A plain tensor is the whole tensor
+            (shape = the file's shape); a DTensor is filled in its local shard (`to_local()`,
+            copied into, never rebound: FSDP2's shard is a view of its padded storage) with
+            the block its `device_mesh` and `placements` give this rank (`Shard`, `Replicate`,
+            FSDP2's `_StridedShard`; see `_torch_compat.local_shard_slices`). Values are cast
+            to the target's dtype and device.
+        aliases: fqn -> another fqn naming the same tensor (tied weights: GPT-2 files hold
+            `transformer.wte.weight` for `lm_head.weight`); tried in both directions when a
+            requested fqn is not in the files. Keys of the files nobody asks for are ignored.
+
+    Returns:
+        LoadStats; `bytes_read` counts only the slices read (per rank, well under the file size
+        when the model is sharded).
+
+    Raises:
+        ValueError: no safetensors checkpoint at `path` (a `pytorch_model.bin` is refused),
+            parameters missing from the checkpoint (up to 8 named), a shape mismatch (fqn, file
+            shape, model shape), an unreadable or truncated file (named), or a DTensor whose
+            local shard does not match its placements. Every check runs before any tensor is
+            written, so a failed load leaves `params` untouched.
+    """
+    keys_to_files, files = _key_files(Path(path))
+    with contextlib.ExitStack() as stack:
+        handles = {f: _open(stack, f) for f in files}
+        if keys_to_files is None:
+            keys_to_files = {k: files[0] for k in handles[files[0]].keys()}
+        keys = _resolve(list(params), keys_to_files, aliases or {})
+        plan = []
+        for fqn, p in params.items():  # check every shape before writing anything
+            file = keys_to_files[keys[fqn]]
+            try:
+                view = handles[file].get_slice(keys[fqn])
+            except Exception as e:  # noqa: BLE001 - safetensors raises bare errors per key
+                raise ValueError(f"load_hf_weights: {file} does not hold {keys[fqn]!r} "
+                                 f"(listed in its index): {e}") from e
+            file_shape = tuple(view.get_shape())
+            if file_shape != tuple(p.shape):
+                raise ValueError(f"load_hf_weights: shape mismatch for {fqn!r}: file {file.name} "
+                                 f"has {keys[fqn]!r} of shape {file_shape}, the model "
+                                 f"{tuple(p.shape)}")
+            plan.append((handles[file], keys[fqn], view, *_target(fqn, p)))
+        bytes_read = 0
+        for handle, key, view, local, slices in plan:
+            if slices is None or local.numel() == 0:
+                continue
+            piece = view[slices] if slices else handle.get_tensor(key)  # () : a 0-d tensor
+            local.copy_(piece)
+            bytes_read += piece.numel() * piece.element_size()
+    return LoadStats(bytes_read=bytes_read, num_tensors=len(plan))
+
+
+# --- saving ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of a checkpoint to write.
+
+    Attributes:
+        fqn: its name in the files (the HF state-dict key).
+        shape: global shape.
+        dtype: dtype in the files (the rank's tensor is cast to it while writing).
+        writer_rank: global rank that writes it; it must hold the tensor or a DTensor shard of
+            it (and so take part in gathering it).
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    writer_rank: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"HFTensor {self.fqn!r}: dtype {self.dtype} has no safetensors "
+                             f"name (supported: {sorted(_DTYPES.values())})")
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes in the file: elements x element size."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def plan_hf_files(entries: Sequence[HFTensor],
+                  max_shard_bytes: int) -> list[tuple[str, list[HFTensor]]]:
+    """Split `entries`, in order, into (file name, tensors) as `save_hf_weights` writes them.
+
+    A file holds at most `max_shard_bytes` of tensor data (a bigger tensor gets a file of its
+    own) and tensors of one writer only: a new file starts when the writer changes. One file is
+    `model.safetensors`; n files are `model-0000k-of-0000n.safetensors` (transformers' names).
+    """
+    groups: list[list[HFTensor]] = []
+    size = 0
+    for e in entries:
+        if (not groups or groups[-1][-1].writer_rank != e.writer_rank
+                or size + e.num_bytes > max_shard_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.num_bytes
+    if len(groups) == 1:
+        return [(SINGLE_FILE, groups[0])]
+    n = len(groups)
+    return [(f"model-{k + 1:05d}-of-{n:05d}.safetensors", g) for k, g in enumerate(groups)]
+
+
+def _header(tensors: Sequence[HFTensor]) -> bytes:
+    """The first 8 + N bytes of a safetensors file: N, then the space-padded JSON header."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in tensors:
+        header[e.fqn] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [offset, offset + e.num_bytes]}
+        offset += e.num_bytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data then starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_tensor(f, full: torch.Tensor, dtype: torch.dtype) -> None:
+    """Append `full` to `f` as C-contiguous little-endian `dtype` bytes, `_CHUNK_BYTES` of
+    rows at a time (no second full copy for a cast or a device move)."""
+    rows = full.reshape(1, -1) if full.dim() == 0 else full
+    row_bytes = max(1, math.prod(rows.shape[1:]) * dtype.itemsize)
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    for i in range(0, rows.shape[0], step):
+        chunk = rows[i:i + step].to(device="cpu", dtype=dtype).contiguous()
+        f.write(chunk.reshape(-1).view(torch.uint8).numpy().data)
+
+
+class _Group:
+    """The ranks taking part in a save; collectives are skipped when they are alone."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        on = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if on else 0
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if on else [0]
+        self.active = len(self.ranks) > 1
+        self.is_first = self.rank == self.ranks[0]
+
+    def all_gather(self, obj) -> list:
+        if not self.active:
+            return [obj]
+        out: list = [None] * len(self.ranks)
+        dist.all_gather_object(out, obj, group=self.group)  # the group's default timeout
+        return out
+
+
+def _check_save(entries: Sequence[HFTensor], local: Mapping[str, torch.Tensor], group: _Group,
+                config, max_shard_bytes: int) -> list[str]:
+    """This rank's complaints about the inputs of `save_hf_weights`."""
+    errors = []
+    if max_shard_bytes < 1:
+        errors.append(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+    seen: set[str] = set()
+    for e in entries:
+        if e.fqn in seen:
+            errors.append(f"{e.fqn!r} appears twice in entries")
+        seen.add(e.fqn)
+        if e.writer_rank not in group.ranks:
+            errors.append(f"{e.fqn!r}: writer_rank {e.writer_rank} is not in the group "
+                          f"(ranks {group.ranks[:8]}{'...' if len(group.ranks) > 8 else ''})")
+        piece = local.get(e.fqn)
+        if piece is not None and tuple(piece.shape) != e.shape:
+            errors.append(f"{e.fqn!r}: this rank's tensor has global shape "
+                          f"{tuple(piece.shape)}, entries say {e.shape}")
+        if piece is None and e.writer_rank == group.rank:
+            errors.append(f"{e.fqn!r}: rank {group.rank} is its writer but holds no piece of it")
+    if group.is_first and config is not None and not (
+            isinstance(config, Mapping) or hasattr(config, "save_pretrained")):
+        errors.append(f"config must be a dict or a transformers PretrainedConfig, got "
+                      f"{type(config).__name__}")
+    return errors
+
+
+def _write_meta(tmp: Path, files, config) -> None:
+    """Rank 0's share: config.json and, for several files, the index."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    if isinstance(config, Mapping):
+        (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True))
+    elif config is not None:
+        config.save_pretrained(str(tmp))
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(e.num_bytes for _, g in files for e in g)},
+                 "weight_map": {e.fqn: name for name, g in files for e in g}}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def _write_files(tmp: Path, files, local: Mapping[str, torch.Tensor], rank: int,
+                 error: str | None) -> str | None:
+    """Gather every tensor to its writer and stream it into its file, in `files` order.
+
+    Every rank holding a DTensor piece takes part in its gather even after a write error here
+    (returned, not raised), so that the other ranks never wait in a collective.
+    """
+    for name, tensors in files:
+        f = None
+        if tensors[0].writer_rank == rank and error is None:
+            try:
+                tmp.mkdir(parents=True, exist_ok=True)
+                f = open(tmp / name, "wb")  # noqa: SIM115 - closed below, also on errors
+                f.write(_header(tensors))
+            except OSError as e:
+                error = f"writing {name}: {e}"
+        for e in tensors:
+            piece = local.get(e.fqn)
+            if piece is None:
+                continue
+            full = piece.full_tensor() if isinstance(piece, DTensor) else piece
+            if f is not None and e.writer_rank == rank:
+                try:
+                    _write_tensor(f, full, e.dtype)
+                except (OSError, RuntimeError) as ex:
+                    error = f"writing {e.fqn!r} to {name}: {ex}"
+                    f.close()
+                    f = None
+            del full  # the one full tensor: gone before the next gather
+        if f is not None:
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+            except OSError as e:
+                error = f"closing {name}: {e}"
+    return error
+
+
+def _replace(tmp: Path, path: Path, token: str) -> None:
+    """Move the finished `tmp` to `path`; an existing `path` goes only once `tmp` is there."""
+    if not path.exists():
+        os.rename(tmp, path)
+        return
+    old = path.with_name(f"{path.name}.old-{token}")
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.rename(old, path)
+        raise
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+@torch.no_grad()
+def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
+                    local: Mapping[str, torch.Tensor], *, config=None,
+                    max_shard_bytes: int = 5_000_000_000, group=None) -> None:
+    """Write a consolidated HF safetensors checkpoint of a sharded model to directory `path`
+    (collective over `group`; see [Note: atomic HF save]).
+
+    Args:
+        path: output directory; replaced if it exists, only once the new one is complete.
+        entries: every tensor to write, in file order, identical on every rank.
+        local: fqn -> this rank's piece: a plain tensor (the whole tensor, e.g. a pipeline
+            stage's) or a DTensor shard. For every DTensor entry, in `entries` order, each rank
+            holding a piece calls `full_tensor()` (collective over its mesh); ranks holding
+            nothing skip it, plain tensors of non-writers are not touched. Keys not in
+            `entries` are ignored.
+        config: written as `config.json` by the group's first rank: a dict, or a transformers
+            PretrainedConfig (`save_pretrained`).
+        max_shard_bytes: most tensor bytes per file (`plan_hf_files`), bytes.
+        group: process group of the ranks taking part (default: world). Collectives are skipped
+            when torch.distributed is not initialised or the group has one rank.
+
+    Memory: a rank holds its shards plus one full tensor at a time (DTensor's gather over a 2-D
+    mesh runs one all-gather per mesh axis, briefly adding the partly gathered tensor), plus a
+    write buffer of at most 64 MiB for a cast or device move.
+
+    Raises:
+        ValueError: on every rank, for bad inputs on any rank (duplicate fqns, a writer rank
+            outside the group or not holding its tensor, a shape that disagrees with
+            `entries`, `entries` differing between ranks, an unsupported dtype or config).
+        RuntimeError: on every rank, when any rank failed to write its files or rank 0 failed
+            to move the directory into place; `path` is then left as it was.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("save_hf_weights writes safetensors (little-endian) by viewing "
+                           "tensor memory as bytes; this host is big-endian")
+    entries, path, ranks = tuple(entries), Path(path), _Group(group)
+    digest = hashlib.sha256(repr([(e.fqn, e.shape, str(e.dtype), e.writer_rank)
+                                  for e in entries]).encode()).hexdigest()
+    token = uuid.uuid4().hex[:12]
+    status = ranks.all_gather((_check_save(entries, local, ranks, config, max_shard_bytes),
+                               digest, token))
+    errors = [f"rank {r}: {m}" for r, (msgs, _, _) in zip(ranks.ranks, status) for m in msgs]
+    errors += [f"rank {r}: entries differ from rank {ranks.ranks[0]}'s"
+               for r, (_, d, _) in zip(ranks.ranks, status) if d != status[0][1]]
+    if errors:
+        raise ValueError(f"save_hf_weights({path}): {len(errors)} problem(s): "
+                         + "; ".join(errors[:8]))
+    token = status[0][2]
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    files = plan_hf_files(entries, max_shard_bytes)
+    error = None
+    if ranks.is_first:
+        try:
+            _write_meta(tmp, files, config)
+        except OSError as e:
+            error = f"writing config/index: {e}"
+    error = _write_files(tmp, files, local, ranks.rank, error)
+    failures = [f"rank {r}: {m}" for r, m in zip(ranks.ranks, ranks.all_gather(error)) if m]
+    if ranks.is_first:
+        try:
+            if not failures:
+                _replace(tmp, path, token)
+        except OSError as e:
+            failures.append(f"rank {ranks.rank}: moving {tmp} to {path}: {e}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    failures = ranks.all_gather(failures)[0]  # rank 0's verdict, and every rank waits for it
+    if failures:
+        raise RuntimeError(f"save_hf_weights({path}) failed, nothing written: "
+                           + "; ".join(failures[:8]))

@@ -1,0 +1,109 @@
+"""The precision recipe a plan's dtype stands for, and dynamic loss scaling for fp16.
+
+[Note: precision recipe] `dtype="bfloat16"` / `"float16"` means mixed precision as Megatron-LM
+and torchtitan train (Micikevicius et al. 2018, "Mixed Precision Training"):
+- the runtime graph is captured with the parameters in the 16-bit dtype, so forward and
+  backward run as the model runs with 16-bit weights (the ops where the model upcasts itself --
+  norms, softmax, rotary tables -- upcast as written; the loss is computed in fp32);
+- the parameters the optimizer steps are fp32 master weights, and AdamW's states are fp32;
+- FSDP2's MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32) casts the masters for
+  compute and reduces gradients across dp in fp32 (also at dp 1, where it only casts);
+- tensor-parallel partial sums are reduced in the dtype of the activations (16-bit), as the
+  plan prices them;
+- fp16 adds dynamic loss scaling (`LossScaler`).
+`"float32"` trains in fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["Precision", "LossScaler", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The recipe of one compute dtype ([Note: precision recipe]).
+
+    Attributes:
+        compute_dtype: the dtype forward and backward run in.
+        master_dtype: dtype of the parameters the optimizer steps (None: as captured, fp32).
+        loss_scaling: dynamic loss scaling (fp16 only).
+    """
+
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype | None
+    loss_scaling: bool
+
+    @staticmethod
+    def of(dtype: str) -> "Precision":
+        """Raises ValueError for a dtype name other than float32, bfloat16, float16."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        compute = DTYPES[dtype]
+        mixed = compute != torch.float32
+        return Precision(compute, torch.float32 if mixed else None, compute == torch.float16)
+
+    @property
+    def mixed(self) -> bool:
+        return self.master_dtype is not None
+
+    def policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's policy for this recipe (None for fp32)."""
+        if not self.mixed:
+            return None
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
+
+    def describe(self) -> str:
+        if not self.mixed:
+            return "fp32 weights, activations, gradients and optimizer states"
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.compute_dtype]
+        text = (f"{name} forward/backward, fp32 master weights and AdamW states, dp gradient "
+                f"reduction in fp32, tp partial sums in {name}")
+        return text + (", dynamic loss scaling" if self.loss_scaling else "")
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (torch.amp.GradScaler's algorithm and defaults: initial
+    scale 2**16, halve on overflow and skip the step, double after 2000 good steps), over
+    every rank: one rank's overflow skips the step on all ranks.
+
+    Args:
+        init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler's.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self._good_steps = 0
+
+    @torch.no_grad()
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Divide the local gradients by the scale; True when no rank found inf/nan (the
+        step may proceed). Updates the scale."""
+        found = torch.zeros(())
+        for g in grads:
+            g.mul_(1.0 / self.scale)
+            if not torch.isfinite(g).all():
+                found.fill_(1.0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found.item():
+            self.scale *= self.backoff_factor
+            self._good_steps = 0
+            return False
+        self._good_steps += 1
+        if self._good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self._good_steps = 0
+        return True

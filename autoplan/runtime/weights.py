@@ -1,0 +1,198 @@
+"""Where a rank's weights come from, and how a full tensor becomes this rank's shard.
+
+[Note: sharded construction] The engine builds every stage on the meta device, applies the
+plan (tp placements as DTensors, FSDP2 by ZeRO stage), and only then allocates: `to_empty`
+gives each rank exactly its shards, uninitialised. A `WeightSource` then fills them, one full
+tensor at a time: the source produces (or reads) a tensor, `fill_shard` copies the part this
+rank owns (DTensor's own slicing: `distribute_tensor(..., src_data_rank=None)` cuts locally,
+without communication, for any placements FSDP2 and tp compose to) and the full tensor is
+dropped. No rank ever holds the model; the peak is its shards plus about one full tensor.
+
+Sources:
+- `ModuleWeights`: a model (or state dict) that already holds real weights -- slices of its
+  tensors, nothing copied whole.
+- `InitReplay`: the model's own construction / init recorded on meta and replayed
+  (autoplan.runtime.deferred_init, [Note: RNG contract for initialisation]).
+- `HFWeights`: a Hugging Face safetensors checkpoint, each rank reading only its slices
+  (autoplan.runtime.hf_checkpoint); buffers (rotary tables) come from an `InitReplay`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from autoplan._torch_compat import local_shard_slices
+
+from autoplan.runtime.deferred_init import InitTrace, module_tensors, replay
+
+__all__ = ["WeightSource", "Targets", "ModuleWeights", "InitReplay", "HFWeights", "fill_shard"]
+
+
+class Targets:
+    """The tensors this rank must fill, by FQN.
+
+    Attributes:
+        params: fqn -> this rank's parameters of that name (a tied weight held by two stages of
+            this rank has two), plain or DTensor shards, allocated and uninitialised.
+        buffers: fqn -> (module, attribute name) pairs whose buffer gets the full tensor.
+        device: where the shards live.
+    """
+
+    def __init__(self, params: dict[str, list[torch.Tensor]],
+                 buffers: dict[str, list[tuple[nn.Module, str]]], device: torch.device):
+        self.params = params
+        self.buffers = buffers
+        self.device = device
+
+    def names(self) -> set[str]:
+        return set(self.params) | set(self.buffers)
+
+    def put(self, fqn: str, full: torch.Tensor) -> None:
+        """Give every target named `fqn` its part of the full tensor `full`."""
+        for p in self.params.get(fqn, ()):
+            fill_shard(p, full)
+        for module, leaf in self.buffers.get(fqn, ()):
+            persistent = leaf not in module._non_persistent_buffers_set
+            old = module._buffers[leaf]
+            module.register_buffer(leaf, full.detach().to(self.device, old.dtype, copy=True),
+                                   persistent=persistent)
+
+
+@torch.no_grad()
+def fill_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of `full` (the whole tensor, global shape) into `param`.
+
+    `param` is a plain tensor (this rank holds it whole) or a DTensor shard (tp placements,
+    FSDP2's Shard / _StridedShard on the dp axis); its dtype wins (fp32 master weights from a
+    bf16 file, for instance). Raises ValueError when the shapes differ.
+    """
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"fill_shard: source shape {tuple(full.shape)} != parameter shape "
+                         f"{tuple(param.shape)}")
+    full = full.detach().to(param.device)
+    if not isinstance(param, DTensor):
+        param.copy_(full)
+        return
+    local = param.to_local()
+    if local.numel() == 0:
+        return  # FSDP2 gives an empty shard a placeholder shape
+    # A view of the full tensor, copied straight into the shard: no shard-sized temporary.
+    slices = local_shard_slices(param.shape, param.device_mesh, param.placements)
+    local.copy_(full[slices])
+
+
+class WeightSource(Protocol):
+    """Fills a rank's `Targets` (every name in `targets.names()`)."""
+
+    def fill(self, targets: Targets) -> None: ...
+
+
+class ModuleWeights:
+    """Real weights already in memory: a module (its parameters and all buffers, non-persistent
+    ones included) or a mapping fqn -> tensor.
+
+    When the ranks were given different weights (an unseeded random init on each rank), rank
+    0's are broadcast, one tensor at a time, so that every rank trains one model.
+    """
+
+    def __init__(self, source: nn.Module | Mapping[str, torch.Tensor]):
+        if isinstance(source, nn.Module):
+            tensors = dict(source.named_parameters(remove_duplicate=False))
+            tensors.update(source.named_buffers(remove_duplicate=False))
+        else:
+            tensors = dict(source)
+        self.tensors = tensors
+
+    def fill(self, targets: Targets) -> None:
+        missing = sorted(n for n in targets.names() if n not in self.tensors)
+        if missing:
+            raise ValueError(f"the model's weights lack {len(missing)} tensors the plan needs: "
+                             f"{missing[:8]}")
+        # Every rank walks the same names (the collectives below must match across ranks).
+        names = sorted(self.tensors)
+        same = _ranks_agree([self.tensors[n] for n in names])
+        wanted = targets.names()
+        for n in names:
+            full = self.tensors[n]
+            if not same:
+                full = full.detach().clone()
+                dist.broadcast(full, src=0)
+            if n in wanted:
+                targets.put(n, full)
+
+
+def _ranks_agree(tensors: list[torch.Tensor]) -> bool:
+    """True when every rank holds the same values (a checksum per tensor, compared)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    sums = torch.stack([t.detach().double().sum() for t in tensors]) if tensors \
+        else torch.zeros(1, dtype=torch.float64)
+    lo, hi = sums.clone(), sums.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lo, hi))
+
+
+class InitReplay:
+    """The model's construction or init, recorded on meta, replayed tensor by tensor.
+
+    Args:
+        trace: from `deferred_init.record`.
+        module: the meta module the trace built (names its tensors).
+        params: fill parameters too (False: only buffers, when weights come from elsewhere).
+    """
+
+    def __init__(self, trace: InitTrace, module: nn.Module, *, params: bool = True):
+        self.trace = trace
+        self.names = module_tensors(module)
+        self.buffer_names = {n for n, _ in module.named_buffers(remove_duplicate=False)}
+        self.params = params
+        self.peak_bytes = 0
+
+    def fill(self, targets: Targets) -> None:
+        want = targets.names() if self.params else set(targets.buffers)
+        wanted = {k: [n for n in names if n in want] for k, names in self.names.items()}
+        wanted = {k: v for k, v in wanted.items() if v}
+        self.peak_bytes = replay(self.trace, wanted, targets.put, device=targets.device)
+
+
+class HFWeights:
+    """A Hugging Face checkpoint directory (safetensors): parameters read slice by slice;
+    buffers from `buffers` (an InitReplay, params=False).
+
+    Attributes:
+        bytes_read: bytes this rank read from the files (after `fill`).
+    """
+
+    def __init__(self, path, buffers: WeightSource | None, aliases: Mapping[str, str]):
+        self.path = path
+        self.buffers = buffers
+        self.aliases = dict(aliases)
+        self.bytes_read = 0
+
+    def fill(self, targets: Targets) -> None:
+        from autoplan.runtime.hf_checkpoint import load_hf_weights
+
+        flat = {}
+        for fqn, params in targets.params.items():
+            for i, p in enumerate(params):
+                flat[fqn if i == 0 else f"{fqn}#copy{i}"] = p
+        copies = {k: k.split("#")[0] for k in flat if "#" in k}
+        first = {k: flat[k] for k in flat if "#" not in k}
+        stats = load_hf_weights(self.path, first, aliases=self.aliases)
+        self.bytes_read = stats.bytes_read
+        for k, fqn in copies.items():
+            with torch.no_grad():
+                _local(flat[k]).copy_(_local(first[fqn]))
+        if self.buffers is not None and targets.buffers:
+            self.buffers.fill(Targets({}, targets.buffers, targets.device))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

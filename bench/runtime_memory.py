@@ -1,0 +1,142 @@
+"""Runtime memory: what each rank really holds while a 0.5B-parameter model is built and
+trained, against the plan's prediction (issue 8, "Train what you plan").
+
+    python bench/runtime_memory.py               # -> bench/results/runtime_memory.json
+    python bench/runtime_memory.py --quick       # a 25M-parameter model, to try the bench
+
+The model is GPT-2 style (HF GPT2LMHeadModel: width 1024, 36 layers, 16 heads, vocab 50257 --
+0.50B parameters, 2.0 GB of fp32 weights), decorated as a *factory*: `@autoparallel` records its
+construction on the meta device and every rank replays it on its own shards
+([Note: sharded construction] in autoplan/runtime/weights.py). It trains 2 AdamW steps (fp32,
+global batch 4 x 64 tokens) on 4 gloo ranks under dp4 ZeRO-3, tp4 and pp2 x dp2 ZeRO-3, each
+configuration in a fresh LocalCluster so that no run inherits another's heap.
+
+Measured per rank (`model.memory_stats()`, autoplan/runtime/memory_stats.py): the resident set's
+high-water mark (VmHWM, reset through /proc/self/clear_refs at the start of each phase) during
+construction (`construction_peak_bytes`) and during the steps (`step_peak_bytes`, the larger of
+the two steps); `baseline_bytes` is the resident set before construction (interpreter, torch,
+transformers, OR-Tools, the plan). Resident memory is an upper bound on tensor memory: it holds
+the baseline and the allocator's slack too, which is what the "+ 1 GB" of the bars absorbs.
+
+Bars (issue 8): every rank, construction_peak_bytes <= 0.5 x model_fp32_bytes + 1 GB, and
+step_peak_bytes <= 1.25 x predicted_peak_bytes + 1 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CONFIGS = {
+    "dp4 zero3": dict(dp=4, zero_stage=3),
+    "tp4": dict(tp=4),
+    "pp2xdp2 zero3": dict(pp=2, dp=2, zero_stage=3, num_microbatches=2),
+}
+MODEL = dict(n_embd=1024, n_layer=36, n_head=16, vocab_size=50257, n_positions=1024)
+QUICK_MODEL = dict(n_embd=256, n_layer=4, n_head=4, vocab_size=50257, n_positions=256)
+GLOBAL_BATCH, SEQ, STEPS = 4, 64, 2
+GB = 1e9
+
+
+def _factory(config: dict):
+    from autoplan.models import build_model
+
+    return build_model("gpt2", device="meta", **config)
+
+
+def run_config(config: dict, overrides: dict) -> dict:
+    """On every rank: build from the recorded factory, train STEPS steps, report memory."""
+    import functools
+
+    from autoplan import autoparallel
+
+    t0 = time.perf_counter()
+    make = autoparallel(functools.partial(_factory, config), global_batch=GLOBAL_BATCH,
+                        seq_len=SEQ, **overrides)
+    torch.manual_seed(0)
+    model = make()
+    plan = model.plan
+    t1 = time.perf_counter()
+    model.build()
+    t2 = time.perf_counter()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config["vocab_size"], (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
+    losses, peaks = [], []
+    for i in range(STEPS):
+        losses.append(model.step(tokens[i, :, :-1], tokens[i, :, 1:]))
+        stats = model.memory_stats()
+        peaks.append(stats.get("step_peak_bytes", stats.get("first_step_peak_bytes")))
+    t3 = time.perf_counter()
+    num_params = sum(p.numel for p in model.graph.params.values() if not p.is_buffer)
+    return {
+        "rank": torch.distributed.get_rank(),
+        "plan": str(plan.mesh), "zero_stage": plan.zero_stage,
+        "model_params": num_params, "model_fp32_bytes": num_params * 4,
+        "baseline_bytes": stats["baseline_bytes"],
+        "construction_peak_bytes": stats["construction_peak_bytes"],
+        "step_peak_bytes": max(peaks),
+        "predicted_peak_bytes": stats["predicted_peak_bytes"],
+        "local_param_bytes": stats["local_param_bytes"],
+        "plan_s": t1 - t0, "construction_s": t2 - t1, "steps_s": t3 - t2, "losses": losses,
+    }
+
+
+def check(row: dict) -> dict:
+    fp32 = row["model_fp32_bytes"]
+    return {
+        "construction_ok": row["construction_peak_bytes"] <= 0.5 * fp32 + GB,
+        "step_ok": row["step_peak_bytes"] <= 1.25 * row["predicted_peak_bytes"] + GB,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 25M-parameter model")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "runtime_memory.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from autoplan.runtime import LocalCluster
+
+    config = QUICK_MODEL if args.quick else MODEL
+    runs = {}
+    for name, overrides in CONFIGS.items():
+        with LocalCluster(4, pg_timeout_s=1800) as cluster:
+            rows = cluster.run(run_config, config, overrides, timeout_s=3000)
+        for row in rows:
+            row.update(check(row))
+        runs[name] = rows
+        for row in rows:
+            print(f"{name:14s} rank {row['rank']}: construction "
+                  f"{row['construction_peak_bytes'] / GB:.2f} GB "
+                  f"(bar {0.5 * row['model_fp32_bytes'] / GB + 1:.2f}), step "
+                  f"{row['step_peak_bytes'] / GB:.2f} GB (predicted "
+                  f"{row['predicted_peak_bytes'] / GB:.2f}, bar "
+                  f"{1.25 * row['predicted_peak_bytes'] / GB + 1:.2f}), baseline "
+                  f"{row['baseline_bytes'] / GB:.2f} GB, build {row['construction_s']:.0f} s",
+                  flush=True)
+    ok = all(r["construction_ok"] and r["step_ok"] for rows in runs.values() for r in rows)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average": os.getloadavg(), "quick": args.quick, "model": config,
+        "global_batch": GLOBAL_BATCH, "seq_len": SEQ, "steps": STEPS, "ranks": 4,
+        "measure": "resident set high-water mark per phase (VmHWM via /proc/self/clear_refs)",
+        "bars": {"construction": "<= 0.5 x model_fp32_bytes + 1 GB",
+                 "step": "<= 1.25 x predicted_peak_bytes + 1 GB"},
+        "all_within_bars": ok, "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'all' if ok else 'NOT all'} ranks within the bars -> {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Layout-invariant random ops ([Note: RNG contract], autoplan/passes/rng.py): the same masks for
+any split of the batch, any tp placement, eager or captured, with or without checkpointing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import _rng_jobs
+from autoplan.capture import capture
+from autoplan.passes import rng
+from autoplan.passes.checkpointing import wrap_checkpointing
+from autoplan.passes.device import materialize
+from autoplan.passes.rng import (RandomState, keyed_dropout, keyed_random_ops, keyed_sdpa,
+                                 make_random_ops_layout_invariant, random_op_indices)
+
+aten = torch.ops.aten
+
+
+def _state(seed=1, step=0, sample_offset=0):
+    return RandomState(seed, step, sample_offset)
+
+
+def test_split_batch_equals_whole_batch():
+    x = torch.randn(6, 5, 7)
+    whole = keyed_dropout(_state(), x, 0.4, True, 3)
+    halves = [keyed_dropout(_state(sample_offset=o), x[o:o + 3], 0.4, True, 3) for o in (0, 3)]
+    torch.testing.assert_close(torch.cat(halves), whole, rtol=0, atol=0)
+    q, k, v = torch.randn(3, 6, 2, 5, 8).unbind(0)
+    whole = keyed_sdpa(_state(), q, k, v, None, 0.5, True, 0)
+    halves = [keyed_sdpa(_state(sample_offset=o), q[o:o + 3], k[o:o + 3], v[o:o + 3], None, 0.5,
+                         True, 0) for o in (0, 3)]
+    torch.testing.assert_close(torch.cat(halves), whole)
+
+
+def test_masks_are_keyed_by_seed_step_and_op():
+    x = torch.ones(4, 8, 8)
+    mask = lambda s, k=0: keyed_dropout(s, x, 0.5, True, k) != 0  # noqa: E731
+    base = mask(_state(seed=1, step=2))
+    assert torch.equal(base, mask(_state(seed=1, step=2)))
+    for other in (mask(_state(seed=2, step=2)), mask(_state(seed=1, step=3)),
+                  mask(_state(seed=1, step=2), k=1)):
+        assert not torch.equal(base, other)
+    # rows are keyed by their global sample: every row's mask differs from the others
+    assert all(not torch.equal(base[0], base[b]) for b in range(1, 4))
+    assert 0 <= rng.sample_seed(-1, 2 ** 70, 3, 4) < 2 ** 63
+
+
+def test_keep_fraction_and_scale():
+    x = torch.ones(64, 32, 32)
+    out = keyed_dropout(_state(), x, 0.3, True, 0)
+    kept = out != 0
+    assert kept.float().mean().item() == pytest.approx(0.7, abs=0.01)
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.7))
+    half = keyed_dropout(_state(), x.half(), 0.3, True, 0)
+    assert half.dtype == torch.float16 and torch.equal(half != 0, kept)
+
+
+def test_dropout_edge_cases():
+    x = torch.randn(3, 4, requires_grad=True)
+    assert keyed_dropout(_state(), x, 0.0, True, 0) is x
+    assert keyed_dropout(_state(), x, 0.7, False, 0) is x
+    zeros = keyed_dropout(_state(), x, 1.0, True, 0)
+    assert torch.equal(zeros, torch.zeros(3, 4)) and zeros.requires_grad
+    with pytest.raises(ValueError, match=r"dropout: p=1.5 must be a number in \[0, 1\]"):
+        keyed_dropout(_state(), x, 1.5, True, 0)
+    with pytest.raises(ValueError, match="dropout: input is 0-d"):
+        keyed_dropout(_state(), torch.tensor(1.0), 0.5, True, 0)
+    out = keyed_dropout(_state(), x, 0.5, True, 0)
+    out.sum().backward()  # the mask is a constant factor: d out / d x = keep / (1 - p)
+    torch.testing.assert_close(x.grad, (out != 0).float() * 2)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive", "gqa", "scale"])
+def test_keyed_sdpa_equals_eager_sdpa_under_the_mode(kind):
+    """keyed_sdpa computes what eager CPU SDPA (math path) computes when its dropout draws the
+    keyed mask, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 5, 8, generator=g)
+    kv_heads = 2 if kind == "gqa" else 4
+    k, v = torch.randn(2, 3, kv_heads, 7, 8, generator=g).unbind(0)
+    kwargs = {"causal": dict(is_causal=True), "gqa": dict(enable_gqa=True),
+              "scale": dict(scale=-0.3),
+              "bool": dict(attn_mask=torch.rand(3, 1, 5, 7, generator=g) > 0.5),
+              "additive": dict(attn_mask=torch.randn(5, 7, generator=g))}.get(kind, {})
+    if kind == "causal":
+        k, v = k[:, :, :5], v[:, :, :5]
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    with keyed_random_ops(seed=9, step=4, sample_offset=2):
+        want = F.scaled_dot_product_attention(*ins, dropout_p=0.4, **kwargs)
+    want_grads = torch.autograd.grad(want.sum(), ins)
+    got_ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = keyed_sdpa(_state(9, 4, 2), *got_ins, kwargs.get("attn_mask"), 0.4,
+                     kwargs.get("is_causal", False), 0, scale=kwargs.get("scale"),
+                     enable_gqa=kwargs.get("enable_gqa", False))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), got_ins), want_grads):
+        torch.testing.assert_close(a, b)
+    assert not torch.isnan(got).any()  # fully masked rows (bool case) give 0, as torch does
+
+
+def test_eager_mode_rejects_what_it_cannot_key():
+    q = torch.randn(1, 2, 4, 8)
+    with keyed_random_ops(0) as mode:
+        F.dropout(q, 0.0)  # draws nothing, counts nothing
+        aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.0)
+        assert mode.num_drawn == 0
+        with pytest.raises(ValueError, match="_scaled_dot_product_flash_attention_for_cpu.*"
+                                             "no layout-invariant version"):
+            aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.5)
+        with pytest.raises(ValueError, match="randperm"):
+            torch.randperm(5)
+        F.dropout(q, 0.5)
+        assert mode.num_drawn == 1
+        mode.next_step()
+        assert (mode.step, mode.num_drawn) == (1, 0)
+
+
+def _tiny_gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=32,
+                                  resid_pdrop=0.5, attn_pdrop=0.5, embd_pdrop=0.5)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def _keyed_graph(model, batch, seq=16):
+    graph = capture(model, (torch.zeros(batch, seq, dtype=torch.long),))
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    materialize(gm, model, "cpu")
+    replaced = make_random_ops_layout_invariant(gm, random_op_indices(gm))
+    return graph, gm, replaced
+
+
+def test_captured_gpt2_equals_eager_gpt2_under_the_mode():
+    """HF GPT-2 with dropout 0.5 everywhere: the captured graph after the pass gives the logits
+    and gradients of the eager model under keyed_random_ops, and a half batch (captured at
+    batch 2, sample_offset 2) gives the same rows."""
+    model = _tiny_gpt2()
+    x = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    _, gm, replaced = _keyed_graph(model, 4)
+    assert replaced == 7  # embedding, 2 x (attention, attention output, MLP output)
+    gm.random_state.seed, gm.random_state.step = 7, 3
+    got = gm(x)
+    got.sum().backward()
+    with keyed_random_ops(seed=7, step=3) as mode:
+        want = model(x, use_cache=False).logits
+        assert mode.num_drawn == 7
+    want.sum().backward()
+    torch.testing.assert_close(got, want)
+    params = dict(model.named_parameters())
+    for name, p in gm.named_parameters():
+        torch.testing.assert_close(p.grad, params[name].grad, rtol=1e-5, atol=1e-6)
+    _, half, _ = _keyed_graph(model, 2)
+    half.random_state.seed, half.random_state.step, half.random_state.sample_offset = 7, 3, 2
+    torch.testing.assert_close(half(x[2:]), want[2:])
+
+
+def test_pass_handles_sdpa_local_and_checks_its_inputs():
+    from autoplan.passes.sharding import swap_dtensor_op
+
+    model = _tiny_gpt2()
+    graph = capture(model, (torch.zeros(2, 8, dtype=torch.long),))
+    indices = random_op_indices(graph.gm)
+    for node in graph.gm.graph.nodes:
+        swap_dtensor_op(node)
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    with pytest.raises(ValueError, match="has no index"):
+        make_random_ops_layout_invariant(gm, {})
+    assert make_random_ops_layout_invariant(gm, indices) == 7
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(keyed_sdpa) == 2 and targets.count(keyed_dropout) == 5
+    assert [n.meta["orig_name"] for n in gm.graph.nodes if n.target is keyed_sdpa] == [
+        "scaled_dot_product_attention", "scaled_dot_product_attention_1"]
+
+
+class _Flattens(torch.nn.Module):
+    def forward(self, x):
+        return F.dropout(x.reshape(-1, x.shape[-1]), 0.5)
+
+
+class _Rand(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.rand(3)
+
+
+def test_random_op_indices_errors():
+    x = torch.randn(2, 3, 3)
+    gm = torch.export.export(_Flattens(), (x,), strict=False).module()
+    with pytest.raises(ValueError, match=r"node dropout .*shape \(6, 3\) whose dim 0 is not "
+                                         r"the batch \(2\)"):
+        random_op_indices(gm)
+    gm = torch.export.export(_Rand(), (x,), strict=False).module()
+    with pytest.raises(ValueError, match=r"node rand \(aten.rand.default\).*supported: dropout"):
+        random_op_indices(gm)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_checkpointing_recomputes_the_forward_masks(policy, monkeypatch):
+    """The engine moves the RandomState on between a microbatch's forward and its backward;
+    a checkpointed block's recompute still draws the forward's masks."""
+    model = _tiny_gpt2()
+    x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    graph, gm, _ = _keyed_graph(model, 2)
+    state = gm.random_state
+    state.seed, state.step, state.sample_offset = 5, 1, 4
+    gm(x).sum().backward()
+    want = {n: p.grad.clone() for n, p in gm.named_parameters()}
+    gm.zero_grad()
+    assert wrap_checkpointing(gm, graph, policy) == 2
+
+    def grads():
+        state.step, state.sample_offset = 1, 4
+        out = gm(x)
+        state.step, state.sample_offset = 2, 12  # the next step / microbatch
+        out.sum().backward()
+        got = {n: p.grad.clone() for n, p in gm.named_parameters()}
+        gm.zero_grad()
+        return got
+
+    for name, g in grads().items():
+        torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-6)
+    assert state.snapshot() == (5, 2, 12)  # left where the engine put it
+    monkeypatch.setattr(RandomState, "restore", lambda self, snap: None)
+    broken = grads()  # without the replay the recompute draws other masks
+    assert any(not torch.allclose(broken[n], want[n]) for n in want)
+
+
+@pytest.mark.slow
+def test_dtensor_placements_equal_the_full_batch(clusters):
+    """On 2 gloo ranks: keyed_dropout at S(0), S(1), S(2), R (uneven shards) and keyed_sdpa at
+    S(0) (batch), S(1) (heads), R gather to the plain full-batch result, gradients too."""
+    results = clusters.get(2).run(_rng_jobs.keyed_ops_on_tp_mesh, 11, timeout_s=120)
+    for rank_results in results:
+        for label, got, want in rank_results:
+            torch.testing.assert_close(got, want, msg=lambda m, label=label: f"{label}: {m}")
+        assert len(rank_results) == 8 + 3 * 3 * 4
+
+
+def test_partial_input_is_rejected(fake_world):
+    from torch.distributed.tensor import DeviceMesh, DTensor, Partial
+
+    mesh = DeviceMesh("cpu", torch.arange(4))
+    x = DTensor.from_local(torch.randn(2, 3, device="meta"), mesh, [Partial()], run_check=False)
+    with pytest.raises(ValueError, match="dropout: input has placements .*Partial"):
+        keyed_dropout(_state(), x, 0.5, True, 0)
