@@ -164,7 +164,8 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
                       prefetch_layers: int = 1, gather_unit_bytes: float | None = None,
                       grads_at_activation_peak: bool = True,
                       late_activation_bytes: float = 0.0,
-                      cast_unit: bool = False) -> dict[str, float]:
+                      cast_unit: bool = False,
+                      unsharded_grad_bytes: float | None = None) -> dict[str, float]:
     """Peak memory of one rank, with its breakdown, bytes.
 
     [Note: peak moments] The peak is a peak, not a sum of unrelated maxima: it is the larger of
@@ -213,6 +214,9 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
             what precedes the layers on the first pipeline rank).
         cast_unit: mixed precision at dp 1: FSDP2 still makes the unit's 16-bit compute copy
             (`gather_unit_bytes`), held like a gathered unit.
+        unsharded_grad_bytes: with `gather_unit_bytes`, the unsharded gradients that exist at
+            once before their reduction when they are fewer than the gathered unit (ZeRO-3
+            with one unit per block); default: `gather_unit_bytes`.
 
     Returns the breakdown of the larger moment: params, grads, optimizer, activations,
     temporaries, comm_buffers, and "peak" = their sum. Raises ValueError for a missing
@@ -237,7 +241,8 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
     else:
         gathered = gather_unit_bytes * (1 + (1 / dp if sharded else 0)) if dp > 1 \
             else (gather_unit_bytes if cast_unit else 0.0)
-        unsharded_grad = gather_unit_bytes if sharded else 0.0
+        grad_unit = gather_unit_bytes if unsharded_grad_bytes is None else unsharded_grad_bytes
+        unsharded_grad = grad_unit if sharded else 0.0
     grads = float(model_states["grads"])
     base = {"params": float(model_states["params"]),
             "optimizer": float(model_states["optimizer"]),

@@ -25,6 +25,7 @@ argument; the recompute runs with the state the forward saw (see `run_checkpoint
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 
 import torch
@@ -75,8 +76,9 @@ def _both(first, second):
         yield
 
 
-def run_checkpointed(block: torch.nn.Module, policy: str, *args):
-    """Call `block(*args)` under activation checkpointing with `policy`.
+def run_checkpointed(block, policy: str, *args):
+    """Call `block(*args)` (a module or its bound forward) under activation checkpointing
+    with `policy`.
 
     A RandomState among `args` is snapshot now and restored around the recompute: by the time
     the backward runs, the engine has moved it on (to the next microbatch or step), and the
@@ -105,8 +107,15 @@ def _block_of(node: torch.fx.Node, layer_of: dict[str, int]) -> int | None:
     return layer_of.get(consumer) if consumer is not None else None
 
 
-def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: str) -> int:
+def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: str,
+                       block_modules: list[str] = ()) -> int:
     """Wrap every block of `gm` (in place); returns the number of blocks wrapped.
+
+    `block_modules`: paths of blocks that `passes.blocks.install_blocks` made modules: their
+    forward runs under checkpointing inside the module, so FSDP2's hooks on the module gather
+    the parameters once for forward and once for backward, and the recompute runs on them
+    (torchtitan's order: FSDP outside, activation checkpointing inside). Blocks still flat in
+    `gm` are moved into a checkpointed sub-GraphModule whose parameters stay outside.
 
     Raises ValueError for an unknown policy, or when a block's ops are interleaved with an op
     outside the block that both reads from and feeds the block (naming the node).
@@ -115,6 +124,9 @@ def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: s
         raise ValueError(f"checkpointing policy {policy!r} is not one of {POLICIES}")
     if policy == "none":
         return 0
+    for path in block_modules:
+        block = gm.get_submodule(path)
+        block.forward = functools.partial(run_checkpointed, block.forward, policy)
     layer_of = {n: k for k, names in graph.layer_nodes.items() for n in names}
     blocks: dict[int, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -125,7 +137,7 @@ def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: s
         _wrap_block(gm, k, nodes, policy)
     gm.graph.lint()
     gm.recompile()
-    return len(blocks)
+    return len(blocks) + len(block_modules)
 
 
 def _wrap_block(gm: torch.fx.GraphModule, k: int, nodes: list[torch.fx.Node],

@@ -1,22 +1,30 @@
 """The training engine: one rank's share of a planned model, and its optimizer step.
 
-Build order (each step needs the previous one):
+Build order (each step needs the previous one), all on the meta device until step 7:
 1. DeviceMesh ("pp", "dp", "tp") from the plan, tp innermost.
-2. The captured graph is retargeted to the device, loaded with the full weights, and split into
-   pipeline stages (`passes.split_stages`); this rank keeps the stages `s` with
-   `s % pp == pp_rank` (interleaved schedules hold several).
+2. The captured graph (in the plan's compute dtype) gets meta weights in the master dtype, is
+   retargeted to the device and split into pipeline stages (`passes.split_stages`); this rank
+   keeps the stages `s` with `s % pp == pp_rank` (interleaved schedules hold several).
 3. Tensor parallelism: `passes.apply_placements` inserts the plan's redistributions, parameters
    become DTensors on the tp sub-mesh with their planned placements, and the stage runs under
-   DTensor; stage inputs/outputs cross stage boundaries as local tensors.
-4. Data parallelism by ZeRO stage, with torch's FSDP2 machinery on the dp sub-mesh:
-   0 -> `replicate` (DDP-style all-reduce), 2 -> `fully_shard(reshard_after_forward=False)`,
-   3 -> `fully_shard(reshard_after_forward=True)`. ZeRO-1 (optimizer states only) is not
-   expressible in FSDP2: it runs `replicate` for the gradients and a sharded optimizer
-   (`ShardedOptimizer`): each dp rank steps the parameters it owns, then all-gathers them.
-5. Pipeline parallelism: `torch.distributed.pipelining` stages and schedules (GPipe, 1F1B,
-   interleaved 1F1B); without pp, microbatches are plain gradient accumulation (replicated
-   gradients, ZeRO 0/1, are reduced once, after the last microbatch).
-6. Weights used by several stages (tied embedding and head) get their gradients summed over
+   DTensor; stage inputs/outputs cross stage boundaries as local tensors. Random ops become
+   layout-invariant (`passes.rng`, [Note: RNG contract]).
+4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
+   plan says so (`passes.checkpointing`).
+5. Data parallelism by ZeRO stage, with torch's FSDP2 machinery on the dp sub-mesh, one unit
+   per block plus one for the rest of the stage: 0 -> `replicate` (DDP-style all-reduce),
+   2 -> `fully_shard(reshard_after_forward=False)`, 3 -> `fully_shard(reshard_after_forward=
+   True)`; a 16-bit plan adds FSDP2's MixedPrecisionPolicy ([Note: precision recipe]). ZeRO-1
+   (optimizer states only) is not expressible in FSDP2: it runs `replicate` for the gradients
+   and a sharded optimizer (`ShardedOptimizer`): each dp rank steps the parameters it owns,
+   then all-gathers them.
+6. Pipeline parallelism: `torch.distributed.pipelining` stages and schedules (GPipe, 1F1B,
+   interleaved 1F1B) with static shapes; without pp, microbatches are plain gradient
+   accumulation (replicated gradients, ZeRO 0/1, are reduced once, after the last microbatch).
+7. Allocation: `to_empty` gives this rank its shards only, a `WeightSource` fills them one
+   full tensor at a time ([Note: sharded construction] in runtime/weights.py), and the build is
+   checked against the plan (runtime/checks.py).
+8. Weights used by several stages (tied embedding and head) get their gradients summed over
    the stages that hold them before the optimizer step, so the copies stay identical.
 
 The loss is the mean token cross-entropy of the global batch, as a single process computes it:
@@ -40,6 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoplan.graph import CapturedGraph
+from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.device import retarget_device
 from autoplan.passes.pipeline import split_stages
@@ -184,15 +193,19 @@ class DistributedModel:
                      if n.op == "call_function"}
             if sg.index == self.num_stages - 1:
                 held.add("output")
-            # Checkpoint after placements: a block's redistributions are recomputed with it.
-            wrap_checkpointing(sg.gm, graph, plan.checkpointing)
             if plan.mesh.tp > 1:
                 self._distribute_params(sg.gm)
+            # Each block a called module (one FSDP2 unit each), after placements and the tp
+            # parameters: a block takes its redistributions and DTensor parameters with it.
+            blocks = install_blocks(sg.gm, graph)
+            # Checkpoint after placements: a block's redistributions are recomputed with it.
+            wrap_checkpointing(sg.gm, graph, plan.checkpointing, blocks)
+            if plan.mesh.tp > 1:
                 sg.gm.forward = _stage_forward(
                     sg.gm, self.mesh["tp"],
                     [produced.get(n, "R") for n in sg.input_names],
                     [produced.get(n, "R") for n in sg.output_names])
-            out.append((sg.index, self._apply_data_parallel(sg.gm)))
+            out.append((sg.index, self._apply_data_parallel(sg.gm, blocks)))
         # Lint: the redistributions inserted in this rank's stages are exactly the plan's.
         check_redistributions([r for r in plan.redistributions if r.consumer in held], inserted)
         self.stage_graphs = {sg.index: sg for sg in mine}
@@ -231,18 +244,23 @@ class DistributedModel:
             # Buffers (rotary tables, lifted constants) stay plain tensors: only constant-like
             # nodes read them, and those run replicated (implicit replication).
 
-    def _apply_data_parallel(self, gm: nn.Module) -> nn.Module:
-        """FSDP2 by ZeRO stage on the dp axis; with a 16-bit plan also at dp 1, because FSDP2's
+    def _apply_data_parallel(self, gm: nn.Module, blocks: list[str]) -> nn.Module:
+        """FSDP2 by ZeRO stage on the dp axis, one unit per block module (`blocks`) and one
+        for the rest of the stage, as torchtitan's apply_fsdp: ZeRO-3 gathers one block at a
+        time (FSDP2 prefetches the next). With a 16-bit plan also at dp 1, because FSDP2's
         MixedPrecisionPolicy is what casts the fp32 master weights for compute."""
         plan = self.plan
         mp = self.precision.policy()
         if not list(gm.parameters()) or (plan.mesh.dp == 1 and mp is None):
             return gm
         dp_mesh = self.mesh["dp"]
-        if plan.zero_stage in (0, 1):
-            return _compat.replicate(gm, dp_mesh, mp_policy=mp)
-        return _compat.fully_shard(gm, dp_mesh, reshard_after_forward=plan.zero_stage == 3,
-                                   mp_policy=mp)
+        for module in [gm.get_submodule(path) for path in blocks] + [gm]:
+            if plan.zero_stage in (0, 1):
+                _compat.replicate(module, dp_mesh, mp_policy=mp)
+            else:
+                _compat.fully_shard(module, dp_mesh, mp_policy=mp,
+                                    reshard_after_forward=plan.zero_stage == 3)
+        return gm
 
     def _unique_params(self) -> list[nn.Parameter]:
         seen, out = set(), []

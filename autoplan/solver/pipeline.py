@@ -46,12 +46,17 @@ before the blocks, the last rank what comes after. Its peak is cost_model.memory
 peak_memory_bytes ([Note: peak moments] there) with model_state_bytes of its parameter elements
 (after tp), its activations per microbatch times pipeline_in_flight_microbatches(schedule, pp,
 m, r, v), the logits (graph output, replicated) on the last rank, and what this runtime adds
-(autoplan/runtime/engine.py, step 4: each pipeline stage is ONE FSDP2 unit):
-- with dp > 1 the stage's parameters are gathered whole (FSDP2's replicate gathers them too)
-  and stay gathered from the forward to the end of the backward (FSDP2 keeps a root unit
-  unsharded after the forward), ZeRO-2/3 also hold the all-gather input (a dp-th), and the
-  unsharded gradients of the whole stage exist before the reduction: `gather_unit_bytes` =
-  the stage's parameters at compute precision;
+(autoplan/runtime/engine.py, step 4: one FSDP2 unit per block, autoplan/passes/blocks.py, and
+one for the rest of the stage):
+- with dp > 1 under ZeRO 0-2 every unit's parameters are gathered (FSDP2's replicate gathers
+  them too) and stay gathered from the forward to the end of the backward, so the stage's are,
+  whole; ZeRO-2 also holds the all-gather input (a dp-th) and the unsharded gradients of the
+  whole stage before the reduction: `gather_unit_bytes` = the stage's parameters at compute
+  precision;
+- ZeRO-3 (dp > 1) reshards each block after its forward: held at once are the rest of the
+  stage (a root unit stays gathered from forward to backward) and two blocks (the current one
+  and the one FSDP2 prefetches), and the unsharded gradients of the rest and one block;
+- mixed precision at dp 1: FSDP2 still makes the 16-bit compute copy of the units;
 - gradients exist while activations are at their height only when an earlier microbatch's
   backward made them (`grads_at_activation_peak`): gradient accumulation without pipelining
   (m > 1), 1F1B with more microbatches than the rank holds in flight; not for m = 1 or GPipe
@@ -178,6 +183,22 @@ def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
     return 1.0 + (1.0 / cfg.dp if cfg.zero_stage >= 2 else 0.0)
 
 
+def _per_block(cfg: Config) -> bool:
+    """ZeRO-3 gathers one block at a time ([Note: memory per rank])."""
+    return cfg.zero_stage == 3 and cfg.dp > 1
+
+
+def _held_layers(cfg: Config, layers_r: int, gathered: bool) -> float:
+    """Of a rank's `layers_r` layers, the fraction whose parameters are gathered at once
+    (`gathered`: the current and the prefetched next one) or whose unsharded gradients exist
+    at once (the current one); all of them unless ZeRO-3 gathers per block."""
+    if not layers_r:
+        return 0.0
+    if not _per_block(cfg):
+        return 1.0
+    return min(1.0, (2.0 if gathered else 1.0) / layers_r)
+
+
 def _recv_buffer_bytes(cfg: Config, r: int, boundary_bytes: float) -> float:
     """Pipeline receive buffers of rank r ([Note: memory per rank])."""
     if cfg.pp == 1:
@@ -210,8 +231,8 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
     layers = _rank_layers(cfg, total_layers)
     states = model_state_bytes(1.0, cfg.zero_stage, cfg.dp, mixed_precision=spec.mixed_precision,
                                optimizer=spec.optimizer, recipe="fsdp2")
-    kept = states["params"] + states["optimizer"] + \
-        _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
+    kept = states["params"] + states["optimizer"]
+    unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
     unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp > 1 else 0.0
     out = []
     for r in range(cfg.pp):
@@ -221,10 +242,15 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         recv = _recv_buffer_bytes(cfg, r, boundary_bytes)
         shares = {part: _share(part, r, cfg, layers, total_layers)
                   for part in ("pre", "layer", "post")}
-        moment_a = RankMemory({p: (kept + grads_a) * sh for p, sh in shares.items()},
+        held = {p: _held_layers(cfg, layers[r], True) if p == "layer" else 1.0 for p in shares}
+        grad_held = {p: _held_layers(cfg, layers[r], False) if p == "layer" else 1.0
+                     for p in shares}
+        moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
+                               for p, sh in shares.items()},
                               {p: in_flight * sh for p, sh in shares.items()},
                               (output_bytes if r == cfg.pp - 1 else 0.0) + recv)
-        moment_b = RankMemory({p: (kept + states["grads"] + unsharded) * sh
+        moment_b = RankMemory({p: (kept + states["grads"] + unit * held[p]
+                                   + unsharded * grad_held[p]) * sh
                                for p, sh in shares.items()}, _late_coef(r, layers, shares,
                                                                         total_layers), recv)
         out += [moment_a, moment_b]
@@ -319,12 +345,18 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                                optimizer=spec.optimizer, recipe="fsdp2")
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
                                                 cfg.num_virtual_stages)
+    # gathered parameters and unsharded gradients held at once ([Note: memory per rank])
+    rest = elems - sol.param_elems.get("layer", 0.0) * share["layer"]
+    block = sol.param_elems.get("layer", 0.0) * share["layer"]
+    gathered = rest + block * _held_layers(cfg, layers[r], True)
+    grad_unit = rest + block * _held_layers(cfg, layers[r], False)
     return peak_memory_bytes(
         model_states=states, activation_bytes=acts, in_flight_microbatches=in_flight,
         zero_stage=cfg.zero_stage, dp=cfg.dp,
         output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
         comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
-        gather_unit_bytes=elems * spec.dtype_bytes,
+        gather_unit_bytes=gathered * spec.dtype_bytes,
+        unsharded_grad_bytes=grad_unit * spec.dtype_bytes,
         grads_at_activation_peak=_grads_at_activation_peak(cfg, in_flight),
         late_activation_bytes=late, cast_unit=spec.mixed_precision)
 

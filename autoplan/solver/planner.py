@@ -173,7 +173,7 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
     An optimum that does not fit goes back with its step time as its bound and, popped again
     before the best plan is proven, the memory-constrained ILP decides.
     Once the next bound is no better than the best plan, runners-up are filled in for the
-    report with at most `top_k` more ILP solves, of time-optimal placements only: a runner-up
+    report with at most 2 `top_k` more ILP solves, of time-optimal placements only: a runner-up
     whose own ILP was not solved while proving is assessed at its (tp, b, policy)'s placement
     (a plan it can run, so its step time is no better than its optimum), and constrained ones
     stay "memory" alternatives.
@@ -184,7 +184,7 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
         if lb.fits:
             heapq.heappush(heap, (lb.step_time_s, cfg.tp, cfg.pp, i, _BOUNDED, cfg, None))
     done: list[Assessment] = []
-    best = float("inf")
+    best, best_group = float("inf"), None
     fill_solves, fill_groups = 0, set()
 
     def settle(i: int, cfg: PlanConfig, result: Assessment) -> Assessment | None:
@@ -198,7 +198,7 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
     while heap:
         bound, _tp, _pp, i, state, cfg, payload = heapq.heappop(heap)
         proving = bound < best
-        if not proving and (len(fill_groups) >= top_k or fill_solves >= top_k):
+        if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k):
             break
         solved = len(search.solutions)
         result = None
@@ -230,9 +230,10 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
             continue
         done.append(result)
         if result.fits:
-            best = min(best, result.step_time_s)
-            if not proving:
-                fill_groups.add(_group(result))
+            if result.step_time_s < best:
+                best, best_group = result.step_time_s, _group(result)
+            if not proving and _group(result) != best_group:
+                fill_groups.add(_group(result))  # another ZeRO stage of the best is no runner-up
     return done
 
 
