@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TrainingSpec"]
+__all__ = ["TrainingSpec", "precision_recipe"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def precision_recipe(dtype: str) -> str:
+    """What the runtime does for a compute dtype, in words ([Note: precision recipe] in
+    autoplan/runtime/precision.py). Raises ValueError for an unknown dtype."""
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPE_BYTES)}")
+    if dtype == "float32":
+        return "fp32 weights, activations, gradients and optimizer states"
+    name = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    text = (f"{name} forward/backward, fp32 master weights and AdamW states, dp gradient "
+            f"reduction in fp32, tp partial sums in {name}")
+    return text + (", dynamic loss scaling" if dtype == "float16" else "")
 
 
 @dataclass(frozen=True)

@@ -374,3 +374,25 @@ def train_from_hf(path: str, out: str, steps: int, batch: int, overrides: dict, 
     losses = [ap.step(x[i], y[i]) for i in range(steps)]
     ap.save_pretrained(out)
     return losses, ap.state_dict(), ap.bytes_read()
+
+
+def resume_from_weights(name: str, path: str, batch: int, first: dict, second: dict, *,
+                        seq: int = SEQ):
+    """On every rank: a recorded factory trains 1 step under plan `first` and `save`s; a new
+    one under plan `second` builds with `weights=path`. Returns (first's full parameters,
+    second's full parameters, second's loss on the next batch, first's loss on it)."""
+    from autoplan.api import autoparallel
+    from autoplan.models import build_model
+
+    def make(**kw):
+        return autoparallel(lambda: build_model(name, device="meta"), global_batch=batch,
+                            seq_len=seq, optimizer=adamw, **kw)()
+
+    torch.manual_seed(11)
+    a = make(**first)
+    x, y = batches(vocab_of(a.module), 2, batch, seq)
+    a.step(x[0], y[0])
+    a.save(path)
+    b = make(weights=path, **second)
+    got = b.build().state_dict()
+    return a.state_dict(), got, b.step(x[1], y[1]), a.step(x[1], y[1])

@@ -73,6 +73,8 @@ def test_markdown_has_sections_and_the_plans_numbers(llama):
     assert F.fmt_bytes(p.memory_bytes) in md
     assert F.fmt_pct(p.mfu) in md
     assert f"{p.tflops_per_device:.4g}" in md
+    # the precision recipe the runtime runs for this dtype
+    assert "bf16 forward/backward, fp32 master weights and AdamW states" in md
     assert "80 GB per H100-SXM-80GB" in md  # device memory next to the plan's
     assert "32 blocks (planned from 2 captured identical blocks)" in md
     assert f"pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp}" in md

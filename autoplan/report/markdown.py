@@ -12,6 +12,7 @@ from autoplan.plan import Plan
 from autoplan.report import facts as F
 from autoplan.report.formulas import plan_formulas
 from autoplan.report.timeline import busiest_rank_s, predicted_stage_s, stage_costs
+from autoplan.spec import precision_recipe
 from autoplan.topology import Topology
 
 __all__ = ["render_markdown", "render_summary", "markdown_sections", "ZERO_TEXT"]
@@ -75,7 +76,7 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         ["schedule", sched if m.pp > 1 else f"{sched} (pp 1: gradient accumulation over "
                                             f"{_n(plan.num_microbatches, 'microbatch')})"],
         ["activation checkpointing", plan.checkpointing],
-        ["dtype", plan.dtype],
+        ["dtype", f"{plan.dtype}: {precision_recipe(plan.dtype)}"],
     ]
     return [f"# autoplan: {plan.model} on {plan.topology}", "", "## Summary", "",
             *_table(["", ""], rows)]

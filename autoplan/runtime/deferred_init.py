@@ -3,7 +3,8 @@ replay it one tensor at a time, so that each rank materialises only its own shar
 
 [Note: RNG contract for initialisation] A model built by `record(factory)` and materialised by
 `replay` gets exactly the values that `torch.set_rng_state(s); model = factory()` gives on one
-process, where `s` is the CPU generator state when `record` was called: the replay runs the
+process, where `s` is the CPU generator state when `record` was called (rank 0's, for every rank:
+runtime/weights.py broadcasts it): the replay runs the
 same aten ops, in the same order, on full-size tensors of the same shapes and dtypes, so every
 random op draws the same numbers from the same stream. The same holds for an init function
 run on a model that is already on meta (`record(lambda: init(model))`), e.g. HF

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from autoplan.spec import precision_recipe
+
 __all__ = ["Precision", "LossScaler", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,12 +64,10 @@ class Precision:
                                     cast_forward_inputs=False)
 
     def describe(self) -> str:
-        if not self.mixed:
-            return "fp32 weights, activations, gradients and optimizer states"
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.compute_dtype]
-        text = (f"{name} forward/backward, fp32 master weights and AdamW states, dp gradient "
-                f"reduction in fp32, tp partial sums in {name}")
-        return text + (", dynamic loss scaling" if self.loss_scaling else "")
+        """The recipe in words (autoplan.spec.precision_recipe, which the report prints)."""
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                torch.float16: "float16"}[self.compute_dtype]
+        return precision_recipe(name)
 
 
 class LossScaler:

@@ -156,6 +156,12 @@ class InitReplay:
         self.peak_bytes = 0
 
     def fill(self, targets: Targets) -> None:
+        # Rank 0's generator state for every rank: ranks seeded differently (a per-rank data
+        # seed before the factory ran) must still cut their shards from one model.
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            state = self.trace.rng_state.clone()
+            dist.broadcast(state, src=0)
+            self.trace.rng_state = state
         want = targets.names() if self.params else set(targets.buffers)
         wanted = {k: [n for n in names if n in want] for k, names in self.names.items()}
         wanted = {k: v for k, v in wanted.items() if v}
