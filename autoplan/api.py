@@ -294,11 +294,10 @@ def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
-    if getattr(config, "_attn_implementation", None) in (None, "eager"):
-        config._attn_implementation = "sdpa"
 
     def build():
-        return transformers.AutoModelForCausalLM.from_config(config)
+        # sdpa: one fused attention op per layer in the captured graph (as autoplan.models)
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
     build.__name__ = type(config).__name__.replace("Config", "")
     return autoparallel(build, weights=str(path), **options)()
@@ -306,8 +305,9 @@ def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
 
 def _record_construction(factory: Callable, args: tuple, kwargs: dict):
     """Run the factory on meta, recording its init; (module, trace). A factory that builds
-    real weights anyway (an explicit device, a weight file read in the constructor) is run
-    again as it is, and its module is sharded slice by slice, with a warning naming why."""
+    real weights anyway (an explicit device) returns them: they are sharded slice by slice. A
+    factory that cannot run on meta (it reads tensor values) is run again as it is, with a
+    warning naming why, and its weights are sliced the same way."""
     from autoplan.runtime.deferred_init import DeferredInitError, record
 
     try:

@@ -60,12 +60,15 @@ def test_construction_holds_shards_plus_one_tensor_and_init_equals_one_process(c
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [dict(tp=2), dict(pp=2, num_microbatches=2),
                                        dict(dp=2, zero_stage=3)], ids=["tp2", "pp2", "zero3"])
-def test_llama_init_equals_one_process(clusters, overrides):
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_init_equals_one_process(clusters, name, overrides):
+    """Every rank's shards of a recorded factory equal the same slices of
+    `torch.manual_seed(7); build_model(name)` on one process, bit for bit."""
     from autoplan.models import build_model
 
     torch.manual_seed(7)
-    ref = {k: v.detach() for k, v in build_model("llama-tiny", device="cpu").named_parameters()}
-    results = clusters.get(2).run(_jobs.build_tracked, "llama-tiny", 7, overrides, 4, {},
+    ref = {k: v.detach() for k, v in build_model(name, device="cpu").named_parameters()}
+    results = clusters.get(2).run(_jobs.build_tracked, name, 7, overrides, 4, {},
                                   timeout_s=300)
     for params, *_ in results:
         for fqn, value in params.items():

@@ -29,7 +29,7 @@ import torch.fx
 
 from autoplan.graph import CapturedGraph
 
-__all__ = ["install_blocks", "block_nodes"]
+__all__ = ["install_blocks", "block_nodes", "outline"]
 
 
 def block_nodes(gm: torch.fx.GraphModule, graph: CapturedGraph) -> dict[int, list[torch.fx.Node]]:
@@ -80,17 +80,49 @@ def _shared(gm: torch.fx.GraphModule, path: str, members: set[torch.fx.Node]) ->
 
 
 def _install(gm: torch.fx.GraphModule, path: str, nodes: list[torch.fx.Node]) -> None:
-    members = set(nodes)
     prefix = path + "."
-    inputs: list[torch.fx.Node] = []   # enter the block as arguments
-    inner: list[torch.fx.Node] = []    # get_attrs of the block's own tensors
+    members = set(nodes)
+
+    def owned(a: torch.fx.Node) -> str | None:
+        if a.op == "get_attr" and isinstance(a.target, str) and a.target.startswith(prefix) \
+                and all(u in members for u in a.users):
+            return a.target[len(prefix):]
+        return None
+
+    def install(sub: torch.fx.Graph) -> None:
+        block = torch.fx.GraphModule(gm.get_submodule(path), sub, class_name="Block")
+        parent_path, _, leaf = path.rpartition(".")
+        gm.get_submodule(parent_path).add_module(leaf, block)
+
+    outline(gm, nodes, f"block {path}", install,
+            lambda inputs: gm.graph.call_module(path, tuple(inputs)), owned=owned)
+
+
+def outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], what: str,
+            install, make_call, owned=lambda a: None) -> None:
+    """Move `nodes` (in graph order) out of `gm` into a graph of their own, in place.
+
+    `install(sub_graph)` makes the graph callable (registers a module); `make_call(inputs)`
+    inserts the node that calls it, after the last of `nodes`, with the region's inputs (every
+    value it reads from outside, in first-use order) as arguments; the region's outputs (values
+    read outside it) come back through getitem of that call. `owned(input)` -> a target
+    relative to the new module for a get_attr the region alone reads, which moves inside.
+
+    Raises ValueError (naming `what` and the node) when an op outside the region sits between
+    its ops and reads one of its values.
+    """
+    members = set(nodes)
+    inputs: list[torch.fx.Node] = []
+    inner: dict[torch.fx.Node, str] = {}
     for node in nodes:
         for a in node.all_input_nodes:
             if a in members or a in inputs or a in inner:
                 continue
-            own = (a.op == "get_attr" and isinstance(a.target, str)
-                   and a.target.startswith(prefix) and all(u in members for u in a.users))
-            (inner if own else inputs).append(a)
+            target = owned(a)
+            if target is None:
+                inputs.append(a)
+            else:
+                inner[a] = target
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     last = nodes[-1]
@@ -98,24 +130,22 @@ def _install(gm: torch.fx.GraphModule, path: str, nodes: list[torch.fx.Node]) ->
         for user in out.users:
             if user not in members and order[user] < order[last]:
                 raise ValueError(
-                    f"cannot make block {path} a module: {user.name} ({user.target}) sits "
-                    f"between the block's ops and reads {out.name} from it")
+                    f"cannot outline {what}: {user.name} ({user.target}) sits between its ops "
+                    f"and reads {out.name} from it")
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for a in inputs:
         env[a] = sub.placeholder(a.name)
         env[a].meta = dict(a.meta)
-    for a in inner:
-        env[a] = sub.get_attr(a.target[len(prefix):])
+    for a, target in inner.items():
+        env[a] = sub.get_attr(target)
         env[a].meta = dict(a.meta)
     for node in nodes:
         env[node] = sub.node_copy(node, lambda a: env[a])
     sub.output(tuple(env[o] for o in outputs))
-    block = torch.fx.GraphModule(gm.get_submodule(path), sub, class_name="Block")
-    parent_path, _, leaf = path.rpartition(".")
-    gm.get_submodule(parent_path).add_module(leaf, block)
+    install(sub)
     with gm.graph.inserting_after(last):
-        call = gm.graph.call_module(path, tuple(inputs))
+        call = make_call(inputs)
     replacements = []
     with gm.graph.inserting_after(call):
         for i, out in enumerate(outputs):

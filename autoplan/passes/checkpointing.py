@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 
 import torch
 import torch.fx
@@ -34,6 +33,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from autoplan.graph import CapturedGraph
+from autoplan.passes.blocks import block_nodes, outline
 from autoplan.passes.rng import RandomState
 
 __all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES", "SELECTIVE_SAVED_OPS"]
@@ -97,16 +97,6 @@ def run_checkpointed(block, policy: str, *args):
     return checkpoint(block, *args, use_reentrant=False, context_fn=context_fn)
 
 
-def _block_of(node: torch.fx.Node, layer_of: dict[str, int]) -> int | None:
-    if node.op != "call_function":
-        return None
-    name = node.meta.get("orig_name", node.name)
-    if name in layer_of:
-        return layer_of[name]
-    consumer = node.meta.get("redistribute_for")
-    return layer_of.get(consumer) if consumer is not None else None
-
-
 def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: str,
                        block_modules: list[str] = ()) -> int:
     """Wrap every block of `gm` (in place); returns the number of blocks wrapped.
@@ -127,12 +117,7 @@ def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: s
     for path in block_modules:
         block = gm.get_submodule(path)
         block.forward = functools.partial(run_checkpointed, block.forward, policy)
-    layer_of = {n: k for k, names in graph.layer_nodes.items() for n in names}
-    blocks: dict[int, list[torch.fx.Node]] = {}
-    for node in gm.graph.nodes:
-        k = _block_of(node, layer_of)
-        if k is not None:
-            blocks.setdefault(k, []).append(node)
+    blocks = block_nodes(gm, graph)  # those still flat
     for k, nodes in sorted(blocks.items()):
         _wrap_block(gm, k, nodes, policy)
     gm.graph.lint()
@@ -142,43 +127,17 @@ def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: s
 
 def _wrap_block(gm: torch.fx.GraphModule, k: int, nodes: list[torch.fx.Node],
                 policy: str) -> None:
-    members = set(nodes)
-    inputs: list[torch.fx.Node] = []
-    for node in nodes:
-        for a in node.all_input_nodes:
-            if a not in members and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in nodes if any(u not in members for u in n.users)]
-    last = nodes[-1]
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for out in outputs:
-        for user in out.users:
-            if user not in members and order[user] < order[last]:
-                raise ValueError(
-                    f"cannot checkpoint block {k}: {user.name} ({user.target}) sits between "
-                    f"the block's ops and reads {out.name} from it")
-    sub = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for a in inputs:
-        env[a] = sub.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for node in nodes:
-        env[node] = sub.node_copy(node, lambda a: env[a])
-    sub.output(tuple(env[o] for o in outputs))
-    block = torch.fx.GraphModule(torch.nn.Module(), sub, class_name=f"Block{k}")
+    """A flat block: its ops (parameters stay outside, as arguments) into a checkpointed
+    sub-GraphModule `checkpointed_block_k`."""
     name = f"checkpointed_block_{k}"
-    gm.add_submodule(name, block)
-    with gm.graph.inserting_after(last):
+
+    def install(sub: torch.fx.Graph) -> None:
+        gm.add_submodule(name, torch.fx.GraphModule(torch.nn.Module(), sub,
+                                                    class_name=f"Block{k}"))
+
+    def make_call(inputs: list[torch.fx.Node]) -> torch.fx.Node:
         handle = gm.graph.get_attr(name)
-    with gm.graph.inserting_after(handle):
-        call = gm.graph.call_function(run_checkpointed, (handle, policy, *inputs))
-    replacements = []
-    with gm.graph.inserting_after(call):
-        for i, out in enumerate(outputs):
-            item = gm.graph.call_function(operator.getitem, (call, i))
-            item.meta = dict(out.meta)
-            replacements.append((out, item))
-    for out, item in replacements:
-        out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
-    for node in reversed(nodes):
-        gm.graph.erase_node(node)
+        with gm.graph.inserting_after(handle):
+            return gm.graph.call_function(run_checkpointed, (handle, policy, *inputs))
+
+    outline(gm, nodes, f"checkpointed block {k}", install, make_call)
