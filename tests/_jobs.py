@@ -396,3 +396,29 @@ def resume_from_weights(name: str, path: str, batch: int, first: dict, second: d
     b = make(weights=path, **second)
     got = b.build().state_dict()
     return a.state_dict(), got, b.step(x[1], y[1]), a.step(x[1], y[1])
+
+
+def mismatch_is_named(factory, batch: int, overrides: dict, *, seq: int = SEQ):
+    """On every rank: build a ZeRO-3 bf16 model, then check it against plans it does not
+    match; returns the PlanMismatchError messages (ZeRO stage, dtype)."""
+    import dataclasses
+
+    from autoplan.api import autoparallel
+    from autoplan.runtime.checks import PlanMismatchError, check_against_plan
+    from autoplan.runtime.precision import Precision
+
+    ap = autoparallel(factory(), global_batch=batch, seq_len=seq, dtype="bfloat16",
+                      **overrides).build()
+    engine = ap._engine
+    check_against_plan(engine)  # the plan it was built from: no error
+    messages = []
+    plan = engine.plan
+    for plan_change, precision in [(dict(zero_stage=0), engine.precision),
+                                   (dict(dtype="float32"), Precision.of("float32"))]:
+        engine.plan, engine.precision = dataclasses.replace(plan, **plan_change), precision
+        try:
+            check_against_plan(engine)
+            messages.append(None)
+        except PlanMismatchError as e:
+            messages.append(str(e))
+    return messages

@@ -205,3 +205,13 @@ def test_weights_from_a_checkpoint_of_another_plan(clusters, tmp_path):
     assert set(saved) == set(loaded)
     for fqn, value in loaded.items():
         assert torch.equal(value, saved[fqn]), fqn
+
+
+@pytest.mark.slow
+def test_a_build_that_differs_from_its_plan_is_a_named_error(clusters):
+    results = clusters.get(2).run(_jobs.mismatch_is_named, _jobs.preset("gpt2-tiny"), 4,
+                                  dict(dp=2, zero_stage=3), timeout_s=300)
+    for zero, dtype in results:
+        assert zero and "ZeRO-0 replicates it" in zero and "transformer.wte.weight" in zero
+        assert dtype and "master weights are torch.float32" not in dtype
+        assert "captured with parameters not in float32" in dtype
