@@ -152,8 +152,10 @@ def test_fp32_plans_keep_exact_numerics_and_report_memory(clusters):
     for losses, params, stats in results:
         assert_matches("gpt2-tiny", (losses, params), ref)
         for key in ("construction_peak_bytes", "first_step_peak_bytes", "step_peak_bytes",
-                    "predicted_peak_bytes", "local_param_bytes"):
+                    "predicted_peak_bytes", "local_param_bytes", "baseline_bytes"):
             assert stats[key] > 0, (key, stats)
+        assert stats["step_above_baseline_bytes"] == \
+            stats["step_peak_bytes"] - stats["baseline_bytes"]
 
 
 def _write_hf(name: str, path, seed: int) -> int:

@@ -122,7 +122,8 @@ class _Recorder(TorchDispatchMode):
         if func is aten._local_scalar_dense.default:
             raise DeferredInitError(
                 "the model's init reads a tensor value on the host (.item(), .tolist() or a "
-                "Python branch on a tensor), which cannot be recorded on the meta device")
+                "Python branch on a tensor), which cannot be recorded on the meta device: "
+                "give the model with real weights instead, or an init that only writes")
         out_flat, _ = tree_flatten(out)
         meta_out = any(isinstance(o, torch.Tensor) and o.is_meta for o in out_flat)
         if not (meta_in or meta_device or meta_out):
@@ -161,7 +162,10 @@ def _record_once(fn: Callable[[], Any]):
         raise
     except Exception as e:  # noqa: BLE001 - what meta cannot do, named
         if "meta" in str(e) and ("item" in str(e) or "data" in str(e)):
-            raise DeferredInitError(f"cannot record the model's init on meta: {e}") from e
+            raise DeferredInitError(
+                f"cannot record the model's init on meta: {e} (an init that reads tensor values "
+                "cannot be deferred: give the model with real weights instead, or an init that "
+                "only writes)") from e
         raise
     return result, recorder
 

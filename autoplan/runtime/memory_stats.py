@@ -53,8 +53,9 @@ def _peak(device: torch.device) -> int | None:
 class PhasePeaks:
     """Peak memory per named phase, bytes: `with peaks.phase("construction"): ...`.
 
-    `as_dict()` gives {"<phase>_peak_bytes": int}, the device kind and the resident bytes before
-    the first phase (the baseline the process had: interpreter and libraries)."""
+    `as_dict()` gives {"<phase>_peak_bytes": int}, the device kind, the resident bytes before
+    the first phase (`baseline_bytes`: interpreter and libraries) and, on CPU, each peak minus
+    that baseline ("<phase>_above_baseline_bytes")."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -73,6 +74,9 @@ class PhasePeaks:
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {f"{k}_peak_bytes": v for k, v in self.peaks.items()}
+        if self.baseline_bytes:
+            out.update({f"{k}_above_baseline_bytes": v - self.baseline_bytes
+                        for k, v in self.peaks.items()})
         out["measure"] = "cuda_max_allocated" if self.device.type == "cuda" else "resident_hwm"
         out["baseline_bytes"] = self.baseline_bytes
         return out
