@@ -173,7 +173,8 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
     An optimum that does not fit goes back with its step time as its bound and, popped again
     before the best plan is proven, the memory-constrained ILP decides.
     Once the next bound is no better than the best plan, runners-up are filled in for the
-    report with at most 2 `top_k` more ILP solves, of time-optimal placements only: a runner-up
+    report with at most `top_k` more ILP solves (2 `top_k` while none is found), of
+    time-optimal placements only: a runner-up
     whose own ILP was not solved while proving is assessed at its (tp, b, policy)'s placement
     (a plan it can run, so its step time is no better than its optimum), and constrained ones
     stay "memory" alternatives.
@@ -198,7 +199,9 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
     while heap:
         bound, _tp, _pp, i, state, cfg, payload = heapq.heappop(heap)
         proving = bound < best
-        if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k):
+        # runners-up: at most top_k more ILP solves, 2 top_k while none has been found
+        if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k
+                            or (fill_solves >= top_k and fill_groups)):
             break
         solved = len(search.solutions)
         result = None
