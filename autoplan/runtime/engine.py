@@ -59,7 +59,8 @@ from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan
 from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.precision import LossScaler, Precision
-from autoplan.runtime.weights import ModuleWeights, Targets, WeightSource
+from autoplan.runtime.weights import (ModuleWeights, Targets, WeightSource, allocate as _allocate,
+                                      weights_to_meta as _weights_to_meta)
 from autoplan._torch_compat import implicit_replication
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
@@ -534,31 +535,3 @@ def _common_seed(seed: int | None) -> int:
             dist.broadcast_object_list(box, src=0)
         seed = int(box[0])
     return int(seed)
-
-
-def _weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None) -> None:
-    """Every parameter of `gm` becomes a meta tensor of its shape (in `master_dtype` when
-    given: fp32 masters of a 16-bit graph), and every buffer not owned by the graph (lifted
-    constants keep their captured values) a meta tensor; nothing is allocated."""
-    for fqn, p in list(gm.named_parameters()):
-        owner_path, _, leaf = fqn.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        dtype = master_dtype if master_dtype is not None and p.is_floating_point() else p.dtype
-        owner._parameters[leaf] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"),
-                                               requires_grad=p.requires_grad)
-    for fqn, b in list(gm.named_buffers()):
-        if fqn.rpartition(".")[2].startswith("lifted_tensor") and not b.is_meta:
-            continue
-        owner_path, _, leaf = fqn.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        owner._buffers[leaf] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-
-
-def _allocate(module: nn.Module, device: torch.device) -> None:
-    """Allocate the (sharded) parameters on `device`, uninitialised (FSDP2 re-points its
-    sharded parameters under `to_empty`); buffers stay as they are: meta ones are filled by
-    the weight source, real ones (lifted constants) keep their values."""
-    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items()]
-    module.to_empty(device=device)
-    for m, name, b in buffers:
-        m._buffers[name] = b

@@ -31,7 +31,8 @@ from autoplan._torch_compat import local_shard_slices
 
 from autoplan.runtime.deferred_init import InitTrace, module_tensors, replay
 
-__all__ = ["WeightSource", "Targets", "ModuleWeights", "InitReplay", "HFWeights", "fill_shard"]
+__all__ = ["WeightSource", "Targets", "ModuleWeights", "InitReplay", "HFWeights", "fill_shard",
+           "weights_to_meta", "allocate"]
 
 
 class Targets:
@@ -202,3 +203,31 @@ class HFWeights:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None) -> None:
+    """Every parameter of `gm` becomes a meta tensor of its shape (in `master_dtype` when
+    given: fp32 masters of a 16-bit graph), and every buffer not owned by the graph (lifted
+    constants keep their captured values) a meta tensor; nothing is allocated."""
+    for fqn, p in list(gm.named_parameters()):
+        owner_path, _, leaf = fqn.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        dtype = master_dtype if master_dtype is not None and p.is_floating_point() else p.dtype
+        owner._parameters[leaf] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"),
+                                               requires_grad=p.requires_grad)
+    for fqn, b in list(gm.named_buffers()):
+        if fqn.rpartition(".")[2].startswith("lifted_tensor") and not b.is_meta:
+            continue
+        owner_path, _, leaf = fqn.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner._buffers[leaf] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+
+
+def allocate(module: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on `device`, uninitialised (FSDP2 re-points its
+    sharded parameters under `to_empty`); buffers stay as they are: meta ones are filled by
+    the weight source, real ones (lifted constants) keep their values."""
+    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items()]
+    module.to_empty(device=device)
+    for m, name, b in buffers:
+        m._buffers[name] = b
