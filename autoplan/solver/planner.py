@@ -7,15 +7,17 @@ import gc
 import heapq
 import logging
 import time
+import warnings
 
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.pipeline import Assessment
+from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
-    InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, Search, enumerate_configs, same_argmin,
-    validate,
+    InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
+    enumerate_configs, same_argmin, validate,
 )
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -52,6 +54,12 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         InvalidConfig: overrides that cannot work (the message names the numbers).
         NoFeasiblePlan: nothing fits in memory (the message gives the smallest per-device memory
             any plan needs, with its configuration, and the device's memory).
+
+    Warns:
+        ReplicatedWeightsWarning: the plan's tp > 1 leaves weight matrices of the repeated
+            block replicated on the tp axis because the model's shapes do not split by tp
+            (e.g. 12 attention heads on tp 8); the message names the weights, their shapes and
+            the dims tp does not divide.
     """
     with _collector_paused():
         return _plan(graph, topology, spec, Overrides(
@@ -133,9 +141,63 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
         raise NoFeasiblePlan(_explain_memory(search, configs))
     best = feasible[0]
     result = build_plan(search, best, _alternatives(best, evaluated, top_k))
+    _warn_unsplit(search, result)
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
              time.perf_counter() - start, len(configs), len(search.solutions))
     return result
+
+
+def _warn_unsplit(search: Search, result: Plan) -> None:
+    """ReplicatedWeightsWarning when the plan's tp > 1 leaves weight matrices (>= 2 dims) of
+    the repeated block (of the model, without blocks) replicated on the tp axis and the graph
+    says why: a weight none of whose dims tp divides, or an op of the block that no placement
+    splits over tp ranks (fused attention with 12 heads on tp 8). A replication the cost model
+    merely preferred (communication dearer than the compute it saves) is a choice, not
+    warned about."""
+    tp, graph = result.mesh.tp, search.graph
+    if tp == 1:
+        return
+    in_block = (lambda layer_id: layer_id == 0) if graph.num_layers else (lambda _: True)
+    head = f"{graph.layer_prefix}.0." if graph.num_layers else ""
+    weights = [p for p in graph.params.values()
+               if not p.is_buffer and len(p.shape) >= 2 and in_block(p.layer_id)]
+    replicated = [p for p in weights if result.placement_of(p.fqn) == "R"]
+    if not replicated:
+        return
+    causes = [f"{p.fqn.removeprefix(head)} {tuple(p.shape)}: tp {tp} divides none of its dims"
+              for p in replicated if all(d % tp for d in p.shape)]
+    causes += _unsplit_ops(graph, search.problem(tp),
+                           graph.layer_nodes.get(0, ()) if graph.num_layers else graph.nodes)
+    if not causes:
+        return
+    where = f"each {graph.layer_prefix} block" if graph.num_layers else graph.model_name
+    names = ", ".join(f"{p.fqn.removeprefix(head)} {tuple(p.shape)}" for p in replicated)
+    warnings.warn(
+        f"tp {tp} leaves {len(replicated)} of the {len(weights)} weight matrices of {where} "
+        f"replicated on the tp axis (every tp rank holds them whole and does their work in "
+        f"full): {names}. Cause: {'; '.join(causes)}. Choose a tp that divides these dims, "
+        f"or leave tp to the planner.", ReplicatedWeightsWarning, stacklevel=4)
+
+
+def _unsplit_ops(graph: CapturedGraph, problem: Problem, names) -> list[str]:
+    """The ops among `names` (tensor outputs of >= 2 dims, not constants) that no candidate
+    places with a Shard on the tp axis, each with its output shape and the dims tp does not
+    divide."""
+    tp, out = problem.tp, []
+    for name in names:
+        info, cands = graph.nodes.get(name), problem.cands.get(name)
+        if (info is None or not cands or name in problem.constants or not info.shapes
+                or len(info.shapes[0]) < 2
+                or any(pl.startswith("S") for c in cands for pl in c.inputs + c.outputs)):
+            continue
+        op = info.target.split(".")[1] if info.target.startswith("aten.") else info.target
+        shape = tuple(info.shapes[0])
+        odd = ", ".join(f"{size} (dim {d})" for d, size in enumerate(shape)
+                        if size > 1 and size % tp)
+        out.append(f"{op} in {info.module_path or 'the model'} (output {shape}): no placement "
+                   f"splits it over {tp} ranks" + (f"; tp {tp} does not divide {odd}" if odd
+                                                    else ""))
+    return out
 
 
 def _given(o: Overrides) -> dict:

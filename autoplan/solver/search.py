@@ -38,8 +38,8 @@ from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
 from autoplan.topology import Topology
 
-__all__ = ["NoFeasiblePlan", "InvalidConfig", "Overrides", "PlanConfig", "Search",
-           "enumerate_configs", "same_argmin", "validate"]
+__all__ = ["NoFeasiblePlan", "InvalidConfig", "ReplicatedWeightsWarning", "Overrides",
+           "PlanConfig", "Search", "enumerate_configs", "same_argmin", "validate"]
 
 
 class NoFeasiblePlan(ValueError):
@@ -48,7 +48,25 @@ class NoFeasiblePlan(ValueError):
 
 
 class InvalidConfig(ValueError):
-    """A user override that cannot work (numbers that do not divide, too many stages, ...)."""
+    """A user override that cannot work (numbers that do not divide, too many stages, ...).
+
+    Attributes:
+        reason: what cannot work, naming the numbers.
+        option: the boolean keyword argument of `plan()` that would allow it (e.g.
+            "allow_tp_across_nodes"), or None. The message ends with "pass <option>=True to
+            allow it"; a front end that spells its options otherwise (the command line's
+            `--allow-tp-across-nodes`) builds its own message from `reason` and `option`.
+    """
+
+    def __init__(self, reason: str, *, option: str | None = None):
+        self.reason, self.option = reason, option
+        super().__init__(reason if option is None else f"{reason}; pass {option}=True to allow it")
+
+
+class ReplicatedWeightsWarning(UserWarning):
+    """tp > 1 leaves weight matrices of the repeated block replicated on the tp axis because
+    the model's shapes do not split by tp (planner.py, `_warn_unsplit`): every tp rank holds
+    them whole and does their work in full."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +117,8 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
     if o.pp is not None and o.pp > max(layers, 1):
         raise InvalidConfig(f"pp {o.pp} is more than the model's {layers} layers")
     if o.tp is not None and o.tp > topology.devices_per_node and not o.allow_tp_across_nodes:
-        raise InvalidConfig(f"tp {o.tp} spans nodes of {topology.devices_per_node} devices; "
-                            "pass allow_tp_across_nodes=True to allow it")
+        raise InvalidConfig(f"tp {o.tp} spans nodes of {topology.devices_per_node} devices",
+                            option="allow_tp_across_nodes")
     if o.zero_stage is not None and o.zero_stage not in (0, 1, 2, 3):
         raise InvalidConfig(f"zero_stage {o.zero_stage} is not one of 0, 1, 2, 3")
     if o.schedule is not None and o.schedule not in SCHEDULES:
