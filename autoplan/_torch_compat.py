@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Placement
 __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sharding_rule",
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution", "replicate_module", "implicit_replication",
-           "clear_dtensor_caches",
+           "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents",
            "Placement", "Partial", "Replicate", "Shard"]
 
 
@@ -356,3 +356,34 @@ def local_shard_slices(global_shape, mesh: DeviceMesh, placements) -> tuple[slic
 
 
 __all__ += ["local_shard_slices"]
+
+
+def forget_process_groups() -> None:
+    """Drop every process group this process knows, without talking to its peers (no
+    shutdown, no barrier): for a forked child that must set up its own (fake) group while
+    the parent keeps training on the real one. Mirrors what torch 2.13's
+    `destroy_process_group()` clears (c10d's registries, partly module globals behind
+    `_World`, and the C++ group-name registry), minus the backends' shutdown."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._world
+    c10d._update_default_pg(None)
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks,
+                     world.pg_backend_config, world.pg_to_tag, world.tags_to_pg,
+                     world.pg_coalesce_state, world.comms):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+def checkpoint_extents(path) -> dict[str, int]:
+    """{file relative to `path`: bytes the DCP checkpoint's metadata says it holds at least}
+    (the furthest offset + length of its records); torch 2.13's FileSystemReader storage
+    records. Raises what `read_metadata` raises for a missing or unreadable `.metadata`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    extents: dict[str, int] = {}
+    for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+        end = int(info.offset) + int(info.length)
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    return extents

@@ -47,7 +47,7 @@ class PlanOptions:
     global_batch: int
     seq_len: int
     cluster: str = "local-cpu"
-    num_nodes: int = 1
+    num_nodes: int | None = None
     world_size: int | None = None
     dtype: str = "float32"
     optimizer: Callable | None = None
@@ -74,6 +74,7 @@ class AutoParallel:
         self._plan: Plan | None = None
         self._graph = None
         self._engine = None
+        self.metrics = None  # StepMetrics of the last step (autoplan.runtime.batch)
 
     # -- planning ---------------------------------------------------------------------------
     @property
@@ -85,17 +86,24 @@ class AutoParallel:
         return topo
 
     def _cluster(self) -> Topology:
+        """The cluster to plan for. Under torchrun the job's process group is joined first
+        (runtime/job.py): the world size is the job's and the node count torchrun's, so a
+        launch never plans a single rank per process."""
+        from autoplan.runtime import job
+
         o = self.options
+        job.join()
         world = dist.get_world_size() if dist.is_initialized() else (o.world_size or 1)
+        nodes = job.num_nodes(o.num_nodes, world)
         if o.cluster.endswith((".yaml", ".yml", ".json")):
             topo = load_topology(o.cluster)
-            return dataclasses.replace(topo, num_nodes=o.num_nodes)
+            return topo.with_nodes(nodes) if nodes else topo
         if o.cluster == "local-cpu":
-            if world % o.num_nodes:
-                raise ValueError(f"world size {world} does not divide into {o.num_nodes} nodes")
-            return preset("local-cpu", num_nodes=o.num_nodes,
-                          devices_per_node=world // o.num_nodes)
-        return preset(o.cluster, num_nodes=o.num_nodes)
+            nodes = nodes or 1
+            if world % nodes:
+                raise ValueError(f"world size {world} does not divide into {nodes} nodes")
+            return preset("local-cpu", num_nodes=nodes, devices_per_node=world // nodes)
+        return preset(o.cluster, num_nodes=nodes or 1)
 
     @property
     def spec(self) -> TrainingSpec:
@@ -125,18 +133,25 @@ class AutoParallel:
         from autoplan.runtime.precision import Precision
         from autoplan.solver import plan as solve
 
+        from autoplan.progress import phase
+
         topo = self.topology
         if dist.is_initialized() and dist.get_world_size() != topo.world_size:
             raise ValueError(
-                f"cluster {topo.name!r} has {topo.world_size} devices but this process group "
-                f"has {dist.get_world_size()} ranks")
+                f"cluster {topo.name!r} has {topo.world_size} devices ({topo.num_nodes} node(s) "
+                f"x {topo.devices_per_node}) but this job has {dist.get_world_size()} ranks: "
+                f"start {topo.world_size} ranks (torchrun --nnodes {topo.num_nodes} "
+                f"--nproc_per_node {topo.devices_per_node}), or plan for this job's size "
+                "(cluster=\"local-cpu\" takes the job's, a preset takes num_nodes=)")
         name = type(self.module).__name__
         # Planned on the graph the runtime will run: a meta copy in the compute dtype (a 16-bit
         # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
         source = self._capture_source(Precision.of(self.options.dtype))
-        graph = capture(source, self._example(self.options.global_batch, meta=_on_meta(source)),
-                        model_name=name)
-        plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
+        with phase(f"capturing {name}"):
+            graph = capture(source, self._example(self.options.global_batch,
+                                                  meta=_on_meta(source)), model_name=name)
+        with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
+            plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [plan.to_json() if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
@@ -147,26 +162,32 @@ class AutoParallel:
     # -- training ---------------------------------------------------------------------------
     def _compile(self):
         from autoplan.capture import capture
+        from autoplan.progress import phase
+        from autoplan.runtime import job
         from autoplan.runtime.engine import DistributedModel
         from autoplan.runtime.precision import Precision
 
+        topo = self.topology  # joins torchrun's process group
         if not dist.is_initialized():
-            if self.topology.world_size != 1:
+            if topo.world_size != 1:
                 raise RuntimeError(
-                    f"the plan needs {self.topology.world_size} ranks: run under torchrun or "
+                    f"the plan needs {topo.world_size} ranks: run under torchrun or "
                     "autoplan.runtime.LocalCluster (this process has no process group)")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         plan = self.plan
         precision = Precision.of(plan.dtype)
+        name = type(self.module).__name__
         # The runtime graph is captured at the microbatch size (view shapes are static) and in
         # the compute dtype ([Note: precision recipe]), from a meta copy: nothing allocated.
         source = self._capture_source(precision)
-        graph = capture(source, self._example(plan.microbatch_size, meta=_on_meta(source)),
-                        model_name=type(self.module).__name__)
-        engine = DistributedModel(graph, plan, self._weight_source(graph),
-                                  optimizer=self.options.optimizer,
-                                  max_grad_norm=self.options.max_grad_norm,
-                                  seed=self.options.seed)
+        with phase(f"capturing {name} at microbatch {plan.microbatch_size}"):
+            graph = capture(source, self._example(plan.microbatch_size, meta=_on_meta(source)),
+                            model_name=name)
+        with phase(f"building this rank's shards ({plan.mesh})"):
+            engine = DistributedModel(graph, plan, self._weight_source(graph),
+                                      optimizer=self.options.optimizer,
+                                      max_grad_norm=self.options.max_grad_norm,
+                                      device=job.device(), seed=self.options.seed)
         if self.options.weights is not None and _is_dcp(self.options.weights):
             engine.load(self.options.weights)
         return engine
@@ -214,10 +235,39 @@ class AutoParallel:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimizer step on the global batch (same tensors on every rank); returns the
-        global mean loss. input_ids, labels: (global_batch, seq_len) int64."""
+        global mean loss, and leaves what the step measured (time, tokens/s, MFU, peak memory,
+        beside the plan's predictions) in `self.metrics` (a StepMetrics).
+
+        input_ids, labels: (global_batch, seq_len) integer token ids; labels -100 are ignored.
+        Raises ValueError naming the argument for a batch the plan cannot take (shape, dtype,
+        ids outside the vocabulary, no label to train on) before any rank computes.
+        """
+        import time
+
+        from autoplan.progress import detail, phase
+        from autoplan.runtime.batch import StepMetrics, check_batch
+
+        spec = self.spec
+        check_batch(input_ids, labels, global_batch=spec.global_batch, seq_len=spec.seq_len,
+                    vocab_size=self._vocab_size())
         if self._engine is None:
             self._engine = self._compile()
-        return self._engine.step(input_ids, labels)
+        engine = self._engine
+        start = time.perf_counter()
+        with phase("first step") if engine.num_steps == 0 else _nothing():
+            loss = engine.step(input_ids, labels)
+        took = time.perf_counter() - start
+        plan, pred = engine.plan, engine.plan.prediction
+        peak = engine.memory.peaks.get("first_step" if engine.num_steps == 1 else "step")
+        tokens = spec.global_batch * spec.seq_len
+        self.metrics = StepMetrics(
+            step=engine.num_steps, loss=loss, step_time_s=took, tokens=tokens,
+            tokens_per_s=tokens / took, mfu=pred.mfu * pred.step_time_s / took,
+            peak_memory_bytes=None if peak is None else peak - engine.memory.baseline_bytes,
+            predicted_step_time_s=pred.step_time_s, predicted_mfu=pred.mfu,
+            predicted_peak_memory_bytes=plan.prediction.memory_bytes)
+        detail(str(self.metrics))
+        return loss
 
     __call__ = step
 
@@ -265,16 +315,53 @@ class AutoParallel:
             write_report(plan, Path(out_dir), graph=self._graph, topology=self.topology)
         return render_markdown(plan, graph=self._graph, topology=self.topology)
 
-    def export(self, out_dir: str | os.PathLike) -> dict[str, Path]:
-        """Per-rank graph code, Graphviz and JSON in `out_dir` (a planning process only: see
-        autoplan.passes.export)."""
+    def export(self, out_dir: str | os.PathLike, *, timeout_s: float = 600.0) -> dict[str, Path]:
+        """Per-rank graph code, Graphviz and JSON in `out_dir`, captured at the plan's
+        microbatch size; returns {file name: path}. Not collective: in a training job call it
+        on one rank (rank 0). The graphs are traced on a fake process group of the plan's
+        size; in a process that trains (a default group exists) that happens in a forked child
+        (runtime/job.py run_isolated, at most `timeout_s` seconds), which leaves the job's
+        group untouched."""
         from autoplan.capture import capture
         from autoplan.passes.export import export_plan
+        from autoplan.progress import phase
+        from autoplan.runtime.job import run_isolated
 
         plan = self.plan
-        graph = capture(self.module, self._example(plan.microbatch_size),
-                        model_name=type(self.module).__name__)
-        return export_plan(graph, plan, out_dir)
+        name = type(self.module).__name__
+        source = self._capture_source(_precision(plan))
+        with phase(f"exporting {name}'s per-rank graphs to {out_dir}"):
+            graph = capture(source, self._example(plan.microbatch_size, meta=_on_meta(source)),
+                            model_name=name)
+            if not dist.is_initialized():
+                return export_plan(graph, plan, out_dir)
+            return run_isolated(export_plan, graph, plan, out_dir, timeout_s=timeout_s)
+
+    def _vocab_size(self) -> int | None:
+        """Rows of the embedding the token ids index (the first `aten.embedding` of the
+        captured graph), None when the model has none."""
+        graph = self.graph
+        for node in graph.gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
+                indices = node.args[1]
+                while indices.op == "call_function" and indices.args:  # views of the ids
+                    indices = indices.args[0]
+                val = node.args[0].meta.get("val")
+                if indices.op == "placeholder" and val is not None:
+                    return int(val.shape[0])
+        return None
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _precision(plan: Plan):
+    from autoplan.runtime.precision import Precision
+
+    return Precision.of(plan.dtype)
 
 
 def _on_meta(module: nn.Module) -> bool:
@@ -352,7 +439,7 @@ def default_init(module: nn.Module) -> None:
 
 
 def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str = "local-cpu",
-                 num_nodes: int = 1, world_size: int | None = None, dtype: str = "float32",
+                 num_nodes: int | None = None, world_size: int | None = None, dtype: str = "float32",
                  optimizer: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
                  init: Callable | None = None, seed: int | None = None, **overrides):
@@ -368,8 +455,9 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
     Args:
         global_batch, seq_len: the training step (samples, tokens per sample).
         cluster: a topology preset name or a topology YAML file.
-        num_nodes: nodes of the cluster; world_size: ranks of the `local-cpu` preset when
-            planning outside a process group.
+        num_nodes: nodes of the cluster (default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE
+            under torchrun, a topology file's own, else 1); world_size: ranks of the
+            `local-cpu` preset when planning outside a process group.
         dtype: compute dtype; optimizer: `params -> Optimizer` (default AdamW(lr=1e-3));
         max_grad_norm: clip the global gradient norm.
         device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,

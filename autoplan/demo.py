@@ -36,7 +36,7 @@ def corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
             break
     if len(out) < 100_000:
         raise RuntimeError(f"standard library sources under {root} are too small for the demo")
-    return torch.frombuffer(bytes(out[:max_bytes]), dtype=torch.uint8).long()
+    return torch.frombuffer(out[:max_bytes], dtype=torch.uint8).long()  # a writable buffer
 
 
 def batches(tokens: torch.Tensor, steps: int, batch: int, seq_len: int, seed: int = 0):

@@ -5,7 +5,8 @@ rank 0 only, so that nothing runs silently for a minute.
         ...
 
 On a terminal the phase shows a rich spinner while it runs; otherwise (a log file, CI, a
-pipe) a plain line when it starts and one when it ends, with the seconds it took. Verbosity
+pipe) a plain line once it has run for a second, and one when it ends, with the seconds it
+took; a phase shorter than that prints nothing. Verbosity
 0 prints nothing (`autoplan ... --quiet`, `AUTOPLAN_VERBOSITY=0`), 1 the phases (default), 2
 also `detail` lines. Importing this module imports neither torch nor rich.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 
 __all__ = ["phase", "detail", "set_verbosity", "verbosity"]
@@ -22,10 +24,11 @@ __all__ = ["phase", "detail", "set_verbosity", "verbosity"]
 _level: int | None = None
 
 
-def set_verbosity(level: int) -> None:
-    """0: silent, 1: phases (default), 2: phases and details."""
+def set_verbosity(level: int | None) -> None:
+    """0: silent, 1: phases (default), 2: phases and details; None: back to
+    AUTOPLAN_VERBOSITY's (default 1)."""
     global _level
-    _level = int(level)
+    _level = None if level is None else int(level)
 
 
 def verbosity() -> int:
@@ -53,29 +56,40 @@ def detail(message: str) -> None:
 
 
 @contextlib.contextmanager
-def phase(what: str):
+def phase(what: str, *, quiet_below_s: float = 1.0):
     """Show `what` while the block runs, and how long it took; an exception leaves the line
-    marked "failed" and propagates."""
+    marked "failed" and propagates. A phase over within `quiet_below_s` seconds prints
+    nothing (a tiny model's build stays quiet; a large one's says what it is doing)."""
     if not _shown(1):
         yield
         return
     start = time.perf_counter()
     status = None
+    announced = threading.Event()
     if sys.stderr.isatty():
         from rich.console import Console
 
-        console = Console(stderr=True)
-        status = console.status(f"autoplan: {what} ...")
+        status = Console(stderr=True).status(f"autoplan: {what} ...")
         status.start()
+        timer = None
     else:
-        print(f"autoplan: {what} ...", file=sys.stderr, flush=True)
+        def announce():
+            announced.set()
+            print(f"autoplan: {what} ...", file=sys.stderr, flush=True)
+
+        timer = threading.Timer(quiet_below_s, announce)
+        timer.daemon = True
+        timer.start()
     ok = False
     try:
         yield
         ok = True
     finally:
+        if timer is not None:
+            timer.cancel()
         if status is not None:
             status.stop()
         took = time.perf_counter() - start
-        print(f"autoplan: {what}: {'done' if ok else 'failed'} in {took:.1f} s",
-              file=sys.stderr, flush=True)
+        if announced.is_set() or took >= quiet_below_s or not ok:
+            print(f"autoplan: {what}: {'done' if ok else 'failed'} in {took:.1f} s",
+                  file=sys.stderr, flush=True)

@@ -14,11 +14,12 @@ constants) -- see case C5.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "check_files", "CheckpointError"]
 
 
 def _optimizer(model):
@@ -72,12 +73,47 @@ def _initialise_optimizer_state(model) -> None:
         g["lr"] = lr
 
 
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: missing, not written by `save`, or with
+    files shorter than its metadata says (a copy cut short)."""
+
+
+def check_files(path: str | os.PathLike) -> None:
+    """Check that `path` is a complete DCP checkpoint before anything is read into a model:
+    its `.metadata` parses and every data file it names exists with at least the bytes its
+    records span. Raises CheckpointError naming the directory or the file at fault."""
+    from autoplan._torch_compat import checkpoint_extents
+
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"load: checkpoint directory {str(path)!r} does not exist")
+    if not (root / ".metadata").is_file():
+        raise CheckpointError(f"load: {str(path)!r} has no .metadata file: not a checkpoint "
+                              "written by save() (or its copy is incomplete)")
+    try:
+        extents = checkpoint_extents(root)
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises anything
+        raise CheckpointError(f"load: {root / '.metadata'} cannot be read "
+                              f"({type(e).__name__}: {e})") from None
+    for name, needed in sorted(extents.items()):
+        file = root / name
+        if not file.is_file():
+            raise CheckpointError(f"load: {file} is missing (named by {root / '.metadata'})")
+        size = file.stat().st_size
+        if size < needed:
+            raise CheckpointError(f"load: {file} holds {size} bytes; the checkpoint's "
+                                  f"metadata needs {needed} (a truncated copy?)")
+
+
 @torch.no_grad()
 def load(model, path: str | os.PathLike) -> None:
     """Load the DCP directory `path` into `model` (collective), resharding as needed.
 
-    Raises whatever DCP raises for a missing key or a shape mismatch (it names the key).
+    Raises CheckpointError (before anything is changed) for a missing directory, one not
+    written by `save`, or a truncated file; whatever DCP raises for a missing key or a shape
+    mismatch (it names the key).
     """
+    check_files(path)
     _initialise_optimizer_state(model)
     sd, copies = _state_dict(model)
     dcp.load(sd, checkpoint_id=str(path))

@@ -90,6 +90,25 @@ def _stage_forward(gm: torch.fx.GraphModule, mesh, in_placements: list[str],
     return forward
 
 
+def _owning_outputs(forward: Callable) -> Callable:
+    """`forward` with its plain-tensor outputs that are views (a stage's final reshape,
+    DTensor's `to_local`) turned into tensors that own their view: FSDP2 registers its
+    pre-backward hook on a unit's outputs and warns for a view, on which an in-place op would
+    drop the hook. `aten._unsafe_view` keeps the storage and the gradient (reshaped back), as
+    torch's own matmul does for its output reshape; nothing else reads the viewed value."""
+
+    def own(t):
+        if type(t) is torch.Tensor and t._base is not None:
+            return torch.ops.aten._unsafe_view(t, t.shape)
+        return t
+
+    def wrapped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)
+
+    return wrapped
+
+
 class DistributedModel:
     """This rank's part of a planned model, trainable with `step`.
 
@@ -255,6 +274,7 @@ class DistributedModel:
         if not list(gm.parameters()) or (plan.mesh.dp == 1 and mp is None):
             return gm
         dp_mesh = self.mesh["dp"]
+        gm.forward = _owning_outputs(gm.forward)
         for module in [gm.get_submodule(path) for path in blocks] + [gm]:
             if plan.zero_stage in (0, 1):
                 _compat.replicate(module, dp_mesh, mp_policy=mp)

@@ -1,0 +1,119 @@
+"""The job a model trains in: torchrun's process group, nodes and device, read from the
+environment so that a launch cannot silently go wrong.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
+every process it starts. Under it, `join()` initialises the default process group (NCCL when
+CUDA is available, gloo otherwise; launcher.init_from_env), `num_nodes` is WORLD_SIZE /
+LOCAL_WORLD_SIZE and the device is `cuda:LOCAL_RANK` (the NCCL backend) or the CPU. Without
+these variables and without a process group, the process plans alone (world size 1 or the
+`world_size=` it was given) -- it never trains one model per process without saying so.
+
+`run_isolated(fn, ...)` runs a function in a forked child that drops the parent's process
+groups: `export` sets up a fake group of the plan's size to trace every rank's graph, which
+cannot coexist with a training process's real default group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TORCHRUN_VARS", "under_torchrun", "join", "num_nodes", "device", "run_isolated"]
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or a launcher that sets its variables)."""
+    return all(k in os.environ for k in TORCHRUN_VARS)
+
+
+def join() -> None:
+    """Join torchrun's process group when this process is part of a torchrun job and has no
+    group yet (the collective timeout: launcher.init_from_env). A no-op otherwise."""
+    if dist.is_initialized() or not under_torchrun():
+        return
+    from autoplan.runtime.launcher import init_from_env
+
+    init_from_env()
+
+
+def num_nodes(given: int | None, world_size: int) -> int | None:
+    """The job's node count: `given` (the user's `num_nodes=`) checked against torchrun's
+    WORLD_SIZE / LOCAL_WORLD_SIZE when both are known; None when neither says.
+
+    Raises ValueError when they disagree or WORLD_SIZE is not a multiple of LOCAL_WORLD_SIZE.
+    """
+    local = os.environ.get("LOCAL_WORLD_SIZE") if dist.is_initialized() else None
+    if local is None:
+        return given
+    per_node = int(local)
+    if per_node < 1 or world_size % per_node:
+        raise ValueError(f"torchrun: WORLD_SIZE={world_size} is not a multiple of "
+                         f"LOCAL_WORLD_SIZE={per_node}")
+    from_env = world_size // per_node
+    if given is not None and given != from_env:
+        raise ValueError(
+            f"num_nodes={given}, but torchrun started {from_env} node(s) of {per_node} ranks "
+            f"(WORLD_SIZE={world_size}, LOCAL_WORLD_SIZE={per_node}); drop num_nodes= to use "
+            "the job's")
+    return from_env
+
+
+def device() -> str:
+    """Where this rank computes: its CUDA device under the NCCL backend (set from LOCAL_RANK
+    by `join`), else "cpu"."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _child(fn: Callable, args: tuple, conn) -> None:
+    from autoplan._torch_compat import forget_process_groups
+
+    try:
+        forget_process_groups()
+        conn.send((True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - sent to the parent with its traceback
+        conn.send((False, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_isolated(fn: Callable, *args: Any, timeout_s: float = 600.0) -> Any:
+    """`fn(*args)` in a forked child without this process's process groups; returns its
+    (picklable) result. Nothing is pickled on the way in, so `fn` and `args` may be anything
+    in memory (a captured graph, a closure).
+
+    Raises RuntimeError with the child's traceback when it fails, TimeoutError (the child
+    killed) past `timeout_s` seconds.
+    """
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(fn, args, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish within "
+                               f"{timeout_s:.0f} s in its forked child")
+        ok, value = receive.recv()
+    except EOFError:
+        child.join(timeout=5)
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its forked child exited with "
+                           f"code {child.exitcode} without a result") from None
+    finally:
+        if child.is_alive():
+            child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        receive.close()
+    if not ok:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its forked child:\n{value}")
+    return value

@@ -1,0 +1,265 @@
+"""First contact: the README's scripts run as written (one of them under torchrun), a launch
+that disagrees with its cluster is a named error, and bad input is reported in the user's
+words (the batch, checkpoints, the job's shape)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoplan.runtime.batch import check_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def readme_blocks(language: str) -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def readme_script(name: str) -> str:
+    """The README's Python block whose first line names `name`."""
+    found = [b for b in readme_blocks("python") if b.startswith(f"# {name}")]
+    assert len(found) == 1, f"README has {len(found)} blocks starting '# {name}'"
+    return found[0]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOPLAN_VERBOSITY="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _torchrun(script: Path, nproc: int, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", str(script)],
+        cwd=script.parent, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.slow
+def test_readme_train_script_under_torchrun_trains_one_model(tmp_path):
+    """The README's decorator script, with no process-group code of its own, under
+    `torchrun --nproc_per_node 2`: both ranks see world 2, report equal losses, and rank 0's
+    report and export after training are written."""
+    script = tmp_path / "train.py"
+    script.write_text(readme_script("train.py"))
+    run = _torchrun(script, 2, timeout_s=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    lines = re.findall(r"^rank (\d) of (\d): step (\d): loss ([\d.]+)", run.stdout, flags=re.M)
+    assert len(lines) == 6, run.stdout
+    assert {world for _, world, _, _ in lines} == {"2"}
+    by_step = {}
+    for rank, _, step, loss in lines:
+        by_step.setdefault(step, {})[rank] = float(loss)
+    assert all(len(v) == 2 and v["0"] == v["1"] for v in by_step.values()), by_step
+    assert (tmp_path / "out/train/report.html").is_file()
+    assert (tmp_path / "out/train/graphs/plan.json").is_file()
+    assert list((tmp_path / "out/train/graphs").glob("rank*_stage*.py"))
+
+
+@pytest.mark.slow
+def test_torchrun_world_that_disagrees_with_the_cluster_is_named(tmp_path):
+    """A preset of 8 devices launched on 2 ranks fails on every rank with both numbers and the
+    fix, before anything is built -- never a silent single-rank run."""
+    source = readme_script("train.py").replace('cluster="local-cpu"', 'cluster="dgx-h100"')
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    run = _torchrun(script, 2, timeout_s=300)
+    assert run.returncode != 0
+    assert "cluster 'dgx-h100' has 8 devices" in run.stderr
+    assert "this job has 2 ranks" in run.stderr
+    assert "--nproc_per_node 8" in run.stderr
+    assert "loss" not in run.stdout
+
+
+@pytest.mark.slow
+def test_readme_local_cluster_script_runs_as_written(tmp_path):
+    script = tmp_path / "local.py"
+    script.write_text(readme_script("local.py"))
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-6000:]
+    per_rank = eval(run.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printout
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] and len(per_rank[0]) == 3
+
+
+def test_readme_python_blocks_are_whole_scripts():
+    """Every Python block of the README is a script a test runs (nothing undefined)."""
+    names = [b.splitlines()[0] for b in readme_blocks("python")]
+    assert names and all(n.startswith(("# train.py", "# local.py")) for n in names), names
+
+
+def test_readme_points_at_nothing_outside_the_repo():
+    text = (ROOT / "README.md").read_text()
+    assert "../" not in text
+
+
+# -- the batch, in the user's words --------------------------------------------------------
+def _batch(b=4, t=16, vocab=64):
+    tokens = torch.randint(0, vocab, (b, t + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _check(x, y):
+    return check_batch(x, y, global_batch=4, seq_len=16, vocab_size=64)
+
+
+def test_a_good_batch_counts_its_trained_tokens():
+    x, y = _batch()
+    y = y.clone()
+    y[0, :5] = -100
+    assert _check(x, y) == 4 * 16 - 5
+
+
+@pytest.mark.parametrize("case, message", [
+    ("short", r"input_ids has shape \(4, 8\); the plan was made for \(4, 16\) .*8 tokens per "
+              r"sample where the plan's seq_len is 16"),
+    ("batch", r"input_ids has shape \(2, 16\); .*2 samples where the plan's global_batch is 4"),
+    ("float", r"input_ids has dtype torch.float32; expected integer token ids"),
+    ("ignored", r"every one of the 64 labels is -100 \(ignored\)"),
+    ("vocab", r"input_ids holds token id 64; the model's vocabulary is \[0, 64\)"),
+    ("labels", r"labels hold token id -3; expected ids in \[0, 64\) or -100"),
+    ("list", r"input_ids is a list; expected a tensor of shape \(4, 16\)"),
+])
+def test_bad_batches_are_named(case, message):
+    x, y = _batch()
+    if case == "short":
+        x, y = x[:, :8], y[:, :8]
+    elif case == "batch":
+        x, y = x[:2], y[:2]
+    elif case == "float":
+        x = x.float()
+    elif case == "ignored":
+        y = torch.full_like(y, -100)
+    elif case == "vocab":
+        x = x.clone()
+        x[1, 2] = 64
+    elif case == "labels":
+        y = y.clone()
+        y[0, 0] = -3
+    elif case == "list":
+        x = x.tolist()
+    with pytest.raises(ValueError, match=message):
+        _check(x, y)
+
+
+# -- the job's shape ------------------------------------------------------------------------
+def test_num_nodes_comes_from_torchrun_and_a_contradiction_is_named(monkeypatch):
+    from autoplan.runtime import job
+
+    monkeypatch.setattr(job.dist, "is_initialized", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert job.num_nodes(None, 8) == 2
+    assert job.num_nodes(2, 8) == 2
+    with pytest.raises(ValueError, match=r"num_nodes=1, but torchrun started 2 node\(s\) of 4"):
+        job.num_nodes(1, 8)
+    with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a multiple of LOCAL_WORLD_SIZE=4"):
+        job.num_nodes(None, 6)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert job.num_nodes(None, 8) is None
+
+
+def test_run_isolated_returns_and_names_a_childs_failure():
+    from autoplan.runtime.job import run_isolated
+
+    assert run_isolated(sum, [1, 2, 3]) == 6
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        run_isolated(divmod, 1, 0)
+
+
+# -- a single-process model: metrics and checkpoints ---------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """gpt2-tiny trained one step in this process (a world of 1), and a checkpoint of it."""
+    from autoplan import autoparallel
+    from autoplan.models import build_model
+
+    model = autoparallel(build_model("gpt2-tiny"), global_batch=4, seq_len=16)
+    x, y = _batch()
+    model.step(x, y)
+    ckpt = tmp_path_factory.mktemp("ckpt") / "step1"
+    model.save(ckpt)
+    return model, ckpt
+
+
+def test_step_metrics_beside_the_plans_prediction(tiny):
+    model, _ = tiny
+    x, y = _batch()
+    loss = model.step(x, y)
+    m = model.metrics
+    assert m.loss == loss and m.step == model._engine.num_steps
+    assert m.tokens == 4 * 16 and m.step_time_s > 0
+    assert m.tokens_per_s == pytest.approx(m.tokens / m.step_time_s)
+    pred = model.plan.prediction
+    assert m.predicted_step_time_s == pred.step_time_s
+    assert m.mfu == pytest.approx(pred.mfu * pred.step_time_s / m.step_time_s)
+    assert m.peak_memory_bytes is None or m.peak_memory_bytes > 0
+    assert "tokens/s" in str(m) and "MFU" in str(m)
+
+
+def test_a_step_with_a_bad_batch_names_it_and_trains_nothing(tiny):
+    model, _ = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = model._engine.num_steps
+    x, y = _batch()
+    with pytest.raises(ValueError, match="tokens per sample where the plan's seq_len is 16"):
+        model.step(x[:, :8], y[:, :8])
+    assert model._engine.num_steps == steps
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_missing_and_truncated_checkpoints_are_named_and_change_nothing(tiny, tmp_path):
+    import shutil
+
+    from autoplan.runtime.checkpoint import CheckpointError
+
+    model, ckpt = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"checkpoint directory '.*nowhere' does not exist"):
+        model.load(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="has no .metadata file"):
+        model.load(tmp_path / "empty")
+    cut = tmp_path / "cut"
+    shutil.copytree(ckpt, cut)
+    data = sorted(cut.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"{data.name} holds \d+ bytes; .*needs \d+"):
+        model.load(cut)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model.load(ckpt)  # the intact one still loads
+
+
+def test_progress_lines_for_long_phases_only(capsys, monkeypatch):
+    import time
+
+    from autoplan import progress
+
+    monkeypatch.delenv("RANK", raising=False)
+    progress.set_verbosity(1)
+    try:
+        with progress.phase("quick"):
+            pass
+        with progress.phase("slow", quiet_below_s=0.05):
+            time.sleep(0.2)
+        with pytest.raises(KeyError), progress.phase("broken"):
+            raise KeyError("x")
+        progress.set_verbosity(0)
+        with progress.phase("silenced", quiet_below_s=0.0):
+            time.sleep(0.01)
+    finally:
+        progress.set_verbosity(None)
+    err = capsys.readouterr().err
+    assert "quick" not in err and "silenced" not in err
+    assert "autoplan: slow ..." in err and re.search(r"autoplan: slow: done in 0\.\d s", err)
+    assert "autoplan: broken: failed" in err
