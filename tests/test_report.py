@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
 import pytest
@@ -14,6 +15,7 @@ from autoplan.plan import (
 )
 from autoplan.report import render_html, render_markdown, render_summary, write_report
 from autoplan.report import facts as F
+from autoplan.report import svg
 from autoplan.report import write as write_mod
 from autoplan.report.timeline import rank_orders, simulate, stage_times
 from autoplan.topology import preset
@@ -72,7 +74,7 @@ def test_markdown_has_sections_and_the_plans_numbers(llama):
     assert F.fmt_time(p.step_time_s) in md
     assert F.fmt_bytes(p.memory_bytes) in md
     assert F.fmt_pct(p.mfu) in md
-    assert f"{p.tflops_per_device:.4g}" in md
+    assert F.fmt_flops(p.tflops_per_device * 1e12, per_s=True) in md
     # the precision recipe the runtime runs for this dtype
     assert "bf16 forward/backward, fp32 master weights and AdamW states" in md
     assert "80 GB per H100-SXM-80GB" in md  # device memory next to the plan's
@@ -124,7 +126,98 @@ def test_hand_made_plan_renders_without_graph_or_topology():
     assert "### `bubble_fraction_interleaved` = 0.125 for this plan" in md
     assert "communication: +2 ms per step vs the chosen plan" in md
     summary = render_summary(plan)
-    assert str(plan) in summary and "10 ms" in summary
+    assert "toy on dgx-h100: pp2xdp1xtp2" in summary and "10 ms" in summary
+
+
+# --- number format ([Note: number format] in report/facts.py) ---------------------------------
+
+@pytest.mark.parametrize("fmt,value,text", [
+    (F.fmt_time, 0.0, "0 s"), (F.fmt_time, 1.78e-15, "0 s"),  # a float residue is 0
+    (F.fmt_time, 4.2e-5, "42 \u00b5s"), (F.fmt_time, 6.27e-3, "6.27 ms"),
+    (F.fmt_time, 0.0009996, "1 ms"), (F.fmt_time, 31.0, "31 s"), (F.fmt_time, 2400.0, "2400 s"),
+    (F.fmt_bytes, 0.0, "0 B"), (F.fmt_bytes, 372.0, "372 B"), (F.fmt_bytes, 372e3, "372 kB"),
+    (F.fmt_bytes, 999.7e3, "1 MB"), (F.fmt_bytes, 70.1e9, "70.1 GB"),
+    (F.fmt_bytes, 1e21, "1000 EB"), (F.fmt_count, 0.125, "0.125"), (F.fmt_count, 12, "12"),
+    (F.fmt_count, 67.6e3, "67.6 k"), (F.fmt_count, 70.6e9, "70.6 G"),
+    (F.fmt_flops, 9.421e17, "942 PFLOP"), (F.fmt_pct, 1.78e-15, "0 %"),
+    (F.fmt_pct, 1.05e-4, "0.0105 %"), (F.fmt_pct, 0.0099996, "1.0 %"), (F.fmt_pct, 0.48, "48.0 %"),
+    (F.fmt_pct, 3e-8, "< 0.001 %"),
+])
+def test_number_formats(fmt, value, text):
+    assert fmt(value) == text
+
+
+def test_pct_sign_and_plurals():
+    assert F.fmt_pct(0.07, sign=True) == "+7.0 %" and F.fmt_pct(-0.032, sign=True) == "-3.2 %"
+    assert F.fmt_flops(8.786e8, per_s=True) == "879 MFLOP/s"
+    assert [F.plural(n, "microbatch") for n in (0, 1, 2)] == [
+        "0 microbatches", "1 microbatch", "2 microbatches"]
+    assert F.plural(1, "sample") == "1 sample" and F.plural(8, "node") == "8 nodes"
+
+
+def _tiny_plan() -> Plan:
+    """What `autoplan plan --model gpt2-tiny` gives on 4 CPU ranks: pp 1, one microbatch of
+    one sample, a float-residue bubble and a few hundred kB per rank."""
+    return _hand_made(mesh=MeshShape(1, 4, 1), global_batch=4, num_microbatches=1,
+                      microbatch_size=1, schedule="1f1b", num_virtual_stages=1,
+                      stages=(Stage(0, 0, 2),), redistributions=(),
+                      prediction=Prediction(6.27e-3, 5.84e-3, 4.28e-4, 1.78e-15, 372e3,
+                                            {"params": 300e3, "activations": 72e3,
+                                             "peak": 372e3}, 1.1e9, 8.786e-4, 0.044))
+
+
+def test_summary_and_report_numbers_for_a_tiny_plan():
+    plan = _tiny_plan()
+    summary = render_summary(plan)
+    assert "bubble 0 s)" in summary
+    assert "372 kB per device" in summary
+    assert "schedule    1f1b, 1 microbatch of 1 sample" in summary
+    assert "879 MFLOP/s per device" in summary and "communication 428 \u00b5s" in summary
+    md = render_markdown(plan)
+    assert "| pipeline bubble | 0 s | 0 % |" in md
+    assert "| **peak** | **372 kB** |  |" in md
+    assert "dp 4 x 1 microbatch x 1 sample;" in md
+    page = render_html(plan)
+    captions = " ".join(re.findall(r"<figcaption>(.*?)</figcaption>", page))
+    assert "for 1 microbatch on 1 pp rank," in captions
+    svg_texts = " ".join(re.findall(r"<text [^>]*>([^<]*)</text>", page))
+    for text in (summary, md, captions, svg_texts):
+        assert not re.search(r"\d[eE][+-]?\d", text), "an exponent: " + text
+        assert "microbatches of 1" not in text and "(s)" not in text
+
+
+def _tied_graph():
+    """A captured graph without torch: 2 of 8 blocks captured, an embedding tied to the head
+    and a buffer, the way capture records them (graph.ParamInfo)."""
+    from autoplan.graph import CapturedGraph, ParamInfo
+
+    params = [ParamInfo("blocks.0.fc.weight", (4, 4), "float32", 16, False, 0),
+              ParamInfo("blocks.1.fc.weight", (4, 4), "float32", 16, False, 1),
+              ParamInfo("embed.weight", (10, 4), "float32", 40, False, None, ("head.weight",)),
+              ParamInfo("rope.inv_freq", (2,), "float32", 2, True, None)]
+    return CapturedGraph(None, {}, {p.fqn: p for p in params}, ("x",), ((1, 16),),
+                         ("int64",), "blocks", 2, total_layers=8)
+
+
+def test_parameter_counts_agree_between_report_and_summary(llama):
+    """The summary and the report count sharded parameters alike, in one phrasing: the real
+    model's (8 blocks), a tied weight once, no buffers."""
+    graph = _tied_graph()
+    plan = _hand_made(param_placements=(
+        ("blocks.0.fc.weight", "S(0)"), ("blocks.1.fc.weight", "S(0)"),
+        ("embed.weight", "R"), ("head.weight", "R"), ("rope.inv_freq", "R")))
+    assert F.sharded_params(plan, graph) == (8, 9)
+    assert F.sharded_params(plan) == (2, 5)  # without the graph: per name in the plan
+    phrase = "8 of 9 parameters sharded on the tp axis (a tied weight counted once, no buffers)"
+    assert phrase in render_summary(plan, graph=graph)
+    assert phrase in render_markdown(plan, graph=graph)
+    assert "| `rope.inv_freq` (buffer) | 2 | `R` | 1 |" in render_markdown(plan, graph=graph)
+    graph, topology, plan = llama
+    summary = render_summary(plan, topology=topology, graph=graph)
+    line = next(x for x in summary.splitlines() if x.startswith("params"))
+    counted = re.search(r"\d+ of \d+ parameters sharded on the tp axis \([^)]*\)", line)
+    assert counted and counted.group(0) in render_markdown(plan, graph=graph,
+                                                            topology=topology)
 
 
 # --- HTML --------------------------------------------------------------------------------------
@@ -171,6 +264,106 @@ def test_html_without_graph_still_draws_timeline():
     page = render_html(_hand_made())
     assert "<svg" in page and "pipeline timeline" in page
     assert "0F0" in page  # stage 0 forward of microbatch 0, PyTorch's text form
+
+
+# --- chart geometry: every label inside its chart, none over another or a marker line ------
+# [Note: text extent] in report/svg.py: an SVG cannot measure text, so the charts estimate a
+# label's width as font size x 0.6 x characters; these checks use the same estimate, written
+# out here so that a change in svg.py cannot move both sides.
+
+def _text_boxes(chart: str) -> tuple[tuple[float, float], list[tuple], list[tuple]]:
+    """((width, height) of the viewBox, [(x0, y0, x1, y1, text)] of every <text>,
+    [(x, y0, y1)] of every dashed marker line)."""
+    root = ET.fromstring(chart)
+    _, _, width, height = map(float, root.get("viewBox").split())
+    boxes, lines = [], []
+    for el in root.iter("text"):
+        text = (el.text or "") + "".join(c.tail or "" for c in el)  # leave out <title>
+        size, x, y = float(el.get("font-size")), float(el.get("x")), float(el.get("y"))
+        w = 0.6 * size * len(text)
+        x0 = {"start": x, "middle": x - w / 2, "end": x - w}[el.get("text-anchor", "start")]
+        boxes.append((x0, y - 0.8 * size, x0 + w, y + 0.2 * size, text))
+    for el in root.iter("line"):
+        if el.get("stroke-dasharray"):
+            lines.append((float(el.get("x1")), float(el.get("y1")), float(el.get("y2"))))
+    return (width, height), boxes, lines
+
+
+def _geometry_problems(chart: str) -> list[str]:
+    (width, height), boxes, lines = _text_boxes(chart)
+    problems = [f"{b[4]!r} outside the viewBox 0 0 {width:.0f} {height:.0f}: "
+                f"x {b[0]:.1f}..{b[2]:.1f}, y {b[1]:.1f}..{b[3]:.1f}"
+                for b in boxes if b[0] < 0 or b[2] > width or b[1] < 0 or b[3] > height]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]:
+                problems.append(f"{a[4]!r} overlaps {b[4]!r}")
+        for x, y0, y1 in lines:
+            if a[0] < x < a[2] and a[1] < max(y0, y1) and min(y0, y1) < a[3]:
+                problems.append(f"{a[4]!r} crosses the marker line at x = {x:.1f}")
+    return problems
+
+
+def _charts(page: str) -> list[str]:
+    return re.findall(r"<svg .*?</svg>", page, re.S)
+
+
+def _crowded_plan() -> Plan:
+    """Long runner-up labels and a peak memory just under the device's (80 GB)."""
+    long_alt = Alternative(MeshShape(1, 64, 4), 3, 128, "interleaved-1f1b", 0.0121, 79.5e9,
+                           "communication: +2 ms per step vs the chosen plan",
+                           checkpointing="selective", num_virtual_stages=4)
+    over = Alternative(MeshShape(2, 16, 2), 0, 16, "1f1b", 0.009, 86e9,
+                       "memory: needs 86 GB per device, over the budget")
+    breakdown = {"params": 20e9, "grads": 20e9, "optimizer": 20e9, "activations": 16e9,
+                 "peak": 76e9}
+    return _hand_made(prediction=Prediction(0.010, 0.007, 0.001, 0.002, 76e9, breakdown,
+                                            1e15, 25.0, 0.25),
+                      alternatives=(long_alt, over, _hand_made().alternatives[0]))
+
+
+def test_chart_labels_fit_and_do_not_overlap():
+    page = render_html(_crowded_plan(), topology=preset("dgx-h100", num_nodes=8))
+    assert "device memory 80 GB" in page and "pp1 dp64 tp4 z3 m128" in page
+    for chart in _charts(page):
+        assert not _geometry_problems(chart), _geometry_problems(chart)
+
+
+def test_real_report_charts_fit(llama):
+    graph, topology, plan = llama
+    for chart in _charts(render_html(plan, graph=graph, topology=topology)):
+        assert not _geometry_problems(chart), _geometry_problems(chart)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9, 0.95, 0.97, 0.99, 1.0, 1.01, 1.05, 1.5, 1.99])
+def test_totals_keep_clear_of_the_marker_line(ratio):
+    """A bar whose total lands on or near the device-memory line: the total is written where
+    it crosses no line and stays inside the chart."""
+    rows = [("chosen plan", [("params", 40e9), ("activations", ratio * 80e9 - 40e9)]),
+            ("a long runner-up label " * 3, [("total", 70.1e9)])]
+    chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="memory per rank",
+                             markers=[("device memory", 80e9)])
+    assert not _geometry_problems(chart), _geometry_problems(chart)
+    assert "a long runner-up label a long" in chart  # cut to fit, in full in its tooltip
+
+
+def test_timeline_caption_promises_only_drawn_labels():
+    """Labels in the caption only when the chart draws them: 64 microbatches leave blocks
+    too narrow for `2F0` in the full step, the zoom labels some."""
+    plan = _hand_made(num_microbatches=64, global_batch=128)
+    page = render_html(plan)
+    full, zoom = re.findall(r"<figure><svg [^>]*aria-label=\"(pipeline timeline[^\"]*)\""
+                            r".*?</svg><figcaption>(.*?)</figcaption>", page, re.S)
+    charts = {title: chart for chart in _charts(page)
+              for title in re.findall(r'aria-label="([^"]*)"', chart)}
+    for (title, caption) in (full, zoom):
+        drawn = len(re.findall(r'fill="#fff">\d+[FB]\d+</text>', charts[title]))
+        if drawn == 0:
+            assert "too narrow for labels" in caption, caption
+        else:
+            assert "labelled" in caption or "wide enough" in caption, caption
+            assert f"{drawn} block" in caption or "Each block is labelled" in caption, caption
+    assert "too narrow" in full[1] and "too narrow" not in zoom[1]
 
 
 # --- timeline illustration -------------------------------------------------------------------

@@ -15,6 +15,7 @@ consumer's position in its block's op sequence (blocks align by position, see
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ from autoplan.topology import Topology
 
 __all__ = [
     "MEMORY_KINDS", "AxisFacts", "ParamGroup", "RedistributionGroup", "PartCost",
-    "fmt_bytes", "fmt_time", "fmt_count", "fmt_pct", "model_num_params", "mesh_axes",
+    "fmt_si", "fmt_bytes", "fmt_time", "fmt_count", "fmt_flops", "fmt_pct", "plural",
+    "model_num_params", "sharded_params", "mesh_axes",
     "param_groups", "redistribution_groups", "part_costs", "tokens_per_s", "memory_rows",
 ]
 
@@ -35,39 +37,82 @@ MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "c
 
 
 # --- number formatting (SI) ------------------------------------------------------------------
+# [Note: number format]
+# Every number the report and the CLI summary print goes through these functions: three
+# significant digits with an SI prefix (1 kB = 1e3 B, 1 ms = 1e-3 s), never an exponent, and a
+# value below half the smallest step a function shows prints as an exact 0, so that a float
+# residue (a bubble of 1.78e-15 s, the difference of two equal sums) reads "0 s".
+
+_PREFIXES = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"),
+             (1.0, ""), (1e-3, "m"), (1e-6, "\u00b5"), (1e-9, "n"))  # \u00b5: the micro sign
+
+
+def _digits(x: float) -> str:
+    """Three significant digits without an exponent: 0.125, 12.3, 456, 7890."""
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def fmt_si(value: float, unit: str, *, smallest: float = 1e-9, largest: float = 1e18) -> str:
+    """`value` (in `unit`) with three significant digits and the largest SI prefix between
+    `smallest` and `largest` (as factors: 1e-3 is "m") that keeps it at 1 or more:
+    fmt_si(4.2e-5, "s") == "42 \u00b5s". |value| < smallest / 2 prints as "0 unit" ([Note:
+    number format]); beyond `largest` the digits grow ("2400 s"); inf and nan print as Python
+    writes them."""
+    if not math.isfinite(value):
+        return f"{value} {unit}"
+    if abs(value) < smallest / 2:
+        return f"0 {unit}".rstrip()
+    rounded = float(f"{value:.3g}")  # round first: 999.7 k -> 1 M, not "1e+03 k"
+    prefixes = [(size, p) for size, p in _PREFIXES if smallest <= size <= largest]
+    size, prefix = next(((s, p) for s, p in prefixes if abs(rounded) >= s), prefixes[-1])
+    return f"{_digits(rounded / size)} {prefix}{unit}".rstrip()
+
 
 def fmt_bytes(nbytes: float) -> str:
-    """12.3 GB, 456 MB, ... (SI: 1 GB = 1e9 B)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"
+    """12.3 GB, 456 MB, 372 kB, 12 B, 0 B (SI: 1 GB = 1e9 B; [Note: number format])."""
+    return fmt_si(nbytes, "B", smallest=1.0)
 
 
 def fmt_time(seconds: float) -> str:
-    """1.23 s, 45.6 ms, 7.8 us."""
-    if abs(seconds) >= 1:
-        return f"{seconds:.3g} s"
-    if abs(seconds) >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds == 0:
-        return "0 s"
-    return f"{seconds * 1e6:.3g} us"
+    """1.23 s, 45.6 ms, 7.8 \u00b5s, 0 s, to the nanosecond; "2400 s" above a thousand
+    seconds ([Note: number format])."""
+    return fmt_si(seconds, "s", largest=1.0)
 
 
 def fmt_count(n: float) -> str:
-    """70.6 B, 124 M, 28.5 k (decimal)."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f}"
+    """70.6 G, 124 M, 28.5 k, 12, 0.125, 0 (decimal SI prefixes, [Note: number format])."""
+    if abs(n) < 1:
+        return "0" if abs(n) < 5e-4 else f"{n:.3g}"
+    return fmt_si(n, "", smallest=1.0)
 
 
-def fmt_pct(fraction: float) -> str:
-    """12.3 %; three significant digits below 1 % (0.0132 %)."""
-    if 0 < abs(fraction) < 0.01:
-        return f"{100 * fraction:.3g} %"
-    return f"{100 * fraction:.1f} %"
+def fmt_flops(flops: float, *, per_s: bool = False) -> str:
+    """942 PFLOP, or with `per_s` 475 TFLOP/s ([Note: number format])."""
+    return fmt_si(flops, "FLOP/s" if per_s else "FLOP", smallest=1.0)
+
+
+def fmt_pct(fraction: float, *, sign: bool = False) -> str:
+    """`fraction` as a percentage: one decimal from 1 % (48.0 %), three significant digits
+    below (0.0105 %), "< 0.001 %" below that, and "0 %" when |fraction| < 1e-9 (a float
+    residue, [Note: number format]). `sign` writes a change: "+7.0 %", "-3.2 %"."""
+    if not math.isfinite(fraction):
+        return f"{fraction} %"
+    if abs(fraction) < 1e-9:
+        return "0 %"
+    pct = 100 * fraction
+    plus = "+" if sign and pct > 0 else ""
+    if abs(pct) < 0.001:
+        return "< 0.001 %" if pct > 0 else "> -0.001 %"
+    if abs(float(f"{pct:.3g}")) < 1:  # 0.99996 % rounds up to the one-decimal form
+        return f"{plus}{pct:.3g} %"
+    return f"{plus}{pct:.1f} %"
+
+
+def plural(count: int, noun: str) -> str:
+    """"1 microbatch", "4 microbatches", "8 nodes": the count and the noun in its number."""
+    if count == 1:
+        return f"1 {noun}"
+    return f"{count} {noun}{'es' if noun.endswith(('ch', 'sh', 's', 'x')) else 's'}"
 
 
 # --- model and mesh ----------------------------------------------------------------------------
@@ -187,6 +232,8 @@ class ParamGroup:
         shape: global shape (empty when no graph was given).
         count: how many such parameters the real model has.
         tied_to: the canonical FQN when this is another name of a tied weight, else "".
+        is_buffer: a registered buffer (e.g. rotary inv_freq), not a trainable parameter
+            (False without a graph, which alone knows).
     """
 
     role: str
@@ -194,6 +241,7 @@ class ParamGroup:
     shape: tuple[int, ...]
     count: int
     tied_to: str = ""
+    is_buffer: bool = False
 
 
 def param_groups(plan: Plan, graph: CapturedGraph | None = None) -> list[ParamGroup]:
@@ -203,6 +251,7 @@ def param_groups(plan: Plan, graph: CapturedGraph | None = None) -> list[ParamGr
     num_layers = graph.num_layers if graph is not None else 0
     total = graph.total_layers if graph is not None else 0
     groups: dict[tuple[str, str, str], tuple[tuple, set[int], int]] = {}
+    buffers = set()
     canonical = {}  # any FQN (tied aliases too) -> its ParamInfo
     for info in (graph.params.values() if graph is not None else ()):
         canonical.update({name: info for name in (info.fqn, *info.aliases)})
@@ -212,6 +261,8 @@ def param_groups(plan: Plan, graph: CapturedGraph | None = None) -> list[ParamGr
         shape = info.shape if info is not None else ()
         tied = _block_role(info.fqn, prefix)[0] if info is not None and info.fqn != fqn else ""
         key = (role, placement, tied)
+        if info is not None and info.is_buffer:
+            buffers.add(key)
         old_shape, layers, n = groups.get(key, (shape, set(), 0))
         if layer is not None:
             layers.add(layer)
@@ -219,8 +270,18 @@ def param_groups(plan: Plan, graph: CapturedGraph | None = None) -> list[ParamGr
     result = []
     for (role, placement, tied), (shape, layers, n) in groups.items():
         count = _occurrences(layers, num_layers, total) if layers and graph is not None else n
-        result.append(ParamGroup(role, placement, tuple(shape), count, tied))
+        result.append(ParamGroup(role, placement, tuple(shape), count, tied,
+                                 (role, placement, tied) in buffers))
     return result
+
+
+def sharded_params(plan: Plan, graph: CapturedGraph | None = None) -> tuple[int, int]:
+    """(parameters sharded on the tp axis, parameters) of the real model: `param_groups`
+    counts, a tied weight once, buffers left out. Without a graph these are the plan's
+    `param_placements` entries: names of the captured blocks only, a tied weight under each
+    of its names (the plan alone cannot tell)."""
+    own = [g for g in param_groups(plan, graph) if not g.tied_to and not g.is_buffer]
+    return sum(g.count for g in own if g.placement != "R"), sum(g.count for g in own)
 
 
 @dataclass(frozen=True)

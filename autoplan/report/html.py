@@ -99,7 +99,8 @@ def _alt_label(a) -> str:
 
 
 def _figure(chart: str, caption: str) -> str:
-    return f"<figure>{chart}<figcaption>{escape(caption)}</figcaption></figure>"
+    """`caption` is Markdown inline text (`code`, **bold**)."""
+    return f"<figure>{chart}<figcaption>{_inline(caption)}</figcaption></figure>"
 
 
 def _step_chart(plan: Plan) -> str:
@@ -123,22 +124,39 @@ def _memory_chart(plan: Plan, topology: Topology | None) -> str:
                           "memory.")
 
 
+def _label_text(num_labelled: int, num_blocks: int) -> str:
+    """What the caption says about block labels: only what the chart draws."""
+    form = "`2F0` is stage 2's forward of microbatch 0, PyTorch pipelining's text form"
+    if num_labelled == num_blocks:
+        return f"Each block is labelled `stage F|B microbatch` ({form})."
+    if num_labelled == 0:
+        return (f"The blocks are too narrow for labels; each block's tooltip names it "
+                f"({form}).")
+    return (f"{F.plural(num_labelled, 'block')} of {num_blocks} are wide enough for their "
+            f"label `stage F|B microbatch` ({form}); each block's tooltip names it.")
+
+
 def _timeline_chart(plan: Plan, parts) -> str:
     fwd, bwd = stage_times(plan, parts)
     m, pp, v = plan.num_microbatches, plan.mesh.pp, plan.num_virtual_stages
     blocks = simulate(plan.schedule, pp, m, v, fwd, bwd)
     step = plan.prediction.step_time_s
-    caption = (f"An illustration of the {plan.schedule} schedule's order for {m} microbatches "
-               f"on {pp} pp rank(s), drawn from the predicted per-stage times (stage cost in "
-               "proportion to its blocks; backward = 2 x forward without a graph); labels are "
-               "`stage F|B microbatch`. Pipeline transfers are not drawn.")
+    costs = ("stage cost in proportion to its blocks, backward = 2 x forward" if parts is None
+             else "stage cost from the per-part costs below")
+    caption = (f"An illustration of the {plan.schedule} schedule's order for "
+               f"{F.plural(m, 'microbatch')} on {F.plural(pp, 'pp rank')}, drawn from the "
+               f"predicted per-stage times ({costs}). Pipeline transfers are not drawn. ")
+    num_labelled = svg.labelled_blocks(blocks, pp, step, fmt=F.fmt_time)
     out = _figure(svg.timeline(blocks, pp, step, fmt=F.fmt_time, title="pipeline timeline"),
-                  caption)
+                  caption + _label_text(num_labelled, len(blocks)))
     if m * v > 16:  # too many blocks to read: also zoom on the warm-up and steady state
-        window = (pp + 4) * predicted_stage_s(plan)  # fill + a few steady microbatches
-        zoom = svg.timeline(blocks, pp, step, fmt=F.fmt_time, window_s=min(window, step),
+        window = min((pp + 4) * predicted_stage_s(plan), step)  # fill + a few steady ones
+        zoom = svg.timeline(blocks, pp, step, fmt=F.fmt_time, window_s=window,
                             title="pipeline timeline, start")
-        out += _figure(zoom, f"The first {F.fmt_time(min(window, step))} of the same step.")
+        shown = sum(1 for b in blocks if b.start_s < window)
+        num_labelled = svg.labelled_blocks(blocks, pp, step, fmt=F.fmt_time, window_s=window)
+        out += _figure(zoom, f"The first {F.fmt_time(window)} of the same step. "
+                             + _label_text(num_labelled, shown))
     return out
 
 

@@ -25,13 +25,6 @@ ZERO_TEXT = {
 }
 
 
-def _n(count: int, noun: str) -> str:
-    """"1 microbatch", "4 microbatches"."""
-    if count == 1:
-        return f"1 {noun}"
-    return f"{count} {noun}{'es' if noun.endswith('ch') else 's'}"
-
-
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     def cell(x: object) -> str:
         return str(x).replace("|", "\\|").replace("\n", " ")
@@ -43,8 +36,9 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
 def _cluster_text(topology: Topology | None, plan: Plan) -> str:
     if topology is None:
         return f"{plan.topology} (world size {plan.mesh.world_size}; topology not given)"
-    return (f"{topology.name}: {topology.num_nodes} node(s) x {topology.devices_per_node} "
-            f"{topology.device.name} = {topology.world_size} devices"
+    return (f"{topology.name}: {F.plural(topology.num_nodes, 'node')} x "
+            f"{topology.devices_per_node} {topology.device.name} = "
+            f"{F.plural(topology.world_size, 'device')}"
             + ("" if topology.measured else "; figures not measured on this cluster"))
 
 
@@ -70,11 +64,11 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         ["mesh", f"pp {m.pp} x dp {m.dp} x tp {m.tp} = world size {m.world_size}"],
         ["ZeRO", ZERO_TEXT[plan.zero_stage]],
         ["batch", f"global {plan.global_batch} = dp {m.dp} x "
-                  f"{_n(plan.num_microbatches, 'microbatch')} x "
-                  f"{_n(plan.microbatch_size, 'sample')}; seq {plan.seq_len}; "
+                  f"{F.plural(plan.num_microbatches, 'microbatch')} x "
+                  f"{F.plural(plan.microbatch_size, 'sample')}; seq {plan.seq_len}; "
                   f"{F.fmt_count(tokens)} tokens per step"],
         ["schedule", sched if m.pp > 1 else f"{sched} (pp 1: gradient accumulation over "
-                                            f"{_n(plan.num_microbatches, 'microbatch')})"],
+                                            f"{F.plural(plan.num_microbatches, 'microbatch')})"],
         ["activation checkpointing", plan.checkpointing],
         ["dtype", f"{plan.dtype}: {precision_recipe(plan.dtype)}"],
     ]
@@ -99,8 +93,8 @@ def _prediction(plan: Plan, topology) -> list[str]:
         ["communication (exposed)", F.fmt_time(p.comm_s), F.fmt_pct(p.comm_s / step)],
         ["pipeline bubble", F.fmt_time(p.bubble_s), F.fmt_pct(p.bubble_s / step)],
         ["tokens/s", F.fmt_count(F.tokens_per_s(plan)), ""],
-        ["model FLOPs per step", f"{p.model_flops:.4g}", "fwd + bwd, no recompute"],
-        ["TFLOP/s per device", f"{p.tflops_per_device:.4g}", ""],
+        ["model FLOPs per step", F.fmt_flops(p.model_flops), "fwd + bwd, no recompute"],
+        ["model FLOP/s per device", F.fmt_flops(p.tflops_per_device * 1e12, per_s=True), ""],
         ["MFU", F.fmt_pct(p.mfu), f"of {topology.device.name} dense {plan.dtype} peak"
          if topology else "vs the device's dense peak"],
     ]
@@ -136,15 +130,24 @@ def _stages(plan: Plan) -> list[str]:
 
 def _placements(plan: Plan, graph) -> list[str]:
     groups = F.param_groups(plan, graph)
-    rows = [[f"`{g.role}`" + (f" (tied to `{g.tied_to}`)" if g.tied_to else ""),
+    rows = [[f"`{g.role}`" + (f" (tied to `{g.tied_to}`)" if g.tied_to else "")
+             + (" (buffer)" if g.is_buffer else ""),
              "x".join(map(str, g.shape)) or "-", f"`{g.placement}`", g.count] for g in groups]
-    own = [g for g in groups if not g.tied_to]
-    sharded = sum(g.count for g in own if g.placement != "R")
     return ["## Tensor-parallel placements", "",
             f"Placement of each parameter on the tp axis (tp = {plan.mesh.tp}); one row per "
-            f"role in the repeated block. {sharded} of {sum(g.count for g in own)} "
-            "parameters are sharded (a tied weight counted once).", "",
+            f"role in the repeated block. {_sharded_text(plan, graph)}.", "",
             *_table(["parameter", "shape", "placement", "count"], rows)]
+
+
+def _sharded_text(plan: Plan, graph) -> str:
+    """"37 of 148 parameters sharded on the tp axis (...)": the one phrasing of the count,
+    in the report and the summary (F.sharded_params)."""
+    sharded, total = F.sharded_params(plan, graph)
+    # without the graph the plan's names are all there is: captured blocks only, a tied
+    # weight under each of its names (F.sharded_params)
+    what = "a tied weight counted once, no buffers" if graph is not None else \
+        "per name in the plan"
+    return f"{sharded} of {F.plural(total, 'parameter')} sharded on the tp axis ({what})"
 
 
 def _redistributions(plan: Plan, graph) -> list[str]:
@@ -160,8 +163,8 @@ def _redistributions(plan: Plan, graph) -> list[str]:
     return lines + [
         f"Every placement change the solver costed and the passes insert, grouped per block "
         f"role. Times are forward, per occurrence, for one microbatch of "
-        f"{plan.microbatch_size}; the last column sums count x {m} microbatches over all "
-        f"stages ({F.fmt_time(total)} in all).", "",
+        f"{F.plural(plan.microbatch_size, 'sample')}; the last column sums count x "
+        f"{F.plural(m, 'microbatch')} over all stages ({F.fmt_time(total)} in all).", "",
         *_table(["consumer", "edge (first occurrence)", "placements", "collective",
                  "bytes each", "time each", "count", "per step"], rows)]
 
@@ -198,7 +201,7 @@ def _alternatives(plan: Plan) -> list[str]:
              _schedule(plan.schedule, plan.num_virtual_stages), plan.checkpointing,
              F.fmt_time(step), "", F.fmt_bytes(plan.prediction.memory_bytes), ""]]
     for a in plan.alternatives:
-        delta = f"{(a.step_time_s / step - 1) * 100:+.1f} %" if step else ""
+        delta = F.fmt_pct(a.step_time_s / step - 1, sign=True) if step else ""
         rows.append(["", f"pp {a.mesh.pp} x dp {a.mesh.dp} x tp {a.mesh.tp}", a.zero_stage,
                      a.num_microbatches, _schedule(a.schedule, a.num_virtual_stages),
                      a.checkpointing, F.fmt_time(a.step_time_s), delta,
@@ -218,7 +221,7 @@ def _formulas(plan: Plan) -> list[str]:
              "configuration uses; symbols: "
              + ", ".join(f"{k} = {v}" for k, v in symbols.items()) + ".", ""]
     for f in formulas:
-        value = f" = {f.value:.4g} for this plan" if f.value is not None else ""
+        value = f" = {F.fmt_count(f.value)} for this plan" if f.value is not None else ""
         lines += [f"### `{f.name}`{value}", "", f"Source: {f.source}.", "",
                   f"    {f.text}", "", f"$$ {f.latex} $$", ""]
     return lines
@@ -247,11 +250,15 @@ def render_markdown(plan: Plan, *, graph: CapturedGraph | None = None,
     return "\n".join(lines).rstrip() + "\n"
 
 
-def render_summary(plan: Plan, *, topology: Topology | None = None) -> str:
-    """A few lines for a terminal: the plan's `str`, mesh and levels, step time, memory, MFU."""
+def render_summary(plan: Plan, *, topology: Topology | None = None,
+                   graph: CapturedGraph | None = None) -> str:
+    """A few lines for a terminal: model, mesh and levels, schedule, tp sharding, step time,
+    memory, MFU, in the report's number format ([Note: number format] in facts.py). Pass the
+    `graph` the report gets so that both count parameters alike (`_sharded_text`)."""
     p = plan.prediction
-    lines = [str(plan), f"mesh        pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp "
-                        f"{plan.mesh.tp} = {plan.mesh.world_size} ranks"]
+    lines = [f"plan        {plan.model} on {plan.topology}: {plan.mesh}",
+             f"mesh        pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp} = "
+             f"{F.plural(plan.mesh.world_size, 'rank')}"]
     for a in F.mesh_axes(plan, topology):
         lines.append(f"  {a.name} {a.degree:>4}  {a.text}")
     lines += [
@@ -259,11 +266,15 @@ def render_summary(plan: Plan, *, topology: Topology | None = None) -> str:
         f"schedule    {plan.schedule}"
         + (f" ({plan.num_virtual_stages} chunks per pp rank)" if plan.num_virtual_stages > 1
            else "")
-        + f", {_n(plan.num_microbatches, 'microbatch')} of {_n(plan.microbatch_size, 'sample')}",
+        + f", {F.plural(plan.num_microbatches, 'microbatch')} of "
+          f"{F.plural(plan.microbatch_size, 'sample')}",
+        f"params      {_sharded_text(plan, graph)}; "
+        f"{F.plural(len(plan.redistributions), 'redistribution')}",
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
         f"communication {F.fmt_time(p.comm_s)}, bubble {F.fmt_time(p.bubble_s)})",
         f"throughput  {F.fmt_count(F.tokens_per_s(plan))} tokens/s, "
-        f"{p.tflops_per_device:.4g} TFLOP/s per device, MFU {F.fmt_pct(p.mfu)}"]
+        f"{F.fmt_flops(p.tflops_per_device * 1e12, per_s=True)} per device, "
+        f"MFU {F.fmt_pct(p.mfu)}"]
     mem = f"memory      {F.fmt_bytes(p.memory_bytes)} per device (peak rank)"
     if topology is not None:
         mem += (f" of {F.fmt_bytes(topology.device.mem_bytes)} on {topology.device.name} "
