@@ -8,17 +8,34 @@
     autoplan calibrate -o ~/.cache/autoplan/local-cpu.yaml
 
 User mistakes (unknown preset, a bad topology file, overrides that cannot work, a model that
-fits nowhere) print `autoplan: error: <message>` on stderr and exit with status 2, leaving no
-output directory behind. Heavy modules (torch, the solver) are imported inside the subcommands,
-so `autoplan --help` is fast.
+fits nowhere, an output path that cannot be written) print `autoplan: error: <message>` on
+stderr and exit with status 2, leaving no output directory behind; warnings about the plan print
+`autoplan: warning: <message>`. Progress lines (one per phase: capture, planning, writing) go
+to stderr too (-q silences them, -v adds details), so that with `--json` stdout holds one JSON
+object and nothing else. Heavy modules (torch, the solver) are imported inside the subcommands:
+`autoplan --help` imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from autoplan import __version__
+from autoplan.progress import phase, set_verbosity, verbosity
+
+if TYPE_CHECKING:  # torch comes in with these: imported by the subcommands that need them
+    from autoplan.graph import CapturedGraph
+    from autoplan.plan import Plan
+    from autoplan.topology import Topology
 
 __all__ = ["main", "build_parser"]
 
@@ -33,6 +50,10 @@ examples:
       --seq 16 -o out/tiny
   autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/export
 """
+
+
+# the flag of each `plan()` keyword an error may name (InvalidConfig.option)
+_FLAGS = {"allow_tp_across_nodes": "--allow-tp-across-nodes"}
 
 
 class _Failure(Exception):
@@ -66,7 +87,7 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
                            "config.json of a gpt2/llama model")
     what.add_argument("--cluster", required=True, metavar="PRESET|topology.yaml",
                       help="cluster preset (dgx-a100, dgx-h100, h200-node, local-cpu) or a "
-                           "topology YAML file")
+                           "topology YAML file (see examples/topology.yaml)")
     what.add_argument("--nodes", type=_positive_int, metavar="N",
                       help="number of nodes (default: the preset's 1, or the file's)")
     what.add_argument("--devices-per-node", type=_positive_int, metavar="N",
@@ -109,6 +130,15 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
                         help="runners-up kept for the report (default: %(default)s)")
 
 
+def _add_json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print the plan's summary as one JSON object on stdout (mesh, ZeRO "
+                        "stage, microbatches, schedule, checkpointing, predicted step time "
+                        "in s, memory per device in bytes, MFU, tokens/s, runners-up, files "
+                        "written, warnings) and nothing else; progress and warnings go to "
+                        "stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoplan", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -116,28 +146,40 @@ def build_parser() -> argparse.ArgumentParser:
                     "pipeline and data parallelism, the ZeRO stage and microbatching for a "
                     "model on a cluster, predicts step time and memory, and writes reports.",
         epilog=_EPILOG)
+    parser.add_argument("--version", action="version", version=f"autoplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # every subcommand: how much progress it shows on stderr
+    talk = argparse.ArgumentParser(add_help=False)
+    level = talk.add_argument_group("progress").add_mutually_exclusive_group()
+    level.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=0,
+                       help="print no progress lines on stderr (errors and warnings still)")
+    level.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=2,
+                       help="print progress lines and details on stderr")
 
-    p = sub.add_parser("plan", help="plan a model on a cluster; print a summary, write reports",
+    p = sub.add_parser("plan", parents=[talk],
+                       help="plan a model on a cluster; print a summary, write reports",
                        description="Capture the model on the meta device (nothing is "
                                    "allocated), solve for the fastest plan that fits, print a "
                                    "summary; with -o write plan.json, report.md, report.html.")
     _add_planning_args(p, capture_depth=True)
     p.add_argument("-o", "--out", metavar="DIR",
                    help="write plan.json, report.md and report.html into DIR")
+    _add_json_arg(p)
     p.set_defaults(run=_cmd_plan)
 
-    p = sub.add_parser("export", help="plan, then write the per-rank graphs as Python, "
-                                      "Graphviz and JSON",
+    p = sub.add_parser("export", parents=[talk],
+                       help="plan, then write the per-rank graphs as Python, Graphviz and JSON",
                        description="Plan as `autoplan plan` does (capturing the full depth, "
                                    "since every rank's graph is written), then write per-rank "
                                    "graph code and plan.json into DIR.")
     _add_planning_args(p, capture_depth=False)
     p.add_argument("-o", "--out", metavar="DIR", required=True, help="output directory")
+    _add_json_arg(p)
     p.set_defaults(run=_cmd_export)
 
-    p = sub.add_parser("demo", help="plan, compile and train a small GPT on local CPU ranks "
-                                    "and compare with one process")
+    p = sub.add_parser("demo", parents=[talk],
+                       help="plan, compile and train a small GPT on local CPU ranks and "
+                            "compare with one process")
     p.add_argument("--steps", type=_positive_int, metavar="N",
                    help="training steps (default: the demo's)")
     p.add_argument("--world-size", type=_positive_int, default=4, metavar="N",
@@ -145,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", metavar="DIR", help="output directory (default: the demo's)")
     p.set_defaults(run=_cmd_demo)
 
-    p = sub.add_parser("calibrate", help="measure this machine's CPU ranks and write a "
-                                         "local-cpu topology file")
+    p = sub.add_parser("calibrate", parents=[talk],
+                       help="measure this machine's CPU ranks and write a local-cpu topology "
+                            "file")
     p.add_argument("-o", "--out", metavar="FILE",
                    help="topology YAML to write (default: ~/.cache/autoplan/local-cpu.yaml)")
     p.add_argument("--max-ranks", type=_positive_int, metavar="N",
@@ -183,36 +226,97 @@ def _topology(args):
     return topo
 
 
-def _plan(args, num_layers: int | None):
-    """(graph, topology, plan) for the planning arguments; capture at batch 1 and the planned
+@dataclass(frozen=True)
+class _Planned:
+    """What `_plan` made: the captured graph, the cluster, the plan and the solver's warnings
+    (messages, already printed on stderr)."""
+
+    graph: CapturedGraph
+    topology: Topology
+    plan: Plan
+    warnings: tuple[str, ...] = ()
+
+
+def _plan(args, num_layers: int | None) -> _Planned:
+    """Capture and plan for the planning arguments; capture at batch 1 and the planned
     sequence length: the cost model scales costs linearly with tokens from the captured shapes
-    (solver/costs.py, token_scale), and attention is exact at the planned length."""
+    (solver/costs.py, token_scale), and attention is exact at the planned length. Warnings of
+    the solver print as `autoplan: warning: ...` on stderr."""
     from autoplan.capture import capture_preset
     from autoplan.models import model_config
     from autoplan.solver import plan
+    from autoplan.solver.search import ReplicatedWeightsWarning
     from autoplan.spec import TrainingSpec
 
     model_config(args.model)  # an unknown preset fails here, before the cluster is read
     topology = _topology(args)
     spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
                         optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
-    graph = capture_preset(args.model, batch=1, seq_len=args.seq, num_layers=num_layers)
-    result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp,
-                  zero_stage=args.zero, num_microbatches=args.microbatches,
-                  schedule=args.schedule, num_virtual_stages=args.virtual_stages,
-                  checkpointing=args.checkpointing,
-                  allow_tp_across_nodes=args.allow_tp_across_nodes,
-                  time_limit_s=args.time_limit, top_k=args.top_k)
-    return graph, topology, result
+    depth = f" ({num_layers} blocks; costs scaled to the full depth)" if num_layers else ""
+    with phase(f"capturing {args.model}{depth}"):
+        graph = capture_preset(args.model, batch=1, seq_len=args.seq, num_layers=num_layers)
+    with phase(f"planning {args.model} for {topology.world_size} x {topology.device.name}"), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ReplicatedWeightsWarning)  # each run says its own
+        result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp,
+                      zero_stage=args.zero, num_microbatches=args.microbatches,
+                      schedule=args.schedule, num_virtual_stages=args.virtual_stages,
+                      checkpointing=args.checkpointing,
+                      allow_tp_across_nodes=args.allow_tp_across_nodes,
+                      time_limit_s=args.time_limit, top_k=args.top_k)
+    said = []
+    for w in caught:
+        if issubclass(w.category, ReplicatedWeightsWarning):  # about the plan: for the user
+            said.append(str(w.message))
+            print(f"autoplan: warning: {w.message}", file=sys.stderr)
+        else:  # a library's: shown as Python shows it
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return _Planned(graph, topology, result, tuple(said))
+
+
+def _summary(planned: _Planned, files) -> dict:
+    """The JSON summary of `--json`: the plan's configuration, its prediction (seconds, bytes,
+    tokens/s, MFU as a fraction), runners-up, the files written and the warnings."""
+    import dataclasses
+
+    from autoplan.report.facts import tokens_per_s
+
+    plan, topology = planned.plan, planned.topology
+    prediction = dataclasses.asdict(plan.prediction)
+    prediction["tokens_per_s"] = tokens_per_s(plan)
+    return {
+        "model": plan.model, "topology": plan.topology, "device": topology.device.name,
+        "device_mem_bytes": topology.device.mem_bytes, "world_size": plan.mesh.world_size,
+        "mesh": dataclasses.asdict(plan.mesh), "zero_stage": plan.zero_stage,
+        "global_batch": plan.global_batch, "seq_len": plan.seq_len,
+        "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
+        "schedule": plan.schedule, "num_virtual_stages": plan.num_virtual_stages,
+        "checkpointing": plan.checkpointing, "dtype": plan.dtype,
+        "prediction": prediction,
+        "alternatives": [dataclasses.asdict(a) for a in plan.alternatives],
+        "files": [str(p) for p in files],
+        "warnings": list(planned.warnings),
+    }
+
+
+def _print_json(summary: dict) -> None:
+    print(json.dumps(summary, indent=1))
 
 
 def _cmd_plan(args) -> int:
     from autoplan.report import render_summary, write_report
 
-    graph, topology, result = _plan(args, args.num_layers_capture)
-    print(render_summary(result, topology=topology))
+    planned = _plan(args, args.num_layers_capture)
+    if not args.json:
+        print(render_summary(planned.plan, topology=planned.topology))
+    paths = {}
     if args.out:
-        paths = write_report(result, args.out, graph=graph, topology=topology)
+        with phase(f"writing the report into {args.out}"):
+            paths = write_report(planned.plan, args.out, graph=planned.graph,
+                                 topology=planned.topology)
+    if args.json:
+        _print_json(_summary(planned, paths.values()))
+    elif paths:
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
@@ -220,7 +324,7 @@ def _cmd_plan(args) -> int:
 def _cmd_export(args) -> int:
     from autoplan.report import render_summary
 
-    graph, topology, result = _plan(args, None)  # every rank's graph: the full depth
+    planned = _plan(args, None)  # every rank's graph: the full depth
     try:
         from autoplan.passes.export import export_plan
     except ImportError as e:
@@ -228,12 +332,16 @@ def _cmd_export(args) -> int:
     out = Path(args.out)
     existed = out.exists()
     try:
-        paths = export_plan(graph, result, out)
+        with phase(f"exporting the per-rank graphs into {out}"):
+            paths = export_plan(planned.graph, planned.plan, out)
     except BaseException:
         if not existed:
             shutil.rmtree(out, ignore_errors=True)  # no partial output directory
         raise
-    print(render_summary(result, topology=topology))
+    if args.json:
+        _print_json(_summary(planned, paths.values()))
+        return 0
+    print(render_summary(planned.plan, topology=planned.topology))
     print(f"wrote {len(paths)} files into {out}")
     return 0
 
@@ -266,10 +374,13 @@ def _cmd_calibrate(args) -> int:
 
 def _check_out(out: str | None, command: str) -> None:
     """Refuse an output path that cannot be written, before any work: for `calibrate` a file
-    (its directory may be missing), for the others a directory."""
+    (its directory may be missing), for the others a directory. The nearest existing
+    directory on the path must let this process create entries (os.access, then a probe that
+    creates and removes a directory there: access() says yes to root even where nothing can be
+    created, as in /proc). Raises ValueError naming the path at fault."""
     if not out:
         return
-    path = Path(out).expanduser()
+    path = Path(out).expanduser().absolute()
     if command == "calibrate" and path.is_dir():
         raise ValueError(f"-o {out}: is a directory; calibrate writes a topology YAML file")
     # what must be directories: the parents, and the path itself except for calibrate's file
@@ -277,6 +388,27 @@ def _check_out(out: str | None, command: str) -> None:
     blocked = next((p for p in dirs if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise ValueError(f"-o {out}: {blocked} is a file, not a directory")
+    anchor = next(p for p in dirs if p.exists())  # the root at the latest
+    reason = None
+    if not os.access(anchor, os.W_OK | os.X_OK):
+        reason = "permission denied"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".autoplan-probe-", dir=anchor))
+        except OSError as e:
+            reason = e.strerror or str(e)
+    if reason is not None:
+        what = "" if anchor == path else f"{path.relative_to(anchor)} "
+        raise ValueError(f"-o {out}: cannot create {what}in {anchor}: {reason}")
+
+
+def _in_cli_words(e: Exception) -> str:
+    """The message of `e`, naming the command-line flag where the solver names a keyword
+    argument of `plan()` (InvalidConfig.option)."""
+    option = getattr(e, "option", None)
+    if option in _FLAGS:
+        return f"{e.reason}; pass {_FLAGS[option]} to allow it"
+    return str(e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,13 +416,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+    except SystemExit as e:  # --help, --version (0) or a usage error (2), printed by argparse
         return e.code if isinstance(e.code, int) else 2
+    before = verbosity()
+    if args.verbosity is not None:
+        set_verbosity(args.verbosity)
     try:
         _check_out(getattr(args, "out", None), args.command)
         return int(args.run(args))
     except ValueError as e:  # user mistakes from every layer: NoFeasiblePlan, InvalidConfig, ...
-        print(f"autoplan: error: {e}", file=sys.stderr)
+        print(f"autoplan: error: {_in_cli_words(e)}", file=sys.stderr)
         return 2
     except _Failure as e:
         print(f"autoplan: error: {e}", file=sys.stderr)
@@ -298,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"autoplan: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if args.verbosity is not None:
+            set_verbosity(before)  # main() may run again in this process (tests)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -305,7 +305,8 @@ def _collectives(value, where: str) -> dict:
 
 
 def load_topology(path: str | os.PathLike) -> Topology:
-    """Read a topology YAML (or JSON) file; errors name the file and the field at fault."""
+    """Read a topology YAML (or JSON) file (examples/topology.yaml shows every field with its
+    unit); raises ValueError naming the file and the field at fault."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
 import sys
 import types
+import warnings
+from pathlib import Path
 
 import pytest
 import yaml
 
-from autoplan.cli import main
-from autoplan.plan import Plan
-from autoplan.topology import preset
+from autoplan.cli import _Planned, main
+from autoplan.plan import Alternative, MeshShape, Plan, Prediction, Stage
+from autoplan.topology import load_topology, preset
+
+_REPO = Path(__file__).resolve().parents[1]
+_TINY = ("--model", "gpt2-tiny", "--cluster", "local-cpu", "--global-batch", "8", "--seq", "16")
 
 
 def _run(capsys, *argv):
@@ -44,7 +54,7 @@ def test_help_examples_are_valid(capsys, tmp_path):
     fixed[fixed.index("-o") + 1] = str(tmp_path / "fixed")
     code, out, err = _run(capsys, *fixed)
     assert code == 0, err
-    assert "TFLOP/s per device" in out and "MFU" in out
+    assert "FLOP/s per device" in out and "MFU" in out
 
 
 def test_plan_tiny_writes_the_report(capsys, tmp_path):
@@ -57,7 +67,7 @@ def test_plan_tiny_writes_the_report(capsys, tmp_path):
                                                          "report.md"]
     plan = Plan.from_json((out_dir / "plan.json").read_text())
     assert plan.mesh.world_size == 4 and plan.global_batch == 8 and plan.seq_len == 16
-    assert str(plan) in out
+    assert str(plan.mesh) in out
     assert "step time" in out and "per device" in out and "MFU" in out
     assert "## Predicted step" in (out_dir / "report.md").read_text()
 
@@ -116,10 +126,11 @@ def test_batch_not_divisible_by_the_overrides(capsys, tmp_path):
                           "--devices-per-node", "4", "--global-batch", "10", "--seq", "16",
                           "--dp", "4", "--microbatches", "2", "-o", str(tmp_path / "o"))
     assert code == 2 and out == ""
-    assert err.startswith("autoplan: error:")
+    last = err.strip().splitlines()[-1]  # after the progress lines of the capture
+    assert last.startswith("autoplan: error:")
     for number in ("10", "4", "2"):
-        assert number in err
-    assert "divisible" in err
+        assert number in last
+    assert "divisible" in last
     assert not (tmp_path / "o").exists()
 
 
@@ -148,7 +159,7 @@ def test_export_arguments_reach_export_plan(capsys, tmp_path, monkeypatch):
 
     def fake_plan(args, num_layers):
         seen["args"], seen["num_layers"] = args, num_layers
-        return "graph", preset("local-cpu"), _FakePlan()
+        return _Planned("graph", preset("local-cpu"), _FakePlan())
 
     def fake_export(graph, plan, out_dir):
         seen["export"] = (graph, plan, out_dir)
@@ -175,7 +186,7 @@ def test_export_failure_leaves_no_directory(capsys, tmp_path, monkeypatch):
         raise ValueError("cannot export")
 
     monkeypatch.setattr("autoplan.cli._plan",
-                        lambda args, n: ("graph", preset("local-cpu"), _FakePlan()))
+                        lambda args, n: _Planned("graph", preset("local-cpu"), _FakePlan()))
     monkeypatch.setattr("autoplan.passes.export.export_plan", fake_export)
     code, _, err = _run(capsys, "export", "--model", "gpt2-tiny", "--cluster", "local-cpu",
                         "--global-batch", "8", "--seq", "16", "-o", str(tmp_path / "x"))
@@ -241,3 +252,263 @@ def test_local_cpu_memory_follows_devices_per_node(capsys, tmp_path, monkeypatch
         report = (tmp_path / str(n) / "report.md").read_text()
         assert f"{per_rank[n] / 1e9:.3g} GB" in report, report
     assert per_rank[2] == 2 * per_rank[4]
+
+
+# --- start-up, version, public names --------------------------------------------------------
+
+def test_cli_imports_no_torch():
+    """`import autoplan` and `import autoplan.cli` with its parser import no torch (what makes
+    `autoplan --help` fast); the installed `autoplan --help` exits 0."""
+    check = ("import sys, autoplan, autoplan.cli; autoplan.cli.build_parser(); "
+             "autoplan.__version__; "
+             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    subprocess.run([sys.executable, "-c", check], check=True, cwd=_REPO, timeout=120)
+    script = Path(sys.executable).parent / "autoplan"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "autoplan.cli"]
+    done = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: autoplan")
+
+
+def test_version(capsys):
+    import importlib.metadata
+    import tomllib
+
+    import autoplan
+
+    code, out, _ = _run(capsys, "--version")
+    assert code == 0 and out == f"autoplan {autoplan.__version__}\n"
+    # defined once: pyproject.toml reads autoplan.__version__
+    project = tomllib.loads((_REPO / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "autoplan.__version__"}
+    installed = importlib.metadata.version("autoplan")
+    assert installed == autoplan.__version__, "the installed metadata is stale: pip install -e ."
+
+
+def test_public_names_load_on_first_use():
+    import autoplan
+    import autoplan.api
+    import autoplan.spec
+    import autoplan.topology
+    from autoplan import (
+        AutoParallel, Topology, TrainingSpec, autoparallel, from_pretrained, load_topology,
+    )
+    from autoplan import Plan as PlanName
+    from autoplan import preset as preset_name
+
+    assert (autoparallel, AutoParallel, from_pretrained) == (
+        autoplan.api.autoparallel, autoplan.api.AutoParallel, autoplan.api.from_pretrained)
+    assert (PlanName, TrainingSpec, Topology) == (Plan, autoplan.spec.TrainingSpec,
+                                                  autoplan.topology.Topology)
+    assert (load_topology, preset_name) == (autoplan.topology.load_topology, preset)
+    assert set(autoplan.__all__) <= set(dir(autoplan))
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        autoplan.no_such_name  # noqa: B018
+
+
+# --- --json, progress -------------------------------------------------------------------------
+
+def test_plan_json_is_all_of_stdout(capsys, tmp_path):
+    out_dir = tmp_path / "j"
+    code, out, err = _run(capsys, "plan", *_TINY, "--devices-per-node", "4", "--json", "-q",
+                          "-o", str(out_dir))
+    assert code == 0, err
+    assert err == ""  # -q: no progress lines, and this plan has no warning
+    summary = json.loads(out)
+    plan = Plan.from_json((out_dir / "plan.json").read_text())
+    assert summary["mesh"] == {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp}
+    assert summary["world_size"] == 4 and summary["model"] == "gpt2-tiny"
+    for key in ("zero_stage", "num_microbatches", "microbatch_size", "schedule",
+                "checkpointing", "global_batch", "seq_len"):
+        assert summary[key] == getattr(plan, key), key
+    prediction = summary["prediction"]
+    assert prediction["step_time_s"] == plan.prediction.step_time_s  # seconds
+    assert prediction["memory_bytes"] == plan.prediction.memory_bytes  # bytes per device
+    assert prediction["mfu"] == plan.prediction.mfu
+    assert prediction["tokens_per_s"] == pytest.approx(8 * 16 / plan.prediction.step_time_s)
+    assert [a["mesh"] for a in summary["alternatives"]] == [
+        dataclasses.asdict(a.mesh) for a in plan.alternatives]
+    assert sorted(Path(f).name for f in summary["files"]) == ["plan.json", "report.html",
+                                                              "report.md"]
+    assert all(Path(f).parent == out_dir for f in summary["files"])
+    assert summary["warnings"] == []
+
+
+def _hand_made_plan() -> Plan:
+    return Plan(model="gpt2-tiny", topology="local-cpu", mesh=MeshShape(pp=1, dp=2, tp=2),
+                zero_stage=1, global_batch=8, num_microbatches=2, microbatch_size=2, seq_len=16,
+                schedule="1f1b", stages=(Stage(0, 0, 2),),
+                prediction=Prediction(step_time_s=0.5, compute_s=0.4, comm_s=0.1, bubble_s=0.0,
+                                      memory_bytes=3e6, mfu=0.25),
+                alternatives=(Alternative(MeshShape(1, 4, 1), 0, 1, "1f1b", 0.75, 2e6,
+                                          "communication: +250 ms per step"),))
+
+
+def test_export_json(capsys, tmp_path, monkeypatch):
+    """Wiring only: the planning and the export are fakes."""
+    plan = _hand_made_plan()
+    monkeypatch.setattr("autoplan.cli._plan", lambda args, n: _Planned(
+        "graph", preset("local-cpu", devices_per_node=4), plan, ("a warning",)))
+    monkeypatch.setattr("autoplan.passes.export.export_plan", lambda graph, plan, out: {
+        "plan.json": out / "plan.json", "rank0_stage0.py": out / "rank0_stage0.py"})
+    out_dir = tmp_path / "x"
+    code, out, err = _run(capsys, "export", *_TINY, "--json", "-o", str(out_dir))
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["files"] == [str(out_dir / "plan.json"), str(out_dir / "rank0_stage0.py")]
+    assert summary["mesh"] == {"pp": 1, "dp": 2, "tp": 2} and summary["zero_stage"] == 1
+    assert summary["prediction"]["step_time_s"] == 0.5
+    assert summary["prediction"]["tokens_per_s"] == 8 * 16 / 0.5
+    assert summary["alternatives"][0]["mesh"] == {"pp": 1, "dp": 4, "tp": 1}
+    assert summary["alternatives"][0]["reason"] == "communication: +250 ms per step"
+    assert summary["warnings"] == ["a warning"] and summary["device"] == "cpu-rank"
+
+
+def test_progress_phases_and_verbosity(capsys, tmp_path, monkeypatch):
+    """Capture, planning and writing each run in a progress phase; -q / -v set the verbosity
+    for the run and restore it after."""
+    import autoplan.progress
+
+    phases, levels = [], []
+
+    @contextlib.contextmanager
+    def recorded(what, **_kwargs):
+        phases.append(what)
+        yield
+
+    monkeypatch.setattr("autoplan.cli.phase", recorded)
+    monkeypatch.setattr("autoplan.cli.set_verbosity", levels.append)
+    before = autoplan.progress.verbosity()
+    out_dir = tmp_path / "v"
+    code, _, err = _run(capsys, "plan", *_TINY, "--devices-per-node", "2", "-v",
+                        "-o", str(out_dir))
+    assert code == 0, err
+    assert levels == [2, before]
+    assert [p.split(" ")[0] for p in phases] == ["capturing", "planning", "writing"]
+    assert "gpt2-tiny" in phases[0] and "2 x cpu-rank" in phases[1]
+    assert str(out_dir) in phases[2]
+    assert main(["calibrate", "-q", "--max-ranks", "1", "-o", str(tmp_path / "c.yaml")]) == 2
+    assert levels[2:] == [0, before]
+    capsys.readouterr()
+
+
+# --- errors in the command line's words ---------------------------------------------------------
+
+def test_tp_across_nodes_names_the_flag(capsys):
+    two_nodes = ("--nodes", "2", "--devices-per-node", "2", "--tp", "4")
+    code, out, err = _run(capsys, "plan", *_TINY, *two_nodes)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == ("autoplan: error: tp 4 spans nodes of 2 devices; "
+                                            "pass --allow-tp-across-nodes to allow it")
+    code, out, err = _run(capsys, "plan", *_TINY, *two_nodes, "--allow-tp-across-nodes", "-q")
+    assert code == 0, err
+    assert "pp 1 x dp 1 x tp 4" in out
+
+
+def test_python_api_names_its_keyword():
+    import autoplan
+    from autoplan.models import build_model
+    from autoplan.solver import InvalidConfig
+
+    model = autoplan.autoparallel(build_model("gpt2-tiny"), global_batch=8, seq_len=16,
+                                  cluster="dgx-h100", num_nodes=2, tp=16)
+    with pytest.raises(InvalidConfig) as raised:
+        model.plan  # noqa: B018
+    assert str(raised.value) == ("tp 16 spans nodes of 8 devices; pass "
+                                 "allow_tp_across_nodes=True to allow it")
+    assert raised.value.option == "allow_tp_across_nodes"
+
+
+def _no_planning(args, num_layers):
+    raise AssertionError("planned before checking the output path")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root passes os.access checks and writes anyway")
+def test_output_in_a_read_only_directory_fails_before_planning(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("autoplan.cli._plan", _no_planning)
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        code, out, err = _run(capsys, "plan", *_TINY, "-o", str(read_only / "out"))
+        assert code == 2 and out == ""
+        assert err == (f"autoplan: error: -o {read_only / 'out'}: cannot create out in "
+                       f"{read_only}: permission denied\n")
+        code, _, err = _run(capsys, "calibrate", "-o", str(read_only / "sub" / "c.yaml"))
+        assert code == 2 and f"cannot create sub/c.yaml in {read_only}" in err
+    finally:
+        read_only.chmod(0o700)
+    assert list(read_only.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a Linux /proc")
+def test_output_under_proc_fails_before_planning(capsys, monkeypatch):
+    """/proc takes no new entries, not even from root (for whom os.access says yes)."""
+    monkeypatch.setattr("autoplan.cli._plan", _no_planning)
+    for out_dir in ("/proc/x", "/proc/x/y"):
+        code, out, err = _run(capsys, "plan", *_TINY, "-o", out_dir)
+        assert code == 2 and out == ""
+        assert err.startswith(f"autoplan: error: -o {out_dir}: cannot create "
+                              f"{out_dir.removeprefix('/proc/')} in /proc: ")
+    assert not Path("/proc/x").exists()
+
+
+# --- warnings of the plan ---------------------------------------------------------------------
+
+def test_a_tp_that_splits_no_attention_head_warns(capsys):
+    """gpt2-tiny has 4 attention heads: tp 8 splits no head, the attention weights stay
+    replicated, and the CLI says so (stderr, and in the JSON summary)."""
+    code, out, err = _run(capsys, "plan", *_TINY, "--devices-per-node", "8", "--tp", "8",
+                          "--json", "-q")
+    assert code == 0, err
+    (line,) = [line for line in err.splitlines() if line.startswith("autoplan: warning: ")]
+    assert line.startswith("autoplan: warning: tp 8 leaves ")
+    assert "of every block of transformer.h replicated on the tp axis" in line
+    assert "attn.c_proj.weight (32, 32)" in line  # the weight and its dims
+    assert ("scaled_dot_product_attention in transformer.h.0.attn (output (1, 4, 16, 8)): "
+            "no placement splits it over 8 ranks; tp 8 does not divide 4 (dim 1)") in line
+    assert json.loads(out)["warnings"] == [line.removeprefix("autoplan: warning: ")]
+
+
+@pytest.fixture(scope="module")
+def mlp_tiny():
+    from autoplan.capture import capture_preset
+
+    return capture_preset("mlp-tiny", batch=1, seq_len=16, num_layers=2)
+
+
+def test_weights_that_tp_cannot_split_warn(mlp_tiny):
+    """Any model: mlp-tiny's (128, 32) and (32, 128) weights on tp 3, through plan()."""
+    from autoplan.solver import plan
+    from autoplan.solver.search import ReplicatedWeightsWarning
+    from autoplan.spec import TrainingSpec
+
+    spec = TrainingSpec(global_batch=3, seq_len=16)
+    with pytest.warns(ReplicatedWeightsWarning) as caught:
+        plan(mlp_tiny, preset("local-cpu", devices_per_node=3), spec, tp=3)
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith("tp 3 leaves 2 of the 2 weight matrices of every block of "
+                              "blocks replicated on the tp axis")
+    assert ("Cause: tp 3 divides none of the dims of fc1.weight (128, 32), "
+            "fc2.weight (32, 128).") in message
+    # tp 2 divides them: no warning, whatever the cost model chooses
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedWeightsWarning)
+        plan(mlp_tiny, preset("local-cpu", devices_per_node=2),
+             TrainingSpec(global_batch=2, seq_len=16), tp=2)
+
+
+# --- the example topology ---------------------------------------------------------------------
+
+def test_example_topology_plans(capsys):
+    path = _REPO / "examples" / "topology.yaml"
+    topo = load_topology(path)
+    assert (topo.num_nodes, topo.devices_per_node) == (2, 8)
+    assert (topo.intra_node.name, topo.inter_node.name) == ("nvlink", "infiniband")
+    code, out, err = _run(capsys, "plan", "--model", "gpt2-tiny", "--cluster", str(path),
+                          "--global-batch", "16", "--seq", "16", "--json", "-q")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["topology"] == "example-2x8-h100" and summary["world_size"] == 16
+    assert summary["device"] == "H100-SXM-80GB"

@@ -56,7 +56,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             any plan needs, with its configuration, and the device's memory).
 
     Warns:
-        ReplicatedWeightsWarning: the plan's tp > 1 leaves weight matrices of the repeated
+        ReplicatedWeightsWarning: a fixed `tp` > 1 leaves weight matrices of the repeated
             block replicated on the tp axis because the model's shapes do not split by tp
             (e.g. 12 attention heads on tp 8); the message names the weights, their shapes and
             the dims tp does not divide.
@@ -141,19 +141,20 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
         raise NoFeasiblePlan(_explain_memory(search, configs))
     best = feasible[0]
     result = build_plan(search, best, _alternatives(best, evaluated, top_k))
-    _warn_unsplit(search, result)
+    if overrides.tp is not None:  # a tp the planner chose is the cost model's optimum
+        _warn_unsplit(search, result)
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
              time.perf_counter() - start, len(configs), len(search.solutions))
     return result
 
 
 def _warn_unsplit(search: Search, result: Plan) -> None:
-    """ReplicatedWeightsWarning when the plan's tp > 1 leaves weight matrices (>= 2 dims) of
-    the repeated block (of the model, without blocks) replicated on the tp axis and the graph
-    says why: a weight none of whose dims tp divides, or an op of the block that no placement
-    splits over tp ranks (fused attention with 12 heads on tp 8). A replication the cost model
-    merely preferred (communication dearer than the compute it saves) is a choice, not
-    warned about."""
+    """ReplicatedWeightsWarning when the plan's (user-fixed) tp > 1 leaves weight matrices
+    (>= 2 dims) of the repeated block (of the model, without blocks) replicated on the tp axis
+    and the graph says why: a weight none of whose dims tp divides, or an op of the block that
+    no placement splits over tp ranks (fused attention with 12 heads on tp 8). A replication
+    the cost model merely preferred (communication dearer than what sharding saves) is a
+    choice, not warned about."""
     tp, graph = result.mesh.tp, search.graph
     if tp == 1:
         return
@@ -164,26 +165,32 @@ def _warn_unsplit(search: Search, result: Plan) -> None:
     replicated = [p for p in weights if result.placement_of(p.fqn) == "R"]
     if not replicated:
         return
-    causes = [f"{p.fqn.removeprefix(head)} {tuple(p.shape)}: tp {tp} divides none of its dims"
-              for p in replicated if all(d % tp for d in p.shape)]
-    causes += _unsplit_ops(graph, search.problem(tp),
-                           graph.layer_nodes.get(0, ()) if graph.num_layers else graph.nodes)
+
+    def named(params) -> str:
+        return ", ".join(f"{p.fqn.removeprefix(head)} {tuple(p.shape)}" for p in params)
+
+    odd = [p for p in replicated if all(d % tp for d in p.shape)]
+    # the weights' own dims explain it; else the ops of the block that nothing splits
+    causes = ([f"tp {tp} divides none of the dims of {named(odd)}"] if odd else
+              _unsplit_ops(graph, search.problem(tp),
+                           graph.layer_nodes.get(0, ()) if graph.num_layers else graph.nodes))
     if not causes:
         return
-    where = f"each {graph.layer_prefix} block" if graph.num_layers else graph.model_name
-    names = ", ".join(f"{p.fqn.removeprefix(head)} {tuple(p.shape)}" for p in replicated)
+    where = f"every block of {graph.layer_prefix}" if graph.num_layers else graph.model_name
+    names = named(replicated)
     warnings.warn(
         f"tp {tp} leaves {len(replicated)} of the {len(weights)} weight matrices of {where} "
-        f"replicated on the tp axis (every tp rank holds them whole and does their work in "
-        f"full): {names}. Cause: {'; '.join(causes)}. Choose a tp that divides these dims, "
-        f"or leave tp to the planner.", ReplicatedWeightsWarning, stacklevel=4)
+        f"replicated on the tp axis (each of the {tp} tp ranks holds them whole): {names}. "
+        f"Cause: {'; '.join(causes)}. Choose a tp that divides these dims, or leave tp to the "
+        f"planner.", ReplicatedWeightsWarning, stacklevel=4)
 
 
 def _unsplit_ops(graph: CapturedGraph, problem: Problem, names) -> list[str]:
     """The ops among `names` (tensor outputs of >= 2 dims, not constants) that no candidate
     places with a Shard on the tp axis, each with its output shape and the dims tp does not
-    divide."""
-    tp, out = problem.tp, []
+    divide; those that compute (FLOPs > 0: matmuls, attention) when there are any, since the
+    elementwise ops around them follow their placement."""
+    tp, out, computing = problem.tp, [], []
     for name in names:
         info, cands = graph.nodes.get(name), problem.cands.get(name)
         if (info is None or not cands or name in problem.constants or not info.shapes
@@ -194,10 +201,12 @@ def _unsplit_ops(graph: CapturedGraph, problem: Problem, names) -> list[str]:
         shape = tuple(info.shapes[0])
         odd = ", ".join(f"{size} (dim {d})" for d, size in enumerate(shape)
                         if size > 1 and size % tp)
-        out.append(f"{op} in {info.module_path or 'the model'} (output {shape}): no placement "
-                   f"splits it over {tp} ranks" + (f"; tp {tp} does not divide {odd}" if odd
-                                                    else ""))
-    return out
+        text = (f"{op} in {info.module_path or 'the model'} (output {shape}): no placement "
+                f"splits it over {tp} ranks" + (f"; tp {tp} does not divide {odd}" if odd else ""))
+        out.append(text)
+        if info.flops > 0:
+            computing.append(text)
+    return computing or out
 
 
 def _given(o: Overrides) -> dict:

@@ -64,9 +64,9 @@ class InvalidConfig(ValueError):
 
 
 class ReplicatedWeightsWarning(UserWarning):
-    """tp > 1 leaves weight matrices of the repeated block replicated on the tp axis because
-    the model's shapes do not split by tp (planner.py, `_warn_unsplit`): every tp rank holds
-    them whole and does their work in full."""
+    """A fixed tp > 1 leaves weight matrices of the repeated block replicated on the tp axis
+    because the model's shapes do not split by tp (planner.py, `_warn_unsplit`): every tp rank
+    holds them whole."""
 
 
 @dataclass(frozen=True)
