@@ -308,7 +308,7 @@ def _cmd_plan(args) -> int:
 
     planned = _plan(args, args.num_layers_capture)
     if not args.json:
-        print(render_summary(planned.plan, topology=planned.topology))
+        print(render_summary(planned.plan, topology=planned.topology, graph=planned.graph))
     paths = {}
     if args.out:
         with phase(f"writing the report into {args.out}"):
@@ -341,7 +341,7 @@ def _cmd_export(args) -> int:
     if args.json:
         _print_json(_summary(planned, paths.values()))
         return 0
-    print(render_summary(planned.plan, topology=planned.topology))
+    print(render_summary(planned.plan, topology=planned.topology, graph=planned.graph))
     print(f"wrote {len(paths)} files into {out}")
     return 0
 

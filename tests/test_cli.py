@@ -166,7 +166,8 @@ def test_export_arguments_reach_export_plan(capsys, tmp_path, monkeypatch):
         return {"plan.json": out_dir / "plan.json"}
 
     monkeypatch.setattr("autoplan.cli._plan", fake_plan)
-    monkeypatch.setattr("autoplan.report.render_summary", lambda plan, topology: "summary")
+    monkeypatch.setattr("autoplan.report.render_summary",
+                        lambda plan, topology, graph: "summary")
     monkeypatch.setattr("autoplan.passes.export.export_plan", fake_export)
     code, out, err = _run(capsys, "export", "--model", "gpt2-tiny", "--cluster", "local-cpu",
                           "--global-batch", "8", "--seq", "16", "--tp", "2", "--zero", "3",
