@@ -3,37 +3,122 @@
 `LocalCluster(world_size)` spawns N worker processes once and keeps their gloo process group
 alive, so many jobs (tests, benchmarks) share one set of processes instead of paying process and
 import start-up each time. `LocalCluster.run(fn, *args, timeout_s=...)` runs `fn(*args)` on every
-rank and returns the per-rank results in rank order; an exception on any rank is re-raised here
-with its rank and traceback, and a job that does not finish within `timeout_s` kills the whole
-cluster (no hangs: every multi-rank path has a timeout).
+rank and returns the per-rank results in rank order. A failed job raises `RankError` naming the
+rank that caused it ([Note: naming the failed rank]) and closes the cluster; a job that does not
+finish within `timeout_s` raises TimeoutError (no hangs: every multi-rank path has a timeout).
+
+Collective timeout: a rank waits at most `pg_timeout_s` in one collective for its peers, then
+raises. `LocalCluster` defaults to LOCAL_COLLECTIVE_TIMEOUT_S (60 s): a dead peer is found by
+the liveness watch within a second, so this timeout only bounds a hang, and 60 s is above the
+longest wait of a healthy job here (rank 0 planning while the others wait for the plan).
+`init_from_env` defaults to TORCHRUN_COLLECTIVE_TIMEOUT_S (600 s): across machines the first
+NCCL contact and checkpoint loads take minutes, and torchrun's agent tears the job down when a
+worker dies. The environment variable AUTOPLAN_COLLECTIVE_TIMEOUT_S (seconds) overrides both
+defaults; an explicit argument overrides it.
 
 Under `torchrun` (RANK/WORLD_SIZE/MASTER_ADDR in the environment) `init_from_env()` joins the
 job's process group instead; multi-node launching is torchrun's job.
+
+[Note: naming the failed rank]
+When one rank faults, its peers fail too, for a secondary reason: a collective with a vanished
+peer raises "Connection reset by peer", one with a stuck peer times out. The error the user
+sees names the root cause, chosen in this order:
+  1. a rank whose process died (exit code or signal; `run` polls every process's exit code
+     while it waits for results, so a death is seen within _POLL_S);
+  2. a rank that raised, other than for a lost or timed-out peer (the first to report);
+  3. a rank that gave no result and is not inside torch.distributed (it hangs in its own code);
+  4. a rank that gave no result, waiting in a collective;
+  5. a rank that raised for a lost or timed-out peer (the first to report).
+After the first fault the other ranks get FAULT_GRACE_S to report; those that do not are
+"hung": each worker registers faulthandler on SIGUSR1 (and on fatal signals) to write all its
+threads' stacks to a file, so a hung or crashed rank's stack is shown although it cannot report.
+The other failed ranks are folded below the root cause, a few lines each.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import math
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
+import shutil
+import signal
 import socket
+import tempfile
+import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalCluster", "RankError", "init_from_env", "launch"]
+__all__ = ["COLLECTIVE_TIMEOUT_ENV", "FAULT_GRACE_S", "LOCAL_COLLECTIVE_TIMEOUT_S",
+           "LocalCluster", "RankError", "TORCHRUN_COLLECTIVE_TIMEOUT_S", "init_from_env",
+           "launch"]
+
+COLLECTIVE_TIMEOUT_ENV = "AUTOPLAN_COLLECTIVE_TIMEOUT_S"
+LOCAL_COLLECTIVE_TIMEOUT_S = 60.0
+TORCHRUN_COLLECTIVE_TIMEOUT_S = 600.0
+FAULT_GRACE_S = 5.0
+"""Seconds the other ranks get to report after the first fault of a job: a peer of a dead rank
+fails at once (its socket closes); one stuck waiting for a rank that raised would wait for the
+whole collective timeout, so its stack is taken instead."""
+
+_POLL_S = 0.5  # how often `run` checks that every rank's process is alive
+_START_TIMEOUT_S = 300.0  # the ranks' rendezvous: torch imports on a loaded machine are slow
+_STARTUP_JOB = -1  # job id of a rank's report that it failed to start
+_FOLD_FRAMES = 3  # innermost frames shown for each rank that is not the root cause
+# What a rank raises when a peer vanished or stopped answering (gloo's words).
+_PEER_LOSS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|[Tt]imed out|Timeout|"
+                        r"pair closure|ECONNRESET|EPIPE")
 
 
 class RankError(RuntimeError):
-    """A job failed on one rank; `rank` and the remote traceback are in the message."""
+    """A job failed; `rank` is the rank that caused it ([Note: naming the failed rank]).
 
-    def __init__(self, rank: int, message: str):
-        super().__init__(f"rank {rank} failed:\n{message}")
+    Attributes:
+        rank: the root-cause rank.
+        cause: what happened to it, short text: "died: killed by signal SIGKILL, 12 s in",
+            "raised ValueError: ...", "hung: no result after 65 s, stack: ...".
+        others: the other ranks that failed, rank -> short text ("RuntimeError: Connection
+            reset by peer", "no result after 9 s, waiting in all_reduce (...)").
+    The message adds the root rank's traceback or stack and a few lines per other rank.
+    Picklable (rebuilt from these attributes and the message).
+    """
+
+    def __init__(self, rank: int, cause: str, others: dict[int, str] | None = None,
+                 message: str | None = None):
         self.rank = rank
+        self.cause = cause
+        self.others = dict(others or {})
+        lines = [f"rank {rank} {cause}"] + [f"rank {r}: {t}" for r, t in self.others.items()]
+        super().__init__(message if message is not None else "\n".join(lines))
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.cause, self.others, str(self))
+
+
+def _collective_timeout_s(timeout_s: float | None, default_s: float) -> float:
+    """`timeout_s`, else $AUTOPLAN_COLLECTIVE_TIMEOUT_S, else `default_s`; seconds. Raises
+    ValueError for a value that is not a positive number, naming where it came from."""
+    source = "timeout"
+    if timeout_s is None:
+        text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+        if text is None:
+            return default_s
+        source = f"${COLLECTIVE_TIMEOUT_ENV}"
+        try:
+            timeout_s = float(text)
+        except ValueError:
+            raise ValueError(f"{source}={text!r} is not a number of seconds") from None
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"collective {source}={timeout_s!r} s must be a positive number")
+    return float(timeout_s)
 
 
 def _free_port() -> int:
@@ -42,13 +127,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float) -> None:
+def _summary(exc: BaseException) -> str:
+    """One line for an exception: its type and the first line of its message, without the C++
+    source location gloo prefixes and cut at a sentence end past 160 characters."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", text)
+    if len(text) > 160:
+        end = text.find(". ", 0, 160)
+        text = text[:end + 1] if end > 0 else text[:160] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float,
+            stack_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # A rank that crashes or hangs cannot report on the queue: faulthandler writes its stacks
+    # to a file the parent reads, on a fatal signal and on SIGUSR1 ([Note: naming the failed
+    # rank]). The file stays open for the life of the process.
+    stacks = open(stack_path, "w")
+    faulthandler.enable(file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     # One intra-op thread per rank: N ranks share this machine's cores.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=pg_timeout_s))
+    try:
+        # The rendezvous waits for slow imports; collectives wait at most pg_timeout_s.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                              timeout=timedelta(seconds=max(pg_timeout_s, _START_TIMEOUT_S)))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, then exit
+        results.put((_STARTUP_JOB, rank, False, (f"failed to start: {_summary(e)}",
+                                                 traceback.format_exc())))
+        raise
     while True:
         item = tasks.get()
         if item is None:
@@ -58,9 +169,161 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
             fn, args, kwargs = pickle.loads(payload)
             out = fn(*args, **kwargs)
             results.put((job_id, rank, True, pickle.dumps(out)))
-        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-            results.put((job_id, rank, False, traceback.format_exc()))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback
+            results.put((job_id, rank, False, (_summary(e), traceback.format_exc())))
     dist.destroy_process_group()
+
+
+@dataclass
+class _Outcome:
+    """What one rank did in one job, as the parent learnt it."""
+    kind: Literal["ok", "raised", "died", "hung"]
+    seq: int             # order in which the parent learnt it
+    elapsed_s: float     # since the job was sent
+    value: Any = None    # the result, when ok
+    summary: str = ""    # one line: the exception, the exit, the wait
+    detail: str = ""     # the traceback (raised) or stack dump (died, hung)
+
+
+# -- stacks and tracebacks ------------------------------------------------------------------------
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+),? in (\S+)')
+
+
+def _frame_text(line: str) -> str:
+    path, lineno, func = _FRAME.match(line).groups()
+    return f"{func} ({os.path.basename(path)}:{lineno})"
+
+
+def _job_frames(frames: list[str]) -> list[str]:
+    """Innermost-first frame lines cut below the job: `_worker` and the process start-up go."""
+    cut = next((i for i, f in enumerate(frames) if " in _worker" in f), len(frames))
+    return frames[:cut]
+
+
+def _main_stack(dump: str) -> list[str]:
+    """Frame lines of the thread running the job (the one whose stack holds `_worker`) in a
+    faulthandler dump, innermost first, down to the job function; the last such thread block
+    when there are several."""
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if re.match(r"^(Current thread|Thread) 0x", line):
+            blocks.append([])
+        elif blocks and _FRAME.match(line):
+            blocks[-1].append(line.strip())
+    main = [b for b in blocks if any(" in _worker" in f for f in b)]
+    return _job_frames(main[-1] if main else (blocks[-1] if blocks else []))
+
+
+def _traceback_frames(tb: str) -> list[str]:
+    """Frame lines of a formatted traceback, innermost first, down to the job function."""
+    return _job_frames([line.strip() for line in reversed(tb.splitlines()) if _FRAME.match(line)])
+
+
+def _in_collective(o: _Outcome) -> bool:
+    frames = _main_stack(o.detail)
+    return bool(frames) and "torch/distributed" in frames[0]
+
+
+def _dump_stacks(procs: dict[int, tuple[int, str]]) -> dict[int, str]:
+    """Ask live ranks for their stacks (SIGUSR1, [Note: naming the failed rank]): rank ->
+    (pid, stack file) in, rank -> the dump out ("" for one that wrote none within 2 s, or is
+    still starting: its file is opened before faulthandler is registered)."""
+    procs = {r: pp for r, pp in procs.items() if os.path.exists(pp[1])}
+    before = {r: os.path.getsize(path) for r, (_, path) in procs.items()}
+    for pid, _ in procs.values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    size, deadline = dict(before), time.monotonic() + 2.0
+    waiting = set(procs)
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for r in list(waiting):
+            now = os.path.getsize(procs[r][1])
+            if before[r] < now == size[r]:  # written and no longer growing
+                waiting.discard(r)
+            size[r] = now
+    dumps = {}
+    for r, (_, path) in procs.items():
+        with open(path, errors="replace") as f:
+            f.seek(before[r])
+            dumps[r] = f.read()
+    return dumps
+
+
+def _death_stack(path: str) -> str:
+    """The stack faulthandler wrote when a fatal signal killed the rank, or ""."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        text = f.read()
+    at = text.rfind("Fatal Python error")
+    return text[at:] if at >= 0 else ""
+
+
+def _exit_text(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+# -- choosing and telling the root cause --------------------------------------------------------
+def _root_rank(faults: dict[int, _Outcome]) -> int:
+    """The rank that caused the failure, by [Note: naming the failed rank]'s order."""
+    def order(r: int) -> tuple[int, int]:
+        o = faults[r]
+        if o.kind == "died":
+            return 0, o.seq
+        if o.kind == "raised":
+            return (4 if _PEER_LOSS.search(o.summary) else 1), o.seq
+        return (3 if _in_collective(o) else 2), o.seq
+    return min(faults, key=order)
+
+
+def _cause(o: _Outcome) -> str:
+    """The root rank's short cause."""
+    if o.kind == "raised":
+        return f"raised {o.summary}"
+    frames = [_frame_text(f) for f in _main_stack(o.detail)[:2]]
+    if o.kind == "died":
+        at = f" at {frames[0]}" if frames else ""
+        return f"died: {o.summary}{at}, {o.elapsed_s:.1f} s in"
+    stack = " <- ".join(frames) if frames else "not available"
+    return f"hung: no result after {o.elapsed_s:.0f} s, stack: {stack}"
+
+
+def _fold(o: _Outcome) -> list[str]:
+    """A few frames of a rank that is not the root cause: the innermost one, then the
+    innermost ones outside torch (where the job called in)."""
+    frames = _traceback_frames(o.detail) if o.kind == "raised" else _main_stack(o.detail)
+    torch_dir = os.path.dirname(torch.__file__)
+    shown = frames[:1] + [f for f in frames[1:] if torch_dir not in f][:_FOLD_FRAMES - 1]
+    texts = [_frame_text(f) for f in shown]
+    return [f"    in {t}" for t in texts if t not in o.summary]  # a hung rank's is there
+
+
+def _root_detail(r: int, o: _Outcome) -> list[str]:
+    if o.kind == "raised":
+        return [f"rank {r}'s traceback:", o.detail.rstrip()]
+    frames = _main_stack(o.detail)
+    if not frames:
+        return []
+    return [f"rank {r}'s stack (most recent call first):"] + [f"  {f}" for f in frames]
+
+
+def _rank_error(faults: dict[int, _Outcome], job: str) -> RankError:
+    root = _root_rank(faults)
+    cause = _cause(faults[root])
+    others = {r: faults[r].summary for r in sorted(faults) if r != root}
+    lines = [f"rank {root} {cause} (job {job})"]
+    for r, text in others.items():
+        lines += [f"rank {r}: {text}"] + _fold(faults[r])
+    lines += _root_detail(root, faults[root])
+    return RankError(root, cause, others, "\n".join(lines))
 
 
 class LocalCluster:
@@ -68,22 +331,30 @@ class LocalCluster:
 
     Args:
         world_size: number of ranks.
-        pg_timeout_s: timeout of every collective in the process group, seconds.
+        pg_timeout_s: how long a rank waits in one collective for its peers before it raises,
+            seconds; None: $AUTOPLAN_COLLECTIVE_TIMEOUT_S, else LOCAL_COLLECTIVE_TIMEOUT_S
+            (60 s; see the module docstring for why).
 
-    Use as a context manager or call `close()`.
+    Raises ValueError for world_size < 1 or a timeout that is not a positive number. Use as a
+    context manager or call `close()`; a failed job closes the cluster itself.
     """
 
-    def __init__(self, world_size: int, *, pg_timeout_s: float = 120.0):
+    def __init__(self, world_size: int, *, pg_timeout_s: float | None = None):
         if world_size < 1:
             raise ValueError(f"LocalCluster: world_size={world_size} must be >= 1")
         self.world_size = world_size
+        self.pg_timeout_s = _collective_timeout_s(pg_timeout_s, LOCAL_COLLECTIVE_TIMEOUT_S)
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._stack_dir = tempfile.mkdtemp(prefix="autoplan-ranks-")
+        self._stack_paths = [os.path.join(self._stack_dir, f"rank{r}.stacks")
+                             for r in range(world_size)]
         port = _free_port()
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
-                        args=(r, world_size, port, self._tasks[r], self._results, pg_timeout_s))
+                        args=(r, world_size, port, self._tasks[r], self._results,
+                              self.pg_timeout_s, self._stack_paths[r]))
             for r in range(world_size)]
         for p in self._procs:
             p.start()
@@ -93,8 +364,11 @@ class LocalCluster:
     def run(self, fn: Callable, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list:
         """Run `fn(*args, **kwargs)` on every rank; per-rank results in rank order.
 
-        `fn` must be importable by the workers (a module-level function). Raises RankError for
-        the lowest failing rank, TimeoutError (after killing the cluster) past `timeout_s`.
+        `fn` must be importable by the workers (a module-level function). Raises RankError
+        naming the rank that caused a failure (a rank died, raised, or hung while the others
+        failed; [Note: naming the failed rank]), within about FAULT_GRACE_S + 1 s of a death;
+        TimeoutError when no rank failed but some gave no result within `timeout_s` seconds.
+        Either way the cluster is closed (its processes killed and reaped).
         """
         if self._closed:
             raise RuntimeError("LocalCluster is closed (an earlier job failed or timed out)")
@@ -103,48 +377,86 @@ class LocalCluster:
         payload = pickle.dumps((fn, args, kwargs))
         for q in self._tasks:
             q.put((job_id, payload))
-        out: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        while len(out) + len(errors) < self.world_size:
+        outcomes = self._collect(job_id, timeout_s)
+        if all(o.kind == "ok" for o in outcomes.values()):
+            return [outcomes[r].value for r in range(self.world_size)]
+        faults = {r: o for r, o in outcomes.items() if o.kind != "ok"}
+        self.close(kill=True)
+        job = getattr(fn, "__name__", repr(fn))
+        if all(o.kind == "hung" for o in faults.values()):
+            raise TimeoutError(self._timeout_message(job, timeout_s, faults))
+        raise _rank_error(faults, job)
+
+    def _collect(self, job_id: int, timeout_s: float) -> dict[int, _Outcome]:
+        """Every rank's outcome: results as they come, deaths as `_POLL_S` polls see them; after
+        the first fault the others get FAULT_GRACE_S. Ranks without one by then are hung."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        outcomes: dict[int, _Outcome] = {}
+        while len(outcomes) < self.world_size and time.monotonic() < deadline:
             try:
-                jid, rank, ok, data = self._results.get(timeout=timeout_s)
+                jid, rank, ok, data = self._results.get(
+                    timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                self.close(kill=True)
-                if errors:  # the other ranks were left waiting in a collective
-                    rank = min(errors)
-                    raise RankError(rank, errors[rank]) from None
-                raise TimeoutError(
-                    f"job {fn.__name__} did not finish on all {self.world_size} ranks within "
-                    f"{timeout_s:.0f} s (finished: {sorted(out)}, failed: {sorted(errors)}, "
-                    f"dead processes: {dead})") from None
-            if jid != job_id:
-                continue
-            if ok:
-                out[rank] = pickle.loads(data)
+                pass
             else:
-                errors[rank] = data
-                # The other ranks may now block in a collective; don't wait for them long.
-                timeout_s = min(timeout_s, 30.0)
-        if errors:
-            self.close(kill=True)
-            rank = min(errors)
-            raise RankError(rank, errors[rank])
-        return [out[r] for r in range(self.world_size)]
+                if jid in (job_id, _STARTUP_JOB) and rank not in outcomes:
+                    o = _Outcome("ok" if ok else "raised", len(outcomes),
+                                 time.monotonic() - start)
+                    if ok:
+                        o.value = pickle.loads(data)
+                    else:
+                        o.summary, o.detail = data
+                    outcomes[rank] = o
+            for r, p in enumerate(self._procs):
+                if r not in outcomes and p.exitcode is not None:
+                    outcomes[r] = _Outcome("died", len(outcomes), time.monotonic() - start,
+                                           summary=_exit_text(p.exitcode),
+                                           detail=_death_stack(self._stack_paths[r]))
+            if any(o.kind != "ok" for o in outcomes.values()):
+                deadline = min(deadline, time.monotonic() + FAULT_GRACE_S)
+        return self._hung(outcomes, time.monotonic() - start)
+
+    def _hung(self, outcomes: dict[int, _Outcome], elapsed_s: float) -> dict[int, _Outcome]:
+        """`outcomes` with a "hung" outcome, stack included, for every rank that has none."""
+        missing = [r for r in range(self.world_size) if r not in outcomes]
+        dumps = _dump_stacks({r: (self._procs[r].pid, self._stack_paths[r]) for r in missing})
+        for r in missing:
+            o = _Outcome("hung", len(outcomes), elapsed_s, detail=dumps.get(r, ""))
+            frames = _main_stack(o.detail)
+            where = f", waiting in {_frame_text(frames[0])}" if frames else ""
+            o.summary = f"no result after {elapsed_s:.0f} s" + where
+            outcomes[r] = o
+        return outcomes
+
+    def _timeout_message(self, job: str, timeout_s: float, hung: dict[int, _Outcome]) -> str:
+        lines = [f"job {job} did not finish on ranks {sorted(hung)} of {self.world_size} "
+                 f"within {timeout_s:g} s (no rank failed)"]
+        for r, o in sorted(hung.items()):
+            lines += [f"rank {r}: {o.summary}"] + _fold(o)
+        return "\n".join(lines)
 
     def close(self, kill: bool = False) -> None:
+        """Stop the ranks: ask them to leave (then kill those still there after 10 s), or kill
+        them at once when `kill`; every process is reaped. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if not kill:
             for q in self._tasks:
                 q.put(None)
+            deadline = time.monotonic() + 10.0
             for p in self._procs:
-                p.join(timeout=10)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+        for p in self._procs:
+            p.join(timeout=5)
+        for q in [*self._tasks, self._results]:
+            q.cancel_join_thread()  # a dead reader must not block this process's exit
+            q.close()
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self
@@ -154,21 +466,26 @@ class LocalCluster:
 
 
 def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, **kwargs):
-    """Run `fn(*args, **kwargs)` once on `world_size` fresh gloo ranks; per-rank results."""
+    """Run `fn(*args, **kwargs)` once on `world_size` fresh gloo ranks; per-rank results.
+    Raises as `LocalCluster.run` does."""
     with LocalCluster(world_size) as cluster:
         return cluster.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
 
-def init_from_env(*, timeout_s: float = 600.0) -> tuple[int, int]:
+def init_from_env(*, timeout_s: float | None = None) -> tuple[int, int]:
     """Join the process group that `torchrun` describes in the environment.
 
-    Uses NCCL when CUDA is available, else gloo. Returns (rank, world_size). Raises ValueError
-    naming the missing variables when not started by torchrun.
+    Uses NCCL when CUDA is available, else gloo. `timeout_s`: how long a rank waits in one
+    collective, seconds; None: $AUTOPLAN_COLLECTIVE_TIMEOUT_S, else
+    TORCHRUN_COLLECTIVE_TIMEOUT_S (600 s). Returns (rank, world_size). Raises ValueError naming
+    the missing variables when not started by torchrun, or for a timeout that is not a
+    positive number.
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if k not in os.environ]
     if missing:
         raise ValueError(f"not under torchrun: environment variables {missing} are not set")
+    timeout_s = _collective_timeout_s(timeout_s, TORCHRUN_COLLECTIVE_TIMEOUT_S)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

@@ -1,0 +1,72 @@
+"""Jobs for test_launcher.py: a rank that faults (dies, raises, hangs) on purpose at step 2,
+while its peers train or wait in a collective. Module-level: the ranks import them by name."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+FAULT_STEP = 2
+
+
+def fault(kind: str, stamp_path: str) -> None:
+    """Fault this rank the way `kind` says; first write the time of the fault (time.time(),
+    seconds) to `stamp_path`, so that the test can time how long the job took to fail."""
+    with open(stamp_path, "w") as f:
+        f.write(repr(time.time()))
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit":
+        os._exit(3)
+    elif kind == "segv":
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    elif kind == "raise":
+        raise ValueError("bad batch on purpose")
+    elif kind == "hang":
+        while True:
+            time.sleep(3600)
+    raise AssertionError(f"unknown fault {kind!r}")
+
+
+def train_then_fault(kind: str, fault_rank: int, steps: int, stamp_path: str) -> list[float]:
+    """gpt2-tiny planned by autoparallel over the ranks (dp, ZeRO-3) trains `steps` steps;
+    rank `fault_rank` faults (`fault`) at the start of step FAULT_STEP. The losses."""
+    import _jobs
+    from autoplan.api import autoparallel
+
+    model = _jobs.preset("gpt2-tiny")()
+    ap = autoparallel(model, global_batch=4, seq_len=_jobs.SEQ, optimizer=_jobs.adamw,
+                      dp=dist.get_world_size(), zero_stage=3)
+    x, y = _jobs.batches(_jobs.vocab_of(model), steps, 4)
+    losses = []
+    for i in range(steps):
+        if i == FAULT_STEP and dist.get_rank() == fault_rank:
+            fault(kind, stamp_path)
+        losses.append(ap.step(x[i], y[i]))
+    return losses
+
+
+def all_reduce_then_fault(kind: str, fault_rank: int, steps: int, stamp_path: str) -> float:
+    """`steps` all_reduces of a (4,) tensor; rank `fault_rank` faults at step FAULT_STEP, the
+    others then wait for it in the next all_reduce. The sum."""
+    t = torch.ones(4)
+    for i in range(steps):
+        if i == FAULT_STEP and dist.get_rank() == fault_rank:
+            fault(kind, stamp_path)
+        dist.all_reduce(t)
+    return float(t.sum())
+
+
+def sleep_s(seconds: float) -> int:
+    """Sleep, no collective; this rank's number."""
+    time.sleep(seconds)
+    return dist.get_rank()
+
+
+def rank_of() -> int:
+    return dist.get_rank()
