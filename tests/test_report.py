@@ -1,11 +1,12 @@
-"""Plan reports: Markdown sections and numbers, grouping per block role, the self-contained
-HTML page, the pipeline timeline illustration, and atomic writes."""
+"""Plan reports: Markdown sections and numbers, one number format ([Note: number format]) and
+one parameter count in report and summary, grouping per block role, the self-contained HTML
+page, the pipeline timeline illustration, and atomic writes. Chart geometry:
+test_report_charts.py."""
 
 from __future__ import annotations
 
 import json
 import re
-import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
 import pytest
@@ -15,7 +16,6 @@ from autoplan.plan import (
 )
 from autoplan.report import render_html, render_markdown, render_summary, write_report
 from autoplan.report import facts as F
-from autoplan.report import svg
 from autoplan.report import write as write_mod
 from autoplan.report.timeline import rank_orders, simulate, stage_times
 from autoplan.topology import preset
@@ -264,106 +264,6 @@ def test_html_without_graph_still_draws_timeline():
     page = render_html(_hand_made())
     assert "<svg" in page and "pipeline timeline" in page
     assert "0F0" in page  # stage 0 forward of microbatch 0, PyTorch's text form
-
-
-# --- chart geometry: every label inside its chart, none over another or a marker line ------
-# [Note: text extent] in report/svg.py: an SVG cannot measure text, so the charts estimate a
-# label's width as font size x 0.6 x characters; these checks use the same estimate, written
-# out here so that a change in svg.py cannot move both sides.
-
-def _text_boxes(chart: str) -> tuple[tuple[float, float], list[tuple], list[tuple]]:
-    """((width, height) of the viewBox, [(x0, y0, x1, y1, text)] of every <text>,
-    [(x, y0, y1)] of every dashed marker line)."""
-    root = ET.fromstring(chart)
-    _, _, width, height = map(float, root.get("viewBox").split())
-    boxes, lines = [], []
-    for el in root.iter("text"):
-        text = (el.text or "") + "".join(c.tail or "" for c in el)  # leave out <title>
-        size, x, y = float(el.get("font-size")), float(el.get("x")), float(el.get("y"))
-        w = 0.6 * size * len(text)
-        x0 = {"start": x, "middle": x - w / 2, "end": x - w}[el.get("text-anchor", "start")]
-        boxes.append((x0, y - 0.8 * size, x0 + w, y + 0.2 * size, text))
-    for el in root.iter("line"):
-        if el.get("stroke-dasharray"):
-            lines.append((float(el.get("x1")), float(el.get("y1")), float(el.get("y2"))))
-    return (width, height), boxes, lines
-
-
-def _geometry_problems(chart: str) -> list[str]:
-    (width, height), boxes, lines = _text_boxes(chart)
-    problems = [f"{b[4]!r} outside the viewBox 0 0 {width:.0f} {height:.0f}: "
-                f"x {b[0]:.1f}..{b[2]:.1f}, y {b[1]:.1f}..{b[3]:.1f}"
-                for b in boxes if b[0] < 0 or b[2] > width or b[1] < 0 or b[3] > height]
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]:
-                problems.append(f"{a[4]!r} overlaps {b[4]!r}")
-        for x, y0, y1 in lines:
-            if a[0] < x < a[2] and a[1] < max(y0, y1) and min(y0, y1) < a[3]:
-                problems.append(f"{a[4]!r} crosses the marker line at x = {x:.1f}")
-    return problems
-
-
-def _charts(page: str) -> list[str]:
-    return re.findall(r"<svg .*?</svg>", page, re.S)
-
-
-def _crowded_plan() -> Plan:
-    """Long runner-up labels and a peak memory just under the device's (80 GB)."""
-    long_alt = Alternative(MeshShape(1, 64, 4), 3, 128, "interleaved-1f1b", 0.0121, 79.5e9,
-                           "communication: +2 ms per step vs the chosen plan",
-                           checkpointing="selective", num_virtual_stages=4)
-    over = Alternative(MeshShape(2, 16, 2), 0, 16, "1f1b", 0.009, 86e9,
-                       "memory: needs 86 GB per device, over the budget")
-    breakdown = {"params": 20e9, "grads": 20e9, "optimizer": 20e9, "activations": 16e9,
-                 "peak": 76e9}
-    return _hand_made(prediction=Prediction(0.010, 0.007, 0.001, 0.002, 76e9, breakdown,
-                                            1e15, 25.0, 0.25),
-                      alternatives=(long_alt, over, _hand_made().alternatives[0]))
-
-
-def test_chart_labels_fit_and_do_not_overlap():
-    page = render_html(_crowded_plan(), topology=preset("dgx-h100", num_nodes=8))
-    assert "device memory 80 GB" in page and "pp1 dp64 tp4 z3 m128" in page
-    for chart in _charts(page):
-        assert not _geometry_problems(chart), _geometry_problems(chart)
-
-
-def test_real_report_charts_fit(llama):
-    graph, topology, plan = llama
-    for chart in _charts(render_html(plan, graph=graph, topology=topology)):
-        assert not _geometry_problems(chart), _geometry_problems(chart)
-
-
-@pytest.mark.parametrize("ratio", [0.5, 0.9, 0.95, 0.97, 0.99, 1.0, 1.01, 1.05, 1.5, 1.99])
-def test_totals_keep_clear_of_the_marker_line(ratio):
-    """A bar whose total lands on or near the device-memory line: the total is written where
-    it crosses no line and stays inside the chart."""
-    rows = [("chosen plan", [("params", 40e9), ("activations", ratio * 80e9 - 40e9)]),
-            ("a long runner-up label " * 3, [("total", 70.1e9)])]
-    chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="memory per rank",
-                             markers=[("device memory", 80e9)])
-    assert not _geometry_problems(chart), _geometry_problems(chart)
-    assert "a long runner-up label a long" in chart  # cut to fit, in full in its tooltip
-
-
-def test_timeline_caption_promises_only_drawn_labels():
-    """Labels in the caption only when the chart draws them: 64 microbatches leave blocks
-    too narrow for `2F0` in the full step, the zoom labels some."""
-    plan = _hand_made(num_microbatches=64, global_batch=128)
-    page = render_html(plan)
-    full, zoom = re.findall(r"<figure><svg [^>]*aria-label=\"(pipeline timeline[^\"]*)\""
-                            r".*?</svg><figcaption>(.*?)</figcaption>", page, re.S)
-    charts = {title: chart for chart in _charts(page)
-              for title in re.findall(r'aria-label="([^"]*)"', chart)}
-    for (title, caption) in (full, zoom):
-        drawn = len(re.findall(r'fill="#fff">\d+[FB]\d+</text>', charts[title]))
-        if drawn == 0:
-            assert "too narrow for labels" in caption, caption
-        else:
-            assert "labelled" in caption or "wide enough" in caption, caption
-            assert f"{drawn} block" in caption or "Each block is labelled" in caption, caption
-    assert "too narrow" in full[1] and "too narrow" not in zoom[1]
 
 
 # --- timeline illustration -------------------------------------------------------------------

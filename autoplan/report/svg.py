@@ -17,24 +17,41 @@ PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b
            "#ff9da7", "#9c755f", "#bab0ac")
 _WIDTH, _ROW_H, _BAR_H, _PAD = 780, 26, 18, 6
 _MAX_LABEL_W = 340  # row labels beyond this are cut with "..." (full text in the tooltip)
-_CHAR_EM = 0.6
-"""Estimated advance of one character in em. [Note: text extent] An SVG cannot measure its
-text, so every width below is estimated as font size x 0.6 x characters: system-ui glyphs
-average 0.5-0.55 em (digits 0.55), so the estimate errs towards more room. Label columns,
-margins and label positions are all computed from it, and tests/test_report.py checks the
-same estimate against the viewBox."""
+# [Note: text extent]
+# An SVG cannot measure its text, so every label column, margin and label position below comes
+# from an estimate of the text's width: each character's advance in DejaVu Sans, the widest
+# common fallback for system-ui (Linux; Segoe UI, SF Pro and Helvetica are narrower), rounded
+# up into four classes (measured in headless Chromium: "compute" is 4.43 em, digits 0.636 em).
+# tests/test_report.py checks the charts' geometry with this estimate, and the estimate
+# against a browser's layout where Chromium is installed.
+_NARROW = set(" .,:;'|!ijlIJft-()[]/\\r")  # <= 0.40 em
+_WIDE = set("ABCDGHKNOQRUVXZw&#+<=>^~\u2192")  # <= 0.84 em
+_WIDEST = set("mMW%@")  # <= 1.0 em; other ASCII and the micro sign <= 0.64 em
+
+
+def _char_em(c: str) -> float:
+    if c in _NARROW:
+        return 0.40
+    if c in _WIDE:
+        return 0.84
+    if c in _WIDEST or (c > "\x7f" and c != "\u00b5"):
+        return 1.0
+    return 0.64
 
 
 def text_width(text: str, size: float) -> float:
-    """Estimated width of `text` at font size `size`, px ([Note: text extent])."""
-    return _CHAR_EM * size * len(text)
+    """Estimated width of `text` at font size `size`, px, never less than the browser's
+    ([Note: text extent])."""
+    return size * sum(_char_em(c) for c in text)
 
 
 def _fit(text: str, size: float, width: float) -> str:
     """`text`, cut with "..." so that it fits `width` px ([Note: text extent])."""
     if text_width(text, size) <= width:
         return text
-    return text[:max(int(width / (_CHAR_EM * size)) - 3, 1)] + "..."
+    while len(text) > 1 and text_width(text + "...", size) > width:
+        text = text[:-1]
+    return text + "..."
 
 
 def _label_w(labels: Sequence[str]) -> float:
