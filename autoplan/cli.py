@@ -331,9 +331,15 @@ def _cmd_export(args) -> int:
         raise _Failure(f"export is not available in this installation: {e}") from None
     out = Path(args.out)
     existed = out.exists()
+    graph, mb = planned.graph, planned.plan.microbatch_size
+    if mb != 1:  # the graphs a rank runs: at the plan's microbatch size (planned at batch 1)
+        from autoplan.capture import capture_preset
+
+        with phase(f"capturing {args.model} at microbatch {mb}"):
+            graph = capture_preset(args.model, batch=mb, seq_len=args.seq)
     try:
         with phase(f"exporting the per-rank graphs into {out}"):
-            paths = export_plan(planned.graph, planned.plan, out)
+            paths = export_plan(graph, planned.plan, out)
     except BaseException:
         if not existed:
             shutil.rmtree(out, ignore_errors=True)  # no partial output directory
@@ -405,10 +411,18 @@ def _check_out(out: str | None, command: str) -> None:
 def _in_cli_words(e: Exception) -> str:
     """The message of `e`, naming the command-line flag where the solver names a keyword
     argument of `plan()` (InvalidConfig.option)."""
+    import re
+
     option = getattr(e, "option", None)
     if option in _FLAGS:
         return f"{e.reason}; pass {_FLAGS[option]} to allow it"
-    return str(e)
+    return re.sub(r"\b(" + "|".join(_TERMS) + r")\b", lambda m: _TERMS[m.group(1)], str(e))
+
+
+# plan()'s keyword names as the flags that set them, where a message names one
+_TERMS = {"zero_stage": "--zero", "num_microbatches": "--microbatches",
+          "num_virtual_stages": "--virtual-stages", "global_batch": "--global-batch",
+          "seq_len": "--seq", "allow_tp_across_nodes": "--allow-tp-across-nodes"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except _Failure as e:
         print(f"autoplan: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `autoplan plan --json | head`: the reader left; say nothing
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as e:
         print(f"autoplan: error: {e}", file=sys.stderr)

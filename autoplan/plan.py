@@ -248,13 +248,15 @@ class Plan:
         return None
 
     def __str__(self) -> str:
-        sharded = sum(1 for _, p in self.param_placements if p != "R")
-        return (f"Plan({self.model} on {self.topology}: {self.mesh}, zero{self.zero_stage}, "
-                f"{self.num_microbatches}x{self.microbatch_size} microbatches, {self.schedule}, "
-                f"{sharded}/{len(self.param_placements)} params tp-sharded, "
-                f"{len(self.redistributions)} redistributions, "
-                f"step {self.prediction.step_time_s * 1e3:.3g} ms, "
-                f"mem {self.prediction.memory_bytes / 1e9:.3g} GB)")
+        from autoplan.report import facts as F  # [Note: number format]
+
+        sharded, total = F.sharded_params(self)
+        return (f"Plan({self.model} on {self.topology}: {self.mesh}, ZeRO-{self.zero_stage}, "
+                f"{F.plural(self.num_microbatches, 'microbatch')} of {self.microbatch_size}, "
+                f"{self.schedule}, {sharded} of {F.plural(total, 'parameter')} sharded on the "
+                f"tp axis, {F.plural(len(self.redistributions), 'redistribution')}, "
+                f"step {F.fmt_time(self.prediction.step_time_s)}, "
+                f"memory {F.fmt_bytes(self.prediction.memory_bytes)})")
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:

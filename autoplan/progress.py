@@ -57,9 +57,9 @@ def detail(message: str) -> None:
 
 @contextlib.contextmanager
 def phase(what: str, *, quiet_below_s: float = 1.0):
-    """Show `what` while the block runs, and how long it took; an exception leaves the line
-    marked "failed" and propagates. A phase over within `quiet_below_s` seconds prints
-    nothing (a tiny model's build stays quiet; a large one's says what it is doing)."""
+    """Show `what` while the block runs, and how long it took; an exception marks the line
+    "failed" and propagates. A phase over within `quiet_below_s` seconds prints nothing (a
+    tiny model's build stays quiet; a large one's says what it is doing)."""
     if not _shown(1):
         yield
         return
@@ -90,6 +90,6 @@ def phase(what: str, *, quiet_below_s: float = 1.0):
         if status is not None:
             status.stop()
         took = time.perf_counter() - start
-        if announced.is_set() or took >= quiet_below_s or not ok:
+        if announced.is_set() or took >= quiet_below_s:
             print(f"autoplan: {what}: {'done' if ok else 'failed'} in {took:.1f} s",
                   file=sys.stderr, flush=True)

@@ -422,3 +422,39 @@ def mismatch_is_named(factory, batch: int, overrides: dict, *, seq: int = SEQ):
         except PlanMismatchError as e:
             messages.append(str(e))
     return messages
+
+
+def _mask_unevenly(y: torch.Tensor) -> torch.Tensor:
+    """Labels with -100 (ignored) over the first 2 x i tokens of sample i: the dp ranks and
+    microbatches hold different numbers of trained tokens."""
+    y = y.clone()
+    for i in range(y.shape[-2]):
+        y[..., i, : 2 * i] = -100
+    return y
+
+
+def reference_ignored(factory, steps: int, batch: int, *, seq: int = SEQ):
+    """One process, whole batch: the mean over trained tokens (F.cross_entropy's own)."""
+    model = factory()
+    opt = adamw(model.parameters())
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    y = _mask_unevenly(y)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = cross_entropy_loss(logits(model, x[i]), y[i])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train_ignored(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    y = _mask_unevenly(y)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    return losses, ap.state_dict()

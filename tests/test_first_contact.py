@@ -252,7 +252,10 @@ def test_progress_lines_for_long_phases_only(capsys, monkeypatch):
             pass
         with progress.phase("slow", quiet_below_s=0.05):
             time.sleep(0.2)
-        with pytest.raises(KeyError), progress.phase("broken"):
+        with pytest.raises(KeyError), progress.phase("broken", quiet_below_s=0.05):
+            time.sleep(0.2)
+            raise KeyError("x")
+        with pytest.raises(KeyError), progress.phase("quick failure"):
             raise KeyError("x")
         progress.set_verbosity(0)
         with progress.phase("silenced", quiet_below_s=0.0):
@@ -260,6 +263,44 @@ def test_progress_lines_for_long_phases_only(capsys, monkeypatch):
     finally:
         progress.set_verbosity(None)
     err = capsys.readouterr().err
-    assert "quick" not in err and "silenced" not in err
+    assert "quick" not in err and "silenced" not in err  # its error says enough
     assert "autoplan: slow ..." in err and re.search(r"autoplan: slow: done in 0\.\d s", err)
     assert "autoplan: broken: failed" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    dict(dp=2, tp=1, pp=1, num_microbatches=2, zero_stage=0),
+    dict(pp=2, dp=1, tp=1, num_microbatches=4, schedule="1f1b"),
+], ids=["dp2-m2", "pp2-m4"])
+def test_ignored_labels_spread_unevenly_give_one_processs_mean(clusters, overrides):
+    """Labels -100 over a different number of tokens per sample: the loss is the mean over the
+    global batch's trained tokens (not a mean of per-rank or per-microbatch means), and the
+    parameters follow one process's."""
+    import _jobs
+
+    steps, batch = 2, 8
+    ref_losses, ref_params = _jobs.reference_ignored(_jobs.preset("gpt2-tiny"), steps, batch)
+    results = clusters.get(2).run(_jobs.train_ignored, _jobs.preset("gpt2-tiny"), steps, batch,
+                                  overrides, timeout_s=300)
+    held = set()
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for k, v in params.items():  # a pipeline rank holds its stage's parameters
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        held |= set(params)
+    assert held == set(ref_params)
+
+
+@pytest.mark.slow
+def test_demo_output_fits_on_a_screen_and_matches_one_process(tmp_path):
+    """`autoplan demo` (3 steps on 2 ranks here; `make demo` runs 20 on 4): its loss table and
+    a few lines, no warning repeated by every rank, and the MATCH verdict."""
+    run = subprocess.run([str(BIN / "autoplan"), "demo", "--steps", "3", "--world-size", "2",
+                          "-o", str(tmp_path / "demo")],
+                         env=_env(), capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert "MATCH" in run.stdout and "MISMATCH" not in run.stdout
+    assert "Warning" not in out, out
+    assert len(out.splitlines()) <= 40, out

@@ -118,7 +118,8 @@ class DistributedModel:
         state: the full model (nn.Module) or its weights by FQN, identical on every rank;
             a mapping must include non-persistent buffers (e.g. rotary inv_freq).
         optimizer: `params -> torch.optim.Optimizer` (default AdamW(lr=1e-3)).
-        loss_fn: `(output, labels) -> scalar mean loss` (default token cross-entropy).
+        loss_fn: `(output, labels) -> scalar mean loss` of one microbatch (default: token
+            cross-entropy weighted by the global batch's trained tokens, see `_token_loss`).
         device: "cpu" or "cuda".
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
 
@@ -128,7 +129,7 @@ class DistributedModel:
 
     def __init__(self, graph: CapturedGraph, plan: Plan,
                  weights: WeightSource | nn.Module | Mapping[str, torch.Tensor], *,
-                 optimizer: Callable | None = None, loss_fn: Callable = cross_entropy_loss,
+                 optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  device: str = "cpu", max_grad_norm: float | None = None,
                  seed: int | None = None):
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
@@ -138,7 +139,8 @@ class DistributedModel:
                 f"has {have}")
         self.plan = plan
         self.graph = graph
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn or self._token_loss
+        self._token_scale = 1.0  # microbatches x dp / trained tokens of the step's batch
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
@@ -353,6 +355,16 @@ class DistributedModel:
                                    requires_grad=val.dtype.is_floating_point))
         return tuple(out)
 
+    def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One microbatch's share of the global batch's mean token cross-entropy, in the units
+        the schedules expect (a microbatch mean, averaged over microbatches and dp ranks): its
+        summed token losses x num_microbatches x dp / the batch's trained tokens. Labels -100
+        are not trained on; where they are spread unevenly over microbatches this is still the
+        mean over the global batch's trained tokens, as one process computes it."""
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                             reduction="sum")
+        return ce * self._token_scale
+
     def _pp_loss(self, output, labels):
         return self.loss_fn(output, labels) * self._loss_scale()
 
@@ -370,6 +382,10 @@ class DistributedModel:
         input_ids, labels: (global_batch, seq_len). Returns the global mean loss (every rank).
         """
         x, y = self._local_batch(input_ids), self._local_batch(labels)
+        trained = int((labels != -100).sum())
+        if trained == 0:
+            raise ValueError(f"step: every one of the {labels.numel()} labels is -100 (ignored)")
+        self._token_scale = self.plan.num_microbatches * self.plan.mesh.dp / trained
         self.num_steps += 1
         with self.memory.phase("first_step" if self.num_steps == 1 else "step"):
             local = self._step(x, y)
