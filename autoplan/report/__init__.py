@@ -2,11 +2,12 @@
 
     render_markdown(plan, graph=..., topology=...) -> str
     render_html(plan, graph=..., topology=...)     -> str   (inline CSS and SVG, no network)
-    render_summary(plan, topology=...)             -> str   (a few lines for the terminal)
+    render_summary(plan, topology=..., graph=...)  -> str   (a few lines for the terminal)
     write_report(plan, out_dir, ...)               -> {"plan.json": Path, ...}
 
 The pieces: facts.py (the numbers, grouped per block role), formulas.py (the closed forms a plan
-uses), timeline.py (the pipeline schedule illustration), markdown.py, html.py, svg.py.
+uses), timeline.py (the pipeline schedule illustration), markdown.py, html.py, svg.py. Every
+number is printed by the formatters in facts.py ([Note: number format]).
 """
 
 from __future__ import annotations
