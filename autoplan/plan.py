@@ -248,13 +248,13 @@ class Plan:
         return None
 
     def __str__(self) -> str:
-        from autoplan.report import facts as F  # [Note: number format]
+        from autoplan import units as F  # [Note: number format]
 
-        sharded, total = F.sharded_params(self)
         return (f"Plan({self.model} on {self.topology}: {self.mesh}, ZeRO-{self.zero_stage}, "
-                f"{F.plural(self.num_microbatches, 'microbatch')} of {self.microbatch_size}, "
-                f"{self.schedule}, {sharded} of {F.plural(total, 'parameter')} sharded on the "
-                f"tp axis, {F.plural(len(self.redistributions), 'redistribution')}, "
+                f"{F.plural(self.num_microbatches, 'microbatch')} of "
+                f"{F.plural(self.microbatch_size, 'sample')}, "
+                f"{self.schedule}, "
+                f"{F.plural(len(self.redistributions), 'redistribution')}, "
                 f"step {F.fmt_time(self.prediction.step_time_s)}, "
                 f"memory {F.fmt_bytes(self.prediction.memory_bytes)})")
 

@@ -196,7 +196,7 @@ def test_export_failure_leaves_no_directory(capsys, tmp_path, monkeypatch):
 
 
 class _FakePlan:
-    pass
+    microbatch_size = 1  # planned at batch 1: export captures nothing again
 
 
 def test_demo_and_calibrate_are_wired(monkeypatch):

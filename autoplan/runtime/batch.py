@@ -105,7 +105,7 @@ class StepMetrics:
     predicted_peak_memory_bytes: float
 
     def __str__(self) -> str:
-        from autoplan.report.facts import fmt_bytes, fmt_pct, fmt_time
+        from autoplan.units import fmt_bytes, fmt_pct, fmt_time
 
         mem = fmt_bytes(self.peak_memory_bytes) if self.peak_memory_bytes is not None else "?"
         return (f"step {self.step}: loss {self.loss:.4f}, {fmt_time(self.step_time_s)} "

@@ -300,9 +300,16 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
     peak = memories[worst]["peak"]
     return Assessment(cfg, pipeline + exposed + optimizer, m * comp + optimizer,
-                      m * comm + exposed, pipeline - m * (comp + comm), dp_sync, peak,
+                      m * comm + exposed, _bubble_s(cfg, pipeline, m * (comp + comm)),
+                      dp_sync, peak,
                       breakdown, peak <= spec.max_memory_fraction * topology.device.mem_bytes,
                       sol, optimizer)
+
+
+def _bubble_s(cfg: Config, pipeline_s: float, busy_s: float) -> float:
+    """The pipeline's idle part: exactly 0 without pp (not a float residue of the
+    difference), never negative."""
+    return 0.0 if cfg.pp == 1 else max(0.0, pipeline_s - busy_s)
 
 
 def _pipeline_s(cfg: Config, comp: float, comm: float, topology: Topology, busy: int) -> float:

@@ -12,6 +12,7 @@ import warnings
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
+from autoplan.units import fmt_bytes
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
@@ -359,7 +360,7 @@ def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> 
 
 def _reason(a: Assessment, best: Assessment) -> str:
     if not a.fits:
-        return (f"memory: needs {a.memory_bytes / 1e9:.3g} GB per device, over the budget")
+        return (f"memory: needs {fmt_bytes(a.memory_bytes)} per device, over the budget")
     deltas = {"bubble": a.bubble_s - best.bubble_s, "communication": a.comm_s - best.comm_s,
               "compute": a.compute_s - best.compute_s}
     if deltas["compute"] > 0 and _POLICY_ORDER[a.config.checkpointing] > _POLICY_ORDER[
@@ -389,8 +390,8 @@ def _explain_memory(search: Search, configs: list[PlanConfig]) -> str:
             best = (value, cfg)
     best_bytes, best_cfg = best
     return (f"no plan fits in memory: the smallest per-device memory any plan needs is "
-            f"{best_bytes / 1e9:.4g} GB ({best_cfg}), but {device.name} has "
-            f"{device.mem_bytes / 1e9:.4g} GB ({budget / 1e9:.4g} GB usable at "
+            f"{fmt_bytes(best_bytes)} ({best_cfg}), but {device.name} has "
+            f"{fmt_bytes(device.mem_bytes)} ({fmt_bytes(budget)} usable at "
             f"max_memory_fraction {search.spec.max_memory_fraction})")
 
 
