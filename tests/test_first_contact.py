@@ -20,8 +20,19 @@ BIN = Path(sys.executable).parent
 
 
 def readme_blocks(language: str) -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+    """The bodies of the README's fenced blocks of `language` ("" for plain ones)."""
+    blocks, lang, body = [], None, []
+    for line in (ROOT / "README.md").read_text().splitlines(keepends=True):
+        if line.startswith("```"):
+            if lang is None:
+                lang, body = line[3:].strip(), []
+            else:
+                if lang == language:
+                    blocks.append("".join(body))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    return blocks
 
 
 def readme_script(name: str) -> str:
@@ -91,6 +102,30 @@ def test_readme_local_cluster_script_runs_as_written(tmp_path):
     assert run.returncode == 0, run.stderr[-6000:]
     per_rank = eval(run.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printout
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1] and len(per_rank[0]) == 3
+
+
+def readme_commands() -> list[str]:
+    """The `autoplan ...` command lines of the README's plain code blocks (continuations
+    joined)."""
+    out = []
+    for block in readme_blocks(""):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.startswith("autoplan "):
+                out.append(line)
+    return out
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_written(tmp_path):
+    commands = readme_commands()
+    assert len(commands) >= 2
+    for command in commands:
+        args = command.split()
+        run = subprocess.run([str(BIN / "autoplan"), *args[1:], "-q"], cwd=tmp_path,
+                             env=_env(), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (command, run.stderr[-3000:])
+        out = args[args.index("-o") + 1]
+        assert (tmp_path / out / "report.html").is_file(), command
 
 
 def test_readme_python_blocks_are_whole_scripts():
