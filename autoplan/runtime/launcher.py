@@ -8,9 +8,10 @@ rank that caused it ([Note: naming the failed rank]) and closes the cluster; a j
 finish within `timeout_s` raises TimeoutError (no hangs: every multi-rank path has a timeout).
 
 Collective timeout: a rank waits at most `pg_timeout_s` in one collective for its peers, then
-raises. `LocalCluster` defaults to LOCAL_COLLECTIVE_TIMEOUT_S (60 s): a dead peer is found by
-the liveness watch within a second, so this timeout only bounds a hang, and 60 s is above the
-longest wait of a healthy job here (rank 0 planning while the others wait for the plan).
+raises. `LocalCluster` defaults to LOCAL_COLLECTIVE_TIMEOUT_S (45 s): a dead peer is found by
+the liveness watch within a second, so this timeout only bounds a hang, which is then named
+within 45 s + FAULT_GRACE_S = 50 s; and 45 s is far above a healthy wait here (ranks capture
+and plan at different speeds before the plan's broadcast: seconds).
 `init_from_env` defaults to TORCHRUN_COLLECTIVE_TIMEOUT_S (600 s): across machines the first
 NCCL contact and checkpoint loads take minutes, and torchrun's agent tears the job down when a
 worker dies. The environment variable AUTOPLAN_COLLECTIVE_TIMEOUT_S (seconds) overrides both
@@ -62,7 +63,7 @@ __all__ = ["COLLECTIVE_TIMEOUT_ENV", "FAULT_GRACE_S", "LOCAL_COLLECTIVE_TIMEOUT_
            "launch"]
 
 COLLECTIVE_TIMEOUT_ENV = "AUTOPLAN_COLLECTIVE_TIMEOUT_S"
-LOCAL_COLLECTIVE_TIMEOUT_S = 60.0
+LOCAL_COLLECTIVE_TIMEOUT_S = 45.0
 TORCHRUN_COLLECTIVE_TIMEOUT_S = 600.0
 FAULT_GRACE_S = 5.0
 """Seconds the other ranks get to report after the first fault of a job: a peer of a dead rank
@@ -73,9 +74,11 @@ _POLL_S = 0.5  # how often `run` checks that every rank's process is alive
 _START_TIMEOUT_S = 300.0  # the ranks' rendezvous: torch imports on a loaded machine are slow
 _STARTUP_JOB = -1  # job id of a rank's report that it failed to start
 _FOLD_FRAMES = 3  # innermost frames shown for each rank that is not the root cause
-# What a rank raises when a peer vanished or stopped answering (gloo's words).
-_PEER_LOSS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|[Tt]imed out|Timeout|"
-                        r"pair closure|ECONNRESET|EPIPE")
+# What a rank raises when a peer vanished or stopped answering, in gloo's words ("Read error
+# [addr]: Connection reset by peer", "Timed out waiting 3000ms for recv operation to complete",
+# "Application timeout caused pair closure") and NCCL's watchdog's.
+_PEER_LOSS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Timed out waiting \d+ms|"
+                        r"pair closure|Socket Timeout|Watchdog caught collective operation timeout")
 
 
 class RankError(RuntimeError):
@@ -84,7 +87,7 @@ class RankError(RuntimeError):
     Attributes:
         rank: the root-cause rank.
         cause: what happened to it, short text: "died: killed by signal SIGKILL, 12 s in",
-            "raised ValueError: ...", "hung: no result after 65 s, stack: ...".
+            "raised ValueError: ...", "hung: no result after 50 s, stack: ...".
         others: the other ranks that failed, rank -> short text ("RuntimeError: Connection
             reset by peer", "no result after 9 s, waiting in all_reduce (...)").
     The message adds the root rank's traceback or stack and a few lines per other rank.
@@ -130,7 +133,11 @@ def _free_port() -> int:
 def _summary(exc: BaseException) -> str:
     """One line for an exception: its type and the first line of its message, without the C++
     source location gloo prefixes and cut at a sentence end past 160 characters."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    try:
+        text = str(exc).strip()
+    except Exception:  # noqa: BLE001 - a broken __str__ must not take the worker down
+        text = "<str() failed>"
+    text = text.splitlines()[0] if text else ""
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", text)
     if len(text) > 160:
         end = text.find(". ", 0, 160)
@@ -183,6 +190,18 @@ class _Outcome:
     value: Any = None    # the result, when ok
     summary: str = ""    # one line: the exception, the exit, the wait
     detail: str = ""     # the traceback (raised) or stack dump (died, hung)
+
+
+def _reported(ok: bool, data, seq: int, elapsed_s: float) -> _Outcome:
+    """The outcome a rank reported: its pickled result, or (summary, traceback)."""
+    if not ok:
+        summary, tb = data
+        return _Outcome("raised", seq, elapsed_s, summary=summary, detail=tb)
+    try:
+        return _Outcome("ok", seq, elapsed_s, value=pickle.loads(data))
+    except Exception as e:  # noqa: BLE001 - e.g. a class that only the ranks can import
+        return _Outcome("raised", seq, elapsed_s, summary=f"result not unpickled: {_summary(e)}",
+                        detail=traceback.format_exc())
 
 
 # -- stacks and tracebacks ------------------------------------------------------------------------
@@ -333,7 +352,7 @@ class LocalCluster:
         world_size: number of ranks.
         pg_timeout_s: how long a rank waits in one collective for its peers before it raises,
             seconds; None: $AUTOPLAN_COLLECTIVE_TIMEOUT_S, else LOCAL_COLLECTIVE_TIMEOUT_S
-            (60 s; see the module docstring for why).
+            (45 s; see the module docstring for why).
 
     Raises ValueError for world_size < 1 or a timeout that is not a positive number. Use as a
     context manager or call `close()`; a failed job closes the cluster itself.
@@ -401,13 +420,7 @@ class LocalCluster:
                 pass
             else:
                 if jid in (job_id, _STARTUP_JOB) and rank not in outcomes:
-                    o = _Outcome("ok" if ok else "raised", len(outcomes),
-                                 time.monotonic() - start)
-                    if ok:
-                        o.value = pickle.loads(data)
-                    else:
-                        o.summary, o.detail = data
-                    outcomes[rank] = o
+                    outcomes[rank] = _reported(ok, data, len(outcomes), time.monotonic() - start)
             for r, p in enumerate(self._procs):
                 if r not in outcomes and p.exitcode is not None:
                     outcomes[r] = _Outcome("died", len(outcomes), time.monotonic() - start,
