@@ -235,7 +235,8 @@ def _build_all(cluster, world: int, plans: list, model: dict, batch: int, seq: i
             per_rank = cluster.run(build_job, name, overrides, model, batch, seq,
                                    timeout_s=600)
         except (RankError, TimeoutError) as e:
-            row["error"] = str(e).strip().splitlines()[-1]
+            row["error"] = (f"rank {e.rank}: {e.cause}" if isinstance(e, RankError)
+                            else str(e).strip().splitlines()[0])
             print(f"fidelity: {name} failed: {row['error']}", file=sys.stderr)
             cluster.close(kill=True)
             cluster = LocalCluster(world, pg_timeout_s=300)
