@@ -34,6 +34,7 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution", "replicate_module", "implicit_replication",
            "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents",
+           "quiet_understood_warnings",
            "Placement", "Partial", "Replicate", "Shard"]
 
 
@@ -387,3 +388,34 @@ def checkpoint_extents(path) -> dict[str, int]:
         end = int(info.offset) + int(info.length)
         extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
     return extents
+
+
+_QUIETED = []
+
+
+def quiet_understood_warnings() -> None:
+    """Silence two torch 2.13 messages that say nothing to an autoplan user, once per process
+    (the runtime and the export pass call this; nothing else is filtered):
+
+    - "DTensor random operators may not have complete support on cpu device mesh": DTensor's
+      own RNG is never relied on -- random ops are rewritten to be layout-invariant
+      ([Note: RNG contract] in autoplan/passes/rng.py), under which CPU meshes are exact.
+    - "CPU process group does not support alltoall yet, falling back with allgather + chunk!"
+      (a log record): gloo has no all_to_all; the fallback is what the cost model prices for
+      a CPU mesh, and the result is the same.
+    """
+    if _QUIETED:
+        return
+    import logging
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message="DTensor random operators may not have complete support on cpu")
+
+    class _NoAlltoallFallbackNotice(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "does not support alltoall yet" not in record.getMessage()
+
+    logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
+        _NoAlltoallFallbackNotice())
+    _QUIETED.append(True)

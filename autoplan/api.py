@@ -93,7 +93,7 @@ class AutoParallel:
 
         o = self.options
         job.join()
-        world = dist.get_world_size() if dist.is_initialized() else (o.world_size or 1)
+        world = dist.get_world_size() if _in_job() else (o.world_size or 1)
         nodes = job.num_nodes(o.num_nodes, world)
         if o.cluster.endswith((".yaml", ".yml", ".json")):
             topo = load_topology(o.cluster)
@@ -135,11 +135,14 @@ class AutoParallel:
 
         from autoplan.progress import phase
 
+        from autoplan.units import plural
+
         topo = self.topology
-        if dist.is_initialized() and dist.get_world_size() != topo.world_size:
+        if _in_job() and dist.get_world_size() != topo.world_size:
             raise ValueError(
-                f"cluster {topo.name!r} has {topo.world_size} devices ({topo.num_nodes} node(s) "
-                f"x {topo.devices_per_node}) but this job has {dist.get_world_size()} ranks: "
+                f"cluster {topo.name!r} has {topo.world_size} devices "
+                f"({plural(topo.num_nodes, 'node')} x {topo.devices_per_node}) but this job has "
+                f"{dist.get_world_size()} ranks: "
                 f"start {topo.world_size} ranks (torchrun --nnodes {topo.num_nodes} "
                 f"--nproc_per_node {topo.devices_per_node}), or plan for this job's size "
                 "(cluster=\"local-cpu\" takes the job's, a preset takes num_nodes=)")
@@ -152,7 +155,7 @@ class AutoParallel:
                                                   meta=_on_meta(source)), model_name=name)
         with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
             plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if _in_job() and dist.get_world_size() > 1:
             box = [plan.to_json() if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
             plan = Plan.from_json(box[0])
@@ -168,12 +171,14 @@ class AutoParallel:
         from autoplan.runtime.precision import Precision
 
         topo = self.topology  # joins torchrun's process group
-        if not dist.is_initialized():
+        if not _in_job():
             if topo.world_size != 1:
                 raise RuntimeError(
                     f"the plan needs {topo.world_size} ranks: run under torchrun or "
                     "autoplan.runtime.LocalCluster (this process has no process group)")
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                _PRIVATE_GROUP.append(dist.group.WORLD)
         plan = self.plan
         precision = Precision.of(plan.dtype)
         name = type(self.module).__name__
@@ -250,6 +255,7 @@ class AutoParallel:
         spec = self.spec
         check_batch(input_ids, labels, global_batch=spec.global_batch, seq_len=spec.seq_len,
                     vocab_size=self._vocab_size())
+        input_ids, labels = input_ids.long(), labels.long()  # int32, uint8 ids: as int64
         if self._engine is None:
             self._engine = self._compile()
         engine = self._engine
@@ -265,7 +271,8 @@ class AutoParallel:
             tokens_per_s=tokens / took, mfu=pred.mfu * pred.step_time_s / took,
             peak_memory_bytes=None if peak is None else peak - engine.memory.baseline_bytes,
             predicted_step_time_s=pred.step_time_s, predicted_mfu=pred.mfu,
-            predicted_peak_memory_bytes=plan.prediction.memory_bytes)
+            predicted_peak_memory_bytes=plan.prediction.memory_bytes,
+            memory_measure=engine.memory.as_dict()["measure"])
         detail(str(self.metrics))
         return loss
 
@@ -350,6 +357,17 @@ class AutoParallel:
                 if indices.op == "placeholder" and val is not None:
                     return int(val.shape[0])
         return None
+
+
+# The world of one this process set up to train alone: not a job (a later model may still be
+# planned for world_size= ranks without training).
+_PRIVATE_GROUP: list = []
+
+
+def _in_job() -> bool:
+    """Whether this process is a rank of a real job (torchrun, LocalCluster, a user's own
+    init_process_group), not alone in the world of one autoplan set up to train."""
+    return dist.is_initialized() and not (_PRIVATE_GROUP and dist.group.WORLD is _PRIVATE_GROUP[-1])
 
 
 def _nothing():
@@ -478,7 +496,21 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
                "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
-        raise ValueError(f"autoparallel: unknown option(s) {unknown}; allowed: {sorted(allowed)}")
+        import difflib
+        import inspect
+
+        names = sorted(allowed | set(inspect.signature(autoparallel).parameters) - {"target",
+                                                                                  "overrides"})
+        hints = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+        said = "; ".join(f"did you mean {h[0]!r} for {u!r}?" for u, h in hints.items() if h)
+        raise ValueError(f"autoparallel: unknown option(s) {unknown}; "
+                         f"{said + ' ' if said else ''}the options are {names}")
+    for name, value, least in (("global_batch", global_batch, 1), ("seq_len", seq_len, 1),
+                               ("num_nodes", num_nodes, 1), ("world_size", world_size, 1)):
+        if value is None and name in ("num_nodes", "world_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"autoparallel: {name}={value!r}; expected an integer >= {least}")
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, max_grad_norm=max_grad_norm,

@@ -237,6 +237,11 @@ class _Planned:
     warnings: tuple[str, ...] = ()
 
 
+def _depth(config: dict) -> int:
+    """Repeated blocks of an HF config (llama's num_hidden_layers, gpt2's n_layer)."""
+    return int(config.get("num_hidden_layers") or config.get("n_layer") or 0)
+
+
 def _plan(args, num_layers: int | None) -> _Planned:
     """Capture and plan for the planning arguments; capture at batch 1 and the planned
     sequence length: the cost model scales costs linearly with tokens from the captured shapes
@@ -252,7 +257,8 @@ def _plan(args, num_layers: int | None) -> _Planned:
     topology = _topology(args)
     spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
                         optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
-    depth = f" ({num_layers} blocks; costs scaled to the full depth)" if num_layers else ""
+    depth = (f" ({num_layers} blocks; costs scaled to the full depth)"
+             if num_layers and num_layers < _depth(model_config(args.model)) else "")
     with phase(f"capturing {args.model}{depth}"):
         graph = capture_preset(args.model, batch=1, seq_len=args.seq, num_layers=num_layers)
     with phase(f"planning {args.model} for {topology.world_size} x {topology.device.name}"), \
@@ -300,7 +306,19 @@ def _summary(planned: _Planned, files) -> dict:
 
 
 def _print_json(summary: dict) -> None:
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(_rounded(summary), indent=1))
+
+
+def _rounded(value):
+    """Floats at 6 significant digits (0.0062653728, not 0.006265372799999999): predictions
+    carry no more, and the float residue of a sum is noise."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def _cmd_plan(args) -> int:
@@ -326,7 +344,7 @@ def _cmd_export(args) -> int:
 
     planned = _plan(args, None)  # every rank's graph: the full depth
     try:
-        from autoplan.passes.export import export_plan
+        import autoplan.passes.export  # noqa: F401 - an installation without it fails here
     except ImportError as e:
         raise _Failure(f"export is not available in this installation: {e}") from None
     out = Path(args.out)
@@ -339,7 +357,7 @@ def _cmd_export(args) -> int:
             graph = capture_preset(args.model, batch=mb, seq_len=args.seq)
     try:
         with phase(f"exporting the per-rank graphs into {out}"):
-            paths = export_plan(graph, planned.plan, out)
+            paths = _export(graph, planned.plan, out)
     except BaseException:
         if not existed:
             shutil.rmtree(out, ignore_errors=True)  # no partial output directory
@@ -350,6 +368,20 @@ def _cmd_export(args) -> int:
     print(render_summary(planned.plan, topology=planned.topology, graph=planned.graph))
     print(f"wrote {len(paths)} files into {out}")
     return 0
+
+
+def _export(graph, plan, out: Path) -> dict:
+    """export_plan here, or in a forked child when this process already has a process group
+    (`main` called from a training job): export traces on a fake group of its own."""
+    import torch.distributed as dist
+
+    from autoplan.passes.export import export_plan
+
+    if not dist.is_initialized():
+        return export_plan(graph, plan, out)
+    from autoplan.runtime.job import run_isolated
+
+    return run_isolated(export_plan, graph, plan, out)
 
 
 def _optional(module: str, command: str):

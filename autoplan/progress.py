@@ -22,6 +22,17 @@ import time
 __all__ = ["phase", "detail", "set_verbosity", "verbosity"]
 
 _level: int | None = None
+_lock = threading.Lock()  # one line at a time: the announcing timer thread and the caller
+
+
+def _write(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _say(line: str) -> None:
+    with _lock:
+        _write(line)
 
 
 def set_verbosity(level: int | None) -> None:
@@ -52,7 +63,7 @@ def _shown(level: int) -> bool:
 def detail(message: str) -> None:
     """A line at verbosity 2 (rank 0, stderr)."""
     if _shown(2):
-        print(f"autoplan: {message}", file=sys.stderr, flush=True)
+        _say(f"autoplan: {message}")
 
 
 @contextlib.contextmanager
@@ -65,7 +76,7 @@ def phase(what: str, *, quiet_below_s: float = 1.0):
         return
     start = time.perf_counter()
     status = None
-    announced = threading.Event()
+    announced, finished = threading.Event(), threading.Event()
     if sys.stderr.isatty():
         from rich.console import Console
 
@@ -74,8 +85,10 @@ def phase(what: str, *, quiet_below_s: float = 1.0):
         timer = None
     else:
         def announce():
-            announced.set()
-            print(f"autoplan: {what} ...", file=sys.stderr, flush=True)
+            with _lock:  # never after the phase's last line
+                if not finished.is_set():
+                    announced.set()
+                    _write(f"autoplan: {what} ...")
 
         timer = threading.Timer(quiet_below_s, announce)
         timer.daemon = True
@@ -85,11 +98,12 @@ def phase(what: str, *, quiet_below_s: float = 1.0):
         yield
         ok = True
     finally:
+        with _lock:
+            finished.set()
         if timer is not None:
             timer.cancel()
         if status is not None:
             status.stop()
         took = time.perf_counter() - start
         if announced.is_set() or took >= quiet_below_s:
-            print(f"autoplan: {what}: {'done' if ok else 'failed'} in {took:.1f} s",
-                  file=sys.stderr, flush=True)
+            _say(f"autoplan: {what}: {'done' if ok else 'failed'} in {took:.1f} s")

@@ -141,6 +141,7 @@ def test_readme_points_at_nothing_outside_the_repo():
 
 # -- the batch, in the user's words --------------------------------------------------------
 def _batch(b=4, t=16, vocab=64):
+    """(input_ids, labels) of b samples of t tokens."""
     tokens = torch.randint(0, vocab, (b, t + 1))
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -196,7 +197,7 @@ def test_num_nodes_comes_from_torchrun_and_a_contradiction_is_named(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert job.num_nodes(None, 8) == 2
     assert job.num_nodes(2, 8) == 2
-    with pytest.raises(ValueError, match=r"num_nodes=1, but torchrun started 2 node\(s\) of 4"):
+    with pytest.raises(ValueError, match=r"num_nodes=1, but torchrun started 2 nodes of 4"):
         job.num_nodes(1, 8)
     with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a multiple of LOCAL_WORLD_SIZE=4"):
         job.num_nodes(None, 6)
@@ -224,7 +225,10 @@ def tiny(tmp_path_factory):
     model.step(x, y)
     ckpt = tmp_path_factory.mktemp("ckpt") / "step1"
     model.save(ckpt)
-    return model, ckpt
+    yield model, ckpt
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # the world of one step() set up: other tests fake their own
 
 
 def test_step_metrics_beside_the_plans_prediction(tiny):
@@ -251,6 +255,42 @@ def test_a_step_with_a_bad_batch_names_it_and_trains_nothing(tiny):
         model.step(x[:, :8], y[:, :8])
     assert model._engine.num_steps == steps
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_narrower_integer_ids_are_taken_as_int64(tiny):
+    model, _ = tiny
+    x, y = _batch()
+    model.step(x.to(torch.uint8), y.to(torch.int32))
+    assert model.metrics.loss == model.metrics.loss  # a number, not nan
+
+
+def test_planning_for_other_ranks_after_training_alone(tiny):
+    """step() in a lone process sets up a world of one; a model planned afterwards for
+    world_size=4 still plans for 4 (it is not a job of one)."""
+    from autoplan import autoparallel
+    from autoplan.models import build_model
+
+    other = autoparallel(build_model("gpt2-tiny", device="meta"), global_batch=8, seq_len=16,
+                         world_size=4)
+    assert other.plan.mesh.world_size == 4
+    with pytest.raises(RuntimeError, match="the plan needs 4 ranks"):
+        other.step(*_batch(8))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(global_batch=0), r"global_batch=0; expected an integer >= 1"),
+    (dict(seq_len=-1), r"seq_len=-1; expected an integer >= 1"),
+    (dict(global_batch=8.0), r"global_batch=8.0; expected an integer >= 1"),
+    (dict(world_size=0), r"world_size=0; expected an integer >= 1"),
+    (dict(max_grad_nrom=1.0), r"unknown option\(s\) \['max_grad_nrom'\]; did you mean "
+                              r"'max_grad_norm'"),
+])
+def test_bad_options_are_named(kwargs, message):
+    from autoplan import autoparallel
+
+    options = dict(global_batch=4, seq_len=16) | kwargs
+    with pytest.raises(ValueError, match=message):
+        autoparallel(**options)
 
 
 def test_missing_and_truncated_checkpoints_are_named_and_change_nothing(tiny, tmp_path):
@@ -339,3 +379,20 @@ def test_demo_output_fits_on_a_screen_and_matches_one_process(tmp_path):
     assert "MATCH" in run.stdout and "MISMATCH" not in run.stdout
     assert "Warning" not in out, out
     assert len(out.splitlines()) <= 40, out
+
+
+def test_cli_export_traces_at_the_plans_microbatch_size(tmp_path, capsys):
+    """`autoplan export` plans at batch 1 (costs scale with tokens) but writes the graphs a
+    rank runs: shapes at the plan's microbatch size."""
+    import json
+
+    from autoplan.cli import main
+
+    out = tmp_path / "x"
+    assert main(["export", "--model", "gpt2-tiny", "--cluster", "local-cpu",
+                 "--devices-per-node", "1", "--global-batch", "4", "--seq", "16",
+                 "--dtype", "float32", "-o", str(out), "-q"]) == 0
+    mb = json.loads((out / "plan.json").read_text())["microbatch_size"]
+    assert mb > 1
+    code = (out / "rank0_stage0.py").read_text()
+    assert re.search(rf"\[{mb}, 16, \d+\]", code), code[:3000]

@@ -61,6 +61,28 @@ def test_ample_memory_gives_pure_data_parallel(gpt2, local4):
     assert p.alternatives and all(a.reason for a in p.alternatives)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_tied_embedding_is_one_tensor_per_rank_that_holds_it(gpt2, pp):
+    """GPT-2's wte is also its head: one tensor on a rank running both (pp 1), one on each of
+    the first and the last stage's rank (pp 2) -- priced so, not once per use."""
+    topo = preset("local-cpu", devices_per_node=pp)
+    p = plan(gpt2, topo, TrainingSpec(global_batch=8, seq_len=16, dtype="float32"),
+             pp=pp, tp=1, dp=1, zero_stage=0)
+    assert gpt2.params["transformer.wte.weight"].aliases == ("lm_head.weight",)
+
+    def numel(prefixes):
+        return sum(i.numel for f, i in gpt2.params.items() if f.startswith(prefixes))
+
+    blocks = {s.index: tuple(f"transformer.h.{i}." for i in range(s.layer_start, s.layer_end))
+              for s in p.stages}
+    held = {0: numel(("transformer.wte.", "transformer.wpe.") + blocks[0])}
+    held[pp - 1] = held.get(pp - 1, 0) + numel(blocks[pp - 1] if pp > 1 else ()) + numel(
+        ("transformer.ln_f.",) + (("transformer.wte.",) if pp > 1 else ()))
+    assert (held[0] if pp == 1 else None) in (gpt2.num_params, None)
+    params_bytes = p.prediction.memory_breakdown["params"]  # fp32, the worst rank
+    assert params_bytes == pytest.approx(4 * max(held.values()))
+
+
 def test_wide_mlp_that_does_not_fit_one_device_is_megatron_split():
     """Global batch 1 (dp cannot help), 2 devices, weights too big for one: tp=2 with the
     first Linear split by columns (weight S(0)), the second by rows (weight S(1)), and one

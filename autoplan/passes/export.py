@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoplan._torch_compat import clear_dtensor_caches, implicit_replication
+from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
+                                    quiet_understood_warnings)
 from autoplan.graph import CapturedGraph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.pipeline import split_stages
@@ -213,6 +214,7 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
         raise ValueError(
             f"export needs the full model: the graph was captured with {graph.num_layers} of "
             f"{graph.total_layers} layers")
+    quiet_understood_warnings()
     if dist.is_initialized():
         raise RuntimeError("export_plan runs on a fake process group and needs a process "
                            "without an initialised default group")

@@ -268,6 +268,7 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
            else "")
         + f", {F.plural(plan.num_microbatches, 'microbatch')} of "
           f"{F.plural(plan.microbatch_size, 'sample')}",
+        f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}",
         f"params      {_sharded_text(plan, graph)}; "
         f"{F.plural(len(plan.redistributions), 'redistribution')}",
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "

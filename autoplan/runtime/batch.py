@@ -24,8 +24,8 @@ def check_batch(input_ids, labels, *, global_batch: int, seq_len: int,
                 vocab_size: int | None) -> int:
     """Check one step's batch against the plan; returns the number of trained label tokens.
 
-    input_ids, labels: (global_batch, seq_len) integer tensors; labels are token ids in
-    [0, vocab_size) or IGNORE_INDEX (-100).
+    input_ids, labels: (global_batch, seq_len) integer tensors (any width: the step takes
+    them as int64); labels are token ids in [0, vocab_size) or IGNORE_INDEX (-100).
 
     Raises ValueError naming the argument, the expected and the given value: not a tensor, not
     integer, a shape other than the plan's, ids outside the vocabulary, or labels that are all
@@ -89,8 +89,12 @@ class StepMetrics:
             (step_time_s x world size x the device's dense peak FLOP/s for the dtype), i.e.
             the plan's predicted MFU scaled by predicted / measured step time.
         peak_memory_bytes: this rank's peak during the step (CUDA max allocated on GPU; on
-            CPU the resident set's high-water mark above the process's baseline).
-        predicted_step_time_s, predicted_mfu, predicted_peak_memory_bytes: the plan's.
+            CPU the resident set's high-water mark above the process's baseline, which also
+            holds allocator slack and the libraries' buffers: larger than the tensor bytes the
+            plan predicts, most of all for a tiny model).
+        predicted_step_time_s, predicted_mfu, predicted_peak_memory_bytes: the plan's (the
+            last: tensor bytes of the most loaded rank).
+        memory_measure: "cuda_max_allocated" | "resident_hwm".
     """
 
     step: int
@@ -103,13 +107,15 @@ class StepMetrics:
     predicted_step_time_s: float
     predicted_mfu: float
     predicted_peak_memory_bytes: float
+    memory_measure: str = "resident_hwm"
 
     def __str__(self) -> str:
         from autoplan.units import fmt_bytes, fmt_pct, fmt_time
 
         mem = fmt_bytes(self.peak_memory_bytes) if self.peak_memory_bytes is not None else "?"
+        how = "allocated" if self.memory_measure == "cuda_max_allocated" else "resident"
         return (f"step {self.step}: loss {self.loss:.4f}, {fmt_time(self.step_time_s)} "
                 f"(plan {fmt_time(self.predicted_step_time_s)}), "
                 f"{self.tokens_per_s:,.0f} tokens/s, MFU {fmt_pct(self.mfu)} "
-                f"(plan {fmt_pct(self.predicted_mfu)}), peak {mem} "
-                f"(plan {fmt_bytes(self.predicted_peak_memory_bytes)})")
+                f"(plan {fmt_pct(self.predicted_mfu)}), peak {mem} {how} "
+                f"(plan {fmt_bytes(self.predicted_peak_memory_bytes)} of tensors)")

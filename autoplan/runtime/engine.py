@@ -61,7 +61,7 @@ from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.weights import (ModuleWeights, Targets, WeightSource, allocate as _allocate,
                                       weights_to_meta as _weights_to_meta)
-from autoplan._torch_compat import implicit_replication
+from autoplan._torch_compat import implicit_replication, quiet_understood_warnings
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
 
@@ -137,6 +137,7 @@ class DistributedModel:
             raise ValueError(
                 f"plan needs {plan.mesh.world_size} ranks ({plan.mesh}); the process group "
                 f"has {have}")
+        quiet_understood_warnings()
         self.plan = plan
         self.graph = graph
         self.loss_fn = loss_fn or self._token_loss
@@ -170,7 +171,8 @@ class DistributedModel:
                 self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"])
             else:
                 self.optimizer = make_opt(params)
-            self.scaler = LossScaler() if self.precision.loss_scaling else None
+            self.scaler = LossScaler(device=self.device) if self.precision.loss_scaling \
+                else None
             self._schedule = self._build_schedule() if plan.mesh.pp > 1 else None
             self._count_microbatches()
             gc.collect()
@@ -465,7 +467,7 @@ class DistributedModel:
             self._schedule.step(*((x,) if is_first else ()), target=y if is_last else None,
                                 losses=losses)
             local = torch.stack([l.detach().float() for l in losses]).mean() \
-                / self._loss_scale() if is_last else torch.zeros(())
+                / self._loss_scale() if is_last else torch.zeros((), device=self.device)
             dist.all_reduce(local, group=self.mesh["pp"].get_group())
         else:
             (_, module), = self.stages
@@ -473,7 +475,7 @@ class DistributedModel:
             # the last microbatch (DDP's no_sync); ZeRO 2/3 reduce-scatter every microbatch, so
             # that no rank ever holds the stage's whole gradient.
             sync_last_only = self.plan.zero_stage <= 1 and isinstance(module, FSDPModule)
-            total = torch.zeros(())
+            total = torch.zeros((), device=self.device)
             for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
                 if sync_last_only:
                     module.set_requires_gradient_sync(i == m - 1)

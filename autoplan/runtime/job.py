@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["TORCHRUN_VARS", "under_torchrun", "join", "num_nodes", "device", "run_isolated"]
+__all__ = ["TORCHRUN_VARS", "under_torchrun", "join", "num_nodes", "device", "comm_device",
+           "run_isolated"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -56,10 +57,13 @@ def num_nodes(given: int | None, world_size: int) -> int | None:
     if per_node < 1 or world_size % per_node:
         raise ValueError(f"torchrun: WORLD_SIZE={world_size} is not a multiple of "
                          f"LOCAL_WORLD_SIZE={per_node}")
+    from autoplan.units import plural
+
     from_env = world_size // per_node
     if given is not None and given != from_env:
         raise ValueError(
-            f"num_nodes={given}, but torchrun started {from_env} node(s) of {per_node} ranks "
+            f"num_nodes={given}, but torchrun started {plural(from_env, 'node')} of {per_node} "
+            f"ranks "
             f"(WORLD_SIZE={world_size}, LOCAL_WORLD_SIZE={per_node}); drop num_nodes= to use "
             "the job's")
     return from_env
@@ -71,6 +75,12 @@ def device() -> str:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return f"cuda:{torch.cuda.current_device()}"
     return "cpu"
+
+
+def comm_device() -> torch.device:
+    """Where a tensor must be for the default group's collectives: this rank's CUDA device
+    under NCCL, else the CPU (gloo)."""
+    return torch.device(device())
 
 
 def _child(fn: Callable, args: tuple, conn) -> None:

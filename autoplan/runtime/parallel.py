@@ -138,7 +138,7 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     L2 norm over all parameters of the whole model (each tied weight once), exactly as
     torch.nn.utils.clip_grad_norm_ computes it on one process. Returns total_norm."""
     seen_tied = set()
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=model.device)
     grads = []
     tied_first = model.tied_owner_stage  # global: the first stage holding each tied weight
     for idx, m in model.stages:

@@ -77,11 +77,14 @@ class LossScaler:
 
     Args:
         init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler's.
+        device: the rank's device; the overflow flag is all-reduced there (NCCL: CUDA).
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 device: torch.device | str = "cpu"):
         self.scale = float(init_scale)
+        self.device = torch.device(device)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
@@ -91,7 +94,7 @@ class LossScaler:
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Divide the local gradients by the scale; True when no rank found inf/nan (the
         step may proceed). Updates the scale."""
-        found = torch.zeros(())
+        found = torch.zeros((), device=self.device)
         for g in grads:
             g.mul_(1.0 / self.scale)
             if not torch.isfinite(g).all():

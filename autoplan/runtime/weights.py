@@ -122,10 +122,19 @@ class ModuleWeights:
         for n in names:
             full = self.tensors[n]
             if not same:
-                full = full.detach().clone()
-                dist.broadcast(full, src=0)
+                full = _broadcast(full.detach())
             if n in wanted:
                 targets.put(n, full)
+
+
+def _broadcast(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `t` on every rank, a new tensor where `t` is (through the collective device:
+    NCCL needs CUDA tensors)."""
+    from autoplan.runtime.job import comm_device
+
+    buf = t.to(comm_device(), copy=True)
+    dist.broadcast(buf, src=0)
+    return buf.to(t.device)
 
 
 def _ranks_agree(tensors: list[torch.Tensor]) -> bool:
@@ -134,7 +143,9 @@ def _ranks_agree(tensors: list[torch.Tensor]) -> bool:
         return True
     sums = torch.stack([t.detach().double().sum() for t in tensors]) if tensors \
         else torch.zeros(1, dtype=torch.float64)
-    lo, hi = sums.clone(), sums.clone()
+    from autoplan.runtime.job import comm_device
+
+    lo, hi = sums.to(comm_device()), sums.to(comm_device(), copy=True)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     return bool(torch.equal(lo, hi))
@@ -160,9 +171,7 @@ class InitReplay:
         # Rank 0's generator state for every rank: ranks seeded differently (a per-rank data
         # seed before the factory ran) must still cut their shards from one model.
         if dist.is_initialized() and dist.get_world_size() > 1:
-            state = self.trace.rng_state.clone()
-            dist.broadcast(state, src=0)
-            self.trace.rng_state = state
+            self.trace.rng_state = _broadcast(self.trace.rng_state)
         want = targets.names() if self.params else set(targets.buffers)
         wanted = {k: [n for n in names if n in want] for k, names in self.names.items()}
         wanted = {k: v for k, v in wanted.items() if v}

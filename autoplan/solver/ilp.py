@@ -221,8 +221,7 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
         fwd, bwd, _ = pairs[key]
         add(sol.comm_s, edge.part, edge.weight * (fwd + bwd))
     for g, elems in costs.param_elems.items():
-        for part in problem.params[g][2]:
-            add(sol.param_elems, part, elems[choice[g]])
+        sol.add_param_elems(problem.params[g][2], elems[choice[g]])
     for n, row in costs.act_bytes.items():
         part = problem.part.get(n, "pre") if n is not None else "pre"
         add(sol.act_bytes, part, row[choice[n]] if n is not None and n in choice else row[0])

@@ -64,7 +64,7 @@ class StepForm:
             return sum(s * per_part.get(p, 0.0) for p, s in rank)
         busiest = max(self.shares, key=lambda rank: (
             on(rank, sol.compute_s) + on(rank, sol.comm_s), on(rank, sol.compute_s)))
-        elems = max(on(rank, sol.param_elems) for rank in self.shares)
+        elems = max(sol.param_elems_on(dict(rank)) for rank in self.shares)
         return (self.compute_factor * on(busiest, sol.compute_s)
                 + self.comm_factor * on(busiest, sol.comm_s)
                 + self.sync_s_per_elem * elems + self.const_s)
@@ -82,7 +82,10 @@ class Solution:
         choice: ILP node -> index of its chosen candidate.
         compute_s, comm_s: part -> seconds per microbatch (fwd + bwd).
         param_elems, act_bytes: part -> parameter elements per device, activation bytes per
-            microbatch per device.
+            microbatch per device; param_elems holds the parameters of one part only.
+        shared_param_elems: ((parts, elements per device), ...) of the parameters several
+            parts use (a tied embedding and head): held once by a rank that runs any of those
+            parts (`param_elems_on`).
         objective_s: compute + comm, seconds per microbatch.
         optimal: CP-SAT proved optimality (False: best found within the time limit).
         num_vars, num_constraints, solve_s: model size and wall time.
@@ -93,6 +96,7 @@ class Solution:
     compute_s: dict[str, float] = field(default_factory=dict)
     comm_s: dict[str, float] = field(default_factory=dict)
     param_elems: dict[str, float] = field(default_factory=dict)
+    shared_param_elems: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
     act_bytes: dict[str, float] = field(default_factory=dict)
     objective_s: float = 0.0
     optimal: bool = True
@@ -100,3 +104,19 @@ class Solution:
     num_constraints: int = 0
     solve_s: float = 0.0
     integer_solver: bool = False
+
+    def add_param_elems(self, parts, elems: float) -> None:
+        """Count a parameter of `elems` elements per device used by `parts`."""
+        parts = tuple(parts)
+        if len(parts) == 1:
+            self.param_elems[parts[0]] = self.param_elems.get(parts[0], 0.0) + elems
+        else:
+            self.shared_param_elems.append((parts, elems))
+
+    def param_elems_on(self, share: dict[str, float]) -> float:
+        """Parameter elements per device of a rank holding `share[part]` of each part; a
+        parameter several parts use counts once, at its largest share there (a tied embedding
+        and head on one pipeline rank is one tensor; on two, one on each)."""
+        own = sum(s * self.param_elems.get(p, 0.0) for p, s in share.items())
+        return own + sum(e * max(share.get(p, 0.0) for p in parts)
+                         for parts, e in self.shared_param_elems)

@@ -289,8 +289,8 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     memories = [_rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                            boundary_bytes) for r in range(cfg.pp)]
     worst = max(range(cfg.pp), key=lambda r: memories[r]["peak"])
-    elems = max(sum(sol.param_elems.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
-                    for p in ("pre", "layer", "post")) for r in range(cfg.pp))
+    elems = max(sol.param_elems_on({p: _share(p, r, cfg, layers, total_layers)
+                                    for p in ("pre", "layer", "post")}) for r in range(cfg.pp))
     dp_sync = _dp_sync_s(cfg, spec, topology, elems)
     exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(cfg, spec, topology, elems) / speed
     tensors = max(sum(param_tensors.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
@@ -344,7 +344,7 @@ def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: flo
 def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                boundary_bytes) -> dict[str, float]:
     share = {p: _share(p, r, cfg, layers, total_layers) for p in ("pre", "layer", "post")}
-    elems = sum(sol.param_elems.get(p, 0.0) * s for p, s in share.items())
+    elems = sol.param_elems_on(share)
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
     late = sum(sol.act_bytes.get(p, 0.0) * c
                for p, c in _late_coef(r, layers, share, total_layers).items())

@@ -346,8 +346,7 @@ class Search:
         slack = len(self.problem(cfg.tp).nodes) * 1e-9  # the ILP's tie-breaks ([Note: step form])
         average = (sol.objective_s - slack) / cfg.pp if sol.optimal else 0.0
         own = max(sum(s * mins.compute_s.get(p, 0.0) for p, s in rank) for rank in form.shares)
-        elems = max(sum(s * mins.param_elems.get(p, 0.0) for p, s in rank)
-                    for rank in form.shares)
+        elems = max(mins.param_elems_on(dict(rank)) for rank in form.shares)
         factor = min(form.compute_factor, form.comm_factor)
         return factor * max(average, own) + form.sync_s_per_elem * elems + form.const_s
 
@@ -449,8 +448,7 @@ def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
     for n, row in costs.compute_s.items():
         add(sol.compute_s, prob.part[n], prob.weight[n] * min(row) / tp)
     for g, elems in costs.param_elems.items():
-        for part in prob.params[g][2]:
-            add(sol.param_elems, part, min(elems) / tp)
+        sol.add_param_elems(prob.params[g][2], min(elems) / tp)
     for n, row in costs.act_bytes.items():
         add(sol.act_bytes, prob.part.get(n, "pre") if n is not None else "pre", min(row) / tp)
     return sol
