@@ -120,7 +120,8 @@ def stage_costs(plan, parts=None) -> tuple[list[float], list[float]]:
     (report.facts.part_costs) is given: a stage's blocks times the cost of one block, plus the
     part before the blocks on stage 0 and the part after them on the last stage. Without
     `parts`, a stage costs its number of blocks (at least 1) and backward = 2 x forward, the
-    usual ratio for matmul-dominated layers."""
+    usual ratio for matmul-dominated layers. Under full activation checkpointing a block's
+    backward includes its recomputed forward."""
     last = len(plan.stages) - 1
     by_part = {p.part: p for p in parts or ()}
     fwd, bwd = [], []
@@ -132,6 +133,8 @@ def stage_costs(plan, parts=None) -> tuple[list[float], list[float]]:
         else:
             f = st.num_layers * (block.compute_fwd_s + block.comm_fwd_s)
             b = st.num_layers * (block.compute_bwd_s + block.comm_bwd_s)
+            if plan.checkpointing == "full":  # backward first runs each block forward again
+                b += f
         for part, on in (("pre", st.index == 0), ("post", st.index == last)):
             if on and part in by_part:
                 f += by_part[part].compute_fwd_s + by_part[part].comm_fwd_s
