@@ -476,7 +476,9 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
         num_nodes: nodes of the cluster (default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE
             under torchrun, a topology file's own, else 1); world_size: ranks of the
             `local-cpu` preset when planning outside a process group.
-        dtype: compute dtype; optimizer: `params -> Optimizer` (default AdamW(lr=1e-3));
+        dtype: compute dtype; optimizer: `named_params -> Optimizer`, given (FQN, parameter)
+            pairs, which torch optimizers take as they take parameters, so that groups can be
+            built by name (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3);
         max_grad_norm: clip the global gradient norm.
         device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,
             e.g. to leave room for something else).

@@ -458,3 +458,45 @@ def train_ignored(factory, steps: int, batch: int, overrides: dict, *, seq: int 
     y = _mask_unevenly(y)
     losses = [ap.step(x[i], y[i]) for i in range(steps)]
     return losses, ap.state_dict()
+
+
+def grouped_adamw(named):
+    """AdamW with groups by FQN, as HF and torchtitan build them: weight decay 0.1 on the
+    matrices, none on norms and biases, and the position embedding frozen at lr 0 (under
+    ZeRO-1 some ranks own nothing of it: its group is empty there)."""
+    named = list(named)
+    frozen = [(n, p) for n, p in named if "wpe" in n]
+    no_decay = [(n, p) for n, p in named if "wpe" not in n and (n.endswith("bias") or "ln" in n)]
+    taken = {n for n, _ in frozen + no_decay}
+    decay = [(n, p) for n, p in named if n not in taken]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0},
+                              {"params": frozen, "lr": 0.0}], lr=LR, eps=1e-6)
+
+
+def reference_grouped(factory, steps: int, batch: int, *, seq: int = SEQ):
+    model = factory()
+    opt = grouped_adamw(model.named_parameters())
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = cross_entropy_loss(logits(model, x[i]), y[i])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train_grouped(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=grouped_adamw,
+                      **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    groups = [len(g["params"]) for g in ap._engine.optimizer.param_groups] \
+        if hasattr(ap._engine.optimizer, "param_groups") else \
+        [len(g["params"]) for g in ap._engine.optimizer.inner.param_groups]
+    return losses, ap.state_dict(), groups

@@ -396,3 +396,27 @@ def test_cli_export_traces_at_the_plans_microbatch_size(tmp_path, capsys):
     assert mb > 1
     code = (out / "rank0_stage0.py").read_text()
     assert re.search(rf"\[{mb}, 16, \d+\]", code), code[:3000]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    dict(dp=4, tp=1, pp=1, zero_stage=1), dict(dp=4, tp=1, pp=1, zero_stage=2),
+    dict(dp=4, tp=1, pp=1, zero_stage=3), dict(dp=2, tp=2, pp=1, zero_stage=0),
+], ids=["dp4-zero1", "dp4-zero2", "dp4-zero3", "dp2xtp2"])
+def test_optimizer_groups_by_name_match_one_process(clusters, overrides):
+    """The optimizer factory gets (FQN, parameter) pairs: AdamW groups by name (decay on
+    matrices, none on norms and biases, the position embedding at lr 0) train as on one
+    process under every ZeRO stage and under tp."""
+    import _jobs
+
+    steps, batch = 2, 8
+    ref_losses, ref_params = _jobs.reference_grouped(_jobs.preset("gpt2-tiny"), steps, batch)
+    results = clusters.get(4).run(_jobs.train_grouped, _jobs.preset("gpt2-tiny"), steps, batch,
+                                  overrides, timeout_s=300)
+    for losses, params, groups in results:
+        assert len(groups) == 3
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+    if overrides.get("zero_stage") == 1:  # ownership splits the groups: some end up empty
+        assert any(0 in groups for _, _, groups in results)

@@ -117,7 +117,9 @@ class DistributedModel:
         plan: the plan.
         state: the full model (nn.Module) or its weights by FQN, identical on every rank;
             a mapping must include non-persistent buffers (e.g. rotary inv_freq).
-        optimizer: `params -> torch.optim.Optimizer` (default AdamW(lr=1e-3)).
+        optimizer: `named_params -> torch.optim.Optimizer`, given this rank's (FQN, parameter)
+            pairs (the model's own names; torch optimizers take them as they take parameters,
+            and groups can be built by name); default AdamW(lr=1e-3).
         loss_fn: `(output, labels) -> scalar mean loss` of one microbatch (default: token
             cross-entropy weighted by the global batch's trained tokens, see `_token_loss`).
         device: "cpu" or "cuda".
@@ -165,7 +167,7 @@ class DistributedModel:
             source.fill(self._targets())
             self.weight_source = source
             check_against_plan(self)
-            params = self._unique_params()
+            params = self._unique_named_params()
             make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
             if plan.zero_stage == 1 and plan.mesh.dp > 1:
                 self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"])
@@ -286,6 +288,17 @@ class DistributedModel:
                 _compat.fully_shard(module, dp_mesh, mp_policy=mp,
                                     reshard_after_forward=plan.zero_stage == 3)
         return gm
+
+    def _unique_named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """(FQN, parameter) of this rank, each tensor once (a tied weight under its first
+        name), in the model's order: what the optimizer factory receives."""
+        seen, out = set(), []
+        for _, m in self.stages:
+            for name, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
 
     def _unique_params(self) -> list[nn.Parameter]:
         seen, out = set(), []

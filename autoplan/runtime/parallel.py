@@ -51,10 +51,17 @@ class ShardedOptimizer:
     Parameters are assigned to owners greedily by size (largest first, to the least loaded
     rank). `step` runs the inner optimizer on owned parameters, then all-gathers the updated
     parameters over the dp group (packed flat per dtype), so all replicas stay equal.
+
+    `make_optimizer` receives every (FQN, parameter) of the model, as on one process, so
+    that groups built by name come out alike on every rank; the parameters this rank does
+    not own are then dropped from its groups (a group may end up empty here: it still
+    steps nothing, and its hyperparameters stay).
     """
 
-    def __init__(self, params: list[nn.Parameter], make_optimizer: Callable, dp_mesh):
-        self.params = list(params)
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], make_optimizer: Callable,
+                 dp_mesh):
+        named_params = list(named_params)
+        self.params = [p for _, p in named_params]
         self.group = dp_mesh.get_group()
         self.ranks = dist.get_process_group_ranks(self.group)
         loads = [0] * len(self.ranks)
@@ -65,8 +72,13 @@ class ShardedOptimizer:
             self.owner[i] = r
             loads[r] += self.params[i].numel()
         me = dp_mesh.get_local_rank()
-        owned = [p for p, o in zip(self.params, self.owner) if o == me]
-        self.inner = make_optimizer(owned) if owned else None
+        owned = {id(p) for p, o in zip(self.params, self.owner) if o == me}
+        self.inner = make_optimizer(named_params)
+        for group in self.inner.param_groups:
+            keep = [i for i, p in enumerate(group["params"]) if id(p) in owned]
+            group["params"] = [group["params"][i] for i in keep]
+            if "param_names" in group:
+                group["param_names"] = [group["param_names"][i] for i in keep]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
