@@ -34,7 +34,7 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution", "replicate_module", "implicit_replication",
            "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents",
-           "quiet_understood_warnings",
+           "quiet_understood_warnings", "default_store",
            "Placement", "Partial", "Replicate", "Shard"]
 
 
@@ -419,3 +419,11 @@ def quiet_understood_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
         _NoAlltoallFallbackNotice())
     _QUIETED.append(True)
+
+
+def default_store():
+    """The key-value store of the default process group (torchrun's TCPStore, or the one
+    `init_process_group` was given); torch 2.13's `_get_default_store`."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()

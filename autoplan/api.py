@@ -75,6 +75,7 @@ class AutoParallel:
         self._graph = None
         self._engine = None
         self.metrics = None  # StepMetrics of the last step (autoplan.runtime.batch)
+        self._progress = None  # runtime.job.Progress: where each rank is, for PeerError
 
     # -- planning ---------------------------------------------------------------------------
     @property
@@ -250,6 +251,7 @@ class AutoParallel:
         import time
 
         from autoplan.progress import detail, phase
+        from autoplan.runtime import job
         from autoplan.runtime.batch import StepMetrics, check_batch
 
         spec = self.spec
@@ -258,11 +260,25 @@ class AutoParallel:
         input_ids, labels = input_ids.long(), labels.long()  # int32, uint8 ids: as int64
         if self._engine is None:
             self._engine = self._compile()
+        if self._progress is None:
+            self._progress = job.Progress()
         engine = self._engine
+        where = f"step {engine.num_steps + 1}"
+        self._progress.mark(where)
         start = time.perf_counter()
-        with phase("first step") if engine.num_steps == 0 else _nothing():
-            loss = engine.step(input_ids, labels)
+        try:
+            with phase("first step") if engine.num_steps == 0 else _nothing():
+                loss = engine.step(input_ids, labels)
+        except RuntimeError as e:  # a collective timed out or lost its peer: name the peer
+            others = self._progress.others(where)
+            if not others:
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise job.PeerError(
+                f"rank {dist.get_rank()}, {where}: a collective failed ({first[:200]}); "
+                f"ranks not in {where}:\n{others}") from e
         took = time.perf_counter() - start
+        self._progress.mark(f"after {where}")
         plan, pred = engine.plan, engine.plan.prediction
         peak = engine.memory.peaks.get("first_step" if engine.num_steps == 1 else "step")
         tokens = spec.global_batch * spec.seq_len

@@ -500,3 +500,27 @@ def train_grouped(factory, steps: int, batch: int, overrides: dict, *, seq: int 
         if hasattr(ap._engine.optimizer, "param_groups") else \
         [len(g["params"]) for g in ap._engine.optimizer.inner.param_groups]
     return losses, ap.state_dict(), groups
+
+
+def train_with_a_sleeper(sleep_s: float):
+    """dp2 gpt2-tiny: one step together, then rank 1 sleeps `sleep_s` instead of stepping;
+    rank 0's second step waits for it past the collective timeout. What each rank saw."""
+    import time
+
+    import torch.distributed as dist
+
+    from autoplan.api import autoparallel
+
+    model = preset("gpt2-tiny")()
+    ap = autoparallel(model, global_batch=4, seq_len=SEQ, optimizer=adamw, dp=2, tp=1, pp=1,
+                      zero_stage=0)
+    x, y = batches(vocab_of(model), 2, 4)
+    ap.step(x[0], y[0])
+    if dist.get_rank() == 1:
+        time.sleep(sleep_s)
+        return "slept"
+    try:
+        ap.step(x[1], y[1])
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -420,3 +420,18 @@ def test_optimizer_groups_by_name_match_one_process(clusters, overrides):
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
     if overrides.get("zero_stage") == 1:  # ownership splits the groups: some end up empty
         assert any(0 in groups for _, _, groups in results)
+
+
+@pytest.mark.slow
+def test_a_collective_that_times_out_names_the_rank_it_waited_for():
+    """Rank 1 stops stepping (a hang between steps, as under torchrun): rank 0's collective
+    times out, and its error names rank 1 and where it last was, not only gloo's "Timed out"."""
+    import _jobs
+
+    from autoplan.runtime.launcher import LocalCluster
+
+    with LocalCluster(2, pg_timeout_s=4) as cluster:
+        seen = cluster.run(_jobs.train_with_a_sleeper, 15.0, timeout_s=240)
+    assert seen[1] == "slept"
+    assert seen[0].startswith("PeerError: rank 0, step 2: a collective failed"), seen[0]
+    assert re.search(r"rank 1: last at 'after step 1', \d+ s ago", seen[0]), seen[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TORCHRUN_VARS", "under_torchrun", "join", "num_nodes", "device", "comm_device",
-           "run_isolated"]
+           "Progress", "PeerError", "run_isolated"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -81,6 +82,58 @@ def comm_device() -> torch.device:
     """Where a tensor must be for the default group's collectives: this rank's CUDA device
     under NCCL, else the CPU (gloo)."""
     return torch.device(device())
+
+
+class PeerError(RuntimeError):
+    """A collective failed on this rank while other ranks were elsewhere: the message names
+    them and where they were last (see Progress); the collective's own error is chained."""
+
+
+class Progress:
+    """Where every rank of the job is, kept in the job's store, so that a rank whose collective
+    fails can name the peer it waited for.
+
+    Each rank writes one key, `autoplan/progress/<rank>` = "<unix time> <what>", at the start
+    and the end of every step (two small store writes per step). When a collective times out
+    or loses its peer, gloo says only "Timed out waiting ..." or "Connection reset by peer";
+    `others(current)` reads the peers' keys and names those not at `current` -- a rank that
+    hangs between steps, or died, has an older mark. A job of one rank keeps nothing.
+    """
+
+    PREFIX = "autoplan/progress/"
+
+    def __init__(self):
+        from autoplan._torch_compat import default_store
+
+        self.store = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.store = default_store()
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def mark(self, what: str) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.PREFIX}{self.rank}", f"{time.time():.3f} {what}")
+
+    def others(self, current: str) -> str:
+        """A line per other rank not at `current`: its last mark and how long ago ("" when
+        every rank is there, or nothing can be read)."""
+        if self.store is None:
+            return ""
+        lines, now = [], time.time()
+        for r in range(self.world_size):
+            key = f"{self.PREFIX}{r}"
+            if r == self.rank:
+                continue
+            try:
+                if not self.store.check([key]):
+                    lines.append(f"rank {r}: no step started yet")
+                    continue
+                stamp, _, what = self.store.get(key).decode().partition(" ")
+            except Exception:  # noqa: BLE001 - the store is gone too: nothing to add
+                return ""
+            if what != current:
+                lines.append(f"rank {r}: last at '{what}', {now - float(stamp):.0f} s ago")
+        return "\n".join(lines)
 
 
 def _child(fn: Callable, args: tuple, conn) -> None:
