@@ -51,6 +51,7 @@ class PlanOptions:
     world_size: int | None = None
     dtype: str = "float32"
     optimizer: Callable | None = None
+    lr_scheduler: Callable | None = None
     max_grad_norm: float | None = None
     device_memory_bytes: float | None = None
     weights: str | None = None
@@ -192,6 +193,7 @@ class AutoParallel:
         with phase(f"building this rank's shards ({plan.mesh})"):
             engine = DistributedModel(graph, plan, self._weight_source(graph),
                                       optimizer=self.options.optimizer,
+                                      lr_scheduler=self.options.lr_scheduler,
                                       max_grad_norm=self.options.max_grad_norm,
                                       device=job.device(), seed=self.options.seed)
         if self.options.weights is not None and _is_dcp(self.options.weights):
@@ -474,7 +476,8 @@ def default_init(module: nn.Module) -> None:
 
 def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str = "local-cpu",
                  num_nodes: int | None = None, world_size: int | None = None, dtype: str = "float32",
-                 optimizer: Callable | None = None, max_grad_norm: float | None = None,
+                 optimizer: Callable | None = None, lr_scheduler: Callable | None = None,
+                 max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
                  init: Callable | None = None, seed: int | None = None, **overrides):
     """Decorate a module class, a factory function or an instance.
@@ -495,6 +498,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
         dtype: compute dtype; optimizer: `named_params -> Optimizer`, given (FQN, parameter)
             pairs, which torch optimizers take as they take parameters, so that groups can be
             built by name (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3);
+        lr_scheduler: `optimizer -> LRScheduler`, stepped after every optimizer step;
         max_grad_norm: clip the global gradient norm.
         device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,
             e.g. to leave room for something else).
@@ -531,7 +535,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
             raise ValueError(f"autoparallel: {name}={value!r}; expected an integer >= {least}")
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
-                          optimizer=optimizer, max_grad_norm=max_grad_norm,
+                          optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          max_grad_norm=max_grad_norm,
                           device_memory_bytes=device_memory_bytes, weights=weights, init=init, seed=seed,
                           overrides=tuple(sorted(overrides.items())))
 

@@ -524,3 +524,35 @@ def train_with_a_sleeper(sleep_s: float):
     except Exception as e:  # noqa: BLE001 - the test reads it
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def warmup(optimizer):
+    """Linear warm-up over 2 steps, then constant: a schedule that changes every step here."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+
+
+def reference_scheduled(factory, steps: int, batch: int, *, seq: int = SEQ):
+    model = factory()
+    opt = adamw(model.parameters())
+    sched = warmup(opt)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = cross_entropy_loss(logits(model, x[i]), y[i])
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train_scheduled(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
+                      lr_scheduler=warmup, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    return losses, ap.state_dict()

@@ -435,3 +435,20 @@ def test_a_collective_that_times_out_names_the_rank_it_waited_for():
     assert seen[1] == "slept"
     assert seen[0].startswith("PeerError: rank 0, step 2: a collective failed"), seen[0]
     assert re.search(r"rank 1: last at 'after step 1', \d+ s ago", seen[0]), seen[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [dict(dp=2, tp=1, pp=1, zero_stage=1),
+                                       dict(dp=1, tp=1, pp=2, num_microbatches=2)],
+                         ids=["dp2-zero1", "pp2"])
+def test_an_lr_scheduler_steps_as_on_one_process(clusters, overrides):
+    import _jobs
+
+    steps, batch = 3, 4
+    ref_losses, ref_params = _jobs.reference_scheduled(_jobs.preset("gpt2-tiny"), steps, batch)
+    results = clusters.get(2).run(_jobs.train_scheduled, _jobs.preset("gpt2-tiny"), steps,
+                                  batch, overrides, timeout_s=300)
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)

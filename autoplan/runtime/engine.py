@@ -124,6 +124,8 @@ class DistributedModel:
             cross-entropy weighted by the global batch's trained tokens, see `_token_loss`).
         device: "cpu" or "cuda".
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        lr_scheduler: `optimizer -> torch.optim.lr_scheduler.LRScheduler`, stepped after every
+            optimizer step (None: none).
 
     Must be constructed on every rank of a process group of size plan.mesh.world_size.
     Raises ValueError when the world size does not match the plan.
@@ -133,7 +135,7 @@ class DistributedModel:
                  weights: WeightSource | nn.Module | Mapping[str, torch.Tensor], *,
                  optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  device: str = "cpu", max_grad_norm: float | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, lr_scheduler: Callable | None = None):
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(
@@ -173,6 +175,9 @@ class DistributedModel:
                 self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"])
             else:
                 self.optimizer = make_opt(params)
+            # the scheduler drives the torch optimizer itself (ZeRO-1's inner one)
+            self.lr_scheduler = lr_scheduler(getattr(self.optimizer, "inner", self.optimizer)) \
+                if lr_scheduler is not None else None
             self.scaler = LossScaler(device=self.device) if self.precision.loss_scaling \
                 else None
             self._schedule = self._build_schedule() if plan.mesh.pp > 1 else None
@@ -423,6 +428,8 @@ class DistributedModel:
             self.optimizer.step()
         else:
             self.skipped_steps += 1
+        if self.lr_scheduler is not None:  # every step, skipped or not (as HF's Trainer)
+            self.lr_scheduler.step()
         if self.plan.mesh.dp > 1:
             dist.all_reduce(local, group=self.mesh["dp"].get_group())
             local = local / self.plan.mesh.dp
