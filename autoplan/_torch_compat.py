@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Placement
 __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sharding_rule",
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution", "replicate_module", "implicit_replication",
-           "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents",
+           "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents", "checkpoint_keys",
            "quiet_understood_warnings", "default_store",
            "Placement", "Partial", "Replicate", "Shard"]
 
@@ -375,6 +375,13 @@ def forget_process_groups() -> None:
         registry.clear()
     c10d._unregister_all_process_groups()
     world.group_count = 0
+
+
+def checkpoint_keys(path) -> set[str]:
+    """The (flattened) keys a DCP checkpoint holds, from its metadata (torch 2.13)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def checkpoint_extents(path) -> dict[str, int]:

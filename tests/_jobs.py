@@ -556,3 +556,25 @@ def train_scheduled(factory, steps: int, batch: int, overrides: dict, *, seq: in
     x, y = batches(vocab_of(model), steps, batch, seq)
     losses = [ap.step(x[i], y[i]) for i in range(steps)]
     return losses, ap.state_dict()
+
+
+def resume_scheduled(factory, batch: int, path: str, *, seq: int = SEQ):
+    """Warm-up schedule: 4 steps straight, against 2 steps, save, a fresh model that loads and
+    takes steps 3 and 4 (the 4th loss shows the lr step 3 used). (4th loss straight, resumed)."""
+    from autoplan.api import autoparallel
+
+    def fresh():
+        return autoparallel(factory(), global_batch=batch, seq_len=seq, optimizer=adamw,
+                            lr_scheduler=warmup, dp=2, tp=1, pp=1, zero_stage=0)
+
+    model = factory()
+    x, y = batches(vocab_of(model), 4, batch, seq)
+    straight = fresh()
+    fourth = [straight.step(x[i], y[i]) for i in range(4)][-1]
+    first = fresh()
+    for i in range(2):
+        first.step(x[i], y[i])
+    first.save(path)
+    again = fresh()
+    again.load(path)
+    return fourth, [again.step(x[i], y[i]) for i in (2, 3)][-1]

@@ -452,3 +452,13 @@ def test_an_lr_scheduler_steps_as_on_one_process(clusters, overrides):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_its_lr_schedule(clusters, tmp_path):
+    import _jobs
+
+    results = clusters.get(2).run(_jobs.resume_scheduled, _jobs.preset("gpt2-tiny"), 4,
+                                  str(tmp_path / "ckpt"), timeout_s=300)
+    for straight, resumed in results:
+        assert resumed == straight  # bit-identical: same lr, same states

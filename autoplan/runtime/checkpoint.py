@@ -7,6 +7,9 @@ into a model planned for another mesh or world size reshards (DCP reads the piec
 shard needs). Replicated copies (dp replicas, a tied weight held by two pipeline stages) are
 written once (DCP deduplicates identical chunks).
 
+A learning-rate scheduler's state (`lr_scheduler=`) is saved as `lr_scheduler` and restored
+with the learning rate it had set; a checkpoint without one leaves the schedule as it is.
+
 Buffers are not saved: they are recomputed (rotary tables) or part of the graph (lifted
 constants) -- see case C5.
 """
@@ -48,6 +51,8 @@ def _state_dict(model) -> tuple[dict, dict[str, list]]:
 def save(model, path: str | os.PathLike) -> None:
     """Write `model` (a DistributedModel) to the DCP directory `path` (collective)."""
     sd, _ = _state_dict(model)
+    if getattr(model, "lr_scheduler", None) is not None:
+        sd["lr_scheduler"] = model.lr_scheduler.state_dict()
     dcp.save(sd, checkpoint_id=str(path))
 
 
@@ -113,11 +118,21 @@ def load(model, path: str | os.PathLike) -> None:
     written by `save`, or a truncated file; whatever DCP raises for a missing key or a shape
     mismatch (it names the key).
     """
+    from autoplan._torch_compat import checkpoint_keys
+
     check_files(path)
     _initialise_optimizer_state(model)
     sd, copies = _state_dict(model)
+    scheduler = getattr(model, "lr_scheduler", None)
+    if scheduler is not None and any(k.startswith("lr_scheduler.") for k in
+                                     checkpoint_keys(path)):
+        sd["lr_scheduler"] = scheduler.state_dict()  # the shape DCP fills
     dcp.load(sd, checkpoint_id=str(path))
     opt = _optimizer(model)
+    if "lr_scheduler" in sd:  # the schedule where it was, and the lr it had set
+        scheduler.load_state_dict(sd["lr_scheduler"])
+        for group, lr in zip(opt.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
     for fqn, others in copies.items():
         first = sd[f"model.{fqn}"]
         for p in others:
