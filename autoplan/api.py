@@ -52,6 +52,7 @@ class PlanOptions:
     dtype: str = "float32"
     optimizer: Callable | None = None
     lr_scheduler: Callable | None = None
+    loss_fn: Callable | None = None
     max_grad_norm: float | None = None
     device_memory_bytes: float | None = None
     weights: str | None = None
@@ -194,6 +195,7 @@ class AutoParallel:
             engine = DistributedModel(graph, plan, self._weight_source(graph),
                                       optimizer=self.options.optimizer,
                                       lr_scheduler=self.options.lr_scheduler,
+                                      loss_fn=self.options.loss_fn,
                                       max_grad_norm=self.options.max_grad_norm,
                                       device=job.device(), seed=self.options.seed)
         if self.options.weights is not None and _is_dcp(self.options.weights):
@@ -477,7 +479,7 @@ def default_init(module: nn.Module) -> None:
 def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str = "local-cpu",
                  num_nodes: int | None = None, world_size: int | None = None, dtype: str = "float32",
                  optimizer: Callable | None = None, lr_scheduler: Callable | None = None,
-                 max_grad_norm: float | None = None,
+                 loss_fn: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
                  init: Callable | None = None, seed: int | None = None, **overrides):
     """Decorate a module class, a factory function or an instance.
@@ -499,6 +501,10 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
             pairs, which torch optimizers take as they take parameters, so that groups can be
             built by name (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3);
         lr_scheduler: `optimizer -> LRScheduler`, stepped after every optimizer step;
+        loss_fn: `(logits, labels) -> scalar`, the mean loss of one microbatch (its samples
+            equally weighted: the step's loss is the mean over microbatches and dp ranks);
+            default: token cross-entropy over the global batch's trained tokens (-100
+            ignored), as one process computes it on the whole batch;
         max_grad_norm: clip the global gradient norm.
         device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,
             e.g. to leave room for something else).
@@ -535,7 +541,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
             raise ValueError(f"autoparallel: {name}={value!r}; expected an integer >= {least}")
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
-                          optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
                           max_grad_norm=max_grad_norm,
                           device_memory_bytes=device_memory_bytes, weights=weights, init=init, seed=seed,
                           overrides=tuple(sorted(overrides.items())))

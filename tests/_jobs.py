@@ -578,3 +578,33 @@ def resume_scheduled(factory, batch: int, path: str, *, seq: int = SEQ):
     again = fresh()
     again.load(path)
     return fourth, [again.step(x[i], y[i]) for i in (2, 3)][-1]
+
+
+def smoothed_loss(logits, labels):
+    """A user's loss: token cross-entropy with label smoothing 0.1 (a mean per microbatch)."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             labels.reshape(-1), label_smoothing=0.1)
+
+
+def reference_user_loss(factory, steps: int, batch: int, *, seq: int = SEQ):
+    model = factory()
+    opt = adamw(model.parameters())
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = smoothed_loss(logits(model, x[i]), y[i])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train_user_loss(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
+                      loss_fn=smoothed_loss, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    return [ap.step(x[i], y[i]) for i in range(steps)], ap.state_dict()

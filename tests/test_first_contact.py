@@ -462,3 +462,20 @@ def test_a_resumed_run_continues_its_lr_schedule(clusters, tmp_path):
                                   str(tmp_path / "ckpt"), timeout_s=300)
     for straight, resumed in results:
         assert resumed == straight  # bit-identical: same lr, same states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [dict(dp=2, tp=1, pp=1, num_microbatches=2),
+                                       dict(dp=1, tp=1, pp=2, num_microbatches=2)],
+                         ids=["dp2-m2", "pp2"])
+def test_a_users_loss_function_trains_as_on_one_process(clusters, overrides):
+    import _jobs
+
+    steps, batch = 2, 4
+    ref_losses, ref_params = _jobs.reference_user_loss(_jobs.preset("gpt2-tiny"), steps, batch)
+    results = clusters.get(2).run(_jobs.train_user_loss, _jobs.preset("gpt2-tiny"), steps,
+                                  batch, overrides, timeout_s=300)
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
