@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import os
 import random
+import subprocess
+import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -315,6 +319,41 @@ def test_planning_is_deterministic(golden_plans):
     plans, graphs = golden_plans
     again = regen.plan_case("llama3-8b_dgx-h100-1", graphs)
     assert again == plans["llama3-8b_dgx-h100-1"]
+
+
+@pytest.mark.slow
+def test_plans_are_identical_idle_and_under_load():
+    """[Note: deterministic limits] (solver/ilp_types.py): every solve is limited in
+    deterministic units, never wall-clock, so the same inputs give the same plan at any load.
+    Llama-3-8B on one DGX-H100 (the default limit), and llama-tiny on devices so small that
+    memory binds at a limit that cuts a CP-SAT solve short (a configuration is skipped, with a
+    warning), planned idle and again with a busy loop on every core: the same Plan JSON and
+    the same warnings."""
+    tiny = capture_preset("llama-tiny", batch=1, seq_len=16)
+    cases = [(*regen.setup("llama3-8b_dgx-h100-1"), {}),
+             (tiny, _with_memory(preset("local-cpu", devices_per_node=4), 3e5),
+              TrainingSpec(global_batch=8, seq_len=16), {"time_limit_s": 0.05})]
+
+    def run() -> list[tuple]:
+        out = []
+        for graph, topology, spec, kwargs in cases:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                p = plan(graph, topology, spec, **kwargs)
+            out.append((p.to_json(), [str(w.message) for w in caught]))
+        return out
+
+    idle = run()
+    cores = max(2, len(os.sched_getaffinity(0)))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        loaded = run()
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert any("skipped" in m for m in idle[1][1]), idle[1][1]  # the limit did cut a solve
+    assert loaded == idle
 
 
 # --- C10 ---------------------------------------------------------------------------------------

@@ -15,10 +15,12 @@ from autoplan import _torch_compat as tc
 from autoplan.capture import capture, capture_preset
 from autoplan.models.mlp import MLP, WideMLP
 from autoplan.plan import Plan, format_placement, parse_placement
-from autoplan.solver import InvalidConfig, NoFeasiblePlan, plan
+from autoplan.solver import (InvalidConfig, NoFeasiblePlan, SolverLimitReached,
+                             SolverLimitWarning, plan)
 from autoplan.solver.costs import build_costs
 from autoplan.solver.ilp import evaluate, solve
 from autoplan.solver.problem import build_problem
+from autoplan.solver.search import PlanConfig, Search
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import constant_like_nodes, tensor_args
 from autoplan.topology import preset
@@ -358,3 +360,46 @@ def test_branch_and_bound_equals_exhaustive_search_over_configurations(llama, lo
         if result.fits:
             times.append(result.step_time_s)
     assert best == pytest.approx(min(times), rel=1e-9)
+
+
+# --- limits ([Note: deterministic limits] in solver/ilp_types.py) ------------------------------
+
+def test_a_solve_cut_short_keeps_a_feasible_start_or_raises_a_named_error(llama, local4):
+    """A CP-SAT solve stopped by a tiny deterministic limit before any placement returns its
+    start (optimal False) when the start satisfies the model, and raises SolverLimitReached
+    when no start does; with room the same ILP is solved to optimality."""
+    search = Search(llama, local4, TrainingSpec(global_batch=8, seq_len=16), 10.0)
+    cfg = PlanConfig(2, 1, 2, 0, 4, 2, "1f1b", 1, "none")
+    prob, costs = search.problem(2), search.cost(2, 2)
+    ilp = dict(form=search.step_form(cfg), ranks=search.ranks(cfg))
+    roomy, tight = 1e12, 3e5  # bytes: every placement fits / the all-replicated one does not
+    cut = solve(prob, costs, **ilp, budget_bytes=roomy, time_limit_s=1e-6)
+    assert not cut.optimal  # the all-replicated start
+    assert all(all(pl == "R" for pl in prob.cands[n][i].inputs + prob.cands[n][i].outputs)
+               for n, i in cut.choice.items())
+    with pytest.raises(SolverLimitReached, match=r"time ILP of tp 2 .* time_limit_s=1e-06"):
+        solve(prob, costs, **ilp, budget_bytes=tight, time_limit_s=1e-6)
+    full = solve(prob, costs, **ilp, budget_bytes=tight, time_limit_s=10.0)
+    assert full.optimal and full.integer_solver
+    kept = solve(prob, costs, **ilp, budget_bytes=tight, start=full.choice, time_limit_s=1e-6)
+    assert not kept.optimal and kept.choice == full.choice
+
+
+def test_a_plan_cut_short_skips_configurations_by_name_or_raises_a_named_error(llama, local4):
+    """With memory binding (CP-SAT solves) and a limit of 0.001 deterministic seconds, the
+    configuration whose constrained ILP finds nothing in time is skipped with a
+    SolverLimitWarning naming it, and the plan is the best of the others, the same on every
+    run; when that configuration is the only one allowed, SolverLimitReached names it."""
+    topo = _small_device(local4, 3e5)
+    spec = TrainingSpec(global_batch=8, seq_len=16)
+    plans = []
+    for _ in range(2):
+        with pytest.warns(SolverLimitWarning, match=r"pp1 x dp2 x tp2, ZeRO-3, 2 microbatches"):
+            plans.append(plan(llama, topo, spec, time_limit_s=1e-3).to_json())
+    assert plans[0] == plans[1]
+    assert Plan.from_json(plans[0]).mesh == plan(llama, topo, spec).mesh
+    with pytest.raises(SolverLimitReached, match=r"for pp1 x dp2 x tp2, .* and \d+ more config"
+                                                 r"urations .* time_limit_s=0.001"):
+        plan(llama, topo, spec, tp=2, pp=1, dp=2, time_limit_s=1e-3)
+    with pytest.raises(ValueError, match="time_limit_s 0 must be a positive number"):
+        plan(llama, topo, spec, time_limit_s=0)

@@ -15,12 +15,14 @@ The pipeline, in files:
                       reprice(): a fixed plan priced on another topology
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
-Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig` (both ValueError),
-`DP_SYNC_OVERLAP`.
+Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig`, `SolverLimitReached` (all
+ValueError), `SolverLimitWarning`, `DP_SYNC_OVERLAP`.
 """
 
 from autoplan.solver.pipeline import DP_SYNC_OVERLAP
 from autoplan.solver.planner import plan, reprice
-from autoplan.solver.search import InvalidConfig, NoFeasiblePlan
+from autoplan.solver.search import (InvalidConfig, NoFeasiblePlan, SolverLimitReached,
+                                    SolverLimitWarning)
 
-__all__ = ["plan", "reprice", "NoFeasiblePlan", "InvalidConfig", "DP_SYNC_OVERLAP"]
+__all__ = ["plan", "reprice", "NoFeasiblePlan", "InvalidConfig", "SolverLimitReached",
+           "SolverLimitWarning", "DP_SYNC_OVERLAP"]

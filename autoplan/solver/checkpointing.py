@@ -42,7 +42,7 @@ import dataclasses
 
 from autoplan.cost_model.compute import op_time_s
 from autoplan.solver.costs import Costs, out_divisor
-from autoplan.solver.ilp import RankMemory, Solution
+from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.spec import TrainingSpec

@@ -61,14 +61,18 @@ point), found in ~30 ms instead of ~250 ms. A fractional LP optimum (ties; the m
 pipeline's stage form) is rounded to each node's largest x, which is kept when it meets the LP
 bound within the relative gap 1e-7. Otherwise, and always under memory constraints
 (knapsack-like, the LP is fractional), the model is solved as an ILP by CP-SAT
-(linearization_level 2, one deterministic worker, relative gap 1e-7, variable bounds up to
-1e14: its default 1e7 would truncate T, E and z).
+(linearization_level 2, one worker with a fixed seed, relative gap 1e-7, variable bounds up to
+1e14: its default 1e7 would truncate T, E and z), from a feasible start when one is known (the
+LP rounding, else the caller's `start`, else every node replicated: `_starts`). Every solve is
+limited in deterministic time, never wall-clock ([Note: deterministic limits] in ilp_types.py);
+one that reaches its limit keeps its best placement, else its start when the start satisfies
+the model (both with `Solution.optimal` False), else raises SolverLimitReached.
 Units inside the model: ns for time, kB (1e3 B) for memory, elements for parameters.
 Compute, communication and transition (edge) costs stay separate in `Solution`.
 
-Files: ilp_types.py (RankMemory, StepForm, Solution), ilp_model.py (the model: `_Model`, whose
-add_* methods are named above, and [Note: model building]); this module solves the model and
-evaluates placements (`solve`, `relax`, `evaluate`, `model_proto`).
+Files: ilp_types.py (RankMemory, StepForm, Solution, SolverLimitReached), ilp_model.py (the
+model: `_Model`, whose add_* methods are named above, and [Note: model building]); this module
+solves the model and evaluates placements (`solve`, `relax`, `evaluate`, `model_proto`).
 """
 
 from __future__ import annotations
@@ -77,22 +81,24 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from autoplan.solver.costs import Costs, split_of
-from autoplan.solver.ilp_model import _build, _Model
+from autoplan.solver.costs import Costs
+from autoplan.solver.ilp_model import _build, _Model, edge_key
 from autoplan.solver.ilp_types import (_GAP, _NS, _TIE_BREAK, TIME_FORM, RankMemory, Solution,
-                                       StepForm)
-from autoplan.solver.problem import OUTPUT, Problem
+                                       SolverLimitReached, StepForm)
+from autoplan.solver.problem import Problem
 
-__all__ = ["RankMemory", "StepForm", "TIME_FORM", "Solution", "solve", "relax", "evaluate",
-           "model_proto"]
+__all__ = ["RankMemory", "StepForm", "TIME_FORM", "Solution", "SolverLimitReached", "solve",
+           "relax", "evaluate", "model_proto"]
 
 _INTEGRAL = 1e-6
+_SOLVED = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
 
 
 def solve(problem: Problem, costs: Costs, *, form: StepForm = TIME_FORM,
           ranks: list[RankMemory] | None = None, budget_bytes: float | None = None,
-          objective: str = "time", time_limit_s: float = 10.0) -> Solution | None:
-    """Solve the ILP of the module docstring ([Note: LP first]); None when infeasible.
+          objective: str = "time", start: dict[str, int] | None = None,
+          time_limit_s: float = 10.0) -> Solution | None:
+    """Solve the ILP of the module docstring ([Note: LP first]).
 
     Args:
         problem, costs: from problem.build_problem and costs.build_costs.
@@ -100,18 +106,38 @@ def solve(problem: Problem, costs: Costs, *, form: StepForm = TIME_FORM,
         ranks, budget_bytes: per-rank memory (RankMemory) and the limit; no memory constraint
             when `ranks` is None.
         objective: "time" (default) or "memory" (min of the largest rank's memory).
-        time_limit_s: time limit per solver call, seconds.
+        start: a placement (node -> candidate index) to start CP-SAT from when the LP's
+            rounding is none; e.g. the time-optimal placement of the same (tp, b, policy).
+        time_limit_s: the limit of each GLOP and CP-SAT call in deterministic seconds, not
+            wall-clock ([Note: deterministic limits] in ilp_types.py).
+
+    Returns:
+        The best placement, `optimal` False when a limit cut a solve short; None only when no
+        placement satisfies the constraints (proved infeasible, or a node left without a
+        candidate while building).
+
+    Raises:
+        SolverLimitReached: a limit came before any placement and no start satisfies the model.
     """
-    start = time.perf_counter()
+    began = time.perf_counter()
     several = objective != "memory" and len(form.shares) > 1 and not form.one_factor
-    best = None
+    best, optimal, stopped = None, True, None
     for busiest in (range(len(form.shares)) if several else (None,)):
-        sol = _solve_once(problem, costs, form, busiest, ranks, budget_bytes, objective,
-                          time_limit_s)
-        if sol is not None and (best is None or form.value(sol) < form.value(best)):
-            best = sol
+        try:
+            sol = _solve_once(problem, costs, form, busiest, ranks, budget_bytes, objective,
+                              start, time_limit_s)
+        except SolverLimitReached as e:  # this rank's split unsolved: the others may do
+            stopped, optimal = e, False
+            continue
+        if sol is not None:
+            optimal = optimal and sol.optimal
+            if best is None or form.value(sol) < form.value(best):
+                best = sol
+    if best is None and stopped is not None:
+        raise stopped
     if best is not None:
-        best.solve_s = time.perf_counter() - start
+        best.optimal = optimal
+        best.solve_s = time.perf_counter() - began
     return best
 
 
@@ -122,7 +148,7 @@ def model_proto(problem: Problem, costs: Costs, *, form: StepForm = TIME_FORM,
     export (`ExportModelAsLpFormat`) or check, e.g. for duplicate constraints."""
     from ortools.linear_solver import linear_solver_pb2
 
-    model = _build(problem, costs, integer, ranks, budget_bytes, "time", form, None)
+    model = _build(problem, costs, integer, ranks, budget_bytes, "time", form, None, 10.0)
     proto = linear_solver_pb2.MPModelProto()
     model.s.ExportModelToProto(proto)
     return proto
@@ -133,14 +159,14 @@ def relax(problem: Problem, costs: Costs, *, form: StepForm,
     """(a step time no placement beats, a placement certified optimal or None) from the LP
     relaxation of the unconstrained ILP ([Note: LP first]): the bound is the LP optimum less
     the tie-breaks; the placement is the LP's (integral or rounded) when it meets the bound
-    within the relative gap. Cheap (GLOP only); `solve` does the rest."""
+    within the relative gap. Cheap (GLOP only, `time_limit_s` deterministic seconds per LP);
+    `solve` does the rest. An LP that stops at its limit gives the bound `form.const_s`."""
     several = len(form.shares) > 1 and not form.one_factor
     bound, best = float("inf"), None
     for busiest in (range(len(form.shares)) if several else (None,)):
-        model = _build(problem, costs, False, None, None, "time", form, busiest)
+        model = _build(problem, costs, False, None, None, "time", form, busiest, time_limit_s)
         if model.infeasible:
             continue
-        model.s.SetTimeLimit(int(time_limit_s * 1000))
         status = model.s.Solve()
         if status == pywraplp.Solver.INFEASIBLE:
             continue
@@ -148,8 +174,7 @@ def relax(problem: Problem, costs: Costs, *, form: StepForm,
             return form.const_s, None  # no bound known beyond the constant
         lp = model.s.Objective().Value() - _TIE_BREAK * len(model.ties)
         bound = min(bound, lp / _NS + form.const_s)
-        values = model.values()
-        sol = _rounded(problem, costs, form, model, values)
+        sol = _rounded(problem, costs, form, model, _largest(model.values()))
         if sol is not None and (best is None or form.value(sol) < form.value(best)):
             best = sol
     if best is not None:
@@ -158,30 +183,79 @@ def relax(problem: Problem, costs: Costs, *, form: StepForm,
     return bound, best
 
 
-def _solve_once(problem, costs, form, busiest, ranks, budget_bytes, objective,
-                time_limit_s) -> Solution | None:
-    optimal = True
+def _solve_once(problem, costs, form, busiest, ranks, budget_bytes, objective, start,
+                limit_s) -> Solution | None:
+    """One solve of the ILP (of one busiest rank): the LP first when there are no memory
+    constraints, then CP-SAT from a feasible start (`_starts`)."""
+    rounding = None
     # Memory constraints (knapsack-like) make the LP fractional: go to CP-SAT directly.
-    for integer in ((True,) if ranks is not None or objective == "memory" else (False, True)):
-        model = _build(problem, costs, integer, ranks, budget_bytes, objective, form, busiest)
+    if ranks is None and objective != "memory":
+        model = _build(problem, costs, False, None, None, objective, form, busiest, limit_s)
         if model.infeasible:
             return None  # a constraint without variables fails (e.g. a fixed pair not offered)
-        model.s.SetTimeLimit(int(time_limit_s * 1000))
         status = model.s.Solve()
         if status == pywraplp.Solver.INFEASIBLE:
             return None  # the LP is infeasible only when the ILP is
-        if not integer and status != pywraplp.Solver.OPTIMAL:
-            continue  # GLOP gave up (numerics, time): CP-SAT decides
-        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return None
-        values = model.values()
-        if all(min(abs(v), abs(1 - v)) < _INTEGRAL for xs in values.values() for v in xs):
-            optimal = status == pywraplp.Solver.OPTIMAL
+        if status == pywraplp.Solver.OPTIMAL:  # else GLOP gave up (numerics, limit): CP-SAT
+            values = model.values()
+            rounding = _largest(values)
+            if all(min(abs(v), abs(1 - v)) < _INTEGRAL for xs in values.values() for v in xs):
+                return _placed(problem, costs, model, rounding, optimal=True)
+            sol = _rounded(problem, costs, form, model, rounding)
+            if sol is not None:
+                return sol
+    model = _build(problem, costs, True, ranks, budget_bytes, objective, form, busiest, limit_s)
+    if model.infeasible:
+        return None
+    # CP-SAT's hint: the first start that satisfies the model, else the first that is a
+    # placement of it (CP-SAT may repair it); `feasible` says which
+    first, feasible = None, False
+    for choice in _starts(problem, rounding, start):
+        values = model.assignment(choice)
+        if values is not None and not model.violated(values):
+            first, feasible = (choice, values), True
             break
-        rounded = None if integer else _rounded(problem, costs, form, model, values)
-        if rounded is not None:
-            return rounded
-    choice = {n: max(range(len(xs)), key=lambda i, xs=xs: xs[i]) for n, xs in values.items()}
+        if first is None and values is not None:
+            first = (choice, values)
+    if first is not None:
+        model.hint(first[1])
+    status = model.s.Solve()
+    if status in _SOLVED:
+        return _placed(problem, costs, model, _largest(model.values()),
+                       optimal=status == pywraplp.Solver.OPTIMAL)
+    if status == pywraplp.Solver.INFEASIBLE:
+        return None
+    what = (f"the {objective} ILP of tp {problem.tp} ({model.s.NumVariables()} variables, "
+            f"{model.s.NumConstraints()} constraints)")
+    if status != pywraplp.Solver.NOT_SOLVED:  # ABNORMAL, MODEL_INVALID: a bug, not a limit
+        raise RuntimeError(f"CP-SAT failed on {what}: MPSolver status {status}")
+    if feasible:  # the limit came first: the start is a placement that satisfies the model
+        return _placed(problem, costs, model, first[0], optimal=False)
+    raise SolverLimitReached(what, limit_s)
+
+
+def _starts(problem: Problem, rounding: dict | None, start: dict | None) -> list[dict]:
+    """Candidate starts for CP-SAT, best first: the LP's rounding, the caller's start, every
+    node at its first all-replicated candidate (when each node has one)."""
+    replicated = {}
+    for n in problem.nodes:
+        i = next((i for i, c in enumerate(problem.cands[n])
+                  if all(pl == "R" for pl in c.inputs + c.outputs)), None)
+        if i is None:
+            break
+        replicated[n] = i
+    else:
+        return [c for c in (rounding, start, replicated) if c is not None]
+    return [c for c in (rounding, start) if c is not None]
+
+
+def _largest(values: dict[str, list[float]]) -> dict[str, int]:
+    """Each node's candidate of the largest x (the first of equals)."""
+    return {n: max(range(len(xs)), key=lambda i, xs=xs: xs[i]) for n, xs in values.items()}
+
+
+def _placed(problem, costs, model: _Model, choice: dict[str, int], *,
+            optimal: bool) -> Solution:
     sol = evaluate(problem, costs, choice)
     sol.optimal = optimal
     sol.num_vars, sol.num_constraints = model.s.NumVariables(), model.s.NumConstraints()
@@ -189,12 +263,11 @@ def _solve_once(problem, costs, form, busiest, ranks, budget_bytes, objective,
     return sol
 
 
-def _rounded(problem, costs, form: StepForm, model: _Model, values) -> Solution | None:
+def _rounded(problem, costs, form: StepForm, model: _Model, choice) -> Solution | None:
     """A fractional LP optimum (ties, or the max of a stage form) rounded to each node's
-    largest x: when that placement meets the LP bound (within the gap _GAP, the one CP-SAT
-    stops at) it is an ILP optimum and CP-SAT is not needed ([Note: LP first]). None otherwise
-    (or when the rounding is not a valid placement)."""
-    choice = {n: max(range(len(xs)), key=lambda i, xs=xs: xs[i]) for n, xs in values.items()}
+    largest x (`choice`): when that placement meets the LP bound (within the gap _GAP, the
+    one CP-SAT stops at) it is an ILP optimum and CP-SAT is not needed ([Note: LP first]).
+    None otherwise (or when the rounding is not a valid placement)."""
     try:
         sol = evaluate(problem, costs, choice)
     except KeyError:  # an edge whose pair the rounding picked is not offered
@@ -227,12 +300,3 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
         add(sol.act_bytes, part, row[choice[n]] if n is not None and n in choice else row[0])
     sol.objective_s = sum(sol.compute_s.values()) + sum(sol.comm_s.values())
     return sol
-
-
-def edge_key(problem: Problem, edge, choice: dict[str, int]) -> tuple:
-    """(p, q, split) that the choice puts on `edge`."""
-    p = problem.cands[edge.src][choice[edge.src]].outputs[edge.out_index]
-    if edge.dst == OUTPUT:
-        return (p, "R", False)
-    c = problem.cands[edge.dst][choice[edge.dst]]
-    return (p, c.inputs[edge.arg_index], split_of(c))

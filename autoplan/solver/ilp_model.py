@@ -17,6 +17,8 @@ from autoplan.solver.costs import Costs, split_of
 from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, RankMemory, StepForm
 from autoplan.solver.problem import OUTPUT, Problem
 
+__all__ = ["edge_key"]
+
 _KB = 1e3
 
 
@@ -28,21 +30,24 @@ class _Model:
     fixed needs no y variables (its pair costs become the other end's x coefficients and an
     unavailable pair forbids that candidate); identical constraints are added once."""
 
-    def __init__(self, problem: Problem, costs: Costs, integer: bool) -> None:
+    def __init__(self, problem: Problem, costs: Costs, integer: bool, limit_s: float) -> None:
         self.p, self.c, self.integer = problem, costs, integer
         self.s = pywraplp.Solver.CreateSolver("CP_SAT" if integer else "GLOP")
+        # limit_s: deterministic seconds, never wall-clock ([Note: deterministic limits])
         if integer:
             # Full LP relaxation inside CP-SAT: a llama-tiny layer solves in 0.15 s instead
-            # of 12 s with the default level; one worker keeps the answer deterministic.
+            # of 12 s with the default level; one worker with a fixed seed keeps the answer
+            # independent of the core count and of thread interleaving.
             self.s.SetSolverSpecificParametersAsString(
                 "linearization_level:2 num_workers:1 random_seed:0 "
-                f"relative_gap_limit:{_GAP} mip_max_bound:1e14")
+                f"relative_gap_limit:{_GAP} mip_max_bound:1e14 max_deterministic_time:{limit_s:g}")
         else:
             # A step-time objective reaches 1e10-1e11 ns; GLOP then finds the optimum but
             # calls it IMPRECISE (a dual residual of ~1e-7 against its absolute tolerance)
             # and pywraplp drops the solution. The primal side is exact (residuals ~1e-15),
             # and the placement is re-evaluated (and, when fractional, solved by CP-SAT).
-            self.s.SetSolverSpecificParametersAsString("change_status_to_imprecise: false")
+            self.s.SetSolverSpecificParametersAsString(
+                f"change_status_to_imprecise:false max_deterministic_time:{limit_s:g}")
         self.x: dict[str, list] = {}  # a variable per candidate, or [None]: fixed to its one
         self.y: list[dict] = []
         # per part: variable -> ns (time) and variable -> elements; the constants of fixed
@@ -56,6 +61,11 @@ class _Model:
         self.ties: dict = defaultdict(float)
         self.infeasible = ""  # the constraint that cannot hold, when found while building
         self._seen: set[tuple] = set()
+        # for `assignment` and `violated`: every constraint as (terms, lb, ub, name, binding)
+        # -- binding False for the busiest-rank rows, which split the search rather than
+        # constrain a placement -- and the bound variables (T, E, z)
+        self.rows: list[tuple[dict, float, float, str, bool]] = []
+        self.bounds: list = []
 
     def var(self, name: str):
         return self.s.BoolVar(name) if self.integer else self.s.NumVar(0.0, 1.0, name)
@@ -65,12 +75,15 @@ class _Model:
         rounding up costs at most one unit) and at most `ceiling` (it needs finite domains);
         continuous and unbounded above for the LP."""
         top = math.ceil(ceiling) + 1.0
-        if self.integer:
-            return self.s.IntVar(0.0, top, name)
-        return self.s.NumVar(0.0, self.s.infinity(), name)
+        var = (self.s.IntVar(0.0, top, name) if self.integer
+               else self.s.NumVar(0.0, self.s.infinity(), name))
+        self.bounds.append(var)
+        return var
 
-    def constraint(self, terms: dict, lb: float, ub: float, name: str) -> None:
-        """lb <= sum(coef * var) <= ub, skipping zero terms and exact duplicates."""
+    def constraint(self, terms: dict, lb: float, ub: float, name: str, *,
+                   binding: bool = True) -> None:
+        """lb <= sum(coef * var) <= ub, skipping zero terms and exact duplicates; `binding`
+        False: a row of the busiest-rank split (add_objective), not of the placement."""
         terms = {v: c for v, c in terms.items() if c}
         if not terms:
             if lb > 1e-9 or ub < -1e-9:
@@ -80,6 +93,7 @@ class _Model:
         if key in self._seen:
             return
         self._seen.add(key)
+        self.rows.append((terms, lb, ub, name, binding))
         ct = self.s.Constraint(lb, ub, name)
         for v, c in terms.items():
             ct.SetCoefficient(v, c)
@@ -242,7 +256,8 @@ class _Model:
             if busiest is not None:
                 for r, other in enumerate(form.shares):
                     if r != busiest:
-                        self._at_least(rank, other, f"busiest[rank {busiest} >= {r}]")
+                        self._at_least(rank, other, f"busiest[rank {busiest} >= {r}]",
+                                       binding=False)
         else:
             big_t = self.bound_var(self._ceiling(form, elems=False), "T")
             obj[big_t] += a_m
@@ -287,7 +302,8 @@ class _Model:
                     row[v] += share * c
         return row, const
 
-    def _at_least(self, bound, rank, name: str, *, elems: bool = False) -> None:
+    def _at_least(self, bound, rank, name: str, *, elems: bool = False,
+                  binding: bool = True) -> None:
         """bound >= the rank's row; `bound` a variable or another rank's row."""
         row, const = self._row(rank, elems)
         if isinstance(bound, tuple):  # a rank: its row - this row >= 0
@@ -302,7 +318,7 @@ class _Model:
             # infeasible) when they span 1e0..1e10 with fractions: round to whole ns
             # (elements), at most half a unit per term.
             terms = {v: float(round(c)) for v, c in terms.items()}
-        self.constraint(terms, const - lconst, self.s.infinity(), name)
+        self.constraint(terms, const - lconst, self.s.infinity(), name, binding=binding)
 
     def add_memory_objective(self, ranks: list[RankMemory]) -> None:
         exprs = [(r, *self.memory_expr(rank)) for r, rank in _undominated(ranks)]
@@ -319,6 +335,52 @@ class _Model:
     def values(self) -> dict[str, list[float]]:
         return {n: [1.0 if v is None else v.solution_value() for v in xs]
                 for n, xs in self.x.items()}
+
+    def assignment(self, choice: dict[str, int]) -> dict | None:
+        """Every variable's value for a placement (node -> candidate index, as
+        Solution.choice): x and y from the choice, each bound variable (T, E, z) at the least
+        value its rows allow. None when the choice is no placement of this model: a node
+        without a valid index, an edge whose pair has no variable (not offered, or a getitem
+        edge that changes placement)."""
+        values: dict = {}
+        for n, xs in self.x.items():
+            i = choice.get(n)
+            if i is None or not 0 <= i < len(xs):
+                return None
+            values.update((v, float(j == i)) for j, v in enumerate(xs) if v is not None)
+        for edge, y in zip(self.p.edges, self.y):
+            if y:
+                key = edge_key(self.p, edge, choice)
+                if key not in y:
+                    return None
+                values.update((v, float(k == key)) for k, v in y.items())
+        least = dict.fromkeys(self.bounds, 0.0)
+        for terms, lb, _ub, _name, _binding in self.rows:
+            for b in self.bounds:
+                if b in terms:  # b - row >= lb (the stage, sync and memory_max rows)
+                    rest = sum(c * values[v] for v, c in terms.items() if v is not b)
+                    least[b] = max(least[b], (lb - rest) / terms[b])
+        values.update((b, float(math.ceil(v)) if self.integer else v) for b, v in least.items())
+        return values
+
+    def violated(self, values: dict) -> str:
+        """The name of a binding constraint or variable bound that `values` (`assignment`)
+        breaks, beyond a relative 1e-9; "" when it satisfies the model."""
+        for v, value in values.items():
+            if not v.lb() - 1e-9 <= value <= v.ub() + 1e-9:
+                return f"{v.name()} = {value:g} outside [{v.lb():g}, {v.ub():g}]"
+        for terms, lb, ub, name, binding in self.rows:
+            if not binding:
+                continue
+            activity = sum(c * values[v] for v, c in terms.items())
+            slack = 1e-9 * max(1.0, *(abs(b) for b in (lb, ub) if abs(b) < 1e300))
+            if not lb - slack <= activity <= ub + slack:
+                return f"{name}: {activity:g} outside [{lb:g}, {ub:g}]"
+        return ""
+
+    def hint(self, values: dict) -> None:
+        """Give CP-SAT `values` (`assignment`) as its starting point."""
+        self.s.SetHint(list(values), list(values.values()))
 
 
 def _undominated(ranks: list[RankMemory]) -> list[tuple[int, RankMemory]]:
@@ -347,8 +409,18 @@ def _undominated(ranks: list[RankMemory]) -> list[tuple[int, RankMemory]]:
     return out
 
 
-def _build(problem, costs, integer, ranks, budget_bytes, objective, form, busiest) -> _Model:
-    model = _Model(problem, costs, integer)
+def edge_key(problem: Problem, edge, choice: dict[str, int]) -> tuple:
+    """(p, q, split) that the choice puts on `edge`."""
+    p = problem.cands[edge.src][choice[edge.src]].outputs[edge.out_index]
+    if edge.dst == OUTPUT:
+        return (p, "R", False)
+    c = problem.cands[edge.dst][choice[edge.dst]]
+    return (p, c.inputs[edge.arg_index], split_of(c))
+
+
+def _build(problem, costs, integer, ranks, budget_bytes, objective, form, busiest,
+           limit_s) -> _Model:
+    model = _Model(problem, costs, integer, limit_s)
     model.add_node_constraint()
     model.add_edge_constraint()
     model.add_tied_constraint()

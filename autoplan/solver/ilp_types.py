@@ -3,14 +3,28 @@ costs -- the memory of each pipeline rank (`RankMemory`) and the step time to mi
 (`StepForm`, [Note: step form] in ilp.py) -- and what it returns (`Solution`).
 
 Also the constants both the model (ilp_model.py) and the solve (ilp.py) use: the units inside
-the model (ns for time) and the parts a model is split into.
+the model (ns for time) and the parts a model is split into, and the error a solve raises when
+its limit comes before any placement (`SolverLimitReached`, [Note: deterministic limits]).
+
+[Note: deterministic limits] Every solve is bounded in deterministic units, never by the wall
+clock, so that the same inputs give the same plan on any machine at any load (every rank that
+plans for itself agrees): CP-SAT runs one worker with a fixed seed under
+`max_deterministic_time`, GLOP under its own `max_deterministic_time`. Both count work (CP-SAT:
+propagations, clause visits, LP pivots, each weighted) in "deterministic seconds", calibrated to
+be roughly a second of one core of a reference machine; on the shared 2-core development
+machine one deterministic second took 2-6 s of wall time at load 2 (CP-SAT on llama-tiny's
+memory-constrained ILPs). The planner's `time_limit_s` is this limit per solve. A solve that reaches it keeps its
+best placement (`Solution.optimal` False); with none found it falls back to its feasible start
+(the LP rounding, the time-optimal placement or the all-replicated one) and, with no start that
+satisfies the model either, raises `SolverLimitReached`, which the planner turns into a skipped
+configuration (planner.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RankMemory", "StepForm", "TIME_FORM", "Solution"]
+__all__ = ["RankMemory", "StepForm", "TIME_FORM", "Solution", "SolverLimitReached"]
 
 _NS = 1e9
 _TIE_BREAK = 1.0  # ns
@@ -87,8 +101,10 @@ class Solution:
             parts use (a tied embedding and head): held once by a rank that runs any of those
             parts (`param_elems_on`).
         objective_s: compute + comm, seconds per microbatch.
-        optimal: CP-SAT proved optimality (False: best found within the time limit).
-        num_vars, num_constraints, solve_s: model size and wall time.
+        optimal: proved optimal (False: the best placement found within the deterministic
+            limit, or the solve's feasible start; [Note: deterministic limits]).
+        num_vars, num_constraints: model size.
+        solve_s: wall time of the solve, seconds; for reports only, no decision reads it.
         integer_solver: True when the LP was fractional and CP-SAT solved the ILP.
     """
 
@@ -120,3 +136,20 @@ class Solution:
         own = sum(s * self.param_elems.get(p, 0.0) for p, s in share.items())
         return own + sum(e * max(share.get(p, 0.0) for p in parts)
                          for parts, e in self.shared_param_elems)
+
+
+class SolverLimitReached(ValueError):
+    """A placement ILP reached its deterministic limit ([Note: deterministic limits]) before any
+    placement, with no feasible start to fall back on.
+
+    Attributes:
+        ilp: which ILP (objective, tp, size), e.g. "the time ILP of tp 8 (1583 variables)".
+        limit_s: the limit, deterministic seconds (the planner's `time_limit_s`).
+        config: the configuration it was solved for ("" when not known).
+    """
+
+    def __init__(self, ilp: str, limit_s: float, config: str = "") -> None:
+        self.ilp, self.limit_s, self.config = ilp, limit_s, config
+        where = f" for {config}" if config else ""
+        super().__init__(f"{ilp}{where} found no placement within time_limit_s={limit_s:g} "
+                         f"(deterministic seconds of CP-SAT); pass a larger time_limit_s")

@@ -76,7 +76,7 @@ from autoplan.cost_model.memory import (
     STATE_BYTES_PER_PARAM, model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
 )
 from autoplan.plan import Stage
-from autoplan.solver.ilp import RankMemory, Solution
+from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 

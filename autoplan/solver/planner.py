@@ -18,7 +18,7 @@ from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
-    enumerate_configs, same_argmin, validate,
+    SolverLimitReached, SolverLimitWarning, enumerate_configs, same_argmin, validate,
 )
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -45,7 +45,12 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
             checkpointing ("none" | "selective" | "full"): fix a choice (None: searched).
         allow_tp_across_nodes: let tp groups span nodes (off: tp <= devices_per_node).
-        time_limit_s: CP-SAT limit per ILP solve, seconds.
+        time_limit_s: the limit of each ILP solve (GLOP and CP-SAT calls) in deterministic
+            seconds -- work counted by the solver, about a second of one core of a reference
+            machine each, never wall-clock -- so the same inputs give the same plan on any
+            machine at any load ([Note: deterministic limits] in solver/ilp_types.py). A solve
+            that reaches it keeps its best placement; a configuration whose ILP found none is
+            skipped (SolverLimitWarning).
         top_k: runners-up kept in `Plan.alternatives`.
 
     Returns:
@@ -55,13 +60,21 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         InvalidConfig: overrides that cannot work (the message names the numbers).
         NoFeasiblePlan: nothing fits in memory (the message gives the smallest per-device memory
             any plan needs, with its configuration, and the device's memory).
+        SolverLimitReached: no configuration is left with a placement that fits, and some were
+            skipped because their ILP found no placement within `time_limit_s` (the message
+            names the first and the limit).
 
     Warns:
         ReplicatedWeightsWarning: a fixed `tp` > 1 leaves weight matrices of the repeated
             block replicated on the tp axis because the model's shapes do not split by tp
             (e.g. 12 attention heads on tp 8); the message names the weights, their shapes and
             the dims tp does not divide.
+        SolverLimitWarning: a plan was found, but configurations were skipped because their
+            ILP found no placement within `time_limit_s` (the message names them).
     """
+    if not time_limit_s > 0 or time_limit_s == float("inf"):
+        raise ValueError(f"time_limit_s {time_limit_s} must be a positive number of "
+                         f"deterministic seconds")
     with _collector_paused():
         return _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
@@ -138,14 +151,18 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
             f"{graph.total_layers} layers")
     evaluated = _branch_and_bound(search, configs, top_k)
     feasible = sorted((a for a in evaluated if a.fits), key=_rank)
+    if not feasible and search.skipped:
+        raise _limit_error(search)
     if not feasible:
         raise NoFeasiblePlan(_explain_memory(search, configs))
+    if search.skipped:
+        _warn_skipped(search)
     best = feasible[0]
     result = build_plan(search, best, _alternatives(best, evaluated, top_k))
     if overrides.tp is not None:  # a tp the planner chose is the cost model's optimum
         _warn_unsplit(search, result)
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
-             time.perf_counter() - start, len(configs), len(search.solutions))
+             time.perf_counter() - start, len(configs), search.num_solves)
     return result
 
 
@@ -243,7 +260,9 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
        certifies an optimum or gives a bound, with which it goes back;
     4. popped again: its step-time ILP (CP-SAT) gives its optimum.
     An optimum that does not fit goes back with its step time as its bound and, popped again
-    before the best plan is proven, the memory-constrained ILP decides.
+    before the best plan is proven, the memory-constrained ILP decides. A configuration whose
+    ILP found no placement within the limit (SolverLimitReached) is skipped and recorded in
+    `search.skipped`; one without any placement (no ILP solution at all) is dropped.
     Once the next bound is no better than the best plan, runners-up are filled in for the
     report with at most `top_k` more ILP solves (2 `top_k` while none is found), of
     time-optimal placements only: a runner-up
@@ -275,32 +294,35 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
         if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k
                             or (fill_solves >= top_k and fill_groups)):
             break
-        solved = len(search.solutions)
+        solved = search.num_solves
         result = None
-        if state == _BOUNDED:
-            sol = search.solution(cfg)
-            quick = search.assess(cfg, sol)
-            if same_argmin(search.step_form(cfg)):
-                result = settle(i, cfg, quick)
+        try:
+            if state == _BOUNDED:
+                sol = search.solution(cfg)  # None: no placement of its (tp, b, policy) at all
+                quick = None if sol is None else search.assess(cfg, sol)
+                if quick is not None and same_argmin(search.step_form(cfg)):
+                    result = settle(i, cfg, quick)
+                elif quick is not None:
+                    refined = max(bound, search.refined_bound(cfg, sol))
+                    heapq.heappush(heap, (refined, cfg.tp, cfg.pp, i, _REFINED, cfg, quick))
+            elif state == _REFINED and proving and not search.solved(cfg, exact=True):
+                lp_bound, _certified = search.relaxation(cfg)
+                if not search.solved(cfg, exact=True):  # not certified by the LP: CP-SAT later
+                    heapq.heappush(heap, (max(bound, lp_bound), cfg.tp, cfg.pp, i, _RELAXED,
+                                          cfg, payload))
+                    continue
+                result = settle(i, cfg, _exact(search, cfg, payload))
+            elif state in (_REFINED, _RELAXED) and (proving or search.solved(cfg, exact=True)):
+                result = settle(i, cfg, _exact(search, cfg, payload))
+            elif state in (_REFINED, _RELAXED):
+                result = payload  # a runner-up: assessed at its (tp, b, policy) placement
+            elif proving:
+                result = _constrained(search, cfg, payload)
             else:
-                refined = max(bound, search.refined_bound(cfg, sol))
-                heapq.heappush(heap, (refined, cfg.tp, cfg.pp, i, _REFINED, cfg, quick))
-        elif state == _REFINED and proving and not search.solved(cfg, exact=True):
-            lp_bound, _certified = search.relaxation(cfg)
-            if not search.solved(cfg, exact=True):  # not certified by the LP: CP-SAT later
-                heapq.heappush(heap, (max(bound, lp_bound), cfg.tp, cfg.pp, i, _RELAXED, cfg,
-                                      payload))
-                continue
-            result = settle(i, cfg, _exact(search, cfg, payload))
-        elif state in (_REFINED, _RELAXED) and (proving or search.solved(cfg, exact=True)):
-            result = settle(i, cfg, _exact(search, cfg, payload))
-        elif state in (_REFINED, _RELAXED):
-            result = payload  # a runner-up: assessed at its (tp, b, policy) placement
-        elif proving:
-            result = _constrained(search, cfg, payload)
-        else:
-            result = payload  # a runner-up that needs more memory than its fastest placement
-        fill_solves += 0 if proving else len(search.solutions) - solved
+                result = payload  # a runner-up that needs more memory than its fastest placement
+        except SolverLimitReached as e:  # [Note: deterministic limits]: skipped, on record
+            search.skipped[cfg] = e
+        fill_solves += 0 if proving else search.num_solves - solved
         if result is None:
             continue
         done.append(result)
@@ -317,17 +339,28 @@ def _constrained(search: Search, cfg: PlanConfig, unfit: Assessment) -> Assessme
     the ILP's memory forms are pipeline.py's linear image of its peak; should they misjudge a
     placement (tests/test_planner_scale.py::test_memory_forms_equal_assess checks they do not),
     the placement of least memory is tried before the configuration is given up."""
-    for sol in (search.solution(cfg, constrained=True), search.smallest(cfg)):
+    stopped = None
+    for find in (lambda: search.solution(cfg, constrained=True), lambda: search.smallest(cfg)):
+        try:
+            sol = find()
+        except SolverLimitReached as e:  # the least-memory placement may still fit
+            stopped = stopped or e
+            continue
         result = search.assess(cfg, sol) if sol is not None else None
         if result is not None and result.fits:
             return result
+    if stopped is not None:
+        raise stopped
     return unfit
 
 
 def _exact(search: Search, cfg: PlanConfig, quick: Assessment) -> Assessment:
     """cfg's unconstrained optimum (its own step-time ILP); `quick`, the placement of its
     (tp, b, policy), when that is as good (equal up to the ILP's tie-breaks)."""
-    exact = search.assess(cfg, search.solution(cfg, exact=True))
+    sol = search.solution(cfg, exact=True)
+    if sol is None:  # no placement (then none of its (tp, b, policy) either; kept for safety)
+        return quick
+    exact = search.assess(cfg, sol)
     return quick if quick.fits and quick.step_time_s < exact.step_time_s else exact
 
 
@@ -396,5 +429,29 @@ def _explain_memory(search: Search, configs: list[PlanConfig]) -> str:
 
 
 def _min_memory(search: Search, cfg: PlanConfig) -> float | None:
-    sol = search.smallest(cfg)
+    """The least memory a plan of cfg needs; None when no placement was found (none exists,
+    or its ILP reached its limit: the caller uses the lower bound)."""
+    try:
+        sol = search.smallest(cfg)
+    except SolverLimitReached:
+        return None
     return None if sol is None else search.assess(cfg, sol).memory_bytes
+
+
+def _limit_error(search: Search) -> SolverLimitReached:
+    """The error when no plan is left and configurations were skipped at the limit."""
+    first = next(iter(search.skipped.values()))
+    more = len(search.skipped) - 1
+    where = first.config + (f" and {more} more configuration{'s' * (more > 1)}" if more else "")
+    return SolverLimitReached(first.ilp, first.limit_s, where)
+
+
+def _warn_skipped(search: Search) -> None:
+    """SolverLimitWarning naming the skipped configurations (at most 3) and the limit."""
+    errors = list(search.skipped.values())
+    names = "; ".join(e.config for e in errors[:3]) + ("; ..." if len(errors) > 3 else "")
+    what = "1 configuration" if len(errors) == 1 else f"{len(errors)} configurations"
+    warnings.warn(
+        f"{what} skipped, no placement found within time_limit_s={errors[0].limit_s:g} "
+        f"deterministic seconds ({names}); the plan is the best of the others, a larger "
+        f"time_limit_s includes them", SolverLimitWarning, stacklevel=4)

@@ -17,9 +17,11 @@ certifies an optimum or tightens the bound again; then CP-SAT solves that ILP; a
 whose optimum does not fit in memory gets its ILP again with its per-rank memory constraints;
 (4) stop when the next bound is no better than the best step time found. The result is the
 optimum of the cost model over all configurations and placements, up to the ILP's tie-breaks
-(1 ns per ILP node) and the relative gap 1e-7 (and CP-SAT's time limit, reported by
-Solution.optimal): the same answer as exhaustive search (tests/test_planner_scale.py checks it
-on random problems), with far fewer ILP solves.
+(1 ns per ILP node) and the relative gap 1e-7 (and CP-SAT's deterministic limit, reported by
+Solution.optimal; a configuration whose ILP found no placement within it is skipped with a
+`SolverLimitWarning`, [Note: deterministic limits] in ilp_types.py): the same answer as
+exhaustive search (tests/test_planner_scale.py checks it on random problems), with far fewer ILP
+solves.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import SCHEDULES
 from autoplan.solver import checkpointing as ckpt
 from autoplan.solver.costs import Costs, build_costs
-from autoplan.solver.ilp import TIME_FORM, RankMemory, Solution, StepForm, relax, solve
+from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
+                                 relax, solve)
 from autoplan.solver.pipeline import Assessment, Config, assess, rank_memories, stages_of
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
 from autoplan.topology import Topology
 
-__all__ = ["NoFeasiblePlan", "InvalidConfig", "ReplicatedWeightsWarning", "Overrides",
-           "PlanConfig", "Search", "enumerate_configs", "same_argmin", "validate"]
+__all__ = ["NoFeasiblePlan", "InvalidConfig", "ReplicatedWeightsWarning", "SolverLimitReached",
+           "SolverLimitWarning", "Overrides", "PlanConfig", "Search", "enumerate_configs",
+           "same_argmin", "validate"]
 
 
 class NoFeasiblePlan(ValueError):
@@ -67,6 +71,12 @@ class ReplicatedWeightsWarning(UserWarning):
     """A fixed tp > 1 leaves weight matrices of the repeated block replicated on the tp axis
     because the model's shapes do not split by tp (planner.py, `_warn_unsplit`): every tp rank
     holds them whole."""
+
+
+class SolverLimitWarning(UserWarning):
+    """Configurations were skipped because their ILP found no placement within the
+    deterministic limit (`time_limit_s`, [Note: deterministic limits] in ilp_types.py): the
+    plan is the best of the others. The message names them; a larger limit includes them."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +226,16 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies) -> list[
 
 @dataclass
 class Search:
-    """State of one planning run: problems per tp, costs and solutions per (tp, b, policy)."""
+    """State of one planning run: problems per tp, costs and solutions per (tp, b, policy).
+
+    Attributes:
+        time_limit_s: the limit of every GLOP and CP-SAT call, deterministic seconds, never
+            wall-clock ([Note: deterministic limits] in ilp_types.py).
+        solutions: ILP cache key -> placement, None when no placement satisfies that ILP.
+        stopped: ILP cache key -> the SolverLimitReached of an ILP that found no placement
+            within the limit (raised again, naming the configuration, on every request).
+        skipped: configuration -> the SolverLimitReached for which the planner skipped it.
+    """
 
     graph: CapturedGraph
     topology: Topology
@@ -227,6 +246,8 @@ class Search:
     costs: dict[tuple, Costs] = field(default_factory=dict)
     solutions: dict[tuple, Solution | None] = field(default_factory=dict)
     bounds: dict[tuple, Solution] = field(default_factory=dict)
+    stopped: dict[tuple, SolverLimitReached] = field(default_factory=dict)
+    skipped: dict[PlanConfig, SolverLimitReached] = field(default_factory=dict)
 
     @property
     def total_layers(self) -> int:
@@ -271,14 +292,42 @@ class Search:
         """A placement for cfg: by default the time-optimal one of its (tp, b, policy),
         shared by every configuration of those; `exact`: the one minimising cfg's own step
         time ([Note: step form]); `constrained`: that under cfg's per-rank memory constraints
-        (None when nothing fits)."""
+        (None when nothing fits). Each ILP after the first of a (tp, b, policy) starts from
+        that one's placement.
+
+        Raises SolverLimitReached (naming cfg) when the ILP found no placement within the
+        limit."""
         key, form, ranks = self._key(cfg, exact, constrained)
-        if key not in self.solutions:
+        if key not in self.solutions and key not in self.stopped:
             tp, b, policy = cfg.tp, cfg.microbatch_size, cfg.checkpointing
-            self.solutions[key] = solve(self.problem(tp), self.cost(tp, b, policy), form=form,
-                                        ranks=ranks, budget_bytes=self.budget_bytes,
-                                        time_limit_s=self.time_limit_s)
-        return self.solutions[key]
+            self._solve(key, lambda: solve(
+                self.problem(tp), self.cost(tp, b, policy), form=form, ranks=ranks,
+                budget_bytes=self.budget_bytes, start=self._start(cfg),
+                time_limit_s=self.time_limit_s), self.solutions)
+        return self._cached(key, cfg, self.solutions)
+
+    @property
+    def num_solves(self) -> int:
+        """ILPs solved so far (those stopped at their limit included)."""
+        return len(self.solutions) + len(self.stopped)
+
+    def _start(self, cfg: PlanConfig) -> dict[str, int] | None:
+        """The time-optimal placement of cfg's (tp, b, policy), when solved: a start for its
+        other ILPs (ilp.solve's `start`)."""
+        sol = self.solutions.get((cfg.tp, cfg.microbatch_size, cfg.checkpointing))
+        return None if sol is None else sol.choice
+
+    def _solve(self, key: tuple, run, into: dict) -> None:
+        try:
+            into[key] = run()
+        except SolverLimitReached as e:
+            self.stopped[key] = e
+
+    def _cached(self, key: tuple, cfg: PlanConfig, table: dict):
+        if key in self.stopped:
+            e = self.stopped[key]
+            raise SolverLimitReached(e.ilp, e.limit_s, str(cfg))
+        return table[key]
 
     def relaxation(self, cfg: PlanConfig) -> tuple[float, Solution | None]:
         """ilp.relax of cfg's own step-time ILP: (its LP bound, a certified optimum or None);
@@ -311,13 +360,15 @@ class Search:
         return key, form, ranks
 
     def smallest(self, cfg: PlanConfig) -> Solution | None:
-        """The placement of least peak memory for cfg (the ILP's memory objective)."""
+        """The placement of least peak memory for cfg (the ILP's memory objective), None when
+        no placement exists. Raises SolverLimitReached like `solution`."""
         key = ("smallest", cfg)
-        if key not in self.bounds:
-            self.bounds[key] = solve(
+        if key not in self.bounds and key not in self.stopped:
+            self._solve(key, lambda: solve(
                 self.problem(cfg.tp), self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing),
-                ranks=self.ranks(cfg), objective="memory", time_limit_s=self.time_limit_s)
-        return self.bounds[key]
+                ranks=self.ranks(cfg), objective="memory", start=self._start(cfg),
+                time_limit_s=self.time_limit_s), self.bounds)
+        return self._cached(key, cfg, self.bounds)
 
     def step_form(self, cfg: PlanConfig) -> StepForm:
         """[Note: step form] of cfg (ilp.py): pipeline.assess as an affine function of the
