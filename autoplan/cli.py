@@ -125,7 +125,9 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
                                  "depth, so planning time does not grow with it "
                                  "(default: %(default)s)")
     solver.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
-                        help="time limit of each ILP solve (default: %(default)s)")
+                        help="work limit of each ILP solve in CP-SAT's deterministic "
+                             "seconds (about a second of one reference core; the same plan "
+                             "at any machine load) (default: %(default)s)")
     solver.add_argument("--top-k", type=int, default=5, metavar="K",
                         help="runners-up kept for the report (default: %(default)s)")
 
