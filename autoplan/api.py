@@ -133,11 +133,9 @@ class AutoParallel:
 
     def _make_plan(self) -> Plan:
         from autoplan.capture import capture
+        from autoplan.progress import phase
         from autoplan.runtime.precision import Precision
         from autoplan.solver import plan as solve
-
-        from autoplan.progress import phase
-
         from autoplan.units import plural
 
         topo = self.topology
@@ -365,8 +363,8 @@ class AutoParallel:
             return run_isolated(export_plan, graph, plan, out_dir, timeout_s=timeout_s)
 
     def _vocab_size(self) -> int | None:
-        """Rows of the embedding the token ids index (the first `aten.embedding` of the
-        captured graph), None when the model has none."""
+        """Rows of the embedding that the input ids index (an `aten.embedding` whose indices
+        are the graph's input, through views), None when the model has none."""
         graph = self.graph
         for node in graph.gm.graph.nodes:
             if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
