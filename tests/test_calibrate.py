@@ -140,7 +140,10 @@ def test_quick_run_writes_a_measured_plausible_topology(calibrated):
     assert 0 <= dev.dtensor_op_overhead_s < 0.1
     assert set(dev.sync_skew_s) == {2} and 0 <= dev.sync_skew_s[2] < 0.1
     fits = topo.intra_node.collectives
-    assert set(fits["all_to_all"][2]) == {1}  # 2 ranks: one group of 2
+    # all_to_all is gloo's all_gather + chunk (from its fit); a fit that noise swamped on this
+    # shared machine is left out for the link's figures, and all_to_all with it
+    assert set(fits.get("all_to_all", {2: {1: None}})[2]) == {1}  # 2 ranks: one group of 2
+    assert ("all_to_all" in fits) == ("all_gather" in fits)
     for kind, by_p in fits.items():
         assert kind in comm.COLLECTIVES and set(by_p) == {2}, kind
 
