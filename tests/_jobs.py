@@ -433,33 +433,6 @@ def _mask_unevenly(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def reference_ignored(factory, steps: int, batch: int, *, seq: int = SEQ):
-    """One process, whole batch: the mean over trained tokens (F.cross_entropy's own)."""
-    model = factory()
-    opt = adamw(model.parameters())
-    x, y = batches(vocab_of(model), steps, batch, seq)
-    y = _mask_unevenly(y)
-    losses = []
-    for i in range(steps):
-        opt.zero_grad()
-        loss = cross_entropy_loss(logits(model, x[i]), y[i])
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def train_ignored(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
-    from autoplan.api import autoparallel
-
-    model = factory()
-    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, **overrides)
-    x, y = batches(vocab_of(model), steps, batch, seq)
-    y = _mask_unevenly(y)
-    losses = [ap.step(x[i], y[i]) for i in range(steps)]
-    return losses, ap.state_dict()
-
-
 def grouped_adamw(named):
     """AdamW with groups by FQN, as HF and torchtitan build them: weight decay 0.1 on the
     matrices, none on norms and biases, and the position embedding frozen at lr 0 (under
@@ -472,34 +445,6 @@ def grouped_adamw(named):
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                               {"params": no_decay, "weight_decay": 0.0},
                               {"params": frozen, "lr": 0.0}], lr=LR, eps=1e-6)
-
-
-def reference_grouped(factory, steps: int, batch: int, *, seq: int = SEQ):
-    model = factory()
-    opt = grouped_adamw(model.named_parameters())
-    x, y = batches(vocab_of(model), steps, batch, seq)
-    losses = []
-    for i in range(steps):
-        opt.zero_grad()
-        loss = cross_entropy_loss(logits(model, x[i]), y[i])
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def train_grouped(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
-    from autoplan.api import autoparallel
-
-    model = factory()
-    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=grouped_adamw,
-                      **overrides)
-    x, y = batches(vocab_of(model), steps, batch, seq)
-    losses = [ap.step(x[i], y[i]) for i in range(steps)]
-    groups = [len(g["params"]) for g in ap._engine.optimizer.param_groups] \
-        if hasattr(ap._engine.optimizer, "param_groups") else \
-        [len(g["params"]) for g in ap._engine.optimizer.inner.param_groups]
-    return losses, ap.state_dict(), groups
 
 
 def train_with_a_sleeper(sleep_s: float):
@@ -531,33 +476,6 @@ def warmup(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
 
 
-def reference_scheduled(factory, steps: int, batch: int, *, seq: int = SEQ):
-    model = factory()
-    opt = adamw(model.parameters())
-    sched = warmup(opt)
-    x, y = batches(vocab_of(model), steps, batch, seq)
-    losses = []
-    for i in range(steps):
-        opt.zero_grad()
-        loss = cross_entropy_loss(logits(model, x[i]), y[i])
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def train_scheduled(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
-    from autoplan.api import autoparallel
-
-    model = factory()
-    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
-                      lr_scheduler=warmup, **overrides)
-    x, y = batches(vocab_of(model), steps, batch, seq)
-    losses = [ap.step(x[i], y[i]) for i in range(steps)]
-    return losses, ap.state_dict()
-
-
 def resume_scheduled(factory, batch: int, path: str, *, seq: int = SEQ):
     """Warm-up schedule: 4 steps straight, against 2 steps, save, a fresh model that loads and
     takes steps 3 and 4 (the 4th loss shows the lr step 3 used). (4th loss straight, resumed)."""
@@ -586,25 +504,56 @@ def smoothed_loss(logits, labels):
                                              labels.reshape(-1), label_smoothing=0.1)
 
 
-def reference_user_loss(factory, steps: int, batch: int, *, seq: int = SEQ):
+# -- one-process references and gloo runs of the decorator's options (test_first_contact) --
+def _variant(name: str) -> dict:
+    """What a variant changes: autoparallel options, and how one process does the same."""
+    if name == "ignored":  # labels -100 over 2 x i tokens of sample i
+        return dict(mask=True)
+    if name == "grouped":
+        return dict(optimizer=grouped_adamw, named=True)
+    if name == "scheduled":
+        return dict(lr_scheduler=warmup)
+    if name == "user_loss":
+        return dict(loss_fn=smoothed_loss)
+    raise ValueError(name)
+
+
+def reference_variant(name: str, factory, steps: int, batch: int, *, seq: int = SEQ):
+    """One process, whole batch: (losses, parameters after the last step)."""
+    v = _variant(name)
     model = factory()
-    opt = adamw(model.parameters())
+    opt = v.get("optimizer", adamw)(model.named_parameters() if v.get("named")
+                                     else model.parameters())
+    sched = v["lr_scheduler"](opt) if "lr_scheduler" in v else None
+    loss_fn = v.get("loss_fn", cross_entropy_loss)
     x, y = batches(vocab_of(model), steps, batch, seq)
+    y = _mask_unevenly(y) if v.get("mask") else y
     losses = []
     for i in range(steps):
         opt.zero_grad()
-        loss = smoothed_loss(logits(model, x[i]), y[i])
+        loss = loss_fn(logits(model, x[i]), y[i])
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def train_user_loss(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ):
+def train_variant(name: str, factory, steps: int, batch: int, overrides: dict, *,
+                  seq: int = SEQ):
+    """On every rank: (losses, this rank's parameters, sizes of the optimizer's groups)."""
     from autoplan.api import autoparallel
 
+    v = _variant(name)
+    options = {k: v[k] for k in ("lr_scheduler", "loss_fn") if k in v}
     model = factory()
-    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
-                      loss_fn=smoothed_loss, **overrides)
+    ap = autoparallel(model, global_batch=batch, seq_len=seq,
+                      optimizer=v.get("optimizer", adamw), **options, **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)
-    return [ap.step(x[i], y[i]) for i in range(steps)], ap.state_dict()
+    y = _mask_unevenly(y) if v.get("mask") else y
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    opt = ap._engine.optimizer
+    groups = [len(g["params"]) for g in getattr(opt, "inner", opt).param_groups]
+    return losses, ap.state_dict(), groups
+

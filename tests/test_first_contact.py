@@ -355,11 +355,12 @@ def test_ignored_labels_spread_unevenly_give_one_processs_mean(clusters, overrid
     import _jobs
 
     steps, batch = 2, 8
-    ref_losses, ref_params = _jobs.reference_ignored(_jobs.preset("gpt2-tiny"), steps, batch)
-    results = clusters.get(2).run(_jobs.train_ignored, _jobs.preset("gpt2-tiny"), steps, batch,
-                                  overrides, timeout_s=300)
+    ref_losses, ref_params = _jobs.reference_variant("ignored", _jobs.preset("gpt2-tiny"),
+                                                      steps, batch)
+    results = clusters.get(2).run(_jobs.train_variant, "ignored", _jobs.preset("gpt2-tiny"),
+                                  steps, batch, overrides, timeout_s=300)
     held = set()
-    for losses, params in results:
+    for losses, params, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for k, v in params.items():  # a pipeline rank holds its stage's parameters
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
@@ -410,9 +411,10 @@ def test_optimizer_groups_by_name_match_one_process(clusters, overrides):
     import _jobs
 
     steps, batch = 2, 8
-    ref_losses, ref_params = _jobs.reference_grouped(_jobs.preset("gpt2-tiny"), steps, batch)
-    results = clusters.get(4).run(_jobs.train_grouped, _jobs.preset("gpt2-tiny"), steps, batch,
-                                  overrides, timeout_s=300)
+    ref_losses, ref_params = _jobs.reference_variant("grouped", _jobs.preset("gpt2-tiny"),
+                                                      steps, batch)
+    results = clusters.get(4).run(_jobs.train_variant, "grouped", _jobs.preset("gpt2-tiny"),
+                                  steps, batch, overrides, timeout_s=300)
     for losses, params, groups in results:
         assert len(groups) == 3
         assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -438,23 +440,6 @@ def test_a_collective_that_times_out_names_the_rank_it_waited_for():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [dict(dp=2, tp=1, pp=1, zero_stage=1),
-                                       dict(dp=1, tp=1, pp=2, num_microbatches=2)],
-                         ids=["dp2-zero1", "pp2"])
-def test_an_lr_scheduler_steps_as_on_one_process(clusters, overrides):
-    import _jobs
-
-    steps, batch = 3, 4
-    ref_losses, ref_params = _jobs.reference_scheduled(_jobs.preset("gpt2-tiny"), steps, batch)
-    results = clusters.get(2).run(_jobs.train_scheduled, _jobs.preset("gpt2-tiny"), steps,
-                                  batch, overrides, timeout_s=300)
-    for losses, params in results:
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        for k, v in params.items():
-            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.slow
 def test_a_resumed_run_continues_its_lr_schedule(clusters, tmp_path):
     import _jobs
 
@@ -465,17 +450,24 @@ def test_a_resumed_run_continues_its_lr_schedule(clusters, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [dict(dp=2, tp=1, pp=1, num_microbatches=2),
-                                       dict(dp=1, tp=1, pp=2, num_microbatches=2)],
-                         ids=["dp2-m2", "pp2"])
-def test_a_users_loss_function_trains_as_on_one_process(clusters, overrides):
+@pytest.mark.parametrize("variant, overrides", [
+    ("scheduled", dict(dp=2, tp=1, pp=1, zero_stage=1)),
+    ("scheduled", dict(dp=1, tp=1, pp=2, num_microbatches=2)),
+    ("user_loss", dict(dp=2, tp=1, pp=1, num_microbatches=2)),
+    ("user_loss", dict(dp=1, tp=1, pp=2, num_microbatches=2)),
+], ids=["lr_scheduler-dp2-zero1", "lr_scheduler-pp2", "loss_fn-dp2-m2", "loss_fn-pp2"])
+def test_an_lr_scheduler_and_a_users_loss_train_as_on_one_process(clusters, variant,
+                                                                  overrides):
+    """lr_scheduler= (a warm-up, stepped every step) and loss_fn= (label smoothing, a
+    microbatch mean) give one process's losses and parameters."""
     import _jobs
 
-    steps, batch = 2, 4
-    ref_losses, ref_params = _jobs.reference_user_loss(_jobs.preset("gpt2-tiny"), steps, batch)
-    results = clusters.get(2).run(_jobs.train_user_loss, _jobs.preset("gpt2-tiny"), steps,
-                                  batch, overrides, timeout_s=300)
-    for losses, params in results:
+    steps, batch = 3, 4
+    ref_losses, ref_params = _jobs.reference_variant(variant, _jobs.preset("gpt2-tiny"), steps,
+                                                     batch)
+    results = clusters.get(2).run(_jobs.train_variant, variant, _jobs.preset("gpt2-tiny"),
+                                  steps, batch, overrides, timeout_s=300)
+    for losses, params, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
