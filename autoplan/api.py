@@ -21,6 +21,7 @@ the model given.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -78,6 +79,7 @@ class AutoParallel:
         self._engine = None
         self.metrics = None  # StepMetrics of the last step (autoplan.runtime.batch)
         self._progress = None  # runtime.job.Progress: where each rank is, for PeerError
+        self._vocab: list | None = None  # [rows of the input embedding, or None]
 
     # -- planning ---------------------------------------------------------------------------
     @property
@@ -257,8 +259,10 @@ class AutoParallel:
         from autoplan.runtime.batch import StepMetrics, check_batch
 
         spec = self.spec
+        if self._vocab is None:  # read from the graph once, not on every step
+            self._vocab = [self._vocab_size()]
         check_batch(input_ids, labels, global_batch=spec.global_batch, seq_len=spec.seq_len,
-                    vocab_size=self._vocab_size())
+                    vocab_size=self._vocab[0])
         input_ids, labels = input_ids.long(), labels.long()  # int32, uint8 ids: as int64
         if self._engine is None:
             self._engine = self._compile()
@@ -269,7 +273,7 @@ class AutoParallel:
         self._progress.mark(where)
         start = time.perf_counter()
         try:
-            with phase("first step") if engine.num_steps == 0 else _nothing():
+            with phase("first step") if engine.num_steps == 0 else contextlib.nullcontext():
                 loss = engine.step(input_ids, labels)
         except RuntimeError as e:  # a collective timed out or lost its peer: name the peer
             others = self._progress.others(where)
@@ -351,10 +355,11 @@ class AutoParallel:
         from autoplan.passes.export import export_plan
         from autoplan.progress import phase
         from autoplan.runtime.job import run_isolated
+        from autoplan.runtime.precision import Precision
 
         plan = self.plan
         name = type(self.module).__name__
-        source = self._capture_source(_precision(plan))
+        source = self._capture_source(Precision.of(plan.dtype))
         with phase(f"exporting {name}'s per-rank graphs to {out_dir}"):
             graph = capture(source, self._example(plan.microbatch_size, meta=_on_meta(source)),
                             model_name=name)
@@ -386,18 +391,6 @@ def _in_job() -> bool:
     """Whether this process is a rank of a real job (torchrun, LocalCluster, a user's own
     init_process_group), not alone in the world of one autoplan set up to train."""
     return dist.is_initialized() and not (_PRIVATE_GROUP and dist.group.WORLD is _PRIVATE_GROUP[-1])
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _precision(plan: Plan):
-    from autoplan.runtime.precision import Precision
-
-    return Precision.of(plan.dtype)
 
 
 def _on_meta(module: nn.Module) -> bool:
