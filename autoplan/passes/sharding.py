@@ -21,6 +21,8 @@ import torch
 import torch.fx
 from torch.distributed.tensor import DTensor
 
+from autoplan.experts import EXPERTS_OP
+from autoplan.passes.moe import experts_local
 from autoplan.plan import Plan, Redistribution, parse_placement
 
 __all__ = ["apply_placements", "redistribute", "reshape", "sdpa_local", "swap_dtensor_op",
@@ -117,9 +119,12 @@ def value_placements(plan: Plan) -> dict[str, str]:
 
 def swap_dtensor_op(node: torch.fx.Node) -> None:
     """Point a call of an op that DTensor cannot run as captured at our version of it, in place:
-    scaled_dot_product_attention -> `sdpa_local`, view / reshape -> `reshape`."""
+    scaled_dot_product_attention -> `sdpa_local`, autoplan.experts -> `experts_local`
+    (passes/moe.py), view / reshape -> `reshape`."""
     if node.target is aten.scaled_dot_product_attention.default:
         node.target = sdpa_local
+    elif node.target is EXPERTS_OP:
+        node.target = experts_local
     elif node.target in (aten.view.default, aten.reshape.default):
         node.target = reshape
 

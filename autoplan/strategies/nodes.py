@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from autoplan import _torch_compat as tc
+from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 
 
@@ -101,6 +102,8 @@ def _batch_dims_of_op(graph, node, known, mesh, cache) -> tuple:
     none = tuple(None for _ in node_tensor_meta(graph, node))
     if all(d is None for d in dims):
         return none
+    if node.target is EXPERTS_OP:  # (T, H) tokens in, (T, H) out ([Note: experts op])
+        return (dims[0],)
     placements = [tc.Shard(d) if d is not None else tc.Replicate() for d in dims]
     try:
         prop = _propagate_node(graph, node, placements, mesh, cache)

@@ -14,9 +14,11 @@ import torch
 import torch.fx
 
 from autoplan import _torch_compat as tc
+from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import format_placement, parse_placement
 from autoplan.strategies import Candidate, StrategyCache, log
+from autoplan.strategies.moe import experts_candidates
 from autoplan.strategies.nodes import (_arg_specs, _propagate_node, _static_repr, batch_dims,
                                        constant_like_nodes, ignored_nodes, node_tensor_meta,
                                        tensor_args)
@@ -61,6 +63,8 @@ class _Context:
             return [Candidate((p,), (p,), 1.0) for p in seen]
         if node.target is _SDPA:
             return self._sdpa(node)
+        if node.target is EXPERTS_OP:
+            return experts_candidates(node, [s for s, _ in _arg_specs(self.graph, node)], self.tp)
         if not tc.is_aten_op(node.target):
             log.info("strategies: %s (%s) is not an aten op; only all-R", node.name, node.target)
             return [all_r]
