@@ -1,0 +1,215 @@
+"""Hugging Face architectures at two sizes: a tiny one that trains on CPU ranks in seconds and a
+7B-class one that is only ever built on the meta device (planning).
+
+    model = build_architecture("qwen3", "tiny", device="cpu")   # random weights, seeded by torch
+    model = build_architecture("qwen3", "7b")                    # on meta: nothing allocated
+    batch = example_batch("qwen3", "tiny", batch=4, seq_len=16)  # {"input_ids", "labels"}
+
+`ARCHITECTURES` names each architecture by its transformers `model_type` and says which head it
+is built with (`task`): causal LM (labels: the next tokens), masked LM (labels: -100 except at
+the masked positions), seq2seq LM (T5: encoder ids, decoder ids, labels) or image
+classification (ViT: pixel values, one class per image). Only the first takes autoplan's token
+batch `(input_ids, labels)`; the others need a batch of named inputs (`example_batch` gives one).
+
+Sizes. The tiny configs keep every dimension that must divide a tp of 2 (heads, key/value heads,
+FFN width, experts) even, with the model's own ratios where it has a fixed one. The 7B class
+follows Llama-2-7B (Touvron et al. 2023, Table 1 / the released config.json): hidden 4096, 32
+layers, 32 heads of 128, FFN 11008, vocabulary 32000, here with 8 key/value heads where the
+architecture has grouped-query attention and positions enough for 4096 tokens. Mixture-of-
+experts models keep 8 experts, 2 per token, with an expert FFN of 1792 (8 x 3 x 4096 x 1792 x 32
+= 5.6e9 expert weights; ~7e9 with attention and embeddings), so that they too are 7B-class in
+total parameters. ViT at 7B takes 1024 x 1024 images in 16 x 16 patches: 4096 patches, the
+same tokens per sample as the language models.
+
+Nothing is downloaded: every model is built from its config with random weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+__all__ = ["Architecture", "ARCHITECTURES", "TASKS", "SIZES", "architecture_config",
+           "build_architecture", "example_batch", "architecture_factory"]
+
+TASKS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification")
+SIZES = ("tiny", "7b")
+
+# Shared by (almost) every architecture; `Architecture.tiny` / `.large` add or replace keys.
+_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+             max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_LARGE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000,
+              max_position_embeddings=4096, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_GQA_TINY = dict(num_key_value_heads=2, intermediate_size=64, head_dim=8)
+_GQA_LARGE = dict(num_key_value_heads=8, intermediate_size=11008, head_dim=128)
+_MOE_TINY = dict(num_experts_per_tok=2, intermediate_size=64)
+_MOE_LARGE = dict(num_experts_per_tok=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One transformers architecture and how to build it at each size."""
+
+    model_type: str
+    """transformers' `model_type` (the key of `transformers.CONFIG_MAPPING`)."""
+    task: str
+    """One of TASKS: which head the model is built with and what its batch holds."""
+    tiny: dict
+    """Config keys on top of the shared tiny ones (hidden 32, 2 layers, 4 heads, vocab 96)."""
+    large: dict
+    """Config keys on top of the shared 7B-class ones (hidden 4096, 32 layers, 32 heads)."""
+    moe: bool = False
+    """A mixture-of-experts model (expert parallelism is its parallel axis)."""
+
+    def config_dict(self, size: str) -> dict:
+        if size not in SIZES:
+            raise ValueError(f"size {size!r}: expected one of {SIZES}")
+        shared = _TINY if size == "tiny" else _LARGE
+        return {**shared, **(self.tiny if size == "tiny" else self.large)}
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in [
+    Architecture("gpt2", "causal-lm", dict(n_inner=128, n_positions=64),
+                 dict(n_inner=16384, n_positions=4096)),
+    Architecture("llama", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("mistral", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("mixtral", "causal-lm", dict(_GQA_TINY, num_local_experts=4, **_MOE_TINY),
+                 dict(_GQA_LARGE, num_local_experts=8, intermediate_size=1792, **_MOE_LARGE),
+                 moe=True),
+    Architecture("qwen2", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("qwen3", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("qwen3_moe", "causal-lm",
+                 dict(_GQA_TINY, num_experts=4, moe_intermediate_size=32, **_MOE_TINY),
+                 dict(_GQA_LARGE, num_experts=8, moe_intermediate_size=1792, **_MOE_LARGE),
+                 moe=True),
+    Architecture("gemma", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("gemma2", "causal-lm", dict(_GQA_TINY, sliding_window=8),
+                 dict(_GQA_LARGE, sliding_window=4096)),
+    Architecture("gemma3_text", "causal-lm", dict(_GQA_TINY, sliding_window=8),
+                 dict(_GQA_LARGE, sliding_window=1024)),
+    Architecture("phi3", "causal-lm", dict(_GQA_TINY, pad_token_id=0),
+                 dict(_GQA_LARGE, pad_token_id=0)),
+    Architecture("phi", "causal-lm", dict(intermediate_size=64), dict(intermediate_size=16384)),
+    Architecture("falcon", "causal-lm", dict(num_kv_heads=2, new_decoder_architecture=True),
+                 dict(num_kv_heads=8, new_decoder_architecture=True)),
+    Architecture("gpt_neox", "causal-lm", dict(intermediate_size=128),
+                 dict(intermediate_size=16384)),
+    Architecture("gptj", "causal-lm", dict(n_inner=128, rotary_dim=4, n_positions=64),
+                 dict(n_inner=16384, rotary_dim=64, n_positions=4096)),
+    Architecture("opt", "causal-lm", dict(ffn_dim=128, word_embed_proj_dim=32),
+                 dict(ffn_dim=16384, word_embed_proj_dim=4096)),
+    Architecture("bloom", "causal-lm", {}, {}),
+    Architecture("stablelm", "causal-lm", dict(num_key_value_heads=2, intermediate_size=64),
+                 dict(num_key_value_heads=8, intermediate_size=11008)),
+    Architecture("olmo2", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("starcoder2", "causal-lm", dict(num_key_value_heads=2, intermediate_size=128),
+                 dict(num_key_value_heads=8, intermediate_size=16384)),
+    Architecture("granite", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("bert", "masked-lm", dict(intermediate_size=128),
+                 dict(intermediate_size=16384)),
+    Architecture("t5", "seq2seq-lm", dict(d_kv=8, d_ff=64, decoder_start_token_id=0),
+                 dict(d_kv=128, d_ff=11008, decoder_start_token_id=0)),
+    Architecture("vit", "image-classification",
+                 dict(intermediate_size=128, image_size=16, patch_size=4, num_labels=10),
+                 dict(intermediate_size=16384, image_size=1024, patch_size=16, num_labels=1000)),
+]}
+
+
+def _architecture(name: str) -> Architecture:
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def architecture_config(name: str, size: str = "tiny"):
+    """The transformers config (a PretrainedConfig) of architecture `name` at `size`.
+
+    Raises ValueError for an unknown name or size."""
+    from transformers import CONFIG_MAPPING
+
+    arch = _architecture(name)
+    return CONFIG_MAPPING[arch.model_type](**arch.config_dict(size))
+
+
+def _model_class(task: str):
+    import transformers
+
+    return {"causal-lm": transformers.AutoModelForCausalLM,
+            "masked-lm": transformers.AutoModelForMaskedLM,
+            "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
+            "image-classification": transformers.AutoModelForImageClassification}[task]
+
+
+def build_architecture(name: str, size: str = "tiny", *,
+                       device: str | torch.device | None = "meta",
+                       dtype: torch.dtype | None = None) -> nn.Module:
+    """Architecture `name` at `size` with random weights (torch's generator: seed it first for
+    reproducible weights), on `device` ("meta": nothing allocated; None: torch's default
+    device, which `@autoparallel` sets to meta while it records a factory), parameters in
+    `dtype` (default float32).
+
+    Raises ValueError for an unknown name or size; transformers' own errors for a config it
+    refuses."""
+    config = architecture_config(name, size)
+    # sdpa: one fused attention op per layer, as autoplan.models builds its presets; eager for
+    # an architecture whose attention has no sdpa path in transformers (it refuses sdpa).
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        try:
+            model = _model_class(_architecture(name).task).from_config(config,
+                                                                     attn_implementation="sdpa")
+        except ValueError as e:
+            if "attention implementation" not in str(e):
+                raise
+            model = _model_class(_architecture(name).task).from_config(
+                config, attn_implementation="eager")
+    return model if dtype is None else model.to(dtype)
+
+
+def architecture_factory(name: str, size: str = "tiny"):
+    """A picklable factory (for gloo ranks and autoplan.testing) building architecture `name`
+    on torch's default device with torch's generator: seed it before the call. Called, it builds
+    on the CPU; decorated by `@autoparallel`, its construction is recorded on meta and each
+    rank's replay on its shards gives the weights a plain call would."""
+    _architecture(name)
+    return functools.partial(build_architecture, name, size, device=None)
+
+
+def example_batch(name: str, size: str = "tiny", *, batch: int, seq_len: int,
+                  seed: int = 1, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A seeded random batch for architecture `name` (on `device`; "meta" for planning):
+
+    - causal-lm: input_ids (batch, seq_len) int64, labels (batch, seq_len) the next tokens;
+    - masked-lm: input_ids with every 4th position replaced by token 1 (the mask), labels
+      (batch, seq_len): the original token there, -100 elsewhere;
+    - seq2seq-lm: input_ids (batch, seq_len), decoder_input_ids (batch, seq_len) (the labels
+      shifted right behind the start token), labels (batch, seq_len);
+    - image-classification: pixel_values (batch, channels, image_size, image_size) float32 in
+      [-1, 1), labels (batch,) class ids.
+    """
+    arch = _architecture(name)
+    config = architecture_config(name, size)
+    g = torch.Generator().manual_seed(seed)
+    if arch.task == "image-classification":
+        side = config.image_size
+        out = {"pixel_values": torch.rand(batch, config.num_channels, side, side, generator=g)
+               * 2 - 1,
+               "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
+    else:
+        tokens = torch.randint(2, config.vocab_size, (batch, seq_len + 1), generator=g)
+        if arch.task == "causal-lm":
+            out = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+        elif arch.task == "masked-lm":
+            ids, labels = tokens[:, :-1].clone(), torch.full((batch, seq_len), -100)
+            labels[:, ::4] = ids[:, ::4]
+            ids[:, ::4] = 1
+            out = {"input_ids": ids, "labels": labels}
+        else:
+            labels = tokens[:, 1:]
+            start = torch.full((batch, 1), config.decoder_start_token_id)
+            out = {"input_ids": tokens[:, :-1], "labels": labels,
+                   "decoder_input_ids": torch.cat([start, labels[:, :-1]], dim=1)}
+    return {k: v.contiguous().to(device) for k, v in out.items()}

@@ -1,0 +1,276 @@
+"""Architecture coverage: which transformers architectures autoplan plans and trains exactly.
+
+    python bench/coverage.py                    # every architecture -> bench/results/coverage.json
+    python bench/coverage.py --only falcon --only gemma3_text --steps 2
+    python bench/coverage.py --markdown         # the README table, from coverage.json
+
+For each architecture of `autoplan.models.architectures.ARCHITECTURES` (transformers 5.24,
+random weights from a config, nothing downloaded), in order:
+
+- `plan tp2`: the tiny config planned for 2 `local-cpu` ranks with tp=2 fixed;
+- `plan 7B`: the same architecture at 7B class (hidden 4096, 32 layers, see
+  architectures.py), built on the meta device and planned as `@autoparallel` plans it for 2
+  `dgx-h100` nodes (16 H100s), bf16, global batch 64 x 4096 tokens, every choice the solver's;
+- `train dp2xtp2`: the tiny config trained `--steps` AdamW steps on 4 gloo ranks under dp=2,
+  tp=2 with a memory cap that makes the plan split weights on the tp axis
+  (autoplan.testing.train_planned), every step's loss and every parameter on every rank
+  compared with one process (autoplan.testing.reference; fp32, rtol 1e-5, atol 1e-6);
+- `train dp2xep2` (mixture-of-experts models): the same under dp=2, ep=2 (expert parallelism).
+
+Causal LMs train on autoplan's token batch, `step(input_ids, labels)`; the masked LM (BERT),
+seq2seq (T5) and image (ViT) models on a dict batch, `step({"input_ids": ..., "labels": ...})`
+(architectures.example_batch says what each holds). A check that fails gives the exception's
+type and first line (a failed rank: its own cause), truncated to `DETAIL_CHARS`.
+
+Each architecture runs in its own Python process (`--worker NAME`) under a timeout
+(`--timeout-s`, default 900 s), so a crash or a hang costs that row only: a check the process
+did not finish says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "coverage.json"
+CHECKS = ("plan tp2", "plan 7B", "train dp2xtp2", "train dp2xep2")
+DETAIL_CHARS = 160
+STEPS = 3
+BATCH = 4  # samples per global batch of the tiny runs (dp 2 x 2)
+SEQ = 16  # tokens per sample of the tiny runs
+LARGE = dict(cluster="dgx-h100", num_nodes=2, dtype="bfloat16", global_batch=64, seq_len=4096)
+TRAIN = {"train dp2xtp2": dict(dp=2, tp=2), "train dp2xep2": dict(dp=2, ep=2)}
+
+
+def _first_line(e: BaseException) -> str:
+    """`Type: first line` of an exception, truncated; a failed rank's own cause."""
+    cause = getattr(e, "cause", None)  # autoplan.runtime.RankError
+    text = f"rank {e.rank} {cause}" if cause and hasattr(e, "rank") else str(e)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return line if len(line) <= DETAIL_CHARS else line[:DETAIL_CHARS - 3] + "..."
+
+
+def _check(fn) -> dict:
+    """Run one check: {"status": "pass"|"fail", "detail": str, "seconds": float}."""
+    start = time.perf_counter()
+    try:
+        detail = fn()
+        status = "pass"
+    except Exception as e:  # a check reports every failure; the bench goes on
+        import traceback
+
+        traceback.print_exc()
+        detail, status = _first_line(e), "fail"
+    return {"status": status, "detail": detail, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _plan_tiny(name: str) -> str:
+    from autoplan.api import autoparallel
+    from autoplan.models.architectures import build_architecture
+
+    plan = autoparallel(build_architecture(name, "tiny"), global_batch=BATCH, seq_len=SEQ,
+                        world_size=2, tp=2).plan
+    return str(plan)
+
+
+def _plan_large(name: str) -> str:
+    from autoplan.api import autoparallel
+    from autoplan.models.architectures import build_architecture
+
+    model = build_architecture(name, "7b")
+    billions = sum(p.numel() for p in model.parameters()) / 1e9
+    plan = autoparallel(model, **LARGE).plan
+    return f"{billions:.1f}B parameters: {plan}"
+
+
+def _batches(name: str, steps: int) -> list:
+    """`steps` global batches: token pairs for causal LMs, dicts for the other tasks."""
+    from autoplan.models.architectures import ARCHITECTURES, example_batch
+
+    out = []
+    for i in range(steps):
+        batch = example_batch(name, batch=BATCH, seq_len=SEQ, seed=1 + i)
+        causal = ARCHITECTURES[name].task == "causal-lm"
+        out.append((batch["input_ids"], batch["labels"]) if causal else batch)
+    return out
+
+
+def _train(name: str, overrides: dict, steps: int, state: dict) -> str:
+    """Train on 4 gloo ranks and compare with one process; the plan when every rank matches.
+    `state` keeps the reference and the cluster between this architecture's checks."""
+    from autoplan import testing
+    from autoplan.models.architectures import architecture_factory, build_architecture
+    from autoplan.runtime import LocalCluster
+
+    factory, batches = architecture_factory(name), _batches(name, steps)
+    # planned once here, not on every rank: the ranks then plan once each
+    budget = testing.split_weights_budget(build_architecture(name, "tiny"), overrides,
+                                          global_batch=BATCH, seq_len=SEQ, world_size=4)
+    if "reference" not in state:
+        state["reference"] = testing.reference(factory, batches)
+    if "cluster" not in state:
+        state["cluster"] = LocalCluster(4)
+    results = state["cluster"].run(testing.train_planned, factory, batches, overrides,
+                                   global_batch=BATCH, seq_len=SEQ, device_memory_bytes=budget,
+                                   timeout_s=600)
+    for rank, result in enumerate(results):
+        problems = testing.compare(result, state["reference"])
+        if problems:
+            raise AssertionError(f"rank {rank} differs from one process in {len(problems)} "
+                                 f"values, first: {problems[0]}")
+    plan = json.loads(results[0][2])
+    split = sum(1 for _, p in plan["param_placements"] if p != "R")
+    return (f"{steps} steps equal one process on 4 ranks; mesh {plan['mesh']}, "
+            f"{split} of {len(plan['param_placements'])} parameters split")
+
+
+def run_worker(name: str, steps: int, out: Path) -> None:
+    """One architecture's checks in this process; the row is (re)written to `out` after each
+    check, so that a parent that kills a hung worker keeps the checks it finished."""
+    from autoplan.models.architectures import ARCHITECTURES
+
+    arch = ARCHITECTURES[name]
+    row = {"architecture": name, "task": arch.task, "moe": arch.moe, "checks": {}}
+    todo = {"plan tp2": lambda: _plan_tiny(name), "plan 7B": lambda: _plan_large(name)}
+    state: dict = {}
+    for check, overrides in TRAIN.items():
+        if arch.moe or "ep" not in overrides:
+            todo[check] = lambda o=overrides: _train(name, o, steps, state)
+    try:
+        for check, fn in todo.items():
+            print(f"--- {name}: {check}", file=sys.stderr, flush=True)
+            row["checks"][check] = _check(fn)
+            out.write_text(json.dumps(row, indent=1))
+    finally:
+        if "cluster" in state:
+            state["cluster"].close()
+
+
+def _run_one(name: str, steps: int, timeout_s: float, log_dir: Path) -> dict:
+    """Run `name`'s worker process; its row, with what a crash or timeout left unfinished."""
+    out = log_dir / f"{name}.json"
+    log = log_dir / f"{name}.log"
+    start = time.perf_counter()
+    cmd = [sys.executable, __file__, "--worker", name, "--steps", str(steps), "--out", str(out)]
+    with open(log, "w") as f:
+        # its own session: a timeout ends the worker and the gloo ranks it started, together
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+            ended = None if code == 0 else f"worker exited with code {code}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            ended = f"worker timed out after {timeout_s:.0f} s"
+    row = json.loads(out.read_text()) if out.exists() else {"architecture": name, "checks": {}}
+    if ended:
+        tail = [line for line in log.read_text().splitlines() if line.strip()][-1:]
+        for check in CHECKS:
+            if check not in row["checks"] and (check != "train dp2xep2" or row.get("moe")):
+                row["checks"][check] = {"status": "fail", "seconds": None,
+                                        "detail": f"{ended}; last output: "
+                                                  f"{tail[0][:DETAIL_CHARS] if tail else ''}"}
+                break  # the check that was running; the ones after it never started
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def run(names: list[str], steps: int, timeout_s: float, results: Path) -> dict:
+    """Every architecture of `names` in its own process; writes `results` after each row (a
+    partial run with --only updates its rows and keeps the others)."""
+    doc = json.loads(results.read_text()) if results.exists() else {"rows": {}}
+    doc.update(steps=steps, batch=BATCH, seq_len=SEQ, large=LARGE,
+               python=platform.python_version(), cpu_count=os.cpu_count())
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="coverage-") as tmp:
+        for name in names:
+            row = _run_one(name, steps, timeout_s, Path(tmp))
+            row["measured_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            doc["rows"][name] = row
+            passed = sum(c["status"] == "pass" for c in row["checks"].values())
+            print(f"{name}: {passed}/{len(row['checks'])} checks pass ({row['seconds']} s)",
+                  flush=True)
+            for check, c in row["checks"].items():
+                if c["status"] != "pass":
+                    print(f"  {check}: {c['detail']}", flush=True)
+            results.parent.mkdir(parents=True, exist_ok=True)
+            results.write_text(json.dumps(doc, indent=1) + "\n")
+    doc["last_run"] = {"architectures": names, "seconds": round(time.perf_counter() - start),
+                       "load_average": os.getloadavg()[0],
+                       "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    results.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def _cell(check: dict | None) -> str:
+    if check is None:
+        return "n/a"
+    if check["status"] == "pass":
+        return "pass"
+    return "fail: " + check["detail"].replace("|", "\\|").replace("`", "'")
+
+
+def markdown(doc: dict) -> str:
+    """The README table of a coverage.json document: a row per architecture, a column per
+    check ("pass", "fail: <why>", "n/a" for expert parallelism on a dense model)."""
+    lines = ["| architecture | task | " + " | ".join(CHECKS) + " |",
+             "|---|---|" + "---|" * len(CHECKS)]
+    for name, row in doc["rows"].items():
+        cells = [_cell(row["checks"].get(c)) if c != "train dp2xep2" or row.get("moe")
+                 else "n/a" for c in CHECKS]
+        lines.append(f"| {name} | {row.get('task', '?')} | " + " | ".join(cells) + " |")
+    total = sum(1 for row in doc["rows"].values() for c in row["checks"].values())
+    passed = sum(1 for row in doc["rows"].values() for c in row["checks"].values()
+                 if c["status"] == "pass")
+    lines.append("")
+    lines.append(f"{passed} of {total} checks pass over {len(doc['rows'])} architectures "
+                 f"({doc.get('steps', STEPS)} training steps).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", metavar="NAME",
+                        help="run this architecture only (repeatable)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per check")
+    parser.add_argument("--timeout-s", type=float, default=900.0,
+                        help="seconds one architecture's process may take")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the README table from --results and run nothing")
+    parser.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: expected an integer >= 1")
+    if args.markdown:
+        print(markdown(json.loads(args.results.read_text())))
+        return 0
+    if args.worker:
+        run_worker(args.worker, args.steps, args.out)
+        return 0
+    from autoplan.models.architectures import ARCHITECTURES
+
+    names = args.only or list(ARCHITECTURES)
+    unknown = [n for n in names if n not in ARCHITECTURES]
+    if unknown:
+        parser.error(f"--only {unknown[0]}: unknown; known: {', '.join(ARCHITECTURES)}")
+    doc = run(names, args.steps, args.timeout_s, args.results)
+    print(f"{len(names)} architectures in {doc['last_run']['seconds']} s -> {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
