@@ -12,9 +12,10 @@ import functools
 import torch
 
 from autoplan.runtime.engine import cross_entropy_loss
+from autoplan.testing import LR, adamw, token_batches  # noqa: F401 - LR, adamw: for the tests
+from autoplan.testing import model_logits as logits
 
 SEQ = 16
-LR = 1e-3
 
 
 def _preset(name: str, seed: int, overrides: dict):
@@ -35,25 +36,9 @@ def vocab_of(model) -> int:
     return model.vocab_size
 
 
-def logits(model, x):
-    out = model(x, use_cache=False) if hasattr(model, "config") and hasattr(
-        model.config, "use_cache") else model(x)
-    return out.logits if hasattr(out, "logits") else out
-
-
 def batches(vocab: int, steps: int, batch: int, seq: int = SEQ, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, vocab, (steps, batch, seq + 1), generator=g)
-    return x[..., :-1], x[..., 1:]
-
-
-def adamw(params):
-    """AdamW with eps = 1e-6. Reduction order differs between one process and N ranks, so a
-    gradient that is (nearly) zero -- GPT-2's key bias has an exactly zero one, softmax being
-    shift-invariant -- carries rounding noise dg ~ 1e-10 of its own size. Adam turns it into a
-    parameter step of up to lr * |dg| / eps: 1e-5 with torch's default eps = 1e-8 (over the
-    1e-6 tolerance, for reasons that have nothing to do with parallelism), 1e-7 with 1e-6."""
-    return torch.optim.AdamW(params, lr=LR, eps=1e-6)
+    """autoplan.testing.token_batches at the tests' sequence length."""
+    return token_batches(vocab, steps, batch, seq, seed)
 
 
 def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
