@@ -355,19 +355,29 @@ def test_sequence_longer_than_the_positions_is_refused(name, field):
 
 # --- constants the model's code creates ([Note: lifted constants on meta]) ----------------------
 
-class _ConstantsFromCode(nn.Module):
+class _SplitHeads(nn.Module):
     """Falcon's pattern: an index list (`t[..., [-2], :]`) and a tensor made from a Python
-    number on the input's device; torch.export lifts both as graph constants."""
+    number on the input's device; torch.export lifts both as graph constants, here inside a
+    submodule (`attn.lifted_tensor_0`) as in Falcon's blocks."""
 
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(16, 8)
         self.qkv = nn.Linear(8, 24)
 
-    def forward(self, ids):
-        h = self.qkv(self.embed(ids)).view(ids.shape[0], ids.shape[1], 3, 8)  # (B, T, 3, C)
+    def forward(self, x):
+        h = self.qkv(x).view(x.shape[0], x.shape[1], 3, 8)  # (B, T, 3, C)
         key = h[..., [-2], :]
-        return key.squeeze(2) * torch.tensor(0.5, device=ids.device)
+        return key.squeeze(2) * torch.tensor(0.5, device=x.device)
+
+
+class _ConstantsFromCode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.attn = _SplitHeads()
+
+    def forward(self, ids):
+        return self.attn(self.embed(ids))
 
 
 def test_fake_cpu_keeps_the_values_of_constants_made_by_the_code():

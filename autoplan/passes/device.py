@@ -32,6 +32,12 @@ def retarget_device(gm: torch.fx.GraphModule, device: str | torch.device) -> tor
     return gm
 
 
+def _lifted(fqn: str) -> bool:
+    """A constant torch.export lifted out of the model's code (`lifted_tensor_k` under any
+    module), as opposed to a parameter or buffer of the model."""
+    return fqn.rpartition(".")[2].startswith("lifted_tensor")
+
+
 def materialize(gm: torch.fx.GraphModule, source: nn.Module | Mapping[str, torch.Tensor],
                 device: str | torch.device = "cpu") -> torch.fx.GraphModule:
     """Give a captured gm real weights: copy each parameter/buffer from `source` onto `device`
@@ -53,11 +59,12 @@ def materialize(gm: torch.fx.GraphModule, source: nn.Module | Mapping[str, torch
     targets = [(n, t, True) for n, t in gm.named_parameters()]
     targets += [(n, t, False) for n, t in gm.named_buffers()]
     # Constants that torch.export lifted out of the code (e.g. the index list of
-    # `t[..., [-2], :]`) are the graph's own: they keep their captured value.
+    # `t[..., [-2], :]`) are the graph's own: they keep their captured value, at the top of
+    # the graph or inside a block (Falcon: `transformer.h.0.self_attention.lifted_tensor_0`).
     targets = [(n, t, p) for n, t, p in targets
-               if n in tensors or not (n.startswith("lifted_tensor") and not t.is_meta)]
-    own = [(n, t) for n, t in gm.named_buffers() if n not in tensors and n.startswith(
-        "lifted_tensor") and not t.is_meta]
+               if n in tensors or not (_lifted(n) and not t.is_meta)]
+    own = [(n, t) for n, t in gm.named_buffers() if n not in tensors and _lifted(n)
+           and not t.is_meta]
     for fqn, t in own:
         owner_name, _, leaf = fqn.rpartition(".")
         gm.get_submodule(owner_name).register_buffer(leaf, t.to(device))
