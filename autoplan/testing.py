@@ -103,18 +103,27 @@ def reference(factory, batches: list) -> tuple[list[float], dict[str, torch.Tens
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def split_weights_budget(model: nn.Module, overrides: dict, *, global_batch: int, seq_len: int,
-                         world_size: int) -> float | None:
+def _batch_options(batch, global_batch: int, seq_len: int) -> dict:
+    """How `@autoparallel` is told the batch: the token form by seq_len, a dict by
+    `example_batch=` (the dict itself; its shapes set the plan's)."""
+    if isinstance(batch, dict):
+        return dict(global_batch=global_batch, example_batch=batch)
+    return dict(global_batch=global_batch, seq_len=seq_len)
+
+
+def split_weights_budget(model: nn.Module, overrides: dict, batch, *, global_batch: int,
+                         seq_len: int, world_size: int) -> float | None:
     """A per-device memory budget (bytes) 0.9 of what `model`'s plan for `world_size` ranks
     needs with ample memory: under it a tp plan has to split weights instead of replicating
     them (a tiny model is latency-bound, and with ample memory the solver replicates). None
-    without tp. Plans outside any process group (`model` may be on meta)."""
+    without tp. Plans outside any process group (`model` may be on meta) for `batch` (a
+    token pair or a dict, as `train_planned` steps)."""
     from autoplan.api import autoparallel
 
     if overrides.get("tp", 1) == 1:
         return None
-    ample = autoparallel(model, global_batch=global_batch, seq_len=seq_len,
-                         world_size=world_size, **overrides)
+    ample = autoparallel(model, world_size=world_size,
+                         **_batch_options(batch, global_batch, seq_len), **overrides)
     return ample.plan.prediction.memory_bytes * 0.9
 
 
@@ -128,9 +137,9 @@ def train_planned(factory, batches: list, overrides: dict, *, global_batch: int,
     plan as JSON)."""
     from autoplan.api import autoparallel
 
-    decorated = autoparallel(factory, global_batch=global_batch, seq_len=seq_len,
-                             optimizer=adamw, seed=SEED, device_memory_bytes=device_memory_bytes,
-                             **overrides)
+    decorated = autoparallel(factory, optimizer=adamw, seed=SEED,
+                             device_memory_bytes=device_memory_bytes,
+                             **_batch_options(batches[0], global_batch, seq_len), **overrides)
     torch.manual_seed(SEED)
     ap = decorated()
     losses = []

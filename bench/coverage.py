@@ -75,12 +75,23 @@ def _check(fn) -> dict:
     return {"status": status, "detail": detail, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def _batch_options(name: str, size: str, batch: int, seq_len: int) -> dict:
+    """How the batch is declared: seq_len for a causal LM's token batch, `example_batch=` (on
+    meta: shapes only) for the dict batch of the other tasks."""
+    from autoplan.models.architectures import ARCHITECTURES, example_batch
+
+    if ARCHITECTURES[name].task == "causal-lm":
+        return dict(global_batch=batch, seq_len=seq_len)
+    return dict(global_batch=batch, example_batch=example_batch(
+        name, size, batch=batch, seq_len=seq_len, device="meta"))
+
+
 def _plan_tiny(name: str) -> str:
     from autoplan.api import autoparallel
     from autoplan.models.architectures import build_architecture
 
-    plan = autoparallel(build_architecture(name, "tiny"), global_batch=BATCH, seq_len=SEQ,
-                        world_size=2, tp=2).plan
+    plan = autoparallel(build_architecture(name, "tiny"), world_size=2, tp=2,
+                        **_batch_options(name, "tiny", BATCH, SEQ)).plan
     return str(plan)
 
 
@@ -90,7 +101,9 @@ def _plan_large(name: str) -> str:
 
     model = build_architecture(name, "7b")
     billions = sum(p.numel() for p in model.parameters()) / 1e9
-    plan = autoparallel(model, **LARGE).plan
+    options = {k: v for k, v in LARGE.items() if k not in ("global_batch", "seq_len")}
+    plan = autoparallel(model, **options, **_batch_options(name, "7b", LARGE["global_batch"],
+                                                           LARGE["seq_len"])).plan
     return f"{billions:.1f}B parameters: {plan}"
 
 
@@ -116,7 +129,8 @@ def _train(name: str, overrides: dict, steps: int, state: dict) -> str:
     factory, batches = architecture_factory(name), _batches(name, steps)
     # planned once here, not on every rank: the ranks then plan once each
     budget = testing.split_weights_budget(build_architecture(name, "tiny"), overrides,
-                                          global_batch=BATCH, seq_len=SEQ, world_size=4)
+                                          batches[0], global_batch=BATCH, seq_len=SEQ,
+                                          world_size=4)
     if "reference" not in state:
         state["reference"] = testing.reference(factory, batches)
     if "cluster" not in state:

@@ -109,6 +109,18 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in [
     Architecture("starcoder2", "causal-lm", dict(num_key_value_heads=2, intermediate_size=128),
                  dict(num_key_value_heads=8, intermediate_size=16384)),
     Architecture("granite", "causal-lm", _GQA_TINY, _GQA_LARGE),
+    Architecture("deepseek_v3", "causal-lm",
+                 dict(num_key_value_heads=4, intermediate_size=64, q_lora_rank=16,
+                      kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                      head_dim=4, n_routed_experts=4, n_shared_experts=1,
+                      moe_intermediate_size=32, first_k_dense_replace=1, n_group=2,
+                      topk_group=1, num_experts_per_tok=2),
+                 dict(num_key_value_heads=32, intermediate_size=11008, q_lora_rank=1536,
+                      kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                      v_head_dim=128, head_dim=64, n_routed_experts=8, n_shared_experts=1,
+                      moe_intermediate_size=1792, first_k_dense_replace=1, n_group=2,
+                      topk_group=1, num_experts_per_tok=2),
+                 moe=True),
     Architecture("bert", "masked-lm", dict(intermediate_size=128),
                  dict(intermediate_size=16384)),
     Architecture("t5", "seq2seq-lm", dict(d_kv=8, d_ff=64, decoder_start_token_id=0),
@@ -178,9 +190,18 @@ def architecture_factory(name: str, size: str = "tiny"):
     return functools.partial(build_architecture, name, size, device=None)
 
 
+def _batch_shapes(task: str, config, batch: int, seq_len: int) -> dict[str, tuple]:
+    if task == "image-classification":
+        side = config.image_size
+        return {"pixel_values": (batch, config.num_channels, side, side), "labels": (batch,)}
+    names = ["input_ids", "labels"] + (["decoder_input_ids"] if task == "seq2seq-lm" else [])
+    return {k: (batch, seq_len) for k in names}
+
+
 def example_batch(name: str, size: str = "tiny", *, batch: int, seq_len: int,
                   seed: int = 1, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """A seeded random batch for architecture `name` (on `device`; "meta" for planning):
+    """A seeded random batch for architecture `name` (on `device`; on "meta" zeros of the same
+    shapes and dtypes, for planning without allocating):
 
     - causal-lm: input_ids (batch, seq_len) int64, labels (batch, seq_len) the next tokens;
     - masked-lm: input_ids with every 4th position replaced by token 1 (the mask), labels
@@ -192,6 +213,10 @@ def example_batch(name: str, size: str = "tiny", *, batch: int, seq_len: int,
     """
     arch = _architecture(name)
     config = architecture_config(name, size)
+    if torch.device(device).type == "meta":  # shapes only: a 7B-class batch allocates nothing
+        real = example_batch(name, "tiny", batch=1, seq_len=1, seed=seed)
+        shapes = _batch_shapes(arch.task, config, batch, seq_len)
+        return {k: torch.zeros(shapes[k], dtype=real[k].dtype, device="meta") for k in real}
     g = torch.Generator().manual_seed(seed)
     if arch.task == "image-classification":
         side = config.image_size
