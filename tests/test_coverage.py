@@ -1,0 +1,90 @@
+"""The coverage bench (bench/coverage.py) and its architectures (autoplan/models/architectures.py):
+the table it writes, how a failure is named, and the architectures and batches it runs. The
+bench itself runs for an hour; these are its pieces, in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoplan.models.architectures import (ARCHITECTURES, architecture_config,
+                                           build_architecture, example_batch)
+from autoplan.runtime import RankError
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("coverage_bench", ROOT / "bench" / "coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_issue_s_architectures_are_all_in_the_bench():
+    wanted = {"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma",
+              "gemma2", "gemma3_text", "phi3", "falcon", "gpt_neox", "opt", "bloom", "stablelm",
+              "olmo2", "starcoder2", "bert", "t5", "vit"}
+    assert wanted <= set(ARCHITECTURES), sorted(wanted - set(ARCHITECTURES))
+    assert {a.task for a in ARCHITECTURES.values()} == {
+        "causal-lm", "masked-lm", "seq2seq-lm", "image-classification"}
+
+
+def test_markdown_names_each_check_and_why_it_failed():
+    bench = _bench()
+    ok = {"status": "pass", "detail": "", "seconds": 1.0}
+    doc = {"steps": 3, "rows": {
+        "llama": {"task": "causal-lm", "moe": False,
+                  "checks": {"plan tp2": ok, "plan 7B": ok, "train dp2xtp2": ok}},
+        "mixtral": {"task": "causal-lm", "moe": True, "checks": {
+            "plan tp2": ok, "plan 7B": ok,
+            "train dp2xtp2": {"status": "fail", "detail": "ValueError: a | b `c`",
+                              "seconds": 2.0}}}}}
+    lines = bench.markdown(doc).splitlines()
+    assert lines[0] == ("| architecture | task | plan tp2 | plan 7B | train dp2xtp2 | "
+                        "train dp2xep2 |")
+    assert lines[2] == "| llama | causal-lm | pass | pass | pass | n/a |"
+    assert lines[3] == ("| mixtral | causal-lm | pass | pass | fail: ValueError: a \\| b 'c' | "
+                        "n/a |")
+    assert lines[-1] == "5 of 6 checks pass over 2 architectures (3 training steps)."
+
+
+def test_a_failed_rank_is_named_by_its_own_cause_in_one_line():
+    bench = _bench()
+    e = RankError(2, "raised ValueError: materialize: 4 FQNs missing\nTraceback ...",
+                  {0: "RuntimeError: Connection reset by peer"})
+    assert bench._first_line(e) == "RankError: rank 2 raised ValueError: materialize: 4 FQNs missing"
+    long = bench._first_line(ValueError("x" * 500))
+    assert len(long) == bench.DETAIL_CHARS and long.endswith("...")
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_tiny_config_splits_for_tp2_and_its_batch_fits(name):
+    """Every head count and width the tp2 / ep2 runs split is even, the batch's ids are inside
+    the vocabulary and its shapes are what the model takes."""
+    config = architecture_config(name, "tiny")
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "num_local_experts", "num_experts", "n_routed_experts", "d_ff", "n_inner"):
+        value = getattr(config, key, None)
+        assert value is None or value % 2 == 0, (key, value)
+    batch = example_batch(name, batch=4, seq_len=16)
+    if "input_ids" in batch:
+        assert 0 <= int(batch["input_ids"].min()) and int(batch["input_ids"].max()) < \
+            config.vocab_size
+    meta = example_batch(name, "7b", batch=64, seq_len=4096, device="meta")
+    assert all(t.is_meta for t in meta.values())
+    assert {k: t.dtype for k, t in meta.items()} == {k: t.dtype for k, t in batch.items()}
+
+
+def test_large_configs_are_7b_class_on_meta():
+    for name in ("llama", "mixtral", "vit"):
+        model = build_architecture(name, "7b")
+        n = sum(p.numel() for p in model.parameters())
+        assert 5e9 < n < 9e9, (name, n)
+        assert all(p.is_meta for p in model.parameters())
+    assert torch.get_default_device().type == "cpu"
