@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
+
+T = TypeVar("T")
 
 __all__ = ["fake_cpu"]
 
@@ -36,12 +40,12 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def fake_cpu(model: nn.Module, inputs: tuple[torch.Tensor, ...]
-             ) -> Iterator[tuple[torch.Tensor, ...]]:
+def fake_cpu(model: nn.Module, inputs: T) -> Iterator[T]:
     """While open, `model`'s meta parameters and buffers are CPU-claiming fake tensors of one
-    FakeTensorMode (tied tensors stay one tensor); yields `inputs` as fakes of the same mode
-    (meta inputs; others as they are). A model with no meta tensor is left alone and its
-    inputs yielded unchanged ([Note: lifted constants on meta])."""
+    FakeTensorMode (tied tensors stay one tensor); yields `inputs` -- any pytree of tensors,
+    e.g. export's (args, kwargs) -- with its meta tensors as fakes of the same mode (others as
+    they are). A model with no meta tensor is left alone and its inputs yielded unchanged
+    ([Note: lifted constants on meta])."""
     if not _on_meta(model):
         yield inputs
         return
@@ -68,8 +72,8 @@ def fake_cpu(model: nn.Module, inputs: tuple[torch.Tensor, ...]
                     if t is not None and t.is_meta:
                         swapped.append((table, name, t))
                         table[name] = fake(t)
-        yield tuple(FakeTensor(mode, t, cpu) if isinstance(t, torch.Tensor) and t.is_meta
-                    else t for t in inputs)
+        yield tree_map(lambda t: FakeTensor(mode, t, cpu)
+                       if isinstance(t, torch.Tensor) and t.is_meta else t, inputs)
     finally:
         for table, name, t in reversed(swapped):
             table[name] = t
