@@ -133,7 +133,7 @@ def _train(name: str, overrides: dict, steps: int, state: dict) -> str:
                                           world_size=4)
     if "reference" not in state:
         state["reference"] = testing.reference(factory, batches)
-    if "cluster" not in state:
+    if state.get("cluster") is None or state["cluster"]._closed:  # a failed job closes it
         state["cluster"] = LocalCluster(4)
     results = state["cluster"].run(testing.train_planned, factory, batches, overrides,
                                    global_batch=BATCH, seq_len=SEQ, device_memory_bytes=budget,
