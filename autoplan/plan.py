@@ -56,11 +56,25 @@ def format_placement(p: Placement) -> str:
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Degrees of the device mesh, axes ("pp", "dp", "tp") outermost first."""
+    """Degrees of the device mesh, axes ("pp", "dp", "tp") outermost first.
+
+    `ep` is the expert-parallel degree ([Note: expert parallelism] in autoplan/solver/experts.py):
+    the dp ranks form groups of `ep` consecutive dp ranks, and the ranks of a group hold
+    disjoint slices of every mixture-of-experts layer's experts (E / ep each), exchanging tokens
+    by all-to-all. The batch and every other weight are split and replicated over all dp ranks
+    exactly as without ep (torchtitan's expert parallelism borrowing the data-parallel ranks),
+    so ep divides dp and takes no ranks of its own: `world_size` is pp x dp x tp.
+    """
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"mesh: ep {self.ep} must divide dp {self.dp} (expert parallelism "
+                             "takes its ranks from the data-parallel ones)")
 
     @property
     def world_size(self) -> int:
@@ -75,7 +89,8 @@ class MeshShape:
         return (self.pp, self.dp, self.tp)
 
     def __str__(self) -> str:
-        return f"pp{self.pp}xdp{self.dp}xtp{self.tp}"
+        dp = f"dp{self.dp}" if self.ep == 1 else f"dp{self.dp}(ep{self.ep})"
+        return f"pp{self.pp}x{dp}xtp{self.tp}"
 
 
 @dataclass(frozen=True)
@@ -181,7 +196,7 @@ class Plan:
     Attributes:
         model: model name or preset.
         topology: topology name.
-        mesh: (pp, dp, tp) degrees.
+        mesh: (pp, dp, tp) degrees, and the expert-parallel degree ep inside dp.
         zero_stage: 0 (replicated), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).
         global_batch: samples per optimizer step, all ranks together.
         num_microbatches: microbatches per step per dp rank (gradient accumulation when pp == 1).
@@ -260,7 +275,13 @@ class Plan:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The plan as JSON-ready data; a mesh without expert parallelism (ep 1) is written
+        without its `ep` key, as before ep existed (readers default it to 1)."""
+        d = dataclasses.asdict(self)
+        for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
+            if mesh.get("ep") == 1:
+                del mesh["ep"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)

@@ -179,3 +179,47 @@ def test_mixtral_tp2_matches_single_process(clusters):
     placements = _experts_placements(Plan.from_json(results[0][2]))
     assert set(placements.values()) == {"S(0)"}, placements
     _assert_matches(results, ref)
+
+
+@pytest.mark.slow
+def test_mixtral_dp2xep2_matches_single_process(clusters):
+    """Expert parallelism: 4 ranks split the batch 4 ways; each pair of ranks (ep 2) holds
+    disjoint halves of the experts and exchanges tokens by all-to-all; the router stays
+    replicated. Losses of 3 AdamW steps and every parameter after them equal one process."""
+    factory = _moe.factory("mixtral")
+    ref = _jobs.reference(factory, 3, 4)
+    results = clusters.get(4).run(_jobs.train, factory, 3, 4, dict(dp=4, ep=2, zero_stage=0),
+                                  timeout_s=400)
+    plan = Plan.from_json(results[0][2])
+    assert (plan.mesh.dp, plan.mesh.ep, str(plan.mesh)) == (4, 2, "pp1xdp4(ep2)xtp1")
+    _assert_matches(results, ref)
+
+
+def test_ep_is_priced_per_topology_level():
+    """ep 2 on a 2-node DGX-H100 plan (dp 16 x tp 1, ZeRO-0): the step pays the all-to-alls
+    (inside a node: consecutive dp ranks) and the changed gradient all-reduce; the experts'
+    states per rank halve; an ep that does not divide the experts is a named error."""
+    from autoplan.solver.experts import ep_step_delta_s, expert_layers, expert_parallel
+    from autoplan.solver.search import InvalidConfig
+    from autoplan.spec import TrainingSpec
+    from autoplan.topology import preset
+
+    graph = capture(_moe.factory("mixtral")().to("meta"),
+                    (torch.zeros(1, 64, dtype=torch.long, device="meta"),), total_layers=32)
+    from autoplan.solver import plan
+
+    spec, topology = TrainingSpec(global_batch=64, seq_len=64), preset("dgx-h100", 2)
+    base = plan(graph, topology, spec, dp=16, tp=1, zero_stage=0, ep=1)
+    layers = expert_layers(graph)
+    assert layers.num_layers == 32 and layers.num_experts == (4, 4) and layers.top_k == 2
+    two = expert_parallel(graph, base, spec, topology, 2)
+    a2a_s, sync_s = ep_step_delta_s(layers, base, spec, topology, 2)
+    # 32 layers x 4 all-to-alls of T k H x 4 bytes (T = 64 tokens of one sample) on NVLink
+    assert 32 * 4 * (64 * 2 * 32 * 4) / 2 / topology.intra_node.bw_bytes_per_s < a2a_s
+    assert two.prediction.step_time_s == pytest.approx(base.prediction.step_time_s + a2a_s
+                                                       + sync_s)
+    expert_bytes = layers.expert_elems * (4 + 4 + 8)  # fp32 params, grads, AdamW states
+    assert base.prediction.memory_bytes - two.prediction.memory_bytes == pytest.approx(
+        expert_bytes / 2)
+    with pytest.raises(InvalidConfig, match="does not divide the experts"):
+        expert_parallel(graph, base, spec, topology, 8)

@@ -13,6 +13,7 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
 from autoplan.units import fmt_bytes
+from autoplan.solver.experts import expert_parallel
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
@@ -33,7 +34,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          zero_stage: int | None = None, num_microbatches: int | None = None,
          schedule: str | None = None, num_virtual_stages: int | None = None,
          checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
-         time_limit_s: float = 10.0, top_k: int = 5) -> Plan:
+         time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -52,6 +53,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             that reaches it keeps its best placement; a configuration whose ILP found none is
             skipped (SolverLimitWarning).
         top_k: runners-up kept in `Plan.alternatives`.
+        ep: the expert-parallel degree of a mixture-of-experts model (None: chosen for the
+            best configuration, [Note: expert parallelism] in solver/experts.py; 1: none).
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -76,9 +79,10 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         raise ValueError(f"time_limit_s {time_limit_s} must be a positive number of "
                          f"deterministic seconds")
     with _collector_paused():
-        return _plan(graph, topology, spec, Overrides(
+        result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
             allow_tp_across_nodes, checkpointing), time_limit_s, top_k)
+    return expert_parallel(graph, result, spec, topology, ep)
 
 
 def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec) -> Plan:

@@ -1,0 +1,173 @@
+"""Expert parallelism at run time ([Note: expert parallelism] in autoplan/solver/experts.py).
+
+With a plan's `mesh.ep` > 1, groups of ep consecutive dp ranks (same pp and tp coordinates)
+hold disjoint slices of every MoE layer's experts: the expert weights of a stage become DTensors
+Shard(0) on a 1-D "ep" DeviceMesh (rank r of the group holds experts [r E/ep, (r+1) E/ep)), and
+each `autoplan.experts` node runs `experts_all_to_all`:
+
+1. dispatch: every (token, choice) pair of this rank's tokens goes to the rank that holds its
+   expert -- sorted by that rank, counts exchanged, one `all_to_all_single` for the hidden
+   states, one for the expert ids, one for the routing weights (data-dependent split sizes are
+   fine here: eager code, outside the captured graph);
+2. the received pairs run the experts op (one choice per row, this rank's expert offset);
+3. combine: the weighted outputs go back by the reverse all-to-all and are summed per token.
+
+Autograd runs the same exchanges in reverse (`_AllToAll`), so the gradients of the hidden
+states and routing weights come home and every expert weight's gradient holds the
+contributions of all tokens its ep group routed to it. Expert weights are left out of FSDP2
+(`ignored_params`): their gradients are summed over the ranks holding the same slice (the
+"dp_outer" groups, dp / ep ranks each) and divided by dp, which together with the engine's loss
+scaling (each rank's loss is its tokens' share of the global mean, x dp) is the gradient of the
+global mean loss, as on one process. The router's weights are ordinary replicated weights.
+
+Supported: tp 1 and ZeRO-0 with ep > 1 (`check_expert_parallel`); expert weights under ZeRO
+sharding, ep together with tp, and gradient clipping across ep slices are not implemented.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from autoplan.experts import EXPERTS_OP
+from autoplan.passes.moe import experts_local
+
+__all__ = ["ExpertParallel", "experts_all_to_all", "check_expert_parallel"]
+
+
+def check_expert_parallel(plan, max_grad_norm: float | None) -> None:
+    """ValueError for an ep plan this runtime does not run (module docstring, Supported)."""
+    mesh = plan.mesh
+    if mesh.ep == 1:
+        return
+    unsupported = []
+    if mesh.tp > 1:
+        unsupported.append(f"tp {mesh.tp}")
+    if plan.zero_stage != 0:
+        unsupported.append(f"ZeRO-{plan.zero_stage}")
+    if max_grad_norm is not None:
+        unsupported.append("gradient clipping")
+    if unsupported:
+        raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with tp 1, ZeRO-0 "
+                         f"and no gradient clipping; this plan has {', '.join(unsupported)}")
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def experts_all_to_all(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: str,
+                       expert_offset: int):
+    """`autoplan.experts` with the experts split over an ep group (module docstring).
+
+    hidden (T, H), top_k_index and top_k_weights (T, k): this rank's tokens (plain tensors).
+    gate_up_proj (E, 2I, H), down_proj (E, H, I): DTensors Shard(0) on a 1-D mesh (the ep
+    group); plain tensors fall back to `experts_local`. Returns (T, H)."""
+    if not isinstance(gate_up_proj, DTensor):
+        return experts_local(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act,
+                             expert_offset)
+    mesh = gate_up_proj.device_mesh
+    group, size, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    local_gate_up, local_down = gate_up_proj.to_local(), down_proj.to_local()
+    num_local = local_gate_up.shape[0]
+    num_tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1) - expert_offset                   # (T k,) global expert ids
+    dest = torch.div(flat, num_local, rounding_mode="floor")        # (T k,) owning ep rank
+    order = torch.argsort(dest, stable=True)                        # pairs grouped by owner
+    token_of = torch.div(order, top_k, rounding_mode="floor")       # (T k,) token of each pair
+    in_splits = torch.bincount(dest, minlength=size)                # pairs sent to each rank
+    out_splits = torch.empty_like(in_splits)
+    dist.all_to_all_single(out_splits, in_splits, group=group)      # pairs received from each
+    sends, recvs = in_splits.tolist(), out_splits.tolist()
+    x = _AllToAll.apply(hidden[token_of], recvs, sends, group)                  # (R, H)
+    w = _AllToAll.apply(top_k_weights.reshape(-1)[order, None], recvs, sends, group)  # (R, 1)
+    ids = flat[order, None].contiguous()
+    ids_recv = ids.new_empty((sum(recvs), 1))
+    dist.all_to_all_single(ids_recv, ids, recvs, sends, group=group)          # (R, 1)
+    y = EXPERTS_OP(x, ids_recv, w, local_gate_up, local_down, act, rank * num_local)  # (R, H)
+    back = _AllToAll.apply(y, sends, recvs, group)                             # (T k, H)
+    return hidden.new_zeros(hidden.shape).index_add(0, token_of, back.to(hidden.dtype))
+
+
+class ExpertParallel:
+    """This rank's expert-parallel state: the ep mesh, the groups that share an expert slice,
+    and the expert weights (module docstring). Collective to construct (process groups).
+
+    Args:
+        mesh: the engine's ("pp", "dp", "tp") DeviceMesh.
+        ep: the plan's expert-parallel degree (divides the dp size).
+    """
+
+    def __init__(self, mesh: DeviceMesh, ep: int):
+        pp, dp, tp = mesh.mesh.shape
+        ranks = mesh.mesh.reshape(pp, dp // ep, ep, tp)
+        self.ep, self.dp = ep, dp
+        mesh4 = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "dp_outer", "ep", "tp"))
+        self.ep_mesh = mesh4["ep"]
+        self.outer_group = mesh4["dp_outer"].get_group() if dp // ep > 1 else None
+        self.params: list[nn.Parameter] = []
+
+    def apply(self, gm: torch.fx.GraphModule) -> list[nn.Parameter]:
+        """Point every experts node of `gm` (after `apply_placements`) at `experts_all_to_all`
+        and make its expert weights Shard(0) DTensors on the ep mesh (on the meta device; the
+        engine allocates). Returns those parameters in graph order -- the same on every rank,
+        which `reduce_gradients` relies on (its all-reduces pair tensors by order) -- for
+        FSDP2's `ignored_params`.
+
+        Raises ValueError when an experts node's weights are not parameters read directly or
+        their expert count does not divide by ep."""
+        found: list[nn.Parameter] = []
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target not in (experts_local, EXPERTS_OP):
+                continue
+            node.target = experts_all_to_all
+            for arg in node.args[3:5]:
+                p = self._distribute(gm, node, arg)
+                if all(p is not q for q in found):
+                    found.append(p)
+        gm.recompile()
+        self.params += [p for p in found if all(p is not q for q in self.params)]
+        return found
+
+    def _distribute(self, gm, node, arg) -> nn.Parameter:
+        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
+            raise ValueError(f"experts node {node.name}: expert weights must be parameters "
+                             f"read directly (get_attr), got {arg}")
+        owner_path, _, leaf = arg.target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        p = owner._parameters[leaf]
+        if isinstance(p, DTensor):
+            return p
+        if p.shape[0] % self.ep:
+            raise ValueError(f"{arg.target}: {p.shape[0]} experts do not divide by ep {self.ep}")
+        owner._parameters[leaf] = nn.Parameter(distribute_tensor(p.data, self.ep_mesh,
+                                                                 [Shard(0)]))
+        return owner._parameters[leaf]
+
+    def reduce_gradients(self) -> None:
+        """Sum the expert weights' gradients over the ranks holding the same slice and divide
+        by dp (module docstring): after the last microbatch's backward, before the optimizer."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if self.outer_group is not None:
+                dist.all_reduce(g, group=self.outer_group)
+            g.div_(self.dp)

@@ -1,0 +1,174 @@
+"""The expert-parallel degree ep of a plan, and its price.
+
+[Note: expert parallelism] A mixture-of-experts layer is one `autoplan.experts` node ([Note:
+experts op] in autoplan/experts.py). Under expert parallelism groups of ep consecutive dp ranks
+hold disjoint slices of its E experts (E / ep each, torchtitan's ep borrowing the data-parallel
+ranks: the batch and the other weights stay split and replicated over all dp ranks). Each rank
+sends every (token, choice) pair of its tokens to the rank holding the expert (dispatch) and
+gets the weighted output back (combine): an all-to-all each, and both again, reversed, in the
+backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every expert):
+
+- compute is unchanged under balanced routing (a rank computes E / ep experts for ep ranks'
+  tokens); routing imbalance is not modelled;
+- per MoE layer and microbatch, 4 all-to-alls of n = T k H x dtype bytes per rank (T = the
+  microbatch's tokens on the rank, k choices, width H), over the ep group (stride tp: dp ranks
+  are tp apart), priced per topology level by `collective_time_s("all_to_all", ...)` ([Note:
+  collective cost] and [Note: hierarchical collectives] in cost_model/comm.py; on `local-cpu`
+  the fitted gloo entry); plus 3 small ones for the expert ids and routing weights (T k x 8
+  bytes) and 1 for the counts, which cost their latency. Each pp rank runs its 1 / pp of the
+  layers;
+- the experts' weights, gradients and optimizer states per rank shrink by ep (ZeRO-0: whole
+  copies; STATE_BYTES_PER_PARAM);
+- their gradients leave the dp all-reduce: they are all-reduced over the dp / ep ranks holding
+  the same slice, at 1 / ep of the size (stride tp x ep).
+
+The step time and memory of the plan chosen at ep = 1 are repriced by these differences
+(`expert_parallel`): a decomposition, exact for the quantities above because ep changes no
+placement (ep runs with tp 1 and ZeRO-0, the runtime's support), but not a joint search: a plan
+that fits only with ep, or a ZeRO stage > 0 that ep would beat, is not found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from autoplan.cost_model.comm import collective_time_s
+from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
+from autoplan.experts import EXPERTS_OP
+from autoplan.graph import CapturedGraph
+from autoplan.plan import MeshShape, Plan
+from autoplan.solver.pipeline import DP_SYNC_OVERLAP
+from autoplan.solver.search import InvalidConfig
+from autoplan.spec import TrainingSpec
+from autoplan.topology import Topology
+
+__all__ = ["ExpertLayers", "expert_layers", "ep_step_delta_s", "expert_parallel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayers:
+    """The MoE layers of a captured graph, scaled to the full depth.
+
+    Attributes:
+        num_layers: MoE layers of the full model (captured ones x total / captured layers).
+        num_experts: E of every layer (ep must divide each).
+        top_k: choices per token (the largest over the layers).
+        hidden: H, the tokens' width.
+        expert_elems: expert weight elements of the full model (gate_up_proj + down_proj).
+        model_elems: trained parameter elements of the full model (blocks scaled likewise).
+    """
+
+    num_layers: float
+    num_experts: tuple[int, ...]
+    top_k: int
+    hidden: int
+    expert_elems: float
+    model_elems: float
+
+
+def expert_layers(graph: CapturedGraph) -> ExpertLayers | None:
+    """The graph's MoE layers, or None when it has none."""
+    nodes = [n for n in graph.gm.graph.nodes if n.target is EXPERTS_OP]
+    if not nodes:
+        return None
+    scale = graph.total_layers / graph.num_layers if graph.num_layers else 1.0
+    shapes = [[tuple(a.meta["val"].shape) if "val" in a.meta else tuple(
+        graph.params[str(a.target)].shape) for a in n.args[:5]] for n in nodes]
+    return ExpertLayers(
+        num_layers=len(nodes) * scale,
+        num_experts=tuple(s[3][0] for s in shapes),
+        top_k=max(s[1][1] for s in shapes),
+        hidden=shapes[0][0][1],
+        expert_elems=scale * sum(math.prod(s[3]) + math.prod(s[4]) for s in shapes),
+        model_elems=sum(p.numel * (scale if p.layer_id is not None else 1.0)
+                        for p in graph.params.values() if not p.is_buffer))
+
+
+def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topology: Topology,
+                    ep: int) -> tuple[float, float]:
+    """(all-to-all seconds per step, change of the exposed dp sync seconds) of expert
+    parallelism ep on `plan`'s configuration, per rank ([Note: expert parallelism])."""
+    mesh = plan.mesh
+    tokens = plan.microbatch_size * spec.seq_len
+    per_rank_layers = layers.num_layers / mesh.pp
+    pairs = tokens * layers.top_k
+    a2a = lambda n: collective_time_s("all_to_all", n, ep, topology, stride=mesh.tp)  # noqa: E731
+    per_layer = 4 * a2a(pairs * layers.hidden * spec.dtype_bytes) + 4 * a2a(pairs * 8)
+    a2a_s = per_layer * per_rank_layers * plan.num_microbatches
+    _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
+    expert_grads = layers.expert_elems / mesh.pp * grad_b
+    all_grads = layers.model_elems / mesh.pp * grad_b
+    ar = lambda n, p, s: collective_time_s("all_reduce", n, p, topology, stride=s)  # noqa: E731
+    before = ar(all_grads, mesh.dp, mesh.tp)
+    after = ar(all_grads - expert_grads, mesh.dp, mesh.tp) + (
+        ar(expert_grads / ep, mesh.dp // ep, mesh.tp * ep) if mesh.dp > ep else 0.0)
+    return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before)
+
+
+def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topology: Topology,
+                    ep: int | None) -> Plan:
+    """`plan` with its expert-parallel degree: `ep` when given (1: none), else the degree of
+    least step time among those that apply and fit ([Note: expert parallelism]).
+
+    Raises:
+        InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
+            not divide dp or some layer's experts, or the plan has tp > 1 or ZeRO > 0 (the
+            runtime's support; fix tp=1 and zero_stage=0).
+    """
+    layers = expert_layers(graph)
+    if ep is not None and ep < 1:
+        raise InvalidConfig(f"ep {ep} must be >= 1")
+    if ep == 1 or (layers is None and ep is None):
+        return plan
+    if ep is not None:
+        reason = _not_applicable(layers, plan, ep)
+        if reason:
+            raise InvalidConfig(f"ep {ep}: {reason}")
+        return _repriced(layers, plan, spec, topology, ep)
+    budget = spec.max_memory_fraction * topology.device.mem_bytes
+    best = plan
+    for e in range(2, plan.mesh.dp + 1):
+        if _not_applicable(layers, plan, e):
+            continue
+        cand = _repriced(layers, plan, spec, topology, e)
+        if cand.prediction.memory_bytes <= budget and \
+                cand.prediction.step_time_s < best.prediction.step_time_s:
+            best = cand
+    return best
+
+
+def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int) -> str:
+    mesh = plan.mesh
+    if layers is None:
+        return "the model has no mixture-of-experts layer"
+    if mesh.dp % ep:
+        return f"does not divide dp {mesh.dp} (fix dp to a multiple of ep)"
+    bad = sorted({e for e in layers.num_experts if e % ep})
+    if bad:
+        return f"does not divide the experts of every layer ({bad})"
+    if mesh.tp > 1 or plan.zero_stage != 0:
+        return (f"runs with tp 1 and ZeRO-0; the plan has tp {mesh.tp}, ZeRO-{plan.zero_stage} "
+                "(fix tp=1 and zero_stage=0)")
+    return ""
+
+
+def _repriced(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topology: Topology,
+              ep: int) -> Plan:
+    a2a_s, sync_s = ep_step_delta_s(layers, plan, spec, topology, ep)
+    p_b, grad_b, opt_b = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
+    saved = layers.expert_elems / plan.mesh.pp * (1 - 1 / ep)
+    old = plan.prediction
+    breakdown = dict(old.memory_breakdown)
+    for kind, per in (("params", p_b), ("grads", grad_b), ("optimizer", opt_b)):
+        if kind in breakdown:
+            breakdown[kind] = max(0.0, breakdown[kind] - saved * per)
+    step = old.step_time_s + a2a_s + sync_s
+    pred = dataclasses.replace(
+        old, step_time_s=step, comm_s=old.comm_s + a2a_s + sync_s,
+        memory_bytes=old.memory_bytes - saved * (p_b + grad_b + opt_b),
+        memory_breakdown=breakdown,
+        tflops_per_device=old.tflops_per_device * old.step_time_s / step,
+        mfu=old.mfu * old.step_time_s / step)
+    mesh = MeshShape(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, ep)
+    return dataclasses.replace(plan, mesh=mesh, prediction=pred)
