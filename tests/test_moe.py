@@ -185,11 +185,15 @@ def test_mixtral_tp2_matches_single_process(clusters):
 def test_mixtral_dp2xep2_matches_single_process(clusters):
     """Expert parallelism: 4 ranks split the batch 4 ways; each pair of ranks (ep 2) holds
     disjoint halves of the experts and exchanges tokens by all-to-all; the router stays
-    replicated. Losses of 3 AdamW steps and every parameter after them equal one process."""
+    replicated. With gradient clipping that clips (the norm spans the expert slices): losses
+    of 3 AdamW steps, the norms and every parameter after them equal one process."""
     factory = _moe.factory("mixtral")
-    ref = _jobs.reference(factory, 3, 4)
-    results = clusters.get(4).run(_jobs.train, factory, 3, 4, dict(dp=4, ep=2, zero_stage=0),
-                                  timeout_s=400)
+    ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
+    assert all(n > 0.5 for n in ref[2]), "max_norm must be small enough to clip"
+    results = clusters.get(4).run(_jobs.train, factory, 3, 4, dict(dp=4, ep=2),
+                                  max_grad_norm=0.5, timeout_s=400)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
     plan = Plan.from_json(results[0][2])
     assert (plan.mesh.dp, plan.mesh.ep, str(plan.mesh)) == (4, 2, "pp1xdp4(ep2)xtp1")
     _assert_matches(results, ref)

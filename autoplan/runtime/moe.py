@@ -20,8 +20,11 @@ contributions of all tokens its ep group routed to it. Expert weights are left o
 scaling (each rank's loss is its tokens' share of the global mean, x dp) is the gradient of the
 global mean loss, as on one process. The router's weights are ordinary replicated weights.
 
+Gradient clipping needs nothing more: an expert gradient is a Shard(0) DTensor on the ep mesh,
+whose norm DTensor reduces over the slices (runtime/parallel.py clip_grad_norm).
+
 Supported: tp 1 and ZeRO-0 with ep > 1 (`check_expert_parallel`); expert weights under ZeRO
-sharding, ep together with tp, and gradient clipping across ep slices are not implemented.
+sharding and ep together with tp are not implemented.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from autoplan.passes.moe import experts_local
 __all__ = ["ExpertParallel", "experts_all_to_all", "check_expert_parallel"]
 
 
-def check_expert_parallel(plan, max_grad_norm: float | None) -> None:
+def check_expert_parallel(plan) -> None:
     """ValueError for an ep plan this runtime does not run (module docstring, Supported)."""
     mesh = plan.mesh
     if mesh.ep == 1:
@@ -48,11 +51,9 @@ def check_expert_parallel(plan, max_grad_norm: float | None) -> None:
         unsupported.append(f"tp {mesh.tp}")
     if plan.zero_stage != 0:
         unsupported.append(f"ZeRO-{plan.zero_stage}")
-    if max_grad_norm is not None:
-        unsupported.append("gradient clipping")
     if unsupported:
-        raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with tp 1, ZeRO-0 "
-                         f"and no gradient clipping; this plan has {', '.join(unsupported)}")
+        raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with tp 1 and "
+                         f"ZeRO-0; this plan has {', '.join(unsupported)}")
 
 
 class _AllToAll(torch.autograd.Function):

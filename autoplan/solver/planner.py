@@ -53,8 +53,10 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             that reaches it keeps its best placement; a configuration whose ILP found none is
             skipped (SolverLimitWarning).
         top_k: runners-up kept in `Plan.alternatives`.
-        ep: the expert-parallel degree of a mixture-of-experts model (None: chosen for the
-            best configuration, [Note: expert parallelism] in solver/experts.py; 1: none).
+        ep: the expert-parallel degree of a mixture-of-experts model, inside dp (dp 4 with
+            ep 2: four data-parallel ranks, two expert slices; None: chosen for the best
+            configuration, [Note: expert parallelism] in solver/experts.py; 1: none). A given
+            ep > 1 fixes tp 1 and ZeRO-0 (what the runtime runs with ep).
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -78,6 +80,11 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     if not time_limit_s > 0 or time_limit_s == float("inf"):
         raise ValueError(f"time_limit_s {time_limit_s} must be a positive number of "
                          f"deterministic seconds")
+    if ep is not None and ep > 1:
+        if tp not in (None, 1) or zero_stage not in (None, 0):
+            raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO-0; got tp {tp}, "
+                                f"zero_stage {zero_stage}")
+        tp, zero_stage = 1, 0
     with _collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
