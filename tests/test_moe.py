@@ -182,12 +182,13 @@ def test_mixtral_tp2_matches_single_process(clusters):
 
 
 @pytest.mark.slow
-def test_mixtral_dp2xep2_matches_single_process(clusters):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_dp2xep2_matches_single_process(clusters, family):
     """Expert parallelism: 4 ranks split the batch 4 ways; each pair of ranks (ep 2) holds
     disjoint halves of the experts and exchanges tokens by all-to-all; the router stays
     replicated. With gradient clipping that clips (the norm spans the expert slices): losses
     of 3 AdamW steps, the norms and every parameter after them equal one process."""
-    factory = _moe.factory("mixtral")
+    factory = _moe.factory(family)
     ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
     assert all(n > 0.5 for n in ref[2]), "max_norm must be small enough to clip"
     results = clusters.get(4).run(_jobs.train, factory, 3, 4, dict(dp=4, ep=2),
