@@ -228,3 +228,24 @@ def test_ep_is_priced_per_topology_level():
         expert_bytes / 2)
     with pytest.raises(InvalidConfig, match="does not divide the experts"):
         expert_parallel(graph, base, spec, topology, 8)
+
+
+def test_ep_plan_round_trips_and_reports():
+    """An ep plan keeps ep through JSON (a plan without ep writes no `ep` key, as before ep
+    existed), prints it inside dp, and the report shows the ep groups' level."""
+    from autoplan.report import render_markdown
+    from autoplan.solver import plan
+    from autoplan.spec import TrainingSpec
+    from autoplan.topology import preset
+
+    graph = capture(_moe.factory("mixtral")().to("meta"),
+                    (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    topology, spec = preset("local-cpu"), TrainingSpec(global_batch=4, seq_len=16)
+    with_ep = plan(graph, topology, spec, dp=4, ep=2)
+    assert str(with_ep.mesh) == "pp1xdp4(ep2)xtp1" and with_ep.zero_stage == 0
+    assert Plan.from_json(with_ep.to_json()) == with_ep
+    without = plan(graph, topology, spec, dp=4, ep=1)
+    assert "ep" not in json.loads(without.to_json())["mesh"]
+    assert Plan.from_json(without.to_json()).mesh.ep == 1
+    report = render_markdown(with_ep, graph=graph, topology=topology)
+    assert "| `ep` (in dp) | 2 | 1 | intra-node |" in report

@@ -7,8 +7,10 @@ alternatives, formulas. Every number comes from `report.facts` (or the Plan itse
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from autoplan.graph import CapturedGraph
-from autoplan.plan import Plan
+from autoplan.plan import MeshShape, Plan
 from autoplan.report import facts as F
 from autoplan.report.formulas import plan_formulas
 from autoplan.report.timeline import busiest_rank_s, predicted_stage_s, stage_costs
@@ -61,7 +63,10 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
     rows = [
         ["model", _model_text(plan, graph)],
         ["cluster", _cluster_text(topology, plan)],
-        ["mesh", f"pp {m.pp} x dp {m.dp} x tp {m.tp} = world size {m.world_size}"],
+        ["mesh", f"pp {m.pp} x dp {m.dp} x tp {m.tp} = world size {m.world_size}" + (
+            f"; expert parallelism ep {m.ep} inside dp: groups of {m.ep} dp ranks hold "
+            f"disjoint experts (1/{m.ep} each) and exchange tokens by all-to-all"
+            if m.ep > 1 else "")],
         ["ZeRO", ZERO_TEXT[plan.zero_stage]],
         ["batch", f"global {plan.global_batch} = dp {m.dp} x "
                   f"{F.plural(plan.num_microbatches, 'microbatch')} x "
@@ -79,6 +84,11 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
 def _mesh(plan: Plan, topology) -> list[str]:
     rows = [[f"`{a.name}`", a.degree, a.stride, a.level, a.text]
             for a in F.mesh_axes(plan, topology)]
+    if plan.mesh.ep > 1:  # [Note: expert parallelism]: ep groups are consecutive dp ranks
+        ep_mesh = SimpleNamespace(mesh=MeshShape(1, plan.mesh.ep, plan.mesh.tp))
+        dp = next(a for a in F.mesh_axes(ep_mesh, topology) if a.name == "dp")
+        rows.insert(1, ["`ep` (in dp)", dp.degree, dp.stride, dp.level,
+                        f"{dp.text}; all-to-all dispatch and combine of tokens"])
     return ["### Mesh axes on the topology", "",
             "Ranks are ordered (pp, dp, tp), tp innermost, so a tp group is consecutive ranks.",
             "", *_table(["axis", "degree", "rank stride", "level", "groups"], rows)]
