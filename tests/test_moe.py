@@ -249,3 +249,19 @@ def test_ep_plan_round_trips_and_reports():
     assert Plan.from_json(without.to_json()).mesh.ep == 1
     report = render_markdown(with_ep, graph=graph, topology=topology)
     assert "| `ep` (in dp) | 2 | 1 | intra-node |" in report
+
+
+def test_reprice_keeps_ep():
+    """`reprice` of an ep plan on its own topology gives the same plan, ep and prediction."""
+    from autoplan.solver import plan, reprice
+    from autoplan.spec import TrainingSpec
+    from autoplan.topology import preset
+
+    graph = capture(_moe.factory("qwen3_moe")().to("meta"),
+                    (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    topology, spec = preset("local-cpu"), TrainingSpec(global_batch=4, seq_len=16)
+    with_ep = plan(graph, topology, spec, dp=4, ep=2)
+    again = reprice(graph, with_ep, topology, spec)
+    assert again.mesh == with_ep.mesh
+    assert again.prediction.step_time_s == pytest.approx(with_ep.prediction.step_time_s)
+    assert again.prediction.memory_bytes == pytest.approx(with_ep.prediction.memory_bytes)

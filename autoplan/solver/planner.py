@@ -99,6 +99,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
     fidelity.py prices the plan it ran at the machine speed measured during the run), or a plan
     made for one cluster on another of the same size.
 
+    An ep plan keeps its ep, repriced too ([Note: expert parallelism] in solver/experts.py).
+
     Raises InvalidConfig when the plan does not belong to this graph and world size (a node
     without the plan's placements among its candidates, another device count).
     """
@@ -130,7 +132,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
             choice[n] = match[0]
         costs = search.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing)
         assessed = search.assess(cfg, evaluate(problem, costs, choice))
-        return build_plan(search, assessed, [])
+        return expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
+                               plan.mesh.ep)
 
 
 @contextlib.contextmanager
