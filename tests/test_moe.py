@@ -128,23 +128,27 @@ def test_tp2_on_local_cpu_splits_the_experts(family):
     assert split < 0.7 * whole  # the matmuls halve; efficiency drops a little on smaller ones
 
 
-def test_7b_class_mixtral_on_two_dgx_h100_nodes():
-    """A 7B-class Mixtral (hidden 4096, 32 layers, 8 experts of FFN 1792, top-2; 2 layers
-    captured, costs scaled to 32) plans for 2 DGX-H100 nodes in bf16 and fits."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_7b_class_moe_on_two_dgx_h100_nodes(family):
+    """A 7B-class MoE (hidden 4096, 32 layers, 8 experts of FFN 1792, top-2: ~7e9 parameters;
+    2 layers captured, costs scaled to 32) plans for 2 DGX-H100 nodes in bf16 and fits."""
     import transformers
 
-    from autoplan.capture import capture
     from autoplan.solver import plan
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset
 
-    cfg = _moe.config("mixtral", hidden_size=4096, num_attention_heads=32, head_dim=128,
-                      num_key_value_heads=8, intermediate_size=1792, num_local_experts=8,
-                      vocab_size=32000, max_position_embeddings=4096)
+    moe = (dict(intermediate_size=1792, num_local_experts=8) if family == "mixtral" else
+           dict(intermediate_size=11008, moe_intermediate_size=1792, num_experts=8))
+    cfg = _moe.config(family, hidden_size=4096, num_attention_heads=32, head_dim=128,
+                      num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
+                      **moe)
+    cls = {"mixtral": transformers.MixtralForCausalLM,
+           "qwen3_moe": transformers.Qwen3MoeForCausalLM}[family]
     with torch.device("meta"):
-        model = transformers.MixtralForCausalLM(cfg)
+        model = cls(cfg)
     graph = capture(model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),),
-                    model_name="mixtral-7b-class", total_layers=32)
+                    model_name=f"{family}-7b-class", total_layers=32)
     topology = preset("dgx-h100", 2)
     result = plan(graph, topology, TrainingSpec(global_batch=256, seq_len=4096,
                                                 dtype="bfloat16"))
@@ -152,6 +156,9 @@ def test_7b_class_mixtral_on_two_dgx_h100_nodes():
     assert result.prediction.memory_bytes <= 0.9 * topology.device.mem_bytes
     experts = [n for n in graph.nodes.values() if n.target == "autoplan.experts.default"]
     assert len(experts) == 2 and all(n.flops > 0 for n in experts)
+    total = sum(p.numel * (16 if p.layer_id is not None else 1)
+                for p in graph.params.values() if not p.is_buffer)
+    assert 6e9 < total < 8e9, total
     assert 0 < result.prediction.mfu < 1
 
 
