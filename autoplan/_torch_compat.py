@@ -268,13 +268,16 @@ def strict_redistribution():
 
 # --- runtime and export helpers ---------------------------------------------------------------
 
-def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None) -> torch.nn.Module:
+def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
+                     ignored_params=None) -> torch.nn.Module:
     """DDP on FSDP2's machinery (`torch.distributed._composable.replicate_with_fsdp`), which
     composes with DTensor tensor parallelism and torch.distributed.pipelining; `mp_policy` is
-    FSDP2's MixedPrecisionPolicy (None: fp32)."""
+    FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters it leaves alone."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if ignored_params:
+        kwargs["ignored_params"] = set(ignored_params)
     return replicate(module, mesh=dp_mesh, **kwargs)
 
 
@@ -434,3 +437,24 @@ def default_store():
     import torch.distributed.distributed_c10d as c10d
 
     return c10d._get_default_store()
+
+
+def chunk_spec(batch_dim: int | None):
+    """How torch.distributed.pipelining splits a first-stage input into microbatches: along
+    `batch_dim` (TensorChunkSpec), or whole to every microbatch (None; pipelining's private
+    `_Replicate`)."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    return _Replicate() if batch_dim is None else TensorChunkSpec(batch_dim)
+
+
+def pipeline_eval(schedule, args: tuple, target, losses: list) -> list | None:
+    """A forward-only run of a torch.distributed.pipelining schedule (its `eval`), returning
+    the last stage's output of each microbatch as a list, unmerged (merging concatenates on
+    dim 0, which a scalar output such as a loss does not have); None on ranks without the last
+    stage. Overrides the schedule's private `_merge_outputs` for the call."""
+    schedule._merge_outputs = list
+    try:
+        return schedule.eval(*args, target=target, losses=losses)
+    finally:
+        del schedule._merge_outputs

@@ -46,7 +46,7 @@ class PlanOptions:
     """What `@autoparallel` was given; see `autoparallel` for the fields."""
 
     global_batch: int
-    seq_len: int
+    seq_len: int | None = None
     cluster: str = "local-cpu"
     num_nodes: int | None = None
     world_size: int | None = None
@@ -59,11 +59,14 @@ class PlanOptions:
     weights: str | None = None
     init: Callable | None = None
     seed: int | None = None
+    example_batch: object = None
+    batch_dims: tuple[tuple[str, int | None], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
 
 
 class AutoParallel:
-    """A model under autoplan: `.step(input_ids, labels)`, `.plan`, `.report()`, `.export()`.
+    """A model under autoplan: `.step(batch)` / `.step(input_ids, labels)`, `.eval_step`,
+    `.plan`, `.report()`, `.export()`.
 
     Args:
         module: the model (real weights, on CPU, or on meta for planning only).
@@ -79,7 +82,10 @@ class AutoParallel:
         self._engine = None
         self.metrics = None  # StepMetrics of the last step (autoplan.runtime.batch)
         self._progress = None  # runtime.job.Progress: where each rank is, for PeerError
-        self._vocab: list | None = None  # [rows of the input embedding, or None]
+        self._vocab: dict[str, int] | None = None  # input name -> rows of its embedding
+        self._inputs = None  # autoplan.inputs.InputSpec: the batch planned for
+        if options.example_batch is not None:
+            self._inputs = self._spec_of(options.example_batch)
 
     # -- planning ---------------------------------------------------------------------------
     @property
@@ -112,8 +118,39 @@ class AutoParallel:
 
     @property
     def spec(self) -> TrainingSpec:
-        return TrainingSpec(global_batch=self.options.global_batch, seq_len=self.options.seq_len,
+        return TrainingSpec(global_batch=self.options.global_batch, seq_len=self._seq_len(),
                             dtype=self.options.dtype)
+
+    @property
+    def inputs(self):
+        """The batch the plan is made for (autoplan.inputs.InputSpec): from `example_batch=`,
+        else the first batch given to `step`, else the token-LM form of seq_len."""
+        from autoplan.inputs import InputSpec
+
+        if self._inputs is None:
+            if self.options.seq_len is None:
+                raise ValueError("autoparallel: no seq_len= and no example_batch=: give one, "
+                                 "or call step(batch) before asking for the plan")
+            self._inputs = InputSpec.tokens(self.options.global_batch, self.options.seq_len)
+        return self._inputs
+
+    def _spec_of(self, batch):
+        from autoplan.inputs import InputSpec
+
+        return InputSpec.of(batch, self.module, self.options.global_batch,
+                            dict(self.options.batch_dims))
+
+    def _seq_len(self) -> int:
+        """seq_len=, else tokens per sample of the batch: dim 1 of `input_ids` (or of the first
+        integer input of two dims), else 1 (tokens/s are then samples/s)."""
+        if self.options.seq_len is not None:
+            return self.options.seq_len
+        leaves = self.inputs.model_leaves
+        ids = [leaf for leaf in leaves if leaf.name == "input_ids"] or [
+            leaf for leaf in leaves if len(leaf.shape) == 2 and "int" in leaf.dtype]
+        if ids and ids[0].batch_dim is not None:
+            return ids[0].shape[1 - ids[0].batch_dim]
+        return 1
 
     @property
     def plan(self) -> Plan:
@@ -129,12 +166,25 @@ class AutoParallel:
         _ = self.plan
         return self._graph
 
-    def _example(self, batch: int, meta: bool = False) -> tuple[torch.Tensor]:
-        device = "meta" if meta or _on_meta(self.module) else "cpu"
-        return (torch.zeros(batch, self.options.seq_len, dtype=torch.long, device=device),)
+    def _capture(self, source: nn.Module, batch_size: int, planning: bool = False):
+        """The graph of `source` called on the planned batch at `batch_size` samples (planning:
+        a few identical blocks scaled to the real depth, [Note: shallow planning capture])."""
+        from autoplan.capture import capture
+        from autoplan.capture.planning import capture_for_planning
+
+        spec = self.inputs
+        example = spec.example(batch_size, "meta" if _on_meta(source) else "cpu")
+        args, kwargs = spec.call([t if leaf.to_model else None
+                                  for leaf, t in zip(spec.leaves, example)])
+        name = type(self.module).__name__
+        if planning:
+            graph = capture_for_planning(source, args, example_kwargs=kwargs, model_name=name)
+        else:
+            graph = capture(source, args, example_kwargs=kwargs, model_name=name)
+        graph.batch_size, graph.seq_len = batch_size, self.spec.seq_len
+        return graph
 
     def _make_plan(self) -> Plan:
-        from autoplan.capture import capture
         from autoplan.progress import phase
         from autoplan.runtime.precision import Precision
         from autoplan.solver import plan as solve
@@ -154,8 +204,7 @@ class AutoParallel:
         # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
         source = self._capture_source(Precision.of(self.options.dtype))
         with phase(f"capturing {name}"):
-            graph = capture(source, self._example(self.options.global_batch,
-                                                  meta=_on_meta(source)), model_name=name)
+            graph = self._capture(source, self.options.global_batch, planning=True)
         with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
             plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
         if _in_job() and dist.get_world_size() > 1:
@@ -167,7 +216,7 @@ class AutoParallel:
 
     # -- training ---------------------------------------------------------------------------
     def _compile(self):
-        from autoplan.capture import capture
+        from autoplan.passes.expand import expand_plan
         from autoplan.progress import phase
         from autoplan.runtime import job
         from autoplan.runtime.engine import DistributedModel
@@ -189,15 +238,16 @@ class AutoParallel:
         # the compute dtype ([Note: precision recipe]), from a meta copy: nothing allocated.
         source = self._capture_source(precision)
         with phase(f"capturing {name} at microbatch {plan.microbatch_size}"):
-            graph = capture(source, self._example(plan.microbatch_size, meta=_on_meta(source)),
-                            model_name=name)
+            graph = self._capture(source, plan.microbatch_size)
+        plan = expand_plan(plan, self._graph, graph)  # planned on a few blocks, run on all
         with phase(f"building this rank's shards ({plan.mesh})"):
             engine = DistributedModel(graph, plan, self._weight_source(graph),
                                       optimizer=self.options.optimizer,
                                       lr_scheduler=self.options.lr_scheduler,
                                       loss_fn=self.options.loss_fn,
                                       max_grad_norm=self.options.max_grad_norm,
-                                      device=job.device(), seed=self.options.seed)
+                                      device=job.device(), seed=self.options.seed,
+                                      inputs=self.inputs)
         if self.options.weights is not None and _is_dcp(self.options.weights):
             engine.load(self.options.weights)
         return engine
@@ -243,27 +293,27 @@ class AutoParallel:
         next to the plan's prediction; see DistributedModel.memory_stats."""
         return self.build()._engine.memory_stats()
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(self, *batch) -> float:
         """One optimizer step on the global batch (same tensors on every rank); returns the
         global mean loss, and leaves what the step measured (time, tokens/s, MFU, peak memory,
         beside the plan's predictions) in `self.metrics` (a StepMetrics).
 
-        input_ids, labels: (global_batch, seq_len) integer token ids; labels -100 are ignored.
-        Raises ValueError naming the argument for a batch the plan cannot take (shape, dtype,
-        ids outside the vocabulary, no label to train on) before any rank computes.
+        `step(input_ids, labels)`: (global_batch, seq_len) integer token ids, labels -100
+        ignored; `step(batch)`: a dict (the model is called with the keys its forward takes),
+        a tuple (positional arguments) or a tensor; see autoplan/inputs.py for how each form
+        is called and what the loss reads. The first batch fixes the plan's inputs unless
+        `example_batch=` did.
+
+        Raises ValueError naming the value for a batch the plan cannot take (structure, shape,
+        dtype, ids outside the vocabulary, no label to train on) before any rank computes.
         """
         import time
 
         from autoplan.progress import detail, phase
         from autoplan.runtime import job
-        from autoplan.runtime.batch import StepMetrics, check_batch
+        from autoplan.runtime.batch import StepMetrics
 
-        spec = self.spec
-        if self._vocab is None:  # read from the graph once, not on every step
-            self._vocab = [self._vocab_size()]
-        check_batch(input_ids, labels, global_batch=spec.global_batch, seq_len=spec.seq_len,
-                    vocab_size=self._vocab[0])
-        input_ids, labels = input_ids.long(), labels.long()  # int32, uint8 ids: as int64
+        leaves = self._checked(batch)
         if self._engine is None:
             self._engine = self._compile()
         if self._progress is None:
@@ -274,7 +324,7 @@ class AutoParallel:
         start = time.perf_counter()
         try:
             with phase("first step") if engine.num_steps == 0 else contextlib.nullcontext():
-                loss = engine.step(input_ids, labels)
+                loss = engine.step_batch(leaves)
         except RuntimeError as e:  # a collective timed out or lost its peer: name the peer
             others = self._progress.others(where)
             if not others:
@@ -285,6 +335,7 @@ class AutoParallel:
                 f"ranks not in {where}:\n{others}") from e
         took = time.perf_counter() - start
         self._progress.mark(f"after {where}")
+        spec = self.spec
         plan, pred = engine.plan, engine.plan.prediction
         peak = engine.memory.peaks.get("first_step" if engine.num_steps == 1 else "step")
         tokens = spec.global_batch * spec.seq_len
@@ -297,6 +348,45 @@ class AutoParallel:
             memory_measure=engine.memory.as_dict()["measure"])
         detail(str(self.metrics))
         return loss
+
+    def eval_step(self, *batch, return_outputs: bool = False):
+        """The loss of a batch without training (no gradients, no update, dropout off): the
+        global mean, as `step` computes it; with `return_outputs`, also the model's outputs
+        for the whole batch, (loss, outputs), on every rank. Takes the batch as `step` does.
+        Collective: every rank calls it."""
+        leaves = self._checked(batch)
+        if self._engine is None:
+            self._engine = self._compile()
+        return self._engine.eval_batch(leaves, return_outputs=return_outputs)
+
+    def _checked(self, batch: tuple) -> list[torch.Tensor]:
+        """The batch's leaves, checked against the planned inputs (the first batch fixes them
+        when nothing did); raises ValueError in the user's words."""
+        from autoplan.runtime.batch import check_batch, check_ids
+
+        tokens_form = len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
+        if len(batch) not in (1, 2) or (len(batch) == 2 and not tokens_form):
+            raise ValueError(f"step: got {len(batch)} arguments; give step(batch) (a dict, "
+                             "tuple or tensor) or step(input_ids, labels)")
+        if self._inputs is None and self._plan is None and not tokens_form:
+            self._inputs = self._spec_of(batch[0])
+        spec = self.inputs
+        if (spec.form == "tokens") != tokens_form:
+            raise ValueError(f"step: the plan was made for a {spec.describe()}; got "
+                             f"{'step(input_ids, labels)' if tokens_form else 'step(batch)'}")
+        if self._vocab is None:  # read from the graph once, not on every step
+            self._vocab = self._vocab_sizes()
+        if tokens_form:
+            check_batch(*batch, global_batch=spec.global_batch, seq_len=self.spec.seq_len,
+                        vocab_size=self._vocab.get(self.graph.input_names[0]))
+            return [t.long() for t in batch]  # int32, uint8 ids: as int64
+        leaves = spec.flatten(batch[0])
+        names = dict(zip(self.graph.input_names, spec.model_leaves))
+        for name, rows in self._vocab.items():
+            leaf = names.get(name)
+            if leaf is not None:
+                check_ids(leaves[spec.leaves.index(leaf)], leaf.name, rows)
+        return leaves
 
     __call__ = step
 
@@ -351,7 +441,7 @@ class AutoParallel:
         size; in a process that trains (a default group exists) that happens in a forked child
         (runtime/job.py run_isolated, at most `timeout_s` seconds), which leaves the job's
         group untouched."""
-        from autoplan.capture import capture
+        from autoplan.passes.expand import expand_plan
         from autoplan.passes.export import export_plan
         from autoplan.progress import phase
         from autoplan.runtime.job import run_isolated
@@ -361,25 +451,26 @@ class AutoParallel:
         name = type(self.module).__name__
         source = self._capture_source(Precision.of(plan.dtype))
         with phase(f"exporting {name}'s per-rank graphs to {out_dir}"):
-            graph = capture(source, self._example(plan.microbatch_size, meta=_on_meta(source)),
-                            model_name=name)
+            graph = self._capture(source, plan.microbatch_size)
+            plan = expand_plan(plan, self._graph, graph)
             if not dist.is_initialized():
                 return export_plan(graph, plan, out_dir)
             return run_isolated(export_plan, graph, plan, out_dir, timeout_s=timeout_s)
 
-    def _vocab_size(self) -> int | None:
-        """Rows of the embedding that the input ids index (an `aten.embedding` whose indices
-        are the graph's input, through views), None when the model has none."""
-        graph = self.graph
-        for node in graph.gm.graph.nodes:
+    def _vocab_sizes(self) -> dict[str, int]:
+        """Rows of each embedding that a graph input indexes (an `aten.embedding` whose indices
+        are the input, through views), by input name."""
+        out = {}
+        for node in self.graph.gm.graph.nodes:
             if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
                 indices = node.args[1]
-                while indices.op == "call_function" and indices.args:  # views of the ids
+                while indices.op == "call_function" and indices.args and isinstance(
+                        indices.args[0], torch.fx.Node):  # views of the ids
                     indices = indices.args[0]
                 val = node.args[0].meta.get("val")
                 if indices.op == "placeholder" and val is not None:
-                    return int(val.shape[0])
-        return None
+                    out.setdefault(indices.name, int(val.shape[0]))
+        return out
 
 
 # The world of one this process set up to train alone: not a job (a later model may still be
@@ -467,12 +558,15 @@ def default_init(module: nn.Module) -> None:
             m.reset_parameters()
 
 
-def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str = "local-cpu",
+def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
+                 cluster: str = "local-cpu",
                  num_nodes: int | None = None, world_size: int | None = None, dtype: str = "float32",
                  optimizer: Callable | None = None, lr_scheduler: Callable | None = None,
                  loss_fn: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
-                 init: Callable | None = None, seed: int | None = None, **overrides):
+                 init: Callable | None = None, seed: int | None = None,
+                 example_batch=None, batch_dims: dict[str, int | None] | None = None,
+                 **overrides):
     """Decorate a module class, a factory function or an instance.
 
     A class or factory is run on the meta device with its construction recorded; each rank
@@ -483,7 +577,9 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
     module's `reset_parameters()`), recorded and replayed the same way.
 
     Args:
-        global_batch, seq_len: the training step (samples, tokens per sample).
+        global_batch, seq_len: the training step (samples, tokens per sample). seq_len may be
+            left out when the batch is declared (example_batch=, or the first `step(batch)`):
+            dim 1 of its input_ids, else 1.
         cluster: a topology preset name or a topology YAML file.
         num_nodes: nodes of the cluster (default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE
             under torchrun, a topology file's own, else 1); world_size: ranks of the
@@ -492,10 +588,14 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
             pairs, which torch optimizers take as they take parameters, so that groups can be
             built by name (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3);
         lr_scheduler: `optimizer -> LRScheduler`, stepped after every optimizer step;
-        loss_fn: `(logits, labels) -> scalar`, the mean loss of one microbatch (its samples
-            equally weighted: the step's loss is the mean over microbatches and dp ranks);
-            default: token cross-entropy over the global batch's trained tokens (-100
-            ignored), as one process computes it on the whole batch;
+        loss_fn: `(output, batch) -> scalar`, the mean loss of one microbatch (its samples
+            equally weighted: the step's loss is the mean over microbatches and dp ranks),
+            given the model's output (a ModelOutput, tuple, tensor) and the batch as `step`
+            got it, cut to the microbatch; with `step(input_ids, labels)`: `(logits, labels)`.
+            Default: the model's own `loss` output when it returns one (an HF model given
+            `labels`), else token cross-entropy of its logits against the batch's `labels`
+            over the global batch's trained tokens (-100 ignored), as one process computes
+            it on the whole batch;
         max_grad_norm: clip the global gradient norm.
         device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,
             e.g. to leave room for something else).
@@ -504,15 +604,22 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
         init: `module -> None`, the init of a model given on meta (see above).
         seed: the seed of dropout and every other random op in training ([Note: RNG contract]
             in autoplan/passes/rng.py; default: rank 0's `torch.initial_seed()`).
+        example_batch: the batch to plan for, as `step` takes it (a dict, tuple or tensor;
+            tensors on meta do), at global_batch samples; default: the first batch given to
+            `step`, or (global_batch, seq_len) token ids and labels (autoplan/inputs.py).
+        batch_dims: the batch dim of an input where it is ambiguous, by name
+            ([Note: batch dims] in autoplan/inputs.py; None: not split, whole to every
+            microbatch).
         **overrides: fix solver choices: tp, pp, dp, zero_stage, num_microbatches, schedule,
             num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" | "selective" |
-            "full").
+            "full"), ep (expert parallelism inside dp, [Note: expert parallelism]).
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
-               "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing"}
+               "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
+               "ep"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib
@@ -526,7 +633,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
                          f"{said + ' ' if said else ''}the options are {names}")
     for name, value, least in (("global_batch", global_batch, 1), ("seq_len", seq_len, 1),
                                ("num_nodes", num_nodes, 1), ("world_size", world_size, 1)):
-        if value is None and name in ("num_nodes", "world_size"):
+        if value is None and name != "global_batch":
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"autoparallel: {name}={value!r}; expected an integer >= {least}")
@@ -534,7 +641,9 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int, cluster: str =
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
                           max_grad_norm=max_grad_norm,
-                          device_memory_bytes=device_memory_bytes, weights=weights, init=init, seed=seed,
+                          device_memory_bytes=device_memory_bytes, weights=weights, init=init,
+                          seed=seed, example_batch=example_batch,
+                          batch_dims=tuple(sorted((batch_dims or {}).items())),
                           overrides=tuple(sorted(overrides.items())))
 
     def wrap(obj):

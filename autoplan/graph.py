@@ -7,8 +7,10 @@ Parameter and buffer FQNs are the model's own (`model.layers.3.mlp.up_proj.weigh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx
+import torch.utils._pytree as pytree
 
 __all__ = ["NodeInfo", "ParamInfo", "CapturedGraph"]
 
@@ -68,8 +70,8 @@ class CapturedGraph:
 
     Attributes:
         gm: unlifted aten GraphModule: parameters and buffers are attributes at their FQNs
-            (get_attr nodes), on the meta device; `gm(*inputs)` returns one tensor (logits or
-            the model output). Device kwargs inside the graph say "meta"; the passes retarget.
+            (get_attr nodes), on the meta device; `gm(*inputs)` returns the model output's
+            tensors: one tensor, or a flat tuple (`unflatten_output` rebuilds the output). Device kwargs inside the graph say "meta"; the passes retarget.
         nodes: NodeInfo per call_function node, in graph order.
         params: ParamInfo per parameter/buffer FQN (canonical FQNs only).
         input_names: placeholder names in call order.
@@ -82,6 +84,13 @@ class CapturedGraph:
         total_layers: depth of the real model when it was captured with fewer blocks (planning
             a 126-layer model captures a few identical blocks and scales; see capture). Equal
             to num_layers for a full capture.
+        output_names: path of each output tensor in the model's output ("logits", "loss",
+            "0"; "output" for a bare tensor), in the graph's output order.
+        output_treespec: pytree structure of the model's output (None: one bare tensor).
+        output_constants: the output's non-tensor leaves, by leaf index.
+        batch_size, seq_len: samples and tokens per sample of the capture, which cost scaling
+            reads (default: dims 0 and 1 of the first input, as for token ids; seq_len 0: the
+            training spec's, for a first input of one dim).
     """
 
     gm: torch.fx.GraphModule
@@ -95,10 +104,43 @@ class CapturedGraph:
     layer_nodes: dict[int, tuple[str, ...]] = field(default_factory=dict)
     model_name: str = "model"
     total_layers: int = 0
+    output_names: tuple[str, ...] = ("output",)
+    output_treespec: Any = None
+    output_constants: dict[int, Any] = field(default_factory=dict)
+    batch_size: int = 0
+    seq_len: int = 0
 
     def __post_init__(self) -> None:
         if not self.total_layers:
             self.total_layers = self.num_layers
+        shape = self.input_shapes[0] if self.input_shapes else ()
+        if not self.batch_size:
+            self.batch_size = shape[0] if shape else 1
+        if not self.seq_len and len(shape) > 1:
+            self.seq_len = shape[1]
+
+    def unflatten_output(self, out) -> Any:
+        """The model's output (a ModelOutput, tuple, dict, tensor) from what `gm` returns."""
+        flat = list(out) if isinstance(out, (tuple, list)) else [out]
+        if self.output_treespec is None:
+            return flat[0] if len(flat) == 1 else tuple(flat)
+        tensors = iter(flat)
+        leaves = [self.output_constants[i] if i in self.output_constants else next(tensors)
+                  for i in range(self.output_treespec.num_leaves)]
+        return pytree.tree_unflatten(leaves, self.output_treespec)
+
+    def output_index(self, name: str) -> int | None:
+        """Index in the graph's output of the output tensor at path `name`, or None."""
+        return self.output_names.index(name) if name in self.output_names else None
+
+    @property
+    def main_output_index(self) -> int:
+        """The output the default loss reads: `logits` when the output has it, else the
+        first tensor that is not a `loss`."""
+        if "logits" in self.output_names:
+            return self.output_names.index("logits")
+        rest = [i for i, n in enumerate(self.output_names) if n != "loss"]
+        return rest[0] if rest else 0
 
     @property
     def num_params(self) -> int:

@@ -1,9 +1,10 @@
 """Capture: nn.Module + example inputs -> `CapturedGraph` (an aten FX graph + per-node facts).
 
 The steps, in order:
-1. `torch.export.export(strict=False)` of a thin wrapper that calls the model (HF models with
-   `use_cache=False`) and returns one tensor (`.logits` of a ModelOutput, the first tensor of a
-   tuple). Export runs on fake tensors, so a model on the meta device is captured without
+1. `torch.export.export(strict=False)` of a thin wrapper that calls the model with the
+   example's positional and keyword inputs (any pytree of tensors; HF models with
+   `use_cache=False`) and returns the tensors of its output (a tensor, a ModelOutput, a tuple or
+   dict) as a flat tuple; the output's structure is kept to rebuild it (`unflatten_output`). Export runs on fake tensors, so a model on the meta device is captured without
    allocating it; a model on the meta device gets its example inputs moved to meta.
    The graph stays at the export training-IR level (aten.linear, aten.addmm, aten.view,
    aten.scaled_dot_product_attention, ...): no core-aten decomposition, because strategies and
@@ -12,7 +13,7 @@ The steps, in order:
    model's forward arguments (`input_ids`), then one get_attr per parameter/buffer at its
    canonical FQN (tied weights: one node, see [Note: tied weights]), then the ops; the export
    guard module, `aten._assert_tensor_metadata` nodes (they pin the capture device) and the pytree
-   codegen are dropped; the output is one tensor.
+   codegen are dropped; the output is one tensor, or a flat tuple of the output's tensors.
 3. Device constants (`aten.arange(..., device=...)`, `aten.to(..., device)`) are set to meta; the
    passes (or `materialize`) retarget them with `retarget_device`. `node.meta["val"]` keeps the
    export's fake tensors (global shapes, on the capture device).
@@ -33,7 +34,8 @@ shape or a condition, ops without a meta/fake kernel).
 
 Files: this package's __init__ (the API: `capture`, `capture_preset`, `CaptureError`), trace.py
 (step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
-weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters).
+weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters), moe.py
+(during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from autoplan.capture.clean import _clean_graph  # noqa: E402
 from autoplan.capture.facts import (_check_layers_align, _dtype_name, _find_layers,  # noqa: E402
                                     _node_info, _param_infos)
 from autoplan.capture.trace import _check_inputs, _export, _input_names  # noqa: E402
+from autoplan.capture.moe import experts_as_op  # noqa: E402
 
 
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "block_size")
@@ -76,8 +79,8 @@ def _check_positions(model: nn.Module, inputs, model_name: str) -> None:
     config declares: a longer one traces on meta tensors and fails only when it runs (an
     embedding index out of range)."""
     config = getattr(model, "config", None)
-    if config is None or not inputs or inputs[0].dim() < 2:
-        return
+    if config is None or not inputs or inputs[0].dim() != 2 or inputs[0].is_floating_point():
+        return  # token ids are (batch, seq) integers
     seq = inputs[0].shape[1]
     for field in _POSITION_FIELDS:
         limit = getattr(config, field, None)
@@ -88,13 +91,19 @@ def _check_positions(model: nn.Module, inputs, model_name: str) -> None:
 
 def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
             model_name: str = "model", layer_prefix: str | None = None,
-            total_layers: int | None = None) -> CapturedGraph:
-    """Capture `model(*example_inputs)` as an aten FX graph with per-node facts.
+            total_layers: int | None = None,
+            example_kwargs: dict | None = None) -> CapturedGraph:
+    """Capture `model(*example_inputs, **example_kwargs)` as an aten FX graph with per-node
+    facts.
 
     Args:
         model: any nn.Module; on the meta device to capture without allocating (recommended).
-        example_inputs: positional tensor inputs with their global shapes (e.g. input_ids
-            (batch, seq) int64); moved to meta when the model is on meta.
+        example_inputs: positional inputs with their global shapes (e.g. input_ids
+            (batch, seq) int64): tensors, or tuples/lists/dicts of them; moved to meta when
+            the model is on meta.
+        example_kwargs: keyword inputs, likewise (e.g. attention_mask, pixel_values); the
+            graph's inputs are the flat tensors of (example_inputs, example_kwargs), named
+            after forward's arguments and the keys.
         model_name: name for reports and error messages.
         layer_prefix: FQN of the ModuleList/ModuleDict of repeated blocks (default: detected,
             the container with most children of one class); "" for no layers.
@@ -102,7 +111,8 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
             number of blocks captured).
 
     Returns:
-        CapturedGraph; `gm(*inputs)` returns one tensor. Parameters/buffers are meta attributes
+        CapturedGraph; `gm(*flat_inputs)` returns one tensor or a flat tuple of the output's
+        tensors (`CapturedGraph.unflatten_output`). Parameters/buffers are meta attributes
         at canonical FQNs; use `materialize` to load real weights.
 
     Raises:
@@ -111,12 +121,13 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
             n_positions / max_position_embeddings / block_size), or a `layer_prefix` that
             names no module container.
     """
-    inputs = _check_inputs(model, example_inputs)
+    inputs, in_spec = _check_inputs(model, example_inputs, example_kwargs)
     _check_positions(model, inputs, model_name)
     if total_layers is not None and total_layers < 1:
         raise ValueError(f"total_layers must be >= 1, got {total_layers}")
-    ep = _export(model, inputs, model_name)
-    gm = _clean_graph(ep.module(), model, _input_names(model, len(inputs)))
+    with experts_as_op(model):  # MoE experts as one static-shape op (capture/moe.py)
+        ep, root = _export(model, inputs, in_spec, model_name)
+    gm = _clean_graph(ep.module(), model, _input_names(model, in_spec))
     retarget_device(gm, torch.device("meta"))
 
     prefix, num_layers = _find_layers(model, layer_prefix)
@@ -138,7 +149,9 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
         input_dtypes=tuple(_dtype_name(t.dtype) for t in inputs),
         layer_prefix=prefix, num_layers=num_layers,
         layer_nodes={k: tuple(v) for k, v in sorted(layer_nodes.items())},
-        model_name=model_name, total_layers=total_layers or num_layers)
+        model_name=model_name, total_layers=total_layers or num_layers,
+        output_names=tuple(root.seen.names), output_treespec=root.seen.spec,
+        output_constants=dict(root.seen.constants))
 
 
 def capture_preset(name: str, *, batch: int, seq_len: int, num_layers: int | None = None,

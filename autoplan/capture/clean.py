@@ -35,7 +35,8 @@ def _strip(target: str) -> str:
 
 def _clean_graph(ugm: torch.fx.GraphModule, model: nn.Module,
                  input_names: list[str]) -> torch.fx.GraphModule:
-    """Rebuild the unlifted export graph: placeholders, canonical get_attrs, ops, one output."""
+    """Rebuild the unlifted export graph: placeholders, canonical get_attrs, ops, the output
+    (one tensor, or a flat tuple of the model output's tensors)."""
     canonical, to_canonical = _canonical_tensors(model)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -63,8 +64,8 @@ def _clean_graph(ugm: torch.fx.GraphModule, model: nn.Module,
         elif node.op == "output":
             flat = node.args[0]
             flat = flat if isinstance(flat, (tuple, list)) else (flat,)
-            assert len(flat) == 1, f"wrapper returns one tensor, export gave {len(flat)}"
-            graph.output(env[flat[0]])
+            outs = tuple(env[a] for a in flat)
+            graph.output(outs[0] if len(outs) == 1 else outs)
         elif node.op in ("call_function", "call_method"):
             env[node] = graph.node_copy(node, lambda n: env[n])
         elif node.op != "placeholder":

@@ -10,64 +10,98 @@ import io
 import linecache
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from autoplan.capture import CaptureError
 
 
 class _Root(nn.Module):
-    """Calls the model and returns one tensor, so the exported graph has a single output."""
+    """Calls the model with the example's (args, kwargs), rebuilt from the flat tensors export
+    feeds, and returns the tensors of the model's output as a flat tuple (one tensor alone),
+    so that the exported graph's inputs and outputs are tensors. The output's pytree structure
+    and its non-tensor values are recorded in `seen` (spec, constants, names) while export
+    traces: a plain object, since export undoes attribute changes of the module it traces."""
 
-    def __init__(self, model: nn.Module, use_cache_kwarg: bool) -> None:
+    def __init__(self, model: nn.Module, use_cache_kwarg: bool, in_spec) -> None:
         super().__init__()
         self.inner = model
         self.use_cache_kwarg = use_cache_kwarg
+        self.in_spec = in_spec
+        self.seen = _Seen()
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        out = self.inner(*inputs, use_cache=False) if self.use_cache_kwarg else self.inner(*inputs)
-        return _main_output(out)
+    def forward(self, *flat: torch.Tensor):
+        args, kwargs = pytree.tree_unflatten(list(flat), self.in_spec)
+        if self.use_cache_kwarg and "use_cache" not in kwargs:
+            kwargs = {**kwargs, "use_cache": False}
+        out = self.inner(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten_with_path(out)
+        tensors, constants, names = [], {}, []
+        for i, (path, v) in enumerate(leaves):
+            if isinstance(v, torch.Tensor):
+                tensors.append(v)
+                names.append(_path_name(path) or "output")
+            else:
+                constants[i] = v
+        self.seen.record(None if isinstance(out, torch.Tensor) else spec, constants, names)
+        if not tensors:
+            raise CaptureError(f"model output of type {type(out).__name__} has no tensor to "
+                               "capture (expected a tensor, a ModelOutput, or a tuple or dict "
+                               "of tensors)")
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
-def _main_output(out: object) -> torch.Tensor:
-    """The tensor, the `.logits` of a ModelOutput, or the first tensor of a tuple/dict."""
-    if isinstance(getattr(out, "logits", None), torch.Tensor):
-        return out.logits
-    values = list(out.values()) if isinstance(out, Mapping) else out
-    for v in values if isinstance(values, (tuple, list)) else [out]:
-        if isinstance(v, torch.Tensor):
-            return v
-    raise CaptureError(f"model output of type {type(out).__name__} has no tensor to capture "
-                       "(expected a tensor, a ModelOutput with .logits, or a tuple of tensors)")
+class _Seen:
+    """The model output's structure as the traced forward saw it."""
+
+    def __init__(self) -> None:
+        self.record(None, {}, [])
+
+    def record(self, spec, constants: dict, names: list[str]) -> None:
+        self.spec, self.constants, self.names = spec, constants, names
 
 
-def _check_inputs(model: nn.Module, example_inputs: tuple) -> tuple[torch.Tensor, ...]:
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
+def _check_inputs(model: nn.Module, example_inputs, example_kwargs: dict | None
+                  ) -> tuple[list[torch.Tensor], object]:
+    """The flat tensors of (args, kwargs) (on meta when the model is) and their pytree spec."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    if not isinstance(example_inputs, (tuple, list)) or not all(
-            isinstance(t, torch.Tensor) for t in example_inputs):
+    if not isinstance(example_inputs, (tuple, list)):
         raise ValueError("capture: example_inputs must be a tuple of tensors, got "
                          f"{type(example_inputs).__name__}")
+    flat, spec = pytree.tree_flatten((tuple(example_inputs), dict(example_kwargs or {})))
+    bad = [type(t).__name__ for t in flat if not isinstance(t, torch.Tensor)]
+    if bad or not flat:
+        raise ValueError("capture: example inputs must be tensors (nested in tuples, lists or "
+                         f"dicts), got {bad or 'none'}")
     on_meta = any(t.is_meta for t in model.parameters()) or any(
         t.is_meta for t in model.buffers())
-    return tuple(t.to("meta") if on_meta else t for t in example_inputs)
+    return [t.to("meta") if on_meta else t for t in flat], spec
 
 
-def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...],
-            model_name: str) -> torch.export.ExportedProgram:
+def _export(model: nn.Module, inputs: list[torch.Tensor], in_spec,
+            model_name: str) -> tuple[torch.export.ExportedProgram, _Root]:
     """torch.export (non-strict) of the model behind `_Root`; failures become CaptureError.
 
     On failure export prints the partial graph to stderr; it goes to `CaptureError.partial_graph`
-    instead (on success anything printed is passed through)."""
+    instead (on success anything printed is passed through). Returns the program and the
+    wrapper, which recorded the output's structure."""
     use_cache = "use_cache" in inspect.signature(model.forward).parameters
     printed = io.StringIO()
     with _running_modules(model) as running:
         try:
             with contextlib.redirect_stderr(printed):
-                ep = torch.export.export(_Root(model, use_cache), inputs, strict=False)
+                root = _Root(model, use_cache, in_spec)
+                ep = torch.export.export(root, tuple(inputs), strict=False)
         except CaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - every trace failure becomes a CaptureError
@@ -76,15 +110,27 @@ def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...],
             error.partial_graph = printed.getvalue()
             raise error from e
     sys.stderr.write(printed.getvalue())
-    return ep
+    return ep, root
 
 
-def _input_names(model: nn.Module, n: int) -> list[str]:
-    """Placeholder names: the model's positional forward arguments (`input_ids`, `idx`, ...)."""
+def _input_names(model: nn.Module, in_spec) -> list[str]:
+    """Placeholder names: a positional input is named after the model's forward argument
+    (`input_ids`, `idx`), a keyword input after its key; nested values add their path
+    (`inputs.0`)."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = [p.name for p in inspect.signature(model.forward).parameters.values()
              if p.kind in kinds]
-    return [names[i] if i < len(names) else f"input_{i}" for i in range(n)]
+    n = in_spec.num_leaves
+    paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten([0] * n, in_spec))
+    out = []
+    for path, _ in paths:
+        where, key, rest = path[0].idx, path[1], path[2:]
+        if where == 0:
+            head = names[key.idx] if key.idx < len(names) else f"input_{key.idx}"
+        else:
+            head = str(key.key)
+        out.append(".".join([head] + [_path_name([k]) for k in rest]).replace(".", "_"))
+    return out
 
 
 @contextlib.contextmanager

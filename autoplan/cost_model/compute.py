@@ -49,8 +49,12 @@ ops have no backward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
+
+import torch
+import torch.fx
 
 from autoplan.graph import NodeInfo
 from autoplan.topology import DeviceSpec
@@ -58,7 +62,8 @@ from autoplan.topology import DeviceSpec
 __all__ = [
     "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "ATTENTION_OPS",
     "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
-    "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "matmul_dims", "matmul_efficiency", "op_time_s",
+    "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "matmul_dims", "matmul_efficiency", "at_tokens",
+    "module_input_bytes", "op_time_s",
     "backward_time_s", "graph_forward_time_s", "graph_backward_time_s", "dtensor_dispatches",
 ]
 
@@ -86,6 +91,7 @@ VIEW_OPS = frozenset({
 })
 MATMUL_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "convolution",
+    "experts",  # autoplan.experts: three matmuls per routed token ([Note: experts op])
 })
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -181,6 +187,39 @@ def _efficiency(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> floa
     dims = sorted((m, n, k))
     dims[-1] = dims[-1] / shard_factor
     return matmul_efficiency(min(dims), device)
+
+
+def at_tokens(node: NodeInfo, scale: float, fixed_in_bytes: int = 0) -> NodeInfo:
+    """`node` as it runs on `scale` times its captured tokens (a microbatch of another size:
+    solver/costs.py `token_scale`): FLOPs, output bytes, the input bytes but `fixed_in_bytes`
+    and the leading (batch) dim of every output shape scale by `scale`.
+
+    `fixed_in_bytes` are inputs that do not grow with the tokens: the parameters and buffers
+    the op reads (`module_input_bytes`); a linear reads its weight once whatever the batch.
+    The shapes scale with the FLOPs so that `matmul_dims` sizes the real matmul: it reads
+    (batch, m, n) from the output shape and k = flops / (2 batch m n), so FLOPs scaled without
+    the shape would put the token count into k (a graph captured at batch 64 and priced at a
+    microbatch of 2 would see k / 32, a matmul far down the efficiency curve; one captured at
+    batch 1 would see k x b). With both scaled, k is the model's and m the microbatch's
+    tokens, whatever batch the graph was captured at. Leading dims round to an integer >= 1
+    (an op whose output does not grow with the batch -- rotary tables -- keeps dim 0 = 1).
+    """
+    shapes = tuple((max(1, round(s[0] * scale)), *s[1:]) if s else s for s in node.shapes)
+    fixed = min(fixed_in_bytes, node.in_bytes)
+    return dataclasses.replace(node, shapes=shapes, flops=int(node.flops * scale),
+                               in_bytes=int(fixed + (node.in_bytes - fixed) * scale),
+                               out_bytes=int(node.out_bytes * scale))
+
+
+def module_input_bytes(node: torch.fx.Node) -> int:
+    """Bytes of the parameters and buffers (get_attr inputs, each once) that `node` reads, at
+    their captured dtype: the part of `NodeInfo.in_bytes` that does not grow with the tokens."""
+    total = 0
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val") if arg.op == "get_attr" else None
+        if isinstance(val, torch.Tensor):
+            total += val.numel() * val.element_size()
+    return total
 
 
 def _check_shard(node: NodeInfo, shard_factor: float) -> None:

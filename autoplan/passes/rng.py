@@ -67,11 +67,14 @@ class RandomState(torch.nn.Module):
         step: the training step (optimizer step), from 0.
         sample_offset: global sample index of local row 0 of the microbatch now running on this
             rank, before any tp batch sharding: dp_rank * local_batch + microbatch * mb_size.
+        drawing: False while evaluating: dropout and attention dropout keep everything, as
+            `model.eval()` makes them (other random ops still draw).
     """
 
     def __init__(self, seed: int, step: int = 0, sample_offset: int = 0):
         super().__init__()
         self.seed, self.step, self.sample_offset = seed, step, sample_offset
+        self.drawing = True  # False: evaluation, dropout is the identity (as in model.eval())
 
     def extra_repr(self) -> str:
         return f"seed={self.seed}, step={self.step}, sample_offset={self.sample_offset}"
@@ -178,7 +181,7 @@ def keyed_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool,
         ValueError: p outside [0, 1], a 0-d x, or a Partial placement.
     """
     _check_p(p, "p", "dropout")
-    if not train or p == 0:
+    if not train or p == 0 or not state.drawing:
         return x
     if p == 1:
         return x * 0  # what aten's dropout returns for p == 1 (no draws)
@@ -192,8 +195,8 @@ def keyed_native_dropout(state: RandomState, x: torch.Tensor, p: float, train: b
     both of x's kind. Cases that draw nothing (train False, p in {0, 1}) run aten's own op.
     Raises ValueError like `keyed_dropout`."""
     _check_p(p, "p", "native_dropout")
-    if train is False or p in (0, 1):
-        return aten.native_dropout.default(x, p, train)
+    if train is False or p in (0, 1) or not state.drawing:
+        return aten.native_dropout.default(x, p, train and state.drawing)
     local, keep = _keep(state, x, 1 - p, k, "native_dropout")
     return (_like(local * keep.to(local.dtype).div_(1 - p), x),
             _like(keep, x, stride=x.stride()))
@@ -287,6 +290,8 @@ def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p:
     """
     op = "scaled_dot_product_attention"
     _check_p(dropout_p, "dropout_p", op)
+    if not state.drawing:
+        dropout_p = 0.0
     if not 0 < dropout_p < 1:
         return sdpa_local(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                           enable_gqa=enable_gqa)

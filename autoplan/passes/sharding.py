@@ -19,14 +19,16 @@ import operator
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor
+import torch.utils._pytree
+from torch.distributed.tensor import DTensor, Replicate
 
+from autoplan._torch_compat import has_direct_rule, is_aten_op, is_composite
 from autoplan.experts import EXPERTS_OP
 from autoplan.passes.moe import experts_local
 from autoplan.plan import Plan, Redistribution, parse_placement
 
-__all__ = ["apply_placements", "redistribute", "reshape", "sdpa_local", "swap_dtensor_op",
-           "tensor_args",
+__all__ = ["apply_placements", "redistribute", "reshape", "run_replicated", "sdpa_local",
+           "swap_dtensor_op", "tensor_args",
            "check_redistributions"]
 
 aten = torch.ops.aten
@@ -53,6 +55,40 @@ def _contiguous_local(t):
             t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
             shape=t.shape, stride=torch._prims_common.make_contiguous_strides_for(t.shape))
     return t
+
+
+def _replicated_only(node: torch.fx.Node, strategy) -> bool:
+    """An aten op without a direct DTensor rule (not composite either), planned all-R."""
+    op = node.target
+    if not is_aten_op(op) or has_direct_rule(op) or is_composite(op):
+        return False
+    return strategy is None or set(strategy.inputs) | set(strategy.outputs) <= {"R"}
+
+
+def run_replicated(op, *args, **kwargs):
+    """`op` (an aten op DTensor has no rule for, planned all-Replicate) on the local values of
+    its DTensor arguments, which are whole (Replicate); tensor outputs become Replicate
+    DTensors on the arguments' mesh again. Raises ValueError for an argument that is not
+    Replicate (the plan gives such ops R inputs only)."""
+    mesh = None
+
+    def local(a):
+        nonlocal mesh
+        if isinstance(a, DTensor):
+            if any(not p.is_replicate() for p in a.placements):
+                raise ValueError(f"{op}: argument at {a.placements}; an op without a DTensor "
+                                 "rule runs on Replicate arguments only")
+            mesh = a.device_mesh
+            return a.to_local()
+        return a
+
+    out = op(*torch.utils._pytree.tree_map(local, args),
+             **torch.utils._pytree.tree_map(local, kwargs))
+    if mesh is None:
+        return out
+    return torch.utils._pytree.tree_map(
+        lambda t: DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        if isinstance(t, torch.Tensor) else t, out)
 
 
 def reshape(x, shape):
@@ -149,6 +185,11 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
         name = node.meta.get("orig_name", node.name)
         swap_dtensor_op(node)
         strategy = strategies.get(name)
+        if _replicated_only(node, strategy):
+            # an op DTensor has no rule of its own for (e.g. the fill_.Tensor of T5's decoder
+            # input shift; a decomposition does not run in place), planned all-R
+            node.args = (node.target,) + tuple(node.args)
+            node.target = run_replicated
         # getitem reads one element of a multi-output op: it has no tensor of its own to move.
         if strategy is None or node.target is operator.getitem:
             continue

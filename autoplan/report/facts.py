@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, group_layout, redistribute_time_s
-from autoplan.cost_model.compute import backward_time_s, op_name, op_time_s
+from autoplan.cost_model.compute import (at_tokens, backward_time_s, module_input_bytes, op_name,
+                                         op_time_s)
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.topology import Topology
@@ -330,9 +331,7 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
     does (solver/costs.py, `token_scale`). Raises ValueError from the cost model (e.g. a dtype
     the device lists no peak for).
     """
-    shape = graph.input_shapes[0] if graph.input_shapes else (1, plan.seq_len)
-    captured_tokens = (shape[0] if shape else 1) * (shape[1] if len(shape) > 1 else plan.seq_len)
-    scale = plan.microbatch_size * plan.seq_len / max(captured_tokens, 1)
+    scale = plan.microbatch_size * plan.seq_len / (graph.batch_size * (graph.seq_len or plan.seq_len))
     tp = plan.mesh.tp
     strategies = {s.node: s for s in plan.strategies}
     first_block = graph.layer_nodes[min(graph.layer_nodes)] if graph.layer_nodes else ()
@@ -344,12 +343,11 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
 
     parts = _parts(graph)
     sums = {p: [0.0, 0.0, 0.0, 0.0] for p in ("pre", "block", "post")}
+    fx_nodes = {node.name: node for node in graph.gm.graph.nodes}
     for name, info in graph.nodes.items():
         if parts[name] == "block" and rep.get(name) != name:
             continue  # the first block stands for all ([Note: block roles])
-        scaled = dataclasses.replace(info, flops=int(info.flops * scale),
-                                     in_bytes=int(info.in_bytes * scale),
-                                     out_bytes=int(info.out_bytes * scale))
+        scaled = at_tokens(info, scale, module_input_bytes(fx_nodes[name]))
         factor = factor_of(name)
         sums[parts[name]][0] += op_time_s(scaled, topology.device, plan.dtype,
                                           shard_factor=factor)

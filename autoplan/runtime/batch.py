@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "check_batch", "StepMetrics"]
+__all__ = ["IGNORE_INDEX", "check_batch", "check_ids", "StepMetrics"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: a label that is not trained on
 
@@ -53,12 +53,8 @@ def check_batch(input_ids, labels, *, global_batch: int, seq_len: int,
             raise ValueError(f"step: {name} has shape {_shape(t)}; the plan was made for {want} "
                              f"(global_batch, seq_len): {'; '.join(what)}. A different batch "
                              "or length needs its own plan")
-    if vocab_size is not None and input_ids.numel():
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"step: input_ids holds token id {bad}; the model's vocabulary is "
-                             f"[0, {vocab_size})")
+    if vocab_size is not None:
+        check_ids(input_ids, "input_ids", vocab_size)
     trained = labels != IGNORE_INDEX
     count = int(trained.sum())
     if count == 0:
@@ -73,6 +69,16 @@ def check_batch(input_ids, labels, *, global_batch: int, seq_len: int,
             raise ValueError(f"step: labels hold token id {bad}; expected ids in "
                              f"[0, {vocab_size}) or {IGNORE_INDEX} (ignored)")
     return count
+
+
+def check_ids(ids: torch.Tensor, name: str, vocab_size: int) -> None:
+    """Raises ValueError when integer `ids` (an embedding's indices) leave [0, vocab_size)."""
+    if ids.numel() and not ids.is_floating_point():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"step: {name} holds token id {bad}; the model's vocabulary is "
+                             f"[0, {vocab_size})")
 
 
 @dataclass(frozen=True)

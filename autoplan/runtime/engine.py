@@ -27,8 +27,10 @@ Build order (each step needs the previous one), all on the meta device until ste
 8. Weights used by several stages (tied embedding and head) get their gradients summed over
    the stages that hold them before the optimizer step, so the copies stay identical.
 
-The loss is the mean token cross-entropy of the global batch, as a single process computes it:
-each microbatch's mean loss is scaled by 1/num_microbatches and dp gradients are averaged.
+The batch is any pytree of tensors (autoplan/inputs.py), split along each tensor's batch dim
+over dp ranks and microbatches (runtime/step_inputs.py); the loss is the user's, the model's
+own or the token cross-entropy ([Note: step loss]): each microbatch's mean loss is scaled by
+1/num_microbatches and dp gradients are averaged.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoplan.graph import CapturedGraph
+from autoplan.inputs import InputSpec
+from autoplan.runtime.evaluate import eval_batch
+from autoplan.runtime.step_inputs import StepInputs, loss_mode
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.device import retarget_device
@@ -58,6 +63,7 @@ from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan
 from autoplan.runtime.memory_stats import PhasePeaks
+from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.weights import (ModuleWeights, Targets, WeightSource, allocate as _allocate,
                                       weights_to_meta as _weights_to_meta)
@@ -126,6 +132,14 @@ class DistributedModel:
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         lr_scheduler: `optimizer -> torch.optim.lr_scheduler.LRScheduler`, stepped after every
             optimizer step (None: none).
+        inputs: the batch the graph was captured for (autoplan.inputs.InputSpec; default: the
+            token-LM form, input_ids and labels of (global_batch, seq_len)).
+
+    The loss ([Note: step loss]): `loss_fn(output, target)` when given (the token-LM form:
+    `(logits, labels)`; any other: the model's output and the batch as given to `step`, one
+    microbatch of each); else the
+    model's own `loss` output (an HF model given `labels`); else the token cross-entropy of the
+    main output (`logits`) against the batch's `labels`.
 
     Must be constructed on every rank of a process group of size plan.mesh.world_size.
     Raises ValueError when the world size does not match the plan.
@@ -135,7 +149,8 @@ class DistributedModel:
                  weights: WeightSource | nn.Module | Mapping[str, torch.Tensor], *,
                  optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  device: str = "cpu", max_grad_norm: float | None = None,
-                 seed: int | None = None, lr_scheduler: Callable | None = None):
+                 seed: int | None = None, lr_scheduler: Callable | None = None,
+                 inputs: InputSpec | None = None):
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(
@@ -144,8 +159,9 @@ class DistributedModel:
         quiet_understood_warnings()
         self.plan = plan
         self.graph = graph
-        self.loss_fn = loss_fn or self._token_loss
-        self._token_scale = 1.0  # microbatches x dp / trained tokens of the step's batch
+        self.inputs = inputs or InputSpec.tokens(plan.global_batch, plan.seq_len)
+        self.loss_fn = loss_fn
+        loss_mode(graph, self.inputs, loss_fn)  # no loss to train on: raise before building
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
@@ -164,6 +180,13 @@ class DistributedModel:
             self.pp_rank = self.mesh["pp"].get_local_rank()
             self.dp_rank = self.mesh["dp"].get_local_rank()
             self.tp_rank = self.mesh["tp"].get_local_rank()
+            self.batch = StepInputs(graph, self.inputs, loss_fn, global_batch=plan.global_batch,
+                                    num_microbatches=plan.num_microbatches, dp=plan.mesh.dp,
+                                    dp_rank=self.dp_rank, device=self.device)
+            # expert parallelism inside dp (runtime/moe.py): groups before the stages use them
+            check_expert_parallel(plan)
+            self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
+                if plan.mesh.ep > 1 else None
             self.stages = self._build_stages()
             self._tied = self._tied_groups()
             source.fill(self._targets())
@@ -212,6 +235,8 @@ class DistributedModel:
         for sg in mine:
             _untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
+            if self.expert_parallel is not None:
+                self.expert_parallel.apply(sg.gm)
             # Random ops read (seed, step, sample) -- never the layout ([Note: RNG contract]);
             # before checkpointing, so that recomputed blocks replay the forward's state.
             if random_ops:
@@ -285,12 +310,14 @@ class DistributedModel:
         if not list(gm.parameters()) or (plan.mesh.dp == 1 and mp is None):
             return gm
         dp_mesh = self.mesh["dp"]
+        # expert weights under ep are reduced by runtime/moe.py, not by FSDP2
+        ignored = set(self.expert_parallel.params) if self.expert_parallel else None
         gm.forward = _owning_outputs(gm.forward)
         for module in [gm.get_submodule(path) for path in blocks] + [gm]:
             if plan.zero_stage in (0, 1):
-                _compat.replicate(module, dp_mesh, mp_policy=mp)
+                _compat.replicate(module, dp_mesh, mp_policy=mp, ignored_params=ignored)
             else:
-                _compat.fully_shard(module, dp_mesh, mp_policy=mp,
+                _compat.fully_shard(module, dp_mesh, mp_policy=mp, ignored_params=ignored,
                                     reshard_after_forward=plan.zero_stage == 3)
         return gm
 
@@ -353,7 +380,8 @@ class DistributedModel:
                           self._examples(self.stage_graphs[idx].output_names, idx == last))
                     for idx, _ in self.stages}
         return _compat.build_schedule(self.plan, self.stages, self.num_stages, self.device,
-                                      self.mesh["pp"].get_group(), self._pp_loss, examples)
+                                      self.mesh["pp"].get_group(), self._pp_loss, examples,
+                                      input_batch_dims=self.batch.batch_dims)
 
     def _examples(self, names: list[str], replicated: bool = False) -> tuple[torch.Tensor, ...]:
         """Empty tensors shaped like this rank's local part of the named values at the
@@ -375,43 +403,32 @@ class DistributedModel:
                                    requires_grad=val.dtype.is_floating_point))
         return tuple(out)
 
-    def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One microbatch's share of the global batch's mean token cross-entropy, in the units
-        the schedules expect (a microbatch mean, averaged over microbatches and dp ranks): its
-        summed token losses x num_microbatches x dp / the batch's trained tokens. Labels -100
-        are not trained on; where they are spread unevenly over microbatches this is still the
-        mean over the global batch's trained tokens, as one process computes it."""
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                             reduction="sum")
-        return ce * self._token_scale
-
-    def _pp_loss(self, output, labels):
-        return self.loss_fn(output, labels) * self._loss_scale()
-
-    def _local_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        dp = self.plan.mesh.dp
-        if tensor.shape[0] != self.plan.global_batch:
-            raise ValueError(
-                f"batch has {tensor.shape[0]} samples; the plan was made for global_batch "
-                f"{self.plan.global_batch}")
-        return tensor.chunk(dp)[self.dp_rank].to(self.device)
+    def _pp_loss(self, output, index):
+        """The schedule's loss: its target is the microbatch index (torch.arange(m), split
+        by the schedule), which picks the microbatch's target of any structure."""
+        return self.batch.loss(output, self.batch.targets[int(index)]) * self._loss_scale()
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """One optimizer step on the global batch (same tensors on every rank).
+        """One optimizer step on a token-LM batch (same tensors on every rank): input_ids,
+        labels (global_batch, seq_len). Returns the global mean loss (every rank)."""
+        return self.step_batch([input_ids, labels])
 
-        input_ids, labels: (global_batch, seq_len). Returns the global mean loss (every rank).
-        """
-        x, y = self._local_batch(input_ids), self._local_batch(labels)
-        trained = int((labels != -100).sum())
-        if trained == 0:
-            raise ValueError(f"step: every one of the {labels.numel()} labels is -100 (ignored)")
-        self._token_scale = self.plan.num_microbatches * self.plan.mesh.dp / trained
+    def step_batch(self, leaves: list[torch.Tensor]) -> float:
+        """One optimizer step on the global batch given as the flat leaves of `self.inputs`
+        (same tensors on every rank; `InputSpec.flatten` of the batch). Returns the global mean
+        loss (every rank)."""
+        local = self.batch.local(leaves)
+        self._parts = self.batch.start(leaves, local)
         self.num_steps += 1
         with self.memory.phase("first_step" if self.num_steps == 1 else "step"):
-            local = self._step(x, y)
-        return local
+            return self._step(local)
 
-    def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def eval_batch(self, leaves: list[torch.Tensor], return_outputs: bool = False):
+        """The loss (and with `return_outputs` the outputs) of a batch without training; see
+        autoplan.runtime.evaluate.eval_batch. Collective."""
+        return eval_batch(self, leaves, return_outputs)
+
+    def _step(self, local: list[torch.Tensor]) -> float:
         for state in self._random_states.values():
             state.step = self.num_steps - 1
         self._microbatch = defaultdict(int)
@@ -420,7 +437,9 @@ class DistributedModel:
         # stage; their use in backward (e.g. embedding_dense_backward) needs the same implicit
         # replication as the forward, so forward and backward both run inside it.
         with implicit_replication():
-            local = self._forward_backward(x, y)
+            loss = self._forward_backward(local)
+        if self.expert_parallel is not None:
+            self.expert_parallel.reduce_gradients()
         self._sync_tied_grads()
         if self.scaler is None or self.scaler.unscale_and_check(self._local_grads()):
             if self.max_grad_norm is not None:
@@ -431,9 +450,9 @@ class DistributedModel:
         if self.lr_scheduler is not None:  # every step, skipped or not (as HF's Trainer)
             self.lr_scheduler.step()
         if self.plan.mesh.dp > 1:
-            dist.all_reduce(local, group=self.mesh["dp"].get_group())
-            local = local / self.plan.mesh.dp
-        return float(local)
+            dist.all_reduce(loss, group=self.mesh["dp"].get_group())
+            loss = loss / self.plan.mesh.dp
+        return float(loss)
 
     def _count_microbatches(self) -> None:
         """Before each forward of a stage (microbatch j, in increasing order on every stage
@@ -477,33 +496,35 @@ class DistributedModel:
         out["predicted_peak_bytes"] = self.plan.prediction.memory_bytes
         return out
 
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of all microbatches; returns this dp rank's mean loss."""
-        m = self.plan.num_microbatches
+    def _forward_backward(self, local: list[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of all microbatches of this dp rank's leaves; returns this dp
+        rank's mean loss."""
+        m, parts = self.plan.num_microbatches, self._parts
         if self._schedule is not None:
             losses: list[torch.Tensor] = []
             is_first = any(idx == 0 for idx, _ in self.stages)
             is_last = any(idx == self.num_stages - 1 for idx, _ in self.stages)
-            self._schedule.step(*((x,) if is_first else ()), target=y if is_last else None,
-                                losses=losses)
-            local = torch.stack([l.detach().float() for l in losses]).mean() \
+            index = torch.arange(m, device=self.device) if is_last else None
+            self._schedule.step(*(self.batch.model_inputs(local) if is_first else ()),
+                                target=index, losses=losses, return_outputs=False)
+            loss = torch.stack([l.detach().float() for l in losses]).mean() \
                 / self._loss_scale() if is_last else torch.zeros((), device=self.device)
-            dist.all_reduce(local, group=self.mesh["pp"].get_group())
-        else:
-            (_, module), = self.stages
-            # Gradient accumulation: replicated gradients (ZeRO 0, 1) are reduced once, after
-            # the last microbatch (DDP's no_sync); ZeRO 2/3 reduce-scatter every microbatch, so
-            # that no rank ever holds the stage's whole gradient.
-            sync_last_only = self.plan.zero_stage <= 1 and isinstance(module, FSDPModule)
-            total = torch.zeros((), device=self.device)
-            for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
-                if sync_last_only:
-                    module.set_requires_gradient_sync(i == m - 1)
-                loss = self.loss_fn(module(xm), ym) / m  # the hook counts microbatch i
-                (loss * self._loss_scale() if self.scaler else loss).backward()
-                total += loss.detach().float()
-            local = total
-        return local
+            dist.all_reduce(loss, group=self.mesh["pp"].get_group())
+            return loss
+        (_, module), = self.stages
+        # Gradient accumulation: replicated gradients (ZeRO 0, 1) are reduced once, after
+        # the last microbatch (DDP's no_sync); ZeRO 2/3 reduce-scatter every microbatch, so
+        # that no rank ever holds the stage's whole gradient.
+        sync_last_only = self.plan.zero_stage <= 1 and isinstance(module, FSDPModule)
+        total = torch.zeros((), device=self.device)
+        for i, part in enumerate(parts):
+            if sync_last_only:
+                module.set_requires_gradient_sync(i == m - 1)
+            out = module(*self.batch.model_inputs(part))  # the hook counts microbatch i
+            loss = self.batch.loss(out, self.batch.targets[i]) / m
+            (loss * self._loss_scale() if self.scaler else loss).backward()
+            total += loss.detach().float()
+        return total
 
     def _sync_tied_grads(self) -> None:
         for fqn, (copies, group) in self._tied.items():

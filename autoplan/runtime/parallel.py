@@ -19,23 +19,28 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor
 
-from autoplan._torch_compat import replicate_module
+from autoplan._torch_compat import chunk_spec, pipeline_eval, replicate_module
 
 __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
+           "pipeline_eval",
            "local_tensor"]
 
 
-def replicate(module: nn.Module, dp_mesh, *, mp_policy=None) -> nn.Module:
+def replicate(module: nn.Module, dp_mesh, *, mp_policy=None, ignored_params=None) -> nn.Module:
     """ZeRO-0: parameters replicated on the dp axis, gradients all-reduced (averaged);
-    `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32)."""
-    return replicate_module(module, dp_mesh, mp_policy=mp_policy)
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters left
+    alone (expert weights under expert parallelism, runtime/moe.py)."""
+    return replicate_module(module, dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
 
 
 def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
-                mp_policy=None) -> nn.Module:
+                mp_policy=None, ignored_params=None) -> nn.Module:
     """ZeRO-3 (reshard_after_forward=True) or ZeRO-2 (False) with FSDP2 on the dp axis;
-    `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32)."""
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters
+    FSDP2 leaves alone."""
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if ignored_params:
+        kwargs["ignored_params"] = set(ignored_params)
     return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                         **kwargs)
 
@@ -125,8 +130,12 @@ class ShardedOptimizer:
 
 def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
                    device: torch.device, pp_group, loss_fn: Callable,
-                   examples: dict[int, tuple[tuple, tuple]]):
+                   examples: dict[int, tuple[tuple, tuple]],
+                   input_batch_dims: list[int | None] | None = None):
     """A torch.distributed.pipelining schedule for this rank's stages (plan.schedule).
+
+    `input_batch_dims`: the batch dim of each input of the first stage, which the schedule
+    splits into microbatches (None: the input goes whole to every microbatch; default dim 0).
 
     `examples`: stage index -> (input tensors, output tensors) of one microbatch, local shapes
     and dtypes: static metadata, so that the schedule runs no forward of its own to infer them
@@ -135,13 +144,16 @@ def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
                                      input_args=examples[idx][0], output_args=examples[idx][1])
                        for idx, m in stages]
     m = plan.num_microbatches
+    chunks = None if input_batch_dims is None else tuple(
+        chunk_spec(d) for d in input_batch_dims)
     if plan.schedule == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=loss_fn,
+                                       args_chunk_spec=chunks)
     if len(pipeline_stages) != 1:
         raise ValueError(f"schedule {plan.schedule!r} takes one stage per rank; this rank "
                          f"holds {len(pipeline_stages)}")
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
-    return cls(pipeline_stages[0], m, loss_fn=loss_fn)
+    return cls(pipeline_stages[0], m, loss_fn=loss_fn, args_chunk_spec=chunks)
 
 
 @torch.no_grad()

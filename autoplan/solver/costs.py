@@ -26,11 +26,11 @@ exact when the graph is captured at the planned sequence length). Parameter tens
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import backward_time_s, dtensor_dispatches, op_time_s
+from autoplan.cost_model.compute import (at_tokens, backward_time_s, dtensor_dispatches,
+                                         module_input_bytes, op_time_s)
 from autoplan.solver.problem import OUTPUT, Problem
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -62,10 +62,8 @@ class Costs:
 
 def token_scale(problem: Problem, microbatch_size: int, seq_len: int) -> float:
     """(b * seq_len) / (B_g * S_g); see the module docstring."""
-    shape = problem.graph.input_shapes[0] if problem.graph.input_shapes else (1,)
-    captured_b = shape[0] if len(shape) >= 1 else 1
-    captured_s = shape[1] if len(shape) >= 2 else seq_len
-    return (microbatch_size * seq_len) / (captured_b * captured_s)
+    graph = problem.graph
+    return (microbatch_size * seq_len) / (graph.batch_size * (graph.seq_len or seq_len))
 
 
 def split_of(cand) -> bool:
@@ -86,13 +84,12 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
     costs = Costs(scale, {}, [], {}, {}, 0.0)
     device, tp = topology.device, problem.tp
     graph = problem.graph
+    fx_nodes = {node.name: node for node in graph.gm.graph.nodes}
     for n in problem.nodes:
         info = graph.nodes.get(n)
         if info is None or n in problem.constants:
             continue
-        scaled = dataclasses.replace(info, flops=int(info.flops * scale),
-                                     in_bytes=int(info.in_bytes * scale),
-                                     out_bytes=int(info.out_bytes * scale))
+        scaled = at_tokens(info, scale, module_input_bytes(fx_nodes[n]))
         host = _dtensor_host_s(info, device) if tp > 1 else 0.0
         costs.compute_s[n] = [
             op_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor)

@@ -1,0 +1,147 @@
+"""Capture for planning: a shallow copy of the model with a few of its repeated blocks.
+
+[Note: shallow planning capture]
+Planning cost must not grow with depth (../shared/DESIGN.md, "Capture"): the planner prices one
+representative block and scales it by the real depth (`CapturedGraph.total_layers`,
+[Note: layer sharing] in autoplan/solver/problem.py). A preset is built shallow from its config
+(`capture_preset`); a model *instance* is made shallow here, so that `@autoparallel(model)`
+and `autoplan plan --model <its config.json>` capture the same graph and get the same plan:
+
+1. the container of repeated blocks is the one capture itself finds (`_find_layers`: the
+   ModuleList / ModuleDict with most children of one class);
+2. the blocks must be structurally identical, or the few captured would not stand for the
+   others: same class, same parameter and buffer names, shapes and dtypes, same submodule
+   classes, and the same plain attributes (ints, floats, strings: an HF layer's
+   `attention_type` "sliding_attention" vs "full_attention" differs there) except those that
+   hold the block's own index (`layer_idx`). When they are not, the whole model is captured;
+3. the copy shares every parameter, buffer and block with the user's module (nothing is
+   allocated or copied, the user's module is not changed): the modules on the path from the
+   root to the container are copied with `copy.copy` and given their own `_modules` dicts, and
+   the container of the copy holds the first `num_blocks` blocks;
+4. it is captured with `capture(..., total_layers=<the real depth>)`.
+
+Hugging Face models run `self.layers[: config.num_hidden_layers]`, which stops at the blocks
+the copy has. Only planning uses the shallow graph: the runtime captures every block.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from autoplan.capture import capture
+from autoplan.capture.facts import _find_layers
+from autoplan.graph import CapturedGraph
+from autoplan.progress import detail
+
+__all__ = ["PLANNING_BLOCKS", "capture_for_planning", "shallow_copy", "blocks_differ"]
+
+PLANNING_BLOCKS = 2
+"""Blocks captured for planning (`autoplan plan --num-layers-capture`'s default too): two, so
+that the block-to-block edge (the residual stream) is in the captured graph."""
+
+_PLAIN = (bool, int, float, str, type(None))
+# attributes that hold a block's own position, not its structure (HF: layer_idx; others: idx)
+_INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "block_idx", "idx", "index")
+
+
+def capture_for_planning(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
+                         model_name: str = "model", num_blocks: int = PLANNING_BLOCKS,
+                         example_kwargs: dict | None = None) -> CapturedGraph:
+    """Capture `model` for planning: `num_blocks` of its repeated blocks when they are
+    structurally identical, scaled to the real depth ([Note: shallow planning capture]);
+    otherwise (different blocks, no repeated blocks, or no more than `num_blocks`) the whole
+    model, as `capture` does.
+
+    Args:
+        model: the model, on the meta device to allocate nothing (real weights are shared,
+            never copied).
+        example_inputs: as `capture` takes them ((batch, seq) token ids, ...).
+        model_name: name for reports and errors.
+        num_blocks: blocks to capture (>= 1).
+        example_kwargs: keyword inputs, as `capture` takes them (attention_mask, ...).
+
+    Returns:
+        CapturedGraph with `num_layers` = the blocks captured and `total_layers` = the model's.
+
+    Raises:
+        ValueError: num_blocks < 1; CaptureError and ValueError as `capture` raises them.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    prefix, depth = _find_layers(model, None)
+    kwargs = dict(model_name=model_name, example_kwargs=example_kwargs)
+    if depth <= num_blocks:
+        return capture(model, example_inputs, **kwargs)
+    differ = blocks_differ(model.get_submodule(prefix))
+    if differ:
+        detail(f"{model_name}: capturing all {depth} blocks of {prefix!r} for planning: {differ}")
+        return capture(model, example_inputs, **kwargs)
+    shallow = shallow_copy(model, prefix, num_blocks)
+    return capture(shallow, example_inputs, total_layers=depth, **kwargs)
+
+
+def shallow_copy(model: nn.Module, prefix: str, num_blocks: int) -> nn.Module:
+    """A copy of `model` whose container `prefix` (a ModuleList or a ModuleDict with integer
+    keys) holds its first `num_blocks` blocks. Parameters, buffers and the blocks themselves
+    are shared with `model`; `model` is left unchanged ([Note: shallow planning capture])."""
+    path = prefix.split(".")
+    root = _detached(model)
+    parent = root
+    for name in path[:-1]:
+        child = _detached(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    container = parent._modules[path[-1]]
+    if isinstance(container, nn.ModuleList):
+        kept = nn.ModuleList(list(container)[:num_blocks])
+    else:
+        kept = _detached(container)
+        kept._modules = dict(list(container._modules.items())[:num_blocks])
+    parent._modules[path[-1]] = kept
+    return root
+
+
+def _detached(module: nn.Module) -> nn.Module:
+    """`copy.copy(module)` with its own dict of submodules (the original's stays as it is)."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    return out
+
+
+def blocks_differ(container: nn.Module) -> str | None:
+    """Why the blocks of `container` are not structurally identical (the first difference, in
+    words), or None when they are ([Note: shallow planning capture], step 2)."""
+    blocks = list(container.named_children())
+    first_name, first = blocks[0]
+    reference = _structure(first, 0)
+    for k, (name, block) in enumerate(blocks[1:], start=1):
+        other = _structure(block, k)
+        if other != reference:
+            what = next(key for key in ("class", "params", "buffers", "modules", "attributes")
+                        if other[key] != reference[key])
+            return f"block {name} differs from block {first_name} in its {what}"
+    return None
+
+
+def _structure(block: nn.Module, index: int) -> dict:
+    """What must be equal between two blocks for one to stand for the other."""
+    attributes = {}
+    for path, module in block.named_modules():
+        for key, value in vars(module).items():
+            if key.startswith("_") or not isinstance(value, _PLAIN):
+                continue
+            if key in _INDEX_NAMES and value == index:
+                continue  # the block's own position
+            attributes[f"{path}.{key}"] = value
+    return {
+        "class": type(block),
+        "params": [(n, tuple(p.shape), p.dtype, p.requires_grad)
+                   for n, p in block.named_parameters(remove_duplicate=False)],
+        "buffers": [(n, tuple(b.shape), b.dtype)
+                    for n, b in block.named_buffers(remove_duplicate=False)],
+        "modules": [(n, type(m)) for n, m in block.named_modules()],
+        "attributes": attributes,
+    }
