@@ -189,28 +189,32 @@ def test_mixtral_tp2_matches_single_process(clusters):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_dp2xep2_matches_single_process(clusters, family):
+@pytest.mark.parametrize("family, zero", [("mixtral", 0), ("qwen3_moe", 3)])
+def test_dp2xep2_matches_single_process(clusters, family, zero):
     """Expert parallelism: 4 ranks split the batch 4 ways; each pair of ranks (ep 2) holds
     disjoint halves of the experts and exchanges tokens by all-to-all; the router stays
-    replicated. With gradient clipping that clips (the norm spans the expert slices): losses
-    of 3 AdamW steps, the norms and every parameter after them equal one process."""
+    replicated; the other weights are replicated (ZeRO-0) or sharded (ZeRO-3) over the 4. With
+    gradient clipping that clips (the norm spans the expert slices): losses of 3 AdamW steps,
+    the norms and every parameter after them equal one process."""
     factory = _moe.factory(family)
     ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
     assert all(n > 0.5 for n in ref[2]), "max_norm must be small enough to clip"
-    results = clusters.get(4).run(_jobs.train, factory, 3, 4, dict(dp=4, ep=2),
+    results = clusters.get(4).run(_jobs.train, factory, 3, 4,
+                                  dict(dp=4, ep=2, zero_stage=zero),
                                   max_grad_norm=0.5, timeout_s=400)
     for r in results:
         torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
     plan = Plan.from_json(results[0][2])
     assert (plan.mesh.dp, plan.mesh.ep, str(plan.mesh)) == (4, 2, "pp1xdp4(ep2)xtp1")
+    assert plan.zero_stage == zero
     _assert_matches(results, ref)
 
 
 def test_ep_is_priced_per_topology_level():
     """ep 2 on a 2-node DGX-H100 plan (dp 16 x tp 1, ZeRO-0): the step pays the all-to-alls
     (inside a node: consecutive dp ranks) and the changed gradient all-reduce; the experts'
-    states per rank halve; an ep that does not divide the experts is a named error."""
+    states per rank halve at ZeRO-0 and grow at ZeRO-3 (a whole slice instead of a 1/dp
+    shard); an ep that does not divide the experts is a named error."""
     from autoplan.solver.experts import ep_step_delta_s, expert_layers, expert_parallel
     from autoplan.solver.search import InvalidConfig
     from autoplan.spec import TrainingSpec
@@ -235,6 +239,11 @@ def test_ep_is_priced_per_topology_level():
         expert_bytes / 2)
     with pytest.raises(InvalidConfig, match="does not divide the experts"):
         expert_parallel(graph, base, spec, topology, 8)
+    # ZeRO-3 shards the experts 16 ways without ep; ep keeps its slice whole: more memory
+    zero3 = plan(graph, topology, spec, dp=16, tp=1, zero_stage=3, ep=1)
+    two3 = expert_parallel(graph, zero3, spec, topology, 2)
+    assert two3.prediction.memory_bytes - zero3.prediction.memory_bytes == pytest.approx(
+        expert_bytes * (1 / 2 - 1 / 16))
 
 
 def test_ep_plan_round_trips_and_reports():
@@ -249,7 +258,7 @@ def test_ep_plan_round_trips_and_reports():
                     (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
     topology, spec = preset("local-cpu"), TrainingSpec(global_batch=4, seq_len=16)
     with_ep = plan(graph, topology, spec, dp=4, ep=2)
-    assert str(with_ep.mesh) == "pp1xdp4(ep2)xtp1" and with_ep.zero_stage == 0
+    assert str(with_ep.mesh) == "pp1xdp4(ep2)xtp1" and with_ep.zero_stage != 1
     assert Plan.from_json(with_ep.to_json()) == with_ep
     without = plan(graph, topology, spec, dp=4, ep=1)
     assert "ep" not in json.loads(without.to_json())["mesh"]

@@ -1,12 +1,13 @@
 """Build-time check that what the runtime built is what the plan says (STYLE rule 14): the
-tp placement of every parameter, the ZeRO stage's dp sharding, the master and compute dtypes.
+tp placement of every parameter, the ZeRO stage's dp sharding (an expert slice under ep:
+Shard(0) on the ep mesh instead), the master and compute dtypes.
 A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.plan import parse_placement
 
@@ -45,7 +46,12 @@ def check_against_plan(model) -> None:
                 want = parse_placement(plan.placement_of(fqn))
                 if got != want:
                     problems.append(f"{fqn}: tp placement {got}, the plan says {want}")
-            if plan.mesh.dp > 1 and p.is_floating_point():
+            if _axis_placement(p, "ep") is not None:
+                # an expert slice under ep: whole, outside ZeRO (runtime/moe.py)
+                if _axis_placement(p, "ep") != Shard(0):
+                    problems.append(f"{fqn}: ep placement {_axis_placement(p, 'ep')}, expert "
+                                    "parallelism splits the experts Shard(0)")
+            elif plan.mesh.dp > 1 and p.is_floating_point():
                 got = _axis_placement(p, "dp")
                 sharded = got is not None and (got.is_shard() or "Shard" in type(got).__name__)
                 if sharded != (plan.zero_stage >= 2):

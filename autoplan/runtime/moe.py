@@ -23,8 +23,10 @@ global mean loss, as on one process. The router's weights are ordinary replicate
 Gradient clipping needs nothing more: an expert gradient is a Shard(0) DTensor on the ep mesh,
 whose norm DTensor reduces over the slices (runtime/parallel.py clip_grad_norm).
 
-Supported: tp 1 and ZeRO-0 with ep > 1 (`check_expert_parallel`); expert weights under ZeRO
-sharding and ep together with tp are not implemented.
+Under ZeRO 2 and 3 the other weights are sharded over dp by FSDP2 as usual and the expert
+slices stay whole (replicated over their dp / ep ranks). Supported: tp 1 and ZeRO 0, 2 or 3
+with ep > 1 (`check_expert_parallel`); ZeRO-1 (its optimizer would all-gather the slices over
+dp as if they were one tensor) and ep together with tp are not implemented.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ def check_expert_parallel(plan) -> None:
     unsupported = []
     if mesh.tp > 1:
         unsupported.append(f"tp {mesh.tp}")
-    if plan.zero_stage != 0:
-        unsupported.append(f"ZeRO-{plan.zero_stage}")
+    if plan.zero_stage == 1:
+        unsupported.append("ZeRO-1")
     if unsupported:
         raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with tp 1 and "
-                         f"ZeRO-0; this plan has {', '.join(unsupported)}")
+                         f"ZeRO 0, 2 or 3; this plan has {', '.join(unsupported)}")
 
 
 class _AllToAll(torch.autograd.Function):

@@ -17,15 +17,17 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
   the fitted gloo entry); plus 3 small ones for the expert ids and routing weights (T k x 8
   bytes) and 1 for the counts, which cost their latency. Each pp rank runs its 1 / pp of the
   layers;
-- the experts' weights, gradients and optimizer states per rank shrink by ep (ZeRO-0: whole
-  copies; STATE_BYTES_PER_PARAM);
-- their gradients leave the dp all-reduce: they are all-reduced over the dp / ep ranks holding
-  the same slice, at 1 / ep of the size (stride tp x ep).
+- the experts' weights, gradients and optimizer states per rank become their 1 / ep slice,
+  whole: the runtime leaves them out of ZeRO (STATE_BYTES_PER_PARAM); without ep they are
+  whole copies at ZeRO-0 and 1 / dp shards of the states the ZeRO stage shards;
+- they leave the dp group's collectives (`pipeline._dp_sync_s` of the ZeRO stage, over the
+  rest of the parameters): their gradients are all-reduced over the dp / ep ranks holding the
+  same slice, at 1 / ep of the size (stride tp x ep), once per step.
 
 The step time and memory of the plan chosen at ep = 1 are repriced by these differences
 (`expert_parallel`): a decomposition, exact for the quantities above because ep changes no
-placement (ep runs with tp 1 and ZeRO-0, the runtime's support), but not a joint search: a plan
-that fits only with ep, or a ZeRO stage > 0 that ep would beat, is not found.
+placement (ep runs with tp 1 and ZeRO 0, 2 or 3, the runtime's support), but not a joint
+search: a plan that fits only with ep is not found.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import MeshShape, Plan
-from autoplan.solver.pipeline import DP_SYNC_OVERLAP
+from autoplan.solver.pipeline import DP_SYNC_OVERLAP, Config, _dp_sync_s
 from autoplan.solver.search import InvalidConfig
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -97,12 +99,13 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     per_layer = 4 * a2a(pairs * layers.hidden * spec.dtype_bytes) + 4 * a2a(pairs * 8)
     a2a_s = per_layer * per_rank_layers * plan.num_microbatches
     _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
-    expert_grads = layers.expert_elems / mesh.pp * grad_b
-    all_grads = layers.model_elems / mesh.pp * grad_b
-    ar = lambda n, p, s: collective_time_s("all_reduce", n, p, topology, stride=s)  # noqa: E731
-    before = ar(all_grads, mesh.dp, mesh.tp)
-    after = ar(all_grads - expert_grads, mesh.dp, mesh.tp) + (
-        ar(expert_grads / ep, mesh.dp // ep, mesh.tp * ep) if mesh.dp > ep else 0.0)
+    experts, total = layers.expert_elems / mesh.pp, layers.model_elems / mesh.pp
+    cfg = Config(mesh.pp, mesh.dp, mesh.tp, plan.zero_stage, plan.num_microbatches,
+                 plan.microbatch_size, plan.schedule, plan.num_virtual_stages)
+    before = _dp_sync_s(cfg, spec, topology, total)
+    after = _dp_sync_s(cfg, spec, topology, total - experts) + (collective_time_s(
+        "all_reduce", experts * grad_b / ep, mesh.dp // ep, topology, stride=mesh.tp * ep)
+        if mesh.dp > ep else 0.0)
     return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before)
 
 
@@ -113,8 +116,8 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
 
     Raises:
         InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
-            not divide dp or some layer's experts, or the plan has tp > 1 or ZeRO > 0 (the
-            runtime's support; fix tp=1 and zero_stage=0).
+            not divide dp or some layer's experts, or the plan has tp > 1 or ZeRO-1 (the
+            runtime's support; fix tp=1 and zero_stage to 0, 2 or 3).
     """
     layers = expert_layers(graph)
     if ep is not None and ep < 1:
@@ -147,26 +150,31 @@ def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int) -> str:
     bad = sorted({e for e in layers.num_experts if e % ep})
     if bad:
         return f"does not divide the experts of every layer ({bad})"
-    if mesh.tp > 1 or plan.zero_stage != 0:
-        return (f"runs with tp 1 and ZeRO-0; the plan has tp {mesh.tp}, ZeRO-{plan.zero_stage} "
-                "(fix tp=1 and zero_stage=0)")
+    if mesh.tp > 1 or plan.zero_stage == 1:
+        return (f"runs with tp 1 and ZeRO 0, 2 or 3; the plan has tp {mesh.tp}, "
+                f"ZeRO-{plan.zero_stage} (fix tp=1 and zero_stage)")
     return ""
 
 
 def _repriced(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topology: Topology,
               ep: int) -> Plan:
     a2a_s, sync_s = ep_step_delta_s(layers, plan, spec, topology, ep)
-    p_b, grad_b, opt_b = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
-    saved = layers.expert_elems / plan.mesh.pp * (1 - 1 / ep)
+    per_param = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
+    experts, dp, zero = layers.expert_elems / plan.mesh.pp, plan.mesh.dp, plan.zero_stage
     old = plan.prediction
     breakdown = dict(old.memory_breakdown)
-    for kind, per in (("params", p_b), ("grads", grad_b), ("optimizer", opt_b)):
+    saved_bytes = 0.0
+    # (kind, bytes per parameter, the lowest ZeRO stage that shards it over dp)
+    for kind, per, stage in zip(("params", "grads", "optimizer"), per_param, (3, 2, 1)):
+        held = experts / dp if zero >= stage else experts   # without ep
+        saved = (held - experts / ep) * per                 # with ep: the slice, whole
+        saved_bytes += saved
         if kind in breakdown:
-            breakdown[kind] = max(0.0, breakdown[kind] - saved * per)
+            breakdown[kind] = max(0.0, breakdown[kind] - saved)
     step = old.step_time_s + a2a_s + sync_s
     pred = dataclasses.replace(
         old, step_time_s=step, comm_s=old.comm_s + a2a_s + sync_s,
-        memory_bytes=old.memory_bytes - saved * (p_b + grad_b + opt_b),
+        memory_bytes=old.memory_bytes - saved_bytes,
         memory_breakdown=breakdown,
         tflops_per_device=old.tflops_per_device * old.step_time_s / step,
         mfu=old.mfu * old.step_time_s / step)

@@ -56,7 +56,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         ep: the expert-parallel degree of a mixture-of-experts model, inside dp (dp 4 with
             ep 2: four data-parallel ranks, two expert slices; None: chosen for the best
             configuration, [Note: expert parallelism] in solver/experts.py; 1: none). A given
-            ep > 1 fixes tp 1 and ZeRO-0 (what the runtime runs with ep).
+            ep > 1 fixes tp 1 and excludes ZeRO-1 (what the runtime runs with ep).
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -81,14 +81,28 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         raise ValueError(f"time_limit_s {time_limit_s} must be a positive number of "
                          f"deterministic seconds")
     if ep is not None and ep > 1:
-        if tp not in (None, 1) or zero_stage not in (None, 0):
-            raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO-0; got tp {tp}, "
+        if tp not in (None, 1) or zero_stage == 1:
+            raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO 0, 2 or 3; got tp {tp}, "
                                 f"zero_stage {zero_stage}")
-        tp, zero_stage = 1, 0
+        tp = 1
     with _collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
             allow_tp_across_nodes, checkpointing), time_limit_s, top_k)
+        if ep is not None and ep > 1 and result.zero_stage == 1:
+            # ep does not run with ZeRO-1: the best plan at the other stages
+            others = []
+            for z in (0, 2, 3):
+                try:
+                    others.append(_plan(graph, topology, spec, Overrides(
+                        tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
+                        allow_tp_across_nodes, checkpointing), time_limit_s, top_k))
+                except (InvalidConfig, NoFeasiblePlan):
+                    continue
+            if not others:
+                raise InvalidConfig(f"ep {ep}: no plan fits at ZeRO 0, 2 or 3 (ep does not run "
+                                    "with ZeRO-1)")
+            result = min(others, key=lambda p: p.prediction.step_time_s)
     return expert_parallel(graph, result, spec, topology, ep)
 
 
