@@ -35,7 +35,8 @@ def _run(args: list[str], cwd: Path, timeout_s: float = 600) -> subprocess.Compl
     return run
 
 
-TESTED = {"finetune_hf.py", "own_module.py", "plan_cluster.py", "torchrun_train.py"}
+TESTED = {"any_batch.py", "finetune_hf.py", "own_module.py", "plan_cluster.py",
+          "torchrun_train.py"}
 
 
 def test_every_example_is_run_here_and_says_how_to_run_it():
@@ -85,3 +86,13 @@ def test_torchrun_train_under_torchrun_two_ranks(tmp_path):
     assert len(re.findall(r"^rank 0 of 2: step \d", run.stdout, flags=re.M)) == 2
     assert (out / "report.html").is_file() and (out / "step-2" / ".metadata").is_file()
     assert list((out / "graphs").glob("rank*_stage*.py"))
+
+
+@pytest.mark.slow
+def test_any_batch_trains_t5_and_vit_from_dicts_as_one_process(tmp_path):
+    run = _run([sys.executable, str(EXAMPLES / "any_batch.py"), "--ranks", "2",
+                "--overrides", "tp=2", "--steps", "2", "--batch", "4"], cwd=tmp_path)
+    assert len(re.findall(r"^(t5|vit) step \d: 2 ranks", run.stdout, flags=re.M)) == 4
+    assert re.search(r"^t5 eval_step: loss [0-9.]+, logits \(4, 8, 128\)", run.stdout, re.M)
+    assert re.search(r"^vit eval_step: loss [0-9.]+, logits \(4, 10\)", run.stdout, re.M)
+    assert "equal to one process (fp32 contract" in run.stdout
