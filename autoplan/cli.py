@@ -120,10 +120,11 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
                      help="let tp groups span nodes (default: tp stays inside a node)")
     solver = p.add_argument_group("planning")
     if capture_depth:
+        # default: autoplan.capture.planning.PLANNING_BLOCKS (not imported: it imports torch)
         solver.add_argument("--num-layers-capture", type=_positive_int, default=2, metavar="K",
                             help="identical blocks to capture; costs are scaled to the real "
                                  "depth, so planning time does not grow with it "
-                                 "(default: %(default)s)")
+                                 "(default: %(default)s, as @autoparallel captures a model)")
     solver.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
                         help="work limit of each ILP solve in CP-SAT's deterministic "
                              "seconds (about a second of one reference core; the same plan "
@@ -245,10 +246,15 @@ def _depth(config: dict) -> int:
 
 
 def _plan(args, num_layers: int | None) -> _Planned:
-    """Capture and plan for the planning arguments; capture at batch 1 and the planned
-    sequence length: the cost model scales costs linearly with tokens from the captured shapes
-    (solver/costs.py, token_scale), and attention is exact at the planned length. Warnings of
-    the solver print as `autoplan: warning: ...` on stderr."""
+    """Capture and plan for the planning arguments. The graph is the one `@autoparallel`
+    plans on for the same model ([Note: shallow planning capture] in
+    autoplan/capture/planning.py): parameters in the compute dtype (a 16-bit graph has the
+    model's own upcasts as nodes, [Note: precision recipe]), the global batch at the planned
+    sequence length (the cost model scales it to each microbatch, solver/costs.py
+    token_scale; attention is exact at the planned length), `num_layers` blocks scaled to the
+    real depth. Warnings of the solver print as `autoplan: warning: ...` on stderr."""
+    import torch
+
     from autoplan.capture import capture_preset
     from autoplan.models import model_config
     from autoplan.solver import plan
@@ -262,7 +268,8 @@ def _plan(args, num_layers: int | None) -> _Planned:
     depth = (f" ({num_layers} blocks; costs scaled to the full depth)"
              if num_layers and num_layers < _depth(model_config(args.model)) else "")
     with phase(f"capturing {args.model}{depth}"):
-        graph = capture_preset(args.model, batch=1, seq_len=args.seq, num_layers=num_layers)
+        graph = capture_preset(args.model, batch=args.global_batch, seq_len=args.seq,
+                               num_layers=num_layers, dtype=getattr(torch, args.dtype))
     with phase(f"planning {args.model} for {topology.world_size} x {topology.device.name}"), \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ReplicatedWeightsWarning)  # each run says its own
@@ -352,11 +359,14 @@ def _cmd_export(args) -> int:
     out = Path(args.out)
     existed = out.exists()
     graph, mb = planned.graph, planned.plan.microbatch_size
-    if mb != 1:  # the graphs a rank runs: at the plan's microbatch size (planned at batch 1)
+    if mb != args.global_batch:  # the graphs a rank runs: at the plan's microbatch size
+        import torch
+
         from autoplan.capture import capture_preset
 
         with phase(f"capturing {args.model} at microbatch {mb}"):
-            graph = capture_preset(args.model, batch=mb, seq_len=args.seq)
+            graph = capture_preset(args.model, batch=mb, seq_len=args.seq,
+                                   dtype=getattr(torch, args.dtype))
     try:
         with phase(f"exporting the per-rank graphs into {out}"):
             paths = _export(graph, planned.plan, out)

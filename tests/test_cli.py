@@ -196,7 +196,7 @@ def test_export_failure_leaves_no_directory(capsys, tmp_path, monkeypatch):
 
 
 class _FakePlan:
-    microbatch_size = 1  # planned at batch 1: export captures nothing again
+    microbatch_size = 8  # the tests' --global-batch: planned at it, export captures nothing again
 
 
 def test_demo_and_calibrate_are_wired(monkeypatch):
@@ -470,7 +470,7 @@ def test_a_tp_that_splits_no_attention_head_warns(capsys):
     assert line.startswith("autoplan: warning: tp 8 leaves ")
     assert "of every block of transformer.h replicated on the tp axis" in line
     assert "attn.c_proj.weight (32, 32)" in line  # the weight and its dims
-    assert ("scaled_dot_product_attention in transformer.h.0.attn (output (1, 4, 16, 8)): "
+    assert ("scaled_dot_product_attention in transformer.h.0.attn (output (8, 4, 16, 8)): "
             "no placement splits it over 8 ranks; tp 8 does not divide 4 (dim 1)") in line
     assert json.loads(out)["warnings"] == [line.removeprefix("autoplan: warning: ")]
 

@@ -95,7 +95,7 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
         device: where parameters live; "meta" (default) allocates nothing. Seed torch's RNG
             before building on a real device for reproducible weights.
         num_layers: build at most this many blocks (a shallow copy for planning).
-        dtype: parameter dtype (default float32).
+        dtype: dtype of the floating parameters (default float32); buffers keep theirs.
         **config_overrides: config keys to replace (e.g. `vocab_size=256`).
 
     Returns:
@@ -119,8 +119,24 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
         else:
             model = _build_plain(model_type, config, name_or_path)
     if dtype is not None:
-        model = model.to(dtype)
+        _floating_params_to(model, dtype)
     return model
+
+
+def _floating_params_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters to `dtype`, in place; buffers keep theirs (HF rotary `inv_freq`
+    stays fp32), as the runtime's compute-dtype copy has them (autoplan.api.meta_skeleton,
+    [Note: precision recipe] in autoplan/runtime/precision.py). A tied parameter stays one
+    parameter."""
+    done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (old, new): old kept alive
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in done:
+                done[id(param)] = (param, nn.Parameter(param.detach().to(dtype),
+                                                       requires_grad=param.requires_grad))
+            module._parameters[name] = done[id(param)][1]
 
 
 def example_inputs(name_or_path: str, *, batch: int, seq_len: int,

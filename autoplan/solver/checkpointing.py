@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoplan.cost_model.compute import op_time_s
+from autoplan.cost_model.compute import at_tokens, module_input_bytes, op_time_s
 from autoplan.solver.costs import Costs, out_divisor
 from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.solver.pipeline import Assessment
@@ -87,11 +87,10 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
     if not nodes:
         return costs
     compute = dict(costs.compute_s)
+    fx_nodes = {node.name: node for node in problem.graph.gm.graph.nodes}
     for n in nodes & compute.keys():
         info = problem.graph.nodes[n]
-        scaled = dataclasses.replace(info, flops=int(info.flops * costs.scale),
-                                     in_bytes=int(info.in_bytes * costs.scale),
-                                     out_bytes=int(info.out_bytes * costs.scale))
+        scaled = at_tokens(info, costs.scale, module_input_bytes(fx_nodes[n]))
         compute[n] = [t + op_time_s(scaled, topology.device, spec.dtype,
                                     shard_factor=c.shard_factor)
                       for t, c in zip(compute[n], problem.cands[n])]
