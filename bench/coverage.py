@@ -229,8 +229,8 @@ def run(names: list[str], steps: int, timeout_s: float, results: Path) -> dict:
 
 
 def _cell(check: dict | None) -> str:
-    if check is None:
-        return "n/a"
+    if check is None:  # the worker ended (timeout, crash) before it came to this check
+        return "not run"
     if check["status"] == "pass":
         return "pass"
     return "fail: " + check["detail"].replace("|", "\\|").replace("`", "'")
@@ -238,7 +238,8 @@ def _cell(check: dict | None) -> str:
 
 def markdown(doc: dict) -> str:
     """The README table of a coverage.json document: a row per architecture, a column per
-    check ("pass", "fail: <why>", "n/a" for expert parallelism on a dense model)."""
+    check ("pass", "fail: <why>", "not run" after a worker that ended early, "n/a" for expert
+    parallelism on a dense model)."""
     lines = ["| architecture | task | " + " | ".join(CHECKS) + " |",
              "|---|---|" + "---|" * len(CHECKS)]
     for name, row in doc["rows"].items():

@@ -50,7 +50,7 @@ def test_markdown_names_each_check_and_why_it_failed():
                         "train dp2xep2 |")
     assert lines[2] == "| llama | causal-lm | pass | pass | pass | n/a |"
     assert lines[3] == ("| mixtral | causal-lm | pass | pass | fail: ValueError: a \\| b 'c' | "
-                        "n/a |")
+                        "not run |")
     assert lines[-1] == "5 of 6 checks pass over 2 architectures (3 training steps)."
 
 
