@@ -21,7 +21,19 @@ and `autoplan plan --model <its config.json>` capture the same graph and get the
 4. it is captured with `capture(..., total_layers=<the real depth>)`.
 
 Hugging Face models run `self.layers[: config.num_hidden_layers]`, which stops at the blocks
-the copy has. Only planning uses the shallow graph: the runtime captures every block.
+the copy has. Only planning uses the shallow graph: the runtime captures every block (and
+passes/expand.py restates the plan for it).
+
+What else must agree for one plan (the causes issue 10 found, fixed where they were):
+- the dtype: both entries capture with the parameters in the compute dtype, buffers as they
+  are (`build_model(dtype=)` and api.meta_skeleton), the graph the runtime runs;
+- the batch: both capture the global batch; pricing a microbatch from it scales FLOPs, bytes
+  and the batch dim of the shapes together (cost_model.compute.at_tokens), so a matmul keeps
+  its k and a weight is read once whatever batch was captured;
+- the attention: presets build HF models with `attn_implementation="sdpa"`, and so does
+  transformers for an instance built from a config (its default where torch has sdpa). An
+  instance built with "eager" attention is another graph (the (B, heads, S, S) scores are
+  tensors, their softmax an op) and is priced as such, on purpose: it is what would run.
 """
 
 from __future__ import annotations
