@@ -28,6 +28,15 @@ in N); the ILPs do not grow (identical blocks share one set of variables) but th
 bookkeeping over the captured graph (candidates, edges, saved tensors, the plan's per-node
 strategies) still does. Their ratios are reported as `info`, not as a bar.
 
+The `llama-6.7b` pair is issue 10's model (hidden 4096, 32 layers, 32 heads, vocab 32000: an HF
+LlamaConfig) on 16 H100s (2 dgx-h100 nodes), global batch 64, seq 4096, bf16, planned the two
+ways a user can: `llama-6.7b` as `autoplan plan --model config.json` does (capture_preset of
+the config file: 2 blocks, the global batch, the compute dtype), `llama-6.7b-instance` as
+`@autoparallel(model)` does with a `LlamaForCausalLM` instance of all 32 layers built on meta
+by the user (its construction, `build_s`, is recorded, not timed in plan_s): `.plan` (its
+shallow capture, [Note: shallow planning capture], and the solve), then the report. Both must
+give the same plan; the bar is plan_s(instance) <= 2 x plan_s(config file).
+
 Median of the runs per case; the JSON holds every run, the medians, the bars and the machine's
 load average (other jobs on a shared 2-core machine slow every phase).
 """
@@ -60,10 +69,57 @@ CASES: dict[str, tuple] = {
     "full-8": ("nanogpt", "dgx-h100", 1, 64, 1024, 8, 8),
     "full-32": ("nanogpt", "dgx-h100", 1, 64, 1024, 32, 32),
     "full-128": ("nanogpt", "dgx-h100", 1, 64, 1024, 128, 128),
+    "llama-6.7b": ("llama-6.7b", "dgx-h100", 2, 64, 4096, None, 2),
+    "llama-6.7b-instance": ("llama-6.7b-instance", "dgx-h100", 2, 64, 4096, None, None),
 }
 BARS_S = {"llama3-405b": 10.0, "gpt3-175b": 5.0, "llama3-8b": 3.0}
 DEPTH_RATIO_BAR = 2.0  # plan_s(depth-128) <= 2 x plan_s(depth-8)
 _NANOGPT = dict(vocab_size=50304, n_embd=256, n_head=4, block_size=1024, dropout=0.0, bias=True)
+INSTANCE_RATIO_BAR = 2.0  # plan_s(llama-6.7b-instance) <= 2 x plan_s(llama-6.7b)
+# issue 10's model: transformers.LlamaConfig(hidden_size=4096, num_hidden_layers=32,
+# num_attention_heads=32, vocab_size=32000) with positions for seq 4096 (FFN 11008: the default)
+_LLAMA_6_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                   vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def _decisions(result) -> str:
+    """The plan in words without the model's name (a config file and an instance differ
+    there): mesh, ZeRO stage, microbatches, schedule, step time, memory."""
+    import dataclasses
+
+    return str(dataclasses.replace(result, model="-"))
+
+
+def _instance_worker(case: str, t_import: float) -> dict:
+    """llama-6.7b-instance: `@autoparallel` on a LlamaForCausalLM built on meta."""
+    import torch
+    import transformers
+
+    from autoplan import autoparallel
+    from autoplan.report import render_html, render_markdown
+
+    _model, cluster, nodes, global_batch, seq, _total, _keep = CASES[case]
+    config = {k: v for k, v in _LLAMA_6_7B.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    t_build = time.perf_counter()
+    ap = autoparallel(model, global_batch=global_batch, seq_len=seq, cluster=cluster,
+                      num_nodes=nodes, dtype="bfloat16")
+    result = ap.plan
+    t_solve = time.perf_counter()
+    markdown = render_markdown(result, graph=ap.graph, topology=ap.topology)
+    html = render_html(result, graph=ap.graph, topology=ap.topology)
+    t_report = time.perf_counter()
+    return {
+        "import_s": t_import - _START, "build_s": t_build - t_import,
+        "capture_s": None, "solve_s": t_solve - t_build, "report_s": t_report - t_solve,
+        "plan_s": t_report - t_build, "report_chars": len(markdown) + len(html),
+        "plan": str(result), "decisions": _decisions(result),
+        "step_time_s": result.prediction.step_time_s, "world_size": ap.topology.world_size,
+        "total_layers": ap.graph.total_layers,
+        "captured_layers": ap.graph.num_layers,
+    }
 
 
 def _capture(case: str):
@@ -76,6 +132,15 @@ def _capture(case: str):
             net = GPT(GPTConfig(n_layer=keep, **_NANOGPT))
         return capture(net, (torch.zeros(1, seq, dtype=torch.long),), model_name=case,
                        total_layers=total)
+    if model == "llama-6.7b":  # as `autoplan plan --model config.json` captures it
+        import tempfile
+
+        import torch
+        with tempfile.TemporaryDirectory(prefix="plan-speed-") as tmp:
+            path = Path(tmp) / "config.json"
+            path.write_text(json.dumps(_LLAMA_6_7B))
+            return capture_preset(str(path), batch=CASES[case][3], seq_len=seq,
+                                  num_layers=keep, dtype=torch.bfloat16)
     graph = capture_preset(model, batch=1, seq_len=seq, num_layers=keep)
     if total is not None:  # the same block at another depth
         graph.total_layers = total
@@ -88,9 +153,13 @@ def worker(case: str) -> dict:
     import ortools.linear_solver.pywraplp  # noqa: F401  (imports are timed apart, see the
     import torch  # noqa: F401                              module docstring)
 
+    import autoplan.api  # noqa: F401  (the decorator's modules, for the instance case: its
+    import autoplan.runtime.job  # noqa: F401   first `.plan` imports these two)
+    import autoplan.runtime.precision  # noqa: F401
     import autoplan.capture  # noqa: F401
     from autoplan.models import is_hf
-    if CASES[case][0] != "nanogpt" and is_hf(CASES[case][0]):
+    name = CASES[case][0]
+    if name in ("llama-6.7b", "llama-6.7b-instance") or (name != "nanogpt" and is_hf(name)):
         import transformers  # noqa: F401
         from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401  (lazy)
     from autoplan.report import render_html, render_markdown
@@ -99,6 +168,8 @@ def worker(case: str) -> dict:
     from autoplan.topology import preset
 
     t_import = time.perf_counter()
+    if case == "llama-6.7b-instance":
+        return _instance_worker(case, t_import)
     _model, cluster, nodes, global_batch, seq, _total, _keep = CASES[case]
     graph = _capture(case)
     t_capture = time.perf_counter()
@@ -113,9 +184,9 @@ def worker(case: str) -> dict:
         "import_s": t_import - _START, "capture_s": t_capture - t_import,
         "solve_s": t_solve - t_capture, "report_s": t_report - t_solve,
         "plan_s": t_report - t_import, "report_chars": len(markdown) + len(html),
-        "plan": str(result), "step_time_s": result.prediction.step_time_s,
-        "world_size": topology.world_size, "total_layers": graph.total_layers,
-        "captured_layers": graph.num_layers,
+        "plan": str(result), "decisions": _decisions(result),
+        "step_time_s": result.prediction.step_time_s, "world_size": topology.world_size,
+        "total_layers": graph.total_layers, "captured_layers": graph.num_layers,
     }
 
 
@@ -146,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         runs = [_measure(case) for _ in range(args.runs)]
         medians = {k: statistics.median(r[k] for r in runs)
-                   for k in ("import_s", "capture_s", "solve_s", "report_s", "plan_s",
-                             "process_s")}
+                   for k in ("import_s", "build_s", "capture_s", "solve_s", "report_s",
+                             "plan_s", "process_s") if runs[0].get(k) is not None}
         results[case] = {"config": dict(zip(("model", "cluster", "nodes", "global_batch",
                                              "seq_len", "total_layers", "captured_layers"),
                                             CASES[case])),
@@ -176,6 +247,13 @@ def _bars(results: dict) -> list[dict]:
             value = results[case]["median"]["plan_s"]
             bars.append({"bar": f"{case} plan_s <= {limit} s", "value": value,
                          "ok": value <= limit})
+    preset_, instance = results.get("llama-6.7b"), results.get("llama-6.7b-instance")
+    if preset_ and instance:
+        ratio = instance["median"]["plan_s"] / preset_["median"]["plan_s"]
+        same = instance["runs"][0]["decisions"] == preset_["runs"][0]["decisions"]
+        bars.append({"bar": f"llama-6.7b-instance plan_s <= {INSTANCE_RATIO_BAR} x llama-6.7b "
+                            "(the config file's), the same plan", "value": ratio,
+                     "ok": ratio <= INSTANCE_RATIO_BAR and same})
     lo, hi = results.get("depth-8"), results.get("depth-128")
     if lo and hi:
         ratio = hi["median"]["plan_s"] / lo["median"]["plan_s"]
@@ -200,7 +278,8 @@ def _print_table(results: dict, bars: list[dict], info: list[dict]) -> None:
     print("-" * len(head))
     for case, r in results.items():
         m = r["median"]
-        print(f"{case:<12} {m['import_s']:7.2f} {m['capture_s']:8.2f} {m['solve_s']:7.2f} "
+        capture_s = f"{m['capture_s']:8.2f}" if "capture_s" in m else f"{'(in solve)':>8}"
+        print(f"{case:<12} {m['import_s']:7.2f} {capture_s} {m['solve_s']:7.2f} "
               f"{m['report_s']:7.2f} {m['plan_s']:7.2f} {m['process_s']:8.2f}  {r['plan']}")
     print()
     for b in bars:
