@@ -414,3 +414,20 @@ def test_capture_on_meta_keeps_constants_made_by_the_code():
     gm = materialize(graph.gm, real)
     ids = torch.randint(0, 16, (2, 5))
     torch.testing.assert_close(gm(ids), real(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_a_constant_captured_without_its_value_is_named_at_build():
+    """The runtime never builds on a lifted constant that lost its value (a meta tensor): it
+    names it and its op, instead of training on uninitialised memory (Falcon's NaN losses)."""
+    from autoplan.runtime.weights import LostConstantError, weights_to_meta
+
+    torch.manual_seed(0)
+    graph = capture(_ConstantsFromCode(), (torch.zeros(2, 5, dtype=torch.long),),
+                    layer_prefix="")
+    weights_to_meta(copy.deepcopy(graph.gm), None)  # real constants: kept, no error
+    lost = copy.deepcopy(graph.gm)
+    for fqn, b in list(lost.named_buffers()):
+        owner, _, leaf = fqn.rpartition(".")
+        lost.get_submodule(owner)._buffers[leaf] = torch.empty_like(b, device="meta")
+    with pytest.raises(LostConstantError, match=r"2 constant\(s\).*'attn\.lifted_tensor_0'"):
+        weights_to_meta(lost, None)

@@ -32,7 +32,7 @@ from autoplan._torch_compat import local_shard_slices
 from autoplan.runtime.deferred_init import InitTrace, module_tensors, replay
 
 __all__ = ["WeightSource", "Targets", "ModuleWeights", "InitReplay", "HFWeights", "fill_shard",
-           "weights_to_meta", "allocate"]
+           "weights_to_meta", "allocate", "LostConstantError"]
 
 
 class Targets:
@@ -214,10 +214,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class LostConstantError(ValueError):
+    """A constant the model's code creates (an index list, a tensor from a Python number) was
+    captured without its value: the graph cannot compute what the model does."""
+
+
 def weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None) -> None:
     """Every parameter of `gm` becomes a meta tensor of its shape (in `master_dtype` when
     given: fp32 masters of a 16-bit graph), and every buffer not owned by the graph (lifted
-    constants keep their captured values) a meta tensor; nothing is allocated."""
+    constants keep their captured values) a meta tensor; nothing is allocated.
+
+    Raises LostConstantError for a lifted constant that is itself a meta tensor: no weight
+    source has its value, and building on would leave uninitialised memory in its place
+    (Falcon trained on NaN so); see [Note: lifted constants on meta] in
+    autoplan/capture/constants.py."""
+    lost = [fqn for fqn, b in gm.named_buffers()
+            if fqn.rpartition(".")[2].startswith("lifted_tensor") and b.is_meta]
+    if lost:
+        raise LostConstantError(
+            f"{len(lost)} constant(s) that the model's code creates were captured on the meta "
+            f"device without their values: {lost[:4]} (used by "
+            f"{_users(gm, lost[0])}); capture the model with real fp32 weights (pass the "
+            "model instance) or trace it inside autoplan.capture.constants.fake_cpu")
     for fqn, p in list(gm.named_parameters()):
         owner_path, _, leaf = fqn.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
@@ -230,6 +248,16 @@ def weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None) 
         owner_path, _, leaf = fqn.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
         owner._buffers[leaf] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+
+
+def _users(gm: torch.fx.GraphModule, fqn: str) -> str:
+    """The ops that read attribute `fqn` and the model code they came from, briefly."""
+    out = []
+    for node in gm.graph.find_nodes(op="get_attr", target=fqn):
+        for user in node.users:
+            line = (user.meta.get("stack_trace") or "").strip().splitlines()[-1:]
+            out.append(f"{user.target}" + (f" at `{line[0].strip()}`" if line else ""))
+    return ", ".join(out) or "no op"
 
 
 def allocate(module: nn.Module, device: torch.device) -> None:
