@@ -22,11 +22,9 @@ the model given.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import os
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoplan.plan import Plan
+from autoplan.runtime.construction import (is_dcp as _is_dcp, meta_skeleton,
+                                           on_meta as _on_meta,
+                                           record_construction as _record_construction,
+                                           weight_source)
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology, load_topology, preset
 
@@ -262,24 +264,8 @@ class AutoParallel:
 
     def _weight_source(self, graph):
         """Where this rank's shards come from ([Note: sharded construction])."""
-        from autoplan.runtime.deferred_init import record
-        from autoplan.runtime.weights import HFWeights, InitReplay, ModuleWeights
-
-        path = self.options.weights
-        if not _on_meta(self.module) and path is None:
-            return ModuleWeights(self.module)
-        trace = self._init_trace
-        if trace is None:
-            if not _on_meta(self.module):
-                raise ValueError("weights= is given for a model that already has real weights: "
-                                 "build it on the meta device (or decorate its factory)")
-            init = self.options.init or default_init
-            _, trace = record(lambda: init(self.module))
-        replay = InitReplay(trace, self.module, params=path is None)
-        if path is None or _is_dcp(path):
-            return replay
-        aliases = {a: fqn for fqn, p in graph.params.items() for a in p.aliases}
-        return HFWeights(path, replay, aliases)
+        return weight_source(self.module, self._init_trace, self.options.weights,
+                             self.options.init, graph)
 
     def build(self) -> "AutoParallel":
         """Capture, plan and build this rank's shards now (the first `step` otherwise does);
@@ -361,34 +347,15 @@ class AutoParallel:
 
     def _checked(self, batch: tuple) -> list[torch.Tensor]:
         """The batch's leaves, checked against the planned inputs (the first batch fixes them
-        when nothing did); raises ValueError in the user's words."""
-        from autoplan.runtime.batch import check_batch, check_ids
+        when nothing did); raises ValueError in the user's words (runtime/batch.py)."""
+        from autoplan.runtime.batch import checked_leaves, embedding_rows, is_token_pair
 
-        tokens_form = len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
-        if len(batch) not in (1, 2) or (len(batch) == 2 and not tokens_form):
-            raise ValueError(f"step: got {len(batch)} arguments; give step(batch) (a dict, "
-                             "tuple or tensor) or step(input_ids, labels)")
-        if self._inputs is None and self._plan is None and not tokens_form:
-            self._inputs = self._spec_of(batch[0])
-        spec = self.inputs
-        if (spec.form == "tokens") != tokens_form:
-            raise ValueError(f"step: the plan was made for a {spec.describe()}; got "
-                             f"{'step(input_ids, labels)' if tokens_form else 'step(batch)'}")
+        if self._inputs is None and self._plan is None and not is_token_pair(batch):
+            self._inputs = self._spec_of(batch[0]) if len(batch) == 1 else None
         if self._vocab is None:  # read from the graph once, not on every step
-            self._vocab = self._vocab_sizes()
-        if tokens_form:
-            check_batch(*batch, global_batch=spec.global_batch, seq_len=self.spec.seq_len,
-                        vocab_size=self._vocab.get(self.graph.input_names[0]))
-            return [t.long() for t in batch]  # int32, uint8 ids: as int64
-        leaves = spec.flatten(batch[0])
-        names = dict(zip(self.graph.input_names, spec.model_leaves))
-        for name, rows in self._vocab.items():
-            leaf = names.get(name)
-            if leaf is not None:
-                check_ids(leaves[spec.leaves.index(leaf)], leaf.name, rows)
-        return leaves
-
-    __call__ = step
+            self._vocab = embedding_rows(self.graph)
+        return checked_leaves(self.inputs, batch, self._vocab, self.graph.input_names,
+                              seq_len=self.spec.seq_len)
 
     def save(self, path: str | os.PathLike) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of parameters and optimizer
@@ -457,21 +424,6 @@ class AutoParallel:
                 return export_plan(graph, plan, out_dir)
             return run_isolated(export_plan, graph, plan, out_dir, timeout_s=timeout_s)
 
-    def _vocab_sizes(self) -> dict[str, int]:
-        """Rows of each embedding that a graph input indexes (an `aten.embedding` whose indices
-        are the input, through views), by input name."""
-        out = {}
-        for node in self.graph.gm.graph.nodes:
-            if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
-                indices = node.args[1]
-                while indices.op == "call_function" and indices.args and isinstance(
-                        indices.args[0], torch.fx.Node):  # views of the ids
-                    indices = indices.args[0]
-                val = node.args[0].meta.get("val")
-                if indices.op == "placeholder" and val is not None:
-                    out.setdefault(indices.name, int(val.shape[0]))
-        return out
-
 
 # The world of one this process set up to train alone: not a job (a later model may still be
 # planned for world_size= ranks without training).
@@ -482,10 +434,6 @@ def _in_job() -> bool:
     """Whether this process is a rank of a real job (torchrun, LocalCluster, a user's own
     init_process_group), not alone in the world of one autoplan set up to train."""
     return dist.is_initialized() and not (_PRIVATE_GROUP and dist.group.WORLD is _PRIVATE_GROUP[-1])
-
-
-def _on_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in module.parameters())
 
 
 def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
@@ -508,54 +456,6 @@ def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
 
     build.__name__ = type(config).__name__.replace("Config", "")
     return autoparallel(build, weights=str(path), **options)()
-
-
-def _record_construction(factory: Callable, args: tuple, kwargs: dict):
-    """Run the factory on meta, recording its init; (module, trace). A factory that builds
-    real weights anyway (an explicit device) returns them: they are sharded slice by slice. A
-    factory that cannot run on meta (it reads tensor values) is run again as it is, with a
-    warning naming why, and its weights are sliced the same way."""
-    from autoplan.runtime.deferred_init import DeferredInitError, record
-
-    try:
-        module, trace = record(lambda: factory(*args, **kwargs))
-    except DeferredInitError as e:
-        warnings.warn(f"autoparallel: building {getattr(factory, '__name__', factory)} on the "
-                      f"meta device failed ({e}); building it with real weights on every rank")
-        return factory(*args, **kwargs), None
-    if isinstance(module, nn.Module) and not _on_meta(module):
-        return module, None  # real weights after all: sharded slice by slice
-    return module, trace
-
-
-def _is_dcp(path) -> bool:
-    """A torch.distributed.checkpoint directory (from `save`), as opposed to an HF one."""
-    return (Path(path) / ".metadata").is_file()
-
-
-def meta_skeleton(module: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """A copy of `module` whose parameters and buffers are meta tensors (nothing copied or
-    allocated); floating parameters in `param_dtype` when given (buffers keep theirs)."""
-    memo = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        dtype = param_dtype if (param_dtype is not None and isinstance(t, nn.Parameter)
-                                and t.is_floating_point()) else t.dtype
-        meta = torch.empty(t.shape, dtype=dtype, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) \
-            if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
-
-
-def default_init(module: nn.Module) -> None:
-    """The model's own init: HF `init_weights()` when it has one (it also recomputes
-    non-persistent buffers such as rotary tables), else every submodule's
-    `reset_parameters()` in `named_modules()` order."""
-    if hasattr(module, "init_weights"):
-        module.init_weights()
-        return
-    for m in module.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
 
 
 def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.fx
 
-__all__ = ["IGNORE_INDEX", "check_batch", "check_ids", "StepMetrics"]
+__all__ = ["IGNORE_INDEX", "check_batch", "check_ids", "checked_leaves", "embedding_rows",
+           "is_token_pair", "StepMetrics"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: a label that is not trained on
 
@@ -79,6 +81,54 @@ def check_ids(ids: torch.Tensor, name: str, vocab_size: int) -> None:
             bad = low if low < 0 else high
             raise ValueError(f"step: {name} holds token id {bad}; the model's vocabulary is "
                              f"[0, {vocab_size})")
+
+
+def is_token_pair(batch: tuple) -> bool:
+    """`step(input_ids, labels)`: two tensors."""
+    return len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
+
+
+def checked_leaves(spec, batch: tuple, vocab: dict[str, int], input_names: tuple[str, ...], *,
+                   seq_len: int) -> list[torch.Tensor]:
+    """The leaves of `step`'s arguments `batch` under `spec` (autoplan.inputs.InputSpec),
+    checked: the form, then `check_batch` for a token pair, `spec.flatten` and the ids of
+    every input that indexes an embedding (`vocab`: input name -> rows, `input_names`: the
+    graph's inputs) otherwise. Narrower integers are taken as int64. Raises ValueError naming
+    the value at fault."""
+    tokens = is_token_pair(batch)
+    if len(batch) not in (1, 2) or (len(batch) == 2 and not tokens):
+        raise ValueError(f"step: got {len(batch)} arguments; give step(batch) (a dict, "
+                         "tuple or tensor) or step(input_ids, labels)")
+    if (spec.form == "tokens") != tokens:
+        raise ValueError(f"step: the plan was made for a {spec.describe()}; got "
+                         f"{'step(input_ids, labels)' if tokens else 'step(batch)'}")
+    if tokens:
+        check_batch(*batch, global_batch=spec.global_batch, seq_len=seq_len,
+                    vocab_size=vocab.get(input_names[0]))
+        return [t.long() for t in batch]  # int32, uint8 ids: as int64
+    leaves = spec.flatten(batch[0])
+    by_name = dict(zip(input_names, spec.model_leaves))
+    for name, rows in vocab.items():
+        leaf = by_name.get(name)
+        if leaf is not None:
+            check_ids(leaves[spec.leaves.index(leaf)], leaf.name, rows)
+    return leaves
+
+
+def embedding_rows(graph) -> dict[str, int]:
+    """Rows of each embedding that a graph input indexes (an `aten.embedding` whose indices
+    are the input, through views), by input name."""
+    out = {}
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
+            indices = node.args[1]
+            while indices.op == "call_function" and indices.args and isinstance(
+                    indices.args[0], torch.fx.Node):  # views of the ids
+                indices = indices.args[0]
+            val = node.args[0].meta.get("val")
+            if indices.op == "placeholder" and val is not None:
+                out.setdefault(indices.name, int(val.shape[0]))
+    return out
 
 
 @dataclass(frozen=True)
