@@ -15,7 +15,11 @@ random weights from a config, nothing downloaded), in order:
   tp=2 with a memory cap that makes the plan split weights on the tp axis
   (autoplan.testing.train_planned), every step's loss and every parameter on every rank
   compared with one process (autoplan.testing.reference; fp32, rtol 1e-5, atol 1e-6);
-- `train dp2xep2` (mixture-of-experts models): the same under dp=2, ep=2 (expert parallelism).
+- `train dp2xep2` (mixture-of-experts models): the same with expert parallelism, dp=4, ep=2:
+  the batch split 4 ways, each pair of ranks holding disjoint halves of the experts. autoplan's
+  dp counts every rank that holds its own samples and ep groups are taken from them
+  (torchtitan's convention; [Note: expert parallelism] in autoplan/solver/experts.py), so the
+  row's 2 x 2 is dp=4 with ep=2.
 
 Causal LMs train on autoplan's token batch, `step(input_ids, labels)`; the masked LM (BERT),
 seq2seq (T5) and image (ViT) models on a dict batch, `step({"input_ids": ..., "labels": ...})`
@@ -49,7 +53,7 @@ STEPS = 3
 BATCH = 4  # samples per global batch of the tiny runs (dp 2 x 2)
 SEQ = 16  # tokens per sample of the tiny runs
 LARGE = dict(cluster="dgx-h100", num_nodes=2, dtype="bfloat16", global_batch=64, seq_len=4096)
-TRAIN = {"train dp2xtp2": dict(dp=2, tp=2), "train dp2xep2": dict(dp=2, ep=2)}
+TRAIN = {"train dp2xtp2": dict(dp=2, tp=2), "train dp2xep2": dict(dp=4, ep=2)}
 
 
 def _first_line(e: BaseException) -> str:
@@ -190,12 +194,13 @@ def _run_one(name: str, steps: int, timeout_s: float, log_dir: Path) -> dict:
             ended = f"worker timed out after {timeout_s:.0f} s"
     row = json.loads(out.read_text()) if out.exists() else {"architecture": name, "checks": {}}
     if ended:
+        # a crash's last line is its cause; a hung worker's is whatever it last logged
         tail = [line for line in log.read_text().splitlines() if line.strip()][-1:]
+        said = f"{ended}; last output: {tail[0]}" if tail and "timed out" not in ended else ended
         for check in CHECKS:
             if check not in row["checks"] and (check != "train dp2xep2" or row.get("moe")):
                 row["checks"][check] = {"status": "fail", "seconds": None,
-                                        "detail": f"{ended}; last output: "
-                                                  f"{tail[0][:DETAIL_CHARS] if tail else ''}"}
+                                        "detail": said[:DETAIL_CHARS]}
                 break  # the check that was running; the ones after it never started
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
