@@ -218,7 +218,7 @@ class AutoParallel:
 
     # -- training ---------------------------------------------------------------------------
     def _compile(self):
-        from autoplan.passes.expand import expand_plan
+        from autoplan.passes.expand import plan_for_graph
         from autoplan.progress import phase
         from autoplan.runtime import job
         from autoplan.runtime.engine import DistributedModel
@@ -241,7 +241,7 @@ class AutoParallel:
         source = self._capture_source(precision)
         with phase(f"capturing {name} at microbatch {plan.microbatch_size}"):
             graph = self._capture(source, plan.microbatch_size)
-        plan = expand_plan(plan, self._graph, graph)  # planned on a few blocks, run on all
+        plan = plan_for_graph(plan, self._graph, graph)  # planned on a few blocks, run on all
         with phase(f"building this rank's shards ({plan.mesh})"):
             engine = DistributedModel(graph, plan, self._weight_source(graph),
                                       optimizer=self.options.optimizer,
@@ -408,7 +408,7 @@ class AutoParallel:
         size; in a process that trains (a default group exists) that happens in a forked child
         (runtime/job.py run_isolated, at most `timeout_s` seconds), which leaves the job's
         group untouched."""
-        from autoplan.passes.expand import expand_plan
+        from autoplan.passes.expand import plan_for_graph
         from autoplan.passes.export import export_plan
         from autoplan.progress import phase
         from autoplan.runtime.job import run_isolated
@@ -419,7 +419,7 @@ class AutoParallel:
         source = self._capture_source(Precision.of(plan.dtype))
         with phase(f"exporting {name}'s per-rank graphs to {out_dir}"):
             graph = self._capture(source, plan.microbatch_size)
-            plan = expand_plan(plan, self._graph, graph)
+            plan = plan_for_graph(plan, self._graph, graph)
             if not dist.is_initialized():
                 return export_plan(graph, plan, out_dir)
             return run_isolated(export_plan, graph, plan, out_dir, timeout_s=timeout_s)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["InputSpec", "LeafSpec", "batch_leaves"]
+__all__ = ["InputSpec", "LeafSpec", "batch_leaves", "path_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +58,10 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _path_name(path) -> str:
-    parts = []
-    for k in path:
-        key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        parts.append(str(key))
-    return ".".join(parts)
+def path_name(path) -> str:
+    """A pytree key path as text: ("pixel_values",), (0, "mask") -> "pixel_values", "0.mask"."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
 
 
 def _forward_params(module: torch.nn.Module) -> tuple[list[str], bool]:
@@ -78,7 +76,7 @@ def _forward_params(module: torch.nn.Module) -> tuple[list[str], bool]:
 def batch_leaves(batch: Any) -> list[tuple[str, Any]]:
     """(path name, leaf) of every leaf of a batch pytree, in pytree order."""
     flat, _ = pytree.tree_flatten_with_path(batch)
-    return [(_path_name(p), v) for p, v in flat]
+    return [(path_name(p), v) for p, v in flat]
 
 
 def _batch_dim(name: str, shape: tuple[int, ...], global_batch: int,
@@ -155,7 +153,7 @@ class InputSpec:
         given = dict(batch_dims or {})
         leaves = []
         for path, leaf in flat:
-            name = _path_name(path)
+            name = path_name(path)
             if form == "tuple" and path and getattr(path[0], "idx", None) is not None:
                 i = path[0].idx
                 head = names[i] if i < len(names) else f"args.{i}"

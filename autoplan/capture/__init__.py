@@ -35,7 +35,11 @@ shape or a condition, ops without a meta/fake kernel).
 Files: this package's __init__ (the API: `capture`, `capture_preset`, `CaptureError`), trace.py
 (step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
 weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters), moe.py
-(during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]).
+(during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]),
+constants.py (constants the model's code creates while traced on meta), planning.py
+(`capture_for_planning`: a few identical blocks scaled to the real depth, [Note: shallow
+planning capture]; the plan is restated for the runtime's full graph by
+autoplan/passes/expand.py).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autoplan.capture import CaptureError
+from autoplan.inputs import path_name
 
 
 class _Root(nn.Module):
@@ -44,7 +45,7 @@ class _Root(nn.Module):
         for i, (path, v) in enumerate(leaves):
             if isinstance(v, torch.Tensor):
                 tensors.append(v)
-                names.append(_path_name(path) or "output")
+                names.append(path_name(path) or "output")
             else:
                 constants[i] = v
         self.seen.record(None if isinstance(out, torch.Tensor) else spec, constants, names)
@@ -63,11 +64,6 @@ class _Seen:
 
     def record(self, spec, constants: dict, names: list[str]) -> None:
         self.spec, self.constants, self.names = spec, constants, names
-
-
-def _path_name(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                    for k in path)
 
 
 def _check_inputs(model: nn.Module, example_inputs, example_kwargs: dict | None
@@ -129,7 +125,7 @@ def _input_names(model: nn.Module, in_spec) -> list[str]:
             head = names[key.idx] if key.idx < len(names) else f"input_{key.idx}"
         else:
             head = str(key.key)
-        out.append(".".join([head] + [_path_name([k]) for k in rest]).replace(".", "_"))
+        out.append(".".join([head] + [path_name([k]) for k in rest]).replace(".", "_"))
     return out
 
 
