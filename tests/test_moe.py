@@ -281,3 +281,18 @@ def test_reprice_keeps_ep():
     assert again.mesh == with_ep.mesh
     assert again.prediction.step_time_s == pytest.approx(with_ep.prediction.step_time_s)
     assert again.prediction.memory_bytes == pytest.approx(with_ep.prediction.memory_bytes)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pp": 2}, {"tp": 2, "dp": 2}],
+                         ids=["searched", "pp2", "dp2xtp2"])
+def test_deepseek_v3_plans_on_four_ranks(overrides):
+    """DeepSeek-V3 (latent attention, a dense block 0 and an MoE block 1 with a shared expert
+    and group-limited routing: blocks that differ) plans for 4 local-cpu ranks -- it once
+    failed in the solver ('NoneType' object has no attribute 'compute_s')."""
+    from autoplan.api import autoparallel
+
+    ap = autoparallel(_moe.factory("deepseek_v3")(), global_batch=4, seq_len=16,
+                      world_size=4, **overrides)
+    assert ap.plan.mesh.world_size == 4
+    assert all(getattr(ap.plan.mesh, k) == v for k, v in overrides.items())
+    assert ap.plan.prediction.step_time_s > 0
