@@ -53,6 +53,7 @@ from autoplan.graph import CapturedGraph
 from autoplan.inputs import InputSpec
 from autoplan.runtime.evaluate import eval_batch
 from autoplan.runtime.step_inputs import StepInputs, loss_mode
+from autoplan.runtime.tied import sync_tied_grads, tied_groups, untie_across_stages
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.device import retarget_device
@@ -75,44 +76,6 @@ __all__ = ["DistributedModel", "cross_entropy_loss"]
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy. logits: (B, T, V); labels: (B, T) int64."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-
-def _stage_forward(gm: torch.fx.GraphModule, mesh, in_placements: list[str],
-                   out_placements: list[str]) -> Callable:
-    """Forward for a tp-sharded stage: local tensors in, DTensor interpretation, local out."""
-    inner = gm.forward
-
-    def forward(*args):
-        wrapped = [
-            DTensor.from_local(a, mesh, (parse_placement(p),), run_check=False)
-            if isinstance(a, torch.Tensor) else a
-            for a, p in zip(args, in_placements)]
-        with implicit_replication():
-            out = inner(*wrapped)
-        if isinstance(out, tuple):
-            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
-        return out.to_local() if isinstance(out, DTensor) else out
-
-    return forward
-
-
-def _owning_outputs(forward: Callable) -> Callable:
-    """`forward` with its plain-tensor outputs that are views (a stage's final reshape,
-    DTensor's `to_local`) turned into tensors that own their view: FSDP2 registers its
-    pre-backward hook on a unit's outputs and warns for a view, on which an in-place op would
-    drop the hook. `aten._unsafe_view` keeps the storage and the gradient (reshaped back), as
-    torch's own matmul does for its output reshape; nothing else reads the viewed value."""
-
-    def own(t):
-        if type(t) is torch.Tensor and t._base is not None:
-            return torch.ops.aten._unsafe_view(t, t.shape)
-        return t
-
-    def wrapped(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)
-
-    return wrapped
 
 
 class DistributedModel:
@@ -188,7 +151,7 @@ class DistributedModel:
             self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
                 if plan.mesh.ep > 1 else None
             self.stages = self._build_stages()
-            self._tied = self._tied_groups()
+            self._tied = tied_groups(self)
             source.fill(self._targets())
             self.weight_source = source
             check_against_plan(self)
@@ -233,7 +196,7 @@ class DistributedModel:
         inserted, out, held = [], [], set()
         self._random_states: dict[int, RandomState] = {}
         for sg in mine:
-            _untie_across_stages(sg.gm)
+            untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
             if self.expert_parallel is not None:
                 self.expert_parallel.apply(sg.gm)
@@ -257,7 +220,7 @@ class DistributedModel:
             # Checkpoint after placements: a block's redistributions are recomputed with it.
             wrap_checkpointing(sg.gm, graph, plan.checkpointing, blocks)
             if plan.mesh.tp > 1:
-                sg.gm.forward = _stage_forward(
+                sg.gm.forward = _compat.tp_stage_forward(
                     sg.gm, self.mesh["tp"],
                     [produced.get(n, "R") for n in sg.input_names],
                     [produced.get(n, "R") for n in sg.output_names])
@@ -312,7 +275,7 @@ class DistributedModel:
         dp_mesh = self.mesh["dp"]
         # expert weights under ep are reduced by runtime/moe.py, not by FSDP2
         ignored = set(self.expert_parallel.params) if self.expert_parallel else None
-        gm.forward = _owning_outputs(gm.forward)
+        gm.forward = _compat.owning_outputs(gm.forward)
         for module in [gm.get_submodule(path) for path in blocks] + [gm]:
             if plan.zero_stage in (0, 1):
                 _compat.replicate(module, dp_mesh, mp_policy=mp, ignored_params=ignored)
@@ -340,38 +303,6 @@ class DistributedModel:
                     seen.add(id(p))
                     out.append(p)
         return out
-
-    def _tied_groups(self):
-        """For parameters held by several stages: the local copies, and a process group over
-        the pp ranks that hold copies (same dp and tp coordinates), or None when local."""
-        holders: dict[str, set[int]] = defaultdict(set)
-        stage_params: dict[str, list] = defaultdict(list)
-        pp = self.plan.mesh.pp
-        for idx, fqns in self._stage_param_fqns.items():
-            for fqn in fqns:
-                holders[fqn].add(idx)
-        for idx, m in self.stages:
-            for name, p in m.named_parameters():
-                if len(holders.get(name, ())) > 1:
-                    stage_params[name].append(p)
-        # Each tied weight counts once in a global gradient norm: in its first stage.
-        self.tied_owner_stage = {fqn: min(h) for fqn, h in holders.items() if len(h) > 1}
-        groups = {}
-        # Every rank creates every group, in the same order (new_group is collective).
-        mesh_ranks = self.mesh.mesh  # (pp, dp, tp) tensor of global ranks
-        for fqn in sorted(n for n, h in holders.items() if len(h) > 1):
-            pp_ranks = sorted({s % pp for s in holders[fqn]})
-            mine = None
-            if len(pp_ranks) > 1:
-                for d in range(self.plan.mesh.dp):
-                    for t in range(self.plan.mesh.tp):
-                        ranks = [int(mesh_ranks[r, d, t]) for r in pp_ranks]
-                        g = dist.new_group(ranks)
-                        if dist.get_rank() in ranks:
-                            mine = g
-            if fqn in stage_params:
-                groups[fqn] = (stage_params[fqn], mine)
-        return groups
 
     # -- training -----------------------------------------------------------------------
     def _build_schedule(self):
@@ -440,7 +371,7 @@ class DistributedModel:
             loss = self._forward_backward(local)
         if self.expert_parallel is not None:
             self.expert_parallel.reduce_gradients()
-        self._sync_tied_grads()
+        sync_tied_grads(self)
         if self.scaler is None or self.scaler.unscale_and_check(self._local_grads()):
             if self.max_grad_norm is not None:
                 self.grad_norm = float(self.clip_grad_norm(self.max_grad_norm))
@@ -526,19 +457,6 @@ class DistributedModel:
             total += loss.detach().float()
         return total
 
-    def _sync_tied_grads(self) -> None:
-        for fqn, (copies, group) in self._tied.items():
-            grads = [p.grad for p in copies if p.grad is not None]
-            if not grads:
-                continue
-            total = _compat.local_tensor(grads[0]).clone()
-            for g in grads[1:]:
-                total += _compat.local_tensor(g)
-            if group is not None:
-                dist.all_reduce(total, group=group)
-            for g in grads:
-                _compat.local_tensor(g).copy_(total)
-
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip all gradients by their global L2 norm over every rank (tied weights once)."""
         return _compat.clip_grad_norm(self, max_norm)
@@ -558,32 +476,11 @@ class DistributedModel:
         load(self, path)
 
     def save_pretrained(self, path, *, config=None, max_shard_bytes: int = 5_000_000_000) -> None:
-        """A consolidated Hugging Face checkpoint (safetensors, sharded files + index above
-        `max_shard_bytes`, `config.json` from `config`) that `from_pretrained` loads; gathered
-        tensor by tensor, so no rank holds more than its shards plus one full tensor
-        (collective; see autoplan.runtime.hf_checkpoint). Weights are written in the master
-        dtype (fp32 under mixed precision); a tied weight once, under its first name."""
-        from autoplan.runtime.hf_checkpoint import HFTensor, save_hf_weights
+        """A consolidated Hugging Face checkpoint of the trained weights (collective); see
+        autoplan.runtime.hf_checkpoint.save_pretrained."""
+        from autoplan.runtime.hf_checkpoint import save_pretrained
 
-        pp, mesh = self.plan.mesh.pp, self.mesh.mesh  # mesh: (pp, dp, tp) global ranks
-        first_stage = {}
-        for idx in sorted(self._stage_param_fqns):
-            for fqn in self._stage_param_fqns[idx]:
-                first_stage.setdefault(fqn, idx)
-        dtype = self.precision.master_dtype
-        entries = []
-        for fqn, info in self.graph.params.items():
-            if info.is_buffer or fqn not in first_stage:
-                continue
-            writer = int(mesh[first_stage[fqn] % pp, 0, 0])
-            entries.append(HFTensor(fqn, tuple(info.shape),
-                                    dtype or getattr(torch, info.dtype), writer))
-        local = {}
-        for idx, module in self.stages:
-            for fqn, p in module.named_parameters():
-                if first_stage.get(fqn) == idx:
-                    local[fqn] = p
-        save_hf_weights(path, entries, local, config=config, max_shard_bytes=max_shard_bytes)
+        save_pretrained(self, path, config=config, max_shard_bytes=max_shard_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters held by this rank, by FQN (collective over tp/dp)."""
@@ -593,16 +490,6 @@ class DistributedModel:
                 t = p.full_tensor() if isinstance(p, DTensor) else p
                 out[name] = t.detach().clone()
         return out
-
-
-def _untie_across_stages(gm: torch.fx.GraphModule) -> None:
-    """Give this stage its own Parameter objects, so stages never share one across modules."""
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            owner_path, _, leaf = node.target.rpartition(".")
-            owner = gm.get_submodule(owner_path) if owner_path else gm
-            if leaf in owner._parameters:
-                owner._parameters[leaf] = nn.Parameter(owner._parameters[leaf].detach().clone())
 
 
 def _common_seed(seed: int | None) -> int:

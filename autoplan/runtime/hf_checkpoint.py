@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor
 
 from autoplan._torch_compat import local_shard_slices
 
-__all__ = ["HFTensor", "LoadStats", "load_hf_weights", "save_hf_weights", "plan_hf_files"]
+__all__ = ["HFTensor", "LoadStats", "load_hf_weights", "save_hf_weights", "save_pretrained",
+           "plan_hf_files"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -476,3 +477,31 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
     if failures:
         raise RuntimeError(f"save_hf_weights({path}) failed, nothing written: "
                            + "; ".join(failures[:8]))
+
+
+def save_pretrained(engine, path, *, config=None,
+                    max_shard_bytes: int = 5_000_000_000) -> None:
+    """A consolidated Hugging Face checkpoint (safetensors, sharded files + index above
+    `max_shard_bytes`, `config.json` from `config`) that `from_pretrained` loads; gathered
+    tensor by tensor, so no rank holds more than its shards plus one full tensor
+    (collective, `engine`: a DistributedModel). Weights are written in the master
+    dtype (fp32 under mixed precision); a tied weight once, under its first name."""
+    pp, mesh = engine.plan.mesh.pp, engine.mesh.mesh  # mesh: (pp, dp, tp) global ranks
+    first_stage = {}
+    for idx in sorted(engine._stage_param_fqns):
+        for fqn in engine._stage_param_fqns[idx]:
+            first_stage.setdefault(fqn, idx)
+    dtype = engine.precision.master_dtype
+    entries = []
+    for fqn, info in engine.graph.params.items():
+        if info.is_buffer or fqn not in first_stage:
+            continue
+        writer = int(mesh[first_stage[fqn] % pp, 0, 0])
+        entries.append(HFTensor(fqn, tuple(info.shape),
+                                dtype or getattr(torch, info.dtype), writer))
+    local = {}
+    for idx, module in engine.stages:
+        for fqn, p in module.named_parameters():
+            if first_stage.get(fqn) == idx:
+                local[fqn] = p
+    save_hf_weights(path, entries, local, config=config, max_shard_bytes=max_shard_bytes)

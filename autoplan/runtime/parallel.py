@@ -1,5 +1,6 @@
 """torch.distributed building blocks the engine composes: data parallelism by ZeRO stage,
-pipeline schedules, a ZeRO-1 optimizer and global gradient clipping.
+pipeline schedules, a ZeRO-1 optimizer, global gradient clipping, and the forward of a
+tp-sharded stage (local tensors in and out, DTensor inside).
 
 Library first: ZeRO-0/2/3 are FSDP2's `replicate` / `fully_shard`; schedules are
 `torch.distributed.pipelining`'s. ZeRO-1 has no FSDP2 spelling, so `ShardedOptimizer` is ours
@@ -19,11 +20,12 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor
 
-from autoplan._torch_compat import chunk_spec, pipeline_eval, replicate_module
+from autoplan._torch_compat import (chunk_spec, implicit_replication, pipeline_eval,
+                                   replicate_module)
+from autoplan.plan import parse_placement
 
 __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
-           "pipeline_eval",
-           "local_tensor"]
+           "pipeline_eval", "local_tensor", "owning_outputs", "tp_stage_forward"]
 
 
 def replicate(module: nn.Module, dp_mesh, *, mp_policy=None, ignored_params=None) -> nn.Module:
@@ -184,3 +186,41 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     for g in grads:
         local_tensor(g).mul_(coef)
     return total
+
+
+def tp_stage_forward(gm: torch.fx.GraphModule, mesh, in_placements: list[str],
+                   out_placements: list[str]) -> Callable:
+    """Forward for a tp-sharded stage: local tensors in, DTensor interpretation, local out."""
+    inner = gm.forward
+
+    def forward(*args):
+        wrapped = [
+            DTensor.from_local(a, mesh, (parse_placement(p),), run_check=False)
+            if isinstance(a, torch.Tensor) else a
+            for a, p in zip(args, in_placements)]
+        with implicit_replication():
+            out = inner(*wrapped)
+        if isinstance(out, tuple):
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    return forward
+
+
+def owning_outputs(forward: Callable) -> Callable:
+    """`forward` with its plain-tensor outputs that are views (a stage's final reshape,
+    DTensor's `to_local`) turned into tensors that own their view: FSDP2 registers its
+    pre-backward hook on a unit's outputs and warns for a view, on which an in-place op would
+    drop the hook. `aten._unsafe_view` keeps the storage and the gradient (reshaped back), as
+    torch's own matmul does for its output reshape; nothing else reads the viewed value."""
+
+    def own(t):
+        if type(t) is torch.Tensor and t._base is not None:
+            return torch.ops.aten._unsafe_view(t, t.shape)
+        return t
+
+    def wrapped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)
+
+    return wrapped

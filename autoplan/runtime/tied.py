@@ -1,0 +1,76 @@
+"""Weights used by several pipeline stages (a tied embedding and head): each stage holds its
+own copy, and their gradients are summed over the stages that hold them before the optimizer
+step, so the copies stay identical (step 8 of runtime/engine.py)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch.distributed as dist
+import torch.fx
+import torch.nn as nn
+
+from autoplan.runtime.parallel import local_tensor
+
+__all__ = ["sync_tied_grads", "tied_groups", "untie_across_stages"]
+
+
+def tied_groups(engine) -> dict:
+    """For parameters held by several stages: FQN -> (the local copies, a process group over
+    the pp ranks that hold copies (same dp and tp coordinates), or None when local). Sets
+    `engine.tied_owner_stage` (FQN -> the first stage holding it). Collective: every rank
+    creates every group, in the same order."""
+    holders: dict[str, set[int]] = defaultdict(set)
+    stage_params: dict[str, list] = defaultdict(list)
+    pp = engine.plan.mesh.pp
+    for idx, fqns in engine._stage_param_fqns.items():
+        for fqn in fqns:
+            holders[fqn].add(idx)
+    for idx, m in engine.stages:
+        for name, p in m.named_parameters():
+            if len(holders.get(name, ())) > 1:
+                stage_params[name].append(p)
+    # Each tied weight counts once in a global gradient norm: in its first stage.
+    engine.tied_owner_stage = {fqn: min(h) for fqn, h in holders.items() if len(h) > 1}
+    groups = {}
+    # Every rank creates every group, in the same order (new_group is collective).
+    mesh_ranks = engine.mesh.mesh  # (pp, dp, tp) tensor of global ranks
+    for fqn in sorted(n for n, h in holders.items() if len(h) > 1):
+        pp_ranks = sorted({s % pp for s in holders[fqn]})
+        mine = None
+        if len(pp_ranks) > 1:
+            for d in range(engine.plan.mesh.dp):
+                for t in range(engine.plan.mesh.tp):
+                    ranks = [int(mesh_ranks[r, d, t]) for r in pp_ranks]
+                    g = dist.new_group(ranks)
+                    if dist.get_rank() in ranks:
+                        mine = g
+        if fqn in stage_params:
+            groups[fqn] = (stage_params[fqn], mine)
+    return groups
+
+
+
+def sync_tied_grads(engine) -> None:
+    """Sum each tied weight's gradient over its copies (local, then over the pp group)."""
+    for fqn, (copies, group) in engine._tied.items():
+        grads = [p.grad for p in copies if p.grad is not None]
+        if not grads:
+            continue
+        total = local_tensor(grads[0]).clone()
+        for g in grads[1:]:
+            total += local_tensor(g)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for g in grads:
+            local_tensor(g).copy_(total)
+
+
+def untie_across_stages(gm: torch.fx.GraphModule) -> None:
+    """Give this stage its own Parameter objects, so stages never share one across modules."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner_path, _, leaf = node.target.rpartition(".")
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = nn.Parameter(owner._parameters[leaf].detach().clone())
