@@ -181,7 +181,7 @@ def test_mixtral_tp2_matches_single_process(clusters):
     every parameter after them equal one process (fp32, rtol 1e-5)."""
     factory = _moe.factory("mixtral")
     ref = _jobs.reference(factory, 3, 4)
-    results = clusters.get(2).run(_jobs.train, factory, 3, 4, dict(tp=2), timeout_s=300,
+    results = clusters.get(2).run(_jobs.train, factory, 3, 4, dict(tp=2), timeout_s=600,
                                   memory_fraction=0.9)
     placements = _experts_placements(Plan.from_json(results[0][2]))
     assert set(placements.values()) == {"S(0)"}, placements
@@ -201,7 +201,7 @@ def test_dp2xep2_matches_single_process(clusters, family, zero):
     assert all(n > 0.5 for n in ref[2]), "max_norm must be small enough to clip"
     results = clusters.get(4).run(_jobs.train, factory, 3, 4,
                                   dict(dp=4, ep=2, zero_stage=zero),
-                                  max_grad_norm=0.5, timeout_s=400)
+                                  max_grad_norm=0.5, timeout_s=600)
     for r in results:
         torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
     plan = Plan.from_json(results[0][2])
