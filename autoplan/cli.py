@@ -107,6 +107,8 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--tp", type=_positive_int, help="tensor-parallel degree")
     fix.add_argument("--pp", type=_positive_int, help="pipeline-parallel degree")
     fix.add_argument("--dp", type=_positive_int, help="data-parallel degree")
+    fix.add_argument("--ep", type=_positive_int,
+                     help="expert-parallel degree of a mixture-of-experts model (divides dp)")
     fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     fix.add_argument("--microbatches", type=_positive_int, metavar="M",
                      help="microbatches per step per dp rank")
@@ -273,7 +275,7 @@ def _plan(args, num_layers: int | None) -> _Planned:
     with phase(f"planning {args.model} for {topology.world_size} x {topology.device.name}"), \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ReplicatedWeightsWarning)  # each run says its own
-        result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp,
+        result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
                       zero_stage=args.zero, num_microbatches=args.microbatches,
                       schedule=args.schedule, num_virtual_stages=args.virtual_stages,
                       checkpointing=args.checkpointing,
@@ -302,7 +304,7 @@ def _summary(planned: _Planned, files) -> dict:
     return {
         "model": plan.model, "topology": plan.topology, "device": topology.device.name,
         "device_mem_bytes": topology.device.mem_bytes, "world_size": plan.mesh.world_size,
-        "mesh": dataclasses.asdict(plan.mesh), "zero_stage": plan.zero_stage,
+        "mesh": plan.to_dict()["mesh"], "zero_stage": plan.zero_stage,
         "global_batch": plan.global_batch, "seq_len": plan.seq_len,
         "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
         "schedule": plan.schedule, "num_virtual_stages": plan.num_virtual_stages,
