@@ -299,18 +299,19 @@ def _summary(planned: _Planned, files) -> dict:
     from autoplan.report.facts import tokens_per_s
 
     plan, topology = planned.plan, planned.topology
+    as_json = plan.to_dict()  # meshes as plan.json writes them (no `ep` at 1)
     prediction = dataclasses.asdict(plan.prediction)
     prediction["tokens_per_s"] = tokens_per_s(plan)
     return {
         "model": plan.model, "topology": plan.topology, "device": topology.device.name,
         "device_mem_bytes": topology.device.mem_bytes, "world_size": plan.mesh.world_size,
-        "mesh": plan.to_dict()["mesh"], "zero_stage": plan.zero_stage,
+        "mesh": as_json["mesh"], "zero_stage": plan.zero_stage,
         "global_batch": plan.global_batch, "seq_len": plan.seq_len,
         "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
         "schedule": plan.schedule, "num_virtual_stages": plan.num_virtual_stages,
         "checkpointing": plan.checkpointing, "dtype": plan.dtype,
         "prediction": prediction,
-        "alternatives": [dataclasses.asdict(a) for a in plan.alternatives],
+        "alternatives": as_json["alternatives"],
         "files": [str(p) for p in files],
         "warnings": list(planned.warnings),
     }
