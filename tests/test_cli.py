@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -332,7 +331,7 @@ def test_plan_json_is_all_of_stdout(capsys, tmp_path):
     assert prediction["tokens_per_s"] == pytest.approx(8 * 16 / plan.prediction.step_time_s,
                                                        rel=1e-5)
     assert [a["mesh"] for a in summary["alternatives"]] == [
-        dataclasses.asdict(a.mesh) for a in plan.alternatives]
+        a["mesh"] for a in plan.to_dict()["alternatives"]]
     assert sorted(Path(f).name for f in summary["files"]) == ["plan.json", "report.html",
                                                               "report.md"]
     assert all(Path(f).parent == out_dir for f in summary["files"])
