@@ -399,9 +399,6 @@ def test_fake_cpu_keeps_the_values_of_constants_made_by_the_code():
     assert all(p.is_meta for p in model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="capture/trace.py _export does not yet trace a meta model "
-                   "inside autoplan.capture.constants.fake_cpu (the one-line change is pending "
-                   "with the rewrite of trace.py)")
 def test_capture_on_meta_keeps_constants_made_by_the_code():
     """A model captured on meta materialises (the lifted constants are the graph's own, with
     their values) and computes what the eager model does -- Falcon's failure was

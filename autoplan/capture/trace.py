@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autoplan.capture import CaptureError
+from autoplan.capture.constants import fake_cpu
 from autoplan.inputs import path_name
 
 
@@ -95,9 +96,11 @@ def _export(model: nn.Module, inputs: list[torch.Tensor], in_spec,
     printed = io.StringIO()
     with _running_modules(model) as running:
         try:
-            with contextlib.redirect_stderr(printed):
+            # a meta model traces on CPU-claiming fakes, so that constants its code creates
+            # keep their values ([Note: lifted constants on meta] in capture/constants.py)
+            with contextlib.redirect_stderr(printed), fake_cpu(model, inputs) as traced:
                 root = _Root(model, use_cache, in_spec)
-                ep = torch.export.export(root, tuple(inputs), strict=False)
+                ep = torch.export.export(root, tuple(traced), strict=False)
         except CaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - every trace failure becomes a CaptureError
