@@ -312,7 +312,7 @@ class AutoParallel:
             with phase("first step") if engine.num_steps == 0 else contextlib.nullcontext():
                 loss = engine.step_batch(leaves)
         except RuntimeError as e:  # a collective timed out or lost its peer: name the peer
-            others = self._progress.others(where)
+            others = self._progress.others(where) if job.is_collective_failure(e) else None
             if not others:
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

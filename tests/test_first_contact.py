@@ -439,6 +439,19 @@ def test_a_collective_that_times_out_names_the_rank_it_waited_for():
     assert re.search(r"rank 1: last at 'after step 1', \d+ s ago", seen[0]), seen[0]
 
 
+
+def test_only_a_collectives_failure_is_blamed_on_a_peer():
+    """An error of the step's own computation (a missing CPU kernel, a shape) is re-raised as
+    it is; a collective's failure (torch.distributed's errors, gloo's and NCCL's words) names
+    the peers."""
+    from autoplan.runtime.job import is_collective_failure
+
+    assert not is_collective_failure(RuntimeError('"histc_cpu" not implemented for \'Int\''))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert is_collective_failure(torch.distributed.DistBackendError("anything"))
+    assert is_collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection "
+                                              "closed by peer [127.0.0.1]:1234"))
+    assert is_collective_failure(RuntimeError("Timed out waiting 4000ms for recv operation"))
 @pytest.mark.slow
 def test_a_resumed_run_continues_its_lr_schedule(clusters, tmp_path):
     import _jobs

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TORCHRUN_VARS", "under_torchrun", "join", "num_nodes", "device", "comm_device",
+           "is_collective_failure",
            "Progress", "PeerError", "run_isolated"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -87,6 +88,20 @@ def comm_device() -> torch.device:
 class PeerError(RuntimeError):
     """A collective failed on this rank while other ranks were elsewhere: the message names
     them and where they were last (see Progress); the collective's own error is chained."""
+
+
+_PEER_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+               "peer", "gloo", "nccl", "socket")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective's failure -- torch.distributed's own error types, or
+    the words gloo and NCCL use for a lost or late peer -- rather than an error of the step's
+    own computation (which is re-raised as it is, not blamed on a peer)."""
+    if isinstance(error, (dist.DistError, TimeoutError)):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in _PEER_WORDS)
 
 
 class Progress:
