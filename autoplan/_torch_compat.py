@@ -34,8 +34,8 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution", "replicate_module", "implicit_replication",
            "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents", "checkpoint_keys",
-           "quiet_understood_warnings", "default_store",
-           "Placement", "Partial", "Replicate", "Shard"]
+           "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
+           "cpu_claiming_fakes", "Placement", "Partial", "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -458,3 +458,14 @@ def pipeline_eval(schedule, args: tuple, target, losses: list) -> list | None:
         return schedule.eval(*args, target=target, losses=losses)
     finally:
         del schedule._merge_outputs
+
+
+def cpu_claiming_fakes():
+    """A function turning a meta tensor into a fake tensor (torch's private
+    `torch._subclasses.FakeTensor`) that claims the CPU device and stores nothing, all of one
+    FakeTensorMode, which torch.export then traces in ([Note: lifted constants on meta] in
+    autoplan/capture/constants.py)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode, cpu = FakeTensorMode(), torch.device("cpu")
+    return lambda meta: FakeTensor(mode, meta, cpu)

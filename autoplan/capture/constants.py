@@ -49,16 +49,15 @@ def fake_cpu(model: nn.Module, inputs: T) -> Iterator[T]:
     if not _on_meta(model):
         yield inputs
         return
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from autoplan._torch_compat import cpu_claiming_fakes
 
-    mode = FakeTensorMode()
-    cpu = torch.device("cpu")
+    as_cpu = cpu_claiming_fakes()
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in fakes:
             storage = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            f = FakeTensor(mode, storage, cpu)
+            f = as_cpu(storage)
             if isinstance(t, nn.Parameter):
                 f = nn.Parameter(f, requires_grad=t.requires_grad)
             fakes[id(t)] = f
@@ -72,8 +71,8 @@ def fake_cpu(model: nn.Module, inputs: T) -> Iterator[T]:
                     if t is not None and t.is_meta:
                         swapped.append((table, name, t))
                         table[name] = fake(t)
-        yield tree_map(lambda t: FakeTensor(mode, t, cpu)
-                       if isinstance(t, torch.Tensor) and t.is_meta else t, inputs)
+        yield tree_map(lambda t: as_cpu(t) if isinstance(t, torch.Tensor) and t.is_meta else t,
+                       inputs)
     finally:
         for table, name, t in reversed(swapped):
             table[name] = t
