@@ -224,7 +224,11 @@ class AutoParallel:
         from autoplan.runtime.engine import DistributedModel
         from autoplan.runtime.precision import Precision
 
+        from autoplan.runtime.step_inputs import loss_mode
+
         topo = self.topology  # joins torchrun's process group
+        # nothing to train on is said before anything is set up ([Note: step loss])
+        loss_mode(self.graph, self.inputs, self.options.loss_fn)
         if not _in_job():
             if topo.world_size != 1:
                 raise RuntimeError(
