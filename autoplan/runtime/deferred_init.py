@@ -22,6 +22,19 @@ layer and a `post_init()` that re-initialises them all therefore holds about one
 a time, never the model. (torchdistx's `deferred_init` records and replays the same way; it is
 not maintained for current torch.)
 
+[Note: init functions that skip meta] torch.nn.init's `trunc_normal_`, `orthogonal_`,
+`sparse_` and `dirac_` return a meta tensor untouched (torch 2.13: "Meta tensors have no
+storage, so sampling is a no-op"; `trunc_normal_` is a rejection sampler whose number of draws
+depends on the values drawn, which meta cannot know). Recorded as aten ops they would leave no
+trace, and the tensor would keep the value its constructor gave it (ViT's `cls_token` kept
+`torch.randn`, std 1, instead of HF `_init_weights`' `trunc_normal_`, std 0.02). While recording,
+each of them is replaced, under every name HF and torch call it by (`torch.nn.init`, the
+`torch.nn.modules` that import it, transformers' `TORCH_INIT_FUNCTIONS`), by a function that
+records the call itself as one op (`_InitCall`) on a meta tensor and runs it as it is on a real
+one. The replay calls the real function on the full-size tensor at the same place in the
+stream, so it draws what one process draws, rejections included. Each such call overwrites
+its tensor whole (a segment start) and, but for `dirac_`, is random.
+
 Limits: an init that reads tensor *values* on the host (`.item()`, `.tolist()`, Python
 branches on values) cannot be recorded on meta and raises `DeferredInitError`; ops on real
 (non-meta) tensors during recording are run, not recorded (their results become constants).
@@ -31,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -55,6 +69,11 @@ _OVERWRITE_OPS = frozenset({
 
 
 _HF_MODULE = "transformers.modeling_utils"
+_HF_INIT = "transformers.initialization"
+
+# [Note: init functions that skip meta]: name -> whether it draws random numbers.
+_META_SKIPPING_INITS = {"trunc_normal_": True, "orthogonal_": True, "sparse_": True,
+                        "dirac_": False}
 
 
 class DeferredInitError(RuntimeError):
@@ -71,6 +90,24 @@ class _Ref:
     """A recorded tensor: `index` into the trace's tensor table."""
 
     index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _InitCall:
+    """A torch.nn.init function recorded as one op ([Note: init functions that skip meta]):
+    replayed by calling `fn` on the real tensor. `tags` as aten ops have them, so that the
+    schedule keeps a random one in the stream."""
+
+    name: str
+    fn: Callable
+    random: bool
+
+    @property
+    def tags(self) -> tuple:
+        return (torch.Tag.nondeterministic_seeded,) if self.random else ()
+
+    def __call__(self, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.fn(tensor, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +142,7 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[_Op] = []
         self.tensors: list[torch.Tensor] = []
         self.index: dict[int, int] = {}  # id(meta tensor) -> index
+        self.recording_calls = False  # [Note: init functions that skip meta]
 
     def ref(self, t: torch.Tensor) -> _Ref:
         i = self.index.get(id(t))
@@ -138,6 +176,12 @@ class _Recorder(TorchDispatchMode):
             return self.ref(a) if a.is_meta else a.detach().clone()
         return a
 
+    def record_call(self, call: _InitCall, tensor: torch.Tensor, args: tuple,
+                    kwargs: dict) -> None:
+        """`call(tensor, *args, **kwargs)` on a meta tensor, as one op writing `tensor`."""
+        rec_args, rec_kwargs = tree_map(self._arg, (args, kwargs))
+        self.ops.append(_Op(call, (self.ref(tensor), *rec_args), rec_kwargs, self.ref(tensor)))
+
 
 def record(fn: Callable[[], Any]) -> tuple[Any, InitTrace]:
     """Run `fn()` with the meta device as the default device, recording every aten op on meta
@@ -156,7 +200,8 @@ def record(fn: Callable[[], Any]) -> tuple[Any, InitTrace]:
 def _record_once(fn: Callable[[], Any]):
     recorder = _Recorder()
     try:
-        with torch.device("meta"), _hf_init_runs_on_meta(), recorder:
+        with torch.device("meta"), _hf_init_runs_on_meta(), \
+                _init_functions_recorded(recorder), recorder:
             result = fn()
     except DeferredInitError:
         raise
@@ -188,6 +233,60 @@ def _hf_init_runs_on_meta():
         setattr(mu, name, original)
 
 
+@contextlib.contextmanager
+def _init_functions_recorded(recorder: _Recorder):
+    """[Note: init functions that skip meta]: while recording, the torch.nn.init functions
+    that skip meta tensors record their call instead, wherever torch and transformers hold
+    them; every name is restored on exit. A module that copies one of them during the recording
+    (transformers, imported by the factory itself) keeps a wrapper that runs the original once
+    the recording is over; transformers' table gets the original back."""
+    hf = sys.modules.get(_HF_INIT)
+    holders = {id(m): m for m in [torch.nn.init] + [
+        sys.modules[m] for m in getattr(hf, "TORCH_MODULES_TO_PATCH", ()) if m in sys.modules]}
+    restore: list[Callable[[], None]] = []
+    for name, random in _META_SKIPPING_INITS.items():
+        original = _unwrapped(getattr(torch.nn.init, name, None))
+        if original is None:
+            continue
+        wrapper = _recording(recorder, _InitCall(name, original, random))
+        for holder in holders.values():
+            if _unwrapped(getattr(holder, name, None)) is original:
+                restore.append(functools.partial(setattr, holder, name, getattr(holder, name)))
+                setattr(holder, name, wrapper)
+        table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
+        if isinstance(table, dict) and _unwrapped(table.get(name)) is original:
+            table[name] = wrapper
+    recorder.recording_calls = True
+    try:
+        yield
+    finally:
+        recorder.recording_calls = False
+        for undo in restore:
+            undo()
+        table = getattr(sys.modules.get(_HF_INIT), "TORCH_INIT_FUNCTIONS", None)
+        if isinstance(table, dict):
+            for name, fn in list(table.items()):
+                table[name] = _unwrapped(fn)
+
+
+def _unwrapped(fn):
+    """The torch.nn.init function a recording wrapper wraps; any other value as it is."""
+    call = getattr(fn, "__autoplan_init_call__", None)
+    return call.fn if call is not None else fn
+
+
+def _recording(recorder: _Recorder, call: _InitCall) -> Callable:
+    """`call.fn`, except that on a meta tensor while `recorder` records it records the call."""
+    @functools.wraps(call.fn)
+    def wrapper(tensor, *args, **kwargs):
+        if recorder.recording_calls and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            recorder.record_call(call, tensor, args, kwargs)
+            return tensor
+        return call.fn(tensor, *args, **kwargs)  # real tensors run, as the recorder's ops do
+    wrapper.__autoplan_init_call__ = call
+    return wrapper
+
+
 def _refs(tree) -> list[_Ref]:
     flat, _ = tree_flatten(tree)
     return [a for a in flat if isinstance(a, _Ref)]
@@ -195,7 +294,8 @@ def _refs(tree) -> list[_Ref]:
 
 def _overwrites(op: _Op, trace: InitTrace) -> int | None:
     """The storage key that `op` overwrites whole without reading, if any."""
-    if op.func not in _OVERWRITE_OPS or not op.args or not isinstance(op.args[0], _Ref):
+    overwrite = op.func in _OVERWRITE_OPS or isinstance(op.func, _InitCall)
+    if not overwrite or not op.args or not isinstance(op.args[0], _Ref):
         return None
     t = trace.tensors[op.args[0].index]
     whole = (t.storage_offset() == 0 and t.is_contiguous()
