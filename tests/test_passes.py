@@ -119,6 +119,37 @@ def test_checkpointing_holds_what_the_cost_model_prices(policy):
         assert kept < 0.5 * blocks  # what the policy is for
 
 
+def test_selective_keeps_linear_outputs_as_priced():
+    """Selective checkpointing of a graph whose matmuls are `aten.linear` (llama) keeps their
+    outputs, in the planner's kept set and when run: live bytes after the forward equal
+    A - A_blocks + K + T I within 2% (issue 11: the planner knew only mm/addmm and kept the
+    attention outputs alone, a third of what the runtime holds)."""
+    from autoplan.cost_model.memory import selective_saves
+    from autoplan.runtime.live_bytes import LiveTensorBytes
+    from autoplan.solver.problem import build_problem
+
+    model, graph, gm = _captured("llama-tiny", batch=4, seq=32)
+    linears = {n.name for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
+               and graph.nodes[n.name].layer_id is not None}
+    assert linears and all(selective_saves(torch.ops.aten.linear.default) for _ in linears)
+    prob = build_problem(graph, 1, 4)
+    kept_owners = {owner for owner, *_x in prob.kept_selective}
+    assert {prob.rep[n] for n in linears} <= kept_owners
+    wrap_checkpointing(gm, graph, "selective")
+    x = torch.randint(0, 64, (4, 32))
+    with LiveTensorBytes() as live:
+        before = live.current
+        out = gm(x)
+        held = live.current - before - out.numel() * out.element_size()
+    out.sum().backward()
+    every = sum(b * m for _o, b, m, _p in prob.saved)
+    blocks = sum(b * m for _o, b, m, part in prob.saved if part == "layer")
+    kept = sum(b * m for _o, b, m, _p in prob.kept_selective)
+    inputs = graph.total_layers * 4 * 32 * model.config.hidden_size * 4  # T I, fp32
+    assert held == pytest.approx(every - blocks + kept + inputs, rel=0.02)
+    assert kept < 0.5 * blocks
+
+
 def test_checkpointing_policy_is_checked():
     _, graph, gm = _captured()
     with pytest.raises(ValueError, match="not one of"):

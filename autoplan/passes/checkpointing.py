@@ -11,12 +11,14 @@ DTensor parameters the stage holds at call time are the ones used, in forward an
 Policies (the plan's `checkpointing`):
 - "full": keep only the block's inputs; recompute the whole block in backward.
 - "selective": torch's selective activation checkpointing at op level (the save-list policy
-  of torchtitan's op SAC): the outputs of the matmuls and of fused attention -- the ops whose
-  recomputation would cost FLOPs -- are kept; every other op of the block (norms, activation
-  functions, softmax, dropout, residual adds) runs again in the backward from them and the
-  block's inputs. (Korthikanti et al. 2022, section 5, recompute only the attention core; with
-  fused attention that core keeps nothing worth dropping, while the elementwise ops of the MLP
-  keep the largest tensors.) Priced by autoplan/solver/checkpointing.py from the same op list.
+  of torchtitan's op SAC): the outputs of the matmuls, whatever their aten spelling, and of
+  fused attention -- the ops whose recomputation would cost FLOPs -- are kept; every other op
+  of the block (norms, activation functions, softmax, dropout, residual adds) runs again in the
+  backward from them and the block's inputs. (Korthikanti et al. 2022, section 5, recompute
+  only the attention core; with fused attention that core keeps nothing worth dropping, while
+  the elementwise ops of the MLP keep the largest tensors.) The op list is
+  cost_model.memory.SELECTIVE_SAVED_OPS ([Note: selective saved set]), which
+  autoplan/solver/checkpointing.py prices.
 
 Random ops (autoplan/passes/rng.py) read a mutable RandomState that enters a block as an
 argument; the recompute runs with the state the forward saw (see `run_checkpointed`).
@@ -32,6 +34,7 @@ import torch.fx
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from autoplan.cost_model import memory
 from autoplan.graph import CapturedGraph
 from autoplan.passes.blocks import block_nodes, outline
 from autoplan.passes.rng import RandomState
@@ -40,20 +43,15 @@ __all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES", "SELECTIVE_SAVE
 
 POLICIES = ("none", "selective", "full")
 
-aten = torch.ops.aten
-SELECTIVE_SAVED_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-})
-"""Ops whose outputs "selective" keeps (every other op is recomputed); the cost model's
-`solver.checkpointing.SELECTIVE_SAVED` names the same ops."""
+SELECTIVE_SAVED_OPS = memory.SELECTIVE_SAVED_OPS
+"""aten base names of the ops whose outputs "selective" keeps (every other op is recomputed):
+the cost model's list, cost_model.memory [Note: selective saved set], the one definition the
+solver prices (solver/checkpointing.py) and this policy runs."""
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
-    return (CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS
+    # ops as dispatched: a captured aten.linear arrives here as its mm / addmm (and a view)
+    return (CheckpointPolicy.MUST_SAVE if memory.selective_saves(op)
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 

@@ -7,8 +7,10 @@ runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 - "none": autograd keeps every tensor it saves (cost_model.memory, [Note: saved tensors]).
 - "selective": op-level selective checkpointing as the runtime runs it (torch's selective
   checkpoint contexts, autoplan/passes/checkpointing.py): a block keeps the outputs of its
-  matmuls and fused attention (`SELECTIVE_SAVED`, the runtime's SELECTIVE_SAVED_OPS) and its
-  input; its other ops run their forward again in the backward. (Korthikanti et al. 2022,
+  matmuls, whatever their aten spelling (linear, mm, addmm, bmm, matmul), and of fused
+  attention (`SELECTIVE_SAVED`: cost_model.memory.SELECTIVE_SAVED_OPS, the one list the
+  runtime's policy runs, [Note: selective saved set]) and its input; its other ops run their
+  forward again in the backward. (Korthikanti et al. 2022,
   section 5, drop only the attention scores; cost_model.memory keeps that published variant
   for its formula checks.)
 - "full": a block keeps only its input -- the residual stream entering it, priced at its global
@@ -41,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from autoplan.cost_model.compute import at_tokens, module_input_bytes, op_time_s
+from autoplan.cost_model.memory import SELECTIVE_SAVED_OPS
 from autoplan.solver.costs import Costs, out_divisor
 from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.solver.pipeline import Assessment
@@ -53,14 +56,10 @@ __all__ = ["POLICIES", "SELECTIVE_SAVED", "policies", "recomputed_nodes", "check
 
 POLICIES = ("none", "selective", "full")
 
-SELECTIVE_SAVED = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
-})
-"""aten op names whose outputs "selective" keeps: the runtime's
-passes.checkpointing.SELECTIVE_SAVED_OPS (the captured graph holds scaled_dot_product_attention,
-which runs as one of the fused kernels)."""
+SELECTIVE_SAVED = SELECTIVE_SAVED_OPS
+"""aten base names whose outputs "selective" keeps: cost_model.memory.SELECTIVE_SAVED_OPS
+([Note: selective saved set]), the list the runtime's policy (passes/checkpointing.py) runs:
+every matmul spelling (linear, mm, addmm, bmm, matmul, ...) and fused attention."""
 
 
 def policies(problem: Problem) -> tuple[str, ...]:

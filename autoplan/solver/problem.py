@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from autoplan.cost_model.memory import node_producers, saved_tensors
+from autoplan.cost_model.memory import node_producers, saved_tensors, selective_saves
 from autoplan.graph import CapturedGraph
 from autoplan.strategies import (
     Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
@@ -84,7 +84,8 @@ class Problem:
             [Note: saved tensors]); empty for fused attention.
         kept_selective: (ILP node, bytes of all its outputs at b = captured batch,
             multiplicity, part) for every block op whose outputs "selective" checkpointing
-            keeps (solver.checkpointing.SELECTIVE_SAVED: matmuls, fused attention).
+            keeps (cost_model.memory.SELECTIVE_SAVED_OPS: matmuls of every spelling, fused
+            attention; [Note: selective saved set]).
         params: ILP get_attr node -> (canonical FQN, numel, parts it belongs to, multiplicity).
         constants: constant-like nodes (no cost).
         shared: True when blocks share variables.
@@ -350,15 +351,12 @@ def _saved(graph: CapturedGraph, prob: Problem, layer_of,
 def _kept_selective(graph: CapturedGraph, prob: Problem, layer_of,
                     dtype_bytes) -> list[tuple]:
     """Problem.kept_selective: the outputs of the block ops "selective" keeps."""
-    from autoplan.cost_model.compute import op_name
-    from autoplan.solver.checkpointing import SELECTIVE_SAVED
-
     n_cap, total = max(graph.num_layers, 1), graph.total_layers
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     out = []
     for name, info in graph.nodes.items():
         if (layer_of.get(name) is None or name not in prob.cands or name in prob.constants
-                or op_name(info.target) not in SELECTIVE_SAVED):
+                or not selective_saves(info.target)):
             continue
         nbytes = sum(_tensor_bytes(graph, nodes[name], i, dtype_bytes)
                      for i in range(len(info.shapes)))
