@@ -29,8 +29,9 @@ def _run(fn, tensors, weight, mesh=None, placement=None):
 
 
 def keyed_ops_on_tp_mesh(seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(label, got, want) triples: outputs and input gradients of keyed_dropout and keyed_sdpa
-    on DTensors at each supported placement (`got`, gathered) and on plain tensors (`want`)."""
+    """(label, got, want) triples: outputs and input gradients of keyed_dropout (on (B, ...)
+    and on flattened (B*T, C) rows) and keyed_sdpa on DTensors at each supported placement
+    (`got`, gathered) and on plain tensors (`want`)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     state = RandomState(seed, step=5, sample_offset=6)
     g = torch.Generator().manual_seed(seed)
@@ -43,6 +44,14 @@ def keyed_ops_on_tp_mesh(seed: int) -> list[tuple[str, torch.Tensor, torch.Tenso
     for pl in (Shard(0), Shard(1), Shard(2), Replicate()):
         got, (grad,) = _run(drop, [x], w, mesh, pl)
         out += [(f"dropout {pl}", got, want), (f"dropout {pl} grad", grad, want_grad)]
+
+    # a flattened (B*T, C) input, 3 rows per sample: 15 rows shard unevenly on 2 ranks
+    flat, w = torch.randn(5 * 3, 8, generator=g), torch.randn(5 * 3, 8, generator=g)
+    drop = lambda t: keyed_dropout(state, t, 0.3, True, 4, rows_per_sample=3)  # noqa: E731
+    want, (want_grad,) = _run(drop, [flat], w)
+    for pl in (Shard(0), Shard(1), Replicate()):
+        got, (grad,) = _run(drop, [flat], w, mesh, pl)
+        out += [(f"flat dropout {pl}", got, want), (f"flat dropout {pl} grad", grad, want_grad)]
 
     q, k, v = (torch.randn(4, 4, 6, 8, generator=g) for _ in range(3))
     w = torch.randn(4, 4, 6, 8, generator=g)

@@ -4,6 +4,7 @@ any split of the batch, any tp placement, eager or captured, with or without che
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -179,8 +180,17 @@ def test_pass_handles_sdpa_local_and_checks_its_inputs():
 
 
 class _Flattens(torch.nn.Module):
-    def forward(self, x):
-        return F.dropout(x.reshape(-1, x.shape[-1]), 0.5)
+    """OPT's layout: dropout on the (B*T, C) rows of a (B, T, C) activation, then back."""
+
+    def __init__(self, rows: int = -1):
+        super().__init__()
+        self.rows = rows
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, T, C)
+        h = self.proj(x)
+        flat = h.reshape(-1, x.shape[-1]) if self.rows < 0 else h.reshape(self.rows, -1)  # (B*T, C)
+        return F.dropout(flat, 0.5).reshape(x.shape) * 2 + x  # (B, T, C)
 
 
 class _Rand(torch.nn.Module):
@@ -188,13 +198,53 @@ class _Rand(torch.nn.Module):
         return x + torch.rand(3)
 
 
+def test_flattened_rows_are_keyed_by_global_row():
+    """Row r of a (B*T, C) input is global row sample_offset * T + r: any split of the samples
+    gives the rows of the whole batch, and every row draws its own mask."""
+    x = torch.ones(4 * 5, 64)  # 4 samples of 5 rows
+    whole = keyed_dropout(_state(), x, 0.5, True, 0, rows_per_sample=5)
+    halves = [keyed_dropout(_state(sample_offset=s), x[s * 5:(s + 2) * 5], 0.5, True, 0,
+                            rows_per_sample=5) for s in (0, 2)]
+    torch.testing.assert_close(torch.cat(halves), whole, rtol=0, atol=0)
+    assert all(not torch.equal(whole[0], whole[r]) for r in range(1, 20))
+    # the eager mode: R from batch_size, so microbatches of samples give the same rows
+    with keyed_random_ops(1, sample_offset=2, batch_size=2):
+        late = F.dropout(x[10:], 0.5)
+    torch.testing.assert_close(late, whole[10:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"shape \(20, 64\) whose dim 0 is not a multiple of "
+                                         r"batch_size=3"):
+        with keyed_random_ops(1, batch_size=3):
+            F.dropout(x, 0.5)
+
+
+@pytest.mark.parametrize("captured_batch", [4, 2])
+def test_captured_flattened_dropout_equals_eager_under_the_mode(captured_batch):
+    """A graph captured at the whole batch (4) or at half of it (2, as a dp rank or a
+    microbatch runs it, sample_offset 2) gives the eager model's rows under the mode."""
+    torch.manual_seed(0)
+    model = _Flattens().train()
+    x = torch.randn(4, 6, 8)
+    with keyed_random_ops(seed=3, step=1):
+        want = model(x)
+    graph = capture(model, (torch.zeros(captured_batch, 6, 8),))
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    materialize(gm, model, "cpu")
+    indices = random_op_indices(gm)
+    assert [(op.k, op.rows_per_sample) for op in indices.values()] == [(0, 6)]
+    assert make_random_ops_layout_invariant(gm, indices) == 1
+    gm.random_state.seed, gm.random_state.step = 3, 1
+    offset = 4 - captured_batch
+    gm.random_state.sample_offset = offset
+    torch.testing.assert_close(gm(x[offset:]), want[offset:])
+
+
 def test_random_op_indices_errors():
-    x = torch.randn(2, 3, 3)
-    gm = torch.export.export(_Flattens(), (x,), strict=False).module()
-    with pytest.raises(ValueError, match=r"node dropout .*shape \(6, 3\) whose dim 0 is not "
-                                         r"the batch \(2\)"):
+    x = torch.randn(2, 3, 8)
+    gm = torch.export.export(_Flattens(rows=3), (x,), strict=False).module()
+    with pytest.raises(ValueError, match=r"node dropout .*shape \(3, 16\) whose dim 0 is not "
+                                         r"a multiple of the batch \(2\)"):
         random_op_indices(gm)
-    gm = torch.export.export(_Rand(), (x,), strict=False).module()
+    gm = torch.export.export(_Rand(), (torch.randn(2, 3, 3),), strict=False).module()
     with pytest.raises(ValueError, match=r"node rand \(aten.rand.default\).*supported: dropout"):
         random_op_indices(gm)
 
@@ -232,13 +282,14 @@ def test_checkpointing_recomputes_the_forward_masks(policy, monkeypatch):
 
 @pytest.mark.slow
 def test_dtensor_placements_equal_the_full_batch(clusters):
-    """On 2 gloo ranks: keyed_dropout at S(0), S(1), S(2), R (uneven shards) and keyed_sdpa at
-    S(0) (batch), S(1) (heads), R gather to the plain full-batch result, gradients too."""
+    """On 2 gloo ranks: keyed_dropout at S(0), S(1), S(2), R (uneven shards), on flattened
+    rows at S(0), S(1), R, and keyed_sdpa at S(0) (batch), S(1) (heads), R gather to the plain
+    full-batch result, gradients too."""
     results = clusters.get(2).run(_rng_jobs.keyed_ops_on_tp_mesh, 11, timeout_s=120)
     for rank_results in results:
         for label, got, want in rank_results:
             torch.testing.assert_close(got, want, msg=lambda m, label=label: f"{label}: {m}")
-        assert len(rank_results) == 8 + 3 * 3 * 4
+        assert len(rank_results) == 8 + 6 + 3 * 3 * 4
 
 
 def test_partial_input_is_rejected(fake_world):
@@ -248,3 +299,27 @@ def test_partial_input_is_rejected(fake_world):
     x = DTensor.from_local(torch.randn(2, 3, device="meta"), mesh, [Partial()], run_check=False)
     with pytest.raises(ValueError, match="dropout: input has placements .*Partial"):
         keyed_dropout(_state(), x, 0.5, True, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [dict(dp=2), dict(dp=2, num_microbatches=2)],
+                         ids=["dp2", "dp2-m2"])
+def test_flattened_dropout_trains_as_one_process(clusters, overrides):
+    """HF OPT (dropout 0.1 on the (B*T, C) rows of its MLP, and on (B, T, C) elsewhere)
+    from a decorated factory on 2 gloo ranks, the batch split by dp and by microbatches:
+    losses and parameters equal one eager process under the RNG contract (fp32, rtol 1e-5)."""
+    pytest.importorskip("transformers")
+    from autoplan import testing
+    from autoplan.models.architectures import architecture_factory, example_batch
+
+    factory = architecture_factory("opt")
+    batches = [(b["input_ids"], b["labels"]) for b in (
+        example_batch("opt", batch=4, seq_len=16, seed=1 + i) for i in range(2))]
+    ref = testing.reference(factory, batches)
+    results = clusters.get(2).run(testing.train_planned, factory, batches, overrides,
+                                  global_batch=4, seq_len=16, timeout_s=300)
+    for rank, result in enumerate(results):
+        assert not testing.compare(result, ref), (rank, testing.compare(result, ref)[:3])
+    plan = json.loads(results[0][2])
+    assert plan["mesh"]["dp"] == 2
+    assert plan["num_microbatches"] == overrides.get("num_microbatches", 1)

@@ -2,31 +2,42 @@
 parallel layout.
 
 [Note: RNG contract]
-Every random value is a function of (seed, step, k, b, position in the sample) only -- never of
+Every random value is a function of (seed, step, k, b, position in the row) only -- never of
 the dp/tp/pp degrees, the number of microbatches or the rank:
 - k is the op's index among the random ops of the FULL captured graph in topological order
   (`random_op_indices`, before stage splitting), or the call order in eager mode
   (`keyed_random_ops`); both orders are program order.
-- b is the global sample: the row of the global batch (dim 0 of the op's input is the batch
-  dim). Rank-local row r of the microbatch running now is sample
-  `RandomState.sample_offset + (offset of the rank's batch shard) + r`.
-- For each sample the whole per-sample tensor (shape `global_shape[1:]`) is drawn in float32 on
+- b is the global row: the index along dim 0 of the op's input over the global batch. Dim 0
+  holds R rows per sample, sample-major: R = 1 for a (B, ...) input, R = T for the (B*T, C)
+  that `x.view(-1, C)` makes of a (B, T, C) activation (OPT applies its dropout there). R is
+  the op's `rows_per_sample` (`RandomOp`), recorded at capture as the input's dim 0 over the
+  captured graph's batch size (eager: over `batch_size`, else 1). Rank-local row r of the
+  microbatch running now is global row
+  `RandomState.sample_offset * R + (offset of the rank's shard along dim 0) + r`,
+  so a (B, ...) input, a flattened one and a microbatch of either give every row the draws
+  one process gives it.
+- For each row the whole per-row tensor (shape `global_shape[1:]`) is drawn in float32 on
   the CPU from a `torch.Generator` seeded with `sample_seed(seed, step, k, b)`; a rank keeps the
-  part it holds (a Shard(d>0) slices dim d-1 of the sample; Replicate keeps all of it). CPU
+  part it holds (a Shard(d>0) slices dim d-1 of the row; Replicate keeps all of it). CPU
   draws because CUDA's Philox stream differs from the CPU's Mersenne Twister: the values would
   otherwise depend on the device.
+- Limit: R is a ratio of sizes, so dim 0 must hold whole samples in sample order (a
+  (T, B, C) sequence-first input, or a dim 0 that does not grow with the batch, is keyed
+  wrongly when its size happens to be a multiple of the batch; otherwise it is refused).
 - Bernoulli(q) is `u < q` for uniform u; dropout(p) keeps an element with `u < 1 - p`, the
   same as eager CPU dropout's `bernoulli_(1 - p)`, so both paths give the same mask bit for bit.
   out = x * (keep / (1 - p)) in x's dtype (the arithmetic of aten's CPU dropout); p == 0 or
   train=False is the identity and p == 1 gives zeros (no draws, so no index k).
 - Attention dropout (SDPA with 0 < dropout_p < 1) is computed explicitly (torch's math path) and
   drops attention probabilities with the mask of per-sample shape (H, T, S).
-The cost: B small CPU draws per op (B per-sample generators), copied to the device.
+The cost: B * R small CPU draws per op (one generator per row), copied to the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.fx
@@ -37,7 +48,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoplan._torch_compat import is_aten_op, local_shard_offset
 from autoplan.passes.sharding import sdpa_local
 
-__all__ = ["RandomState", "sample_seed", "random_op_indices", "make_random_ops_layout_invariant",
+__all__ = ["RandomState", "RandomOp", "sample_seed", "random_op_indices",
+           "make_random_ops_layout_invariant",
            "keyed_dropout", "keyed_native_dropout", "keyed_bernoulli", "keyed_bernoulli_",
            "keyed_rand_like", "keyed_sdpa", "KeyedRandomOps", "keyed_random_ops"]
 
@@ -88,6 +100,23 @@ class RandomState(torch.nn.Module):
         self.seed, self.step, self.sample_offset = snap
 
 
+@dataclasses.dataclass(frozen=True)
+class RandomOp:
+    """How a random op of the captured graph is keyed ([Note: RNG contract]).
+
+    Attributes:
+        k: its index among the random ops of the full graph, in topological order.
+        rows_per_sample: R, rows of its input's dim 0 per sample (1 for a (B, ...) input,
+            T for a (B*T, C) one).
+    """
+
+    k: int
+    rows_per_sample: int = 1
+
+    def __str__(self) -> str:
+        return f"k={self.k}" + (f" R={self.rows_per_sample}" if self.rows_per_sample != 1 else "")
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -111,15 +140,16 @@ def sample_seed(seed: int, step: int, k: int, b: int) -> int:
 
 
 def _draw(state: RandomState, k: int, global_shape, offset, local_shape,
-          normal: bool = False) -> torch.Tensor:
+          normal: bool = False, rows_per_sample: int = 1) -> torch.Tensor:
     """Keyed values of the block `local_shape` at `offset` of a `global_shape` tensor whose
-    dim 0 is the batch: float32 on the CPU, uniform [0, 1) or standard normal."""
+    dim 0 holds `rows_per_sample` rows per sample: float32 on the CPU, uniform [0, 1) or
+    standard normal."""
     sample_shape = tuple(global_shape[1:])
     index = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:]))
     whole = tuple(local_shape[1:]) == sample_shape
     out = torch.empty(tuple(local_shape), dtype=torch.float32)
     draw = torch.randn if normal else torch.rand
-    first = state.sample_offset + offset[0]
+    first = state.sample_offset * rows_per_sample + offset[0]  # global row of local row 0
     for i in range(local_shape[0]):
         gen = torch.Generator().manual_seed(sample_seed(state.seed, state.step, k, first + i))
         values = draw(sample_shape, generator=gen, dtype=torch.float32)
@@ -158,23 +188,23 @@ def _check_p(p: float, name: str, op: str) -> None:
         raise ValueError(f"{op}: {name}={p!r} must be a number in [0, 1]")
 
 
-def _keep(state: RandomState, x: torch.Tensor, q: float, k: int, op: str):
+def _keep(state: RandomState, x: torch.Tensor, q: float, k: int, op: str, rows: int):
     """(local tensor, bool mask `u < q` of the local block: True with probability q)."""
     local, shape, offset = _split(x, op)
-    u = _draw(state, k, shape, offset, local.shape)
+    u = _draw(state, k, shape, offset, local.shape, rows_per_sample=rows)
     return local, (u < q).to(local.device)
 
 
 def keyed_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool,
-                  k: int) -> torch.Tensor:
+                  k: int, *, rows_per_sample: int = 1) -> torch.Tensor:
     """aten.dropout under [Note: RNG contract]: x * keep / (1 - p), keep ~ Bernoulli(1 - p).
 
     Args:
         state: seed, step and the global sample of local row 0.
-        x: (B, ...) plain tensor (rows are samples state.sample_offset + r) or DTensor at
-            Replicate / Shard(d) on its mesh (global shape (B, ...)).
+        x: (B * R, ...) plain tensor (row r is global row state.sample_offset * R + r) or
+            DTensor at Replicate / Shard(d) on its mesh (global shape (B * R, ...)).
         p: drop probability in [0, 1]; train: False is the identity.
-        k: the op's index (`random_op_indices`).
+        k: the op's index (`random_op_indices`); rows_per_sample: R.
     Returns the same kind of tensor as x (same placements); differentiable in x.
 
     Raises:
@@ -185,43 +215,47 @@ def keyed_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool,
         return x
     if p == 1:
         return x * 0  # what aten's dropout returns for p == 1 (no draws)
-    local, keep = _keep(state, x, 1 - p, k, "dropout")
+    local, keep = _keep(state, x, 1 - p, k, "dropout", rows_per_sample)
     return _like(local * keep.to(local.dtype).div_(1 - p), x)
 
 
 def keyed_native_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool | None,
-                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         k: int, *, rows_per_sample: int = 1
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """aten.native_dropout under [Note: RNG contract]: (keyed_dropout's output, bool keep mask),
     both of x's kind. Cases that draw nothing (train False, p in {0, 1}) run aten's own op.
     Raises ValueError like `keyed_dropout`."""
     _check_p(p, "p", "native_dropout")
     if train is False or p in (0, 1) or not state.drawing:
         return aten.native_dropout.default(x, p, train and state.drawing)
-    local, keep = _keep(state, x, 1 - p, k, "native_dropout")
+    local, keep = _keep(state, x, 1 - p, k, "native_dropout", rows_per_sample)
     return (_like(local * keep.to(local.dtype).div_(1 - p), x),
             _like(keep, x, stride=x.stride()))
 
 
-def keyed_bernoulli(state: RandomState, x: torch.Tensor, p: float, k: int) -> torch.Tensor:
+def keyed_bernoulli(state: RandomState, x: torch.Tensor, p: float, k: int, *,
+                    rows_per_sample: int = 1) -> torch.Tensor:
     """aten.bernoulli.p under [Note: RNG contract]: `u < p` in x's dtype, x's shape and kind.
     Raises ValueError for p outside [0, 1], a 0-d x or a Partial x."""
     _check_p(p, "p", "bernoulli")
-    local, keep = _keep(state, x, p, k, "bernoulli")
+    local, keep = _keep(state, x, p, k, "bernoulli", rows_per_sample)
     return _like(keep.to(local.dtype), x)
 
 
-def keyed_bernoulli_(state: RandomState, x: torch.Tensor, p: float, k: int) -> torch.Tensor:
+def keyed_bernoulli_(state: RandomState, x: torch.Tensor, p: float, k: int, *,
+                     rows_per_sample: int = 1) -> torch.Tensor:
     """aten.bernoulli_.float under [Note: RNG contract]: fills x in place, returns x."""
-    return x.copy_(keyed_bernoulli(state, x, p, k))
+    return x.copy_(keyed_bernoulli(state, x, p, k, rows_per_sample=rows_per_sample))
 
 
 def keyed_rand_like(state: RandomState, x: torch.Tensor, k: int, *, normal: bool = False,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
+                    dtype: torch.dtype | None = None, rows_per_sample: int = 1) -> torch.Tensor:
     """aten.rand_like (normal=False) / randn_like (normal=True) under [Note: RNG contract]:
     drawn in float32, cast to `dtype` (default x's), x's shape, device and kind."""
     op = "randn_like" if normal else "rand_like"
     local, shape, offset = _split(x, op)
-    values = _draw(state, k, shape, offset, local.shape, normal=normal)
+    values = _draw(state, k, shape, offset, local.shape, normal=normal,
+                   rows_per_sample=rows_per_sample)
     return _like(values.to(device=local.device, dtype=dtype or local.dtype), x)
 
 
@@ -272,7 +306,7 @@ def _attention_probs(q, k, mask, is_causal: bool, scale, enable_gqa: bool) -> to
 
 def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p: float = 0.0,
                is_causal: bool = False, k: int = 0, *, scale: float | None = None,
-               enable_gqa: bool = False) -> torch.Tensor:
+               enable_gqa: bool = False, rows_per_sample: int = 1) -> torch.Tensor:
     """aten.scaled_dot_product_attention with attention dropout under [Note: RNG contract].
 
     Args:
@@ -281,7 +315,8 @@ def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p:
         attn_mask: bool (True = attend) or additive, broadcastable to (B, H, T, S); a plain
             mask is sliced like q along sharded dims where its size is not 1.
         dropout_p: in [0, 1]; outside (0, 1) nothing is drawn and `sdpa_local` runs.
-        k: the op's index. scale, enable_gqa, is_causal: as in torch.
+        k: the op's index; rows_per_sample: R of [Note: RNG contract] (B * R rows in q's
+            dim 0). scale, enable_gqa, is_causal: as in torch.
     Returns (B, H, T, Ev) of q's kind and placements; differentiable in q, k, v.
 
     Raises:
@@ -309,7 +344,8 @@ def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p:
     probs = _attention_probs(q, kl, _local_mask(attn_mask, query, q.shape, offset), is_causal,
                              scale, enable_gqa)  # (b, h, T, S) local
     S = key.shape[-2]
-    u = _draw(state, k, (*shape[:-1], S), (*offset[:-1], 0), (*q.shape[:-1], S))
+    u = _draw(state, k, (*shape[:-1], S), (*offset[:-1], 0), (*q.shape[:-1], S),
+              rows_per_sample=rows_per_sample)
     keep = (u < 1 - dropout_p).to(device=probs.device, dtype=probs.dtype)
     probs = probs * keep.div_(1 - dropout_p)
     if enable_gqa:
@@ -364,47 +400,53 @@ def _random_nodes(gm: torch.fx.GraphModule):
             yield node, op, named
 
 
-def random_op_indices(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """k of [Note: RNG contract] for every random node of a full captured graph: node name ->
-    index in topological order. Ops that draw nothing (dropout with p in {0, 1} or train=False,
-    SDPA without dropout) have none.
+def random_op_indices(gm: torch.fx.GraphModule) -> dict[str, RandomOp]:
+    """How every random node of a full captured graph is keyed ([Note: RNG contract]): node
+    name -> RandomOp(k: index in topological order, rows_per_sample: its input's dim 0 over the
+    graph's batch size, dim 0 of the first placeholder). Ops that draw nothing (dropout with p
+    in {0, 1} or train=False, SDPA without dropout) have none.
 
     Raises:
         ValueError: a seeded op without a keyed version (naming the node and op), a
-            non-constant p, or an input whose dim 0 is not the graph's batch size (dim 0 of the
-            first placeholder).
+            non-constant p, or an input whose dim 0 is not a multiple of the graph's batch size.
     """
     batch = next((n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder"
                   and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()), None)
-    out: dict[str, int] = {}
+    out: dict[str, RandomOp] = {}
     for node, op, named in _random_nodes(gm):
         x = named.get("input", named.get("query"))
         val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-        if batch is not None and isinstance(val, torch.Tensor) and (
-                val.dim() == 0 or val.shape[0] != batch):
-            raise ValueError(
-                f"node {node.name} ({op}): input of shape {tuple(val.shape)} whose dim 0 is not "
-                f"the batch ({batch}); the RNG contract keys dim 0 as the global sample")
-        out[node.meta.get("orig_name", node.name)] = len(out)
+        rows = 1
+        if batch and isinstance(val, torch.Tensor):
+            if val.dim() == 0 or val.shape[0] % batch or not val.shape[0]:
+                raise ValueError(
+                    f"node {node.name} ({op}): input of shape {tuple(val.shape)} whose dim 0 "
+                    f"is not a multiple of the batch ({batch}); the RNG contract keys dim 0 as "
+                    "the global row, a whole number of rows per sample")
+            rows = int(val.shape[0]) // batch
+        out[node.meta.get("orig_name", node.name)] = RandomOp(len(out), rows)
     return out
 
 
-def _replacement(op, named: dict, state: torch.fx.Node, k: int):
+def _replacement(op, named: dict, state: torch.fx.Node, key: RandomOp):
+    k = key.k
+    # rows_per_sample only where it is not 1: the graphs of (B, ...) inputs read as before
+    rows = {"rows_per_sample": key.rows_per_sample} if key.rows_per_sample != 1 else {}
     if op is _SDPA:
         return keyed_sdpa, (state, named["query"], named["key"], named["value"],
                             named["attn_mask"], named["dropout_p"], named["is_causal"], k), \
-            {"scale": named["scale"], "enable_gqa": named["enable_gqa"]}
+            {"scale": named["scale"], "enable_gqa": named["enable_gqa"], **rows}
     if op in _DROPOUTS:
         fn = keyed_dropout if op is aten.dropout.default else keyed_native_dropout
-        return fn, (state, named["input"], named["p"], named["train"], k), {}
+        return fn, (state, named["input"], named["p"], named["train"], k), rows
     if op in (aten.bernoulli.p, aten.bernoulli_.float):
         fn = keyed_bernoulli if op is aten.bernoulli.p else keyed_bernoulli_
-        return fn, (state, named["input"], named["p"], k), {}
+        return fn, (state, named["input"], named["p"], k), rows
     return keyed_rand_like, (state, named["input"], k), {
-        "normal": op is aten.randn_like.default, "dtype": named.get("dtype")}
+        "normal": op is aten.randn_like.default, "dtype": named.get("dtype"), **rows}
 
 
-def make_random_ops_layout_invariant(gm: torch.fx.GraphModule, indices: dict[str, int],
+def make_random_ops_layout_invariant(gm: torch.fx.GraphModule, indices: Mapping[str, RandomOp],
                                      state_attr: str = "random_state") -> int:
     """Replace every random node of a (stage) graph by its keyed version, in place.
 
@@ -459,17 +501,24 @@ class KeyedRandomOps(TorchDispatchMode):
     attention dropout of SDPA, which takes the math path on CPU (its bernoulli_ is on the
     (B, H, T, S) probabilities). Those, bernoulli.p, rand_like, randn_like and native_dropout
     (CUDA's fused dropout; its saved mask keeps autograd right) get keyed values; rows are
-    global samples `sample_offset + r`. A fused SDPA kernel with dropout (CUDA) or any other
-    seeded op raises ValueError: its backward would draw again.
+    global rows `sample_offset * R + r`, where R (rows per sample) is an op's dim 0 over
+    `batch_size` (the samples each forward runs) when that is given, else 1 -- R matters only
+    where `sample_offset` is not 0, for an op on a flattened (B*T, C) input (OPT's dropout). A
+    fused SDPA kernel with dropout (CUDA) or any other seeded op raises ValueError: its
+    backward would draw again; so does an op whose dim 0 is not a multiple of `batch_size`.
 
     k counts the random ops in call order from 0; setting `step` or `sample_offset`, or
     `next_step()`, restarts it, so set one of them before every forward (e.g.
     `mode.sample_offset = i * mb` per accumulated microbatch).
     """
 
-    def __init__(self, seed: int, step: int = 0, sample_offset: int = 0):
+    def __init__(self, seed: int, step: int = 0, sample_offset: int = 0,
+                 batch_size: int | None = None):
         super().__init__()
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"keyed_random_ops: batch_size={batch_size!r}, expected an int >= 1")
         self.state = RandomState(seed, step, sample_offset)
+        self.batch_size = batch_size
         self.num_drawn = 0
         """Random ops drawn since the last reset: the k of the next one."""
 
@@ -500,18 +549,30 @@ class KeyedRandomOps(TorchDispatchMode):
         named = _named(func, args, kwargs)
         if not _draws(func, named, f"keyed_random_ops: {func}", _EAGER_OPS):
             return func(*args, **kwargs)
-        k, state = self.num_drawn, self.state
+        k, state, x = self.num_drawn, self.state, named["input"]
+        rows = self._rows_per_sample(func, x)
         self.num_drawn += 1
         if func is aten.native_dropout.default:
-            return keyed_native_dropout(state, named["input"], named["p"], named["train"], k)
+            return keyed_native_dropout(state, x, named["p"], named["train"], k,
+                                        rows_per_sample=rows)
         if func is aten.bernoulli.p:
-            return keyed_bernoulli(state, named["input"], named["p"], k)
+            return keyed_bernoulli(state, x, named["p"], k, rows_per_sample=rows)
         if func is aten.bernoulli_.float:
-            return keyed_bernoulli_(state, named["input"], named["p"], k)
-        return keyed_rand_like(state, named["input"], k, normal=func is aten.randn_like.default,
-                               dtype=named.get("dtype"))
+            return keyed_bernoulli_(state, x, named["p"], k, rows_per_sample=rows)
+        return keyed_rand_like(state, x, k, normal=func is aten.randn_like.default,
+                               dtype=named.get("dtype"), rows_per_sample=rows)
+
+    def _rows_per_sample(self, func, x: torch.Tensor) -> int:
+        if self.batch_size is None or x.dim() == 0:
+            return 1  # a 0-d input is refused by the keyed op itself
+        if x.shape[0] % self.batch_size or not x.shape[0]:
+            raise ValueError(
+                f"keyed_random_ops: {func} on an input of shape {tuple(x.shape)} whose dim 0 is "
+                f"not a multiple of batch_size={self.batch_size}")
+        return x.shape[0] // self.batch_size
 
 
-def keyed_random_ops(seed: int, step: int = 0, sample_offset: int = 0) -> KeyedRandomOps:
+def keyed_random_ops(seed: int, step: int = 0, sample_offset: int = 0,
+                     batch_size: int | None = None) -> KeyedRandomOps:
     """`with keyed_random_ops(seed) as mode: model(x)` -- see KeyedRandomOps."""
-    return KeyedRandomOps(seed, step, sample_offset)
+    return KeyedRandomOps(seed, step, sample_offset, batch_size)
