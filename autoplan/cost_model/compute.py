@@ -62,7 +62,8 @@ from autoplan.topology import DeviceSpec
 __all__ = [
     "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "ATTENTION_OPS",
     "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
-    "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "matmul_dims", "matmul_efficiency", "at_tokens",
+    "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "is_noop_cast", "matmul_dims", "matmul_efficiency",
+    "at_tokens",
     "module_input_bytes", "op_time_s",
     "backward_time_s", "graph_forward_time_s", "graph_backward_time_s", "dtensor_dispatches",
 ]
@@ -120,6 +121,14 @@ def op_name(target: str) -> str:
     if text.startswith("aten."):
         return text.split(".")[1]
     return text.replace(" ", ".").split(".")[-1]
+
+
+def is_noop_cast(node: NodeInfo) -> bool:
+    """An `aten.to` that changes nothing (same dtype, device and layout: as many bytes out as
+    in) returns its input itself -- no kernel, no bytes (torch/_tensor_docs.py, Tensor.to: "If
+    self already has the correct dtype and device, self is returned"); an HF model's
+    `softmax(...).to(value.dtype)` is one. `_to_copy` always copies and is priced."""
+    return op_name(node.target) == "to" and node.in_bytes == node.out_bytes
 
 
 def matmul_dims(node: NodeInfo) -> tuple[int, int, int, int]:
@@ -242,7 +251,7 @@ def op_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     without FLOPs.
     """
     _check_shard(node, shard_factor)
-    if op_name(node.target) in VIEW_OPS:
+    if op_name(node.target) in VIEW_OPS or is_noop_cast(node):
         return 0.0
     nbytes = (node.in_bytes + node.out_bytes) * _bytes_scale(node, dtype) / shard_factor
     flops = node.flops / shard_factor
@@ -260,7 +269,7 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     """
     _check_shard(node, shard_factor)
     name = op_name(node.target)
-    if name in VIEW_OPS or name in NO_GRAD_OPS:
+    if name in VIEW_OPS or name in NO_GRAD_OPS or is_noop_cast(node):
         return 0.0
     nbytes = (node.in_bytes + node.out_bytes) * _bytes_scale(node, dtype) / shard_factor
     flops = node.flops / shard_factor

@@ -160,9 +160,14 @@ def _build_hf(model_type: str, config: dict) -> nn.Module:
     else:
         config_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
     config.pop("model_type")
-    # sdpa explicitly: the captured graph then has one aten.scaled_dot_product_attention per
-    # layer whatever transformers' default attention implementation is.
-    hf_config = config_cls(**config, attn_implementation="sdpa")
+    # sdpa unless the config names another: the captured graph then has one
+    # aten.scaled_dot_product_attention per layer whatever transformers' default is. "eager"
+    # spells attention out (matmul, softmax, dropout, matmul), as runs before fused attention
+    # computed it (Megatron-LM 2021-22: bmm + fused scale-mask-softmax; bench/published.py).
+    attention = config.pop("attn_implementation", "sdpa")
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attention!r}")
+    hf_config = config_cls(**config, attn_implementation=attention)
     return model_cls(hf_config)
 
 
