@@ -14,7 +14,8 @@ random weights from a config, nothing downloaded), in order:
 - `train dp2xtp2`: the tiny config trained `--steps` AdamW steps on 4 gloo ranks under dp=2,
   tp=2 with a memory cap that makes the plan split weights on the tp axis
   (autoplan.testing.train_planned), every step's loss and every parameter on every rank
-  compared with one process (autoplan.testing.reference; fp32, rtol 1e-5, atol 1e-6);
+  compared with one process (autoplan.testing.reference; fp32, rtol 1e-5, atol 1e-6, plus
+  [Note: AdamW rounding allowance] for the few elements whose gradient is nearly zero);
 - `train dp2xep2` (mixture-of-experts models): the same with expert parallelism, dp=4, ep=2:
   the batch split 4 ways, each pair of ranks holding disjoint halves of the experts. autoplan's
   dp counts every rank that holds its own samples and ep groups are taken from them
@@ -25,6 +26,24 @@ Causal LMs train on autoplan's token batch, `step(input_ids, labels)`; the maske
 seq2seq (T5) and image (ViT) models on a dict batch, `step({"input_ids": ..., "labels": ...})`
 (architectures.example_batch says what each holds). A check that fails gives the exception's
 type and first line (a failed rank: its own cause), truncated to `DETAIL_CHARS`.
+
+[Note: AdamW rounding allowance] N ranks sum a gradient in another order than one process,
+so each gradient element carries fp32 rounding noise dg <= C * u * max|G| (u = 2^-24, the unit
+roundoff; max|G| the largest element of that parameter's gradient at that step, the scale of
+the terms an element's sum cancels; C = ALLOWANCE_ROUNDINGS). AdamW's step
+lr * m_hat / (sqrt(v_hat) + eps) moves by up to lr * dg / (sqrt(v_hat) + eps) for it: nothing
+for an ordinary element (|g| ~ 3e-3: 1e-9), but lr / eps = 1e3 times dg for an element whose
+gradient is nearly zero. Measured on GPT-NeoX (tiny, 3 steps): layers.1.mlp.dense_h_to_4h
+element (19, 15) has g = 2.5e-8 at step 0 against max|G| = 2.5e-2, so dg ~ 1.5e-9 becomes
+~1.5e-6 of parameter: 0.9e-6 and 1.8e-6 in two runs at dp2xtp2 (the latter over atol 1e-6);
+one process itself moves that much (accumulating two half batches instead of one whole batch
+changes parameters by up to 6.4e-7, and fp32 differs from fp64 by up to 1.0e-6). So a
+parameter element passes when |planned - one process| <= atol + rtol * |one process| +
+sum over steps of lr * C * u * max|G_t| / (sqrt(v_hat_t) + eps), with G_t and v_hat_t
+(AdamW's, from G_t, betas (0.9, 0.999)) of the one-process run. The allowance is per element
+and vanishes wherever the gradient is not nearly zero, so a real difference (a wrong rotary
+slice, a missing reduction: whole rows of ordinary elements) still fails; the row's detail
+counts the elements that needed it and the largest ratio of difference to allowance.
 
 Each architecture runs in its own Python process (`--worker NAME`) under a timeout
 (`--timeout-s`, default 900 s), so a crash or a hang costs that row only: a check the process
@@ -54,6 +73,9 @@ BATCH = 4  # samples per global batch of the tiny runs (dp 2 x 2)
 SEQ = 16  # tokens per sample of the tiny runs
 LARGE = dict(cluster="dgx-h100", num_nodes=2, dtype="bfloat16", global_batch=64, seq_len=4096)
 TRAIN = {"train dp2xtp2": dict(dp=2, tp=2), "train dp2xep2": dict(dp=4, ep=2)}
+RTOL, ATOL = 1e-5, 1e-6
+ALLOWANCE_ROUNDINGS = 4  # C of [Note: AdamW rounding allowance]
+UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 
 
 def _first_line(e: BaseException) -> str:
@@ -123,6 +145,73 @@ def _batches(name: str, steps: int) -> list:
     return out
 
 
+def _reference(factory, batches: list) -> tuple[list[float], dict, dict]:
+    """autoplan.testing.reference, and each parameter's [Note: AdamW rounding allowance]."""
+    from collections import defaultdict
+
+    import torch
+
+    from autoplan import testing
+
+    grads: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def recording():  # one backward per step: a leaf's hook sees its whole gradient once
+        model = factory()
+        for fqn, p in model.named_parameters():
+            p.register_hook(lambda g, fqn=fqn: grads[fqn].append(g.detach().clone()))
+        return model
+
+    losses, params = testing.reference(recording, batches)
+    opt = testing.adamw([torch.zeros(1)]).defaults
+    (_, beta2), eps, lr = opt["betas"], opt["eps"], opt["lr"]
+    allowance = {}
+    for fqn, gs in grads.items():
+        v, total = torch.zeros_like(gs[0]), torch.zeros_like(gs[0])
+        for t, g in enumerate(gs, start=1):
+            v = beta2 * v + (1 - beta2) * g * g
+            v_hat = v / (1 - beta2 ** t)
+            noise = ALLOWANCE_ROUNDINGS * UNIT_ROUNDOFF * g.abs().max()
+            total += lr * noise / (v_hat.sqrt() + eps)
+        allowance[fqn] = total
+    return losses, params, allowance
+
+
+def _compare(result, reference) -> tuple[list[str], str]:
+    """(what differs, a note on the elements within the AdamW allowance) between one rank's
+    train_planned result and `_reference`: losses strictly, parameters per element."""
+    import torch
+
+    from autoplan import testing
+
+    losses, params, allowance = reference
+    problems = testing.compare((result[0], {}), (losses, {}), rtol=RTOL, atol=ATOL)
+    noisy, worst = 0, 0.0
+    for fqn, value in result[1].items():
+        if fqn not in params:
+            problems.append(f"{fqn}: not a parameter of the model on one process")
+            continue
+        want = params[fqn]
+        diff = (value - want).abs()
+        strict = ATOL + RTOL * want.abs()
+        over = diff > strict
+        if not over.any():
+            continue
+        bound = strict + allowance.get(fqn, torch.zeros_like(want))
+        beyond = diff > bound
+        if beyond.any():
+            i = int(diff.where(beyond, torch.zeros_like(diff)).argmax())
+            problems.append(f"{fqn}: {int(beyond.sum())} of {want.numel()} elements differ "
+                            f"beyond rtol {RTOL}, atol {ATOL} and the AdamW allowance; first "
+                            f"{diff.flatten()[i].item():.2e} > {bound.flatten()[i].item():.2e} "
+                            f"at flat index {i}")
+        noisy += int((over & ~beyond).sum())
+        worst = max(worst, (diff / bound).where(over & ~beyond, torch.zeros_like(diff))
+                    .max().item())
+    note = (f" ({noisy} parameter elements within the AdamW rounding allowance, up to "
+            f"{worst:.0%} of it)") if noisy else ""
+    return problems, note
+
+
 def _train(name: str, overrides: dict, steps: int, state: dict) -> str:
     """Train on 4 gloo ranks and compare with one process; the plan when every rank matches.
     `state` keeps the reference and the cluster between this architecture's checks."""
@@ -136,21 +225,24 @@ def _train(name: str, overrides: dict, steps: int, state: dict) -> str:
                                           batches[0], global_batch=BATCH, seq_len=SEQ,
                                           world_size=4)
     if "reference" not in state:
-        state["reference"] = testing.reference(factory, batches)
+        state["reference"] = _reference(factory, batches)
     if state.get("cluster") is None or state["cluster"]._closed:  # a failed job closes it
         state["cluster"] = LocalCluster(4)
     results = state["cluster"].run(testing.train_planned, factory, batches, overrides,
                                    global_batch=BATCH, seq_len=SEQ, device_memory_bytes=budget,
                                    timeout_s=600)
+    notes = []
     for rank, result in enumerate(results):
-        problems = testing.compare(result, state["reference"])
+        problems, note = _compare(result, state["reference"])
         if problems:
             raise AssertionError(f"rank {rank} differs from one process in {len(problems)} "
                                  f"values, first: {problems[0]}")
+        notes.append(note)
     plan = json.loads(results[0][2])
     split = sum(1 for _, p in plan["param_placements"] if p != "R")
     return (f"{steps} steps equal one process on 4 ranks; mesh {plan['mesh']}, "
-            f"{split} of {len(plan['param_placements'])} parameters split")
+            f"{split} of {len(plan['param_placements'])} parameters split"
+            + max(notes, key=len))
 
 
 def run_worker(name: str, steps: int, out: Path) -> None:
