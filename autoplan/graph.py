@@ -29,6 +29,8 @@ class NodeInfo:
         flops: forward FLOPs of the op (torch.utils.flop_counter; 0 for ops it does not count).
         module_path: FQN of the innermost nn.Module that issued the op ("" for the root).
         layer_id: index of the repeated block (transformer layer) the op belongs to, or None.
+        fused_bytes: bytes the op moves when chains of memory-bound ops run as fused kernels
+            (capture/fusion.py, [Note: pointwise fusion]); None for ops that do not fuse.
     """
 
     name: str
@@ -40,6 +42,7 @@ class NodeInfo:
     flops: int
     module_path: str
     layer_id: int | None
+    fused_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,11 @@ class DeviceSpec:
             (the Redistribute autograd function, functional-collective wrappers, reassembling a
             non-leading shard dim), seconds. Fitted by `autoplan calibrate` for CPU ranks; 0
             for GPUs (the host runs ahead of the device; assumption, not measured).
+        fuses_pointwise: chains of memory-bound ops run as fused kernels, each moving only
+            what enters and leaves the chain (capture/fusion.py, [Note: pointwise fusion]).
+            True for the GPU presets: the runs they are held to (bench/published.py:
+            Megatron-LM, Megatron-DeepSpeed) fuse them, as Transformer Engine and
+            torch.compile do. False for CPU ranks, which run one kernel per op as calibrated.
     """
 
     name: str
@@ -91,6 +96,7 @@ class DeviceSpec:
     optimizer_op_s: float = 0.0
     dtensor_optimizer_op_s: float = 0.0
     dtensor_redistribute_s: float = 0.0
+    fuses_pointwise: bool = False
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; raises ValueError naming the dtypes this device lists."""
@@ -244,6 +250,9 @@ def _from_dict(cls, data, where: str):
             check = _non_negative if name.endswith("_s") and not name.endswith("_per_s") \
                 else _positive
             value = check(value, f"{where}.{name}")
+        elif f.type in ("bool", bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}.{name}: expected true or false, got {value!r}")
         elif f.type in ("int", int):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{where}.{name}: expected an integer >= 1, got {value!r}")
@@ -334,7 +343,7 @@ def _dgx_a100(num_nodes: int = 1) -> Topology:
             peak_flops_per_s={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12,
                               "tf32": 156e12},
             mem_bytes=80e9, mem_bw_bytes_per_s=2.04e12, matmul_efficiency=0.8,
-            launch_latency_s=5e-6),
+            launch_latency_s=5e-6, fuses_pointwise=True),
         # measured all-reduce busbw in one 8-GPU node ~235 GB/s (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=235e9, latency_s=5e-6),
         # 8 x 200 Gb/s HDR IB per node; ~192 GB/s all-reduce busbw across nodes (FORMULAS.md)
@@ -350,7 +359,7 @@ def _dgx_h100(num_nodes: int = 1) -> Topology:
             peak_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12,
                               "tf32": 494e12},
             mem_bytes=80e9, mem_bw_bytes_per_s=3.35e12, matmul_efficiency=0.8,
-            launch_latency_s=5e-6),
+            launch_latency_s=5e-6, fuses_pointwise=True),
         # measured ring all-reduce busbw in one 8-GPU node ~370 GB/s (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=370e9, latency_s=5e-6),
         # 8 x 400 Gb/s NDR per node, 46-48 GB/s measured per NIC (FORMULAS.md, Hardware). NCCL
@@ -368,7 +377,7 @@ def _h200_node(num_nodes: int = 1) -> Topology:
             peak_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12,
                               "tf32": 494e12},
             mem_bytes=141e9, mem_bw_bytes_per_s=4.8e12, matmul_efficiency=0.8,
-            launch_latency_s=5e-6),
+            launch_latency_s=5e-6, fuses_pointwise=True),
         # ~367 GB/s ring all-reduce busbw in one node (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=367e9, latency_s=5e-6),
         inter_node=LinkSpec("infiniband", bw_bytes_per_s=8 * 46e9, latency_s=10e-6),

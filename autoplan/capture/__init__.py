@@ -44,6 +44,8 @@ autoplan/passes/expand.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.utils.flop_counter as flop_counter
 from torch import nn
@@ -73,6 +75,7 @@ from autoplan.capture.facts import (_check_layers_align, _dtype_name, _find_laye
                                     _node_info, _param_infos)
 from autoplan.capture.trace import _check_inputs, _export, _input_names  # noqa: E402
 from autoplan.capture.moe import experts_as_op  # noqa: E402
+from autoplan.capture.fusion import fused_bytes  # noqa: E402
 
 
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "block_size")
@@ -141,6 +144,8 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 nodes[node.name] = _node_info(node, counter, module_names, prefix, model_name)
+    for name, nbytes in fused_bytes(gm).items():
+        nodes[name] = dataclasses.replace(nodes[name], fused_bytes=nbytes)
     layer_nodes: dict[int, list[str]] = {k: [] for k in range(num_layers)}
     for info in nodes.values():
         if info.layer_id is not None:

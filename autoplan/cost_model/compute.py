@@ -215,9 +215,10 @@ def at_tokens(node: NodeInfo, scale: float, fixed_in_bytes: int = 0) -> NodeInfo
     """
     shapes = tuple((max(1, round(s[0] * scale)), *s[1:]) if s else s for s in node.shapes)
     fixed = min(fixed_in_bytes, node.in_bytes)
+    fused = None if node.fused_bytes is None else int(node.fused_bytes * scale)
     return dataclasses.replace(node, shapes=shapes, flops=int(node.flops * scale),
                                in_bytes=int(fixed + (node.in_bytes - fixed) * scale),
-                               out_bytes=int(node.out_bytes * scale))
+                               out_bytes=int(node.out_bytes * scale), fused_bytes=fused)
 
 
 def module_input_bytes(node: torch.fx.Node) -> int:
@@ -229,6 +230,14 @@ def module_input_bytes(node: torch.fx.Node) -> int:
         if isinstance(val, torch.Tensor):
             total += val.numel() * val.element_size()
     return total
+
+
+def _moved_bytes(node: NodeInfo, device: DeviceSpec) -> int:
+    """Bytes the op moves: in + out, or its bytes inside fused kernels on a device that fuses
+    chains of memory-bound ops ([Note: pointwise fusion] in capture/fusion.py)."""
+    if device.fuses_pointwise and node.fused_bytes is not None:
+        return node.fused_bytes
+    return node.in_bytes + node.out_bytes
 
 
 def _check_shard(node: NodeInfo, shard_factor: float) -> None:
@@ -253,7 +262,10 @@ def op_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     _check_shard(node, shard_factor)
     if op_name(node.target) in VIEW_OPS or is_noop_cast(node):
         return 0.0
-    nbytes = (node.in_bytes + node.out_bytes) * _bytes_scale(node, dtype) / shard_factor
+    moved = _moved_bytes(node, device)
+    if moved == 0 and node.fused_bytes is not None and device.fuses_pointwise:
+        return 0.0  # inside a fused kernel: no kernel of its own
+    nbytes = moved * _bytes_scale(node, dtype) / shard_factor
     flops = node.flops / shard_factor
     return _roofline_s(flops, nbytes, _efficiency(node, device, shard_factor), device, dtype,
                        _elementwise_s(node, device, shard_factor))
@@ -271,7 +283,10 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     name = op_name(node.target)
     if name in VIEW_OPS or name in NO_GRAD_OPS or is_noop_cast(node):
         return 0.0
-    nbytes = (node.in_bytes + node.out_bytes) * _bytes_scale(node, dtype) / shard_factor
+    moved = _moved_bytes(node, device)
+    if moved == 0 and node.fused_bytes is not None and device.fuses_pointwise:
+        return 0.0
+    nbytes = moved * _bytes_scale(node, dtype) / shard_factor
     flops = node.flops / shard_factor
     efficiency = _efficiency(node, device, shard_factor)
     if name in MATMUL_OPS:
