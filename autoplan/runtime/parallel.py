@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as _fully_shard
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from autoplan._torch_compat import (chunk_spec, implicit_replication, pipeline_eval,
+from autoplan._torch_compat import (chunk_spec, implicit_replication,
+                                   in_flight_interleaved_schedule_class,
+                                   in_flight_pipeline_stage_class, pipeline_eval,
                                    replicate_module)
 from autoplan.plan import parse_placement
 
@@ -141,16 +142,22 @@ def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
 
     `examples`: stage index -> (input tensors, output tensors) of one microbatch, local shapes
     and dtypes: static metadata, so that the schedule runs no forward of its own to infer them
-    (an extra forward would also move the stages' random-op microbatch counters)."""
-    pipeline_stages = [PipelineStage(m, idx, num_stages, device, group=pp_group,
-                                     input_args=examples[idx][0], output_args=examples[idx][1])
+    (an extra forward would also move the stages' random-op microbatch counters).
+
+    The stages hold a receive buffer only while its microbatch is in flight, and the
+    interleaved schedule lets go of a send once it completed ([Note: in-flight receive
+    buffers] in autoplan/_torch_compat.py), so a rank's memory does not grow with the number
+    of microbatches beyond what its schedule keeps in flight."""
+    stage_cls = in_flight_pipeline_stage_class()
+    pipeline_stages = [stage_cls(m, idx, num_stages, device, group=pp_group,
+                                 input_args=examples[idx][0], output_args=examples[idx][1])
                        for idx, m in stages]
     m = plan.num_microbatches
     chunks = None if input_batch_dims is None else tuple(
         chunk_spec(d) for d in input_batch_dims)
     if plan.schedule == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=loss_fn,
-                                       args_chunk_spec=chunks)
+        return in_flight_interleaved_schedule_class()(pipeline_stages, m, loss_fn=loss_fn,
+                                                      args_chunk_spec=chunks)
     if len(pipeline_stages) != 1:
         raise ValueError(f"schedule {plan.schedule!r} takes one stage per rank; this rank "
                          f"holds {len(pipeline_stages)}")

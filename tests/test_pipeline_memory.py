@@ -1,0 +1,92 @@
+"""Pipeline memory does not grow with the microbatch count (issue 11, build 1).
+
+torch.distributed.pipelining 2.13 allocates a forward receive buffer for every microbatch and a
+gradient receive buffer for every microbatch up front, live for the whole step, so a pipeline
+rank's memory grew with m; its interleaved runtime also kept every send until the end of the
+step. The runtime's stages and interleaved schedule ([Note: in-flight receive buffers] in
+autoplan/_torch_compat.py) hold a buffer only while its microbatch is in flight, as Megatron-LM
+does. Measured here: each rank's peak live tensor bytes (`LiveTensorBytes`) over two training
+steps of a pp2 plan at few and many microbatches of the same size (1F1B: m = 4 and 16); they
+differ by less than one microbatch's boundary activations (microbatch x seq x hidden x 4 bytes,
+fp32). Before the change, 1F1B at m = 4 / 16: rank 0 1,282,304 / 1,380,608 B, rank 1
+1,030,708 / 1,129,156 B (2 layers; +12 boundaries of 8,192 B each).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import _jobs
+
+SEQ = 16
+MICROBATCH = 2
+WIDTH = dict(n_embd=64, n_head=4, vocab_size=64, n_positions=SEQ, bos_token_id=0,
+             eos_token_id=0)
+BOUNDARY_BYTES = MICROBATCH * SEQ * WIDTH["n_embd"] * 4
+
+
+def step_peaks(num_microbatches: tuple[int, ...], schedule: str, steps: int = 2,
+               num_virtual_stages: int = 1, eval_between: bool = False) -> list[tuple]:
+    """On every rank: for each m, plan gpt2 (WIDTH, 2 layers per virtual stage) at pp2 with m
+    microbatches of MICROBATCH, build, then train `steps` steps under `LiveTensorBytes` (with
+    `eval_between`, an eval_step of the first batch after each step); (the peak live bytes,
+    the losses) of each m. The peak counts what is allocated during the steps: gradients,
+    optimizer states, activations, receive buffers (the batch is made before)."""
+    from autoplan.api import autoparallel
+    from autoplan.runtime.live_bytes import LiveTensorBytes
+
+    out = []
+    for m in num_microbatches:
+        batch = m * MICROBATCH
+        model = _jobs.preset("gpt2", seed=3, **dict(WIDTH, n_layer=4 * num_virtual_stages))()
+        ap = autoparallel(model, global_batch=batch, seq_len=SEQ, pp=2, dp=1, tp=1,
+                          zero_stage=0, num_microbatches=m, schedule=schedule,
+                          num_virtual_stages=num_virtual_stages, checkpointing="none").build()
+        x, y = _jobs.batches(WIDTH["vocab_size"], steps, batch, SEQ)
+        losses = []
+        with LiveTensorBytes() as live:
+            for i in range(steps):
+                losses.append(ap.step(x[i], y[i]))
+                if eval_between:
+                    losses.append(ap.eval_step(x[0], y[0]))
+        out.append((live.peak, losses))
+        del ap, model
+    return out
+
+
+def _assert_flat(peaks: list, few: int, many: int) -> None:
+    for rank, ((low, _), (high, _)) in enumerate(peaks):
+        assert abs(high - low) < BOUNDARY_BYTES, (
+            f"pp rank {rank}: peak live bytes {low} B at m={few}, {high} B at m={many} "
+            f"({high - low:+} B; one microbatch's boundary activations: {BOUNDARY_BYTES} B)")
+
+
+@pytest.mark.slow
+def test_1f1b_peak_does_not_grow_with_microbatches(clusters):
+    """1F1B, with an eval_step after each training step (forward-only runs keep nothing
+    per microbatch either, and training after eval holds what it held before)."""
+    peaks = clusters.get(2).run(step_peaks, (4, 16), "1f1b", eval_between=True, timeout_s=180)
+    _assert_flat(peaks, 4, 16)
+
+
+@pytest.mark.slow
+def test_interleaved_peak_does_not_grow_with_microbatches(clusters):
+    """Interleaved 1F1B, v = 2: torch's action runtime also kept every send of the step until
+    its end (`in_flight_interleaved_schedule_class`). From m = 8 (two rounds of pp
+    microbatches; at m = 4 = v pp a rank holds two boundaries fewer) to m = 32."""
+    peaks = clusters.get(2).run(step_peaks, (8, 32), "interleaved-1f1b", num_virtual_stages=2,
+                                timeout_s=180)
+    _assert_flat(peaks, 8, 32)
+
+
+@pytest.mark.slow
+def test_gpipe_holds_every_microbatch(clusters):
+    """GPipe runs every forward before any backward: its peak does grow with m (the cost
+    model prices all m in flight), which shows the measure sees microbatches at all."""
+    peaks = clusters.get(2).run(step_peaks, (4, 16), "gpipe", timeout_s=180)
+    for rank, ((few, _), (many, _)) in enumerate(peaks):
+        assert many - few > 12 * BOUNDARY_BYTES, (rank, few, many)
+
