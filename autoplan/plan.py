@@ -161,6 +161,11 @@ class Prediction:
         model_flops: model FLOPs per step (fwd + bwd, no recompute).
         tflops_per_device: model FLOPs / step time / world size / 1e12.
         mfu: model FLOPs utilisation vs the device's dense peak for the compute dtype.
+        stage_time_s: one microbatch through the busiest pp rank -- its compute (recomputation
+            included), tp redistributions and pipeline transfers: t_comp + t_comm of [Note: step
+            time] in solver/pipeline.py; the report's cross-check recomputes it per part (0:
+            not recorded, a plan written before it existed).
+        p2p_s: the pipeline transfers of `stage_time_s` (0 without pp).
     """
 
     step_time_s: float
@@ -172,6 +177,8 @@ class Prediction:
     model_flops: float = 0.0
     tflops_per_device: float = 0.0
     mfu: float = 0.0
+    stage_time_s: float = 0.0
+    p2p_s: float = 0.0
 
 
 @dataclass(frozen=True)

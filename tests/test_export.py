@@ -122,3 +122,60 @@ def test_count_collectives_reads_functional_collectives():
     finally:
         dist.destroy_process_group()
     assert count_collectives(gm) == {"all_reduce": 1}
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel():
+    """A 2-block Llama wide and long enough that tp 2 on an H100 node splits the residual
+    stream on the sequence (S(1)): each norm output is all-gathered for the projections that
+    read it (q, k, v; gate, up)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autoplan.capture import capture
+
+    config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                         max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    graph = capture(model, (torch.zeros(1, 2048, dtype=torch.long, device="meta"),),
+                    model_name="llama-2x1024")
+    topo, spec = preset("dgx-h100"), TrainingSpec(8, 2048)
+    return graph, topo, spec, solve(graph, topo, spec, tp=2, pp=1, dp=4)
+
+
+def test_a_value_read_twice_is_gathered_once(sequence_parallel, tmp_path):
+    """One value, one redistribution (issue 11): the norm output that gate and up projections
+    both read as R is all-gathered once -- one record in the plan, one collective in the
+    exported graph, one price in the ILP."""
+    from autoplan.solver.costs import build_costs, redistribution_units
+    from autoplan.solver.ilp import evaluate, solve as solve_ilp
+    from autoplan.solver.ilp_model import edge_key
+    from autoplan.solver.problem import build_problem
+
+    graph, topo, spec, plan = sequence_parallel
+    gate, up = "linear_4", "linear_5"  # block 0's MLP projections
+    strategies = {s.node: s for s in plan.strategies}
+    assert strategies[gate].inputs[0] == strategies[up].inputs[0] == "R"
+    producer = next(r for r in plan.redistributions if r.consumer == gate)
+    assert (producer.src, producer.dst, producer.collective) == ("S(1)", "R", "all_gather")
+    assert not [r for r in plan.redistributions if r.consumer == up]
+    export_plan(graph, plan, tmp_path)
+    rows = json.loads((tmp_path / "rank0_stage0.json").read_text())
+    gathers = sum(1 for r in rows if r["target"].startswith("_c10d_functional.all_gather"))
+    assert gathers == sum(1 for r in plan.redistributions if r.collective == "all_gather")
+    # the ILP: the shared gather's forward is one term that either edge switches on
+    problem = build_problem(graph, 2, spec.dtype_bytes)
+    costs = build_costs(problem, 1, spec, topo)
+    edges = {i for i, e in enumerate(problem.edges)
+             if e.src == producer.producer and e.dst in (gate, up)}
+    assert len(edges) == 2
+    gather = [u for u in redistribution_units(problem, costs) if u.cost_s > 0
+              and {i for i, _ in u.uses} == edges
+              and all(("S(1)", "R") == keys[0][:2] for _, keys in u.uses)]
+    assert gather  # forward (S(1), R) and backward terms, each shared by both edges
+    sol = solve_ilp(problem, costs)
+    once = sum(evaluate(problem, costs, sol.choice).comm_s.values())
+    per_edge = sum(edge.weight * sum(pairs[edge_key(problem, edge, sol.choice)][:2])
+                   for edge, pairs in zip(problem.edges, costs.pairs))
+    assert once < per_edge  # what pricing every edge on its own would have said

@@ -4,8 +4,11 @@ The rewritten graph is meant to be *interpreted under DTensor* on the tp sub-mes
 (../shared/DESIGN.md, "Passes"): parameters are DTensors with the plan's placements, and
 before every op whose input placement differs from what its producer yields, the pass inserts an
 explicit `redistribute(x, "<dst>")` node -- one per costed `Redistribution` in the plan, no more
-and no fewer (`check_redistributions` verifies this). DTensor then runs each op on local shards
-with no implicit communication, because the solver's candidates come from DTensor's own rules.
+and no fewer (`check_redistributions` verifies this). A value that several consumers need in one
+placement is redistributed once ([Note: one redistribution per value] in solver/problem.py): the
+plan records it for the first of them, and the later ones, which the plan lists no record for,
+read that node's result. DTensor then runs each op on local shards with no implicit
+communication, because the solver's candidates come from DTensor's own rules.
 
 `aten.scaled_dot_product_attention` has no DTensor rule; it is replaced by `sdpa_local`, which
 runs the fused kernel on the local shards (batch- or head-sharded, as the plan says).
@@ -175,6 +178,8 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
     """
     strategies = {s.node: s for s in plan.strategies}
     produced = value_placements(plan)
+    planned = {(r.producer, r.consumer, r.arg_index) for r in plan.redistributions}
+    moved_to: dict[tuple[torch.fx.Node, str], torch.fx.Node] = {}  # (value, dst) -> its node
     inserted: list[Redistribution] = []
     for node in list(gm.graph.nodes):
         if node.op == "output":
@@ -202,8 +207,9 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
             src = _src_placement(arg, plan, produced, param_names)
             if src == dst:
                 continue
+            producer = arg.meta.get("orig_name", arg.name)
             record = Redistribution(
-                producer=arg.meta.get("orig_name", arg.name), consumer=name, arg_index=i,
+                producer=producer, consumer=name, arg_index=i,
                 src=src, dst=dst, collective="", bytes=0, time_s=0.0)
             if src == "R" and dst == "P":
                 # R -> P moves no data (DTensor keeps the value on one rank's share); DTensor
@@ -211,11 +217,16 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
                 # whose rule asks for a Partial input (e.g. the bias of a row-parallel addmm).
                 inserted.append(record)
                 continue
+            shared = moved_to.get((arg, dst))
+            if shared is not None and (producer, name, i) not in planned:
+                _replace_ith_use(node, i, arg, shared)  # the plan shares the earlier one
+                continue
             with gm.graph.inserting_before(node):
                 moved = gm.graph.call_function(redistribute, (arg, dst))
             moved.meta["orig_name"] = f"redistribute_{arg.name}_{name}"
             moved.meta["redistribute_for"] = name
             _replace_ith_use(node, i, arg, moved)
+            moved_to[(arg, dst)] = moved
             inserted.append(record)
     gm.graph.lint()
     gm.recompile()

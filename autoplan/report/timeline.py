@@ -120,8 +120,8 @@ def stage_costs(plan, parts=None) -> tuple[list[float], list[float]]:
     (report.facts.part_costs) is given: a stage's blocks times the cost of one block, plus the
     part before the blocks on stage 0 and the part after them on the last stage. Without
     `parts`, a stage costs its number of blocks (at least 1) and backward = 2 x forward, the
-    usual ratio for matmul-dominated layers. Under full activation checkpointing a block's
-    backward includes its recomputed forward."""
+    usual ratio for matmul-dominated layers. A block's backward includes what activation
+    checkpointing recomputes: `parts` count it (report.facts.PartCost)."""
     last = len(plan.stages) - 1
     by_part = {p.part: p for p in parts or ()}
     fwd, bwd = [], []
@@ -133,8 +133,6 @@ def stage_costs(plan, parts=None) -> tuple[list[float], list[float]]:
         else:
             f = st.num_layers * (block.compute_fwd_s + block.comm_fwd_s)
             b = st.num_layers * (block.compute_bwd_s + block.comm_bwd_s)
-            if plan.checkpointing == "full":  # backward first runs each block forward again
-                b += f
         for part, on in (("pre", st.index == 0), ("post", st.index == last)):
             if on and part in by_part:
                 f += by_part[part].compute_fwd_s + by_part[part].comm_fwd_s
@@ -153,10 +151,13 @@ def busiest_rank_s(plan, fwd: list[float], bwd: list[float]) -> float:
 
 
 def predicted_stage_s(plan) -> float:
-    """The plan's per-microbatch time of the busiest pp rank: bubble x v / (pp - 1) when
-    pp > 1 ([Note: step time] in solver/pipeline.py), else (compute + communication) /
-    microbatches (which then includes the exposed gradient sync)."""
+    """The plan's per-microbatch time of the busiest pp rank: `Prediction.stage_time_s`; for a
+    plan written before it, bubble x v / (pp - 1) when pp > 1 ([Note: step time] in
+    solver/pipeline.py), else (compute + communication) / microbatches (which then includes the
+    exposed gradient sync and the optimizer step)."""
     pred, pp = plan.prediction, plan.mesh.pp
+    if pred.stage_time_s > 0:
+        return pred.stage_time_s
     if pp > 1 and pred.bubble_s > 0:
         return pred.bubble_s * plan.num_virtual_stages / (pp - 1)
     return (pred.compute_s + pred.comm_s) / max(plan.num_microbatches, 1)

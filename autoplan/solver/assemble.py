@@ -3,20 +3,23 @@
 The ILP chose one candidate per representative node; every captured block takes the choice of
 the representative by position ([Note: layer sharing] in problem.py). Redistributions are listed
 for every edge of the captured graph whose producer output placement differs from the consumer's
-input placement, so the passes insert exactly what the solver priced.
+input placement, so the passes insert exactly what the solver priced -- once per value and
+target placement for consumers that share it ([Note: one redistribution per value] in
+problem.py): the record names the first such consumer in graph order, and the rewrite gives the
+others its result.
 """
 
 from __future__ import annotations
 
 import operator
 
-from autoplan.cost_model.comm import redistribute_time_s
+from autoplan.cost_model.comm import p2p_time_s, redistribute_time_s
 from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
 )
 from autoplan.solver.costs import token_scale
 from autoplan.solver.pipeline import Assessment, stages_of
-from autoplan.solver.problem import Problem, _tensor_bytes
+from autoplan.solver.problem import Problem, _tensor_bytes, share_key
 from autoplan.strategies import Candidate, tensor_args
 
 __all__ = ["build_plan", "chosen_candidates"]
@@ -87,7 +90,7 @@ def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
 def _redistributions(search, problem: Problem, chosen, scale: float) -> tuple:
     graph, topology, tp = search.graph, search.topology, problem.tp
     params = {n.name for n in graph.gm.graph.nodes if n.op == "get_attr"}
-    out = []
+    out, recorded = [], set()
     for node in graph.gm.graph.nodes:
         if node.op == "output":
             consumer, wanted = "output", ["R"] * len(tensor_args(node))
@@ -102,6 +105,10 @@ def _redistributions(search, problem: Problem, chosen, scale: float) -> tuple:
             src = chosen[u.name].outputs[k]
             if src == dst:
                 continue
+            group = share_key(problem, u.name, k, consumer) if dst != "P" else None
+            if group is not None and (group, dst) in recorded:
+                continue  # the first consumer's redistribution serves this one too
+            recorded.add((group, dst))
             nbytes = _tensor_bytes(graph, u, k, search.spec.dtype_bytes) * (
                 1.0 if u.name in params else scale)
             name, t = redistribute_time_s(src, dst, nbytes, tp, topology)
@@ -121,8 +128,28 @@ def _prediction(search, best: Assessment) -> Prediction:
     world = topology.world_size
     per_device = model_flops / best.step_time_s / world if best.step_time_s > 0 else 0.0
     peak = topology.device.peak_flops_per_s.get(spec.dtype, 0.0)
+    stage_s, p2p_s = _stage_time_s(search, best)
     return Prediction(
         step_time_s=best.step_time_s, compute_s=best.compute_s, comm_s=best.comm_s,
         bubble_s=best.bubble_s, memory_bytes=best.memory_bytes,
         memory_breakdown=dict(best.memory_breakdown), model_flops=model_flops,
-        tflops_per_device=per_device / 1e12, mfu=per_device / peak if peak else 0.0)
+        tflops_per_device=per_device / 1e12, mfu=per_device / peak if peak else 0.0,
+        stage_time_s=stage_s, p2p_s=p2p_s)
+
+
+def _stage_time_s(search, best: Assessment) -> tuple[float, float]:
+    """(t_comp + t_comm, its pipeline transfers) of [Note: step time] in pipeline.py: one
+    microbatch through the busiest pp rank. Without pp, the placement's totals (compute at the
+    node's speed); with pp, from the bubble, (pp - 1) / v slots of it (exact on dedicated
+    devices); the transfers: 2 v p2p messages of the stage boundary."""
+    cfg, sol, topology = best.config, best.solution, search.topology
+    if cfg.pp == 1:
+        busy = min(topology.devices_per_node, cfg.dp * cfg.tp)
+        return (sum(sol.compute_s.values()) / topology.device.speed(busy)
+                + sum(sol.comm_s.values())), 0.0
+    crosses = cfg.tp * cfg.dp >= topology.devices_per_node
+    boundary = search.boundary_bytes(cfg.tp, cfg.microbatch_size)
+    p2p = 2 * cfg.num_virtual_stages * p2p_time_s(
+        boundary, topology, crosses_nodes=crosses,
+        concurrent_pairs=None if crosses else cfg.tp * cfg.dp)
+    return best.bubble_s * cfg.num_virtual_stages / (cfg.pp - 1), p2p

@@ -20,6 +20,12 @@ exact when the graph is captured at the planned sequence length). Parameter tens
   Shoeybi et al. 2019 section 3); pairs DTensor cannot do (S -> P) are absent, and so are
   pairs that would gather or reshuffle a split parameter (S(d) -> R / S(e)): autograd would
   keep the gathered copy of every layer until the backward, memory the model does not price;
+- edges of one value that consumers share ([Note: one redistribution per value] in
+  problem.py): the redistribution p -> q is paid once when any of them carries it, at the
+  largest weight among them -- forward once per (p, q), backward once per (p, q, split) (the
+  consumers' gradients add up before the one backward collective; so also for p = q, e.g. the
+  backward all-reduce of a replicated input that q, k and v projections read);
+  `redistribution_units`;
 - activation bytes: each saved tensor divided by tp when its owner's candidate output is S(d);
 - parameter elements per device: numel / tp when the get_attr candidate is S(d).
 """
@@ -35,7 +41,8 @@ from autoplan.solver.problem import OUTPUT, Problem
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["Costs", "token_scale", "build_costs", "split_of", "out_divisor"]
+__all__ = ["Costs", "Unit", "token_scale", "build_costs", "split_of", "out_divisor",
+           "redistribution_units"]
 
 
 @dataclass
@@ -58,6 +65,73 @@ class Costs:
     act_bytes: dict
     param_elems: dict[str, list[float]]
     output_bytes: float
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One priced redistribution: `cost_s` (seconds per microbatch, weight included) in `part`,
+    paid once when any edge e of `uses` carries one of its pairs: uses = ((edge index, (pair
+    key, ...)), ...)."""
+
+    part: str
+    cost_s: float
+    uses: tuple[tuple[int, tuple[tuple, ...]], ...]
+
+
+def redistribution_units(problem: Problem, costs: Costs) -> list[Unit]:
+    """The communication terms of the placement ILP (module docstring): one per (edge, pair)
+    for an edge no other edge shares with, one per shared (p, q) forward and (p, q, split)
+    backward for a group of edges ([Note: one redistribution per value] in problem.py).
+    R -> P (no data moves; DTensor does it inside each consumer's op) and getitem pairs are
+    never shared; p = q pairs share their backward (the gradients add up first). Kept on `costs` (a Costs is not changed after it is built;
+    dataclasses.replace makes a new one)."""
+    cached = costs.__dict__.get("_units")
+    if cached is not None and cached[0] is problem:
+        return cached[1]
+    units = _units(problem, costs)
+    costs.__dict__["_units"] = (problem, units)
+    return units
+
+
+def _units(problem: Problem, costs: Costs) -> list[Unit]:
+    groups: dict[tuple, list[int]] = {}
+    for i, edge in enumerate(problem.edges):
+        if edge.share is not None and not edge.getitem:
+            groups.setdefault((edge.share, edge.part), []).append(i)
+    shared = {i for members in groups.values() if len(members) > 1 for i in members}
+    # sorted: the pairs come from sets, whose order changes between processes (string
+    # hashing); the ILP's rows, and so which of two equal placements it returns, must not
+    units = []
+    for i, (edge, pairs) in enumerate(zip(problem.edges, costs.pairs)):
+        for key in sorted(pairs):
+            fwd, bwd, _name = pairs[key]
+            if i not in shared or key[1] == "P":
+                units.append(Unit(edge.part, edge.weight * (fwd + bwd), ((i, (key,)),)))
+    for (_share, part), members in groups.items():
+        if len(members) < 2:
+            continue
+        fwd: dict[tuple, float] = {}
+        bwd: dict[tuple, float] = {}
+        uses: dict[tuple, dict[int, list]] = {}  # (p, q) -> edge -> its keys (p, q, split)
+        for i in members:
+            w = problem.edges[i].weight
+            for key in sorted(costs.pairs[i]):
+                (f, b, _name), (p, q, _split) = costs.pairs[i][key], key
+                if q == "P":
+                    continue
+                fwd[(p, q)] = max(fwd.get((p, q), 0.0), w * f)
+                bwd[key] = max(bwd.get(key, 0.0), w * b)
+                uses.setdefault((p, q), {}).setdefault(i, []).append(key)
+        for pq, by_edge in uses.items():
+            # p = q: nothing moves forward, but the consumers' gradients still add up
+            # before the one backward redistribution (e.g. Megatron's f all-reduce of a
+            # replicated input read by q, k and v projections)
+            units.append(Unit(part, fwd[pq], tuple((i, tuple(keys))
+                                                   for i, keys in by_edge.items())))
+            for key in dict.fromkeys(k for keys in by_edge.values() for k in keys):
+                units.append(Unit(part, bwd[key], tuple((i, (key,)) for i, keys
+                                                        in by_edge.items() if key in keys)))
+    return units
 
 
 def token_scale(problem: Problem, microbatch_size: int, seq_len: int) -> float:

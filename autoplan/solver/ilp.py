@@ -8,6 +8,9 @@ Variables
     x[n, c] in {0, 1}           node n runs candidate c
     y[e, (p, q, s)] in {0, 1}   edge e carries producer placement p into consumer placement q,
                                 the consumer's candidate splitting its work (s) or not
+    z[k] in {0, 1}              shared redistribution k is done: a (p, q) forward or (p, q, s)
+                                backward of a value several edges read ([Note: one
+                                redistribution per value] in problem.py)
 
 Constraints
     (one_hot)     sum_c x[n, c] = 1                                   for n in V
@@ -19,6 +22,9 @@ Constraints
                   -- implemented in add_edge_constraint(); pairs DTensor cannot redistribute
                   (S -> P), pairs that would gather a split parameter (costs.py) and, for
                   getitem edges, pairs with p != q have no variable, which forbids them
+    (shared)      z[k] >= sum_{s} y[e, (p, q, s)] for every edge e of k's group
+                  -- implemented in _add_redistribution_costs(); an edge with a fixed end has
+                  the other end's x in place of y
     (tied)        a parameter read by several get_attr nodes takes one placement
                   -- implemented in add_tied_constraint()
     (memory_r)    sum_g a_r(g) elems(g, c) x[g, c] + sum_n b_r(n) act(n, c) x[n, c] + K_r <= M
@@ -32,6 +38,8 @@ Objective ([Note: step form]): the step time of one configuration (pipeline.py),
 affine in the placement's per-part compute, communication and parameter totals
     C_p = sum_{n in p} w_n sum_c t_compute(n, c) x[n, c]                 (seconds per microbatch)
     M_p = sum_{e in p} w_e sum_k (t_fwd(e, k) + t_bwd(e, k)) y[e, k]     (seconds per microbatch)
+          + sum_{k shared, in p} c_k z[k]     (edges in a shared group: their terms are the z's,
+                                               c_k the largest w_e t of the group; costs.py)
     P_p = sum_{g: p in parts(g)} sum_c elems(g, c) x[g, c]               (parameter elements)
 for the parts p in {pre, layer, post}, through the busiest pipeline rank r* (the largest
 sum_p s[r, p] (C_p + M_p), s[r, p] the share of part p on rank r) and the rank with the most
@@ -81,7 +89,7 @@ import time
 
 from ortools.linear_solver import pywraplp
 
-from autoplan.solver.costs import Costs
+from autoplan.solver.costs import Costs, redistribution_units
 from autoplan.solver.ilp_model import _build, _Model, edge_key
 from autoplan.solver.ilp_types import (_GAP, _NS, _TIE_BREAK, TIME_FORM, RankMemory, Solution,
                                        SolverLimitReached, StepForm)
@@ -289,10 +297,14 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
     for n in problem.nodes:
         if n in costs.compute_s:
             add(sol.compute_s, problem.part[n], problem.weight[n] * costs.compute_s[n][choice[n]])
+    keys = []
     for edge, pairs in zip(problem.edges, costs.pairs):
         key = edge_key(problem, edge, choice)
-        fwd, bwd, _ = pairs[key]
-        add(sol.comm_s, edge.part, edge.weight * (fwd + bwd))
+        pairs[key]  # noqa: B018 -- KeyError: a pair not offered, no placement of the ILP
+        keys.append(key)
+    for unit in redistribution_units(problem, costs):  # a shared one once
+        if unit.cost_s and any(keys[i] in pair_keys for i, pair_keys in unit.uses):
+            add(sol.comm_s, unit.part, unit.cost_s)
     for g, elems in costs.param_elems.items():
         sol.add_param_elems(problem.params[g][2], elems[choice[g]])
     for n, row in costs.act_bytes.items():

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 from ortools.linear_solver import pywraplp
 
-from autoplan.solver.costs import Costs, split_of
+from autoplan.solver.costs import Costs, redistribution_units, split_of
 from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, RankMemory, StepForm
 from autoplan.solver.problem import OUTPUT, Problem
 
@@ -50,6 +50,8 @@ class _Model:
                 f"change_status_to_imprecise:false max_deterministic_time:{limit_s:g}")
         self.x: dict[str, list] = {}  # a variable per candidate, or [None]: fixed to its one
         self.y: list[dict] = []
+        # shared redistributions: (z, [(terms, constant) of each edge that carries it])
+        self.shared: list[tuple] = []
         # per part: variable -> ns (time) and variable -> elements; the constants of fixed
         # nodes separately (they matter in the stage/sync constraints of pp > 1)
         self.comp = {p: defaultdict(float) for p in _PARTS}
@@ -126,18 +128,21 @@ class _Model:
         return terms, const
 
     def add_edge_constraint(self) -> None:
+        # per edge: pair key -> (terms, constant) of the 0/1 expression "the edge carries it"
+        carries: list[dict[tuple, tuple[dict, float]]] = []
         for i, (edge, pairs) in enumerate(zip(self.p.edges, self.c.pairs)):
             k = edge.out_index
             src_fixed = self.x[edge.src] == [None]
             dst_fixed = edge.dst == OUTPUT or self.x[edge.dst] == [None]
             if src_fixed or dst_fixed:
                 self.y.append({})
-                self._fold_edge(i, edge, pairs)
+                carries.append(self._fold_edge(i, edge, pairs))
                 continue
             # sorted: the pairs come from sets (costs.py), whose order changes between
             # processes (string hashing); the model, and so its tie-breaks, must not
             y = {key: self.var(f"y[{i},{key}]") for key in sorted(pairs)}
             self.y.append(y)
+            carries.append({key: ({var: 1.0}, 0.0) for key, var in y.items()})
             by_src, by_dst = defaultdict(dict), defaultdict(dict)
             for (p, q, s), var in y.items():
                 by_src[p][var] = 1.0
@@ -153,12 +158,11 @@ class _Model:
                     edge.dst, lambda c, q=q, s=s: (c.inputs[j], split_of(c)) == (q, s))
                 self.constraint({**by_dst.get((q, s), {}), **{v: -c for v, c in terms.items()}},
                                 0.0, 0.0, f"edge_dst[{i},{q},{s}]")
-            for key, var in y.items():
-                fwd, bwd, _ = pairs[key]
-                self.comm[edge.part][var] += edge.weight * (fwd + bwd) * _NS
+        self._add_redistribution_costs(carries)
 
-    def _fold_edge(self, i: int, edge, pairs) -> None:
-        """An edge with a fixed end: its cost and availability land on the other end's x."""
+    def _fold_edge(self, i: int, edge, pairs) -> dict[tuple, tuple[dict, float]]:
+        """An edge with a fixed end: which pair it carries is the other end's x (a constant
+        when both ends are fixed); an unavailable pair forbids that candidate."""
         k = edge.out_index
         src_cands = self.p.cands[edge.src]
         if edge.dst == OUTPUT:
@@ -170,18 +174,54 @@ class _Model:
             key = (src_cands[0].outputs[k], *dst_keys[0])
             if key not in pairs:
                 self.infeasible = self.infeasible or f"edge[{i},{key}] (no redistribution)"
-            else:
-                self.comm_const[edge.part] += edge.weight * sum(pairs[key][:2]) * _NS
-            return
+                return {}
+            return {key: ({}, 1.0)}
         side = edge.src if free_src else edge.dst
+        out: dict[tuple, tuple[dict, float]] = {}
         for ci, cand in enumerate(self.p.cands[side]):
             key = (cand.outputs[k], *dst_keys[0]) if free_src else \
                 (src_cands[0].outputs[k], *dst_keys[ci])
             if key not in pairs:
                 self.forbid(side, ci, f"edge[{i},{key}] (no redistribution)")
                 continue
-            fwd, bwd, _ = pairs[key]
-            self.comm[edge.part][self.x[side][ci]] += edge.weight * (fwd + bwd) * _NS
+            out.setdefault(key, ({}, 0.0))[0][self.x[side][ci]] = 1.0
+        return out
+
+    def _add_redistribution_costs(self, carries: list[dict]) -> None:
+        """The communication terms (costs.redistribution_units): a unit of one (edge, pair)
+        is priced on the expression that says the edge carries the pair; a shared one
+        ([Note: one redistribution per value] in problem.py) on a variable z >= each of its
+        edges' expressions (z = 1 when any edge carries it, minimisation keeps it 0 else)."""
+        for n, unit in enumerate(redistribution_units(self.p, self.c)):
+            if not unit.cost_s:
+                continue
+            cost = unit.cost_s * _NS
+            exprs = []
+            for i, keys in unit.uses:
+                terms: dict = defaultdict(float)
+                const = 0.0
+                for key in keys:
+                    t, c = carries[i].get(key, ({}, 0.0))
+                    const += c
+                    for v, coef in t.items():
+                        terms[v] += coef
+                if terms or const:
+                    exprs.append((dict(terms), const))
+            if not exprs:
+                continue
+            if any(const >= 1.0 for _t, const in exprs):
+                self.comm_const[unit.part] += cost
+                continue
+            if len(exprs) == 1:
+                for v, coef in exprs[0][0].items():
+                    self.comm[unit.part][v] += cost * coef
+                continue
+            z = self.var(f"z[{n}]")
+            self.shared.append((z, exprs))
+            for m, (terms, const) in enumerate(exprs):
+                self.constraint({z: 1.0, **{v: -c for v, c in terms.items()}}, const,
+                                self.s.infinity(), f"shared[{n},{m}]")
+            self.comm[unit.part][z] += cost
 
     def add_tied_constraint(self) -> None:
         by_fqn = defaultdict(list)
@@ -354,6 +394,9 @@ class _Model:
                 if key not in y:
                     return None
                 values.update((v, float(k == key)) for k, v in y.items())
+        for z, exprs in self.shared:
+            values[z] = max(min(1.0, const + sum(c * values[v] for v, c in terms.items()))
+                            for terms, const in exprs)
         least = dict.fromkeys(self.bounds, 0.0)
         for terms, lb, _ub, _name, _binding in self.rows:
             for b in self.bounds:

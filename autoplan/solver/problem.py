@@ -16,6 +16,17 @@ captured block maps onto node k of the representative. Weights turn the captured
 with T = total_layers and N = num_layers. With N = 1 the block-to-block edge is not in the
 captured graph; it is priced by a synthetic edge from the block's output to the block's input
 (weight T - 1), see `_transition_edges`.
+
+[Note: one redistribution per value] A value that several consumers need in one placement is
+redistributed once and the result shared (the rewrite inserts one collective,
+passes/sharding.py; the plan records it once, for the first consumer in graph order,
+solver/assemble.py). Consumers share when they read the same producer output and sit in the
+same place: the same block (a block's own value, or a value from the block before, or one from
+outside the blocks), or outside the blocks in the same part ("pre" / "post"). `Edge.share`
+names that group -- (producer, output index, "same" | "next" | "in" | "pre" | "post"), None
+for the graph output and tuple elements -- and `share_key` is its counterpart on the captured
+graph, by which assemble and the rewrite group real consumers. The ILP prices a group's
+redistribution p -> q once (costs.redistribution_units).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from autoplan.strategies import (
     Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
 )
 
-__all__ = ["OUTPUT", "Edge", "Problem", "build_problem"]
+__all__ = ["OUTPUT", "Edge", "Problem", "build_problem", "share_key"]
 
 OUTPUT = "__output__"
 """Pseudo-consumer of the graph output: it takes "R" (the graph output must be replicated)."""
@@ -52,6 +63,8 @@ class Edge:
         grad: True when a gradient flows back along it.
         getitem: True for a tuple element: placements must be equal, nothing moves.
         part: "pre" | "layer" | "post": where its cost is paid (the consumer's part).
+        share: edges with one `share` (not None) carry one redistribution per (producer
+            placement, consumer placement) ([Note: one redistribution per value]).
     """
 
     src: str
@@ -64,6 +77,7 @@ class Edge:
     grad: bool
     getitem: bool
     part: str
+    share: tuple | None = None
 
 
 @dataclass
@@ -109,6 +123,11 @@ class Problem:
     @property
     def num_layers(self) -> int:
         return self.graph.total_layers if self.graph.num_layers else 0
+
+    @functools.cached_property
+    def layer_of(self) -> dict[str, int]:
+        """Node name -> index of the captured block it belongs to (block nodes only)."""
+        return _layer_of(self.graph)
 
     @functools.cached_property
     def param_tensors(self) -> dict[str, float]:
@@ -290,19 +309,47 @@ def _edges(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[E
             w = total / n_cap
         dst = OUTPUT if v is None else prob.rep[v.name]
         no_grad = v is not None and op_name(str(v.target)) in NO_GRAD_OPS
+        where = _share_class(v, lu, lv, prob)
         edge = Edge(prob.rep[u.name], k, dst, j, w, _tensor_bytes(graph, u, k, dtype_bytes),
                     u.name not in params, u.name in grads and not no_grad,
                     v is not None and v.target is operator.getitem,
-                    "post" if v is None else prob.part[dst])
+                    "post" if v is None else prob.part[dst],
+                    None if where is None else (prob.rep[u.name], k, where))
         key = (edge.src, k, dst, j)
         if key in merged:
             old = merged[key]
-            edge = Edge(**{**old.__dict__, "weight": old.weight + w})
+            share = old.share if old.share == edge.share else None
+            edge = Edge(**{**old.__dict__, "weight": old.weight + w, "share": share})
         merged[key] = edge
     edges = list(merged.values())
     if graph.num_layers == 1 and total > 1:
         edges += _transition_edges(graph, prob, layer_of, edges)
     return edges
+
+
+def _share_class(v: torch.fx.Node | None, lu: int | None, lv: int | None,
+                 prob: Problem) -> str | None:
+    """Where consumer `v` of a value from block `lu` sits ([Note: one redistribution per
+    value]): "same" / "next" block, "in" (a value from outside the blocks), or its part outside
+    the blocks; None for the graph output and a tuple element (nothing to share)."""
+    if v is None or v.target is operator.getitem:
+        return None
+    if lv is not None:
+        return "in" if lu is None else ("same" if lu == lv else "next")
+    return prob.part.get(prob.rep[v.name], "pre")
+
+
+def share_key(problem: Problem, producer: str, out_index: int, consumer: str) -> tuple | None:
+    """The group of consumers of the captured graph that share one redistribution of
+    `producer`'s output `out_index` ([Note: one redistribution per value]): (producer,
+    out_index, the consumer's block index, or its part outside the blocks); None for the graph
+    output ("output") and for consumers not in `problem`."""
+    if consumer not in problem.rep:
+        return None
+    layer = problem.layer_of.get(consumer)
+    if layer is not None:
+        return (producer, out_index, "block", layer)
+    return (producer, out_index, problem.part.get(problem.rep[consumer], "pre"))
 
 
 def _transition_edges(graph, prob: Problem, layer_of, edges: list[Edge]) -> list[Edge]:
@@ -318,7 +365,8 @@ def _transition_edges(graph, prob: Problem, layer_of, edges: list[Edge]) -> list
         for o in outs:
             if node_tensor_meta(graph, nodes[o.src])[o.out_index] == shape_in:
                 extra.append(Edge(o.src, o.out_index, e.dst, e.arg_index,
-                                  graph.total_layers - 1, e.nbytes, True, e.grad, False, "layer"))
+                                  graph.total_layers - 1, e.nbytes, True, e.grad, False, "layer",
+                                  (o.src, o.out_index, "next")))
                 break
     return extra
 
