@@ -61,9 +61,20 @@ one for the rest of the stage):
   backward made them (`grads_at_activation_peak`): gradient accumulation without pipelining
   (m > 1), 1F1B with more microbatches than the rank holds in flight; not for m = 1 or GPipe
   (the step starts with set_to_none gradients);
-- pipeline receive buffers (comm_buffers): torch.distributed.pipelining allocates one per
-  microbatch for each boundary a rank receives across -- activations from the previous stage,
-  gradients from the next -- m x boundary bytes each, live for the whole step.
+- pipeline receive buffers (comm_buffers): the runtime allocates a receive buffer when it posts
+  the receive and drops it once the forward or backward of its microbatch consumed it ([Note:
+  in-flight receive buffers] in autoplan/_torch_compat.py): one buffer per side the rank
+  receives across, activations from the previous stage and gradients from the next, boundary
+  bytes each (torch's 1F1B and GPipe post a receive just before the compute that reads it; its
+  interleaved runtime posts them as early as the sender allows, which its action IR shows is
+  one of each at a rank's peak). A received activation, once its forward ran, is the stage's
+  input, saved for backward and counted with the activations (the first layer's input);
+- stage outputs kept for backward: torch's pipeline stage keeps each microbatch's output until
+  that microbatch's backward (`fwd_cache`; the next stage received a copy), one boundary per
+  in-flight chunk-microbatch of a chunk that sends forward: in_flight x (v, less the last
+  stage's chunk on the last rank) boundary bytes at moment A, counted with the activations
+  (Megatron-LM's `deallocate_output_tensor` frees these; torch 2.13 does not). GPipe holds all
+  m, 1F1B min(m, pp - r): nothing in the runtime grows with m beyond what is in flight.
 `rank_memories` gives the ILP the same quantities as linear forms, one per moment and rank.
 """
 
@@ -200,11 +211,23 @@ def _held_layers(cfg: Config, layers_r: int, gathered: bool) -> float:
 
 
 def _recv_buffer_bytes(cfg: Config, r: int, boundary_bytes: float) -> float:
-    """Pipeline receive buffers of rank r ([Note: memory per rank])."""
+    """Pipeline receive buffers of rank r, one posted receive per side it receives across
+    ([Note: memory per rank])."""
     if cfg.pp == 1:
         return 0.0
     sides = (r > 0) + (r < cfg.pp - 1) if cfg.num_virtual_stages == 1 else 2
-    return sides * cfg.num_microbatches * cfg.num_virtual_stages * boundary_bytes
+    return sides * boundary_bytes
+
+
+def _sent_output_bytes(cfg: Config, r: int, boundary_bytes: float) -> float:
+    """Stage outputs rank r keeps for backward per in-flight microbatch (in units of one
+    microbatch through all of its layers, as `pipeline_in_flight_microbatches` counts): one
+    boundary per chunk that sends forward, all v but the last stage's ([Note: memory per
+    rank])."""
+    if cfg.pp == 1:
+        return 0.0
+    sending = cfg.num_virtual_stages - (1 if r == cfg.pp - 1 else 0)
+    return sending * boundary_bytes
 
 
 def _late_coef(r: int, layers: list[int], shares: dict, total_layers: int) -> dict:
@@ -240,6 +263,7 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
                                                     r, cfg.num_virtual_stages)
         grads_a = states["grads"] if _grads_at_activation_peak(cfg, in_flight) else 0.0
         recv = _recv_buffer_bytes(cfg, r, boundary_bytes)
+        sent = in_flight * _sent_output_bytes(cfg, r, boundary_bytes)
         shares = {part: _share(part, r, cfg, layers, total_layers)
                   for part in ("pre", "layer", "post")}
         held = {p: _held_layers(cfg, layers[r], True) if p == "layer" else 1.0 for p in shares}
@@ -248,7 +272,7 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
                                for p, sh in shares.items()},
                               {p: in_flight * sh for p, sh in shares.items()},
-                              (output_bytes if r == cfg.pp - 1 else 0.0) + recv)
+                              (output_bytes if r == cfg.pp - 1 else 0.0) + sent + recv)
         moment_b = RankMemory({p: (kept + states["grads"] + unit * held[p]
                                    + unsharded * grad_held[p]) * sh
                                for p, sh in shares.items()}, _late_coef(r, layers, shares,
@@ -357,8 +381,10 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     block = sol.param_elems.get("layer", 0.0) * share["layer"]
     gathered = rest + block * _held_layers(cfg, layers[r], True)
     grad_unit = rest + block * _held_layers(cfg, layers[r], False)
+    # the stage outputs kept for backward are held per in-flight microbatch, like activations
+    sent = _sent_output_bytes(cfg, r, boundary_bytes)
     return peak_memory_bytes(
-        model_states=states, activation_bytes=acts, in_flight_microbatches=in_flight,
+        model_states=states, activation_bytes=acts + sent, in_flight_microbatches=in_flight,
         zero_stage=cfg.zero_stage, dp=cfg.dp,
         output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
         comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
