@@ -166,6 +166,10 @@ class Prediction:
             time] in solver/pipeline.py; the report's cross-check recomputes it per part (0:
             not recorded, a plan written before it existed).
         p2p_s: the pipeline transfers of `stage_time_s` (0 without pp).
+        error_bands: the expected error of `step_time_s` and `memory_bytes`, {"step_time" |
+            "peak_memory": {"low", "high" (fractions: predicted / measured - 1), "rows",
+            "source", "covers", "not_covered"}}, from the fidelity benches ([Note: error
+            bands] in cost_model/fidelity.py); empty in a plan written before it existed.
     """
 
     step_time_s: float
@@ -179,6 +183,7 @@ class Prediction:
     mfu: float = 0.0
     stage_time_s: float = 0.0
     p2p_s: float = 0.0
+    error_bands: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -457,3 +457,15 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
     counts = {"pre": 1, "block": graph.total_layers, "post": 1}
     return [PartCost(p, counts[p], *sums[p]) for p in ("pre", "block", "post")
             if p != "block" or graph.num_layers]
+
+
+def error_band_text(plan: Plan, kind: str) -> str:
+    """"expected error -17% to +1% (10 plans on ..., bench/fidelity.py)" for `kind`
+    ("step_time" | "peak_memory") of the plan's [Note: error bands]; "" when the plan has none
+    (written before they existed)."""
+    band = plan.prediction.error_bands.get(kind)
+    if not band:
+        return ""
+    text = (f"expected error {band['low'] * 100:+.0f}% to {band['high'] * 100:+.0f}% "
+            f"(predicted vs measured over {band['rows']} {band['covers']}, {band['source']})")
+    return text + (f"; not covered: {band['not_covered']}" if band.get("not_covered") else "")

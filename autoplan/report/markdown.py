@@ -98,7 +98,7 @@ def _prediction(plan: Plan, topology) -> list[str]:
     p = plan.prediction
     step = p.step_time_s or 1.0
     rows = [
-        ["step time", F.fmt_time(p.step_time_s), ""],
+        ["step time", F.fmt_time(p.step_time_s), F.error_band_text(plan, "step_time")],
         ["compute", F.fmt_time(p.compute_s), F.fmt_pct(p.compute_s / step)],
         ["communication (exposed)", F.fmt_time(p.comm_s), F.fmt_pct(p.comm_s / step)],
         ["pipeline bubble", F.fmt_time(p.bubble_s), F.fmt_pct(p.bubble_s / step)],
@@ -115,7 +115,7 @@ def _memory(plan: Plan, topology) -> list[str]:
     peak = plan.prediction.memory_bytes
     rows = [[k, F.fmt_bytes(v), F.fmt_pct(v / peak) if peak else ""]
             for k, v in F.memory_rows(plan)]
-    rows.append(["**peak**", f"**{F.fmt_bytes(peak)}**", ""])
+    rows.append(["**peak**", f"**{F.fmt_bytes(peak)}**", F.error_band_text(plan, "peak_memory")])
     lines = ["## Memory per rank", "",
              "The most loaded rank at its peak (the backward of its last layer for the oldest "
              "microbatch in flight).", "", *_table(["kind", "bytes", "share"], rows)]
@@ -294,4 +294,9 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
     if topology is not None:
         mem += (f" of {F.fmt_bytes(topology.device.mem_bytes)} on {topology.device.name} "
                 f"({F.fmt_pct(p.memory_bytes / topology.device.mem_bytes)})")
+    bands = [f"{what} {b['low'] * 100:+.0f}% to {b['high'] * 100:+.0f}%"
+             for what, b in (("step time", p.error_bands.get("step_time")),
+                             ("memory", p.error_bands.get("peak_memory"))) if b]
+    if bands:
+        mem += "\nerror       " + ", ".join(bands) + " (predicted vs measured; see the report)"
     return "\n".join(lines + [mem])

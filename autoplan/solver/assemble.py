@@ -11,9 +11,11 @@ others its result.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 from autoplan.cost_model.comm import p2p_time_s, redistribute_time_s
+from autoplan.cost_model.fidelity import error_bands
 from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
 )
@@ -134,7 +136,9 @@ def _prediction(search, best: Assessment) -> Prediction:
         bubble_s=best.bubble_s, memory_bytes=best.memory_bytes,
         memory_breakdown=dict(best.memory_breakdown), model_flops=model_flops,
         tflops_per_device=per_device / 1e12, mfu=per_device / peak if peak else 0.0,
-        stage_time_s=stage_s, p2p_s=p2p_s)
+        stage_time_s=stage_s, p2p_s=p2p_s,
+        error_bands={k: dataclasses.asdict(b) for k, b in zip(
+            ("step_time", "peak_memory"), error_bands(topology.device.name))})
 
 
 def _stage_time_s(search, best: Assessment) -> tuple[float, float]:

@@ -1,0 +1,84 @@
+"""How far the cost model's predictions are from measurement: the error bands a plan states.
+
+[Note: error bands]
+A prediction is only worth its fidelity, so a plan states, next to its step time and peak
+memory, the relative error `predicted / measured - 1` the fidelity benches found for plans of
+its kind:
+
+| scope   | topologies                       | bench (results)                                  |
+|---------|----------------------------------|--------------------------------------------------|
+| local   | CPU ranks (`local-cpu`, fitted   | bench/fidelity.py (bench/results/fidelity.json): |
+|         | by `autoplan calibrate`)         | ten plans on 2 and 4 gloo ranks, time and memory |
+| cluster | GPU presets and topology files   | bench/published.py (bench/results/published.json):|
+|         | of GPUs                          | published Megatron-LM / BLOOM runs, time only    |
+
+The band is the smallest and largest error over the bench's rows, widened outward to whole
+percent. Rows a bench reports but does not hold the model to (bench/published.py
+`OUT_OF_SCOPE`) do not enter it, and the band says what it does not cover. Memory at cluster
+scale has no published measurement to hold the model to: its band is the local one, and says so.
+
+These are constants, not read from bench/ at run time (the package does not ship bench/);
+tests/test_fidelity.py checks that they equal what the results files give, so a bench re-run
+that moves them fails until they are updated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ErrorBand", "LOCAL_STEP_TIME", "LOCAL_PEAK_MEMORY", "CLUSTER_STEP_TIME",
+           "CLUSTER_PEAK_MEMORY", "band_of", "error_bands"]
+
+
+@dataclass(frozen=True)
+class ErrorBand:
+    """Relative error `predicted / measured - 1` of a prediction: from `low` to `high`
+    (fractions: -0.17 is 17% under), over `rows` measured cases of `source`; `covers` says
+    which plans the rows are, `not_covered` what they leave out."""
+
+    low: float
+    high: float
+    rows: int
+    source: str
+    covers: str
+    not_covered: str = ""
+
+    def __str__(self) -> str:
+        text = (f"{self.low * 100:+.0f}% to {self.high * 100:+.0f}% "
+                f"({self.rows} {self.covers}, {self.source})")
+        return text + (f"; not covered: {self.not_covered}" if self.not_covered else "")
+
+
+def band_of(errors: list[float], **kwargs) -> ErrorBand:
+    """The band of measured errors, widened outward to whole percent. Raises ValueError
+    without errors."""
+    if not errors:
+        raise ValueError("an error band needs at least one measured error")
+    import math
+    return ErrorBand(low=math.floor(min(errors) * 100) / 100,
+                     high=math.ceil(max(errors) * 100) / 100, rows=len(errors), **kwargs)
+
+
+LOCAL_STEP_TIME = ErrorBand(
+    low=-0.17, high=0.01, rows=10, source="bench/fidelity.py",
+    covers="plans on 2 and 4 local gloo ranks (dp, ZeRO 0-3, tp, pp, checkpointing)")
+LOCAL_PEAK_MEMORY = ErrorBand(
+    low=-0.05, high=0.07, rows=10, source="bench/fidelity.py",
+    covers="plans on 2 and 4 local gloo ranks (dp, ZeRO 0-3, tp, pp, checkpointing)")
+CLUSTER_STEP_TIME = ErrorBand(
+    low=-0.15, high=0.12, rows=18, source="bench/published.py",
+    covers="published A100 runs of GPTs from 1.7B to 1T parameters (Megatron-LM, BLOOM)",
+    not_covered="ZeRO-3 at data-parallel scale, H100 runs, fused attention")
+CLUSTER_PEAK_MEMORY = ErrorBand(
+    low=LOCAL_PEAK_MEMORY.low, high=LOCAL_PEAK_MEMORY.high, rows=LOCAL_PEAK_MEMORY.rows,
+    source=LOCAL_PEAK_MEMORY.source, covers="plans on local gloo ranks",
+    not_covered="no published memory measurement at cluster scale")
+
+
+def error_bands(device_name: str) -> tuple[ErrorBand, ErrorBand]:
+    """(step time, peak memory) bands of a plan on devices named `device_name`: the local
+    bands for CPU ranks (a name starting with "cpu", as the local-cpu preset and calibrate
+    name them), the cluster bands otherwise."""
+    if device_name.lower().startswith("cpu"):
+        return LOCAL_STEP_TIME, LOCAL_PEAK_MEMORY
+    return CLUSTER_STEP_TIME, CLUSTER_PEAK_MEMORY
