@@ -66,28 +66,32 @@ def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
 
 
 def memory_budget(factory, batch: int, overrides: dict, fraction: float | None,
-                  seq: int = SEQ):
-    """A per-device memory budget `fraction` of what the plan needs with ample memory: under
-    it the planner has to split weights on the tp axis instead of replicating them (tiny
-    models are latency-bound, so with ample memory replication wins). None for None."""
+                  world_size: int, seq: int = SEQ):
+    """A per-device memory budget `fraction` of what the plan for `world_size` ranks needs
+    with ample memory: under it the planner has to split weights on the tp axis instead of
+    replicating them (tiny models are latency-bound, so with ample memory replication wins).
+    None for None. Called in the test's process, once, not on every rank: planning without a
+    process group for `world_size` local-cpu ranks is the plan each rank makes."""
     from autoplan.api import autoparallel
 
     if fraction is None:
         return None
-    ample = autoparallel(factory(), global_batch=batch, seq_len=seq, **overrides).plan
+    ample = autoparallel(factory(), global_batch=batch, seq_len=seq, world_size=world_size,
+                         **overrides).plan
     return ample.prediction.memory_bytes * fraction
 
 
 def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=None,
-          seq: int = SEQ, memory_fraction: float | None = None):
-    """On every rank: plan with `overrides` (fixing some of the solver's choices), train, and
-    return (losses, this rank's full parameters, plan JSON, gradient norms before clipping)."""
+          seq: int = SEQ, device_memory_bytes: float | None = None):
+    """On every rank: plan with `overrides` (fixing some of the solver's choices) and
+    `device_memory_bytes` (see `memory_budget`), train, and return (losses, this rank's full
+    parameters, plan JSON, gradient norms before clipping)."""
     from autoplan.api import autoparallel
 
-    budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
     model = factory()
     ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
-                      max_grad_norm=max_grad_norm, device_memory_bytes=budget, **overrides)
+                      max_grad_norm=max_grad_norm, device_memory_bytes=device_memory_bytes,
+                      **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)
     losses, norms = [], []
     for i in range(steps):
@@ -156,14 +160,13 @@ def reference_keyed(factory, steps: int, batch: int, seed: int, *, seq: int = SE
 
 
 def train_seeded(factory, steps: int, batch: int, overrides: dict, seed: int, *,
-                 seq: int = SEQ, memory_fraction: float | None = None):
+                 seq: int = SEQ, device_memory_bytes: float | None = None):
     """`train` with an explicit random-op seed: (losses, this rank's full parameters)."""
     from autoplan.api import autoparallel
 
-    budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
     model = factory()
     ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, seed=seed,
-                      device_memory_bytes=budget, **overrides)
+                      device_memory_bytes=device_memory_bytes, **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)
     losses = [ap.step(x[i], y[i]) for i in range(steps)]
     return losses, ap.state_dict()
@@ -248,7 +251,7 @@ class _DtypeLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def train_mixed(factory, steps: int, batch: int, overrides: dict, dtype: str, *,
-                seq: int = SEQ, memory_fraction: float | None = None):
+                seq: int = SEQ, device_memory_bytes: float | None = None):
     """On every rank: train under a 16-bit plan; returns (losses, full master parameters,
     matmul output dtypes, dtypes of the dp collectives (FSDP2's reduce-scatter / all-reduce),
     master dtypes, optimizer state dtypes, the report's precision line)."""
@@ -256,10 +259,9 @@ def train_mixed(factory, steps: int, batch: int, overrides: dict, dtype: str, *,
 
     from autoplan.api import autoparallel
 
-    budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
     model = factory()
     ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, dtype=dtype,
-                      device_memory_bytes=budget, **overrides)
+                      device_memory_bytes=device_memory_bytes, **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)
     collective_dtypes = set()
     originals = (dist.reduce_scatter_single, dist.all_reduce)
@@ -347,14 +349,13 @@ def hf_loader(path: str):
 
 
 def train_from_hf(path: str, out: str, steps: int, batch: int, overrides: dict, *,
-                  seq: int = SEQ, memory_fraction: float | None = None):
+                  seq: int = SEQ, device_memory_bytes: float | None = None):
     """On every rank: `autoplan.from_pretrained(path)` (each rank reads its slices), train,
     `save_pretrained(out)`. Returns (losses, this rank's full parameters, bytes read)."""
     import autoplan
 
-    budget = memory_budget(hf_loader(path), batch, overrides, memory_fraction, seq)
     ap = autoplan.from_pretrained(path, global_batch=batch, seq_len=seq, optimizer=adamw,
-                                  device_memory_bytes=budget, **overrides)
+                                  device_memory_bytes=device_memory_bytes, **overrides)
     x, y = batches(vocab_of(ap.module), steps, batch, seq)
     losses = [ap.step(x[i], y[i]) for i in range(steps)]
     ap.save_pretrained(out)
@@ -432,9 +433,11 @@ def grouped_adamw(named):
                               {"params": frozen, "lr": 0.0}], lr=LR, eps=1e-6)
 
 
-def train_with_a_sleeper(sleep_s: float):
-    """dp2 gpt2-tiny: one step together, then rank 1 sleeps `sleep_s` instead of stepping;
-    rank 0's second step waits for it past the collective timeout. What each rank saw."""
+def train_with_a_sleeper(sleep_s: float, done_path: str):
+    """dp2 gpt2-tiny: one step together, then rank 1 sleeps instead of stepping -- until rank
+    0 has written `done_path` (its second step gave up on rank 1), at most `sleep_s`; rank 0's
+    second step waits for it past the collective timeout. What each rank saw."""
+    import os
     import time
 
     import torch.distributed as dist
@@ -447,13 +450,19 @@ def train_with_a_sleeper(sleep_s: float):
     x, y = batches(vocab_of(model), 2, 4)
     ap.step(x[0], y[0])
     if dist.get_rank() == 1:
-        time.sleep(sleep_s)
+        # asleep while rank 0 waits; woken once it is done waiting, not a fixed time later
+        until = time.monotonic() + sleep_s
+        while not os.path.exists(done_path) and time.monotonic() < until:
+            time.sleep(0.1)
         return "slept"
     try:
         ap.step(x[1], y[1])
+        seen = "no error"
     except Exception as e:  # noqa: BLE001 - the test reads it
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+        seen = f"{type(e).__name__}: {e}"
+    with open(done_path, "w") as f:
+        f.write(seen)
+    return seen
 
 
 def warmup(optimizer):

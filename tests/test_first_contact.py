@@ -425,15 +425,17 @@ def test_optimizer_groups_by_name_match_one_process(clusters, overrides):
 
 
 @pytest.mark.slow
-def test_a_collective_that_times_out_names_the_rank_it_waited_for():
+def test_a_collective_that_times_out_names_the_rank_it_waited_for(tmp_path):
     """Rank 1 stops stepping (a hang between steps, as under torchrun): rank 0's collective
-    times out, and its error names rank 1 and where it last was, not only gloo's "Timed out"."""
+    times out, and its error names rank 1 and where it last was, not only gloo's "Timed out".
+    Rank 1 sleeps until rank 0 has its answer (at most 60 s)."""
     import _jobs
 
     from autoplan.runtime.launcher import LocalCluster
 
     with LocalCluster(2, pg_timeout_s=4) as cluster:
-        seen = cluster.run(_jobs.train_with_a_sleeper, 15.0, timeout_s=240)
+        seen = cluster.run(_jobs.train_with_a_sleeper, 60.0, str(tmp_path / "rank0-done"),
+                           timeout_s=240)
     assert seen[1] == "slept"
     assert seen[0].startswith("PeerError: rank 0, step 2: a collective failed"), seen[0]
     assert re.search(r"rank 1: last at 'after step 1', \d+ s ago", seen[0]), seen[0]

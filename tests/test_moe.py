@@ -181,8 +181,9 @@ def test_mixtral_tp2_matches_single_process(clusters):
     every parameter after them equal one process (fp32, rtol 1e-5)."""
     factory = _moe.factory("mixtral")
     ref = _jobs.reference(factory, 3, 4)
+    budget = _jobs.memory_budget(factory, 4, dict(tp=2), 0.9, 2)
     results = clusters.get(2).run(_jobs.train, factory, 3, 4, dict(tp=2), timeout_s=600,
-                                  memory_fraction=0.9)
+                                  device_memory_bytes=budget)
     placements = _experts_placements(Plan.from_json(results[0][2]))
     assert set(placements.values()) == {"S(0)"}, placements
     _assert_matches(results, ref)

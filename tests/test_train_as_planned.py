@@ -80,21 +80,27 @@ def dropout_reference():
     return _jobs.reference_keyed(_jobs.preset("gpt2-tiny", **DROPOUT), 3, 4, seed=123)
 
 
+@pytest.fixture(scope="module")
+def other_seed_reference():
+    return _jobs.reference_keyed(_jobs.preset("gpt2-tiny", **DROPOUT), 1, 4, seed=124)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,overrides", [
     (2, dict(dp=2)), (2, dict(tp=2)), (2, dict(pp=2, num_microbatches=2)),
     (4, dict(dp=2, tp=2))], ids=["dp2", "tp2", "pp2", "dp2xtp2"])
-def test_dropout_matches_one_process(clusters, dropout_reference, world, overrides):
+def test_dropout_matches_one_process(clusters, dropout_reference, other_seed_reference, world,
+                                     overrides):
     """GPT-2 with dropout 0.5 everywhere (embeddings, residuals, attention probabilities)."""
-    fraction = 0.9 if "tp" in overrides else None
-    results = clusters.get(world).run(
-        _jobs.train_seeded, _jobs.preset("gpt2-tiny", **DROPOUT), 3, 4, overrides, 123,
-        memory_fraction=fraction, timeout_s=300)
+    factory = _jobs.preset("gpt2-tiny", **DROPOUT)
+    budget = _jobs.memory_budget(factory, 4, overrides, 0.9 if "tp" in overrides else None,
+                                 world)
+    results = clusters.get(world).run(_jobs.train_seeded, factory, 3, 4, overrides, 123,
+                                      device_memory_bytes=budget, timeout_s=300)
     for result in results:
         assert_matches("gpt2-tiny", result, dropout_reference)
     # and the masks are really random: another seed gives another loss
-    other = _jobs.reference_keyed(_jobs.preset("gpt2-tiny", **DROPOUT), 1, 4, seed=124)
-    assert other[0][0] != dropout_reference[0][0]
+    assert other_seed_reference[0][0] != dropout_reference[0][0]
 
 
 @pytest.mark.slow
@@ -115,8 +121,9 @@ def test_bf16_runs_the_planned_recipe(clusters, mesh, zero):
     factory = _jobs.preset("llama-tiny")
     ref = _jobs.reference_mixed(factory, 5, 4, "bfloat16")
     overrides = dict(mesh, zero_stage=zero)
+    budget = _jobs.memory_budget(factory, 4, overrides, 0.9 if "tp" in mesh else None, 4)
     results = clusters.get(4).run(_jobs.train_mixed, factory, 5, 4, overrides, "bfloat16",
-                                  memory_fraction=0.9 if "tp" in mesh else None, timeout_s=300)
+                                  device_memory_bytes=budget, timeout_s=300)
     for losses, params, matmuls, collectives, masters, states, recipe in results:
         assert matmuls == {"torch.bfloat16"}, matmuls
         assert collectives == {"torch.float32"}, collectives
@@ -180,8 +187,9 @@ def test_hf_checkpoint_round_trip(clusters, tmp_path, name, mesh):
     src, out = tmp_path / "src", tmp_path / "out"
     file_bytes = _write_hf(name, src, seed=3)
     ref = _jobs.reference(_jobs.hf_loader(str(src)), 3, 4)
+    budget = _jobs.memory_budget(_jobs.hf_loader(str(src)), 4, mesh, 0.9, 4)
     results = clusters.get(4).run(_jobs.train_from_hf, str(src), str(out), 3, 4, mesh,
-                                  memory_fraction=0.9, timeout_s=300)
+                                  device_memory_bytes=budget, timeout_s=300)
     trained = {}
     for losses, params, bytes_read in results:
         assert_matches(name, (losses, params), ref)

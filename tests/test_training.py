@@ -53,8 +53,9 @@ def test_matches_single_process(clusters, references, name, mesh, zero):
     # Under tp, a memory budget below what replication needs makes the planner split weights
     # (with ample memory, replication wins for models this small).
     fraction = 0.9 if "tp" in overrides else None
+    budget = _jobs.memory_budget(_jobs.preset(name), BATCH, overrides, fraction, 4)
     results = clusters.get(4).run(_jobs.train, _jobs.preset(name), STEPS, BATCH, overrides,
-                                  timeout_s=180, memory_fraction=fraction)
+                                  timeout_s=180, device_memory_bytes=budget)
     if fraction is not None:
         placements = json.loads(results[0][2])["param_placements"]
         assert any(p != "R" for _, p in placements), "the plan split no weight on the tp axis"
@@ -79,9 +80,10 @@ def _gpt2_tiny_matches(clusters, references, overrides):
     that splits weights with tp), check every rank against one process; the ranks' plans."""
     if "pp" in overrides:
         overrides = dict(overrides, num_microbatches=2)
+    budget = _jobs.memory_budget(_jobs.preset("gpt2-tiny"), BATCH, overrides,
+                                 0.9 if "tp" in overrides else None, 4)
     results = clusters.get(4).run(_jobs.train, _jobs.preset("gpt2-tiny"), STEPS, BATCH,
-                                  overrides, timeout_s=180,
-                                  memory_fraction=0.9 if "tp" in overrides else None)
+                                  overrides, timeout_s=180, device_memory_bytes=budget)
     for result in results:
         assert_matches("gpt2-tiny", result, references("gpt2-tiny"))
     return [json.loads(result[2]) for result in results]
