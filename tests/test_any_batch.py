@@ -53,7 +53,9 @@ def test_eval_step_gives_one_process_loss_and_outputs(clusters):
 
 
 # -- the batch's checks, in one process (planning only, no training) --------------------------
-def _planned():
+@pytest.fixture(scope="module")
+def planned():
+    """One plan shared by the checks below: checking a batch reads the plan, changes nothing."""
     import _batch_jobs
 
     from autoplan import autoparallel
@@ -64,8 +66,8 @@ def _planned():
     return ap, batch
 
 
-def test_the_first_batch_declares_the_inputs_and_the_spec_names_them():
-    ap, batch = _planned()
+def test_the_first_batch_declares_the_inputs_and_the_spec_names_them(planned):
+    ap, batch = planned
     spec = ap.inputs
     assert [(leaf.name, leaf.batch_dim, leaf.to_model) for leaf in spec.leaves] == [
         ("input_ids", 0, True), ("attention_mask", 0, True), ("labels", 0, True)]
@@ -81,16 +83,16 @@ def test_the_first_batch_declares_the_inputs_and_the_spec_names_them():
     (lambda b: {**b, "input_ids": b["input_ids"] + 64}, "input_ids holds token id"),
     (lambda b: {**b, "input_ids": b["input_ids"][:2]}, "dim 0: 2 where the plan has 4"),
 ], ids=["missing-key", "shape", "dtype", "vocabulary", "samples"])
-def test_a_batch_unlike_the_plans_is_refused_naming_the_value(change, message):
-    ap, batch = _planned()
+def test_a_batch_unlike_the_plans_is_refused_naming_the_value(planned, change, message):
+    ap, batch = planned
     with pytest.raises(ValueError, match=message):
         ap._checked((change(batch),))
 
 
-def test_narrower_integers_are_taken_and_an_ambiguous_batch_dim_asks_for_a_name():
+def test_narrower_integers_are_taken_and_an_ambiguous_batch_dim_asks_for_a_name(planned):
     from autoplan.inputs import InputSpec
 
-    ap, batch = _planned()
+    ap, batch = planned
     leaves = ap._checked(({k: v.int() for k, v in batch.items()},))
     assert all(t.dtype == torch.long for t in leaves)
     net = torch.nn.Linear(4, 4)
