@@ -47,6 +47,29 @@ def _small_device(topo, mem_bytes):
     return dataclasses.replace(topo, device=dataclasses.replace(topo.device, mem_bytes=mem_bytes))
 
 
+@pytest.fixture(scope="module")
+def tp_plan(llama, gpt2, local4):
+    """plan(graph, local4, global batch 8 x seq 16, tp=tp) for graph "llama" or "gpt2", each
+    solved once for the tests that read it (a Plan is frozen; the solver is deterministic)."""
+    graphs, plans = {"llama": llama, "gpt2": gpt2}, {}
+
+    def get(name: str, tp: int) -> Plan:
+        if (name, tp) not in plans:
+            plans[name, tp] = plan(graphs[name], local4, TrainingSpec(global_batch=8,
+                                                                      seq_len=16), tp=tp)
+        return plans[name, tp]
+    return get
+
+
+@pytest.fixture(scope="module")
+def memory_bound(llama, local4):
+    """(topology, spec, plan) for llama-tiny on 4 ranks of 300 kB, where memory binds the
+    placements (CP-SAT solves): the plan solved once for the tests that compare with it."""
+    topo = _small_device(local4, 3e5)
+    spec = TrainingSpec(global_batch=8, seq_len=16)
+    return topo, spec, plan(llama, topo, spec)
+
+
 def _wide_mlp(h=1024):
     with torch.device("meta"):
         model = WideMLP(h, 4 * h)
@@ -113,8 +136,8 @@ def test_memory_binds_the_placement_even_when_replication_is_faster():
     assert sum(pl != "R" for _, pl in p.param_placements) >= 2
 
 
-def test_plan_json_round_trip(llama, local4):
-    p = plan(llama, local4, TrainingSpec(global_batch=8, seq_len=16), tp=2)
+def test_plan_json_round_trip(tp_plan):
+    p = tp_plan("llama", 2)
     assert Plan.from_json(p.to_json()) == p
     assert p.strategies and p.param_placements and p.alternatives
 
@@ -159,24 +182,23 @@ def _check_plan_consistent(graph, p: Plan):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_plan_is_consistent(llama, gpt2, local4, tp):
-    spec = TrainingSpec(global_batch=8, seq_len=16)
-    for graph in (llama, gpt2):
-        _check_plan_consistent(graph, plan(graph, local4, spec, tp=tp))
+def test_plan_is_consistent(llama, gpt2, tp_plan, tp):
+    for name, graph in (("llama", llama), ("gpt2", gpt2)):
+        _check_plan_consistent(graph, tp_plan(name, tp))
 
 
 # --- the runtime contract: DTensor runs every chosen strategy as planned --------------------------
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_chosen_strategies_run_under_dtensor(name, tp, request, local4, fake_world):
+def test_chosen_strategies_run_under_dtensor(name, tp, request, tp_plan, fake_world):
     """Propagation (no process group) keeps every chosen strategy's inputs and gives its
     outputs; and a real DTensor dispatch (fake process group, strict: no implicit
     redistribution allowed) produces the planned outputs."""
     from torch.distributed.tensor import DeviceMesh
     from autoplan.strategies import Candidate, _propagate_node
     graph = request.getfixturevalue(name)
-    p = plan(graph, local4, TrainingSpec(global_batch=8, seq_len=16), tp=tp)
+    p = tp_plan(name, tp)
     mesh, pmesh = DeviceMesh("cpu", torch.arange(tp)), tc.tp_mesh(tp)
     consts = constant_like_nodes(graph)
     nodes = {n.name: n for n in graph.gm.graph.nodes}
@@ -194,10 +216,10 @@ def test_chosen_strategies_run_under_dtensor(name, tp, request, local4, fake_wor
 
 # --- C3 -----------------------------------------------------------------------------------------
 
-def test_c3_gqa_at_tp4_replicates_kv_heads(llama, local4):
+def test_c3_gqa_at_tp4_replicates_kv_heads(llama, tp_plan):
     """8 query heads, 2 KV heads: tp=4 is accepted; no strategy splits the KV projection's
     output (2 heads x 4) or its weight rows below one head per rank; the plan is valid."""
-    p = plan(llama, local4, TrainingSpec(global_batch=8, seq_len=16), tp=4)
+    p = tp_plan("llama", 4)
     assert p.mesh.tp == 4
     strat = {s.node: s for s in p.strategies}
     kv = [n for n, info in llama.nodes.items() if info.module_path.endswith(("k_proj", "v_proj"))]
@@ -344,13 +366,12 @@ def test_ilp_equals_exhaustive_search_on_a_small_problem():
     assert sol.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
 
 
-def test_branch_and_bound_equals_exhaustive_search_over_configurations(llama, local4):
+def test_branch_and_bound_equals_exhaustive_search_over_configurations(llama, memory_bound):
     """Solve every configuration exactly (memory-constrained where needed): the best step
     time equals the plan's. The device is small enough that memory binds."""
     from autoplan.solver.search import Overrides, Search, enumerate_configs
-    topo = _small_device(local4, 3e5)
-    spec = TrainingSpec(global_batch=8, seq_len=16)
-    best = plan(llama, topo, spec).prediction.step_time_s
+    topo, spec, best_plan = memory_bound
+    best = best_plan.prediction.step_time_s
     search, times = Search(llama, topo, spec, 10.0), []
     for cfg in enumerate_configs(llama, topo, spec, Overrides(), search.policies()):
         result = search.assess(cfg, search.solution(cfg))
@@ -385,19 +406,19 @@ def test_a_solve_cut_short_keeps_a_feasible_start_or_raises_a_named_error(llama,
     assert not kept.optimal and kept.choice == full.choice
 
 
-def test_a_plan_cut_short_skips_configurations_by_name_or_raises_a_named_error(llama, local4):
+def test_a_plan_cut_short_skips_configurations_by_name_or_raises_a_named_error(llama,
+                                                                               memory_bound):
     """With memory binding (CP-SAT solves) and a limit of 0.001 deterministic seconds, the
     configuration whose constrained ILP finds nothing in time is skipped with a
     SolverLimitWarning naming it, and the plan is the best of the others, the same on every
     run; when that configuration is the only one allowed, SolverLimitReached names it."""
-    topo = _small_device(local4, 3e5)
-    spec = TrainingSpec(global_batch=8, seq_len=16)
+    topo, spec, uncut = memory_bound
     plans = []
     for _ in range(2):
         with pytest.warns(SolverLimitWarning, match=r"pp1 x dp2 x tp2, ZeRO-3, 2 microbatches"):
             plans.append(plan(llama, topo, spec, time_limit_s=1e-3).to_json())
     assert plans[0] == plans[1]
-    assert Plan.from_json(plans[0]).mesh == plan(llama, topo, spec).mesh
+    assert Plan.from_json(plans[0]).mesh == uncut.mesh
     with pytest.raises(SolverLimitReached, match=r"for pp1 x dp2 x tp2, .* and \d+ more config"
                                                  r"urations .* time_limit_s=0.001"):
         plan(llama, topo, spec, tp=2, pp=1, dp=2, time_limit_s=1e-3)
