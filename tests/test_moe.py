@@ -101,8 +101,25 @@ def _experts_placements(plan) -> dict[str, str]:
             if ".experts." in fqn}
 
 
+@pytest.fixture(scope="module")
+def ample_tp2_bytes():
+    """family -> the memory per rank of its plan at tp2 on 2 local-cpu ranks (global batch 4,
+    seq 16) with ample memory, planned once for the tests that budget below it."""
+    from autoplan.api import autoparallel
+
+    planned = {}
+
+    def get(family: str) -> float:
+        if family not in planned:
+            ample = autoparallel(_moe.factory(family)(), global_batch=4, seq_len=16,
+                                 world_size=2, tp=2).plan
+            planned[family] = ample.prediction.memory_bytes
+        return planned[family]
+    return get
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_tp2_on_local_cpu_splits_the_experts(family):
+def test_tp2_on_local_cpu_splits_the_experts(family, ample_tp2_bytes):
     """At tp2 under a memory budget below replication, the plan splits the experts over the
     tp ranks (S(0), a partial output) and prices the op split (its time, launch latency
     aside, drops by more than 30 %)."""
@@ -110,10 +127,8 @@ def test_tp2_on_local_cpu_splits_the_experts(family):
     from autoplan.cost_model.compute import op_time_s
     from autoplan.topology import preset
 
-    ample = autoparallel(_moe.factory(family)(), global_batch=4, seq_len=16, world_size=2,
-                         tp=2).plan
     ap = autoparallel(_moe.factory(family)(), global_batch=4, seq_len=16, world_size=2, tp=2,
-                      device_memory_bytes=0.8 * ample.prediction.memory_bytes)
+                      device_memory_bytes=0.8 * ample_tp2_bytes(family))
     placements = _experts_placements(ap.plan)
     assert placements and set(placements.values()) == {"S(0)"}, placements
     nodes = [s for s in ap.plan.strategies if s.node.startswith("experts")]
@@ -176,12 +191,12 @@ def _assert_matches(results, ref):
 
 
 @pytest.mark.slow
-def test_mixtral_tp2_matches_single_process(clusters):
+def test_mixtral_tp2_matches_single_process(clusters, ample_tp2_bytes):
     """Mixtral at tp2 with the experts split over the tp ranks: losses of 3 AdamW steps and
     every parameter after them equal one process (fp32, rtol 1e-5)."""
     factory = _moe.factory("mixtral")
     ref = _jobs.reference(factory, 3, 4)
-    budget = _jobs.memory_budget(factory, 4, dict(tp=2), 0.9, 2)
+    budget = 0.9 * ample_tp2_bytes("mixtral")  # _jobs.memory_budget's, already planned
     results = clusters.get(2).run(_jobs.train, factory, 3, 4, dict(tp=2), timeout_s=600,
                                   device_memory_bytes=budget)
     placements = _experts_placements(Plan.from_json(results[0][2]))
