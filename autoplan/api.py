@@ -61,6 +61,7 @@ class PlanOptions:
     weights: str | None = None
     init: Callable | None = None
     seed: int | None = None
+    kernels: bool = True
     example_batch: object = None
     batch_dims: tuple[tuple[str, int | None], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
@@ -253,7 +254,7 @@ class AutoParallel:
                                       loss_fn=self.options.loss_fn,
                                       max_grad_norm=self.options.max_grad_norm,
                                       device=job.device(), seed=self.options.seed,
-                                      inputs=self.inputs)
+                                      inputs=self.inputs, kernels=self.options.kernels)
         if self.options.weights is not None and _is_dcp(self.options.weights):
             engine.load(self.options.weights)
         return engine
@@ -424,9 +425,10 @@ class AutoParallel:
         with phase(f"exporting {name}'s per-rank graphs to {out_dir}"):
             graph = self._capture(source, plan.microbatch_size)
             plan = plan_for_graph(plan, self._graph, graph)
+            kernels = self.options.kernels
             if not dist.is_initialized():
-                return export_plan(graph, plan, out_dir)
-            return run_isolated(export_plan, graph, plan, out_dir, timeout_s=timeout_s)
+                return export_plan(graph, plan, out_dir, kernels)
+            return run_isolated(export_plan, graph, plan, out_dir, kernels, timeout_s=timeout_s)
 
 
 # The world of one this process set up to train alone: not a job (a later model may still be
@@ -468,7 +470,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
                  optimizer: Callable | None = None, lr_scheduler: Callable | None = None,
                  loss_fn: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
-                 init: Callable | None = None, seed: int | None = None,
+                 init: Callable | None = None, seed: int | None = None, kernels: bool = True,
                  example_batch=None, batch_dims: dict[str, int | None] | None = None,
                  **overrides):
     """Decorate a module class, a factory function or an instance.
@@ -508,6 +510,10 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         init: `module -> None`, the init of a model given on meta (see above).
         seed: the seed of dropout and every other random op in training ([Note: RNG contract]
             in autoplan/passes/rng.py; default: rank 0's `torch.initial_seed()`).
+        kernels: run the fused kernels (RMSNorm, SwiGLU gating) in place of the patterns they
+            implement in the rewritten graphs ([Note: kernel fusion] in
+            autoplan/passes/kernels.py; Triton on CUDA, the torch reference on CPU); False keeps
+            the captured ops. A runtime choice: the plan is the same either way.
         example_batch: the batch to plan for, as `step` takes it (a dict, tuple or tensor;
             tensors on meta do), at global_batch samples; default: the first batch given to
             `step`, or (global_batch, seq_len) token ids and labels (autoplan/inputs.py).
@@ -541,12 +547,14 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"autoparallel: {name}={value!r}; expected an integer >= {least}")
+    if not isinstance(kernels, bool):
+        raise ValueError(f"autoparallel: kernels={kernels!r}; expected True or False")
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
                           max_grad_norm=max_grad_norm,
                           device_memory_bytes=device_memory_bytes, weights=weights, init=init,
-                          seed=seed, example_batch=example_batch,
+                          seed=seed, kernels=kernels, example_batch=example_batch,
                           batch_dims=tuple(sorted((batch_dims or {}).items())),
                           overrides=tuple(sorted(overrides.items())))
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels._dispatch import pick_triton
 
-__all__ = ["rms_norm", "rms_norm_reference"]
+__all__ = ["rms_norm", "rms_norm_backward", "rms_norm_reference"]
 
 MAX_FUSED_HIDDEN = 65536  # one program holds a whole row: Triton blocks top out near 2**20 elements
 _MAX_BWD_PROGRAMS = 256  # backward programs, each accumulating a partial weight gradient
@@ -157,3 +157,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if not _pick_triton(use_triton, [x, weight], "rms_norm"):
         return rms_norm_reference(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps)
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                      use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (dx, dweight) of :func:`rms_norm` given the upstream gradient dy, without a saved
+    forward: the statistics are recomputed (one read of x), as the graph op
+    ``autoplan::rms_norm_backward`` (kernels/ops.py) needs.
+
+    Args:
+        dy: (..., H), the gradient of rms_norm(x, weight, eps).
+        x, weight, eps, use_triton: as :func:`rms_norm`.
+
+    Returns:
+        dx (..., H) of x's dtype and dweight (H,) of weight's dtype: the module docstring's
+        formulas on the Triton path, autograd of :func:`rms_norm_reference` otherwise (so the
+        reference path equals the unfused graph's backward op for op).
+
+    Raises:
+        ValueError: as :func:`rms_norm`, or if dy's shape is not x's.
+    """
+    if dy.shape != x.shape:
+        raise ValueError(f"rms_norm_backward: dy {tuple(dy.shape)} must have x's shape "
+                         f"{tuple(x.shape)}")
+    wants_triton = use_triton or (use_triton is None and x.is_cuda)
+    if wants_triton and x.shape[-1] > MAX_FUSED_HIDDEN:
+        raise ValueError(f"rms_norm_backward: hidden size {x.shape[-1]} exceeds the fused "
+                         f"kernel's single-block limit {MAX_FUSED_HIDDEN}; use use_triton=False")
+    if not _pick_triton(use_triton, [dy, x, weight], "rms_norm_backward"):
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_(True)
+            w_ = weight.detach().requires_grad_(True)
+            y = rms_norm_reference(x_, w_, eps)
+            dx, dw = torch.autograd.grad(y, (x_, w_), dy)
+        return dx, dw
+    hidden = x.shape[-1]
+    x_2d = x.reshape(-1, hidden).contiguous()  # (N, H)
+    dy_2d = dy.reshape(-1, hidden).contiguous()  # (N, H)
+    acc = _acc_dtype(x.dtype, weight.dtype)
+    rstd = torch.rsqrt(x_2d.to(acc).pow(2).mean(-1) + eps)  # (N,), as _fwd_kernel's
+    num_rows = x_2d.shape[0]
+    dx = torch.empty_like(x_2d)
+    num_programs = max(1, min(num_rows, _MAX_BWD_PROGRAMS))
+    dw_partial = torch.zeros(num_programs, hidden, dtype=acc, device=x.device)
+    if num_rows:
+        _bwd_kernel[(num_programs,)](dy_2d, x_2d, weight.contiguous(), rstd, dx, dw_partial,
+                                     dy_2d.stride(0), x_2d.stride(0), dx.stride(0), num_rows,
+                                     hidden, BLOCK_H=triton.next_power_of_2(hidden))
+    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels._dispatch import pick_triton
 
-__all__ = ["swiglu", "swiglu_reference"]
+__all__ = ["swiglu", "swiglu_backward", "swiglu_reference"]
 
 _BLOCK = 1024  # elements per program
 
@@ -109,3 +109,37 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None = None)
     if not _pick_triton(use_triton, [gate, up], "swiglu"):
         return swiglu_reference(gate, up)
     return _SwiGLU.apply(gate, up)
+
+
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (d gate, d up) of :func:`swiglu` given the upstream gradient dy (the module
+    docstring's formulas), as the graph op ``autoplan::swiglu_backward`` (kernels/ops.py) needs.
+
+    Args:
+        dy: the gradient of swiglu(gate, up), gate's shape and dtype.
+        gate, up, use_triton: as :func:`swiglu`.
+
+    Returns:
+        (d gate, d up), each of gate's shape and dtype: the fused kernel on the Triton path,
+        autograd of :func:`swiglu_reference` otherwise (op for op the unfused graph's backward).
+
+    Raises:
+        ValueError: as :func:`swiglu`, or if dy differs from gate in shape or dtype.
+    """
+    if dy.shape != gate.shape or dy.dtype != gate.dtype or gate.shape != up.shape:
+        raise ValueError(f"swiglu_backward: dy, gate and up must have one shape and dtype, got "
+                         f"{tuple(dy.shape)} {dy.dtype}, {tuple(gate.shape)} {gate.dtype} and "
+                         f"{tuple(up.shape)} {up.dtype}")
+    if not _pick_triton(use_triton, [dy, gate, up], "swiglu_backward"):
+        with torch.enable_grad():
+            g_ = gate.detach().requires_grad_(True)
+            u_ = up.detach().requires_grad_(True)
+            dgate, dup = torch.autograd.grad(swiglu_reference(g_, u_), (g_, u_), dy)
+        return dgate, dup
+    gate, up, dy = gate.contiguous(), up.contiguous(), dy.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    numel = gate.numel()
+    if numel:
+        _bwd_kernel[(triton.cdiv(numel, _BLOCK),)](dy, gate, up, dgate, dup, numel, BLOCK=_BLOCK)
+    return dgate, dup

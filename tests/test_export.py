@@ -179,3 +179,36 @@ def test_a_value_read_twice_is_gathered_once(sequence_parallel, tmp_path):
     per_edge = sum(edge.weight * sum(pairs[edge_key(problem, edge, sol.choice)][:2])
                    for edge, pairs in zip(problem.edges, costs.pairs))
     assert once < per_edge  # what pricing every edge on its own would have said
+
+
+def test_export_names_the_fused_kernel_calls(exported):
+    """llama-tiny (2 layers) at pp2 x tp2: the exported local graphs call the fused kernels
+    (autoplan/passes/kernels.py) where the runtime does -- 2 RMSNorms and 1 SwiGLU per layer and
+    the final norm -- with no rsqrt or silu left over, and the header counts them."""
+    from autoplan.passes.export import count_kernels  # noqa: F401 - public with export
+
+    _, out, _ = exported
+    for tp_rank in range(2):
+        fused = {"rms_norm": 0, "swiglu": 0}
+        for rank, stage in [(tp_rank, 0), (2 + tp_rank, 1)]:
+            code = (out / f"rank{rank}_stage{stage}.py").read_text()
+            for op in fused:
+                fused[op] += code.count(f"torch.ops.autoplan.{op}.default(")
+            assert "torch.ops.aten.rsqrt" not in code and "torch.ops.aten.silu" not in code
+            header = next(line for line in code.splitlines() if "fused kernel calls" in line)
+            assert str(code.count("torch.ops.autoplan.rms_norm.default(")) in header, header
+        assert fused == {"rms_norm": 2 * 2 + 1, "swiglu": 2}, (tp_rank, fused)
+
+
+def test_export_without_kernels_keeps_the_aten_ops_and_the_same_collectives(exported, tmp_path):
+    """kernels=False: no fused calls, the aten spelling stays; fusing moved no collective."""
+    plan, out, _ = exported
+    graph = capture_preset("llama-tiny", batch=2, seq_len=16)
+    plain = export_plan(graph, plan, tmp_path, kernels=False)
+    for name in plain:
+        if not name.endswith(".py"):
+            continue
+        code, fused = (tmp_path / name).read_text(), (out / name).read_text()
+        assert "torch.ops.autoplan." not in code and "torch.ops.aten.rsqrt" in code
+        assert ([line for line in code.splitlines() if "forward collectives" in line]
+                == [line for line in fused.splitlines() if "forward collectives" in line])

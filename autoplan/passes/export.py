@@ -32,11 +32,12 @@ from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
                                     quiet_understood_warnings)
 from autoplan.graph import CapturedGraph
 from autoplan.passes.device import retarget_device
+from autoplan.passes.kernels import fuse_kernels
 from autoplan.passes.pipeline import split_stages
 from autoplan.passes.sharding import apply_placements, value_placements
 from autoplan.plan import Plan, parse_placement
 
-__all__ = ["export_plan", "trace_rank", "COLLECTIVE_OPS", "count_collectives"]
+__all__ = ["export_plan", "trace_rank", "COLLECTIVE_OPS", "count_collectives", "count_kernels"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "all_to_all_single", "broadcast")
@@ -53,6 +54,18 @@ def count_collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
     return out
 
 
+def count_kernels(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Calls of the fused kernels' ops (`torch.ops.autoplan.*`, [Note: kernel fusion]) in a
+    traced local graph, by op name."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.target.namespace == "autoplan":
+            name = node.target._opname
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
 def _local_shape(shape, placement: str, tp: int) -> tuple[int, ...]:
     p = parse_placement(placement)
     shape = list(shape)
@@ -66,8 +79,11 @@ def _val(node: torch.fx.Node):
     return v if isinstance(v, torch.Tensor) else None
 
 
-def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int):
-    """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, tp_rank).
+def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
+               kernels: bool = True):
+    """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, tp_rank), with the
+    fused kernels' ops in place of their patterns as the runtime runs them (`kernels`, see
+    autoplan/passes/kernels.py).
 
     Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
@@ -85,6 +101,8 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int):
         if sg.index % plan.mesh.pp != pp_rank:
             continue
         apply_placements(sg.gm, plan)
+        if kernels:
+            fuse_kernels(sg.gm)
         attrs = [n.target for n in sg.gm.graph.nodes if n.op == "get_attr"]
         placeholders = [n for n in sg.gm.graph.nodes if n.op == "placeholder"]
         in_pl = [produced.get(n, "R") for n in sg.input_names]
@@ -145,7 +163,7 @@ def _rank(plan: Plan, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
 
 
 def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
-            collectives: dict[str, int]) -> str:
+            collectives: dict[str, int], fused: dict[str, int]) -> str:
     ranks = [_rank(plan, pp_rank, d, tp_rank) for d in range(plan.mesh.dp)]
     num_stages = len(plan.stages)
     st = plan.stages[stage]
@@ -155,6 +173,8 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
         f"# pipeline stage {stage} of {num_stages}: layers [{st.layer_start}, {st.layer_end})",
         f"# runs on global ranks {ranks} (pp rank {pp_rank}, tp rank {tp_rank}, every dp rank)",
         f"# forward collectives in this graph (tp group): {collectives or 'none'}",
+        f"# fused kernel calls (torch.ops.autoplan, autoplan/passes/kernels.py): "
+        f"{fused or 'none'}",
         f"# stage inputs: {inputs}",
         f"# stage outputs: {outputs}",
     ]
@@ -200,11 +220,14 @@ def _json(gm: torch.fx.GraphModule) -> list[dict]:
     return rows
 
 
-def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) -> dict[str, Path]:
+def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
+                kernels: bool = True) -> dict[str, Path]:
     """Write per-rank graphs for `plan` into `out_dir` (created; files replaced atomically, the
     graphs of an earlier export there that this plan does not have removed):
     `plan.json`, and per (pp rank, tp rank) and stage `rank{r}_stage{s}.py` (local graph code),
-    `.dot` (Graphviz) and `.json`. Returns {name: path}.
+    `.dot` (Graphviz) and `.json`. Returns {name: path}. With `kernels` the graphs call the
+    fused kernels where the runtime does (`torch.ops.autoplan.rms_norm`, ...; the header counts
+    them).
 
     Runs on a fake process group in this process; when a process group already exists here
     (inside torchrun), raises RuntimeError -- export from a planning process instead.
@@ -229,14 +252,14 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike) ->
             dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                     world_size=plan.mesh.world_size)
             try:
-                traced = trace_rank(graph, plan, pp_rank, tp_rank)
+                traced = trace_rank(graph, plan, pp_rank, tp_rank, kernels)
             finally:
                 dist.destroy_process_group()
                 clear_dtensor_caches()
             for stage, gm, ins, outs in traced:
                 stem = f"rank{rank}_stage{stage}"
                 header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
-                                 count_collectives(gm))
+                                 count_collectives(gm), count_kernels(gm))
                 files[f"{stem}.py"] = header + gm.code
                 files[f"{stem}.dot"] = _dot(gm, stem)
                 files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)

@@ -57,6 +57,7 @@ from autoplan.runtime.tied import sync_tied_grads, tied_groups, untie_across_sta
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.device import retarget_device
+from autoplan.passes.kernels import fuse_kernels
 from autoplan.passes.pipeline import split_stages
 from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, random_op_indices
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
@@ -97,6 +98,9 @@ class DistributedModel:
             optimizer step (None: none).
         inputs: the batch the graph was captured for (autoplan.inputs.InputSpec; default: the
             token-LM form, input_ids and labels of (global_batch, seq_len)).
+        kernels: replace the RMSNorm and SwiGLU patterns of the stage graphs with the fused
+            kernels' ops (autoplan/passes/kernels.py; Triton on CUDA, the torch reference on
+            CPU); False runs the captured ops as they are.
 
     The loss ([Note: step loss]): `loss_fn(output, target)` when given (the token-LM form:
     `(logits, labels)`; any other: the model's output and the batch as given to `step`, one
@@ -113,7 +117,7 @@ class DistributedModel:
                  optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  device: str = "cpu", max_grad_norm: float | None = None,
                  seed: int | None = None, lr_scheduler: Callable | None = None,
-                 inputs: InputSpec | None = None):
+                 inputs: InputSpec | None = None, kernels: bool = True):
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(
@@ -124,6 +128,8 @@ class DistributedModel:
         self.graph = graph
         self.inputs = inputs or InputSpec.tokens(plan.global_batch, plan.seq_len)
         self.loss_fn = loss_fn
+        self.kernels = kernels
+        self.kernel_counts: dict[int, dict[str, int]] = {}  # by stage: fuse_kernels' counts
         loss_mode(graph, self.inputs, loss_fn)  # no loss to train on: raise before building
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
@@ -212,6 +218,10 @@ class DistributedModel:
                      if n.op == "call_function"}
             if sg.index == self.num_stages - 1:
                 held.add("output")
+            # The kernels' patterns become one op each ([Note: kernel fusion]), after the
+            # redistributions are in place (a pattern cut by one stays unfused).
+            if self.kernels:
+                self.kernel_counts[sg.index] = fuse_kernels(sg.gm)
             if plan.mesh.tp > 1:
                 self._distribute_params(sg.gm)
             # Each block a called module (one FSDP2 unit each), after placements and the tp
