@@ -159,6 +159,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     return _RMSNorm.apply(x, weight, eps)
 
 
+def _rms_norm_backward_reference(dy, x, weight, eps):
+    """Autograd's backward of :func:`rms_norm_reference`, op for op (torch's derivatives.yaml
+    formulas for mul, rsqrt, mean and pow), written out: a custom op's impl runs below autograd,
+    so it cannot call torch.autograd.grad."""
+    acc = _acc_dtype(x.dtype, weight.dtype)
+    a = x.to(acc)  # (..., H)
+    r = torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    c = (a * r).to(x.dtype)
+    dy = dy.to(torch.promote_types(x.dtype, weight.dtype))
+    dw = (dy * c).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)  # (H,)
+    dn = (dy * weight).to(x.dtype).to(acc)  # mul, then the casts' backward
+    dr = (dn * a).sum(-1, keepdim=True)  # mul: sum_to_size of the broadcast rstd
+    de = -0.5 * dr * r.pow(3)  # rsqrt: -0.5 * grad * result^3
+    dp = de.expand(a.shape) / a.shape[-1]  # mean over H
+    da = dn * r + dp * (2 * a)  # mul's and pow's (grad * 2 * self) contributions
+    return da.to(x.dtype), dw
+
+
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                       use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients (dx, dweight) of :func:`rms_norm` given the upstream gradient dy, without a saved
@@ -171,8 +189,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, e
 
     Returns:
         dx (..., H) of x's dtype and dweight (H,) of weight's dtype: the module docstring's
-        formulas on the Triton path, autograd of :func:`rms_norm_reference` otherwise (so the
-        reference path equals the unfused graph's backward op for op).
+        formulas on the Triton path, autograd's formulas for :func:`rms_norm_reference` op by op
+        otherwise (so the reference path is the unfused graph's backward to rounding).
 
     Raises:
         ValueError: as :func:`rms_norm`, or if dy's shape is not x's.
@@ -185,12 +203,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, e
         raise ValueError(f"rms_norm_backward: hidden size {x.shape[-1]} exceeds the fused "
                          f"kernel's single-block limit {MAX_FUSED_HIDDEN}; use use_triton=False")
     if not _pick_triton(use_triton, [dy, x, weight], "rms_norm_backward"):
-        with torch.enable_grad():
-            x_ = x.detach().requires_grad_(True)
-            w_ = weight.detach().requires_grad_(True)
-            y = rms_norm_reference(x_, w_, eps)
-            dx, dw = torch.autograd.grad(y, (x_, w_), dy)
-        return dx, dw
+        return _rms_norm_backward_reference(dy, x, weight, eps)
     hidden = x.shape[-1]
     x_2d = x.reshape(-1, hidden).contiguous()  # (N, H)
     dy_2d = dy.reshape(-1, hidden).contiguous()  # (N, H)

@@ -122,7 +122,8 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
     Returns:
         (d gate, d up), each of gate's shape and dtype: the fused kernel on the Triton path,
-        autograd of :func:`swiglu_reference` otherwise (op for op the unfused graph's backward).
+        autograd's formulas for :func:`swiglu_reference` otherwise (op for op the unfused
+        graph's backward).
 
     Raises:
         ValueError: as :func:`swiglu`, or if dy differs from gate in shape or dtype.
@@ -132,10 +133,10 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                          f"{tuple(dy.shape)} {dy.dtype}, {tuple(gate.shape)} {gate.dtype} and "
                          f"{tuple(up.shape)} {up.dtype}")
     if not _pick_triton(use_triton, [dy, gate, up], "swiglu_backward"):
-        with torch.enable_grad():
-            g_ = gate.detach().requires_grad_(True)
-            u_ = up.detach().requires_grad_(True)
-            dgate, dup = torch.autograd.grad(swiglu_reference(g_, u_), (g_, u_), dy)
+        # autograd's backward of F.silu(gate) * up, op for op (an op's impl runs below
+        # autograd: no torch.autograd.grad here)
+        dgate = torch.ops.aten.silu_backward(dy * up, gate)
+        dup = dy * F.silu(gate)
         return dgate, dup
     gate, up, dy = gate.contiguous(), up.contiguous(), dy.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)

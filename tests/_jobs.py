@@ -551,3 +551,18 @@ def train_variant(name: str, factory, steps: int, batch: int, overrides: dict, *
     groups = [len(g["params"]) for g in getattr(opt, "inner", opt).param_groups]
     return losses, ap.state_dict(), groups
 
+
+
+def train_kernel_counts(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ,
+                        memory_fraction: float | None = None):
+    """`train` (losses, this rank's full parameters, plan JSON) and the fused kernel calls
+    by stage of this rank (DistributedModel.kernel_counts, autoplan/passes/kernels.py)."""
+    from autoplan.api import autoparallel
+
+    budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
+                      device_memory_bytes=budget, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, seq)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    return losses, ap.state_dict(), ap.plan.to_json(), ap._engine.kernel_counts

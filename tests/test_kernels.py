@@ -266,6 +266,27 @@ def test_rms_norm_triton_several_rows_per_backward_program(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@BOTH
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_rms_norm_backward_equals_autograd(use_triton, dtype):
+    """rms_norm_backward (the graph op's backward, statistics recomputed) equals autograd of
+    HF's spelling: the reference path op for op, the Triton path to rounding."""
+    torch.manual_seed(11)
+    x = torch.randn(2, 5, 13, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(13)).to(dtype).requires_grad_(True)
+    y = kernels.rms_norm_reference(x, w, 1e-5)
+    dy = torch.randn_like(y)
+    want = torch.autograd.grad(y, (x, w), dy)
+    got = rms_mod.rms_norm_backward(dy, x.detach(), w.detach(), 1e-5, use_triton=use_triton)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}
+    for g, e in zip(got, want):
+        assert g.dtype == e.dtype == dtype and g.shape == e.shape
+        if dtype == torch.bfloat16:
+            _bf16_close(g, e)
+        else:
+            torch.testing.assert_close(g, e, rtol=tol[dtype], atol=tol[dtype])
+
+
 def test_rms_norm_errors():
     with pytest.raises(ValueError, match=r"weight must be \(H,\).*\(2, 4\).*\(5,\)"):
         kernels.rms_norm(torch.randn(2, 4), torch.ones(5))
@@ -307,6 +328,44 @@ def test_swiglu_gradcheck(use_triton):
     gate = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     up = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(lambda g, u: kernels.swiglu(g, u, use_triton=use_triton), (gate, up))
+
+
+@BOTH
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=_dtype_id)
+def test_swiglu_backward_equals_autograd(use_triton, dtype):
+    torch.manual_seed(12)
+    gate = torch.randn(3, 700, dtype=dtype, requires_grad=True)
+    up = torch.randn(3, 700, dtype=dtype, requires_grad=True)
+    y = F.silu(gate) * up
+    dy = torch.randn_like(y)
+    want = torch.autograd.grad(y, (gate, up), dy)
+    got = swiglu_mod.swiglu_backward(dy, gate.detach(), up.detach(), use_triton=use_triton)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+    if not use_triton:  # the reference is autograd's own formula: equal to the bit
+        assert all(torch.equal(g, e) for g, e in zip(got, want))
+
+
+def test_graph_ops_opcheck():
+    """torch.ops.autoplan.* (kernels/ops.py): schema, fake impls and autograd registration
+    (torch.library.opcheck), and gradients equal to the references'."""
+    import kernels.ops  # noqa: F401 - registers the ops
+
+    torch.manual_seed(13)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    g, u = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 3, 8, requires_grad=True)
+    torch.library.opcheck(torch.ops.autoplan.rms_norm.default, (x, w, 1e-6))
+    torch.library.opcheck(torch.ops.autoplan.swiglu.default, (g, u))
+    for op, ref, args in [(torch.ops.autoplan.rms_norm, kernels.rms_norm_reference, (x, w)),
+                          (torch.ops.autoplan.swiglu, kernels.swiglu_reference, (g, u))]:
+        extra = (1e-6,) if ref is kernels.rms_norm_reference else ()
+        y, want = op(*args, *extra), ref(*args, *extra)
+        dy = torch.randn_like(y)
+        torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-7)
+        for a, b in zip(torch.autograd.grad(y, args, dy), torch.autograd.grad(want, args, dy)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_swiglu_errors():

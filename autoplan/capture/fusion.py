@@ -28,6 +28,10 @@ TorchInductor's min-cut partitioner do), so those writes are the chain's inputs,
 by their producers. The backward of a fused chain is priced as the forward's fused bytes times
 compute.BACKWARD_BYTES_FACTOR.
 
+The runtime runs two such chains as the kernels/ Triton kernels (RMSNorm, SwiGLU gating;
+[Note: kernel fusion] in autoplan/passes/kernels.py says where their memory pass equals these
+bytes and where it does not: a norm fused here with the residual add before it).
+
 Which devices fuse is a device figure (`DeviceSpec.fuses_pointwise`: the GPU presets, whose
 published runs all fuse; CPU ranks run autoplan's eager runtime, one kernel per op, as calibrated).
 """

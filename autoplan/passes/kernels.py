@@ -21,8 +21,22 @@ same math as the unfused ops under DTensor's rules: RMSNorm on x Replicate or Sh
 normalized (last) dim, with a Replicate weight (whose local gradient is then a Partial sum over the
 shards, as DTensor's rule for the unfused `mul` gives it); SwiGLU on gate and up in one placement
 that is not Partial (elementwise). Any other placement runs the torch reference under DTensor,
-which is the unfused ops themselves. The cost model prices a fused chain as one memory pass
-already ([Note: pointwise fusion] in capture/fusion.py), so the plan does not change.
+which is the unfused ops themselves.
+
+Pricing. The plan is made on the captured graph, before this pass, and does not change with it.
+On devices that fuse (`DeviceSpec.fuses_pointwise`: the GPU presets) the cost model already
+prices each chain of pointwise ops and row reductions as one kernel that reads the chain's
+inputs and writes what leaves it ([Note: pointwise fusion] in capture/fusion.py, `fused_bytes`;
+its backward at compute.BACKWARD_BYTES_FACTOR times that). For a SwiGLU, whose gate and up come
+from matmuls and whose output feeds one, that is exactly the fused op's memory pass: gate + up
+read, y written. For an RMSNorm whose input comes from a non-fusible op (the embedding) it is
+x + weight read, y written: the Triton kernel's pass (plus its (N,) rstd, not counted). A norm
+after a residual add is priced inside the add's chain (torch.compile fuses add + norm): the
+model counts weight + y only, while the Triton kernel starts at the norm, so the add writes x and
+the kernel reads it again: 2 * N * H * bytes more per norm than priced, unless the stage is also
+compiled. tests/test_kernel_pass.py checks these sums on llama-tiny. On CPU ranks
+(fuses_pointwise False) each op is priced as its own kernel, and the ops' CPU path is the torch
+reference, op by op: what is priced is what runs.
 """
 
 from __future__ import annotations
@@ -160,6 +174,7 @@ def _replace(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], fn, args) -> 
     with gm.graph.inserting_before(out):
         fused = gm.graph.call_function(fn, args)
     fused.meta = dict(out.meta)  # orig_name: the block and the plan's strategy of the output
+    fused.meta["fused_nodes"] = [n.meta.get("orig_name", n.name) for n in nodes]
     out.replace_all_uses_with(fused)
     for node in reversed(nodes):
         gm.graph.erase_node(node)
