@@ -566,3 +566,38 @@ def train_kernel_counts(factory, steps: int, batch: int, overrides: dict, *, seq
     x, y = batches(vocab_of(model), steps, batch, seq)
     losses = [ap.step(x[i], y[i]) for i in range(steps)]
     return losses, ap.state_dict(), ap.plan.to_json(), ap._engine.kernel_counts
+
+
+def kernel_wrappers_under_dtensor():
+    """On every rank of a 1-D mesh: autoplan/passes/kernels.py's wrappers against the unfused
+    ops under DTensor, per placement of the input: {case: (fused path's grad_fn name, max abs
+    difference of output and input/weight gradients, full tensors)}."""
+    import kernels
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from autoplan.passes.kernels import rms_norm_local, swiglu_local
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    gen = torch.Generator().manual_seed(3)
+    x_full, dy_full = (torch.randn(4, 6, 8, generator=gen) for _ in range(2))
+    w_full = 1 + 0.1 * torch.randn(8, generator=gen)
+    out = {}
+    for name, placement in [("R", Replicate()), ("S(0)", Shard(0)), ("S(1)", Shard(1)),
+                            ("S(2)", Shard(2))]:
+        runs = []
+        for fused in (True, False):
+            x = distribute_tensor(x_full, mesh, [placement]).requires_grad_(True)
+            u = distribute_tensor(dy_full, mesh, [placement]).requires_grad_(True)
+            w = torch.nn.Parameter(distribute_tensor(w_full, mesh, [Replicate()]))
+            dy = distribute_tensor(dy_full, mesh, [placement])
+            if fused:
+                y, z = rms_norm_local(x, w, 1e-6), swiglu_local(x, u)
+            else:
+                y, z = kernels.rms_norm_reference(x, w, 1e-6), kernels.swiglu_reference(x, u)
+            ((y * dy).sum() + (z * dy).sum()).backward()
+            runs.append(([y.grad_fn.name(), z.grad_fn.name()],
+                         [t.full_tensor() for t in (y, z, x.grad, u.grad, w.grad)]))
+        (paths, got), (_, want) = runs
+        out[name] = (paths, max(float((a - b).abs().max()) for a, b in zip(got, want)))
+    return out

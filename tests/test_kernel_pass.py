@@ -152,3 +152,18 @@ def test_fused_ops_are_priced_as_one_memory_pass():
             assert chain == one_pass - nbytes(x), (node.name, chain, one_pass)
         seen[name].append(node.name)
     assert [len(v) for v in seen.values()] == [5, 2]
+
+
+@pytest.mark.slow
+def test_wrappers_under_dtensor_equal_the_unfused_ops(clusters):
+    """2 gloo ranks: rms_norm_local / swiglu_local on DTensors equal the unfused ops under
+    DTensor's rules -- outputs and the gradients of x, up and the Replicate weight (a Partial sum
+    over the shards when x is row-sharded) -- running the fused op locally on R, S(0), S(1), and
+    the unfused ops for RMSNorm over a sharded hidden dim S(2)."""
+    results = clusters.get(2).run(_jobs.kernel_wrappers_under_dtensor, timeout_s=120)
+    for out in results:
+        for case, (paths, diff) in out.items():
+            assert diff <= 1e-6, (case, diff)
+            rms_local = case != "S(2)"
+            assert ("FromTorchTensorBackward" in paths[0]) == rms_local, (case, paths)
+            assert "FromTorchTensorBackward" in paths[1], (case, paths)
