@@ -8,7 +8,8 @@ Build order (each step needs the previous one), all on the meta device until ste
 3. Tensor parallelism: `passes.apply_placements` inserts the plan's redistributions, parameters
    become DTensors on the tp sub-mesh with their planned placements, and the stage runs under
    DTensor; stage inputs/outputs cross stage boundaries as local tensors. Random ops become
-   layout-invariant (`passes.rng`, [Note: RNG contract]).
+   layout-invariant (`passes.rng`, [Note: RNG contract]). The RMSNorm and SwiGLU patterns
+   become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
    plan says so (`passes.checkpointing`).
 5. Data parallelism by ZeRO stage, with torch's FSDP2 machinery on the dp sub-mesh, one unit
