@@ -555,8 +555,9 @@ def train_variant(name: str, factory, steps: int, batch: int, overrides: dict, *
 
 def train_kernel_counts(factory, steps: int, batch: int, overrides: dict, *, seq: int = SEQ,
                         memory_fraction: float | None = None):
-    """`train` (losses, this rank's full parameters, plan JSON) and the fused kernel calls
-    by stage of this rank (DistributedModel.kernel_counts, autoplan/passes/kernels.py)."""
+    """`train` (losses, this rank's full parameters, plan JSON), the fused kernel calls by stage
+    of this rank (DistributedModel.kernel_counts, autoplan/passes/kernels.py), whether the loss
+    ran vocab-parallel, and (loss, logits) of `eval_batch` on the first batch after training."""
     from autoplan.api import autoparallel
 
     budget = memory_budget(factory, batch, overrides, memory_fraction, seq)
@@ -565,7 +566,13 @@ def train_kernel_counts(factory, steps: int, batch: int, overrides: dict, *, seq
                       device_memory_bytes=budget, **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)
     losses = [ap.step(x[i], y[i]) for i in range(steps)]
-    return losses, ap.state_dict(), ap.plan.to_json(), ap._engine.kernel_counts
+    engine = ap._engine
+    # the loss and whole logits of the first batch after training (gathered over tp when the
+    # stage keeps them vocab-sharded)
+    evaluated = engine.eval_batch([x[0], y[0]], return_outputs=True)
+    logits_out = evaluated[1] if isinstance(evaluated[1], torch.Tensor) else evaluated[1][0]
+    return (losses, ap.state_dict(), ap.plan.to_json(), engine.kernel_counts,
+            engine.batch.vocab_parallel is not None, (evaluated[0], logits_out))
 
 
 def kernel_wrappers_under_dtensor():

@@ -103,20 +103,40 @@ def test_fused_graph_equals_captured_graph_forward_and_backward():
         torch.testing.assert_close(grads[1][1][k], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
 
 
+def _eval_reference(factory, params, batch: int):
+    """(loss, logits) of the first batch for `factory`'s model with `params` on one process."""
+    model = factory()
+    model.load_state_dict(params, strict=False)
+    x, y = _jobs.batches(_jobs.vocab_of(model), 1, batch)
+    with torch.no_grad():
+        logits = _jobs.logits(model, x[0])
+    return float(_jobs.cross_entropy_loss(logits, y[0])), logits
+
+
 @pytest.mark.slow
-def test_dp2_tp2_with_kernels_matches_single_process(clusters):
+@pytest.mark.parametrize("vocab", [None, 1024], ids=["logits-R", "logits-S2"])
+def test_dp2_tp2_with_kernels_matches_single_process(clusters, vocab):
     """llama-tiny at dp2 x tp2 (weights split on tp by a memory budget), kernels on (the
-    default): every rank fuses 5 norms and 2 gatings and trains as one process does."""
-    factory = _jobs.preset("llama-tiny")
+    default): every rank fuses 5 norms and 2 gatings and trains as one process does. With a
+    1024-token vocabulary the plan shards the LM head by vocabulary (logits S(2)): the stage
+    keeps its logits shard and the loss runs as the vocab-parallel cross-entropy; eval_batch
+    still returns the whole logits."""
+    factory = _jobs.preset("llama-tiny", **({"vocab_size": vocab} if vocab else {}))
     steps, batch = 2, 4
     results = clusters.get(4).run(_jobs.train_kernel_counts, factory, steps, batch,
-                                  dict(dp=2, tp=2), timeout_s=240, memory_fraction=0.9)
+                                  dict(dp=2, tp=2), timeout_s=300, memory_fraction=0.9)
     ref = _jobs.reference(factory, steps, batch)
-    placements = json.loads(results[0][2])["param_placements"]
-    assert any(p != "R" for _, p in placements), "the plan split no weight on the tp axis"
-    for losses, params, _, counts in results:
+    ref_loss, ref_logits = _eval_reference(factory, ref[1], batch)
+    plan = json.loads(results[0][2])
+    assert any(p != "R" for _, p in plan["param_placements"]), "no weight split on tp"
+    head = dict(plan["param_placements"])["lm_head.weight"]
+    assert head == ("S(0)" if vocab else "R"), head
+    for losses, params, _, counts, vocab_parallel, (loss, logits) in results:
         assert_matches("llama-tiny", (losses, params), ref, steps=steps)
         assert {k: (c["rms_norm"], c["swiglu"]) for k, c in counts.items()} == {0: (5, 2)}
+        assert vocab_parallel == bool(vocab)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_ops_are_priced_as_one_memory_pass():

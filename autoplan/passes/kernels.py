@@ -37,6 +37,20 @@ the kernel reads it again: 2 * N * H * bytes more per norm than priced, unless t
 compiled. tests/test_kernel_pass.py checks these sums on llama-tiny. On CPU ranks
 (fuses_pointwise False) each op is priced as its own kernel, and the ops' CPU path is the torch
 reference, op by op: what is priced is what runs.
+
+[Note: vocab-parallel loss] The third kernel is the loss. When the plan shards the LM head by
+vocabulary, its logits are Shard(-1) on tp and the plan all-gathers them before the graph output
+(a costed redistribution, consumer "output"), then the runtime's token loss is F.cross_entropy
+on the whole (B, T, V) logits on every tp rank. `keep_logits_sharded` drops that all-gather from
+the last stage (runtime/engine.py, tp > 1, pp 1, the token loss: not a user's loss_fn, which
+takes the whole logits, nor a model's own loss), and StepInputs.token_loss runs
+kernels.vocab_parallel_cross_entropy on the shard: two all-reduces of (N,) statistics over tp
+(Shoeybi et al. 2019, sec. 3). The lint (check_redistributions) leaves that one record out on
+both sides; eval_batch all-gathers the logits it returns. The plan is not re-priced: its step
+time still counts the all-gather of B * T * V elements (and not the 3N-element all-reduces), and
+its memory the whole logits on each rank, so it is pessimistic there by (1 - 1/tp) of the logits.
+Under pp > 1 the last stage keeps the all-gather (the pipeline schedule's output buffers are the
+replicated logits' shape).
 """
 
 from __future__ import annotations
@@ -45,7 +59,10 @@ import torch
 import torch.fx
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-__all__ = ["fuse_kernels", "rms_norm_local", "swiglu_local", "FUSED_OPS"]
+from autoplan.passes.sharding import redistribute, tensor_args
+
+__all__ = ["fuse_kernels", "keep_logits_sharded", "rms_norm_local", "swiglu_local",
+           "FUSED_OPS"]
 
 aten = torch.ops.aten
 
@@ -209,3 +226,36 @@ def fuse_kernels(gm: torch.fx.GraphModule) -> dict[str, int]:
     gm.graph.lint()
     gm.recompile()
     return counts
+
+
+def keep_logits_sharded(gm: torch.fx.GraphModule, main_output_index: int,
+                        produced: dict[str, str]) -> tuple[str, str] | None:
+    """Drop the all-gather of vocab-sharded logits before the graph output (in place), so that
+    the loss runs as the vocab-parallel cross-entropy on each tp rank's shard (kernels/
+    cross_entropy.py; Shoeybi et al. 2019, sec. 3): two all-reduces of (N,) statistics in place
+    of an all-gather of the (B, T, V) logits.
+
+    Applies when output `main_output_index` of `gm` is `redistribute(logits, "R")` of logits
+    whose planned placement (`produced`, by node name) is Shard of their last dim. Returns the
+    (producer, "output") of the redistribution removed -- the plan's record the caller no longer
+    inserts -- or None when nothing applies. The runtime then holds the local shard
+    (..., V_local) of the logits as the stage's output.
+    """
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = tensor_args(out)
+    if main_output_index >= len(flat):
+        return None
+    moved = flat[main_output_index]
+    if not (moved.op == "call_function" and moved.target is redistribute
+            and moved.args[1] == "R"):
+        return None
+    logits = moved.args[0]
+    name = logits.meta.get("orig_name", logits.name)
+    val = _val(logits)
+    if val is None or produced.get(name) not in (f"S({val.ndim - 1})", "S(-1)"):
+        return None
+    moved.replace_all_uses_with(logits)
+    gm.graph.erase_node(moved)
+    gm.graph.lint()
+    gm.recompile()
+    return name, "output"

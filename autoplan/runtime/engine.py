@@ -58,7 +58,7 @@ from autoplan.runtime.tied import sync_tied_grads, tied_groups, untie_across_sta
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.device import retarget_device
-from autoplan.passes.kernels import fuse_kernels
+from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
 from autoplan.passes.pipeline import split_stages
 from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, random_op_indices
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
@@ -202,9 +202,12 @@ class DistributedModel:
         produced = value_placements(plan)
         inserted, out, held = [], [], set()
         self._random_states: dict[int, RandomState] = {}
+        unplanned: set[tuple[str, str]] = set()  # planned redistributions the kernels replace
         for sg in mine:
             untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
+            if self.kernels and sg.index == self.num_stages - 1:
+                unplanned |= self._vocab_parallel_loss(sg.gm, produced)
             if self.expert_parallel is not None:
                 self.expert_parallel.apply(sg.gm)
             # Random ops read (seed, step, sample) -- never the layout ([Note: RNG contract]);
@@ -237,11 +240,29 @@ class DistributedModel:
                     [produced.get(n, "R") for n in sg.output_names])
             out.append((sg.index, self._apply_data_parallel(sg.gm, blocks)))
         # Lint: the redistributions inserted in this rank's stages are exactly the plan's.
-        check_redistributions([r for r in plan.redistributions if r.consumer in held], inserted)
+        check_redistributions([r for r in plan.redistributions if r.consumer in held
+                               and (r.producer, r.consumer) not in unplanned],
+                              [r for r in inserted if (r.producer, r.consumer) not in unplanned])
         self.stage_graphs = {sg.index: sg for sg in mine}
         for _, module in out:
             _allocate(module, self.device)
         return out
+
+    def _vocab_parallel_loss(self, gm, produced) -> set[tuple[str, str]]:
+        """The token loss on vocab-sharded logits (tp > 1, pp 1): the last stage returns its
+        shard and `StepInputs.token_loss` runs kernels' vocab-parallel cross-entropy. Returns
+        the plan's redistribution that no longer runs (an all-gather of the logits)."""
+        plan, graph = self.plan, self.graph
+        if plan.mesh.tp == 1 or plan.mesh.pp > 1 or self.batch.mode != "tokens":
+            return set()
+        kept = keep_logits_sharded(gm, graph.main_output_index, produced)
+        if kept is None:
+            return set()
+        vocab = next(n for n in graph.gm.graph.nodes if n.name == kept[0]).meta["val"].shape[-1]
+        sizes = [c.shape[0] for c in torch.empty(vocab, device="meta").chunk(plan.mesh.tp)]
+        self.batch.vocab_parallel = (self.mesh["tp"].get_group(),
+                                     sum(sizes[:self.tp_rank]), vocab)
+        return {kept}
 
     def _targets(self) -> Targets:
         """The tensors this rank must fill: its parameters, and the buffers still on meta

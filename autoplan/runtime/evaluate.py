@@ -67,6 +67,19 @@ def _forward_only(engine, local: list[torch.Tensor], parts: list) -> tuple[list,
     return box[0], loss
 
 
+def _full_logits(engine, local: torch.Tensor) -> torch.Tensor:
+    """The whole (..., V) logits from this tp rank's vocab shard (..., V_local), all-gathered
+    over tp (the stage keeps them sharded for the vocab-parallel loss)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    vocab = engine.batch.vocab_parallel[2]
+    shape = (*local.shape[:-1], vocab)
+    return DTensor.from_local(local.detach(), engine.mesh["tp"], (Shard(local.dim() - 1),),
+                              run_check=False, shape=torch.Size(shape),
+                              stride=torch._prims_common.make_contiguous_strides_for(shape)
+                              ).full_tensor()
+
+
 def _gather(engine, outs: list[tuple]) -> list[torch.Tensor]:
     """Per output: the microbatches' tensors and then the dp ranks' concatenated on dim 0;
     0-d tensors averaged."""
@@ -74,6 +87,8 @@ def _gather(engine, outs: list[tuple]) -> list[torch.Tensor]:
     flat = []
     for k in range(len(outs[0])):
         parts = [o[k] for o in outs]
+        if engine.batch.vocab_parallel is not None and k == engine.graph.main_output_index:
+            parts = [_full_logits(engine, p) for p in parts]
         if parts[0].dim() == 0:
             t = torch.stack([p.float() for p in parts]).mean().to(parts[0].dtype)
         else:

@@ -70,6 +70,9 @@ class StepInputs:
         self.device = device
         self.targets: list = []
         self.token_scale = 1.0
+        # (tp group, first token id of this rank's shard, vocabulary size) when the stage
+        # returns vocab-sharded logits (passes/kernels.py keep_logits_sharded); else None
+        self.vocab_parallel: tuple[object, int, int] | None = None
 
     # -- the split ---------------------------------------------------------------------------
     def split(self, leaves: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
@@ -145,6 +148,13 @@ class StepInputs:
         summed token losses x num_microbatches x dp / the batch's trained tokens. Labels -100
         are not trained on; where they are spread unevenly over microbatches this is still the
         mean over the global batch's trained tokens, as one process computes it."""
+        if self.vocab_parallel is not None:  # logits (..., V_local): this tp rank's shard
+            from kernels import vocab_parallel_cross_entropy
+
+            group, vocab_start, _ = self.vocab_parallel
+            ce = vocab_parallel_cross_entropy(logits, labels, vocab_start, group,
+                                              reduction="sum")
+            return ce * self.token_scale
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                              reduction="sum")
         return ce * self.token_scale
