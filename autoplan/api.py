@@ -190,7 +190,6 @@ class AutoParallel:
     def _make_plan(self) -> Plan:
         from autoplan.progress import phase
         from autoplan.runtime.precision import Precision
-        from autoplan.solver import plan as solve
         from autoplan.units import plural
 
         topo = self.topology
@@ -208,13 +207,73 @@ class AutoParallel:
         source = self._capture_source(Precision.of(self.options.dtype))
         with phase(f"capturing {name}"):
             graph = self._capture(source, self.options.global_batch, planning=True)
-        with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
-            plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
+        request = self._cache_request(graph, topo)
+        plan = self._cached_plan(request, topo)
+        if plan is None:
+            with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
+                plan = self._solve(graph, topo, request)
         if _in_job() and dist.get_world_size() > 1:
             box = [plan.to_json() if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
             plan = Plan.from_json(box[0])
         self._graph = graph
+        return plan
+
+    def _cache_request(self, graph, topo: Topology) -> dict | None:
+        """The plan cache's request for this model ([Note: plan cache] in autoplan/cache.py):
+        the captured graph's fingerprint, the cluster, the training spec and the overrides;
+        None when the cache is off (AUTOPLAN_PLAN_CACHE=0) or an override is not JSON data."""
+        from autoplan.cache import graph_fingerprint
+
+        if os.environ.get("AUTOPLAN_PLAN_CACHE", "1") == "0":
+            return None
+        overrides = dict(self.options.overrides)
+        if not all(v is None or isinstance(v, (bool, int, float, str))
+                   for v in overrides.values()):
+            return None
+        return {"command": "autoparallel", "graph": graph_fingerprint(graph),
+                "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),
+                "overrides": overrides}
+
+    def _cached_plan(self, request: dict | None, topo: Topology) -> Plan | None:
+        """The cache's plan for `request`, its warnings said again; None on a miss."""
+        import warnings
+
+        from autoplan.cache import PlanCache
+        from autoplan.progress import note
+        from autoplan.solver.search import ReplicatedWeightsWarning
+
+        entry = PlanCache().get(request) if request is not None else None
+        if entry is None:
+            return None
+        note(f"plan of {type(self.module).__name__} for {topo.world_size} x "
+             f"{topo.device.name} read from the plan cache ({PlanCache().path(request)}; "
+             "AUTOPLAN_PLAN_CACHE=0 plans anew)")
+        for message in entry["warnings"]:
+            warnings.warn(message, ReplicatedWeightsWarning, stacklevel=2)
+        return Plan.from_dict(entry["plan"])
+
+    def _solve(self, graph, topo: Topology, request: dict | None) -> Plan:
+        """Solve, and store the plan with the solver's warnings about it (rank 0 of a job
+        writes; a cache that cannot be written is a detail line, not a failure)."""
+        import warnings
+
+        from autoplan.cache import PlanCache
+        from autoplan.progress import detail
+        from autoplan.solver import plan as solve
+        from autoplan.solver.search import ReplicatedWeightsWarning
+
+        with warnings.catch_warnings(record=True) as caught:
+            plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
+        for w in caught:  # shown as they would have been
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if request is not None and (not _in_job() or dist.get_rank() == 0):
+            said = [str(w.message) for w in caught
+                    if issubclass(w.category, ReplicatedWeightsWarning)]
+            try:
+                PlanCache().put(request, {"plan": plan.to_dict(), "warnings": said})
+            except OSError as e:
+                detail(f"plan cache not written: {e}")
         return plan
 
     # -- training ---------------------------------------------------------------------------

@@ -14,6 +14,10 @@ stderr and exit with status 2, leaving no output directory behind; warnings abou
 to stderr too (-q silences them, -v adds details), so that with `--json` stdout holds one JSON
 object and nothing else. Heavy modules (torch, the solver) are imported inside the subcommands:
 `autoplan --help` imports no torch.
+
+`autoplan plan` answers a request it has planned before from the plan cache
+($AUTOPLAN_CACHE_DIR, else ~/.cache/autoplan; [Note: plan cache] in autoplan/cache.py) without
+importing torch, and its progress line says so; `--no-cache` plans anew.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autoplan import __version__
-from autoplan.progress import phase, set_verbosity, verbosity
+from autoplan.progress import detail, note, phase, set_verbosity, verbosity
 
 if TYPE_CHECKING:  # torch comes in with these: imported by the subcommands that need them
     from autoplan.graph import CapturedGraph
@@ -165,10 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="plan a model on a cluster; print a summary, write reports",
                        description="Capture the model on the meta device (nothing is "
                                    "allocated), solve for the fastest plan that fits, print a "
-                                   "summary; with -o write plan.json, report.md, report.html.")
+                                   "summary; with -o write plan.json, report.md, report.html. "
+                                   "The same request again is answered from the plan cache "
+                                   "(--no-cache plans anew).")
     _add_planning_args(p, capture_depth=True)
     p.add_argument("-o", "--out", metavar="DIR",
                    help="write plan.json, report.md and report.html into DIR")
+    p.add_argument("--no-cache", action="store_true",
+                   help="plan anew even when the plan cache holds this request's plan "
+                        "(the cache: $AUTOPLAN_CACHE_DIR, else ~/.cache/autoplan; a plan is "
+                        "served only for the same model config, cluster, training step, "
+                        "flags, autoplan source and library versions)")
     _add_json_arg(p)
     p.set_defaults(run=_cmd_plan)
 
@@ -334,21 +345,97 @@ def _rounded(value):
 
 
 def _cmd_plan(args) -> int:
-    from autoplan.report import render_summary, write_report
+    """Plan, or read the plan from the cache ([Note: plan cache] in autoplan/cache.py), then
+    print the summary and write the files. A plan made here is stored with its report files
+    rendered, so that a later `-o` is served from the cache too."""
+    from autoplan.report.write import write_files
 
-    planned = _plan(args, args.num_layers_capture)
+    cache, request = _cache_request(args)
+    entry = cache.get(request) if cache is not None else None
+    planned = None
+    if entry is not None:
+        note(f"plan of {args.model} for {entry['world_size']} x {entry['device']} read from "
+             f"the plan cache ({cache.path(request)}); --no-cache plans anew")
+        for message in entry["warnings"]:
+            print(f"autoplan: warning: {message}", file=sys.stderr)
+    else:
+        planned = _plan(args, args.num_layers_capture)
+        entry = _entry(planned)
     if not args.json:
-        print(render_summary(planned.plan, topology=planned.topology, graph=planned.graph))
+        print(entry["summary_text"])
     paths = {}
     if args.out:
         with phase(f"writing the report into {args.out}"):
-            paths = write_report(planned.plan, args.out, graph=planned.graph,
-                                 topology=planned.topology)
+            if planned is not None:
+                entry["files"] = _render(planned)
+            paths = write_files(entry["files"], args.out)
+    if planned is not None and cache is not None:
+        if "files" not in entry:  # no -o this time: rendered for a later one
+            entry["files"] = _render(planned)
+        _store(cache, request, entry)
     if args.json:
-        _print_json(_summary(planned, paths.values()))
+        _print_json({**entry["summary"], "files": [str(p) for p in paths.values()]})
     elif paths:
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _entry(planned: _Planned) -> dict:
+    """What the plan cache stores of a plan (all but the report files): the summary as text
+    and as `--json` prints it (without the files written), the warnings, the cluster's size."""
+    from autoplan.report import render_summary
+
+    summary = _summary(planned, ())
+    del summary["files"]
+    return {"summary_text": render_summary(planned.plan, topology=planned.topology,
+                                           graph=planned.graph),
+            "summary": summary, "warnings": list(planned.warnings),
+            "world_size": planned.topology.world_size, "device": planned.topology.device.name}
+
+
+def _render(planned: _Planned) -> dict[str, str]:
+    from autoplan.report import render_report
+
+    return render_report(planned.plan, graph=planned.graph, topology=planned.topology)
+
+
+def _cache_request(args):
+    """(PlanCache, request) for `autoplan plan`, or (None, None) with --no-cache. The request
+    holds everything the plan, its summary and its reports depend on besides the code and the
+    libraries, which autoplan.cache adds: the model config's content, the topology as resolved
+    (a calibration or YAML file read), the training spec and every planning flag. Raises
+    ValueError for an unknown model or cluster (before any work, as planning would)."""
+    if args.no_cache:
+        return None, None
+    import dataclasses
+
+    from autoplan.cache import PlanCache
+    from autoplan.models import model_config
+    from autoplan.spec import TrainingSpec
+
+    spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
+                        optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
+    request = {
+        "command": "plan", "model": args.model, "model_config": model_config(args.model),
+        "topology": _topology(args).to_dict(), "spec": dataclasses.asdict(spec),
+        "flags": {name: getattr(args, name) for name in _PLAN_FLAGS},
+    }
+    return PlanCache(), request
+
+
+# the `plan` flags a plan depends on besides the model, cluster and training spec
+_PLAN_FLAGS = ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
+               "checkpointing", "allow_tp_across_nodes", "num_layers_capture", "time_limit",
+               "top_k")
+
+
+def _store(cache, request: dict, entry: dict) -> None:
+    """Store an entry; a cache that cannot be written costs the next run a plan, not this one
+    its answer (the reason is a detail line, -v)."""
+    try:
+        cache.put(request, entry)
+    except OSError as e:
+        detail(f"plan cache not written ({cache.directory}): {e}")
 
 
 def _cmd_export(args) -> int:

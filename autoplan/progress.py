@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-__all__ = ["phase", "detail", "set_verbosity", "verbosity"]
+__all__ = ["phase", "detail", "note", "set_verbosity", "verbosity"]
 
 _level: int | None = None
 _lock = threading.Lock()  # one line at a time: the announcing timer thread and the caller
@@ -58,6 +58,13 @@ def _is_rank0() -> bool:
 
 def _shown(level: int) -> bool:
     return verbosity() >= level and _is_rank0()
+
+
+def note(message: str) -> None:
+    """A line at verbosity 1 (rank 0, stderr): what a run did instead of a phase (a plan read
+    from the cache)."""
+    if _shown(1):
+        _say(f"autoplan: {message}")
 
 
 def detail(message: str) -> None:

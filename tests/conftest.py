@@ -31,6 +31,14 @@ class _Clusters:
             c.close()
 
 
+@pytest.fixture(autouse=True)
+def _empty_plan_cache(tmp_path_factory, monkeypatch):
+    """Every test plans with an empty plan cache of its own (autoplan/cache.py), in this
+    process and the CLI processes it starts: a test that runs `autoplan plan` twice sees its
+    own second run served from the cache, never another test's plan (nor the user's)."""
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache")))
+
+
 @pytest.fixture(scope="session")
 def clusters():
     c = _Clusters()

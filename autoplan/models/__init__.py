@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported by the builders: reading a config (the plan cache's key,
+    import torch   # autoplan/cache.py) imports no torch
+    from torch import nn
 
 __all__ = [
     "PRESETS", "build_model", "model_config", "is_hf", "model_depth", "example_inputs",
@@ -105,6 +107,8 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
     Raises:
         ValueError: unknown preset, num_layers < 1, or an override the model does not take.
     """
+    import torch
+
     config = {k: v for k, v in model_config(name_or_path).items() if not k.startswith("_")}
     config.update(config_overrides)
     model_type = config["model_type"]
@@ -128,6 +132,8 @@ def _floating_params_to(model: nn.Module, dtype: torch.dtype) -> None:
     stays fp32), as the runtime's compute-dtype copy has them (autoplan.api.meta_skeleton,
     [Note: precision recipe] in autoplan/runtime/precision.py). A tied parameter stays one
     parameter."""
+    from torch import nn
+
     done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (old, new): old kept alive
     for module in model.modules():
         for name, param in module._parameters.items():
@@ -143,6 +149,8 @@ def example_inputs(name_or_path: str, *, batch: int, seq_len: int,
                    device: str | torch.device = "meta") -> tuple[torch.Tensor, ...]:
     """Inputs for `build_model(name_or_path)`: token ids (batch, seq_len) int64, zeros, or for
     `mlp` models float activations (batch, seq_len, dim)."""
+    import torch
+
     config = model_config(name_or_path)
     if config["model_type"] == "mlp":
         return (torch.zeros(batch, seq_len, config["dim"], device=device),)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from autoplan.graph import CapturedGraph
-from autoplan.plan import Plan
-from autoplan.topology import Topology
+if TYPE_CHECKING:  # write_files (a cached report, autoplan/cache.py) needs no torch
+    from autoplan.graph import CapturedGraph
+    from autoplan.plan import Plan
+    from autoplan.topology import Topology
 
-__all__ = ["write_files", "write_report"]
+__all__ = ["render_report", "write_files", "write_report"]
 
 
 def _write_temp(directory: Path, name: str, text: str) -> Path:
@@ -52,6 +54,20 @@ def write_files(files: dict[str, str], out_dir: str | os.PathLike) -> dict[str, 
     return {name: out / name for name in files}
 
 
+def render_report(plan: Plan, *, graph: CapturedGraph | None = None,
+                  topology: Topology | None = None) -> dict[str, str]:
+    """The text of `plan.json`, `report.md` and `report.html`, by file name (what
+    `write_report` writes). Raises ValueError from rendering."""
+    from autoplan.report.html import render_html
+    from autoplan.report.markdown import render_markdown
+
+    return {
+        "plan.json": plan.to_json() + "\n",
+        "report.md": render_markdown(plan, graph=graph, topology=topology),
+        "report.html": render_html(plan, graph=graph, topology=topology),
+    }
+
+
 def write_report(plan: Plan, out_dir: str | os.PathLike, *, graph: CapturedGraph | None = None,
                  topology: Topology | None = None) -> dict[str, Path]:
     """Write `plan.json`, `report.md` and `report.html` into `out_dir`, atomically.
@@ -59,12 +75,4 @@ def write_report(plan: Plan, out_dir: str | os.PathLike, *, graph: CapturedGraph
     Returns {"plan.json": path, "report.md": path, "report.html": path}. Raises ValueError from
     rendering (nothing is written then) and OSError from the file system.
     """
-    from autoplan.report.html import render_html
-    from autoplan.report.markdown import render_markdown
-
-    files = {
-        "plan.json": plan.to_json() + "\n",
-        "report.md": render_markdown(plan, graph=graph, topology=topology),
-        "report.html": render_html(plan, graph=graph, topology=topology),
-    }
-    return write_files(files, out_dir)
+    return write_files(render_report(plan, graph=graph, topology=topology), out_dir)
