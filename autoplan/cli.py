@@ -374,7 +374,7 @@ def _cmd_plan(args) -> int:
             entry["files"] = _render(planned)
         _store(cache, request, entry)
     if args.json:
-        _print_json({**entry["summary"], "files": [str(p) for p in paths.values()]})
+        _print_json(_with_files(entry["summary"], paths.values()))
     elif paths:
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
@@ -391,6 +391,15 @@ def _entry(planned: _Planned) -> dict:
                                            graph=planned.graph),
             "summary": summary, "warnings": list(planned.warnings),
             "world_size": planned.topology.world_size, "device": planned.topology.device.name}
+
+
+def _with_files(summary: dict, files) -> dict:
+    """The cached summary with this run's files, where `_summary` puts them (before the
+    warnings)."""
+    out = {k: v for k, v in summary.items() if k != "warnings"}
+    out["files"] = [str(p) for p in files]
+    out["warnings"] = summary["warnings"]
+    return out
 
 
 def _render(planned: _Planned) -> dict[str, str]:
@@ -413,11 +422,13 @@ def _cache_request(args):
     from autoplan.models import model_config
     from autoplan.spec import TrainingSpec
 
+    # in `_plan`'s order, so that the first mistake is the one named: model, cluster, spec
+    config, topology = model_config(args.model), _topology(args)
     spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
                         optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
     request = {
-        "command": "plan", "model": args.model, "model_config": model_config(args.model),
-        "topology": _topology(args).to_dict(), "spec": dataclasses.asdict(spec),
+        "command": "plan", "model": args.model, "model_config": config,
+        "topology": topology.to_dict(), "spec": dataclasses.asdict(spec),
         "flags": {name: getattr(args, name) for name in _PLAN_FLAGS},
     }
     return PlanCache(), request

@@ -31,11 +31,20 @@ class _Clusters:
             c.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_plan_cache(tmp_path_factory):
+    """The plan cache (autoplan/cache.py) of module and session fixtures: one of this session,
+    never the user's ~/.cache/autoplan."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache-session")))
+        yield
+
+
 @pytest.fixture(autouse=True)
-def _empty_plan_cache(tmp_path_factory, monkeypatch):
-    """Every test plans with an empty plan cache of its own (autoplan/cache.py), in this
-    process and the CLI processes it starts: a test that runs `autoplan plan` twice sees its
-    own second run served from the cache, never another test's plan (nor the user's)."""
+def _empty_plan_cache(_session_plan_cache, tmp_path_factory, monkeypatch):
+    """Every test plans with an empty plan cache of its own, in this process and the CLI
+    processes it starts: a test that runs `autoplan plan` twice sees its own second run served
+    from the cache, never another test's plan (nor the user's)."""
     monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache")))
 
 
