@@ -209,6 +209,13 @@ def _run_variant(name: str, args, cluster: str, num_gpus: int, tmp: Path) -> dic
     return out
 
 
+def _nccl_version() -> str:
+    import torch
+
+    version = torch.cuda.nccl.version()  # (major, minor, patch); an int in old releases
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", help="topology preset of one node of these GPUs "
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "machine": {"gpu": torch.cuda.get_device_name(0), "num_gpus": num_gpus,
                     "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                    "nccl": _nccl_version(),
                     "platform": platform.platform()},
         "config": {"model": {"kind": "GPT2LMHeadModel", **MODEL, "n_positions": args.seq},
                    "cluster": preset_name, "devices_per_node": num_gpus,
