@@ -18,10 +18,12 @@ dgx-a100) with one node of as many devices as are visible. Each variant is its o
 own capture, plan and build. The data are random token ids from a seeded generator, the same
 global batch on every rank, as `model.step` requires.
 
-Variants: `eager` always; `compile` (torch.compile of each rank's stage modules) and `kernels`
-(the Triton kernels in the rewritten graphs) only where `autoparallel` has such an option --
-the script looks for the keyword (`compile=`, `kernels=`) in its signature and records a
-variant it cannot run as `skipped` with the reason, and prints it.
+Variants: `eager` (compile and kernels off), `compile` (torch.compile of each rank's stage
+modules), `kernels` (the fused kernels in the rewritten graphs: Triton on CUDA) and both. The
+script reads `autoparallel`'s signature: an option it has is set on or off as the variant says
+(`kernels=` is on by default, so `eager` turns it off); a variant that needs an option it does
+not have yet (`compile=` at the time of writing) is recorded as `skipped` with the reason, and
+printed.
 
 Measured, per variant (after `--warmup` steps, over the next `--steps`): the median step time
 (`model.metrics.step_time_s`, wall time of `step` on rank 0) against the plan's predicted step
@@ -55,8 +57,11 @@ RESULT = ROOT / "bench" / "results" / "gpu_check.json"
 MODEL = dict(n_embd=2048, n_layer=18, n_head=16, vocab_size=50304)
 # device name fragment -> topology preset (autoplan/topology.py)
 PRESET_OF_DEVICE = (("H200", "h200-node"), ("H100", "dgx-h100"), ("A100", "dgx-a100"))
-# variant -> the autoparallel keyword it needs (None: always available)
-VARIANTS = {"eager": {}, "compile": {"compile": True}, "kernels": {"kernels": True},
+# variant -> the autoparallel keywords it sets; a keyword autoparallel lacks is left out where
+# False (its absence means off) and makes the variant `skipped` where True
+VARIANTS = {"eager": {"compile": False, "kernels": False},
+            "compile": {"compile": True, "kernels": False},
+            "kernels": {"compile": False, "kernels": True},
             "compile+kernels": {"compile": True, "kernels": True}}
 EXIT_NO_CUDA = 2
 
@@ -84,15 +89,18 @@ def _fail_without_cuda() -> None:
         sys.exit(EXIT_NO_CUDA)
 
 
-def _available(options: dict) -> str | None:
-    """None when `autoparallel` takes every keyword of `options`, else why not."""
+def _options(variant: str) -> tuple[dict, str | None]:
+    """(the autoparallel keywords of `variant`, None), or ({}, why it cannot run here) when
+    it needs an option `autoparallel` does not have (VARIANTS)."""
     from autoplan.api import autoparallel
 
-    missing = [k for k in options if k not in inspect.signature(autoparallel).parameters]
+    known = inspect.signature(autoparallel).parameters
+    wanted = VARIANTS[variant]
+    missing = [k for k, on in wanted.items() if on and k not in known]
     if missing:
-        return (f"autoparallel has no {', '.join(f'{k}=' for k in missing)} option yet "
-                "(issue 12, builds 3 and 4)")
-    return None
+        return {}, (f"autoparallel has no {', '.join(f'{k}=' for k in missing)} option yet "
+                    "(issue 12, builds 3 and 4)")
+    return {k: on for k, on in wanted.items() if k in known}, None
 
 
 def _cluster_yaml(name: str, num_devices: int, directory: Path) -> Path:
@@ -128,7 +136,7 @@ def worker(args) -> int:
     from autoplan import autoparallel
 
     config = GPT2Config(n_positions=args.seq, bos_token_id=0, eos_token_id=0, **MODEL)
-    options = VARIANTS[args.worker]
+    options, _ = _options(args.worker)
 
     @autoparallel(global_batch=args.global_batch, seq_len=args.seq, cluster=args.cluster,
                   dtype="bfloat16", seed=0, **options)
@@ -177,7 +185,7 @@ def worker(args) -> int:
 
 
 def _run_variant(name: str, args, cluster: str, num_gpus: int, tmp: Path) -> dict:
-    reason = _available(VARIANTS[name])
+    options, reason = _options(name)
     if reason:
         print(f"gpu_check: {name}: skipped: {reason}", file=sys.stderr)
         return {"status": "skipped", "reason": reason}
@@ -200,7 +208,7 @@ def _run_variant(name: str, args, cluster: str, num_gpus: int, tmp: Path) -> dic
         print(f"gpu_check: {name}: failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
         return {"status": "failed", "reason": f"exit {proc.returncode}", "stderr_tail": tail}
     out = json.loads(result.read_text())
-    out["job_s"] = wall
+    out["job_s"], out["options"] = wall, options
     print(f"gpu_check: {name}: step {out['step_time_s'] * 1e3:.1f} ms (predicted "
           f"{out['predicted_step_time_s'] * 1e3:.1f} ms), MFU {out['mfu']:.1%} (predicted "
           f"{out['predicted_mfu']:.1%}), peak {out['peak_memory_bytes'] / 1e9:.1f} GB "
