@@ -581,14 +581,16 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             microbatch).
         **overrides: fix solver choices: tp, pp, dp, zero_stage, num_microbatches, schedule,
             num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" | "selective" |
-            "full"), ep (expert parallelism inside dp, [Note: expert parallelism]).
+            "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
+            sequence_parallel (True / False: Megatron-LM's sequence parallelism on the tp axis
+            fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py).
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
                "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
-               "ep"}
+               "ep", "sequence_parallel"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib

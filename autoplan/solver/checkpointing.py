@@ -25,7 +25,9 @@ The placement ILP therefore prices recomputation exactly, with its form unchange
 Memory of pipeline rank r, with f_r microbatches in flight and L_r of the T blocks:
 
     none       f_r (L_r / T) A                          (A: saved bytes of all T blocks)
-    selective  f_r (L_r / T) K + f_r L_r I + A_1        (K: kept outputs of all T blocks;
+    selective  f_r (L_r / T) K + f_r L_r I_q + A_1      (K: kept outputs of all T blocks;
+                                                         I_q: one block's input at the
+                                                         placement q of the block output;
                                                          A_1: one block's saved bytes,
                                                          rematerialised, replicated)
     full       f_r L_r I + A / T                        (I: one block's input; A / T: one
@@ -36,6 +38,11 @@ plus what is outside the blocks (embedding, head: never checkpointed). For the I
 changes to `RankMemory` (`checkpointed_ranks`: for "full" the block activations' coefficient
 becomes 1 / T and f_r L_r I is a constant); for a solved placement, changes to the Solution's
 activation totals and a transient added to the peak (`checkpointed_solution`, `with_transient`).
+Under "selective", I_q is a placement term: T x I / tp is added to the activation row of the
+block-output node (`boundary_node`) for its S(d) candidates and T x I for the others, so a
+residual stream split on the sequence dim ([Note: sequence parallelism] in solver/sequence.py)
+keeps 1/tp of each block input, as Korthikanti et al. 2022 (Table 2, "selective + sequence
+parallelism": 34 sbh / t) count it. Under "full" I stays replicated (a constant).
 """
 
 from __future__ import annotations
@@ -47,12 +54,13 @@ from autoplan.cost_model.memory import SELECTIVE_SAVED_OPS
 from autoplan.solver.costs import Costs, out_divisor
 from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.solver.pipeline import Assessment
-from autoplan.solver.problem import Problem
+from autoplan.solver.problem import OUTPUT, Problem
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
 __all__ = ["POLICIES", "SELECTIVE_SAVED", "policies", "recomputed_nodes", "checkpointed_costs",
-           "checkpointed_ranks", "checkpointed_solution", "with_transient", "block_bytes"]
+           "checkpointed_ranks", "checkpointed_solution", "with_transient", "block_bytes",
+           "boundary_node", "boundary_bytes"]
 
 POLICIES = ("none", "selective", "full")
 
@@ -99,11 +107,35 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
     if policy == "selective":
         acts = {k: (v if k is None or problem.part.get(k) != "layer" else [0.0] * len(v))
                 for k, v in acts.items()}
-        for owner, nbytes, mult, part in problem.kept_selective:
+        kept = list(problem.kept_selective)
+        out = boundary_node(problem)
+        if out is not None:  # the block inputs, T of them: I_q (module docstring)
+            kept.append((out, boundary_bytes(problem), problem.graph.total_layers, "layer"))
+        for owner, nbytes, mult, part in kept:
             row = acts.setdefault(owner, [0.0] * len(problem.cands[owner]))
             for i, c in enumerate(problem.cands[owner]):
                 row[i] += nbytes * costs.scale * mult / out_divisor(c, problem.tp)
     return dataclasses.replace(costs, compute_s=compute, pairs=pairs, act_bytes=acts)
+
+
+def _boundary_edge(problem: Problem):
+    edges = [e for e in problem.edges if problem.part.get(e.src) == "layer"
+             and (e.dst == OUTPUT or problem.part.get(e.dst) != "layer")]
+    return max(edges, key=lambda e: e.nbytes, default=None)
+
+
+def boundary_node(problem: Problem) -> str | None:
+    """The ILP node whose output is the residual stream a block hands to the next one (the
+    block's output read after the blocks), None without blocks."""
+    edge = _boundary_edge(problem) if problem.num_layers else None
+    return edge.src if edge is not None and edge.src in problem.cands else None
+
+
+def boundary_bytes(problem: Problem) -> float:
+    """I: global bytes of one block's input (the residual stream) at the captured batch, in
+    the compute dtype (0.0 without blocks)."""
+    edge = _boundary_edge(problem) if problem.num_layers else None
+    return edge.nbytes if edge is not None else 0.0
 
 
 def block_bytes(problem: Problem, costs: Costs) -> float:
@@ -130,8 +162,8 @@ def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
         if policy == "full":
             act["layer"] = 1.0 / total_layers if held else 0.0
             const += held * input_bytes
-        else:  # selective: rows are the kept outputs already
-            const += held * input_bytes + (one_block_bytes if held else 0.0)
+        else:  # selective: rows are the kept outputs and block inputs already
+            const += one_block_bytes if held else 0.0
         out.append(RankMemory(dict(rank.param_coef), act, const))
     return out
 
@@ -140,14 +172,12 @@ def checkpointed_solution(sol: Solution, policy: str, total_layers: int, input_b
                           one_block_bytes: float) -> tuple[Solution, float]:
     """(the Solution pipeline.assess should see, the transient to add to the peak): under
     "full" the blocks' activation total becomes T x I and one block's activations are the
-    transient; under "selective" (rows already the kept outputs) the blocks' inputs T x I are
-    added and the transient is A_1 (`block_bytes`)."""
+    transient; under "selective" the rows hold the kept outputs and the blocks' inputs
+    already (`checkpointed_costs`) and the transient is A_1 (`block_bytes`)."""
     if policy == "none" or not total_layers:
         return sol, 0.0
-    if policy == "selective":
-        acts = {**sol.act_bytes,
-                "layer": sol.act_bytes.get("layer", 0.0) + total_layers * input_bytes}
-        return dataclasses.replace(sol, act_bytes=acts), one_block_bytes
+    if policy == "selective":  # rows are the kept outputs and block inputs already
+        return sol, one_block_bytes
     layer = sol.act_bytes.get("layer", 0.0)
     acts = {**sol.act_bytes, "layer": total_layers * input_bytes}
     return dataclasses.replace(sol, act_bytes=acts), layer / total_layers

@@ -34,7 +34,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          zero_stage: int | None = None, num_microbatches: int | None = None,
          schedule: str | None = None, num_virtual_stages: int | None = None,
          checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
-         time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None) -> Plan:
+         time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
+         sequence_parallel: bool | None = None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -57,6 +58,11 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             ep 2: four data-parallel ranks, two expert slices; None: chosen for the best
             configuration, [Note: expert parallelism] in solver/experts.py; 1: none). A given
             ep > 1 fixes tp 1 and excludes ZeRO-1 (what the runtime runs with ep).
+        sequence_parallel: True: the norm, dropout and residual-add regions of every block
+            hold their activations split on the sequence dim on the tp axis (Megatron-LM's
+            sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
+            never; None: chosen per node by the placement ILP like any placement. Has no
+            effect at tp 1.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -88,7 +94,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     with _collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            allow_tp_across_nodes, checkpointing), time_limit_s, top_k)
+            allow_tp_across_nodes, checkpointing, sequence_parallel), time_limit_s, top_k)
         if ep is not None and ep > 1 and result.zero_stage == 1:
             # ep does not run with ZeRO-1: the best plan at the other stages
             others = []
@@ -96,7 +102,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                 try:
                     others.append(_plan(graph, topology, spec, Overrides(
                         tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
-                        allow_tp_across_nodes, checkpointing), time_limit_s, top_k))
+                        allow_tp_across_nodes, checkpointing, sequence_parallel), time_limit_s,
+                        top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue
             if not others:
@@ -170,7 +177,7 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
           time_limit_s: float, top_k: int) -> Plan:
     start = time.perf_counter()
     validate(graph, topology, spec, overrides)
-    search = Search(graph, topology, spec, time_limit_s)
+    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel)
     configs = enumerate_configs(graph, topology, spec, overrides, search.policies())
     if not configs:
         raise InvalidConfig(

@@ -32,6 +32,7 @@ from autoplan.cost_model.comm import group_layout
 from autoplan.graph import CapturedGraph
 from autoplan.plan import SCHEDULES
 from autoplan.solver import checkpointing as ckpt
+from autoplan.solver import sequence
 from autoplan.solver.costs import Costs, build_costs
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
                                  relax, solve)
@@ -92,6 +93,7 @@ class Overrides:
     num_virtual_stages: int | None = None
     allow_tp_across_nodes: bool = False
     checkpointing: str | None = None
+    sequence_parallel: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,7 @@ class Search:
     topology: Topology
     spec: TrainingSpec
     time_limit_s: float
+    sequence_parallel: bool | None = None
     cache: StrategyCache = field(default_factory=StrategyCache)
     problems: dict[int, Problem] = field(default_factory=dict)
     costs: dict[tuple, Costs] = field(default_factory=dict)
@@ -263,8 +266,10 @@ class Search:
 
     def problem(self, tp: int) -> Problem:
         if tp not in self.problems:
-            self.problems[tp] = build_problem(self.graph, tp, self.spec.dtype_bytes,
-                                              cache=self.cache)
+            prob = build_problem(self.graph, tp, self.spec.dtype_bytes, cache=self.cache)
+            if self.sequence_parallel is not None:
+                sequence.restrict(prob, self.sequence_parallel)
+            self.problems[tp] = prob
         return self.problems[tp]
 
     def cost(self, tp: int, b: int, policy: str = "none") -> Costs:

@@ -1,0 +1,130 @@
+"""Sequence parallelism ([Note: sequence parallelism] in autoplan/solver/sequence.py): the norm,
+dropout and residual-add regions split on the sequence dim across the tp group, with
+reduce-scatter / all-gather where plain tensor parallelism all-reduces.
+
+Unit tests on captured tiny graphs (no process group); the equivalence tests train on 4 gloo
+ranks (dp2 x tp2) and match one process step by step (fp32, rtol 1e-5), like
+tests/test_training.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import _jobs
+from autoplan.capture import capture_preset
+from autoplan.cost_model.comm import collective_time_s, redistribute_time_s
+from autoplan.solver import checkpointing as ckpt
+from autoplan.solver import sequence
+from autoplan.solver.costs import build_costs
+from autoplan.solver.problem import build_problem
+from autoplan.spec import TrainingSpec
+from autoplan.topology import preset
+
+STEPS = 3
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    return {name: capture_preset(name, batch=BATCH, seq_len=_jobs.SEQ, num_layers=2)
+            for name in ("gpt2-tiny", "llama-tiny")}
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_region_is_norms_dropout_and_adds(graphs, name):
+    """The region holds the norms (RMSNorm: its pow, mul, casts), the residual adds (and
+    GPT-2's dropouts) of the block, never a matmul, and each of its nodes offers S(seq) on the
+    tp axis."""
+    prob = build_problem(graphs[name], 2, 4)
+    assert sequence.seq_dim(prob) == 1
+    region = sequence.sequence_parallel_region(prob)
+    nodes = {n.name: n for n in graphs[name].gm.graph.nodes}
+    kinds = {str(nodes[n].target).split(".")[1] for n in region}
+    assert "add" in kinds and kinds <= {"add", "layer_norm", "dropout", "mul", "pow", "to"}, kinds
+    if name == "gpt2-tiny":
+        assert {"layer_norm", "dropout"} <= kinds
+    for n in region:
+        assert any(c.outputs[0] == "S(1)" for c in prob.cands[n]), n
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_activation_memory_divided_by_tp_in_the_region(graphs, name):
+    """A saved tensor of the region is tp times smaller under S(seq) than under R, and under
+    "selective" checkpointing the block input each block keeps is too (priced at the block
+    output's placement)."""
+    tp = 2
+    spec = TrainingSpec(global_batch=BATCH, seq_len=_jobs.SEQ, dtype="float32")
+    topo = preset("dgx-h100")
+    prob = build_problem(graphs[name], tp, 4)
+    costs = build_costs(prob, BATCH, spec, topo)
+    region = sequence.sequence_parallel_region(prob)
+    checked = 0
+    for n in region:
+        row = costs.act_bytes.get(n)
+        if not row or not row[0]:
+            continue  # saves nothing (an add)
+        by_out = {c.outputs[0]: b for c, b in zip(prob.cands[n], row)}
+        assert by_out["S(1)"] * tp == pytest.approx(by_out["R"]), n
+        checked += 1
+    assert checked >= 2
+    sel = ckpt.checkpointed_costs(prob, costs, "selective", spec, topo)
+    out = ckpt.boundary_node(prob)
+    assert out in region
+    by_out = {c.outputs[0]: b for c, b in zip(prob.cands[out], sel.act_bytes[out])}
+    boundary = prob.graph.total_layers * ckpt.boundary_bytes(prob) * sel.scale
+    assert by_out["R"] - by_out["S(1)"] == pytest.approx(boundary * (1 - 1 / tp))
+
+
+def test_redistributions_are_reduce_scatter_and_all_gather_with_all_reduce_bytes():
+    """P -> S(seq) is a reduce-scatter and S(seq) -> R an all-gather of the full tensor's bytes;
+    the two take the time of the all-reduce P -> R they replace (same ring volume, Korthikanti
+    et al. 2022 section 4.2.2)."""
+    topo = preset("dgx-h100")
+    nbytes, tp = 64e6, 8
+    rs_name, rs_s = redistribute_time_s("P", "S(1)", nbytes, tp, topo)
+    ag_name, ag_s = redistribute_time_s("S(1)", "R", nbytes, tp, topo)
+    ar_name, ar_s = redistribute_time_s("P", "R", nbytes, tp, topo)
+    assert (rs_name, ag_name, ar_name) == ("reduce_scatter", "all_gather", "all_reduce")
+    assert rs_s == pytest.approx(ag_s)
+    assert rs_s + ag_s == pytest.approx(ar_s + topo.device.dtensor_redistribute_s, rel=1e-6)
+    assert rs_s - topo.device.dtensor_redistribute_s == pytest.approx(
+        collective_time_s("reduce_scatter", nbytes, tp, topo))
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_forcing_on_and_off(graphs, name):
+    """sequence_parallel=True leaves only S(seq) candidates in the region, False none."""
+    on = sequence.restrict(build_problem(graphs[name], 2, 4), True)
+    off = sequence.restrict(build_problem(graphs[name], 2, 4), False)
+    region = sequence.sequence_parallel_region(on)
+    for n in region:
+        assert {c.outputs[0] for c in on.cands[n]} == {"S(1)"}, n
+        assert "S(1)" not in {c.outputs[0] for c in off.cands[n]}, n
+
+
+def _sp_placements(plan: dict) -> dict[str, str]:
+    return {s["node"]: s["outputs"][0] for s in plan["strategies"]
+            if s["node"].startswith(("layer_norm", "dropout", "add"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_tp2_sequence_parallel_matches_single_process(clusters, name):
+    """dp2 x tp2 with sequence parallelism forced: 4 gloo ranks match one process."""
+    from test_training import assert_matches
+
+    overrides = dict(dp=2, tp=2, zero_stage=0, sequence_parallel=True)
+    results = clusters.get(4).run(_jobs.train, _jobs.preset(name), STEPS, BATCH, overrides,
+                                  timeout_s=240, memory_fraction=0.9)
+    plan = json.loads(results[0][2])
+    kinds = {r["collective"] for r in plan["redistributions"]}
+    assert {"reduce_scatter", "all_gather"} <= kinds, kinds
+    assert any(p != "R" for _, p in plan["param_placements"]), "no weight split on tp"
+    assert "S(1)" in set(_sp_placements(plan).values())
+    ref = _jobs.reference(_jobs.preset(name), STEPS, BATCH)
+    for result in results:
+        assert_matches(name, result, ref)
