@@ -122,6 +122,11 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--checkpointing", choices=("none", "selective", "full"),
                      help="activation checkpointing of every block: selective keeps matmul "
                           "and attention outputs, full keeps block inputs")
+    fix.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                     help="Megatron-LM sequence parallelism: the norm, dropout and residual-add "
+                          "regions split on the sequence dim across the tp group (reduce-scatter "
+                          "/ all-gather instead of all-reduce); --no-sequence-parallel: never; "
+                          "default: chosen per node by the solver")
     fix.add_argument("--allow-tp-across-nodes", action="store_true",
                      help="let tp groups span nodes (default: tp stays inside a node)")
     solver = p.add_argument_group("planning")
@@ -289,7 +294,7 @@ def _plan(args, num_layers: int | None) -> _Planned:
         result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
                       zero_stage=args.zero, num_microbatches=args.microbatches,
                       schedule=args.schedule, num_virtual_stages=args.virtual_stages,
-                      checkpointing=args.checkpointing,
+                      checkpointing=args.checkpointing, sequence_parallel=args.sequence_parallel,
                       allow_tp_across_nodes=args.allow_tp_across_nodes,
                       time_limit_s=args.time_limit, top_k=args.top_k)
     said = []

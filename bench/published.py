@@ -74,6 +74,7 @@ class Row:
     tflops_per_gpu: float | None = None
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     inter_node_bw_bytes_per_s: float | None = None  # None: the preset's
+    sequence_parallel: bool | None = None  # None: searched (the planner's choice)
 
     @property
     def num_microbatches(self) -> int:
@@ -104,6 +105,10 @@ dgx-a100 preset (~192 GB/s measured on 8 x 200 Gb/s): 48 GB/s. The dgx-a100 pres
 _SC21 = "Narayanan et al. SC'21 Table 1; configuration: Megatron-LM examples/sc21/run_table_1.sh"
 _SC21_T2 = "Narayanan et al. SC'21 Table 2 (GPT-3 175B)"
 _K22 = "Korthikanti et al. 2022 Table 5, full-recompute column"
+_K22_SP = "Korthikanti et al. 2022 Table 5, selective + sequence-parallel column"
+_K22_SELECTIVE = ("Megatron-LM's selective recompute drops only the attention core (softmax, "
+                  "dropout, scores); autoplan's keeps matmul outputs and recomputes the rest "
+                  "(norms, GeLU, dropout, softmax)")
 _BLOOM = "BigScience BLOOM-176B (tr11), Megatron-DeepSpeed"
 _MBS_UNKNOWN = "microbatch size not published: 1 assumed"
 _SCHED_UNKNOWN = "schedule not published: non-interleaved 1F1B assumed"
@@ -155,6 +160,16 @@ ROWS: tuple[Row, ...] = (
     Row(name="K22 GPT 1T", source=_K22, h=25600, layers=128, heads=160, vocab=51200, seq=2048,
         cluster="dgx-a100", gpus=512, tp=8, pp=64, dp=1, global_batch=512, microbatch_size=1,
         checkpointing="full", iteration_s=94.42, assumptions=(_SCHED_UNKNOWN,)),
+    # The same runs with selective recompute and sequence parallelism (fixed on).
+    *(Row(name=f"K22 GPT {name} selective+SP", source=_K22_SP, h=h, layers=layers, heads=heads,
+          vocab=51200, seq=2048, cluster="dgx-a100", gpus=8 * pp, tp=8, pp=pp, dp=1,
+          global_batch=gbs, microbatch_size=mbs, checkpointing="selective",
+          sequence_parallel=True, iteration_s=s,
+          assumptions=(_K22_SELECTIVE,) + ((_SCHED_UNKNOWN,) if pp > 1 else ()))
+      for name, heads, h, layers, pp, gbs, mbs, s in (
+          ("22B", 64, 6144, 48, 1, 4, 4, 1.10), ("175B", 96, 12288, 96, 8, 64, 1, 13.75),
+          ("530B", 128, 20480, 105, 35, 280, 1, 37.83),
+          ("1T", 160, 25600, 128, 64, 512, 1, 71.49))),
     # BLOOM-176B: ~149-150 TFLOP/s per GPU in hardware FLOPs (recompute counted).
     Row(name="BLOOM 176B", source=_BLOOM, h=14336, layers=70, heads=112, vocab=250880,
         seq=2048, cluster="dgx-a100", gpus=384, tp=4, pp=12, dp=8, global_batch=2048,
@@ -196,7 +211,7 @@ def plan_row(row: Row, workdir: Path, free_planning: bool = True) -> dict:
     import torch
 
     from autoplan.capture import capture_preset
-    from autoplan.solver import plan
+    from autoplan.solver import plan, sequence
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset
 
@@ -218,7 +233,7 @@ def plan_row(row: Row, workdir: Path, free_planning: bool = True) -> dict:
     fixed = dict(tp=row.tp, pp=row.pp, dp=row.dp, zero_stage=row.zero_stage,
                  num_microbatches=row.num_microbatches, schedule=schedule,
                  num_virtual_stages=row.num_virtual_stages if row.pp > 1 else None,
-                 checkpointing=row.checkpointing)
+                 checkpointing=row.checkpointing, sequence_parallel=row.sequence_parallel)
     spec = TrainingSpec(global_batch=row.global_batch, seq_len=row.seq, dtype="bfloat16")
     fits = True
     try:
@@ -239,7 +254,8 @@ def plan_row(row: Row, workdir: Path, free_planning: bool = True) -> dict:
                    "microbatch_size": row.microbatch_size,
                    "num_microbatches": row.num_microbatches, "schedule": schedule,
                    "num_virtual_stages": row.num_virtual_stages,
-                   "checkpointing": row.checkpointing, "attention": row.attention},
+                   "checkpointing": row.checkpointing, "attention": row.attention,
+                   "sequence_parallel": row.sequence_parallel},
         "published_iteration_s": published,
         "published_from": "iteration_s" if row.iteration_s is not None else "tflops_per_gpu",
         "published_tflops_per_gpu": row.flops / (published * row.gpus) / 1e12,
@@ -250,6 +266,7 @@ def plan_row(row: Row, workdir: Path, free_planning: bool = True) -> dict:
         "out_of_scope": out_of_scope(row),
         "predicted": {"compute_s": p.compute_s, "comm_s": p.comm_s, "bubble_s": p.bubble_s},
         "fits": fits, "peak_memory_bytes": p.memory_bytes,
+        "sequence_parallel_nodes": list(sequence.placed(graph, result)),
         "device_memory_bytes": topology.device.mem_bytes,
         "free_plan": free,
         "plan_s": time.perf_counter() - start,
@@ -266,7 +283,7 @@ def _free_plan(graph, topology, spec, fixed) -> dict:
     configuration (`fixed`, its plan with every choice given): its step time, what it changes
     and which parts of the step the change saves. `as_fast` holds when the free plan is no
     slower under the cost model (the search covers the published configuration)."""
-    from autoplan.solver import plan
+    from autoplan.solver import plan, sequence
 
     try:
         free = plan(graph, topology, spec, top_k=0)
@@ -281,6 +298,7 @@ def _free_plan(graph, topology, spec, fixed) -> dict:
             "num_microbatches": free.num_microbatches, "schedule": free.schedule,
             "num_virtual_stages": free.num_virtual_stages,
             "checkpointing": free.checkpointing,
+            "sequence_parallel_nodes": list(sequence.placed(graph, free)),
             "step_time_s": b.step_time_s, "speedup": a.step_time_s / b.step_time_s,
             "as_fast": b.step_time_s <= a.step_time_s * (1 + 1e-9),
             "changes": changes,
@@ -348,12 +366,13 @@ def main(argv: list[str] | None = None) -> int:
             r = plan_row(row, Path(tmp), free_planning=not args.no_free)
             results.append(r)
             free = r["free_plan"] or {}
-            said = (f"  free: {free['speedup']:.2f}x ({'; '.join(free['changes']) or 'same'})"
+            said = (f"  free: {free['speedup']:.2f}x ({'; '.join(free['changes']) or 'same'}"
+                    f"; SP {'/'.join(map(str, free['sequence_parallel_nodes']))})"
                     if "speedup" in free else f"  free: {free.get('error', '-')}")
             print(f"{r['name']:36s} published {r['published_iteration_s']:7.2f} s  predicted "
                   f"{r['predicted_iteration_s']:7.2f} s  {r['error'] * 100:+6.1f}%  peak "
                   f"{r['peak_memory_bytes'] / 1e9:6.1f} GB{'' if r['fits'] else ' (no fit)'}"
-                  + said, flush=True)
+                  f"  SP {'/'.join(map(str, r['sequence_parallel_nodes']))}" + said, flush=True)
     held = [r for r in results if not r["out_of_scope"]]
     errors = sorted(abs(r["error"]) for r in held) or [math.nan]
     summary = {"band": BAND, "rows": len(results), "held_to_band": len(held),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import _jobs
 from autoplan.capture import capture_preset
@@ -40,7 +39,7 @@ def test_region_is_norms_dropout_and_adds(graphs, name):
     GPT-2's dropouts) of the block, never a matmul, and each of its nodes offers S(seq) on the
     tp axis."""
     prob = build_problem(graphs[name], 2, 4)
-    assert sequence.seq_dim(prob) == 1
+    assert sequence.seq_dim(prob.graph) == 1
     region = sequence.sequence_parallel_region(prob)
     nodes = {n.name: n for n in graphs[name].gm.graph.nodes}
     kinds = {str(nodes[n].target).split(".")[1] for n in region}

@@ -75,10 +75,32 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         ["schedule", sched if m.pp > 1 else f"{sched} (pp 1: gradient accumulation over "
                                             f"{F.plural(plan.num_microbatches, 'microbatch')})"],
         ["activation checkpointing", plan.checkpointing],
+        *([["sequence parallelism", sp]] if (sp := _sequence_text(plan, graph)) else []),
         ["dtype", f"{plan.dtype}: {precision_recipe(plan.dtype)}"],
     ]
     return [f"# autoplan: {plan.model} on {plan.topology}", "", "## Summary", "",
             *_table(["", ""], rows)]
+
+
+def _sequence_text(plan: Plan, graph) -> str:
+    """How much of the blocks' norm / dropout / residual-add region is split on the sequence
+    dim ([Note: sequence parallelism] in autoplan/solver/sequence.py); "" at tp 1 or without
+    the graph."""
+    if graph is None or plan.mesh.tp == 1 or not graph.layer_nodes:
+        return ""
+    from autoplan.solver.sequence import placed, seq_dim
+
+    on, total = placed(graph, plan)
+    if not total:
+        return ""
+    split = f"`S({seq_dim(graph)})`"
+    if on == total:
+        return (f"on: all {total} norm, dropout and residual-add nodes of the captured blocks "
+                f"are {split} on the tp axis (reduce-scatter after row-parallel matmuls, "
+                f"all-gather before column-parallel ones; their activations 1/{plan.mesh.tp})")
+    if on == 0:
+        return f"off: none of the {total} norm, dropout and residual-add nodes is {split}"
+    return f"partial: {on} of {total} norm, dropout and residual-add nodes are {split}"
 
 
 def _mesh(plan: Plan, topology) -> list[str]:
@@ -146,7 +168,24 @@ def _placements(plan: Plan, graph) -> list[str]:
     return ["## Tensor-parallel placements", "",
             f"Placement of each parameter on the tp axis (tp = {plan.mesh.tp}); one row per "
             f"role in the repeated block. {_sharded_text(plan, graph)}.", "",
-            *_table(["parameter", "shape", "placement", "count"], rows)]
+            *_table(["parameter", "shape", "placement", "count"], rows), *_region(plan, graph)]
+
+
+def _region(plan: Plan, graph) -> list[str]:
+    """The placements of the first captured block's norm / dropout / residual-add nodes (the
+    sequence-parallel region), one line; nothing at tp 1 or without the graph."""
+    if graph is None or plan.mesh.tp == 1 or not graph.layer_nodes:
+        return []
+    from autoplan.solver.sequence import region_nodes
+
+    first = set(graph.layer_nodes[min(graph.layer_nodes)])
+    outs = {st.node: st.outputs[0] for st in plan.strategies if st.outputs}
+    cells = [f"`{n}` `{outs[n]}`" for n in region_nodes(graph) if n in first and n in outs]
+    if not cells:
+        return []
+    return ["", "Norm, dropout and residual-add outputs of the first block (the sequence-"
+                "parallel region; `S(1)` = split on the sequence dim): " + ", ".join(cells)
+            + "."]
 
 
 def _sharded_text(plan: Plan, graph) -> str:

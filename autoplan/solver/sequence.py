@@ -20,33 +20,35 @@ So free planning picks sequence parallelism wherever it is cheapest. `restrict` 
 way for the *sequence-parallel region*: the block's nodes that are neither views nor matmuls
 (nor casts or tuple elements of a matmul's output) and whose one output has the residual stream's
 shape (B, S, H) -- norms, dropout, residual adds. `True` keeps only their S(s) candidates
-(where they have one), `False` drops those.
+(where they have one), `False` drops those. `placed` says how much of a plan's region is S(s)
+(the report's and bench/published.py's "sequence parallelism" line).
 """
 
 from __future__ import annotations
 
 import operator
 
-import torch.fx
-
 from autoplan.cost_model.compute import MATMUL_OPS, VIEW_OPS, op_name
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
 from autoplan.solver.problem import Problem
-from autoplan.strategies import node_tensor_meta, tensor_args
+from autoplan.strategies import constant_like_nodes, node_tensor_meta, tensor_args
 
-__all__ = ["seq_dim", "sequence_parallel_region", "restrict"]
+__all__ = ["residual_shape", "seq_dim", "region_nodes", "sequence_parallel_region", "placed",
+           "restrict"]
 
 
-def residual_shape(problem: Problem) -> tuple[int, ...]:
+def residual_shape(graph: CapturedGraph) -> tuple[int, ...]:
     """The shape of the residual stream: the output of block 0 that a later block or the part
     after the blocks reads (global shape at the captured batch).
 
     Raises ValueError when the graph has no repeated block or no such output."""
-    graph = problem.graph
     if not graph.layer_nodes:
         raise ValueError("sequence parallelism needs repeated blocks; this graph has none")
-    first = set(graph.layer_nodes[min(graph.layer_nodes)])
+    block = graph.layer_nodes[min(graph.layer_nodes)]
+    first = set(block)
     nodes = {n.name: n for n in graph.gm.graph.nodes}
-    for name in reversed(graph.layer_nodes[min(graph.layer_nodes)]):
+    for name in reversed(block):
         if any(u.name not in first for u in nodes[name].users):
             meta = node_tensor_meta(graph, nodes[name])[0]
             if meta is not None:
@@ -54,12 +56,12 @@ def residual_shape(problem: Problem) -> tuple[int, ...]:
     raise ValueError("sequence parallelism: no output of the first block is read after it")
 
 
-def seq_dim(problem: Problem) -> int:
+def seq_dim(graph: CapturedGraph) -> int:
     """The sequence dim of the residual stream: its first dim after the batch dim (0) whose
     size is the captured sequence length.
 
     Raises ValueError when the graph has no sequence length or no such dim."""
-    shape, seq = residual_shape(problem), problem.graph.seq_len
+    shape, seq = residual_shape(graph), graph.seq_len
     dims = [d for d in range(1, len(shape)) if shape[d] == seq]
     if not seq or not dims:
         raise ValueError(f"sequence parallelism: no dim of the residual stream {shape} has the "
@@ -81,21 +83,40 @@ def _matmul_derived(graph) -> set[str]:
     return out
 
 
-def sequence_parallel_region(problem: Problem) -> set[str]:
-    """ILP nodes of the sequence-parallel region (module docstring)."""
-    graph, shape = problem.graph, residual_shape(problem)
+def region_nodes(graph: CapturedGraph) -> list[str]:
+    """Nodes of every captured block in the sequence-parallel region (module docstring), in
+    graph order."""
+    shape = residual_shape(graph)
     derived = _matmul_derived(graph)
-    nodes = {n.name: n for n in graph.gm.graph.nodes}
-    region = set()
-    for n in problem.nodes:
-        node: torch.fx.Node = nodes[n]
-        if (problem.part[n] != "layer" or node.op != "call_function" or n in derived
-                or n in problem.constants or op_name(str(node.target)) in VIEW_OPS):
+    consts = constant_like_nodes(graph)
+    block = {n for names in graph.layer_nodes.values() for n in names}
+    out = []
+    for node in graph.gm.graph.nodes:
+        if (node.name not in block or node.op != "call_function" or node.name in derived
+                or node.name in consts or op_name(str(node.target)) in VIEW_OPS):
             continue
         metas = node_tensor_meta(graph, node)
         if len(metas) == 1 and metas[0] is not None and tuple(metas[0][0]) == shape:
-            region.add(n)
-    return region
+            out.append(node.name)
+    return out
+
+
+def sequence_parallel_region(problem: Problem) -> set[str]:
+    """ILP nodes of the sequence-parallel region (module docstring)."""
+    return {problem.rep[n] for n in region_nodes(problem.graph)
+            if problem.rep.get(n) in problem.part}
+
+
+def placed(graph: CapturedGraph, plan: Plan) -> tuple[int, int]:
+    """(nodes of the region placed S(seq) on the tp axis, nodes of the region) in `plan`'s
+    strategies: (n, n) is Megatron-LM's sequence parallelism, (0, n) plain tensor parallelism;
+    (0, 0) at tp 1 or without repeated blocks."""
+    if plan.mesh.tp == 1 or not graph.layer_nodes:
+        return 0, 0
+    placement = f"S({seq_dim(graph)})"
+    outs = {st.node: st.outputs[0] for st in plan.strategies if st.outputs}
+    region = [n for n in region_nodes(graph) if n in outs]
+    return sum(outs[n] == placement for n in region), len(region)
 
 
 def restrict(problem: Problem, on: bool) -> Problem:
@@ -106,7 +127,7 @@ def restrict(problem: Problem, on: bool) -> Problem:
     Raises ValueError as `seq_dim` does."""
     if problem.tp == 1:
         return problem
-    placement = f"S({seq_dim(problem)})"
+    placement = f"S({seq_dim(problem.graph)})"
     region = sequence_parallel_region(problem)
     for name in list(problem.cands):
         if problem.rep.get(name) not in region:
