@@ -127,3 +127,25 @@ def test_tp2_sequence_parallel_matches_single_process(clusters, name):
     ref = _jobs.reference(_jobs.preset(name), STEPS, BATCH)
     for result in results:
         assert_matches(name, result, ref)
+
+
+@pytest.mark.filterwarnings("ignore::autoplan.solver.search.ReplicatedWeightsWarning")
+def test_plan_and_report_show_the_region(graphs):
+    """solver.plan(sequence_parallel=...) fixes the region's placements, and the report's
+    summary and placement section say so."""
+    from autoplan.report.markdown import render_markdown
+    from autoplan.solver import plan
+
+    graph = graphs["gpt2-tiny"]
+    topo = preset("local-cpu", num_nodes=1)
+    spec = TrainingSpec(global_batch=BATCH, seq_len=_jobs.SEQ, dtype="float32")
+    fixed = dict(tp=2, dp=topo.world_size // 2, zero_stage=0, top_k=0)
+    on = plan(graph, topo, spec, sequence_parallel=True, **fixed)
+    off = plan(graph, topo, spec, sequence_parallel=False, **fixed)
+    n = len(sequence.region_nodes(graph))
+    assert sequence.placed(graph, on) == (n, n) and sequence.placed(graph, off) == (0, n)
+    assert "reduce_scatter" in {r.collective for r in on.redistributions}
+    text = render_markdown(on, graph=graph, topology=topo)
+    assert f"| sequence parallelism | on: all {n} norm, dropout and residual-add" in text
+    assert "`layer_norm` `S(1)`" in text
+    assert "| sequence parallelism | off" in render_markdown(off, graph=graph, topology=topo)
