@@ -151,3 +151,27 @@ def test_plan_and_report_show_the_region(graphs):
     assert f"| sequence parallelism | on: all {n} norm, dropout and residual-add" in text
     assert "`layer_norm` `S(1)`" in text
     assert "| sequence parallelism | off" in render_markdown(off, graph=graph, topology=topo)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_dropout_matches_single_process(clusters):
+    """GPT-2 with dropout 0.5 everywhere, the residual dropouts split on the sequence dim: the
+    masks are those of one process ([Note: RNG contract]: a rank keeps its slice of each
+    row's draws), so 4 gloo ranks (dp2 x tp2) match one process under the keyed random ops."""
+    from test_training import assert_matches
+
+    from autoplan.api import autoparallel
+
+    dropout = dict(resid_pdrop=0.5, attn_pdrop=0.5, embd_pdrop=0.5)
+    factory = _jobs.preset("gpt2-tiny", **dropout)
+    overrides = dict(dp=2, tp=2, zero_stage=0, sequence_parallel=True)
+    budget = _jobs.memory_budget(factory, BATCH, overrides, 0.9, 4)
+    ap = autoparallel(factory(), global_batch=BATCH, seq_len=_jobs.SEQ, world_size=4,
+                      device_memory_bytes=budget, **overrides)  # the plan each rank makes
+    dropouts = [s.outputs[0] for s in ap.plan.strategies if s.node.startswith("dropout_")]
+    assert dropouts and set(dropouts) == {"S(1)"}, dropouts
+    results = clusters.get(4).run(_jobs.train_seeded, factory, STEPS, BATCH, overrides, 123,
+                                  device_memory_bytes=budget, timeout_s=300)
+    ref = _jobs.reference_keyed(factory, STEPS, BATCH, seed=123)
+    for result in results:
+        assert_matches("gpt2-tiny", result, ref)
