@@ -125,7 +125,8 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                      help="Megatron-LM sequence parallelism: the norm, dropout and residual-add "
                           "regions split on the sequence dim across the tp group (reduce-scatter "
-                          "/ all-gather instead of all-reduce); --no-sequence-parallel: never; "
+                          "/ all-gather instead of all-reduce); --no-sequence-parallel: those "
+                          "regions replicated (plain tensor parallelism); "
                           "default: chosen per node by the solver")
     fix.add_argument("--allow-tp-across-nodes", action="store_true",
                      help="let tp groups span nodes (default: tp stays inside a node)")

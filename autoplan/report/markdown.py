@@ -88,9 +88,11 @@ def _sequence_text(plan: Plan, graph) -> str:
     the graph."""
     if graph is None or plan.mesh.tp == 1 or not graph.layer_nodes:
         return ""
-    from autoplan.solver.sequence import placed, seq_dim
+    from autoplan.solver.sequence import placed, region_nodes, seq_dim
 
     on, total = placed(graph, plan)
+    region = set(region_nodes(graph))
+    outs = {f"`{st.outputs[0]}`" for st in plan.strategies if st.node in region and st.outputs}
     if not total:
         return ""
     split = f"`S({seq_dim(graph)})`"
@@ -99,7 +101,8 @@ def _sequence_text(plan: Plan, graph) -> str:
                 f"are {split} on the tp axis (reduce-scatter after row-parallel matmuls, "
                 f"all-gather before column-parallel ones; their activations 1/{plan.mesh.tp})")
     if on == 0:
-        return f"off: none of the {total} norm, dropout and residual-add nodes is {split}"
+        return (f"off: none of the {total} norm, dropout and residual-add nodes is {split}"
+                f" (outputs: {', '.join(sorted(outs))})")
     return f"partial: {on} of {total} norm, dropout and residual-add nodes are {split}"
 
 

@@ -61,8 +61,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         sequence_parallel: True: the norm, dropout and residual-add regions of every block
             hold their activations split on the sequence dim on the tp axis (Megatron-LM's
             sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
-            never; None: chosen per node by the placement ILP like any placement. Has no
-            effect at tp 1.
+            those regions unsplit on the tp axis (plain tensor parallelism); None: chosen per
+            node by the placement ILP like any placement. Has no effect at tp 1.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).

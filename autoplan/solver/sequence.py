@@ -20,7 +20,9 @@ So free planning picks sequence parallelism wherever it is cheapest. `restrict` 
 way for the *sequence-parallel region*: the block's nodes that are neither views nor matmuls
 (nor casts or tuple elements of a matmul's output) and whose one output has the residual stream's
 shape (B, S, H) -- norms, dropout, residual adds. `True` keeps only their S(s) candidates
-(where they have one), `False` drops those. `placed` says how much of a plan's region is S(s)
+(where they have one); `False` keeps only their unsplit candidates (R, P): plain Megatron
+tensor parallelism, whose norm regions are replicated -- not merely "no S(s)", since a residual
+stream split on the hidden dim, S(h), would hold 1/tp too. `placed` says how much of a plan's region is S(s)
 (the report's and bench/published.py's "sequence parallelism" line).
 """
 
@@ -120,9 +122,9 @@ def placed(graph: CapturedGraph, plan: Plan) -> tuple[int, int]:
 
 
 def restrict(problem: Problem, on: bool) -> Problem:
-    """`problem` with sequence parallelism fixed on (`on`) or off for its region, in place
-    (new candidate lists; the strategy cache's are shared). Nodes of the region without an
-    S(s) candidate keep theirs when `on`. A no-op at tp 1.
+    """`problem` with sequence parallelism fixed on (`on`: S(s) outputs only) or off (R or P
+    outputs only) for its region, in place (new candidate lists; the strategy cache's are
+    shared). A node left without candidates keeps its own. A no-op at tp 1.
 
     Raises ValueError as `seq_dim` does."""
     if problem.tp == 1:
@@ -133,8 +135,8 @@ def restrict(problem: Problem, on: bool) -> Problem:
         if problem.rep.get(name) not in region:
             continue
         cands = problem.cands[name]
-        split = [c for c in cands if c.outputs[0] == placement]
-        keep = split if on else [c for c in cands if c.outputs[0] != placement]
+        keep = ([c for c in cands if c.outputs[0] == placement] if on else
+                [c for c in cands if not c.outputs[0].startswith("S(")])
         if keep:
             problem.cands[name] = keep
     return problem
