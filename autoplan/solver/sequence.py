@@ -22,8 +22,8 @@ way for the *sequence-parallel region*: the block's nodes that are neither views
 shape (B, S, H) -- norms, dropout, residual adds. `True` keeps only their S(s) candidates
 (where they have one); `False` keeps only their unsplit candidates (R, P): plain Megatron
 tensor parallelism, whose norm regions are replicated -- not merely "no S(s)", since a residual
-stream split on the hidden dim, S(h), would hold 1/tp too. `placed` says how much of a plan's region is S(s)
-(the report's and bench/published.py's "sequence parallelism" line).
+stream split on the hidden dim, S(h), would hold 1/tp too. `placed` says how much of a plan's
+region is S(s) (the report's and bench/published.py's "sequence parallelism" line).
 """
 
 from __future__ import annotations
