@@ -17,6 +17,9 @@ per row from its source and says so in `ROW_ASSUMPTIONS`:
 - Megatron-LM 2021-22 (SC'21, Korthikanti et al. 2022) and Megatron-DeepSpeed (BLOOM) computed
   attention unfused (baddbmm, fused scale-mask-softmax, dropout, bmm): `attention="eager"`.
 - Dropout 0.1 on attention probabilities and hidden states (Megatron-LM's defaults).
+- Sequence parallelism as the run used it (`Row.sequence_parallel`): off (plain tensor
+  parallelism) for the runs before Korthikanti et al. 2022 and its full-recompute column, on
+  for its selective + sequence-parallel column.
 - BLOOM's ALiBi and embedding layer norm are built as GPT-2's learned positions (same matmuls;
   the difference is below 0.1% of the FLOPs).
 
@@ -74,7 +77,9 @@ class Row:
     tflops_per_gpu: float | None = None
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     inter_node_bw_bytes_per_s: float | None = None  # None: the preset's
-    sequence_parallel: bool | None = None  # None: searched (the planner's choice)
+    # True / False: Megatron-LM's sequence parallelism as the run used it (False: plain tensor
+    # parallelism, the runs before Korthikanti et al. 2022); None: the planner's choice
+    sequence_parallel: bool | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -118,7 +123,8 @@ def _sc21(name, heads, h, layers, tp, pp, gpus, gbs, mbs, tflops, v=1):
     return Row(name=f"SC'21 GPT {name}", source=_SC21, h=h, layers=layers, heads=heads,
                vocab=51200, seq=2048, cluster="dgx-a100", gpus=gpus, tp=tp, pp=pp,
                dp=gpus // (tp * pp), global_batch=gbs, microbatch_size=mbs,
-               checkpointing="full", num_virtual_stages=v, tflops_per_gpu=tflops)
+               checkpointing="full", num_virtual_stages=v, tflops_per_gpu=tflops,
+               sequence_parallel=False)
 
 
 ROWS: tuple[Row, ...] = (
@@ -138,28 +144,32 @@ ROWS: tuple[Row, ...] = (
     *(Row(name=f"SC'21 GPT-3 175B ZeRO-3 {g} GPUs", source=_SC21_T2, h=12288, layers=96,
           heads=96, vocab=51200, seq=2048, cluster="dgx-a100", gpus=g, tp=1, pp=1, dp=g,
           global_batch=1536, microbatch_size=mbs, checkpointing="full", zero_stage=3,
+          sequence_parallel=False,
           tflops_per_gpu=tf, assumptions=("full recomputation assumed (the table does not "
                                           "say; 175B does not fit otherwise)",))
       for g, mbs, tf in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))),
     *(Row(name=f"SC'21 GPT-3 175B PTD-P {g} GPUs", source=_SC21_T2, h=12288, layers=96,
           heads=96, vocab=51200, seq=2048, cluster="dgx-a100", gpus=g, tp=8, pp=12,
           dp=g // 96, global_batch=1536, microbatch_size=1, checkpointing="full",
+          sequence_parallel=False,
           tflops_per_gpu=tf, assumptions=(_MBS_UNKNOWN, _SCHED_UNKNOWN))
       for g, tf in ((384, 153), (768, 149), (1536, 141))),
     # Korthikanti et al. 2022, Table 5: no data parallelism, iteration seconds measured.
     Row(name="K22 GPT 22B", source=_K22, h=6144, layers=48, heads=64, vocab=51200, seq=2048,
         cluster="dgx-a100", gpus=8, tp=8, pp=1, dp=1, global_batch=4, microbatch_size=4,
-        checkpointing="full", iteration_s=1.42),
+        checkpointing="full", sequence_parallel=False, iteration_s=1.42),
     Row(name="K22 GPT 175B", source=_K22, h=12288, layers=96, heads=96, vocab=51200, seq=2048,
         cluster="dgx-a100", gpus=64, tp=8, pp=8, dp=1, global_batch=64, microbatch_size=1,
-        checkpointing="full", iteration_s=18.13, assumptions=(_SCHED_UNKNOWN,)),
+        checkpointing="full", sequence_parallel=False, iteration_s=18.13,
+        assumptions=(_SCHED_UNKNOWN,)),
     Row(name="K22 GPT 530B", source=_K22, h=20480, layers=105, heads=128, vocab=51200,
         seq=2048, cluster="dgx-a100", gpus=280, tp=8, pp=35, dp=1, global_batch=280,
-        microbatch_size=1, checkpointing="full", iteration_s=49.05,
+        microbatch_size=1, checkpointing="full", sequence_parallel=False, iteration_s=49.05,
         assumptions=(_SCHED_UNKNOWN,)),
     Row(name="K22 GPT 1T", source=_K22, h=25600, layers=128, heads=160, vocab=51200, seq=2048,
         cluster="dgx-a100", gpus=512, tp=8, pp=64, dp=1, global_batch=512, microbatch_size=1,
-        checkpointing="full", iteration_s=94.42, assumptions=(_SCHED_UNKNOWN,)),
+        checkpointing="full", sequence_parallel=False, iteration_s=94.42,
+        assumptions=(_SCHED_UNKNOWN,)),
     # The same runs with selective recompute and sequence parallelism (fixed on).
     *(Row(name=f"K22 GPT {name} selective+SP", source=_K22_SP, h=h, layers=layers, heads=heads,
           vocab=51200, seq=2048, cluster="dgx-a100", gpus=8 * pp, tp=8, pp=pp, dp=1,
@@ -174,6 +184,7 @@ ROWS: tuple[Row, ...] = (
     Row(name="BLOOM 176B", source=_BLOOM, h=14336, layers=70, heads=112, vocab=250880,
         seq=2048, cluster="dgx-a100", gpus=384, tp=4, pp=12, dp=8, global_batch=2048,
         microbatch_size=2, checkpointing="full", zero_stage=1, tflops_per_gpu=149.5,
+        sequence_parallel=False,
         inter_node_bw_bytes_per_s=JEAN_ZAY_INTER_NODE_BW,
         assumptions=("ALiBi and the embedding layer norm built as GPT-2 positions",
                      "DeepSpeed's pipeline engine: non-interleaved 1F1B")),
@@ -185,6 +196,12 @@ OUT_OF_SCOPE = {
               "~67 s from 768 to 1536 GPUs while the work per GPU halves, an implementation "
               "cost (per-parameter collectives) beyond the hardware figures; reported, not "
               "held to the band, and outside the error band plans state",
+    "selective+SP": "autoplan's selective checkpointing is not Megatron-LM's: it keeps the "
+                    "matmul outputs (eager attention scores included) and recomputes norms, "
+                    "GeLU, dropout and softmax -- with the reduce-scatter in front of them -- "
+                    "where Megatron-LM recomputes only the attention core (Korthikanti et al. "
+                    "2022, section 5): predicted +3% to +18% and GPT 1T does not fit (105 GB); "
+                    "reported, not held to the band until the runtime offers that policy",
 }
 """Rows (by a text in their name) the bench reports but does not hold to the band, and why."""
 

@@ -16,7 +16,16 @@ all-gather from it (S(s) -> R). The placement ILP expresses this without a new c
   under "selective" checkpointing the block input each block keeps is priced at the placement
   of the block's output (solver/checkpointing.py), so an S(s) residual stream holds 1/tp.
 
-So free planning picks sequence parallelism wherever it is cheapest. `restrict` fixes it either
+So free planning picks sequence parallelism wherever it is cheapest.
+
+Known limit: where a flatten view sits between the norm and a column-parallel matmul (GPT-2's
+Conv1D: view (B, S, H) -> (B S, H), then addmm), the backward of the all-gather S(s) -> R on
+the edge into the view is priced as a slice and Megatron's f all-reduce is charged on the
+view -> addmm edge, while DTensor reduce-scatters the partial gradient (P -> S(s)) in the
+all-gather's backward: sequence parallelism there is over-priced by an all-reduce minus a
+reduce-scatter per column-parallel input, and the ILP sometimes routes S(s) -> S(h) by an
+all-to-all before the view instead. A linear on (B, S, H) (Llama) has no view: its gather's
+backward is priced as the reduce-scatter it is (costs.py, g = "P" for a split consumer). `restrict` fixes it either
 way for the *sequence-parallel region*: the block's nodes that are neither views nor matmuls
 (nor casts or tuple elements of a matmul's output) and whose one output has the residual stream's
 shape (B, S, H) -- norms, dropout, residual adds. `True` keeps only their S(s) candidates
