@@ -442,8 +442,8 @@ def _cache_request(args):
 
 # the `plan` flags a plan depends on besides the model, cluster and training spec
 _PLAN_FLAGS = ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-               "checkpointing", "allow_tp_across_nodes", "num_layers_capture", "time_limit",
-               "top_k")
+               "checkpointing", "sequence_parallel", "allow_tp_across_nodes",
+               "num_layers_capture", "time_limit", "top_k")
 
 
 def _store(cache, request: dict, entry: dict) -> None:
