@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch.fx
 
+from autoplan.capture.facts import _nbytes
 from autoplan.cost_model.compute import VIEW_OPS, op_name
 
 __all__ = ["FUSIBLE_OPS", "fused_bytes"]
@@ -89,14 +90,6 @@ def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
         else:
             out.append(user)
     return out
-
-
-def _nbytes(val: object) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
 
 
 def fused_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
