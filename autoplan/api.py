@@ -580,8 +580,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             ([Note: batch dims] in autoplan/inputs.py; None: not split, whole to every
             microbatch).
         **overrides: fix solver choices: tp, pp, dp, zero_stage, num_microbatches, schedule,
-            num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" | "selective" |
-            "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
+            num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" |
+            "core-attention" | "selective" | "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
             sequence_parallel (True / False: Megatron-LM's sequence parallelism on the tp axis
             fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py).
 

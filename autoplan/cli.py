@@ -119,9 +119,10 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--schedule", choices=_SCHEDULES, help="pipeline schedule")
     fix.add_argument("--virtual-stages", type=_positive_int, metavar="V",
                      help="model chunks per pp rank (interleaved-1f1b)")
-    fix.add_argument("--checkpointing", choices=("none", "selective", "full"),
-                     help="activation checkpointing of every block: selective keeps matmul "
-                          "and attention outputs, full keeps block inputs")
+    fix.add_argument("--checkpointing", choices=("none", "core-attention", "selective", "full"),
+                     help="activation checkpointing of every block: core-attention recomputes "
+                          "the unfused attention core (Megatron-LM's selective recompute), "
+                          "selective keeps matmul and attention outputs, full keeps block inputs")
     fix.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                      help="Megatron-LM sequence parallelism: the norm, dropout and residual-add "
                           "regions split on the sequence dim across the tp group (reduce-scatter "

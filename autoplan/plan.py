@@ -217,7 +217,7 @@ class Plan:
         schedule: one of SCHEDULES.
         num_virtual_stages: model chunks per pp rank (> 1 only for "interleaved-1f1b").
         stages: pipeline stages, pp * num_virtual_stages of them.
-        checkpointing: "none" | "selective" | "full".
+        checkpointing: "none" | "core-attention" | "selective" | "full".
         param_placements: (param FQN, placement on the tp axis), sorted by FQN.
         strategies: per-node placements on the tp axis.
         redistributions: every placement change the solver costed (the passes insert each).

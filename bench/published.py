@@ -111,9 +111,8 @@ _SC21 = "Narayanan et al. SC'21 Table 1; configuration: Megatron-LM examples/sc2
 _SC21_T2 = "Narayanan et al. SC'21 Table 2 (GPT-3 175B)"
 _K22 = "Korthikanti et al. 2022 Table 5, full-recompute column"
 _K22_SP = "Korthikanti et al. 2022 Table 5, selective + sequence-parallel column"
-_K22_SELECTIVE = ("Megatron-LM's selective recompute drops only the attention core (softmax, "
-                  "dropout, scores); autoplan's keeps matmul outputs and recomputes the rest "
-                  "(norms, GeLU, dropout, softmax)")
+_K22_SELECTIVE = ("Megatron-LM's selective recompute (recompute the attention core) is "
+                  "autoplan's core-attention checkpointing")
 _BLOOM = "BigScience BLOOM-176B (tr11), Megatron-DeepSpeed"
 _MBS_UNKNOWN = "microbatch size not published: 1 assumed"
 _SCHED_UNKNOWN = "schedule not published: non-interleaved 1F1B assumed"
@@ -173,7 +172,7 @@ ROWS: tuple[Row, ...] = (
     # The same runs with selective recompute and sequence parallelism (fixed on).
     *(Row(name=f"K22 GPT {name} selective+SP", source=_K22_SP, h=h, layers=layers, heads=heads,
           vocab=51200, seq=2048, cluster="dgx-a100", gpus=8 * pp, tp=8, pp=pp, dp=1,
-          global_batch=gbs, microbatch_size=mbs, checkpointing="selective",
+          global_batch=gbs, microbatch_size=mbs, checkpointing="core-attention",
           sequence_parallel=True, iteration_s=s,
           assumptions=(_K22_SELECTIVE,) + ((_SCHED_UNKNOWN,) if pp > 1 else ()))
       for name, heads, h, layers, pp, gbs, mbs, s in (
@@ -196,12 +195,6 @@ OUT_OF_SCOPE = {
               "~67 s from 768 to 1536 GPUs while the work per GPU halves, an implementation "
               "cost (per-parameter collectives) beyond the hardware figures; reported, not "
               "held to the band, and outside the error band plans state",
-    "selective+SP": "autoplan's selective checkpointing is not Megatron-LM's: it keeps the "
-                    "matmul outputs (eager attention scores included) and recomputes norms, "
-                    "GeLU, dropout and softmax -- with the reduce-scatter in front of them -- "
-                    "where Megatron-LM recomputes only the attention core (Korthikanti et al. "
-                    "2022, section 5): predicted +3% to +18% and GPT 1T does not fit (105 GB); "
-                    "reported, not held to the band until the runtime offers that policy",
 }
 """Rows (by a text in their name) the bench reports but does not hold to the band, and why."""
 

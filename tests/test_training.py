@@ -97,3 +97,22 @@ def test_activation_checkpointing_matches(clusters, references, mesh, policy):
     overrides = dict(MESHES[mesh], zero_stage=3, checkpointing=policy)
     for plan in _gpt2_tiny_matches(clusters, references, overrides):
         assert plan["checkpointing"] == policy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["dp2xtp2", "pp2xdp2"])
+def test_core_attention_checkpointing_matches(clusters, mesh):
+    """Megatron-LM's selective recompute ("core-attention") of GPT-2's unfused attention, with
+    ZeRO-3 (the cores inside each block's FSDP2 unit) and tp (the cores split by heads):
+    every rank matches one process."""
+    factory = _jobs.preset("gpt2-tiny", attn_implementation="eager")
+    ref = _jobs.reference(factory, STEPS, BATCH)
+    overrides = dict(MESHES[mesh], zero_stage=3, checkpointing="core-attention")
+    if "pp" in overrides:
+        overrides["num_microbatches"] = 2
+    budget = _jobs.memory_budget(factory, BATCH, overrides, 0.9 if "tp" in overrides else None, 4)
+    results = clusters.get(4).run(_jobs.train, factory, STEPS, BATCH, overrides, timeout_s=180,
+                                  device_memory_bytes=budget)
+    for result in results:
+        assert_matches("gpt2-tiny", result, ref)
+        assert json.loads(result[2])["checkpointing"] == "core-attention"

@@ -1,6 +1,15 @@
 """Step 2 of capture: the unlifted export graph rebuilt as a plain GraphModule (placeholders,
 one get_attr per canonical FQN, the ops, one output) with meta copies of the parameters and
 buffers ([Note: tied weights] in the package docstring).
+
+A dropout that cannot drop -- probability 0 or train False, as Llama's attention_dropout = 0.0
+and every `nn.Dropout(0.0)` are traced -- is left out: ATen returns its input itself
+(aten/src/ATen/native/Dropout.cpp, `_dropout_impl`: "if (p == 0 || !train ...) return input"),
+drawing no random numbers and saving nothing, so the graph computes the same without it and the
+cost model does not price a mask and a copy that never exist. So is a cast to the dtype its
+input has (`aten.to.dtype`, no copy, memory format preserved: Tensor.to returns self, as HF's
+`softmax(...).to(query.dtype)` in fp32): its value is its input's storage, which the memory
+model would otherwise count twice when two ops save it under the two names.
 """
 
 from __future__ import annotations
@@ -27,6 +36,31 @@ def _canonical_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
             canonical[fqn] = t
         to_canonical[fqn] = first
     return canonical, to_canonical
+
+
+_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+             torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default)
+
+
+def _is_identity_dropout(node: torch.fx.Node) -> bool:
+    """A dropout(input, p, train) whose p is 0 or train False: ATen returns `input` itself."""
+    if node.target not in _DROPOUTS or len(node.args) < 3:
+        return False
+    p, train = node.args[1], node.args[2]
+    return isinstance(p, (int, float)) and isinstance(train, bool) and (p == 0 or not train)
+
+
+def _is_identity_cast(node: torch.fx.Node) -> bool:
+    """An aten.to.dtype to the dtype its input has, without copy=True or a memory format:
+    Tensor.to returns `self`."""
+    if node.target is not torch.ops.aten.to.dtype or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    src = node.args[0].meta.get("val")
+    dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    copy = node.args[3] if len(node.args) > 3 else node.kwargs.get("copy", False)
+    fmt = node.args[4] if len(node.args) > 4 else node.kwargs.get("memory_format")
+    return (isinstance(src, torch.Tensor) and src.dtype == dtype and not copy
+            and fmt in (None, torch.preserve_format))
 
 
 def _strip(target: str) -> str:
@@ -61,6 +95,9 @@ def _clean_graph(ugm: torch.fx.GraphModule, model: nn.Module,
             continue  # export's input guards; the planner owns the shapes
         elif node.op == "call_function" and node.target is assert_op:
             continue  # pins the capture device (meta); the rest of the graph is device-free
+        elif node.op == "call_function" and (_is_identity_dropout(node)
+                                             or _is_identity_cast(node)):
+            env[node] = env[node.args[0]]
         elif node.op == "output":
             flat = node.args[0]
             flat = flat if isinstance(flat, (tuple, list)) else (flat,)

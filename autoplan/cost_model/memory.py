@@ -26,7 +26,7 @@ __all__ = [
     "STATE_BYTES_PER_PARAM", "FSDP2_MIXED_STATE_BYTES", "model_state_bytes", "activation_bytes_per_layer_closed_form",
     "activation_bytes_from_graph", "saved_tensors", "node_producers", "SavedTensor",
     "pipeline_in_flight_microbatches", "peak_memory_bytes", "RECOMPUTE_POLICIES", "PARAM_PREFIX",
-    "SELECTIVE_SAVED_OPS", "selective_saves",
+    "SELECTIVE_SAVED_OPS", "selective_saves", "core_attention_regions",
 ]
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -487,6 +487,35 @@ def _is_score_matmul(node: NodeInfo, producers: Sequence[str | None] | None) -> 
         return False
     _, m, n, k = matmul_dims(node)
     return k < m and k < n
+
+
+def core_attention_regions(graph) -> list[tuple[str, ...]]:
+    """The attention cores of the blocks of `graph` (a CapturedGraph): per score matmul of a
+    block, the node names of its core, in graph order ([Note: core attention]).
+
+    A core starts at a score matmul (a batched matmul of two activations whose contraction dim
+    is smaller than both output dims: q @ k^T) and holds every block op its value reaches
+    through the other ops (scale, mask, softmax, dropout, casts, views) up to and including the
+    matmuls that consume it (scores @ v). Fused attention (sdpa, flash) has no score matmul and
+    no core. The names are the captured graph's, which the rewritten per-rank graphs keep."""
+    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+    producers = node_producers(graph.gm)
+    regions = []
+    for names in graph.layer_nodes.values():
+        block = set(names)
+        for name in names:
+            info = graph.nodes.get(name)
+            if info is None or not _is_score_matmul(info, producers.get(name)):
+                continue
+            region, todo = {name}, [name]
+            while todo:
+                for user in fx_nodes[todo.pop()].users:
+                    if user.name in block and user.name not in region:
+                        region.add(user.name)
+                        if op_name(str(user.target)) not in MATMUL_OPS:
+                            todo.append(user.name)
+            regions.append(tuple(n for n in names if n in region))
+    return regions
 
 
 def saved_tensors(nodes: Sequence[NodeInfo], *,

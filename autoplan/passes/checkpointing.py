@@ -10,6 +10,11 @@ DTensor parameters the stage holds at call time are the ones used, in forward an
 
 Policies (the plan's `checkpointing`):
 - "full": keep only the block's inputs; recompute the whole block in backward.
+- "core-attention": Megatron-LM's selective recompute (Korthikanti et al. 2022, section 5):
+  each attention core of unfused attention -- the score matmul q @ k^T, scale, mask, softmax,
+  dropout and the matmul with v, cost_model.memory.core_attention_regions -- moves into a
+  sub-GraphModule run under plain checkpointing; the rest of the block saves what it saves
+  without checkpointing ([Note: core attention] in autoplan/solver/checkpointing.py).
 - "selective": torch's selective activation checkpointing at op level (the save-list policy
   of torchtitan's op SAC): the outputs of the matmuls, whatever their aten spelling, and of
   fused attention -- the ops whose recomputation would cost FLOPs -- are kept; every other op
@@ -41,7 +46,7 @@ from autoplan.passes.rng import RandomState
 
 __all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES", "SELECTIVE_SAVED_OPS"]
 
-POLICIES = ("none", "selective", "full")
+POLICIES = ("none", "core-attention", "selective", "full")
 
 SELECTIVE_SAVED_OPS = memory.SELECTIVE_SAVED_OPS
 """aten base names of the ops whose outputs "selective" keeps (every other op is recomputed):
@@ -112,6 +117,8 @@ def wrap_checkpointing(gm: torch.fx.GraphModule, graph: CapturedGraph, policy: s
         raise ValueError(f"checkpointing policy {policy!r} is not one of {POLICIES}")
     if policy == "none":
         return 0
+    if policy == "core-attention":
+        return _wrap_cores(gm, graph, block_modules)
     for path in block_modules:
         block = gm.get_submodule(path)
         block.forward = functools.partial(run_checkpointed, block.forward, policy)
@@ -127,15 +134,53 @@ def _wrap_block(gm: torch.fx.GraphModule, k: int, nodes: list[torch.fx.Node],
                 policy: str) -> None:
     """A flat block: its ops (parameters stay outside, as arguments) into a checkpointed
     sub-GraphModule `checkpointed_block_k`."""
-    name = f"checkpointed_block_{k}"
+    _outline_checkpointed(gm, nodes, f"checkpointed_block_{k}", policy, f"checkpointed block {k}")
+
+
+def _outline_checkpointed(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str,
+                          policy: str, what: str) -> None:
+    """`nodes` of `gm` into a sub-GraphModule `name`, called through run_checkpointed."""
 
     def install(sub: torch.fx.Graph) -> None:
         gm.add_submodule(name, torch.fx.GraphModule(torch.nn.Module(), sub,
-                                                    class_name=f"Block{k}"))
+                                                    class_name=name.title().replace("_", "")))
 
     def make_call(inputs: list[torch.fx.Node]) -> torch.fx.Node:
         handle = gm.graph.get_attr(name)
         with gm.graph.inserting_after(handle):
             return gm.graph.call_function(run_checkpointed, (handle, policy, *inputs))
 
-    outline(gm, nodes, f"checkpointed block {k}", install, make_call)
+    outline(gm, nodes, what, install, make_call)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _wrap_cores(gm: torch.fx.GraphModule, graph: CapturedGraph, block_modules) -> int:
+    """"core-attention": every attention core of `gm` and of its block modules into a
+    sub-GraphModule `checkpointed_core_<k>` called through `run_checkpointed(..., "full")`.
+    A core's members are its captured ops (by original name) and the redistributions inserted
+    for them. Returns the number of cores wrapped.
+
+    Raises ValueError when a block of this stage has a core that none of its graphs holds
+    (the rewrite renamed its ops: the plan's recomputation would silently not happen)."""
+    owners = [gm, *(gm.get_submodule(p) for p in block_modules)]
+    present = {n.meta.get("orig_name", n.name) for o in owners for n in o.graph.nodes}
+    count = 0
+    for k, region in enumerate(memory.core_attention_regions(graph)):
+        names = set(region)
+        for owner in owners:
+            nodes = [n for n in owner.graph.nodes if n.op == "call_function" and (
+                n.meta.get("orig_name", n.name) in names
+                or n.meta.get("redistribute_for") in names)]
+            if nodes:
+                _outline_checkpointed(owner, nodes, f"checkpointed_core_{k}", "full",
+                                      f"attention core {k}")
+                count += 1
+                break
+        else:
+            block = graph.layer_nodes.get(graph.nodes[region[0]].layer_id, ())
+            if present & set(block):
+                raise ValueError(f"core-attention checkpointing: block "
+                                 f"{graph.nodes[region[0]].layer_id} of this stage has none "
+                                 f"of its attention core's ops {list(region)}")
+    return count

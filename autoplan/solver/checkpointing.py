@@ -13,6 +13,18 @@ runtime wraps each repeated block, autoplan/passes/checkpointing.py):
   forward again in the backward. (Korthikanti et al. 2022,
   section 5, drop only the attention scores; cost_model.memory keeps that published variant
   for its formula checks.)
+- "core-attention" ([Note: core attention]): Megatron-LM's selective recompute (Korthikanti et
+  al. 2022, section 5; `--recompute-granularity selective`). Each attention core of unfused
+  attention -- the score matmul q @ k^T and what its value reaches up to the matmul with v:
+  scale, mask, softmax, dropout (cost_model.memory.core_attention_regions) -- runs under
+  checkpointing of its own (autoplan/passes/checkpointing.py); the block's other ops save what
+  they save without checkpointing. Dropped: the saved tensors the cores own and only core ops
+  save (`Problem.core_saved`: the scores, probabilities, dropout mask and output, the 5 a s^2 b
+  term of Korthikanti's Table 2); added: what a core reads that no op saves (an additive mask,
+  `Problem.core_inputs`), which its checkpoint holds; recomputed: the cores' forward (two
+  batched matmuls and the pointwise ops between). The transient of a block's backward is its
+  cores' saved bytes at the chosen placement (`block_bytes`). Fused attention (sdpa, flash)
+  has no core and is not offered the policy.
 - "full": a block keeps only its input -- the residual stream entering it, priced at its global
   size, i.e. replicated on the tp axis -- and its whole forward, redistributions included, runs
   again in its backward (Chen et al. 2016; Korthikanti et al. 2022, section 4).
@@ -25,6 +37,9 @@ The placement ILP therefore prices recomputation exactly, with its form unchange
 Memory of pipeline rank r, with f_r microbatches in flight and L_r of the T blocks:
 
     none       f_r (L_r / T) A                          (A: saved bytes of all T blocks)
+    core-attn  f_r (L_r / T) (A - C + H) + C_1          (C: what only the cores save, H: what
+                                                         their checkpoints hold besides, C_1:
+                                                         one block's C at its placement)
     selective  f_r (L_r / T) K + f_r L_r I_q + A_1      (K: kept outputs of all T blocks;
                                                          I_q: one block's input at the
                                                          placement q of the block output;
@@ -62,7 +77,7 @@ __all__ = ["POLICIES", "SELECTIVE_SAVED", "policies", "recomputed_nodes", "check
            "checkpointed_ranks", "checkpointed_solution", "with_transient", "block_bytes",
            "boundary_node", "boundary_bytes"]
 
-POLICIES = ("none", "selective", "full")
+POLICIES = ("none", "core-attention", "selective", "full")
 
 SELECTIVE_SAVED = SELECTIVE_SAVED_OPS
 """aten base names whose outputs "selective" keeps: cost_model.memory.SELECTIVE_SAVED_OPS
@@ -72,8 +87,10 @@ every matmul spelling (linear, mm, addmm, bmm, matmul, ...) and fused attention.
 
 def policies(problem: Problem) -> tuple[str, ...]:
     """The policies worth searching: checkpointing needs repeated blocks (nothing else is
-    checkpointed)."""
-    return ("none", "selective", "full") if problem.num_layers else ("none",)
+    checkpointed); "core-attention" needs attention cores (unfused attention)."""
+    if not problem.num_layers:
+        return ("none",)
+    return tuple(p for p in POLICIES if p != "core-attention" or problem.core_saved)
 
 
 def recomputed_nodes(problem: Problem, policy: str) -> set[str]:
@@ -83,6 +100,8 @@ def recomputed_nodes(problem: Problem, policy: str) -> set[str]:
         return block
     if policy == "selective":
         return block - {owner for owner, *_x in problem.kept_selective}
+    if policy == "core-attention":
+        return block & problem.core_nodes
     return set()
 
 
@@ -104,6 +123,16 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
     pairs = [{key: (fwd, bwd + fwd, name) for key, (fwd, bwd, name) in row.items()}
              if edge.dst in nodes else row for edge, row in zip(problem.edges, costs.pairs)]
     acts = costs.act_bytes
+    if policy == "core-attention":  # the rows less what only the cores saved, plus what
+        acts = {k: list(v) for k, v in acts.items()}  # their checkpoints alone hold
+        for entries, sign in ((problem.core_saved, -1.0), (problem.core_inputs, 1.0)):
+            for owner, nbytes, mult, _part in entries:
+                if owner is None or owner not in problem.cands:
+                    continue
+                row = acts.setdefault(owner, [0.0] * len(problem.cands[owner]))
+                for i, c in enumerate(problem.cands[owner]):
+                    delta = nbytes * costs.scale * mult / out_divisor(c, problem.tp)
+                    row[i] = max(0.0, row[i] + sign * delta)
     if policy == "selective":
         acts = {k: (v if k is None or problem.part.get(k) != "layer" else [0.0] * len(v))
                 for k, v in acts.items()}
@@ -138,14 +167,32 @@ def boundary_bytes(problem: Problem) -> float:
     return edge.nbytes if edge is not None else 0.0
 
 
-def block_bytes(problem: Problem, costs: Costs) -> float:
-    """A_1: one block's saved tensors at the microbatch, replicated (an upper bound under
-    tensor parallelism), bytes: what a block's recomputation rematerialises under
-    "selective"."""
-    if not problem.num_layers:
+def block_bytes(problem: Problem, costs: Costs, policy: str = "selective",
+                choice: dict[str, int] | None = None) -> float:
+    """What one block's recomputation rematerialises at the microbatch, bytes -- the
+    transient of its backward:
+    - "selective": A_1, one block's saved tensors, replicated (an upper bound under tensor
+      parallelism);
+    - "core-attention": what one block's attention cores saved, at the candidates of `choice`
+      (a solved placement), or split tp ways without one (attention split by heads; the ILP's
+      constant).
+    0.0 for the other policies and without blocks."""
+    if not problem.num_layers or policy not in ("selective", "core-attention"):
         return 0.0
-    return sum(nbytes * costs.scale * mult for _o, nbytes, mult, part in problem.saved
-               if part == "layer") / problem.num_layers
+    if policy == "selective":
+        return sum(nbytes * costs.scale * mult for _o, nbytes, mult, part in problem.saved
+                   if part == "layer") / problem.num_layers
+    total = 0.0
+    for owner, nbytes, mult, part in problem.core_saved:
+        if part != "layer":
+            continue
+        cands = problem.cands.get(owner) if owner is not None else None
+        if choice is None or cands is None or owner not in choice:
+            div = float(problem.tp)
+        else:
+            div = out_divisor(cands[choice[owner]], problem.tp)
+        total += nbytes * costs.scale * mult / div
+    return total / problem.num_layers
 
 
 def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
@@ -162,7 +209,7 @@ def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
         if policy == "full":
             act["layer"] = 1.0 / total_layers if held else 0.0
             const += held * input_bytes
-        else:  # selective: rows are the kept outputs and block inputs already
+        else:  # selective, core-attention: the rows are what the blocks keep already
             const += one_block_bytes if held else 0.0
         out.append(RankMemory(dict(rank.param_coef), act, const))
     return out
@@ -176,7 +223,7 @@ def checkpointed_solution(sol: Solution, policy: str, total_layers: int, input_b
     already (`checkpointed_costs`) and the transient is A_1 (`block_bytes`)."""
     if policy == "none" or not total_layers:
         return sol, 0.0
-    if policy == "selective":  # rows are the kept outputs and block inputs already
+    if policy in ("selective", "core-attention"):  # the rows are what the blocks keep
         return sol, one_block_bytes
     layer = sol.act_bytes.get("layer", 0.0)
     acts = {**sol.act_bytes, "layer": total_layers * input_bytes}

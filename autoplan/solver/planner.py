@@ -45,7 +45,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             at the planned seq_len for exact attention costs).
         topology: the cluster; spec: the training step.
         tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            checkpointing ("none" | "selective" | "full"): fix a choice (None: searched).
+            checkpointing ("none" | "core-attention" | "selective" | "full"): fix a choice (None: searched).
         allow_tp_across_nodes: let tp groups span nodes (off: tp <= devices_per_node).
         time_limit_s: the limit of each ILP solve (GLOP and CP-SAT calls) in deterministic
             seconds -- work counted by the solver, about a second of one core of a reference
@@ -266,7 +266,7 @@ def _given(o: Overrides) -> dict:
     return {k: v for k, v in vars(o).items() if v is not None and k != "allow_tp_across_nodes"}
 
 
-_POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
+_POLICY_ORDER = {"none": 0, "core-attention": 1, "selective": 2, "full": 3}
 
 
 def _rank(a: Assessment) -> tuple:

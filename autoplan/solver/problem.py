@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from autoplan.cost_model.memory import node_producers, saved_tensors, selective_saves
+from autoplan.cost_model.memory import (
+    core_attention_regions, node_producers, saved_tensors, selective_saves,
+)
 from autoplan.graph import CapturedGraph
 from autoplan.strategies import (
     Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
@@ -94,8 +96,14 @@ class Problem:
         edges: weighted ILP edges.
         saved: (owner ILP node or None, global bytes at b = captured batch, multiplicity, part)
             for every tensor autograd saves (cost_model.memory.saved_tensors).
-        scores: the entries of `saved` that are attention-score tensors (cost_model.memory
-            [Note: saved tensors]); empty for fused attention.
+        core_saved: the entries of `saved` that "core-attention" checkpointing drops: tensors
+            an attention core (cost_model.memory.core_attention_regions) makes and only its
+            own ops save ([Note: core attention] in solver/checkpointing.py); empty for fused
+            attention.
+        core_nodes: the names of the nodes of every attention core (recomputed under
+            "core-attention").
+        core_inputs: Problem.saved-style entries for what the cores read and no op saves
+            (e.g. an additive attention mask): "core-attention"'s checkpoints hold them.
         kept_selective: (ILP node, bytes of all its outputs at b = captured batch,
             multiplicity, part) for every block op whose outputs "selective" checkpointing
             keeps (cost_model.memory.SELECTIVE_SAVED_OPS: matmuls of every spelling, fused
@@ -114,7 +122,9 @@ class Problem:
     weight: dict[str, float]
     edges: list[Edge] = field(default_factory=list)
     saved: list[tuple] = field(default_factory=list)
-    scores: list[tuple] = field(default_factory=list)
+    core_saved: list[tuple] = field(default_factory=list)
+    core_nodes: frozenset = frozenset()
+    core_inputs: list[tuple] = field(default_factory=list)
     kept_selective: list[tuple] = field(default_factory=list)
     params: dict[str, tuple[str, int, frozenset, float]] = field(default_factory=dict)
     constants: set[str] = field(default_factory=set)
@@ -163,7 +173,8 @@ def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
         in_block = layer_of.get(n) is not None or part[n] == "layer"
         prob.weight[n] = (total if shared else total / n_cap) if in_block else 1.0
     prob.edges = _edges(graph, prob, layer_of, dtype_bytes)
-    prob.saved, prob.scores = _saved(graph, prob, layer_of, dtype_bytes)
+    prob.core_nodes = frozenset(n for region in core_attention_regions(graph) for n in region)
+    prob.saved, prob.core_saved, prob.core_inputs = _saved(graph, prob, layer_of, dtype_bytes)
     prob.kept_selective = _kept_selective(graph, prob, layer_of, dtype_bytes)
     prob.params = _params(graph, prob)
     return prob
@@ -372,17 +383,20 @@ def _transition_edges(graph, prob: Problem, layer_of, edges: list[Edge]) -> list
 
 
 def _saved(graph: CapturedGraph, prob: Problem, layer_of,
-           dtype_bytes) -> tuple[list[tuple], list[tuple]]:
-    """(every saved tensor, the attention-score ones) as Problem.saved entries."""
+           dtype_bytes) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """(every saved tensor, those "core-attention" drops, what its checkpoints hold besides)
+    as Problem.saved entries: a tensor saved by several ops is one entry; it is dropped when
+    its owner and every op saving it are in the attention cores (`prob.core_nodes`); a core's
+    input that no op saves is held by the core's checkpoint."""
     infos = [info for name, info in graph.nodes.items()
              if name in prob.cands and name not in prob.constants]
     items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes)
     seen: dict[tuple, float] = {}
-    scores: set[tuple] = set()
+    outside: set[tuple] = set()  # saved by an op outside the cores, or owned outside them
     for it in items:
         seen[(it.owner, it.slot)] = it.nbytes
-        if it.attention_scores:
-            scores.add((it.owner, it.slot))
+        if it.owner not in prob.core_nodes or it.consumer not in prob.core_nodes:
+            outside.add((it.owner, it.slot))
     n_cap, total = max(graph.num_layers, 1), graph.total_layers
     out, dropped = [], []
     for (owner, slot), nbytes in seen.items():
@@ -391,9 +405,20 @@ def _saved(graph: CapturedGraph, prob: Problem, layer_of,
         ilp = prob.rep.get(owner) if owner in prob.cands else None
         part = prob.part.get(ilp, "pre") if ilp is not None else "pre"
         out.append((ilp, nbytes, mult, part))
-        if (owner, slot) in scores:
+        if (owner, slot) not in outside:
             dropped.append(out[-1])
-    return out, dropped
+    held = []
+    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+    inputs = {a.name: a for name in prob.core_nodes for a in fx_nodes[name].all_input_nodes
+              if a.name not in prob.core_nodes and a.op == "call_function"}
+    for name, node in inputs.items():
+        if (name, "out") in seen or name not in prob.cands:
+            continue
+        mult = total / n_cap if layer_of.get(name) is not None else 1.0
+        ilp = prob.rep.get(name)
+        held.append((ilp, _tensor_bytes(graph, node, 0, dtype_bytes), mult,
+                     prob.part.get(ilp, "pre")))
+    return out, dropped, held
 
 
 def _kept_selective(graph: CapturedGraph, prob: Problem, layer_of,

@@ -99,7 +99,7 @@ class Overrides:
 @dataclass(frozen=True)
 class PlanConfig(Config):
     """A point of the outer search: pipeline.Config plus the activation checkpointing policy
-    ("none" | "selective" | "full", [Note: checkpointing]); pipeline.py prices the policy
+    ("none" | "core-attention" | "selective" | "full", [Note: checkpointing]); pipeline.py prices the policy
     through the Solution and memory forms this module hands it."""
 
     checkpointing: str = "none"
@@ -290,7 +290,8 @@ class Search:
         ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
                               boundary_bytes=boundary)
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
-                                       ckpt.block_bytes(self.problem(tp), costs))
+                                       ckpt.block_bytes(self.problem(tp), costs,
+                                                        cfg.checkpointing))
 
     def solution(self, cfg: PlanConfig, *, exact: bool = False,
                  constrained: bool = False) -> Solution | None:
@@ -430,8 +431,11 @@ class Search:
         b, policy = cfg.microbatch_size, cfg.checkpointing
         costs = self.cost(tp, b, policy)
         boundary = self.boundary_bytes(tp, b)
+        # core-attention at a bound (tp = 1 problem, no choice): the cores split tp ways
+        one_block = ckpt.block_bytes(self.problem(tp), costs, policy, sol.choice or None) / (
+            divide if policy == "core-attention" else 1)
         seen, transient = ckpt.checkpointed_solution(
-            sol, policy, self.total_layers, boundary, ckpt.block_bytes(self.problem(tp), costs))
+            sol, policy, self.total_layers, boundary, one_block)
         result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
                         output_bytes=costs.output_bytes, boundary_bytes=boundary / divide,
                         param_tensors=self.problem(tp).param_tensors)
