@@ -33,7 +33,8 @@ dp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per 
   that gradients stay sharded; the pipelining schedules reduce once, on the last microbatch,
   while ZeRO-3 still gathers for every microbatch. DP_SYNC_OVERLAP of it is hidden behind compute.
 - dp_local: the local passes of the runtime around the dp collectives -- packing gradients into
-  a flat buffer, dividing, unpacking (`_dp_local_s`) -- at mem_bw, over speed(N); exposed, like
+  a flat buffer, dividing, unpacking; copying parameter shards into and gathered parameters out
+  of each FSDP2 all-gather (`_dp_local_s`) -- at mem_bw, over speed(N); exposed, like
   dp_sync.
 - optimizer = [(parameters whose states this rank steps) x OPTIMIZER_BYTES_PER_PARAM /
   mem_bw + (parameter tensors it steps) x OPTIMIZER_OPS_PER_TENSOR x op_s] / speed(N): a
@@ -412,7 +413,10 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     result into the gradient tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
     foreach_reduce): 3 passes reading and writing G, per reduction; ZeRO-1's optimizer
     (runtime/parallel.py ShardedOptimizer) packs the owned parameters (W / dp) and copies all
-    of them out of the received buffer (W)."""
+    of them out of the received buffer (W); every FSDP2 parameter all-gather of ZeRO 2/3
+    copies the shards in (foreach_all_gather: W / dp read and written) and the gathered buffer
+    out into the unsharded parameters (foreach_all_gather_copy_out, split_with_sizes_copy: W
+    read and written)."""
     if cfg.dp == 1:
         return 0.0
     grads, weights = _grad_weight_bytes(spec, elems)
@@ -420,6 +424,7 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     passes = _reductions(cfg) * 3 * 2 * grads
     if cfg.zero_stage == 1:
         passes += 2 * weights / cfg.dp + 2 * weights
+    passes += _gathers(cfg) * (2 * weights / cfg.dp + 2 * weights)
     return passes / device.mem_bw_bytes_per_s
 
 
@@ -435,6 +440,10 @@ def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float
         return reductions * t("all_reduce", grads)
     if cfg.zero_stage == 1:
         return reductions * t("all_reduce", grads) + t("all_gather", weights)
-    if cfg.zero_stage == 2:
-        return reductions * t("reduce_scatter", grads) + m * t("all_gather", weights)
-    return reductions * t("reduce_scatter", grads) + 2 * m * t("all_gather", weights)
+    return reductions * t("reduce_scatter", grads) + _gathers(cfg) * t("all_gather", weights)
+
+
+def _gathers(cfg: Config) -> int:
+    """FSDP2 parameter all-gathers per step ([Note: step time], dp_sync): ZeRO-2 one per
+    microbatch, ZeRO-3 two (forward and backward); none below ZeRO-2."""
+    return {2: 1, 3: 2}.get(cfg.zero_stage, 0) * cfg.num_microbatches
