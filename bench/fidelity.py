@@ -371,7 +371,8 @@ def table(rows: list[dict]) -> str:
 
 
 def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
-    """Rewrite the "## Cost model fidelity" section of the README (only that section)."""
+    """Rewrite the "## Cost model fidelity" section of the README up to the next heading of
+    any level (its "### At cluster scale" subsection, bench/published.py's, stays)."""
     head = "## Cost model fidelity"
     dev = result["calibration"]["device"]
     body = (
@@ -402,7 +403,7 @@ def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + body
     else:
-        nxt = text.find("\n## ", start + len(head))
+        nxt = text.find("\n#", start + len(head))  # the next heading, of any level
         text = text[:start] + body + ("" if nxt < 0 else text[nxt:])
     path.write_text(text)
 

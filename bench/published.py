@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import math
 import sys
 import tempfile
@@ -332,6 +333,15 @@ def readme_table(results: list[dict]) -> str:
             f"| {r['name']} | {c['tp'] * c['pp'] * c['dp']} | {c['tp']}x{c['pp']}x{c['dp']} | "
             f"{r['published_iteration_s']:.2f} | {r['predicted_iteration_s']:.2f} | "
             f"{r['error'] * 100:+.1f}%{mark} | {fit} | {_free_cell(r['free_plan'])} |")
+    held = [r for r in results if not r["out_of_scope"]]
+    if held:
+        lines += ["", f"{sum(r['within_band'] for r in held)} of {len(held)} rows held to the "
+                  f"band are within +-{BAND:.0%} (median |error| "
+                  f"{statistics.median(abs(r['error']) for r in held) * 100:.1f}%, "
+                  f"{min(r['error'] for r in held) * 100:+.1f}% .. "
+                  f"{max(r['error'] for r in held) * 100:+.1f}%); "
+                  f"{len(results) - len(held)} reported out of scope (reasons in "
+                  "`bench/published.py`, OUT_OF_SCOPE)."]
     return "\n".join(lines)
 
 
