@@ -76,7 +76,8 @@ class AutoParallel:
         options: PlanOptions.
     """
 
-    def __init__(self, module: nn.Module, options: PlanOptions, init_trace=None):
+    def __init__(self, module: nn.Module, options: PlanOptions, init_trace=None,
+                 record_s: float | None = None):
         self.module = module
         self.options = options
         self._init_trace = init_trace  # the factory's construction, recorded on meta
@@ -87,6 +88,9 @@ class AutoParallel:
         self._progress = None  # runtime.job.Progress: where each rank is, for PeerError
         self._vocab: dict[str, int] | None = None  # input name -> rows of its embedding
         self._inputs = None  # autoplan.inputs.InputSpec: the batch planned for
+        # seconds per build phase so far, in order (see build_stats)
+        self._build_stats: dict[str, float | bool] = {} if record_s is None else {
+            "record_s": record_s}
         if options.example_batch is not None:
             self._inputs = self._spec_of(options.example_batch)
 
@@ -204,18 +208,21 @@ class AutoParallel:
         name = type(self.module).__name__
         # Planned on the graph the runtime will run: a meta copy in the compute dtype (a 16-bit
         # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
-        source = self._capture_source(Precision.of(self.options.dtype))
-        with phase(f"capturing {name}"):
+        with self._timed("capture_for_planning_s"), phase(f"capturing {name}"):
+            source = self._capture_source(Precision.of(self.options.dtype))
             graph = self._capture(source, self.options.global_batch, planning=True)
-        request = self._cache_request(graph, topo)
-        plan = self._cached_plan(request, topo)
-        if plan is None:
-            with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
-                plan = self._solve(graph, topo, request)
-        if _in_job() and dist.get_world_size() > 1:
-            box = [plan.to_json() if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            plan = Plan.from_json(box[0])
+        with self._timed("plan_s"):
+            request = self._cache_request(graph, topo)
+            plan = self._cached_plan(request, topo)
+            from_cache = plan is not None
+            if plan is None:
+                with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
+                    plan = self._solve(graph, topo, request)
+            if _in_job() and dist.get_world_size() > 1:
+                box = [plan.to_json() if dist.get_rank() == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+                plan = Plan.from_json(box[0])
+        self._build_stats["plan_from_cache"] = from_cache
         self._graph = graph
         return plan
 
@@ -302,11 +309,12 @@ class AutoParallel:
         name = type(self.module).__name__
         # The runtime graph is captured at the microbatch size (view shapes are static) and in
         # the compute dtype ([Note: precision recipe]), from a meta copy: nothing allocated.
-        source = self._capture_source(precision)
-        with phase(f"capturing {name} at microbatch {plan.microbatch_size}"):
+        with self._timed("capture_runtime_s"), \
+                phase(f"capturing {name} at microbatch {plan.microbatch_size}"):
+            source = self._capture_source(precision)
             graph = self._capture(source, plan.microbatch_size)
-        plan = plan_for_graph(plan, self._graph, graph)  # planned on a few blocks, run on all
-        with phase(f"building this rank's shards ({plan.mesh})"):
+            plan = plan_for_graph(plan, self._graph, graph)  # planned on a few blocks, run on all
+        with self._timed("build_s"), phase(f"building this rank's shards ({plan.mesh})"):
             engine = DistributedModel(graph, plan, self._weight_source(graph),
                                       optimizer=self.options.optimizer,
                                       lr_scheduler=self.options.lr_scheduler,
@@ -315,8 +323,45 @@ class AutoParallel:
                                       device=job.device(), seed=self.options.seed,
                                       inputs=self.inputs, kernels=self.options.kernels)
         if self.options.weights is not None and _is_dcp(self.options.weights):
-            engine.load(self.options.weights)
+            with self._timed("build_s"):
+                engine.load(self.options.weights)
         return engine
+
+    @contextlib.contextmanager
+    def _timed(self, key: str):
+        """Add the block's wall time to build_stats()[key] (seconds)."""
+        import time
+
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - start
+            self._build_stats[key] = self._build_stats.get(key, 0.0) + took
+
+    def build_stats(self) -> dict[str, float | bool]:
+        """Wall time of each build phase on this rank so far, seconds, in the order they ran
+        (a phase not yet run is absent):
+
+        - `record_s`: running the decorated class or factory on the meta device with its
+          construction recorded (absent for a model given as an instance);
+        - `capture_for_planning_s`: torch.export of the model (a few blocks) at the global
+          batch, for planning;
+        - `plan_s`: the plan, solved or read from the plan cache (`plan_from_cache`: which),
+          and broadcast from rank 0;
+        - `capture_runtime_s`: torch.export of the whole model at the microbatch size, and the
+          plan extended to all its blocks;
+        - `build_s`: this rank's stages, shards, weights, optimizer and schedule
+          (DistributedModel), and a checkpoint given as `weights=` loaded;
+        - `first_step_s`: the first `step`, from the checked batch to the loss;
+        - `total_s`: the sum of the phases above (construction to the first loss, less the
+          caller's own work between them).
+
+        Not collective; times are this rank's (`bench/runtime_vs_native.py` takes the slowest
+        rank's)."""
+        out = dict(self._build_stats)
+        out["total_s"] = sum(v for k, v in out.items() if k.endswith("_s"))
+        return out
 
     def _capture_source(self, precision) -> nn.Module:
         """What planning and the runtime capture (the same, so that their graphs match node for
@@ -372,8 +417,9 @@ class AutoParallel:
         where = f"step {engine.num_steps + 1}"
         self._progress.mark(where)
         start = time.perf_counter()
+        first = engine.num_steps == 0
         try:
-            with phase("first step") if engine.num_steps == 0 else contextlib.nullcontext():
+            with phase("first step") if first else contextlib.nullcontext():
                 loss = engine.step_batch(leaves)
         except RuntimeError as e:  # a collective timed out or lost its peer: name the peer
             others = self._progress.others(where) if job.is_collective_failure(e) else None
@@ -384,6 +430,8 @@ class AutoParallel:
                 f"rank {dist.get_rank()}, {where}: a collective failed ({first[:200]}); "
                 f"ranks not in {where}:\n{others}") from e
         took = time.perf_counter() - start
+        if first:
+            self._build_stats["first_step_s"] = took
         self._progress.mark(f"after {where}")
         spec = self.spec
         plan, pred = engine.plan, engine.plan.prediction
@@ -625,11 +673,15 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         if callable(obj):
             @functools.wraps(obj, updated=())
             def build(*args, **kwargs):
+                import time
+
+                start = time.perf_counter()
                 module, trace = _record_construction(obj, args, kwargs)
                 if not isinstance(module, nn.Module):
                     raise TypeError(f"autoparallel: {getattr(obj, '__name__', obj)} returned "
                                     f"{type(module).__name__}, not an nn.Module")
-                return AutoParallel(module, options, init_trace=trace)
+                return AutoParallel(module, options, init_trace=trace,
+                                    record_s=time.perf_counter() - start)
             return build
         raise TypeError(f"autoparallel: cannot decorate {type(obj).__name__}; expected an "
                         "nn.Module class, a factory function or an instance")

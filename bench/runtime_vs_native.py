@@ -293,9 +293,9 @@ def pair_job(overrides: dict, native: dict, first_pairs: int, pairs: int) -> dic
         nat, took_nat, loss_nat = _first_step(lambda: Native(**native), x, y)
         out["first_step_s"]["autoplan"].append(took_ap)
         out["first_step_s"]["native"].append(took_nat)
+        out.setdefault("build_stats", []).append(ap.build_stats())
     out["losses"]["autoplan"].append(loss_ap)
     out["losses"]["native"].append(loss_nat)
-    out["build_stats"] = ap.build_stats() if hasattr(ap, "build_stats") else None
     out["plan"] = str(ap.plan.mesh)
     out["placements"] = dict(ap.plan.param_placements)  # on the tp axis, by FQN
     out["stages"] = [str(s) for s in ap.plan.stages]
@@ -318,7 +318,7 @@ def _row(name: str, overrides: dict, per_rank: list[dict]) -> dict:
     r0 = per_rank[0]
     row = {"name": name, "overrides": overrides, "mesh": r0["plan"], "stages": r0["stages"],
            "tp_placements": r0["placements"],
-           "autoplan_build_stats_rank0": r0["build_stats"]}
+           "autoplan_build_stats_rank0": r0["build_stats"]}  # per pair, seconds
     first = {k: [max(ts) for ts in zip(*(r["first_step_s"][k] for r in per_rank))]
              for k in ("autoplan", "native")}
     row["first_step_s_per_rank"] = {k: [r["first_step_s"][k] for r in per_rank]

@@ -279,6 +279,38 @@ def test_planning_for_other_ranks_after_training_alone(tiny):
         other.step(*_batch(8))
 
 
+def test_build_stats_time_each_phase_to_the_first_loss(tiny):
+    """build_stats(): every phase that ran, in order, positive, summed in total_s; a model
+    given as an instance records nothing; a decorated factory's recording is timed and the
+    same request planned again is read from the plan cache."""
+    from autoplan import autoparallel
+    from autoplan.models import build_model
+
+    model, _ = tiny
+    stats = model.build_stats()
+    phases = ["capture_for_planning_s", "plan_s", "capture_runtime_s", "build_s",
+              "first_step_s"]
+    assert [k for k in stats if k.endswith("_s")] == phases + ["total_s"]
+    assert all(stats[k] > 0 for k in phases), stats
+    assert stats["total_s"] == pytest.approx(sum(stats[k] for k in phases))
+    assert stats["plan_from_cache"] is False
+    model.step(*_batch())  # later steps are not build phases
+    assert model.build_stats() == stats
+
+    def planned():
+        factory = autoparallel(lambda: build_model("gpt2-tiny"), global_batch=8, seq_len=16,
+                               world_size=2)
+        made = factory()
+        _ = made.plan
+        return made.build_stats()
+
+    first, again = planned(), planned()
+    for s in (first, again):
+        assert list(s) == ["record_s", "capture_for_planning_s", "plan_s", "plan_from_cache",
+                           "total_s"] and s["record_s"] > 0
+    assert first["plan_from_cache"] is False and again["plan_from_cache"] is True
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(global_batch=0), r"global_batch=0; expected an integer >= 1"),
     (dict(seq_len=-1), r"seq_len=-1; expected an integer >= 1"),
