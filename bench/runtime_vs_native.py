@@ -298,6 +298,8 @@ def pair_job(overrides: dict, native: dict, first_pairs: int, pairs: int) -> dic
     out["losses"]["native"].append(loss_nat)
     out["plan"] = str(ap.plan.mesh)
     out["placements"] = dict(ap.plan.param_placements)  # on the tp axis, by FQN
+    out["fsdp_units"] = {"autoplan": _fsdp_units(m for _, m in ap._engine.stages),
+                         "native": _fsdp_units([nat.model])}
     out["stages"] = [str(s) for s in ap.plan.stages]
     for i in range(WARMUP_STEPS + pairs):
         for name, model in (("autoplan", ap), ("native", nat)):
@@ -312,12 +314,20 @@ def pair_job(overrides: dict, native: dict, first_pairs: int, pairs: int) -> dic
     return out
 
 
+def _fsdp_units(roots) -> int:
+    """FSDP2 units (modules that `fully_shard` wrapped) under `roots`: ZeRO-3 gathers one unit
+    at a time, so one per block is what keeps the gather transient at a block's weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for root in roots for m in root.modules())
+
+
 # --- parent --------------------------------------------------------------------------------------
 
 def _row(name: str, overrides: dict, per_rank: list[dict]) -> dict:
     r0 = per_rank[0]
     row = {"name": name, "overrides": overrides, "mesh": r0["plan"], "stages": r0["stages"],
-           "tp_placements": r0["placements"],
+           "tp_placements": r0["placements"], "fsdp_units_rank0": r0["fsdp_units"],
            "autoplan_build_stats_rank0": r0["build_stats"]}  # per pair, seconds
     first = {k: [max(ts) for ts in zip(*(r["first_step_s"][k] for r in per_rank))]
              for k in ("autoplan", "native")}
@@ -365,6 +375,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PHASES = ("record_s", "capture_for_planning_s", "plan_s", "capture_runtime_s", "build_s",
+          "first_step_s", "total_s")
+
+
+def phase_table(rows: list[dict]) -> str:
+    """autoplan's build phases on rank 0 (model.build_stats()), median over the pairs that read
+    the plan from the cache, and the cold pair's total."""
+    lines = ["| configuration | " + " | ".join(p[:-2].replace("_", " ") for p in PHASES)
+             + " | cold total |", "|---" * (len(PHASES) + 2) + "|"]
+    for r in rows:
+        stats = r.get("autoplan_build_stats_rank0") or []
+        warm = [s for s in stats if s.get("plan_from_cache")] or stats
+        if not warm:
+            continue
+        cells = [f"{statistics.median(s.get(p, 0.0) for s in warm):.2f}" for p in PHASES]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {stats[0]['total_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
     """Replace the table under '## Runtime vs hand-written' (added at the end when missing)."""
     head = "## Runtime vs hand-written"
@@ -382,7 +411,9 @@ def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
             f"{rows[0].get('first_pairs', '?')} pairs. Bars: step <= {STEP_BAR}, first step <= "
             f"{FIRST_STEP_BAR:g}x. Results: `bench/results/runtime_vs_native.json` "
             f"({result['date']}, load average {result['machine']['loadavg']}).\n\n"
-            f"{table(rows)}\n")
+            f"{table(rows)}\n\nautoplan's first step by phase (`model.build_stats()`, rank 0, "
+            "seconds; median over the pairs whose plan came from the cache):\n\n"
+            f"{phase_table(rows)}\n")
     if head in text:
         start = text.index(head)
         nxt = text.find("\n## ", start + len(head))
@@ -431,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))
+    print(phase_table(rows))
     if args.readme:
         update_readme(rows, result)
     return 0

@@ -37,7 +37,6 @@ own or the token cross-entropy ([Note: step loss]): each microbatch's mean loss 
 from __future__ import annotations
 
 import copy
-import gc
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Callable
@@ -175,7 +174,10 @@ class DistributedModel:
                 else None
             self._schedule = self._build_schedule() if plan.mesh.pp > 1 else None
             self._count_microbatches()
-            gc.collect()
+            # No gc.collect() here: the graphs built above hold meta tensors only (weights
+            # are allocated as shards at the end of _build_stages), so their reference cycles
+            # free no memory worth a full collection, which took 0.3-0.8 s per rank in a
+            # process that has captured a model (bench/runtime_vs_native.py, build_stats()).
 
     # -- construction -------------------------------------------------------------------
     def _build_stages(self) -> list[tuple[int, nn.Module]]:
