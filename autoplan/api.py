@@ -309,11 +309,18 @@ class AutoParallel:
         name = type(self.module).__name__
         # The runtime graph is captured at the microbatch size (view shapes are static) and in
         # the compute dtype ([Note: precision recipe]), from a meta copy: nothing allocated.
+        # One capture serves both when planning captured every block at the global batch and
+        # the plan runs one microbatch of it per rank (dp 1, one microbatch): the same call of
+        # `capture` on the same source would be made again.
+        planned = self._graph
+        reuse = planned.num_layers == planned.total_layers and \
+            planned.batch_size == plan.microbatch_size and plan.dtype == self.options.dtype
         with self._timed("capture_runtime_s"), \
                 phase(f"capturing {name} at microbatch {plan.microbatch_size}"):
-            source = self._capture_source(precision)
-            graph = self._capture(source, plan.microbatch_size)
-            plan = plan_for_graph(plan, self._graph, graph)  # planned on a few blocks, run on all
+            graph = planned if reuse else self._capture(self._capture_source(precision),
+                                                        plan.microbatch_size)
+            plan = plan_for_graph(plan, planned, graph)  # planned on a few blocks, run on all
+        self._build_stats["capture_reused"] = reuse
         with self._timed("build_s"), phase(f"building this rank's shards ({plan.mesh})"):
             engine = DistributedModel(graph, plan, self._weight_source(graph),
                                       optimizer=self.options.optimizer,
@@ -350,7 +357,9 @@ class AutoParallel:
         - `plan_s`: the plan, solved or read from the plan cache (`plan_from_cache`: which),
           and broadcast from rank 0;
         - `capture_runtime_s`: torch.export of the whole model at the microbatch size, and the
-          plan extended to all its blocks;
+          plan extended to all its blocks (`capture_reused`: True when the planning capture
+          was already that graph -- every block, one microbatch of the global batch -- and
+          served the runtime as it was);
         - `build_s`: this rank's stages, shards, weights, optimizer and schedule
           (DistributedModel), and a checkpoint given as `weights=` loaded;
         - `first_step_s`: the first `step`, from the checked batch to the loss;

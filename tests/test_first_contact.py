@@ -282,7 +282,8 @@ def test_planning_for_other_ranks_after_training_alone(tiny):
 def test_build_stats_time_each_phase_to_the_first_loss(tiny):
     """build_stats(): every phase that ran, in order, positive, summed in total_s; a model
     given as an instance records nothing; a decorated factory's recording is timed and the
-    same request planned again is read from the plan cache."""
+    same request planned again is read from the plan cache; a planning capture that is already
+    the runtime's graph is not captured again."""
     from autoplan import autoparallel
     from autoplan.models import build_model
 
@@ -294,6 +295,8 @@ def test_build_stats_time_each_phase_to_the_first_loss(tiny):
     assert all(stats[k] > 0 for k in phases), stats
     assert stats["total_s"] == pytest.approx(sum(stats[k] for k in phases))
     assert stats["plan_from_cache"] is False
+    # 2 blocks, captured whole for planning at the batch one rank runs: one capture serves both
+    assert stats["capture_reused"] is True and model._engine.graph is model.graph
     model.step(*_batch())  # later steps are not build phases
     assert model.build_stats() == stats
 
