@@ -16,6 +16,9 @@ column sharding of them keeps whole heads) twice:
   norms and PrepareModuleInput/Output at the block edges for the sequence-parallel row), FSDP2
   `fully_shard` per block then the root, and for pp a manual split into two stage modules with
   `torch.distributed.pipelining.PipelineStage` + `Schedule1F1B`.
+The dp axis is ZeRO-3 (FSDP2 `fully_shard` per block, then the root) on both sides in every row,
+as torchtitan composes it with tp and pp: torch's DDP does not take DTensor parameters, and the
+other torch-native DDP (`replicate`) is a private API.
 Both start from `torch.manual_seed(0); GPT(CONFIG)` (autoplan replays the recorded construction
 on its shards under its RNG contract), train with AdamW(lr=1e-3) on the same seeded batch, and
 their losses are checked equal step by step (`LOSS_RTOL`).
