@@ -426,9 +426,9 @@ class AutoParallel:
         where = f"step {engine.num_steps + 1}"
         self._progress.mark(where)
         start = time.perf_counter()
-        first = engine.num_steps == 0
+        is_first = engine.num_steps == 0
         try:
-            with phase("first step") if first else contextlib.nullcontext():
+            with phase("first step") if is_first else contextlib.nullcontext():
                 loss = engine.step_batch(leaves)
         except RuntimeError as e:  # a collective timed out or lost its peer: name the peer
             others = self._progress.others(where) if job.is_collective_failure(e) else None
@@ -439,7 +439,7 @@ class AutoParallel:
                 f"rank {dist.get_rank()}, {where}: a collective failed ({first[:200]}); "
                 f"ranks not in {where}:\n{others}") from e
         took = time.perf_counter() - start
-        if first:
+        if is_first:
             self._build_stats["first_step_s"] = took
         self._progress.mark(f"after {where}")
         spec = self.spec
