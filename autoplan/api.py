@@ -271,7 +271,9 @@ class AutoParallel:
         from autoplan.solver.search import ReplicatedWeightsWarning
 
         with warnings.catch_warnings(record=True) as caught:
-            plan = solve(graph, topo, self.spec, **dict(self.options.overrides))
+            # cp 1 unless asked: the runtime does not run context parallelism yet
+            # (runtime/checks.py check_context_parallel); a given cp > 1 fails at build
+            plan = solve(graph, topo, self.spec, **{"cp": 1, **dict(self.options.overrides)})
         for w in caught:  # shown as they would have been
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if request is not None and (not _in_job() or dist.get_rank() == 0):
@@ -640,14 +642,16 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" |
             "core-attention" | "selective" | "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
             sequence_parallel (True / False: Megatron-LM's sequence parallelism on the tp axis
-            fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py).
+            fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
+            cp (context parallelism; default 1 here: the runtime does not run cp > 1 yet, and
+            a plan with cp > 1 raises NotImplementedError when built).
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
                "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
-               "ep", "sequence_parallel"}
+               "ep", "sequence_parallel", "cp"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib

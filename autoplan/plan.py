@@ -5,10 +5,14 @@ A `Plan` is a frozen dataclass that round-trips through versioned JSON (`to_json
 `torch.distributed.tensor` placements written the way torch prints them compactly: `R`
 (Replicate()), `S(d)` (Shard(dim=d)), `P` (Partial(sum)); see `parse_placement`.
 
-Mesh axes are named ("pp", "dp", "tp"), outermost first: tp is innermost so that a tensor-parallel
-group is made of consecutive ranks and stays inside a node (../shared/DESIGN.md, "Topology").
-Per-node placements (`strategies`) are on the tp axis; data parallelism shards the batch dim on
-the dp axis and the ZeRO stage says what else the dp axis shards.
+Mesh axes are named ("pp", "dp", "cp", "tp"), outermost first, as torchtitan orders them: tp is
+innermost so that a tensor-parallel group is made of consecutive ranks and stays inside a node
+(../shared/DESIGN.md, "Topology"), cp next so that a context-parallel group stays inside a node
+as long as cp x tp fits there. Per-node placements (`strategies`) are on the tp axis; data
+parallelism shards the batch dim on the dp axis, context parallelism the sequence dim on the cp
+axis ([Note: context parallelism] in autoplan/solver/context.py), and the ZeRO stage says what
+else the dp x cp ranks shard (torchtitan's dp_shard x cp FSDP mesh: the cp ranks reduce
+gradients and share ZeRO shards like data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -56,7 +60,14 @@ def format_placement(p: Placement) -> str:
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Degrees of the device mesh, axes ("pp", "dp", "tp") outermost first.
+    """Degrees of the device mesh, axes ("pp", "dp", "cp", "tp") outermost first.
+
+    `cp` is the context-parallel degree ([Note: context parallelism] in
+    autoplan/solver/context.py): the ranks of a cp group hold disjoint chunks of every
+    sample's sequence (chunks i and 2 cp - 1 - i on cp rank i, causal load balancing) and
+    all-gather the keys and values of attention; for gradient reduction and ZeRO sharding
+    they count as data-parallel ranks (`dp_shard` = dp x cp). cp 1 is written to JSON as
+    before cp existed (no `cp` key).
 
     `ep` is the expert-parallel degree ([Note: expert parallelism] in autoplan/solver/experts.py):
     the dp ranks form groups of `ep` consecutive dp ranks, and the ranks of a group hold
@@ -70,27 +81,42 @@ class MeshShape:
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.dp % self.ep:
             raise ValueError(f"mesh: ep {self.ep} must divide dp {self.dp} (expert parallelism "
                              "takes its ranks from the data-parallel ones)")
+        if self.cp < 1:
+            raise ValueError(f"mesh: cp {self.cp} must be >= 1")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"mesh: cp {self.cp} with ep {self.ep}: context and expert "
+                             "parallelism are not planned together")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
-    def axis_names(self) -> tuple[str, str, str]:
-        return ("pp", "dp", "tp")
+    def dp_shard(self) -> int:
+        """Ranks that reduce gradients and share ZeRO shards: dp x cp."""
+        return self.dp * self.cp
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
+    def axis_names(self) -> tuple[str, ...]:
+        """("pp", "dp", "tp"), with "cp" before "tp" when cp > 1."""
+        return ("pp", "dp", "tp") if self.cp == 1 else ("pp", "dp", "cp", "tp")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Degrees in `axis_names` order."""
+        return (self.pp, self.dp, self.tp) if self.cp == 1 else (self.pp, self.dp, self.cp,
+                                                                  self.tp)
 
     def __str__(self) -> str:
         dp = f"dp{self.dp}" if self.ep == 1 else f"dp{self.dp}(ep{self.ep})"
-        return f"pp{self.pp}x{dp}xtp{self.tp}"
+        cp = f"xcp{self.cp}" if self.cp > 1 else ""
+        return f"pp{self.pp}x{dp}{cp}xtp{self.tp}"
 
 
 @dataclass(frozen=True)
@@ -208,7 +234,7 @@ class Plan:
     Attributes:
         model: model name or preset.
         topology: topology name.
-        mesh: (pp, dp, tp) degrees, and the expert-parallel degree ep inside dp.
+        mesh: (pp, dp, cp, tp) degrees, and the expert-parallel degree ep inside dp.
         zero_stage: 0 (replicated), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).
         global_batch: samples per optimizer step, all ranks together.
         num_microbatches: microbatches per step per dp rank (gradient accumulation when pp == 1).
@@ -287,12 +313,14 @@ class Plan:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The plan as JSON-ready data; a mesh without expert parallelism (ep 1) is written
-        without its `ep` key, as before ep existed (readers default it to 1)."""
+        """The plan as JSON-ready data; a mesh without expert or context parallelism (ep 1,
+        cp 1) is written without its `ep` / `cp` key, as before they existed (readers default
+        them to 1), so plans without them keep their JSON byte for byte."""
         d = dataclasses.asdict(self)
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
-            if mesh.get("ep") == 1:
-                del mesh["ep"]
+            for axis in ("ep", "cp"):
+                if mesh.get(axis) == 1:
+                    del mesh[axis]
         return d
 
     def to_json(self) -> str:

@@ -392,7 +392,7 @@ def test_c10_activation_peak_just_over_the_budget_is_rejected():
     assert {"params", "grads", "optimizer", "activations", "temporaries"} <= kinds.keys()
     assert min(kinds[k] for k in ("params", "optimizer", "activations")) > 0
     search = Search(graph, topology, spec, 1.0)
-    cfg = PlanConfig(2, 2, 1, 1, 4, 1, "1f1b", 1, "none")
+    cfg = PlanConfig(2, 2, 1, 1, 4, 1, "1f1b", 1, checkpointing="none")
     one = search.assess(dataclasses.replace(cfg, num_microbatches=1, microbatch_size=4),
                         search.solution(cfg))
     assert kinds["activations"] > 0 and one.memory_bytes != p.prediction.memory_bytes
@@ -449,7 +449,7 @@ def test_c11_planning_time_grows_far_slower_than_depth():
         plan(graph, topology, spec)
         seconds[n] = time.perf_counter() - start
         search = Search(graph, topology, spec, 1.0)
-        cfg = PlanConfig(2, 2, 2, 1, 4, 2, "1f1b", 1, "none")
+        cfg = PlanConfig(2, 2, 2, 1, 4, 2, "1f1b", 1, checkpointing="none")
         proto = model_proto(search.problem(2), search.cost(2, 2), form=search.step_form(cfg))
         sizes[n] = (len(search.problem(2).nodes), len(proto.variable), len(proto.constraint))
     assert len(set(sizes.values())) == 1, sizes
@@ -462,7 +462,7 @@ def test_c11_solver_model_has_no_duplicate_constraints():
     graph = _mlp(32)
     topology, spec = preset("dgx-h100"), TrainingSpec(global_batch=16, seq_len=128)
     search = Search(graph, topology, spec, 1.0)
-    cfg = PlanConfig(2, 2, 2, 1, 4, 2, "1f1b", 1, "full")
+    cfg = PlanConfig(2, 2, 2, 1, 4, 2, "1f1b", 1, checkpointing="full")
     prob, costs = search.problem(2), search.cost(2, 2, "full")
     for kwargs in ({}, {"form": search.step_form(cfg)},
                    {"form": search.step_form(cfg), "ranks": search.ranks(cfg),

@@ -390,7 +390,7 @@ def test_a_solve_cut_short_keeps_a_feasible_start_or_raises_a_named_error(llama,
     start (optimal False) when the start satisfies the model, and raises SolverLimitReached
     when no start does; with room the same ILP is solved to optimality."""
     search = Search(llama, local4, TrainingSpec(global_batch=8, seq_len=16), 10.0)
-    cfg = PlanConfig(2, 1, 2, 0, 4, 2, "1f1b", 1, "none")
+    cfg = PlanConfig(2, 1, 2, 0, 4, 2, "1f1b", 1, checkpointing="none")
     prob, costs = search.problem(2), search.cost(2, 2)
     ilp = dict(form=search.step_form(cfg), ranks=search.ranks(cfg))
     roomy, tight = 1e12, 3e5  # bytes: every placement fits / the all-replicated one does not

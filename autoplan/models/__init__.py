@@ -38,6 +38,7 @@ PRESETS: dict[str, str] = {
     "llama3-8b": "Llama 3 8B (HF LlamaForCausalLM)",
     "llama3-70b": "Llama 3 70B (HF LlamaForCausalLM)",
     "llama3-405b": "Llama 3 405B (HF LlamaForCausalLM)",
+    "llama3.1-405b": "Llama 3.1 405B, 128K context (llama3 RoPE scaling; HF LlamaForCausalLM)",
     "llama-tiny": "Llama style with GQA, 2 layers, width 32, 8 query / 2 kv heads (tests)",
     "nanogpt-tiny": "nanoGPT GPT, 2 layers, width 32, tied head (plain PyTorch; tests)",
     "mlp-tiny": "2 Linear-GELU-Linear blocks, width 32 (plain PyTorch; tests)",

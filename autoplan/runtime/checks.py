@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.plan import parse_placement
 
-__all__ = ["PlanMismatchError", "check_against_plan"]
+__all__ = ["PlanMismatchError", "check_against_plan", "check_context_parallel"]
 
 _FLOATING = {"float32", "bfloat16", "float16", "float64"}
 
@@ -25,6 +25,20 @@ def _axis_placement(p: torch.Tensor, axis: str):
         return None
     names = p.device_mesh.mesh_dim_names or ()
     return p.placements[names.index(axis)] if axis in names else None
+
+
+def check_context_parallel(plan) -> None:
+    """NotImplementedError for a plan with context parallelism (cp > 1): the planner prices
+    it ([Note: context parallelism] in autoplan/solver/context.py), this runtime does not run
+    it yet, and building it without would train something else than the plan says."""
+    if plan.mesh.cp > 1:
+        raise NotImplementedError(
+            f"the plan has context parallelism (cp {plan.mesh.cp} in {plan.mesh}), which this "
+            "runtime does not run yet: missing are the sequence split of each batch over the "
+            "cp axis (chunks i and 2 cp - 1 - i on cp rank i, labels shifted before the "
+            "split), the matching position ids, rotary tables and causal-mask rows, and the "
+            "all-gather of K and V over the cp axis inside attention; plan with cp=1 (the "
+            "default of @autoparallel) to train")
 
 
 def check_against_plan(model) -> None:

@@ -63,7 +63,7 @@ from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, r
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
-from autoplan.runtime.checks import check_against_plan
+from autoplan.runtime.checks import check_against_plan, check_context_parallel
 from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
@@ -118,6 +118,7 @@ class DistributedModel:
                  device: str = "cpu", max_grad_norm: float | None = None,
                  seed: int | None = None, lr_scheduler: Callable | None = None,
                  inputs: InputSpec | None = None, kernels: bool = True):
+        check_context_parallel(plan)  # before anything is set up: not run yet
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(

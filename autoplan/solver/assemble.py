@@ -42,13 +42,13 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
     problem = search.problem(cfg.tp)
     graph, spec, topology = search.graph, search.spec, search.topology
     chosen = chosen_candidates(problem, sol.choice)
-    scale = token_scale(problem, cfg.microbatch_size, spec.seq_len)
+    scale = token_scale(problem, cfg.microbatch_size, spec.seq_len, cfg.cp)
     strategies = tuple(NodeStrategy(n.name, chosen[n.name].inputs, chosen[n.name].outputs)
                        for n in graph.gm.graph.nodes
                        if n.op == "call_function" and n.name in chosen)
     return Plan(
         model=graph.model_name, topology=topology.name,
-        mesh=MeshShape(cfg.pp, cfg.dp, cfg.tp), zero_stage=cfg.zero_stage,
+        mesh=MeshShape(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp), zero_stage=cfg.zero_stage,
         global_batch=spec.global_batch, num_microbatches=cfg.num_microbatches,
         microbatch_size=cfg.microbatch_size, seq_len=spec.seq_len, schedule=cfg.schedule,
         stages=stages_of(search.total_layers, cfg.pp * cfg.num_virtual_stages),
@@ -59,7 +59,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         strategies=strategies,
         redistributions=_redistributions(search, problem, chosen, scale),
         alternatives=tuple(
-            Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp), a.config.zero_stage,
+            Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp, cp=a.config.cp),
+                        a.config.zero_stage,
                         a.config.num_microbatches, a.config.schedule, a.step_time_s,
                         a.memory_bytes, reason, a.config.checkpointing,
                         a.config.num_virtual_stages)
@@ -148,12 +149,13 @@ def _stage_time_s(search, best: Assessment) -> tuple[float, float]:
     devices); the transfers: 2 v p2p messages of the stage boundary."""
     cfg, sol, topology = best.config, best.solution, search.topology
     if cfg.pp == 1:
-        busy = min(topology.devices_per_node, cfg.dp * cfg.tp)
+        busy = min(topology.devices_per_node, cfg.dp * cfg.cp * cfg.tp)
         return (sum(sol.compute_s.values()) / topology.device.speed(busy)
                 + sum(sol.comm_s.values())), 0.0
-    crosses = cfg.tp * cfg.dp >= topology.devices_per_node
-    boundary = search.boundary_bytes(cfg.tp, cfg.microbatch_size)
+    stage_ranks = cfg.tp * cfg.cp * cfg.dp
+    crosses = stage_ranks >= topology.devices_per_node
+    boundary = search.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp)
     p2p = 2 * cfg.num_virtual_stages * p2p_time_s(
         boundary, topology, crosses_nodes=crosses,
-        concurrent_pairs=None if crosses else cfg.tp * cfg.dp)
+        concurrent_pairs=None if crosses else stage_ranks)
     return best.bubble_s * cfg.num_virtual_stages / (cfg.pp - 1), p2p

@@ -122,6 +122,12 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
                       for t, c in zip(compute[n], problem.cands[n])]
     pairs = [{key: (fwd, bwd + fwd, name) for key, (fwd, bwd, name) in row.items()}
              if edge.dst in nodes else row for edge, row in zip(problem.edges, costs.pairs)]
+    # context parallelism's K/V all-gather runs again with attention's recomputed inputs
+    # under both policies ([Note: context parallelism] in solver/context.py)
+    # (core-attention needs unfused attention, cp fused: they never meet)
+    node_comm = {n: [(fwd, bwd + fwd) for fwd, bwd in row]
+                 for n, row in costs.node_comm_s.items()} if policy in ("selective", "full") \
+        else costs.node_comm_s
     acts = costs.act_bytes
     if policy == "core-attention":  # the rows less what only the cores saved, plus what
         acts = {k: list(v) for k, v in acts.items()}  # their checkpoints alone hold
@@ -144,7 +150,8 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
             row = acts.setdefault(owner, [0.0] * len(problem.cands[owner]))
             for i, c in enumerate(problem.cands[owner]):
                 row[i] += nbytes * costs.scale * mult / out_divisor(c, problem.tp)
-    return dataclasses.replace(costs, compute_s=compute, pairs=pairs, act_bytes=acts)
+    return dataclasses.replace(costs, compute_s=compute, pairs=pairs, act_bytes=acts,
+                               node_comm_s=node_comm)
 
 
 def _boundary_edge(problem: Problem):

@@ -32,6 +32,7 @@ exact when the graph is captured at the planned sequence length). Parameter tens
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
@@ -57,6 +58,10 @@ class Costs:
             owns, times their multiplicity), plus key None for tensors of nodes outside the ILP.
         param_elems: ILP get_attr node -> [elements per device per candidate] x multiplicity.
         output_bytes: global bytes of the graph output per microbatch (logits).
+        node_comm_s: ILP node -> [(forward, backward) seconds per candidate] of collectives
+            that belong to the node itself rather than to an edge: the K/V all-gather and
+            reduce-scatter of attention under context parallelism ([Note: context
+            parallelism] in solver/context.py); per occurrence, like compute_s.
     """
 
     scale: float
@@ -65,6 +70,7 @@ class Costs:
     act_bytes: dict
     param_elems: dict[str, list[float]]
     output_bytes: float
+    node_comm_s: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -134,10 +140,12 @@ def _units(problem: Problem, costs: Costs) -> list[Unit]:
     return units
 
 
-def token_scale(problem: Problem, microbatch_size: int, seq_len: int) -> float:
-    """(b * seq_len) / (B_g * S_g); see the module docstring."""
+def token_scale(problem: Problem, microbatch_size: int, seq_len: int, cp: int = 1) -> float:
+    """(b * seq_len / cp) / (B_g * S_g); see the module docstring (cp: the context-parallel
+    degree, each rank holding seq_len / cp tokens of every sample, [Note: context
+    parallelism] in solver/context.py)."""
     graph = problem.graph
-    return (microbatch_size * seq_len) / (graph.batch_size * (graph.seq_len or seq_len))
+    return (microbatch_size * seq_len / cp) / (graph.batch_size * (graph.seq_len or seq_len))
 
 
 def split_of(cand) -> bool:
@@ -152,9 +160,11 @@ def out_divisor(cand, tp: int, index: int = 0) -> float:
 
 
 def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
-                topology: Topology) -> Costs:
-    """All ILP coefficients for `problem` at microbatch size `microbatch_size`."""
-    scale = token_scale(problem, microbatch_size, spec.seq_len)
+                topology: Topology, cp: int = 1) -> Costs:
+    """All ILP coefficients for `problem` at microbatch size `microbatch_size`, on each of
+    `cp` context-parallel ranks (seq_len / cp tokens per sample; the cp collectives are added
+    by solver/context.py's `with_context_parallel`)."""
+    scale = token_scale(problem, microbatch_size, spec.seq_len, cp)
     costs = Costs(scale, {}, [], {}, {}, 0.0)
     device, tp = topology.device, problem.tp
     graph = problem.graph

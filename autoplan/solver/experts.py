@@ -122,7 +122,7 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
     layers = expert_layers(graph)
     if ep is not None and ep < 1:
         raise InvalidConfig(f"ep {ep} must be >= 1")
-    if ep == 1 or (layers is None and ep is None):
+    if ep == 1 or (layers is None and ep is None) or plan.mesh.cp > 1:  # cp: no ep (plan())
         return plan
     if ep is not None:
         reason = _not_applicable(layers, plan, ep)

@@ -297,6 +297,9 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
     for n in problem.nodes:
         if n in costs.compute_s:
             add(sol.compute_s, problem.part[n], problem.weight[n] * costs.compute_s[n][choice[n]])
+        if n in costs.node_comm_s:
+            add(sol.comm_s, problem.part[n],
+                problem.weight[n] * sum(costs.node_comm_s[n][choice[n]]))
     keys = []
     for edge, pairs in zip(problem.edges, costs.pairs):
         key = edge_key(problem, edge, choice)

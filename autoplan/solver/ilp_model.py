@@ -266,8 +266,8 @@ class _Model:
                             f"memory[rank {r}]")
 
     def add_placement_costs(self) -> None:
-        """Per-part compute and parameter-element terms of every node (the pairs' terms come
-        from add_edge_constraint)."""
+        """Per-part compute, node communication (Costs.node_comm_s) and parameter-element
+        terms of every node (the pairs' terms come from add_edge_constraint)."""
         for n in self.p.nodes:
             w, part = self.p.weight[n], self.p.part[n]
             for v, t, c in zip(self.x[n], self.c.compute_s.get(n, []), self.p.cands[n]):
@@ -277,6 +277,12 @@ class _Model:
                 self.comp[part][v] += w * t * _NS
                 if any(pl != "R" for pl in c.inputs + c.outputs):
                     self.ties[v] += _TIE_BREAK
+            # collectives of the node itself (context parallelism's K/V gather), comm terms
+            for v, (fwd, bwd) in zip(self.x[n], self.c.node_comm_s.get(n, [])):
+                if v is None:
+                    self.comm_const[part] += w * (fwd + bwd) * _NS
+                else:
+                    self.comm[part][v] += w * (fwd + bwd) * _NS
         for g, elems in self.c.param_elems.items():
             for part in self.p.params[g][2]:
                 for v, e in zip(self.x[g], elems):

@@ -131,10 +131,22 @@ class Config:
     microbatch_size: int
     schedule: str
     num_virtual_stages: int = 1
+    cp: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks that reduce gradients and share ZeRO shards: dp x cp (torchtitan's
+        dp_shard x cp FSDP mesh, [Note: context parallelism] in solver/context.py)."""
+        return self.dp * self.cp
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
 
     def __str__(self) -> str:
         v = f" v{self.num_virtual_stages}" if self.num_virtual_stages > 1 else ""
-        return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}, ZeRO-{self.zero_stage}, "
+        cp = f" x cp{self.cp}" if self.cp > 1 else ""
+        return (f"pp{self.pp} x dp{self.dp}{cp} x tp{self.tp}, ZeRO-{self.zero_stage}, "
                 f"{self.num_microbatches} microbatches of {self.microbatch_size}, "
                 f"{self.schedule}{v}")
 
@@ -190,14 +202,14 @@ def _share(part: str, r: int, cfg: Config, layers: list[int], total_layers: int)
 def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
     """Gathered bytes per parameter byte at moment A ([Note: memory per rank]); at dp 1 under
     mixed precision, FSDP2's 16-bit compute copy of the unit."""
-    if cfg.dp == 1:
+    if cfg.dp_shard == 1:
         return 1.0 if mixed_precision else 0.0
-    return 1.0 + (1.0 / cfg.dp if cfg.zero_stage >= 2 else 0.0)
+    return 1.0 + (1.0 / cfg.dp_shard if cfg.zero_stage >= 2 else 0.0)
 
 
 def _per_block(cfg: Config) -> bool:
     """ZeRO-3 gathers one block at a time ([Note: memory per rank])."""
-    return cfg.zero_stage == 3 and cfg.dp > 1
+    return cfg.zero_stage == 3 and cfg.dp_shard > 1
 
 
 def _held_layers(cfg: Config, layers_r: int, gathered: bool) -> float:
@@ -253,11 +265,12 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
     rank's first layer), so that "every form within the budget" is exactly "the peak within
     the budget"."""
     layers = _rank_layers(cfg, total_layers)
-    states = model_state_bytes(1.0, cfg.zero_stage, cfg.dp, mixed_precision=spec.mixed_precision,
-                               optimizer=spec.optimizer, recipe="fsdp2")
+    states = model_state_bytes(1.0, cfg.zero_stage, cfg.dp_shard,
+                               mixed_precision=spec.mixed_precision, optimizer=spec.optimizer,
+                               recipe="fsdp2")
     kept = states["params"] + states["optimizer"]
     unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
-    unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp > 1 else 0.0
+    unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp_shard > 1 else 0.0
     out = []
     for r in range(cfg.pp):
         in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches,
@@ -282,6 +295,27 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
     return out
 
 
+def _candidate_ranks(cfg: Config, layers: list[int]) -> list[int]:
+    """The pipeline ranks that can be the busiest or the fullest: the first, the last and the
+    first rank of every run of middle ranks with equal layers and equal
+    `_grads_at_activation_peak`. Inside such a run every quantity of [Note: step time] and
+    [Note: memory per rank] is non-increasing in r (the microbatches in flight,
+    `pipeline_in_flight_microbatches`, fall with r under every schedule; the receive
+    buffers, stage outputs and parts are those of any middle rank), so the run's first rank
+    bounds the others and, coming first, is the one `max` picks on a tie.
+    tests/test_planner_scale.py checks assess against every rank."""
+    out = []
+    flag = None
+    for r in range(cfg.pp):
+        in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches,
+                                                    r, cfg.num_virtual_stages)
+        now = (layers[r], _grads_at_activation_peak(cfg, in_flight))
+        if r in (0, 1, cfg.pp - 1) or now != flag:
+            out.append(r)
+        flag = now
+    return out
+
+
 def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
            total_layers: int, output_bytes: float, boundary_bytes: float,
            param_tensors: dict[str, float] | None = None) -> Assessment:
@@ -294,16 +328,18 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     layers = _rank_layers(cfg, total_layers)
     param_tensors = param_tensors or {}
     v = cfg.num_virtual_stages
-    busy = min(topology.devices_per_node, cfg.pp * cfg.dp * cfg.tp)
+    busy = min(topology.devices_per_node, cfg.world_size)
     speed = topology.device.speed(busy)
     p2p = 0.0
     if cfg.pp > 1:
-        crosses = cfg.tp * cfg.dp >= topology.devices_per_node
-        pairs = None if crosses else cfg.tp * cfg.dp
+        stage_ranks = cfg.tp * cfg.cp * cfg.dp
+        crosses = stage_ranks >= topology.devices_per_node
+        pairs = None if crosses else stage_ranks
         p2p = 2 * v * p2p_time_s(boundary_bytes, topology, crosses_nodes=crosses,
                                  concurrent_pairs=pairs)
     per_rank = []
-    for r in range(cfg.pp):
+    ranks = _candidate_ranks(cfg, layers)
+    for r in ranks:
         comp = sum(sol.compute_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
                    for p in ("pre", "layer", "post")) / speed
         comm = sum(sol.comm_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
@@ -311,15 +347,15 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
         per_rank.append((comp + comm + p2p, comp, comm + p2p))
     _t_stage, comp, comm = max(per_rank)
     pipeline = _pipeline_s(cfg, comp, comm, topology, busy)
-    memories = [_rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-                           boundary_bytes) for r in range(cfg.pp)]
-    worst = max(range(cfg.pp), key=lambda r: memories[r]["peak"])
+    memories = {r: _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
+                              boundary_bytes) for r in ranks}
+    worst = max(ranks, key=lambda r: memories[r]["peak"])
     elems = max(sol.param_elems_on({p: _share(p, r, cfg, layers, total_layers)
-                                    for p in ("pre", "layer", "post")}) for r in range(cfg.pp))
+                                    for p in ("pre", "layer", "post")}) for r in ranks)
     dp_sync = _dp_sync_s(cfg, spec, topology, elems)
     exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(cfg, spec, topology, elems) / speed
     tensors = max(sum(param_tensors.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
-                      for p in ("pre", "layer", "post")) for r in range(cfg.pp))
+                      for p in ("pre", "layer", "post")) for r in ranks)
     optimizer = _optimizer_s(cfg, spec, topology, elems, tensors, speed)
     m = cfg.num_microbatches
     breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
@@ -342,6 +378,8 @@ def _pipeline_s(cfg: Config, comp: float, comm: float, topology: Topology, busy:
     pp, v, m = cfg.pp, cfg.num_virtual_stages, cfg.num_microbatches
     per_stage = max(1, busy // pp)  # R ranks of a stage on this node
     device = topology.device
+    if not device.shared_speed:  # dedicated devices: every slot at speed 1
+        return (m * v + pp - 1) * (comp + comm) / v
     total = 0.0
     for j in range(m * v + pp - 1):
         active = min(j + 1, pp, m * v, m * v + pp - 1 - j)
@@ -356,12 +394,13 @@ def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: flo
     states it steps plus the host time of the per-tensor ops."""
     # ZeRO >= 1 shards the states: a dp-th of the elements; ZeRO-1 (whole tensors per owner)
     # a dp-th of the tensors, FSDP2 (ZeRO 2, 3) a shard of every tensor
-    nbytes = elems / (cfg.dp if cfg.zero_stage >= 1 else 1) * OPTIMIZER_BYTES_PER_PARAM.get(
+    shard = cfg.dp_shard
+    nbytes = elems / (shard if cfg.zero_stage >= 1 else 1) * OPTIMIZER_BYTES_PER_PARAM.get(
         spec.optimizer, 0.0)
     device = topology.device
-    dtensor = cfg.tp > 1 or (cfg.dp > 1 and cfg.zero_stage != 1)
+    dtensor = cfg.tp > 1 or (shard > 1 and cfg.zero_stage != 1)
     op_s = device.dtensor_optimizer_op_s if dtensor else device.optimizer_op_s
-    stepped = tensors / (cfg.dp if cfg.zero_stage == 1 else 1)
+    stepped = tensors / (shard if cfg.zero_stage == 1 else 1)
     host = stepped * OPTIMIZER_OPS_PER_TENSOR.get(spec.optimizer, 0) * op_s
     return (nbytes / device.mem_bw_bytes_per_s + host) / speed
 
@@ -373,8 +412,9 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
     late = sum(sol.act_bytes.get(p, 0.0) * c
                for p, c in _late_coef(r, layers, share, total_layers).items())
-    states = model_state_bytes(elems, cfg.zero_stage, cfg.dp, mixed_precision=spec.mixed_precision,
-                               optimizer=spec.optimizer, recipe="fsdp2")
+    states = model_state_bytes(elems, cfg.zero_stage, cfg.dp_shard,
+                               mixed_precision=spec.mixed_precision, optimizer=spec.optimizer,
+                               recipe="fsdp2")
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
                                                 cfg.num_virtual_stages)
     # gathered parameters and unsharded gradients held at once ([Note: memory per rank])
@@ -386,7 +426,7 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     sent = _sent_output_bytes(cfg, r, boundary_bytes)
     return peak_memory_bytes(
         model_states=states, activation_bytes=acts + sent, in_flight_microbatches=in_flight,
-        zero_stage=cfg.zero_stage, dp=cfg.dp,
+        zero_stage=cfg.zero_stage, dp=cfg.dp_shard,
         output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
         comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
         gather_unit_bytes=gathered * spec.dtype_bytes,
@@ -417,23 +457,25 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     copies the shards in (foreach_all_gather: W / dp read and written) and the gathered buffer
     out into the unsharded parameters (foreach_all_gather_copy_out, split_with_sizes_copy: W
     read and written)."""
-    if cfg.dp == 1:
+    if cfg.dp_shard == 1:
         return 0.0
     grads, weights = _grad_weight_bytes(spec, elems)
     device = topology.device
     passes = _reductions(cfg) * 3 * 2 * grads
     if cfg.zero_stage == 1:
-        passes += 2 * weights / cfg.dp + 2 * weights
-    passes += _gathers(cfg) * (2 * weights / cfg.dp + 2 * weights)
+        passes += 2 * weights / cfg.dp_shard + 2 * weights
+    passes += _gathers(cfg) * (2 * weights / cfg.dp_shard + 2 * weights)
     return passes / device.mem_bw_bytes_per_s
 
 
 def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float) -> float:
-    """The dp group's collectives per step ([Note: step time], dp_sync)."""
-    if cfg.dp == 1:
+    """The dp group's collectives per step ([Note: step time], dp_sync); with context
+    parallelism the group is dp x cp ranks (the dp and cp axes are adjacent, so stride tp)."""
+    if cfg.dp_shard == 1:
         return 0.0
     grads, weights = _grad_weight_bytes(spec, elems)
-    t = lambda kind, n: collective_time_s(kind, n, cfg.dp, topology, stride=cfg.tp)  # noqa: E731
+    t = lambda kind, n: collective_time_s(kind, n, cfg.dp_shard, topology,  # noqa: E731
+                                          stride=cfg.tp)
     m = cfg.num_microbatches
     reductions = _reductions(cfg)
     if cfg.zero_stage == 0:

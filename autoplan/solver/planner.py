@@ -35,7 +35,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          schedule: str | None = None, num_virtual_stages: int | None = None,
          checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
          time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
-         sequence_parallel: bool | None = None) -> Plan:
+         sequence_parallel: bool | None = None, cp: int | None = None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -63,6 +63,11 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
             those regions unsplit on the tp axis (plain tensor parallelism); None: chosen per
             node by the placement ILP like any placement. Has no effect at tp 1.
+        cp: the context-parallel degree ([Note: context parallelism] in solver/context.py):
+            every sample's sequence split in 2 cp chunks over cp ranks, K/V all-gathered for
+            attention; None: searched over 1 and the powers of two that divide the devices
+            and seq_len / 2 (a model with fused attention in every block); 1: none. The
+            runtime does not run cp > 1 yet: `@autoparallel` plans with cp 1.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -87,6 +92,10 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         raise ValueError(f"time_limit_s {time_limit_s} must be a positive number of "
                          f"deterministic seconds")
     if ep is not None and ep > 1:
+        if cp not in (None, 1):
+            raise InvalidConfig(f"ep {ep} with cp {cp}: expert and context parallelism are "
+                                "not planned together")
+        cp = 1
         if tp not in (None, 1) or zero_stage == 1:
             raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO 0, 2 or 3; got tp {tp}, "
                                 f"zero_stage {zero_stage}")
@@ -94,7 +103,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     with _collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            allow_tp_across_nodes, checkpointing, sequence_parallel), time_limit_s, top_k)
+            allow_tp_across_nodes, checkpointing, sequence_parallel, cp), time_limit_s, top_k)
         if ep is not None and ep > 1 and result.zero_stage == 1:
             # ep does not run with ZeRO-1: the best plan at the other stages
             others = []
@@ -102,7 +111,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                 try:
                     others.append(_plan(graph, topology, spec, Overrides(
                         tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
-                        allow_tp_across_nodes, checkpointing, sequence_parallel), time_limit_s,
+                        allow_tp_across_nodes, checkpointing, sequence_parallel, cp),
+                        time_limit_s,
                         top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue
@@ -132,7 +142,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         search = Search(graph, topology, spec, time_limit_s=10.0)
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
                          plan.num_microbatches, plan.microbatch_size, plan.schedule,
-                         plan.num_virtual_stages, plan.checkpointing)
+                         plan.num_virtual_stages, cp=plan.mesh.cp,
+                         checkpointing=plan.checkpointing)
         problem = search.problem(cfg.tp)
         wanted = {st.node: (st.inputs, st.outputs) for st in plan.strategies}
         fqn_of = {g: fqn for g, (fqn, *_x) in problem.params.items()}
@@ -151,7 +162,7 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
                 raise InvalidConfig(f"plan node {n}: placements {wanted.get(n)} are not among "
                                     f"its {len(cands)} candidates on this graph")
             choice[n] = match[0]
-        costs = search.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing)
+        costs = search.cost(*cfg.costs_key)
         assessed = search.assess(cfg, evaluate(problem, costs, choice))
         return expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
                                plan.mesh.ep)
@@ -272,7 +283,7 @@ _POLICY_ORDER = {"none": 0, "core-attention": 1, "selective": 2, "full": 3}
 def _rank(a: Assessment) -> tuple:
     c = a.config
     # ties: less memory, then the simpler mesh (less tp, then less pp), then less recompute
-    return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.pp, c.zero_stage,
+    return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.cp, c.pp, c.zero_stage,
             c.num_microbatches, c.schedule, c.num_virtual_stages,
             _POLICY_ORDER[c.checkpointing])
 
@@ -402,7 +413,7 @@ def _exact(search: Search, cfg: PlanConfig, quick: Assessment) -> Assessment:
 def _group(a: Assessment) -> tuple:
     """What makes a runner-up a different plan: all but the ZeRO stage."""
     c = a.config
-    return (c.pp, c.dp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages,
+    return (c.pp, c.dp, c.cp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages,
             c.checkpointing)
 
 

@@ -33,6 +33,7 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import SCHEDULES
 from autoplan.solver import checkpointing as ckpt
 from autoplan.solver import sequence
+from autoplan.solver.context import attention_nodes, cp_degrees, with_context_parallel
 from autoplan.solver.costs import Costs, build_costs
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
                                  relax, solve)
@@ -94,19 +95,26 @@ class Overrides:
     allow_tp_across_nodes: bool = False
     checkpointing: str | None = None
     sequence_parallel: bool | None = None
+    cp: int | None = None
 
 
 @dataclass(frozen=True)
 class PlanConfig(Config):
     """A point of the outer search: pipeline.Config plus the activation checkpointing policy
-    ("none" | "core-attention" | "selective" | "full", [Note: checkpointing]); pipeline.py prices the policy
-    through the Solution and memory forms this module hands it."""
+    ("none" | "core-attention" | "selective" | "full", [Note: checkpointing]); pipeline.py prices
+    the policy through the Solution and memory forms this module hands it. Its placement ILP
+    depends on (tp, b, policy, cp): `costs_key`."""
 
     checkpointing: str = "none"
 
     def __str__(self) -> str:
         extra = "" if self.checkpointing == "none" else f", {self.checkpointing} checkpointing"
         return super().__str__() + extra
+
+    @property
+    def costs_key(self) -> tuple[int, int, str, int]:
+        """(tp, b, policy, cp): what the placement ILP's coefficients depend on."""
+        return (self.tp, self.microbatch_size, self.checkpointing, self.cp)
 
 
 def _divisors(n: int) -> list[int]:
@@ -116,16 +124,19 @@ def _divisors(n: int) -> list[int]:
 def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Overrides) -> None:
     """Reject overrides that cannot work, naming the numbers (InvalidConfig)."""
     world, layers = topology.world_size, graph.total_layers if graph.num_layers else 0
-    for name in ("tp", "pp", "dp"):
+    for name in ("tp", "pp", "dp", "cp"):
         value = getattr(o, name)
         if value is not None and (value < 1 or world % value):
             raise InvalidConfig(f"{name} {value} does not divide the world size {world}")
-    fixed = [v for v in (o.tp, o.pp, o.dp) if v is not None]
+    fixed = [v for v in (o.tp, o.pp, o.dp, o.cp) if v is not None]
     prod = 1
     for v in fixed:
         prod *= v
-    if world % prod or (len(fixed) == 3 and prod != world):
-        raise InvalidConfig(f"tp {o.tp} x pp {o.pp} x dp {o.dp} does not fit world size {world}")
+    if world % prod or (len(fixed) == 4 and prod != world):
+        raise InvalidConfig(f"tp {o.tp} x pp {o.pp} x dp {o.dp} x cp {o.cp} does not fit "
+                            f"world size {world}")
+    if o.cp is not None and o.cp > 1:
+        _check_cp(graph, spec, o.cp)
     if o.pp is not None and o.pp > max(layers, 1):
         raise InvalidConfig(f"pp {o.pp} is more than the model's {layers} layers")
     if o.tp is not None and o.tp > topology.devices_per_node and not o.allow_tp_across_nodes:
@@ -152,6 +163,18 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
         raise InvalidConfig(f"global_batch {spec.global_batch} is not divisible by dp {o.dp}")
 
 
+def _check_cp(graph: CapturedGraph, spec: TrainingSpec, cp: int) -> None:
+    """A fixed cp > 1 needs the sequence in 2 cp chunks and fused attention in every block
+    ([Note: context parallelism] in solver/context.py)."""
+    if spec.seq_len % (2 * cp):
+        raise InvalidConfig(f"cp {cp}: seq_len {spec.seq_len} is not divisible by 2 x cp = "
+                            f"{2 * cp} (the load-balanced sequence chunks)")
+    if len(attention_nodes(graph)) < max(graph.num_layers or 0, 1):
+        raise InvalidConfig(f"cp {cp}: {graph.model_name} has no fused attention op "
+                            "(scaled_dot_product_attention) in every block to split the "
+                            "sequence around")
+
+
 def _check_microbatches(spec: TrainingSpec, o: Overrides, world: int) -> None:
     m, b = o.num_microbatches, spec.global_batch
     if m < 1:
@@ -159,9 +182,9 @@ def _check_microbatches(spec: TrainingSpec, o: Overrides, world: int) -> None:
     if o.dp is not None:
         dps = [o.dp]
     else:
-        rest = world // ((o.tp or 1) * (o.pp or 1))
+        rest = world // ((o.tp or 1) * (o.pp or 1) * (o.cp or 1))
         dps = [d for d in _divisors(rest)
-               if (o.tp is None or o.pp is None or d == rest)] or [rest]
+               if (o.tp is None or o.pp is None or o.cp is None or d == rest)] or [rest]
     if not any(b % (d * m) == 0 for d in dps):
         d = dps[0] if len(dps) == 1 else min(dps)
         raise InvalidConfig(f"global_batch {b} is not divisible by dp {d} x num_microbatches {m}"
@@ -179,30 +202,40 @@ def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSp
         if (o.tp is not None and tp != o.tp) or (
                 tp > topology.devices_per_node and not o.allow_tp_across_nodes):
             continue
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if (o.pp is not None and pp != o.pp) or (o.dp is not None and dp != o.dp):
+        cps = [o.cp] if o.cp is not None else cp_degrees(graph, spec.seq_len, world // tp)
+        for cp in cps:
+            if world % (tp * cp):
                 continue
-            if pp > max(layers, 1) or not _layout_ok(tp, dp, pp, topology):
-                continue
-            out += _configs_for_mesh(pp, dp, tp, layers, spec, o, policies)
+            for pp in _divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if (o.pp is not None and pp != o.pp) or (o.dp is not None and dp != o.dp):
+                    continue
+                if pp > max(layers, 1) or not _layout_ok(tp, dp, pp, topology, cp):
+                    continue
+                out += _configs_for_mesh(pp, dp, tp, layers, spec, o, policies, cp)
     return out
 
 
-def _layout_ok(tp: int, dp: int, pp: int, topology: Topology) -> bool:
+def _layout_ok(tp: int, dp: int, pp: int, topology: Topology, cp: int = 1) -> bool:
+    """Every group of the (pp, dp, cp, tp) mesh -- and the dp x cp gradient group -- sits
+    evenly on the nodes ([Note: group layout] in cost_model/comm.py)."""
     try:
         group_layout(tp, 1, topology)
-        group_layout(dp, tp, topology)
-        group_layout(pp, tp * dp, topology)
+        group_layout(cp, tp, topology)
+        group_layout(dp, tp * cp, topology)
+        group_layout(dp * cp, tp, topology)
+        group_layout(pp, tp * cp * dp, topology)
     except ValueError:
         return False
     return True
 
 
-def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies) -> list[PlanConfig]:
+def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
+                      cp: int = 1) -> list[PlanConfig]:
     if spec.global_batch % dp:
         return []
-    zeros = [o.zero_stage] if o.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+    zeros = [o.zero_stage] if o.zero_stage is not None else (
+        [0, 1, 2, 3] if dp * cp > 1 else [0])
     ms = [m for m in _divisors(spec.global_batch // dp)
           if o.num_microbatches is None or m == o.num_microbatches]
     if pp > 1 and o.num_microbatches is None and any(m >= pp for m in ms):
@@ -221,14 +254,15 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies) -> list[
                 if sched == "interleaved-1f1b" and m % pp:
                     continue  # the interleaved schedule runs microbatches in rounds of pp
                 b = spec.global_batch // (dp * m)
-                out += [PlanConfig(pp, dp, tp, zero, m, b, sched, v, policy)
-                        for policy in policies]
+                out += [PlanConfig(pp, dp, tp, zero, m, b, sched, v, cp=cp,
+                                   checkpointing=policy) for policy in policies]
     return out
 
 
 @dataclass
 class Search:
-    """State of one planning run: problems per tp, costs and solutions per (tp, b, policy).
+    """State of one planning run: problems per tp, costs and solutions per (tp, b, policy,
+    cp) (PlanConfig.costs_key; cp is left out of the text below where it is 1).
 
     Attributes:
         time_limit_s: the limit of every GLOP and CP-SAT call, deterministic seconds, never
@@ -272,21 +306,27 @@ class Search:
             self.problems[tp] = prob
         return self.problems[tp]
 
-    def cost(self, tp: int, b: int, policy: str = "none") -> Costs:
-        key = (tp, b, policy)
+    def cost(self, tp: int, b: int, policy: str = "none", cp: int = 1) -> Costs:
+        """The ILP coefficients of (tp, b, policy, cp): build_costs at the token scale of one
+        cp rank, the cp collectives ([Note: context parallelism] in solver/context.py), then
+        the recomputation of the policy."""
+        key = (tp, b, policy, cp)
         if key not in self.costs:
             if policy == "none":
-                self.costs[key] = build_costs(self.problem(tp), b, self.spec, self.topology)
+                prob = self.problem(tp)
+                self.costs[key] = with_context_parallel(
+                    prob, build_costs(prob, b, self.spec, self.topology, cp), cp, self.topology)
             else:
                 self.costs[key] = ckpt.checkpointed_costs(
-                    self.problem(tp), self.cost(tp, b), policy, self.spec, self.topology)
+                    self.problem(tp), self.cost(tp, b, "none", cp), policy, self.spec,
+                    self.topology)
         return self.costs[key]
 
     def ranks(self, cfg: PlanConfig, tp: int | None = None) -> list[RankMemory]:
         """Per-rank memory forms of `cfg` for the ILP (tp: of another problem, for bounds)."""
         tp = cfg.tp if tp is None else tp
-        costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing)
-        boundary = self.boundary_bytes(tp, cfg.microbatch_size)
+        costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp)
+        boundary = self.boundary_bytes(tp, cfg.microbatch_size, cfg.cp)
         ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
                               boundary_bytes=boundary)
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
@@ -305,9 +345,9 @@ class Search:
         limit."""
         key, form, ranks = self._key(cfg, exact, constrained)
         if key not in self.solutions and key not in self.stopped:
-            tp, b, policy = cfg.tp, cfg.microbatch_size, cfg.checkpointing
+            tp = cfg.tp
             self._solve(key, lambda: solve(
-                self.problem(tp), self.cost(tp, b, policy), form=form, ranks=ranks,
+                self.problem(tp), self.cost(*cfg.costs_key), form=form, ranks=ranks,
                 budget_bytes=self.budget_bytes, start=self._start(cfg),
                 time_limit_s=self.time_limit_s), self.solutions)
         return self._cached(key, cfg, self.solutions)
@@ -320,7 +360,7 @@ class Search:
     def _start(self, cfg: PlanConfig) -> dict[str, int] | None:
         """The time-optimal placement of cfg's (tp, b, policy), when solved: a start for its
         other ILPs (ilp.solve's `start`)."""
-        sol = self.solutions.get((cfg.tp, cfg.microbatch_size, cfg.checkpointing))
+        sol = self.solutions.get(cfg.costs_key)
         return None if sol is None else sol.choice
 
     def _solve(self, key: tuple, run, into: dict) -> None:
@@ -341,8 +381,7 @@ class Search:
         key, form, _ranks = self._key(cfg, True, False)
         relax_key = ("relax",) + key
         if relax_key not in self.bounds:
-            tp, b, policy = cfg.tp, cfg.microbatch_size, cfg.checkpointing
-            self.bounds[relax_key] = relax(self.problem(tp), self.cost(tp, b, policy),
+            self.bounds[relax_key] = relax(self.problem(cfg.tp), self.cost(*cfg.costs_key),
                                            form=form, time_limit_s=self.time_limit_s)
             certified = self.bounds[relax_key][1]
             if certified is not None:
@@ -355,14 +394,13 @@ class Search:
 
     def _key(self, cfg: PlanConfig, exact: bool, constrained: bool) -> tuple:
         """(cache key, form, ranks) of a `solution` call."""
-        tp, b, policy = cfg.tp, cfg.microbatch_size, cfg.checkpointing
         form = self.step_form(cfg) if exact or constrained else TIME_FORM
         if not constrained and same_argmin(form):
             form = TIME_FORM
         ranks = self.ranks(cfg) if constrained else None
         # configurations with the same form (and memory coefficients) share the ILP
-        key = (tp, b, policy) if form is TIME_FORM and ranks is None else (
-            tp, b, policy, _form_signature(form), ranks and _signature(ranks))
+        key = cfg.costs_key if form is TIME_FORM and ranks is None else (
+            cfg.costs_key + (_form_signature(form), ranks and _signature(ranks)))
         return key, form, ranks
 
     def smallest(self, cfg: PlanConfig) -> Solution | None:
@@ -371,7 +409,7 @@ class Search:
         key = ("smallest", cfg)
         if key not in self.bounds and key not in self.stopped:
             self._solve(key, lambda: solve(
-                self.problem(cfg.tp), self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing),
+                self.problem(cfg.tp), self.cost(*cfg.costs_key),
                 ranks=self.ranks(cfg), objective="memory", start=self._start(cfg),
                 time_limit_s=self.time_limit_s), self.bounds)
         return self._cached(key, cfg, self.bounds)
@@ -408,20 +446,24 @@ class Search:
         return factor * max(average, own) + form.sync_s_per_elem * elems + form.const_s
 
     def _cheapest(self, cfg: PlanConfig) -> Solution:
-        key = ("memory", cfg.tp, cfg.microbatch_size, cfg.checkpointing)
+        key = ("memory",) + cfg.costs_key
         if key not in self.bounds:
-            self.bounds[key] = _lower_bound(
-                self.problem(cfg.tp), self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing),
-                1)
+            self.bounds[key] = _lower_bound(self.problem(cfg.tp), self.cost(*cfg.costs_key), 1)
         return self.bounds[key]
 
-    def boundary_bytes(self, tp: int, b: int) -> float:
-        """Bytes of the residual stream between blocks, one microbatch (global)."""
-        prob, costs = self.problem(tp), self.cost(tp, b)
-        sizes = [e.nbytes for e in prob.edges
-                 if prob.part.get(e.src) == "layer" and (e.dst == OUTPUT or
-                                                         prob.part.get(e.dst) != "layer")]
-        return max(sizes, default=costs.output_bytes) * costs.scale
+    def boundary_bytes(self, tp: int, b: int, cp: int = 1) -> float:
+        """Bytes of the residual stream between blocks, one microbatch (global; on one cp
+        rank: seq_len / cp tokens)."""
+        costs = self.cost(tp, b, "none", cp)
+        key = ("boundary", tp)
+        if key not in self.bounds:  # the largest block-output edge of the tp problem
+            prob = self.problem(tp)
+            self.bounds[key] = max((e.nbytes for e in prob.edges
+                                    if prob.part.get(e.src) == "layer" and (
+                                        e.dst == OUTPUT or prob.part.get(e.dst) != "layer")),
+                                   default=None)
+        size = self.bounds[key]
+        return (costs.output_bytes if size is None else size) * costs.scale
 
     def assess(self, cfg: PlanConfig, sol: Solution, *, tp: int | None = None,
                divide: int = 1) -> Assessment:
@@ -429,8 +471,8 @@ class Search:
         (tp, divide): for bounds, quantities of the tp problem with the boundary divided."""
         tp = cfg.tp if tp is None else tp
         b, policy = cfg.microbatch_size, cfg.checkpointing
-        costs = self.cost(tp, b, policy)
-        boundary = self.boundary_bytes(tp, b)
+        costs = self.cost(tp, b, policy, cfg.cp)
+        boundary = self.boundary_bytes(tp, b, cfg.cp)
         # core-attention at a bound (tp = 1 problem, no choice): the cores split tp ways
         one_block = ckpt.block_bytes(self.problem(tp), costs, policy, sol.choice or None) / (
             divide if policy == "core-attention" else 1)
@@ -452,10 +494,11 @@ class Search:
         a split op takes at least 1/tp of the replicated time (the roofline's efficiency only
         drops on smaller shapes), a split tensor holds exactly 1/tp. Under "full" checkpointing
         a block's saved input is priced replicated at every tp, so it is not divided."""
-        key = (cfg.tp, cfg.microbatch_size, cfg.checkpointing)
+        key = cfg.costs_key
         if key not in self.bounds:
             self.bounds[key] = _lower_bound(
-                self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing), cfg.tp)
+                self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing, cfg.cp),
+                cfg.tp)
         return self.assess(cfg, self.bounds[key], tp=1, divide=cfg.tp)
 
 
@@ -507,6 +550,8 @@ def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
     add = lambda d, k, v: d.__setitem__(k, d.get(k, 0.0) + v)  # noqa: E731
     for n, row in costs.compute_s.items():
         add(sol.compute_s, prob.part[n], prob.weight[n] * min(row) / tp)
+    for n, row in costs.node_comm_s.items():  # the K/V gathers of cp: at most tp-way split
+        add(sol.comm_s, prob.part[n], prob.weight[n] * min(f + b for f, b in row) / tp)
     for g, elems in costs.param_elems.items():
         sol.add_param_elems(prob.params[g][2], min(elems) / tp)
     for n, row in costs.act_bytes.items():

@@ -1,0 +1,167 @@
+"""Context parallelism in the cost model: the sequence split across the cp axis.
+
+[Note: context parallelism] With context parallelism of degree cp (torchtitan's `cp` mesh
+axis, torch.distributed.tensor.experimental.context_parallel; Llama 3 405B trained its
+128K-token phase with cp 16, Dubey et al. 2024, section 3.3.2), every sample's sequence is cut
+into 2 cp chunks and cp rank i holds chunks i and 2 cp - 1 - i (causal load balancing: under a
+causal mask chunk j attends to j + 1 chunks, so each rank does (i + 1) + (2 cp - i) = 2 cp + 1
+chunk-pairs of attention, the same on every rank). Every op but attention works on the rank's
+own tokens; attention needs the keys and values of the whole sequence. What this changes in
+the cost model, per microbatch of b samples of s tokens:
+
+- compute and activations: each rank holds b s / cp tokens, so every op's FLOPs, bytes and
+  saved tensors are those of b s / cp tokens (costs.build_costs at the token scale divided by
+  cp). Attention, quadratic in s, also takes 1/cp of the whole sequence's work per rank: its
+  queries are s / cp rows against all s keys, and the causal balancing above makes the
+  masked-out half the same on every rank (the graph's attention FLOPs, whatever they count for
+  the mask, divide by cp exactly when the graph is captured at the planned s);
+- communication (`with_context_parallel`): the runtime all-gathers K and V over the cp group
+  before each attention (forward) and reduce-scatters their gradients dK, dV after it
+  (backward): per attention op and microbatch
+
+      t_cp = 2 [all_gather(n_kv, cp) + reduce_scatter(n_kv, cp)],   n_kv = b s h_kv d e / t'
+
+  with h_kv the key/value heads before GQA's expansion (the gather happens before
+  `repeat_kv`), d the head dim, e the bytes per element and t' = min(tp, h_kv) when the
+  attention candidate splits heads on the tp axis (1 otherwise): every tp rank needs at least
+  one key/value head. Collective times are `comm.collective_time_s` over the cp group, which
+  has stride tp on the (pp, dp, cp, tp) mesh: NVLink while cp x tp fits in a node, the
+  hierarchical inter-node algorithm beyond ([Note: group layout] in cost_model/comm.py). The
+  collectives are not overlapped with compute (the runtime issues them in line, like the
+  tp redistributions), so they are exposed;
+- memory: the gathered K and V (n_kv each, (cp - 1) / cp of them beyond the rank's own chunks)
+  are saved by attention for its backward; added to the attention node's activations without
+  checkpointing. Under selective or full checkpointing attention's inputs are recomputed, so
+  the all-gather runs again in the backward (its forward time added to the backward, like
+  every recomputed forward: solver/checkpointing.py);
+- gradient reduction and ZeRO: the cp ranks hold the same parameters and their gradients are
+  partial sums over their tokens, so they reduce and shard like data-parallel ranks: the group
+  is dp x cp (pipeline.Config.dp_shard; torchtitan's dp_shard x cp FSDP mesh).
+
+Ring attention (p2p of K/V chunks overlapped with the attention of the previous chunk) would
+hide most of t_cp; it is not what the runtime does, so it is not what is priced.
+
+Which cp the search tries (`cp_degrees`): 1, and the powers of two with cp dividing the devices
+left after tp, s divisible by 2 cp (the load-balanced chunks), chunks of at least
+MIN_CHUNK_TOKENS tokens, and a fused attention op in every block (an attention spelled out in
+matmuls and softmax has no K/V gather to price).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx
+
+from autoplan.cost_model.comm import collective_time_s
+from autoplan.cost_model.compute import ATTENTION_OPS, VIEW_OPS, op_name
+from autoplan.graph import CapturedGraph
+from autoplan.solver.costs import Costs
+from autoplan.solver.problem import Problem
+from autoplan.topology import Topology
+
+__all__ = ["MIN_CHUNK_TOKENS", "cp_degrees", "attention_nodes", "kv_bytes",
+           "with_context_parallel", "kv_comm_s"]
+
+MIN_CHUNK_TOKENS = 128
+"""The shortest sequence chunk (s / (2 cp) tokens) the search gives a cp rank: one query tile
+of fused attention (FlashAttention-2 processes queries in blocks of 128 rows, Dao 2023,
+section 3.1 and its released kernels' kBlockM = 128). A search-space choice, not a cost: a
+shorter chunk leaves the attention kernel's tiles partly empty, which the roofline does not
+see, so such plans would be priced too well; it also keeps the search to the cp degrees that
+long-context runs use (Llama 3: cp 16 at 128K tokens, chunks of 4096)."""
+
+
+def attention_nodes(graph: CapturedGraph) -> list[str]:
+    """Names of the fused attention nodes of the captured graph (ATTENTION_OPS)."""
+    return [name for name, info in graph.nodes.items()
+            if op_name(info.target) in ATTENTION_OPS]
+
+
+def cp_degrees(graph: CapturedGraph, seq_len: int, devices: int) -> list[int]:
+    """The cp degrees to search ([Note: context parallelism]): 1, and powers of two
+    dividing `devices` (the devices left after tp) with `seq_len` % (2 cp) == 0 and
+    seq_len / (2 cp) >= MIN_CHUNK_TOKENS, when every captured block has a fused attention
+    op."""
+    out = [1]
+    names = attention_nodes(graph)
+    blocks = graph.num_layers or 0
+    if not names or (blocks and len(names) < blocks):
+        return out
+    cp = 2
+    while cp <= devices and seq_len // (2 * cp) >= MIN_CHUNK_TOKENS:
+        if devices % cp == 0 and seq_len % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def _fx(graph: CapturedGraph, name: str) -> torch.fx.Node:
+    for node in graph.gm.graph.nodes:
+        if node.name == name:
+            return node
+    raise KeyError(name)
+
+
+def _numel(node) -> int:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def kv_bytes(graph: CapturedGraph, name: str) -> tuple[float, int]:
+    """(bytes of K plus V before GQA's expansion, at the captured batch and sequence;
+    key/value heads) of attention node `name`: each of its args 1 and 2 (B, H, S, D) traced
+    back through view-like ops (HF's repeat_kv: expand + reshape) to its smallest form."""
+    node = _fx(graph, name)
+    total, heads = 0.0, 0
+    for arg in node.args[1:3]:
+        val = arg.meta["val"]
+        smallest, cur = val.numel(), arg
+        while isinstance(cur, torch.fx.Node) and op_name(str(cur.target)) in VIEW_OPS and \
+                cur.args and isinstance(cur.args[0], torch.fx.Node):
+            cur = cur.args[0]
+            if _numel(cur):
+                smallest = min(smallest, _numel(cur))
+        total += smallest * val.element_size()
+        heads = max(1, round(val.shape[1] * smallest / val.numel()))
+    return total, heads
+
+
+def kv_comm_s(kv_nbytes: float, cp: int, tp: int, topology: Topology) -> tuple[float, float]:
+    """(forward, backward) seconds of the cp group's K/V collectives for `kv_nbytes` (K and V
+    together, the whole sequence, per rank): an all-gather of each forward, a reduce-scatter
+    of each gradient backward ([Note: context parallelism])."""
+    if cp == 1 or kv_nbytes <= 0:
+        return 0.0, 0.0
+    one = kv_nbytes / 2
+    fwd = 2 * collective_time_s("all_gather", one, cp, topology, stride=tp)
+    bwd = 2 * collective_time_s("reduce_scatter", one, cp, topology, stride=tp)
+    return fwd, bwd
+
+
+def with_context_parallel(problem: Problem, costs: Costs, cp: int,
+                          topology: Topology) -> Costs:
+    """`costs` (built at the token scale divided by cp: costs.build_costs) with the K/V
+    collectives of every attention node per candidate (`Costs.node_comm_s`, seconds per
+    occurrence: the ILP multiplies by the node's weight) and the gathered
+    K/V saved for backward added to its activations ([Note: context parallelism])."""
+    if cp == 1:
+        return costs
+    tp = problem.tp
+    comm = dict(costs.node_comm_s)
+    acts = dict(costs.act_bytes)
+    for n in attention_nodes(problem.graph):
+        if n not in problem.weight:  # another block's: its ILP node stands for it
+            continue
+        whole, heads = kv_bytes(problem.graph, n)
+        whole *= costs.scale * cp  # the microbatch's whole sequence
+        row, extra = [], list(acts.get(n, [0.0] * len(problem.cands[n])))
+        for i, c in enumerate(problem.cands[n]):
+            split = c.shard_factor > 1 and any(p.startswith("S(") for p in c.inputs[1:3])
+            per_rank = whole / min(tp, heads) if split else whole
+            row.append(kv_comm_s(per_rank, cp, tp, topology))
+            # activation rows hold every block's tensors (the weight), as build_costs does
+            extra[i] += per_rank * (cp - 1) / cp * problem.weight[n]
+        comm[n] = row
+        acts[n] = extra
+    return dataclasses.replace(costs, node_comm_s=comm, act_bytes=acts)
