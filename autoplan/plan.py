@@ -192,6 +192,9 @@ class Prediction:
             time] in solver/pipeline.py; the report's cross-check recomputes it per part (0:
             not recorded, a plan written before it existed).
         p2p_s: the pipeline transfers of `stage_time_s` (0 without pp).
+        cp_comm_s: the part of comm_s that is context parallelism's K/V all-gathers and
+            gradient reduce-scatters on the busiest pp rank, per step (0 without cp; [Note:
+            context parallelism] in autoplan/solver/context.py).
         error_bands: the expected error of `step_time_s` and `memory_bytes`, {"step_time" |
             "peak_memory": {"low", "high" (fractions: predicted / measured - 1), "rows",
             "source", "covers", "not_covered"}}, from the fidelity benches ([Note: error
@@ -210,6 +213,7 @@ class Prediction:
     stage_time_s: float = 0.0
     p2p_s: float = 0.0
     error_bands: dict[str, dict] = field(default_factory=dict)
+    cp_comm_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -321,6 +325,8 @@ class Plan:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:
                     del mesh[axis]
+        if not d["prediction"]["cp_comm_s"]:
+            del d["prediction"]["cp_comm_s"]
         return d
 
     def to_json(self) -> str:

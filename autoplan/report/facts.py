@@ -26,6 +26,7 @@ from autoplan.cost_model.comm import backward_redistribution, group_layout, redi
 from autoplan.cost_model.compute import (NO_GRAD_OPS, at_tokens, backward_time_s,
                                          dtensor_dispatches, module_input_bytes, op_name,
                                          op_time_s)
+from autoplan.cost_model.context import attention_nodes, kv_bytes, kv_comm_s
 from autoplan.cost_model.memory import selective_saves
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
@@ -83,10 +84,19 @@ class AxisFacts:
     text: str
 
 
+def mesh_text(mesh) -> str:
+    """"pp 1 x dp 128 x cp 32 x tp 4" (cp only when > 1)."""
+    cp = f" x cp {mesh.cp}" if getattr(mesh, "cp", 1) > 1 else ""
+    return f"pp {mesh.pp} x dp {mesh.dp}{cp} x tp {mesh.tp}"
+
+
 def mesh_axes(plan: Plan, topology: Topology | None) -> list[AxisFacts]:
-    """The three mesh axes, innermost (tp) first, with the link each axis's groups use."""
+    """The mesh axes, innermost (tp) first, with the link each axis's groups use: tp, cp
+    (when > 1: stride tp), dp (stride cp x tp), pp."""
     mesh = plan.mesh
-    axes = [("tp", mesh.tp, 1), ("dp", mesh.dp, mesh.tp), ("pp", mesh.pp, mesh.tp * mesh.dp)]
+    cp = getattr(mesh, "cp", 1)
+    axes = [("tp", mesh.tp, 1)] + ([("cp", cp, mesh.tp)] if cp > 1 else []) + [
+        ("dp", mesh.dp, mesh.tp * cp), ("pp", mesh.pp, mesh.tp * cp * mesh.dp)]
     result = []
     for name, degree, stride in axes:
         if degree == 1:
@@ -399,6 +409,28 @@ def _f_all_reduces(plan: Plan, graph: CapturedGraph, factor_of, parts, scale: fl
     return out
 
 
+def _cp_collectives(plan: Plan, graph: CapturedGraph, factor_of, parts, scale: float,
+                    topology: Topology) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds per part of context parallelism's K/V all-gathers and
+    gradient reduce-scatters, every captured attention op, as solver/context.py prices them
+    (the all-gather again in the backward when checkpointing recomputes attention's
+    inputs)."""
+    cp, tp = plan.mesh.cp, plan.mesh.tp
+    out: dict[str, tuple[float, float]] = {}
+    if cp == 1:
+        return out
+    for name in attention_nodes(graph):
+        whole, heads = kv_bytes(graph, name)
+        whole *= scale * cp
+        per_rank = whole / min(tp, heads) if factor_of(name) > 1 else whole
+        fwd, bwd = kv_comm_s(per_rank, cp, tp, topology)
+        if plan.checkpointing != "none":
+            bwd += fwd
+        f0, b0 = out.get(parts[name], (0.0, 0.0))
+        out[parts[name]] = (f0 + fwd, b0 + bwd)
+    return out
+
+
 def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[PartCost]:
     """Compute and communication per part, per microbatch of `plan.microbatch_size` samples,
     recomputed from the plan's per-node placements with the cost model (see PartCost).
@@ -407,7 +439,9 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
     does (solver/costs.py, `token_scale`). Raises ValueError from the cost model (e.g. a dtype
     the device lists no peak for).
     """
-    scale = plan.microbatch_size * plan.seq_len / (graph.batch_size * (graph.seq_len or plan.seq_len))
+    cp = plan.mesh.cp  # each cp rank holds seq_len / cp tokens ([Note: context parallelism])
+    scale = plan.microbatch_size * plan.seq_len / cp / (
+        graph.batch_size * (graph.seq_len or plan.seq_len))
     tp = plan.mesh.tp
     strategies = {s.node: s for s in plan.strategies}
     first_block = graph.layer_nodes[min(graph.layer_nodes)] if graph.layer_nodes else ()
@@ -421,8 +455,7 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
     sums = {p: [0.0, 0.0, 0.0, 0.0] for p in ("pre", "block", "post")}
     fx_nodes = {node.name: node for node in graph.gm.graph.nodes}
     device = topology.device
-    speed = device.speed(min(topology.devices_per_node, plan.mesh.dp * plan.mesh.tp
-                             * plan.mesh.pp))
+    speed = device.speed(min(topology.devices_per_node, plan.mesh.world_size))
     constants = constant_like_nodes(graph)
     for name, info in graph.nodes.items():
         if parts[name] == "block" and rep.get(name) != name or name in constants:
@@ -454,6 +487,10 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
     per_block = {"block": 1 / max(graph.num_layers, 1)}
     for part, t in _f_all_reduces(plan, graph, factor_of, parts, scale, topology).items():
         sums[part][3] += t * per_block.get(part, 1.0)
+    for part, (fwd, bwd) in _cp_collectives(plan, graph, factor_of, parts, scale,
+                                             topology).items():
+        sums[part][2] += fwd * per_block.get(part, 1.0)
+        sums[part][3] += bwd * per_block.get(part, 1.0)
     counts = {"pre": 1, "block": graph.total_layers, "post": 1}
     return [PartCost(p, counts[p], *sums[p]) for p in ("pre", "block", "post")
             if p != "block" or graph.num_layers]

@@ -39,7 +39,7 @@ def _names(plan: Plan) -> list[str]:
     if m.tp > 1:
         names.append("tp_allreduce_bytes_per_layer")
         names += [f"{r.collective}_time" for r in plan.redistributions]
-    if m.dp > 1:
+    if m.dp_shard > 1:  # the ZeRO / gradient group: dp x cp ranks
         names += ["all_reduce_time"] if plan.zero_stage == 0 else \
             ["reduce_scatter_time", "all_gather_time"]
     return list(dict.fromkeys(names))  # unique, in order
@@ -49,7 +49,7 @@ def plan_formulas(plan: Plan) -> tuple[list[FormulaFacts], dict[str, str]]:
     """(the formulas the plan's configuration uses, {symbol: meaning} of their symbols)."""
     from autoplan.cost_model.symbolic import FORMULAS, SOURCES, SYMBOL_DOCS, evaluate, latex
 
-    known = {"p": plan.mesh.pp, "d": plan.mesh.dp, "t": plan.mesh.tp, "z": plan.zero_stage,
+    known = {"p": plan.mesh.pp, "d": plan.mesh.dp_shard, "t": plan.mesh.tp, "z": plan.zero_stage,
              "m": plan.num_microbatches, "v": plan.num_virtual_stages, "B": plan.global_batch,
              "s": plan.seq_len, "b": plan.microbatch_size}
     out, symbols = [], set()

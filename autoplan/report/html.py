@@ -94,7 +94,8 @@ def _alt_label(a) -> str:
     schedule = {"interleaved-1f1b": "i1f1b"}.get(a.schedule, a.schedule)
     v = f" v{a.num_virtual_stages}" if a.num_virtual_stages > 1 else ""
     ckpt = {"none": ""}.get(a.checkpointing, f" {a.checkpointing[:3]}-ckpt")
-    return (f"pp{a.mesh.pp} dp{a.mesh.dp} tp{a.mesh.tp} z{a.zero_stage} "
+    cp = f" cp{a.mesh.cp}" if a.mesh.cp > 1 else ""
+    return (f"pp{a.mesh.pp} dp{a.mesh.dp}{cp} tp{a.mesh.tp} z{a.zero_stage} "
             f"m{a.num_microbatches} {schedule}{v}{ckpt}")
 
 
@@ -112,7 +113,7 @@ def _step_chart(plan: Plan) -> str:
 
 
 def _memory_chart(plan: Plan, topology: Topology | None) -> str:
-    rows = [("chosen plan", F.memory_rows(plan))]
+    rows = [(f"chosen plan ({str(plan.mesh).replace('x', ' ')})", F.memory_rows(plan))]
     for a in plan.alternatives:
         rows.append((_alt_label(a), [("total (runner-up)", a.memory_bytes)]))
     markers = [("device memory", topology.device.mem_bytes)] if topology else []

@@ -63,10 +63,11 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
     rows = [
         ["model", _model_text(plan, graph)],
         ["cluster", _cluster_text(topology, plan)],
-        ["mesh", f"pp {m.pp} x dp {m.dp} x tp {m.tp} = world size {m.world_size}" + (
+        ["mesh", f"{F.mesh_text(m)} = world size {m.world_size}" + (
             f"; expert parallelism ep {m.ep} inside dp: groups of {m.ep} dp ranks hold "
             f"disjoint experts (1/{m.ep} each) and exchange tokens by all-to-all"
             if m.ep > 1 else "")],
+        *([["context parallelism", _context_text(plan)]] if m.cp > 1 else []),
         ["ZeRO", ZERO_TEXT[plan.zero_stage]],
         ["batch", f"global {plan.global_batch} = dp {m.dp} x "
                   f"{F.plural(plan.num_microbatches, 'microbatch')} x "
@@ -80,6 +81,18 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
     ]
     return [f"# autoplan: {plan.model} on {plan.topology}", "", "## Summary", "",
             *_table(["", ""], rows)]
+
+
+def _context_text(plan: Plan) -> str:
+    """What cp does to this plan ([Note: context parallelism] in autoplan/solver/context.py)."""
+    cp, p = plan.mesh.cp, plan.prediction
+    return (f"cp {cp}: every sample's {plan.seq_len} tokens in {2 * cp} chunks of "
+            f"{plan.seq_len // (2 * cp)}, cp rank i holding chunks i and {2 * cp - 1} - i "
+            f"(causal load balancing): activations and compute of {plan.seq_len // cp} tokens "
+            f"per rank; K and V all-gathered over the cp group before each attention, their "
+            f"gradients reduce-scattered after it: {F.fmt_time(p.cp_comm_s)} per step, "
+            f"exposed; gradients reduced and ZeRO-sharded over dp x cp = {plan.mesh.dp_shard} "
+            f"ranks")
 
 
 def _sequence_text(plan: Plan, graph) -> str:
@@ -115,7 +128,8 @@ def _mesh(plan: Plan, topology) -> list[str]:
         rows.insert(1, ["`ep` (in dp)", dp.degree, dp.stride, dp.level,
                         f"{dp.text}; all-to-all dispatch and combine of tokens"])
     return ["### Mesh axes on the topology", "",
-            "Ranks are ordered (pp, dp, tp), tp innermost, so a tp group is consecutive ranks.",
+            "Ranks are ordered (pp, dp, cp, tp), tp innermost, so a tp group is consecutive "
+            "ranks (cp only when > 1).",
             "", *_table(["axis", "degree", "rank stride", "level", "groups"], rows)]
 
 
@@ -126,6 +140,8 @@ def _prediction(plan: Plan, topology) -> list[str]:
         ["step time", F.fmt_time(p.step_time_s), F.error_band_text(plan, "step_time")],
         ["compute", F.fmt_time(p.compute_s), F.fmt_pct(p.compute_s / step)],
         ["communication (exposed)", F.fmt_time(p.comm_s), F.fmt_pct(p.comm_s / step)],
+        *([["of which cp K/V all-gather + reduce-scatter", F.fmt_time(p.cp_comm_s),
+            F.fmt_pct(p.cp_comm_s / step)]] if plan.mesh.cp > 1 else []),
         ["pipeline bubble", F.fmt_time(p.bubble_s), F.fmt_pct(p.bubble_s / step)],
         ["tokens/s", F.fmt_count(F.tokens_per_s(plan)), ""],
         ["model FLOPs per step", F.fmt_flops(p.model_flops), "fwd + bwd, no recompute"],
@@ -143,7 +159,13 @@ def _memory(plan: Plan, topology) -> list[str]:
     rows.append(["**peak**", f"**{F.fmt_bytes(peak)}**", F.error_band_text(plan, "peak_memory")])
     lines = ["## Memory per rank", "",
              "The most loaded rank at its peak (the backward of its last layer for the oldest "
-             "microbatch in flight).", "", *_table(["kind", "bytes", "share"], rows)]
+             "microbatch in flight)."
+             + (f" With cp {plan.mesh.cp} the activations are those of "
+                f"{plan.seq_len // plan.mesh.cp} tokens per sample plus the keys and values "
+                "of the whole sequence that attention gathered and saves for its backward; "
+                f"parameters, gradients and optimizer states are sharded over dp x cp = "
+                f"{plan.mesh.dp_shard} ranks by the ZeRO stage." if plan.mesh.cp > 1 else ""),
+             "", *_table(["kind", "bytes", "share"], rows)]
     if topology is not None:
         mem = topology.device.mem_bytes
         lines += [f"Device memory: {F.fmt_bytes(mem)} per {topology.device.name}; the plan "
@@ -252,13 +274,13 @@ def _alternatives(plan: Plan) -> list[str]:
     if not plan.alternatives:
         return lines + ["The solver kept no runner-up.", ""]
     step = plan.prediction.step_time_s
-    rows = [["**chosen**", f"pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp}",
+    rows = [["**chosen**", F.mesh_text(plan.mesh),
              plan.zero_stage, plan.num_microbatches,
              _schedule(plan.schedule, plan.num_virtual_stages), plan.checkpointing,
              F.fmt_time(step), "", F.fmt_bytes(plan.prediction.memory_bytes), ""]]
     for a in plan.alternatives:
         delta = F.fmt_pct(a.step_time_s / step - 1, sign=True) if step else ""
-        rows.append(["", f"pp {a.mesh.pp} x dp {a.mesh.dp} x tp {a.mesh.tp}", a.zero_stage,
+        rows.append(["", F.mesh_text(a.mesh), a.zero_stage,
                      a.num_microbatches, _schedule(a.schedule, a.num_virtual_stages),
                      a.checkpointing, F.fmt_time(a.step_time_s), delta,
                      F.fmt_bytes(a.memory_bytes), a.reason])
@@ -313,7 +335,7 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
     `graph` the report gets so that both count parameters alike (`_sharded_text`)."""
     p = plan.prediction
     lines = [f"plan        {plan.model} on {plan.topology}: {plan.mesh}",
-             f"mesh        pp {plan.mesh.pp} x dp {plan.mesh.dp} x tp {plan.mesh.tp} = "
+             f"mesh        {F.mesh_text(plan.mesh)} = "
              f"{F.plural(plan.mesh.world_size, 'rank')}"]
     for a in F.mesh_axes(plan, topology):
         lines.append(f"  {a.name} {a.degree:>4}  {a.text}")

@@ -126,7 +126,7 @@ def _prediction(search, best: Assessment) -> Prediction:
     fwd = sum(info.flops * (graph.total_layers / n_cap if name in layer_of else 1.0)
               for name, info in graph.nodes.items())
     problem = search.problem(best.config.tp)
-    tokens_scale = token_scale(problem, 1, spec.seq_len) * spec.global_batch
+    tokens_scale = token_scale(problem, 1, spec.seq_len) * spec.global_batch  # all cp ranks
     model_flops = 3.0 * fwd * tokens_scale
     world = topology.world_size
     per_device = model_flops / best.step_time_s / world if best.step_time_s > 0 else 0.0
@@ -137,7 +137,7 @@ def _prediction(search, best: Assessment) -> Prediction:
         bubble_s=best.bubble_s, memory_bytes=best.memory_bytes,
         memory_breakdown=dict(best.memory_breakdown), model_flops=model_flops,
         tflops_per_device=per_device / 1e12, mfu=per_device / peak if peak else 0.0,
-        stage_time_s=stage_s, p2p_s=p2p_s,
+        stage_time_s=stage_s, p2p_s=p2p_s, cp_comm_s=best.cp_comm_s,
         error_bands={k: dataclasses.asdict(b) for k, b in zip(
             ("step_time", "peak_memory"), error_bands(topology.device.name))})
 

@@ -51,17 +51,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch.fx
-
-from autoplan.cost_model.comm import collective_time_s
-from autoplan.cost_model.compute import ATTENTION_OPS, VIEW_OPS, op_name
+from autoplan.cost_model.context import attention_nodes, kv_bytes, kv_comm_s
 from autoplan.graph import CapturedGraph
 from autoplan.solver.costs import Costs
 from autoplan.solver.problem import Problem
 from autoplan.topology import Topology
 
-__all__ = ["MIN_CHUNK_TOKENS", "cp_degrees", "attention_nodes", "kv_bytes",
-           "with_context_parallel", "kv_comm_s"]
+__all__ = ["MIN_CHUNK_TOKENS", "cp_degrees", "attention_nodes", "with_context_parallel"]
 
 MIN_CHUNK_TOKENS = 128
 """The shortest sequence chunk (s / (2 cp) tokens) the search gives a cp rank: one query tile
@@ -70,12 +66,6 @@ section 3.1 and its released kernels' kBlockM = 128). A search-space choice, not
 shorter chunk leaves the attention kernel's tiles partly empty, which the roofline does not
 see, so such plans would be priced too well; it also keeps the search to the cp degrees that
 long-context runs use (Llama 3: cp 16 at 128K tokens, chunks of 4096)."""
-
-
-def attention_nodes(graph: CapturedGraph) -> list[str]:
-    """Names of the fused attention nodes of the captured graph (ATTENTION_OPS)."""
-    return [name for name, info in graph.nodes.items()
-            if op_name(info.target) in ATTENTION_OPS]
 
 
 def cp_degrees(graph: CapturedGraph, seq_len: int, devices: int) -> list[int]:
@@ -94,49 +84,6 @@ def cp_degrees(graph: CapturedGraph, seq_len: int, devices: int) -> list[int]:
             out.append(cp)
         cp *= 2
     return out
-
-
-def _fx(graph: CapturedGraph, name: str) -> torch.fx.Node:
-    for node in graph.gm.graph.nodes:
-        if node.name == name:
-            return node
-    raise KeyError(name)
-
-
-def _numel(node) -> int:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val.numel() if isinstance(val, torch.Tensor) else 0
-
-
-def kv_bytes(graph: CapturedGraph, name: str) -> tuple[float, int]:
-    """(bytes of K plus V before GQA's expansion, at the captured batch and sequence;
-    key/value heads) of attention node `name`: each of its args 1 and 2 (B, H, S, D) traced
-    back through view-like ops (HF's repeat_kv: expand + reshape) to its smallest form."""
-    node = _fx(graph, name)
-    total, heads = 0.0, 0
-    for arg in node.args[1:3]:
-        val = arg.meta["val"]
-        smallest, cur = val.numel(), arg
-        while isinstance(cur, torch.fx.Node) and op_name(str(cur.target)) in VIEW_OPS and \
-                cur.args and isinstance(cur.args[0], torch.fx.Node):
-            cur = cur.args[0]
-            if _numel(cur):
-                smallest = min(smallest, _numel(cur))
-        total += smallest * val.element_size()
-        heads = max(1, round(val.shape[1] * smallest / val.numel()))
-    return total, heads
-
-
-def kv_comm_s(kv_nbytes: float, cp: int, tp: int, topology: Topology) -> tuple[float, float]:
-    """(forward, backward) seconds of the cp group's K/V collectives for `kv_nbytes` (K and V
-    together, the whole sequence, per rank): an all-gather of each forward, a reduce-scatter
-    of each gradient backward ([Note: context parallelism])."""
-    if cp == 1 or kv_nbytes <= 0:
-        return 0.0, 0.0
-    one = kv_nbytes / 2
-    fwd = 2 * collective_time_s("all_gather", one, cp, topology, stride=tp)
-    bwd = 2 * collective_time_s("reduce_scatter", one, cp, topology, stride=tp)
-    return fwd, bwd
 
 
 def with_context_parallel(problem: Problem, costs: Costs, cp: int,

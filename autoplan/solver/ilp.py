@@ -298,8 +298,9 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
         if n in costs.compute_s:
             add(sol.compute_s, problem.part[n], problem.weight[n] * costs.compute_s[n][choice[n]])
         if n in costs.node_comm_s:
-            add(sol.comm_s, problem.part[n],
-                problem.weight[n] * sum(costs.node_comm_s[n][choice[n]]))
+            t = problem.weight[n] * sum(costs.node_comm_s[n][choice[n]])
+            add(sol.comm_s, problem.part[n], t)
+            add(sol.cp_comm_s, problem.part[n], t)
     keys = []
     for edge, pairs in zip(problem.edges, costs.pairs):
         key = edge_key(problem, edge, choice)

@@ -106,6 +106,9 @@ class Solution:
         num_vars, num_constraints: model size.
         solve_s: wall time of the solve, seconds; for reports only, no decision reads it.
         integer_solver: True when the LP was fractional and CP-SAT solved the ILP.
+        cp_comm_s: part -> seconds per microbatch of context parallelism's K/V collectives,
+            included in comm_s (Costs.node_comm_s; [Note: context parallelism] in
+            solver/context.py).
     """
 
     choice: dict[str, int]
@@ -120,6 +123,7 @@ class Solution:
     num_constraints: int = 0
     solve_s: float = 0.0
     integer_solver: bool = False
+    cp_comm_s: dict[str, float] = field(default_factory=dict)
 
     def add_param_elems(self, parts, elems: float) -> None:
         """Count a parameter of `elems` elements per device used by `parts`."""

@@ -166,6 +166,7 @@ class Assessment:
     fits: bool = True
     solution: Solution | None = None
     optimizer_s: float = 0.0
+    cp_comm_s: float = 0.0
 
 
 def stages_of(total_layers: int, num_stages: int) -> tuple[Stage, ...]:
@@ -344,8 +345,10 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
                    for p in ("pre", "layer", "post")) / speed
         comm = sum(sol.comm_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
                    for p in ("pre", "layer", "post"))
-        per_rank.append((comp + comm + p2p, comp, comm + p2p))
-    _t_stage, comp, comm = max(per_rank)
+        cp_comm = sum(sol.cp_comm_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
+                      for p in ("pre", "layer", "post"))
+        per_rank.append((comp + comm + p2p, comp, comm + p2p, cp_comm))
+    _t_stage, comp, comm, cp_comm = max(per_rank)
     pipeline = _pipeline_s(cfg, comp, comm, topology, busy)
     memories = {r: _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                               boundary_bytes) for r in ranks}
@@ -364,7 +367,7 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
                       m * comm + exposed, _bubble_s(cfg, pipeline, m * (comp + comm)),
                       dp_sync, peak,
                       breakdown, peak <= spec.max_memory_fraction * topology.device.mem_bytes,
-                      sol, optimizer)
+                      sol, optimizer, m * cp_comm)
 
 
 def _bubble_s(cfg: Config, pipeline_s: float, busy_s: float) -> float:

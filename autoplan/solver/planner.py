@@ -449,8 +449,15 @@ def _reason(a: Assessment, best: Assessment) -> str:
     if deltas[kind] <= 0:
         return "tie: same predicted step time; ranked by memory and simplicity"
     d = deltas[kind]
-    amount = f"{d:.3g} s" if d >= 1 else f"{d * 1e3:.3g} ms"
-    return f"{kind}: +{amount} per step vs the chosen plan"
+    text = f"{kind}: +{_seconds(d)} per step vs the chosen plan"
+    if kind == "communication" and a.config.cp > 1 and a.cp_comm_s > best.cp_comm_s:
+        # [Note: context parallelism]: the K/V collectives are not overlapped
+        text += f" (cp{a.config.cp}: K/V all-gather exposed {_seconds(a.cp_comm_s)})"
+    return text
+
+
+def _seconds(d: float) -> str:
+    return f"{d:.3g} s" if d >= 1 else f"{d * 1e3:.3g} ms"
 
 
 def _explain_memory(search: Search, configs: list[PlanConfig]) -> str:

@@ -552,6 +552,7 @@ def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
         add(sol.compute_s, prob.part[n], prob.weight[n] * min(row) / tp)
     for n, row in costs.node_comm_s.items():  # the K/V gathers of cp: at most tp-way split
         add(sol.comm_s, prob.part[n], prob.weight[n] * min(f + b for f, b in row) / tp)
+        add(sol.cp_comm_s, prob.part[n], prob.weight[n] * min(f + b for f, b in row) / tp)
     for g, elems in costs.param_elems.items():
         sol.add_param_elems(prob.params[g][2], min(elems) / tp)
     for n, row in costs.act_bytes.items():
