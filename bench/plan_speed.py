@@ -78,6 +78,8 @@ RESULT = ROOT / "bench" / "results" / "plan_speed.json"
 # name: (model, cluster, nodes, global_batch, seq_len, total_layers or None, capture layers)
 CASES: dict[str, tuple] = {
     "llama3-405b": ("llama3-405b", "dgx-h100", 2048, 2048, 8192, None, 1),
+    # issue 13: the 128K-token phase, which only context parallelism makes fit
+    "llama3.1-405b-128k": ("llama3.1-405b", "dgx-h100", 2048, 128, 131072, None, 1),
     "gpt3-175b": ("gpt3-175b", "dgx-a100", 128, 1536, 2048, None, 1),
     "llama3-8b": ("llama3-8b", "dgx-h100", 1, 64, 8192, None, 1),
     "depth-8": ("llama3-8b", "dgx-h100", 16, 256, 4096, 8, 1),
@@ -89,7 +91,7 @@ CASES: dict[str, tuple] = {
     "llama-6.7b": ("llama-6.7b", "dgx-h100", 2, 64, 4096, None, 2),
     "llama-6.7b-instance": ("llama-6.7b-instance", "dgx-h100", 2, 64, 4096, None, None),
 }
-BARS_S = {"llama3-405b": 10.0, "gpt3-175b": 5.0, "llama3-8b": 3.0}
+BARS_S = {"llama3-405b": 10.0, "llama3.1-405b-128k": 10.0, "gpt3-175b": 5.0, "llama3-8b": 3.0}
 # the whole `autoplan plan ... -o DIR` process, wall seconds (issue 12): cache empty / from it
 CLI_ARGS = ("plan", "--model", "llama3-405b", "--cluster", "dgx-h100", "--nodes", "2048",
             "--global-batch", "2048", "--seq", "8192")

@@ -261,8 +261,11 @@ def golden_plans():
 def test_large_dense_transformers_split_tp_in_nodes_and_pp_across(golden_plans, name):
     """Megatron-LM practice (Narayanan et al. SC'21): tp at most the 8 GPUs of an NVLink node
     and inside one; once the model does not fit with tp alone (tp 8, pp 1, no ZeRO), the
-    split across nodes is pipeline stages (each stage's tp x dp ranks fill whole nodes) or,
-    as torchtitan trains Llama 3 70B/405B, ZeRO-3 (FSDP) over dp with one unit per block."""
+    split across nodes is pipeline stages (each stage's tp x cp x dp ranks fill whole nodes,
+    or whole stages share a node) or, as torchtitan trains Llama 3 70B/405B, ZeRO-3 (FSDP)
+    over dp with one unit per block. Context parallelism, when chosen, stays on NVLink with
+    tp (tp x cp inside a node): at these sequence lengths its K/V all-gather is cheap only
+    there."""
     plans, graphs = golden_plans
     p = plans[name]
     graph, topology, spec = regen.setup(name, graphs)
@@ -270,7 +273,9 @@ def test_large_dense_transformers_split_tp_in_nodes_and_pp_across(golden_plans, 
     assert p.mesh.tp <= node and node % p.mesh.tp == 0, p
     with pytest.raises(NoFeasiblePlan):
         plan(graph, topology, spec, tp=node, pp=1, zero_stage=0, checkpointing="none")
-    assert (p.mesh.pp > 1 or p.zero_stage == 3) and (p.mesh.tp * p.mesh.dp) % node == 0, p
+    stage = p.mesh.tp * p.mesh.cp * p.mesh.dp
+    assert (p.mesh.pp > 1 or p.zero_stage == 3) and (stage % node == 0 or node % stage == 0), p
+    assert p.mesh.cp * p.mesh.tp <= node, p
 
 
 def test_model_with_room_to_spare_gets_pure_data_parallelism():
