@@ -267,13 +267,21 @@ class AutoParallel:
 
         from autoplan.cache import PlanCache
         from autoplan.progress import detail
+        from autoplan.solver import InvalidConfig
         from autoplan.solver import plan as solve
         from autoplan.solver.search import ReplicatedWeightsWarning
 
         with warnings.catch_warnings(record=True) as caught:
             # cp 1 unless asked: the runtime does not run context parallelism yet
             # (runtime/checks.py check_context_parallel); a given cp > 1 fails at build
-            plan = solve(graph, topo, self.spec, **{"cp": 1, **dict(self.options.overrides)})
+            overrides = dict(self.options.overrides)
+            try:
+                plan = solve(graph, topo, self.spec, **{"cp": 1, **overrides})
+            except InvalidConfig as e:
+                if "cp" in overrides:
+                    raise
+                raise InvalidConfig(f"{e.reason} (cp is 1 here: the runtime does not run "
+                                    "context parallelism yet)", option=e.option) from None
         for w in caught:  # shown as they would have been
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if request is not None and (not _in_job() or dist.get_rank() == 0):
@@ -295,9 +303,12 @@ class AutoParallel:
 
         from autoplan.runtime.step_inputs import loss_mode
 
+        from autoplan.runtime.checks import check_context_parallel
+
         topo = self.topology  # joins torchrun's process group
         # nothing to train on is said before anything is set up ([Note: step loss])
         loss_mode(self.graph, self.inputs, self.options.loss_fn)
+        check_context_parallel(self.plan)  # a cp plan is not run yet: said before building
         if not _in_job():
             if topo.world_size != 1:
                 raise RuntimeError(

@@ -191,3 +191,27 @@ def test_runtime_refuses_a_cp_plan(long_llama, h100):
                                                   r"pp1xdp1xcp2xtp4\).*all-gather of K and V"):
         check_context_parallel(p)
     check_context_parallel(plan(long_llama, h100, SPEC, cp=1, tp=4))  # no error
+
+
+def test_autoparallel_plans_cp_1_and_refuses_a_given_cp_at_build():
+    """@autoparallel plans with cp 1 (the runtime does not run cp > 1) where plan() would
+    take cp 4; cp=4 given plans it, and the build says what is missing, before anything is
+    set up."""
+    from autoplan import autoparallel
+
+    def make():
+        return build_model("llama-tiny", max_position_embeddings=1024, device="cpu")
+
+    fixed = dict(global_batch=4, seq_len=1024, cluster="dgx-h100", tp=2, pp=1, dp=1)
+    graph = capture(build_model("llama-tiny", max_position_embeddings=1024),
+                    example_inputs("llama-tiny", batch=1, seq_len=1024), model_name="x",
+                    total_layers=2)
+    assert plan(graph, preset("dgx-h100"), TrainingSpec(4, 1024), tp=2, pp=1,
+                dp=1).mesh.cp == 4
+    with pytest.raises(InvalidConfig, match=r"x cp 1 does not fit world size 8 \(cp is 1 "
+                                            "here: the runtime does not run context"):
+        autoparallel(make, **fixed)().plan
+    given = autoparallel(make, **fixed, cp=4)()
+    assert given.plan.mesh.cp == 4
+    with pytest.raises(NotImplementedError, match="cp 4"):
+        given.build()
