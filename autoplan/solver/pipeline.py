@@ -1,7 +1,9 @@
 """Analytic step time and memory of one configuration, given a solved placement.
 
 [Note: step time] For pp ranks, v model chunks per rank (interleaved 1F1B), m microbatches, R =
-dp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per node:
+dp x cp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per node (with
+context parallelism every per-microbatch figure is one cp rank's: seq_len / cp tokens, the K/V
+collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
 
     t_comp   = max over pp ranks r of compute_r / speed(N)     one microbatch, fwd + bwd
     t_comm   = max over pp ranks r of (tp_comm_r + p2p_r)      (compute and comm of the busiest)
@@ -22,7 +24,8 @@ dp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per 
 - p2p_r = 2 v p2p_time_s(boundary bytes) per microbatch on a pipeline rank (the activation
   forward and its gradient backward, v times with interleaving) when pp > 1; the R pairs of a
   stage boundary send at once.
-- dp_sync, over the dp group (stride tp), G / W = the rank's gradient / parameter bytes, as the
+- dp_sync, over the dp group (stride tp; dp x cp ranks with context parallelism, whose ranks
+  reduce and shard like data-parallel ones), G / W = the rank's gradient / parameter bytes, as the
   runtime issues it (autoplan/runtime/engine.py, step 4: one FSDP2 unit per pipeline stage):
     ZeRO 0: all_reduce(G) (FSDP2 replicate)          ZeRO 1: all_reduce(G) + all_gather(W)
     ZeRO 2: reduce_scatter(G) + all_gather(W)       ZeRO 3: reduce_scatter(G) + 2 all_gather(W)

@@ -1,5 +1,6 @@
-"""The outer search: mesh shape (pp, dp, tp), ZeRO stage, microbatches, schedule and activation
-checkpointing.
+"""The outer search: mesh shape (pp, dp, cp, tp), ZeRO stage, microbatches, schedule and
+activation checkpointing (cp: [Note: context parallelism] in context.py; the placement ILP
+depends on it through its costs, so (tp, b, policy) below is (tp, b, policy, cp) where cp > 1).
 
 [Note: decomposition] The placement ILP (ilp.py) of a configuration depends on it through tp,
 the microbatch size b and the checkpointing policy (its costs, [Note: checkpointing] in
