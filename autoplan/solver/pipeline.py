@@ -482,7 +482,6 @@ def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float
     grads, weights = _grad_weight_bytes(spec, elems)
     t = lambda kind, n: collective_time_s(kind, n, cfg.dp_shard, topology,  # noqa: E731
                                           stride=cfg.tp)
-    m = cfg.num_microbatches
     reductions = _reductions(cfg)
     if cfg.zero_stage == 0:
         return reductions * t("all_reduce", grads)
