@@ -277,8 +277,9 @@ class AutoParallel:
             overrides = dict(self.options.overrides)
             try:
                 plan = solve(graph, topo, self.spec, **{"cp": 1, **overrides})
-            except InvalidConfig as e:
-                if "cp" in overrides:
+            except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
+                if "cp" in overrides or not ("does not fit world size" in e.reason or
+                                             "no configuration of" in e.reason):
                     raise
                 raise InvalidConfig(f"{e.reason} (cp is 1 here: the runtime does not run "
                                     "context parallelism yet)", option=e.option) from None
