@@ -177,12 +177,27 @@ def test_report_names_cp(long_llama, h100):
     assert "Check: they differ" not in md
 
 
-def test_free_plan_explains_a_losing_cp(long_llama, h100):
+def test_cp_only_where_nothing_fits_without(long_llama, h100):
+    """[Note: context parallelism]: with memory for a cp = 1 plan, free planning keeps cp 1
+    (no cp anywhere, alternatives included); with 1.26 MB usable per device, where the
+    smallest cp = 1 plan needs 1.32 MB, it plans cp > 1."""
     p = plan(long_llama, h100, SPEC, top_k=5)
-    losing = [a for a in p.alternatives if a.mesh.cp > 1 and a.reason.startswith(
-        "communication")]
-    assert losing and all(f"(cp{a.mesh.cp}: K/V all-gather exposed " in a.reason
-                          for a in losing)
+    assert p.mesh.cp == 1 and all(a.mesh.cp == 1 for a in p.alternatives)
+    tight = dataclasses.replace(h100, device=dataclasses.replace(h100.device, mem_bytes=1.4e6))
+    assert plan(long_llama, tight, SPEC).mesh.cp > 1
+
+
+def test_free_plan_explains_a_losing_cp(long_llama, h100):
+    """Where cp is searched (1.26 MB usable: cp 4 x tp 2 chosen), a runner-up with more cp
+    that loses on communication names its exposed K/V all-gather; one with less cp (cp 2 x
+    tp 4) loses on tp communication and does not blame K/V."""
+    tight = dataclasses.replace(h100, device=dataclasses.replace(h100.device, mem_bytes=1.4e6))
+    p = plan(long_llama, tight, SPEC, top_k=5)
+    losing = [a for a in p.alternatives if a.reason.startswith("communication")]
+    more = [a for a in losing if a.mesh.cp > p.mesh.cp]
+    less = [a for a in losing if a.mesh.cp < p.mesh.cp]
+    assert more and all(f"(cp{a.mesh.cp}: K/V all-gather exposed " in a.reason for a in more)
+    assert all("K/V" not in a.reason for a in less)
 
 
 def test_runtime_refuses_a_cp_plan(long_llama, h100):

@@ -41,7 +41,16 @@ the cost model, per microbatch of b samples of s tokens:
 Ring attention (p2p of K/V chunks overlapped with the attention of the previous chunk) would
 hide most of t_cp; it is not what the runtime does, so it is not what is priced.
 
-Which cp the search tries (`cp_degrees`): 1, and the powers of two with cp dividing the devices
+When the search tries cp > 1: only where no configuration with cp = 1 fits in memory (unless
+the user fixes cp; `planner._plan` plans with cp = 1 first). Context parallelism is a memory
+lever for long sequences -- Llama 3 used it only in its 128K phase, torchtitan enables it for
+long context -- and what the price above leaves out decides it at ordinary lengths: attention
+and matmul kernels on s / cp-token chunks run below the efficiency of whole sequences, and the
+K/V collectives of every layer compete with the tp ones; searched freely at 4K-8K tokens the
+planner would trade full for selective recompute through cp 2-8 on the strength of a few
+percent it cannot vouch for. The runtime does not run cp > 1 yet either.
+
+Which cp the search tries then (`cp_degrees`): 1, and the powers of two with cp dividing the devices
 left after tp, s divisible by 2 cp (the load-balanced chunks), chunks of at least
 MIN_CHUNK_TOKENS tokens, and a fused attention op in every block (an attention spelled out in
 matmuls and softmax has no K/V gather to price).

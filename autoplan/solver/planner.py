@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import heapq
 import logging
@@ -12,6 +13,7 @@ import warnings
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
+from autoplan.solver.context import cp_degrees
 from autoplan.units import fmt_bytes
 from autoplan.solver.experts import expert_parallel
 from autoplan.solver.ilp import evaluate
@@ -186,6 +188,13 @@ def _collector_paused():
 
 def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
           time_limit_s: float, top_k: int) -> Plan:
+    if overrides.cp is None:  # cp > 1 only where nothing fits without ([Note: context
+        try:                  # parallelism] in solver/context.py)
+            return _plan(graph, topology, spec, dataclasses.replace(overrides, cp=1),
+                         time_limit_s, top_k)
+        except (NoFeasiblePlan, InvalidConfig) as e:
+            if not _cp_may_help(graph, topology, spec, e):
+                raise
     start = time.perf_counter()
     validate(graph, topology, spec, overrides)
     search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel)
@@ -210,6 +219,13 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
              time.perf_counter() - start, len(configs), search.num_solves)
     return result
+
+
+def _cp_may_help(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
+                 error: ValueError) -> bool:
+    """True when the search with cp free has configurations the cp = 1 one (which raised
+    `error`) had not: cp > 1 degrees exist for this sequence and devices (context.cp_degrees)."""
+    return any(cp > 1 for cp in cp_degrees(graph, spec.seq_len, topology.world_size))
 
 
 def _warn_unsplit(search: Search, result: Plan) -> None:
