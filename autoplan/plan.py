@@ -22,11 +22,12 @@ from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage", "Prediction",
-    "Alternative", "Plan", "parse_placement", "format_placement", "SCHEDULES",
+    "Alternative", "Plan", "parse_placement", "format_placement", "SCHEDULES", "OFFLOADS",
 ]
 
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 
 def parse_placement(text: str) -> Placement:
@@ -170,6 +171,10 @@ class Prediction:
             "peak_memory": {"low", "high" (fractions: predicted / measured - 1), "rows",
             "source", "covers", "not_covered"}}, from the fidelity benches ([Note: error
             bands] in cost_model/fidelity.py); empty in a plan written before it existed.
+        host_memory_bytes: host (CPU) memory of the most loaded rank for offloaded states
+            (0 without offload, [Note: offload] in solver/offload.py).
+        offload_s: the host <-> device transfers of offload per step, part of `comm_s`
+            (0 without offload).
     """
 
     step_time_s: float
@@ -184,6 +189,8 @@ class Prediction:
     stage_time_s: float = 0.0
     p2p_s: float = 0.0
     error_bands: dict[str, dict] = field(default_factory=dict)
+    host_memory_bytes: float = 0.0
+    offload_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,6 +206,7 @@ class Alternative:
     reason: str
     checkpointing: str = "none"
     num_virtual_stages: int = 1
+    offload: str = "none"
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,9 @@ class Plan:
         prediction: the cost model's figures for this plan.
         alternatives: the best runners-up.
         dtype: compute dtype name.
+        offload: one of OFFLOADS: "none"; "optimizer" (ZeRO 0/1: optimizer states and the
+            step on the host); "optimizer+params" (ZeRO-3: parameter shards too, FSDP2's
+            CPUOffloadPolicy); [Note: offload] in autoplan/solver/offload.py.
         schema_version: JSON schema version.
     """
 
@@ -245,6 +256,7 @@ class Plan:
     redistributions: tuple[Redistribution, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     dtype: str = "float32"
+    offload: str = "none"
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -252,6 +264,13 @@ class Plan:
             raise ValueError(f"plan: zero_stage={self.zero_stage} is not one of 0, 1, 2, 3")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"plan: schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"plan: offload {self.offload!r} is not one of {OFFLOADS}")
+        if self.offload == "optimizer" and self.zero_stage not in (0, 1) or (
+                self.offload == "optimizer+params" and self.zero_stage != 3):
+            raise ValueError(f"plan: offload {self.offload!r} does not run at ZeRO-"
+                             f"{self.zero_stage} ('optimizer': ZeRO 0 or 1; "
+                             f"'optimizer+params': ZeRO 3)")
         if len(self.stages) != self.mesh.pp * self.num_virtual_stages:
             raise ValueError(
                 f"plan: {len(self.stages)} stages for pp={self.mesh.pp} x "
@@ -281,6 +300,7 @@ class Plan:
                 f"{F.plural(self.num_microbatches, 'microbatch')} of "
                 f"{F.plural(self.microbatch_size, 'sample')}, "
                 f"{self.schedule}, "
+                + ("" if self.offload == "none" else f"{self.offload} offloaded, ") +
                 f"{F.plural(len(self.redistributions), 'redistribution')}, "
                 f"step {F.fmt_time(self.prediction.step_time_s)}, "
                 f"memory {F.fmt_bytes(self.prediction.memory_bytes)})")
@@ -288,11 +308,19 @@ class Plan:
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The plan as JSON-ready data; a mesh without expert parallelism (ep 1) is written
-        without its `ep` key, as before ep existed (readers default it to 1)."""
+        without its `ep` key, and a plan or alternative without offload without its `offload`
+        key (and its prediction without the host figures), as before they existed (readers
+        default them): schema version 1 either way."""
         d = dataclasses.asdict(self)
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             if mesh.get("ep") == 1:
                 del mesh["ep"]
+        for item in [d, *d["alternatives"]]:
+            if item.get("offload") == "none":
+                del item["offload"]
+        for key in ("host_memory_bytes", "offload_s"):
+            if not d["prediction"][key]:
+                del d["prediction"][key]
         return d
 
     def to_json(self) -> str:

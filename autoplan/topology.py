@@ -85,10 +85,6 @@ class DeviceSpec:
             no plan offloads to the host. For CPU ranks the "host" is the same memory as the
             device, so a transfer is a memcpy: half the memory bandwidth (it reads and writes
             each byte).
-        host_optimizer_bw_bytes_per_s: bytes per second of the host's memory-bound optimizer
-            pass (solver/pipeline.OPTIMIZER_BYTES_PER_PARAM per parameter) for this device's
-            share of the host, all devices of the node stepping at once, B/s. 0: not given
-            (no offload). For CPU ranks: their own memory bandwidth.
     """
 
     name: str
@@ -107,7 +103,6 @@ class DeviceSpec:
     dtensor_redistribute_s: float = 0.0
     fuses_pointwise: bool = False
     host_bw_bytes_per_s: float = 0.0
-    host_optimizer_bw_bytes_per_s: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; raises ValueError naming the dtypes this device lists."""
@@ -193,6 +188,12 @@ class Topology:
         source: where the figures come from (citation or calibration file).
         host_mem_bytes: host (CPU) memory of one node, bytes, which its devices share for
             offloaded states (solver/offload.py). 0: not given (no offload).
+        host_optimizer_bw_bytes_per_s: bytes per second of one node's host running the
+            memory-bound optimizer pass of offloaded states (solver/pipeline.py
+            OPTIMIZER_BYTES_PER_PARAM per parameter), shared by the ranks of the node that
+            step at once, B/s. 0: not given (no offload). For CPU ranks: their memory
+            bandwidth times the ranks of the node (each rank's own, shared cores priced by
+            DeviceSpec.speed as for any compute).
     """
 
     name: str
@@ -204,6 +205,7 @@ class Topology:
     measured: bool = False
     source: str = ""
     host_mem_bytes: float = 0.0
+    host_optimizer_bw_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -363,7 +365,7 @@ def save_topology(topo: Topology, path: str | os.PathLike) -> None:
 # - host_optimizer_bw_bytes_per_s: the node's theoretical DRAM bandwidth (two sockets x 8
 #   channels: DGX A100's AMD EPYC 7742 DDR4-3200, 8 x 25.6 GB/s = 204.8 GB/s per socket; DGX
 #   H100 / H200's Intel Xeon Platinum 8480C DDR5-4800, 8 x 38.4 = 307.2 GB/s per socket) times
-#   HOST_MEM_EFFICIENCY, shared by the node's 8 GPUs.
+#   HOST_MEM_EFFICIENCY, shared by the GPUs of the node that step at once.
 
 PCIE_EFFICIENCY = 0.8
 """Fraction of the raw PCIe rate a pinned host <-> device copy reaches. Assumption, not
@@ -377,13 +379,9 @@ measured: STREAM on two-socket servers reaches ~60-80% of theoretical, and the o
 optimizer shares the host memory with the PCIe transfers landing in it."""
 
 
-def _host(pcie_raw_bidir_bytes_per_s: float, node_dram_bytes_per_s: float,
-          devices_per_node: int = 8) -> dict:
-    """DeviceSpec host fields from a datasheet PCIe rate (bidirectional) and the node's DRAM
-    bandwidth (see above)."""
-    return {"host_bw_bytes_per_s": PCIE_EFFICIENCY * pcie_raw_bidir_bytes_per_s / 2,
-            "host_optimizer_bw_bytes_per_s":
-                HOST_MEM_EFFICIENCY * node_dram_bytes_per_s / devices_per_node}
+def _pcie(raw_bidir_bytes_per_s: float) -> float:
+    """host_bw_bytes_per_s from a datasheet's bidirectional PCIe rate (see above)."""
+    return PCIE_EFFICIENCY * raw_bidir_bytes_per_s / 2
 
 def _dgx_a100(num_nodes: int = 1) -> Topology:
     return Topology(
@@ -394,13 +392,14 @@ def _dgx_a100(num_nodes: int = 1) -> Topology:
                               "tf32": 156e12},
             mem_bytes=80e9, mem_bw_bytes_per_s=2.04e12, matmul_efficiency=0.8,
             launch_latency_s=5e-6, fuses_pointwise=True,
-            **_host(64e9, 2 * 8 * 25.6e9)),
+            host_bw_bytes_per_s=_pcie(64e9)),
         # measured all-reduce busbw in one 8-GPU node ~235 GB/s (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=235e9, latency_s=5e-6),
         # 8 x 200 Gb/s HDR IB per node; ~192 GB/s all-reduce busbw across nodes (FORMULAS.md)
         inter_node=LinkSpec("infiniband", bw_bytes_per_s=192e9, latency_s=10e-6),
         source="FORMULAS.md Hardware: A100 SXM datasheet, DGX A100, nccl-tests busbw",
-        host_mem_bytes=2e12)
+        host_mem_bytes=2e12,
+        host_optimizer_bw_bytes_per_s=HOST_MEM_EFFICIENCY * 2 * 8 * 25.6e9)
 
 
 def _dgx_h100(num_nodes: int = 1) -> Topology:
@@ -412,7 +411,7 @@ def _dgx_h100(num_nodes: int = 1) -> Topology:
                               "tf32": 494e12},
             mem_bytes=80e9, mem_bw_bytes_per_s=3.35e12, matmul_efficiency=0.8,
             launch_latency_s=5e-6, fuses_pointwise=True,
-            **_host(128e9, 2 * 8 * 38.4e9)),
+            host_bw_bytes_per_s=_pcie(128e9)),
         # measured ring all-reduce busbw in one 8-GPU node ~370 GB/s (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=370e9, latency_s=5e-6),
         # 8 x 400 Gb/s NDR per node, 46-48 GB/s measured per NIC (FORMULAS.md, Hardware). NCCL
@@ -420,7 +419,8 @@ def _dgx_h100(num_nodes: int = 1) -> Topology:
         # 8 * 46e9 B/s -- as the DGX A100 row shows (8 x 25 GB/s HDR -> ~192 GB/s busbw).
         inter_node=LinkSpec("infiniband", bw_bytes_per_s=8 * 46e9, latency_s=10e-6),
         source="FORMULAS.md Hardware: H100 SXM datasheet, DGX H100, nccl-tests busbw",
-        host_mem_bytes=2e12)
+        host_mem_bytes=2e12,
+        host_optimizer_bw_bytes_per_s=HOST_MEM_EFFICIENCY * 2 * 8 * 38.4e9)
 
 
 def _h200_node(num_nodes: int = 1) -> Topology:
@@ -432,12 +432,13 @@ def _h200_node(num_nodes: int = 1) -> Topology:
                               "tf32": 494e12},
             mem_bytes=141e9, mem_bw_bytes_per_s=4.8e12, matmul_efficiency=0.8,
             launch_latency_s=5e-6, fuses_pointwise=True,
-            **_host(128e9, 2 * 8 * 38.4e9)),
+            host_bw_bytes_per_s=_pcie(128e9)),
         # ~367 GB/s ring all-reduce busbw in one node (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=367e9, latency_s=5e-6),
         inter_node=LinkSpec("infiniband", bw_bytes_per_s=8 * 46e9, latency_s=10e-6),
         source="FORMULAS.md Hardware: H200 SXM datasheet, nccl-tests busbw",
-        host_mem_bytes=2e12)
+        host_mem_bytes=2e12,
+        host_optimizer_bw_bytes_per_s=HOST_MEM_EFFICIENCY * 2 * 8 * 38.4e9)
 
 
 def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
@@ -476,13 +477,13 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
 
 def _cpu_host(topo: Topology) -> Topology:
     """CPU ranks' host figures where not given: the host is their own RAM (see _local_cpu)."""
-    d = topo.device
+    d, n = topo.device, topo.devices_per_node
     return dataclasses.replace(
-        topo, host_mem_bytes=topo.host_mem_bytes or d.mem_bytes * topo.devices_per_node,
+        topo, host_mem_bytes=topo.host_mem_bytes or d.mem_bytes * n,
+        host_optimizer_bw_bytes_per_s=topo.host_optimizer_bw_bytes_per_s
+        or d.mem_bw_bytes_per_s * n,
         device=dataclasses.replace(
-            d, host_bw_bytes_per_s=d.host_bw_bytes_per_s or d.mem_bw_bytes_per_s / 2,
-            host_optimizer_bw_bytes_per_s=d.host_optimizer_bw_bytes_per_s
-            or d.mem_bw_bytes_per_s))
+            d, host_bw_bytes_per_s=d.host_bw_bytes_per_s or d.mem_bw_bytes_per_s / 2))
 
 
 PRESETS = {

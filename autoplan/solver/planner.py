@@ -19,8 +19,10 @@ from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
-    SolverLimitReached, SolverLimitWarning, enumerate_configs, same_argmin, validate,
+    SolverLimitReached, SolverLimitWarning, enumerate_configs, offload_variants, same_argmin,
+    validate,
 )
+from autoplan.solver.offload import available as offload_available
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -35,7 +37,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          schedule: str | None = None, num_virtual_stages: int | None = None,
          checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
          time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
-         sequence_parallel: bool | None = None) -> Plan:
+         sequence_parallel: bool | None = None, offload: str | None = None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -63,6 +65,10 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
             those regions unsplit on the tp axis (plain tensor parallelism); None: chosen per
             node by the placement ILP like any placement. Has no effect at tp 1.
+        offload: "none" | "optimizer" (ZeRO 0/1) | "optimizer+params" (ZeRO-3): states in
+            host memory, the optimizer step on the host ([Note: offload] in
+            solver/offload.py); None: searched where no placement fits on the device (needs
+            the topology's host figures).
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -94,7 +100,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     with _collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            allow_tp_across_nodes, checkpointing, sequence_parallel), time_limit_s, top_k)
+            allow_tp_across_nodes, checkpointing, sequence_parallel, offload), time_limit_s,
+            top_k)
         if ep is not None and ep > 1 and result.zero_stage == 1:
             # ep does not run with ZeRO-1: the best plan at the other stages
             others = []
@@ -102,8 +109,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                 try:
                     others.append(_plan(graph, topology, spec, Overrides(
                         tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
-                        allow_tp_across_nodes, checkpointing, sequence_parallel), time_limit_s,
-                        top_k))
+                        allow_tp_across_nodes, checkpointing, sequence_parallel, offload),
+                        time_limit_s, top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue
             if not others:
@@ -132,7 +139,7 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         search = Search(graph, topology, spec, time_limit_s=10.0)
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
                          plan.num_microbatches, plan.microbatch_size, plan.schedule,
-                         plan.num_virtual_stages, plan.checkpointing)
+                         plan.num_virtual_stages, plan.checkpointing, plan.offload)
         problem = search.problem(cfg.tp)
         wanted = {st.node: (st.inputs, st.outputs) for st in plan.strategies}
         fqn_of = {g: fqn for g, (fqn, *_x) in problem.params.items()}
@@ -184,6 +191,7 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
             f"no configuration of {topology.world_size} devices satisfies the overrides "
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
+    configs += _offloaded(search, configs, overrides)
     evaluated = _branch_and_bound(search, configs, top_k)
     feasible = sorted((a for a in evaluated if a.fits), key=_rank)
     if not feasible and search.skipped:
@@ -199,6 +207,18 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
              time.perf_counter() - start, len(configs), search.num_solves)
     return result
+
+
+def _offloaded(search: Search, configs: list[PlanConfig],
+               overrides: Overrides) -> list[PlanConfig]:
+    """Offload variants of the configurations no placement of which fits in device memory
+    ([Note: offload] in solver/offload.py, "Search"); none without the topology's host
+    figures."""
+    if not offload_available(search.topology):
+        return []
+    budget = search.budget_bytes
+    return [v for cfg in configs if search.lower_bound(cfg).memory_bytes > budget
+            for v in offload_variants(cfg, overrides)]
 
 
 def _warn_unsplit(search: Search, result: Plan) -> None:
@@ -274,7 +294,7 @@ def _rank(a: Assessment) -> tuple:
     # ties: less memory, then the simpler mesh (less tp, then less pp), then less recompute
     return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.pp, c.zero_stage,
             c.num_microbatches, c.schedule, c.num_virtual_stages,
-            _POLICY_ORDER[c.checkpointing])
+            _POLICY_ORDER[c.checkpointing], c.offload != "none")
 
 
 # states of a configuration in the branch and bound
@@ -403,7 +423,7 @@ def _group(a: Assessment) -> tuple:
     """What makes a runner-up a different plan: all but the ZeRO stage."""
     c = a.config
     return (c.pp, c.dp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages,
-            c.checkpointing)
+            c.checkpointing, c.offload)
 
 
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
@@ -434,6 +454,9 @@ def _reason(a: Assessment, best: Assessment) -> str:
     if deltas["compute"] > 0 and _POLICY_ORDER[a.config.checkpointing] > _POLICY_ORDER[
             best.config.checkpointing]:
         deltas["recomputation"] = deltas.pop("compute")  # the extra compute is the recompute
+    if a.config.offload != "none" and best.config.offload == "none":
+        # [Note: offload]: its host step and transfers are what it adds
+        deltas = {"offload": a.step_time_s - best.step_time_s}
     kind = max(deltas, key=deltas.get)
     if deltas[kind] <= 0:
         return "tie: same predicted step time; ranked by memory and simplicity"
