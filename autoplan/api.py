@@ -640,14 +640,16 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" |
             "core-attention" | "selective" | "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
             sequence_parallel (True / False: Megatron-LM's sequence parallelism on the tp axis
-            fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py).
+            fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
+            offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
+            offload] in autoplan/solver/offload.py).
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
                "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
-               "ep", "sequence_parallel"}
+               "ep", "sequence_parallel", "offload"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib
