@@ -155,7 +155,7 @@ def test_zero1_offloaded_optimizer_matches_single_process(clusters, references, 
     matches one process, and the bytes moved and held are exactly the stepped parameters'."""
     overrides = dict(dp=2, tp=2, pp=1, zero_stage=1, offload="optimizer")
     results = clusters.get(4).run(train_offloaded, _jobs.preset(name), STEPS, BATCH,
-                                  overrides, timeout_s=240)
+                                  overrides, timeout_s=600)
     for result in results:
         assert_matches(name, result, references(name))
     plans = [Plan.from_json(r[2]) for r in results]
@@ -183,7 +183,7 @@ def test_zero3_offloaded_params_match_single_process(clusters, references, name)
     the host, and every rank matches one process."""
     overrides = dict(dp=4, tp=1, pp=1, zero_stage=3, offload="optimizer+params")
     results = clusters.get(4).run(train_offloaded, _jobs.preset(name), STEPS, BATCH,
-                                  overrides, timeout_s=240)
+                                  overrides, timeout_s=600)
     for result in results:
         assert_matches(name, result, references(name))
         facts = result[3]
