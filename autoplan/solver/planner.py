@@ -216,9 +216,21 @@ def _offloaded(search: Search, configs: list[PlanConfig],
     figures."""
     if not offload_available(search.topology):
         return []
-    budget = search.budget_bytes
-    return [v for cfg in configs if search.lower_bound(cfg).memory_bytes > budget
-            for v in offload_variants(cfg, overrides)]
+    budget, out = search.budget_bytes, []
+    for cfg in configs:
+        lb = search.lower_bound(cfg)
+        if lb.memory_bytes <= budget:
+            continue
+        for variant in offload_variants(cfg, overrides):
+            # the variant's peak on lb's rank is lb's less what it offloads (at most these
+            # kinds: the unsharded gradients of "grads" stay): a variant over the budget even
+            # so needs no bound of its own
+            kinds = ("optimizer",) if variant.offload == "optimizer" else (
+                "optimizer", "params", "grads")
+            moved = sum(lb.memory_breakdown.get(k, 0.0) for k in kinds)
+            if lb.memory_bytes - moved <= budget:
+                out.append(variant)
+    return out
 
 
 def _warn_unsplit(search: Search, result: Plan) -> None:
