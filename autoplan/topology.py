@@ -194,6 +194,10 @@ class Topology:
             step at once, B/s. 0: not given (no offload). For CPU ranks: their memory
             bandwidth times the ranks of the node (each rank's own, shared cores priced by
             DeviceSpec.speed as for any compute).
+        host_is_device_memory: the host memory is the devices' own (CPU ranks): offloading
+            moves states within the same RAM and frees nothing, so the planner never chooses
+            it to make a plan fit; a plan can still fix it (the mechanics run and are
+            accounted alike).
     """
 
     name: str
@@ -206,6 +210,7 @@ class Topology:
     source: str = ""
     host_mem_bytes: float = 0.0
     host_optimizer_bw_bytes_per_s: float = 0.0
+    host_is_device_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -479,7 +484,8 @@ def _cpu_host(topo: Topology) -> Topology:
     """CPU ranks' host figures where not given: the host is their own RAM (see _local_cpu)."""
     d, n = topo.device, topo.devices_per_node
     return dataclasses.replace(
-        topo, host_mem_bytes=topo.host_mem_bytes or d.mem_bytes * n,
+        topo, host_is_device_memory=True,
+        host_mem_bytes=topo.host_mem_bytes or d.mem_bytes * n,
         host_optimizer_bw_bytes_per_s=topo.host_optimizer_bw_bytes_per_s
         or d.mem_bw_bytes_per_s * n,
         device=dataclasses.replace(

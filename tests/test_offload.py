@@ -38,6 +38,8 @@ def test_local_cpu_host_is_its_own_memory():
     d = topo.device
     assert d.host_bw_bytes_per_s == pytest.approx(d.mem_bw_bytes_per_s / 2)  # memcpy
     assert topo.host_mem_bytes == pytest.approx(d.mem_bytes * 4)
+    # offloading within one RAM frees nothing: the planner never picks it there
+    assert topo.host_is_device_memory and not preset("dgx-h100").host_is_device_memory
 
 
 def test_host_fields_absent_or_zero_mean_not_given():

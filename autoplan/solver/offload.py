@@ -37,7 +37,8 @@ this runtime does neither. The host memory of a rank is checked against host_mem
 
 Search: the offload variants of a configuration are searched where no placement of the
 configuration fits in device memory without offload (its memory lower bound is over the
-budget; planner.py): an offload variant keeps every device-side cost of its configuration and
+budget; planner.py) and the host is memory of its own (not Topology.host_is_device_memory,
+as on CPU ranks, where offload frees nothing; a plan may still fix it there): an offload variant keeps every device-side cost of its configuration and
 adds the transfers and the host step, so it is never faster at the same placement. Stated gap:
 where the device memory only binds (a slower placement fits without offload), a variant that
 lets the faster placement fit is not searched.

@@ -213,8 +213,9 @@ def _offloaded(search: Search, configs: list[PlanConfig],
                overrides: Overrides) -> list[PlanConfig]:
     """Offload variants of the configurations no placement of which fits in device memory
     ([Note: offload] in solver/offload.py, "Search"); none without the topology's host
-    figures."""
-    if not offload_available(search.topology):
+    figures, or where the host is the devices' own memory (Topology.host_is_device_memory:
+    offloading there frees nothing)."""
+    if not offload_available(search.topology) or search.topology.host_is_device_memory:
         return []
     budget, out = search.budget_bytes, []
     for cfg in configs:
