@@ -23,11 +23,11 @@ AdamW) and per step, with B = host_bw_bytes_per_s per direction and H =
 host_optimizer_bw_bytes_per_s / (ranks on the node):
 
     host memory   "optimizer": E (p + g + o)       "optimizer+params": W / dp (p + g + o)
-    transfers     "optimizer": E g / B + E p / B   "optimizer+params": (2 m p + r g) W / dp / B
+    transfers     "optimizer": E g / B + E p / B   "optimizer+params": (a p + r g) W / dp / B
     host step     E OPTIMIZER_BYTES_PER_PARAM / H + stepped tensors x ops x optimizer_op_s
 
-(E = W at ZeRO-0, W / dp at ZeRO-1; W the rank's parameters after tp and pp; m microbatches,
-r gradient reductions per step.) Overlap: none. The runtime copies and steps after the
+(E = W at ZeRO-0, W / dp at ZeRO-1; W the rank's parameters after tp and pp; a = 2 m
+parameter all-gathers (m microbatches) and r gradient reductions per step, pipeline.py.) Overlap: none. The runtime copies and steps after the
 backward and the dp collectives, one after the other, and FSDP2 copies a unit's shard in the
 order of its gathers and reductions, which pipeline.py already counts exposed
 (DP_SYNC_OVERLAP = 0) -- so the transfers and the host step add to the step time in full.
@@ -116,12 +116,13 @@ def host_budget_bytes(topology: Topology, spec: TrainingSpec, ranks_on_node: int
 
 
 def offload_time_s(*, offload: str, zero_stage: int, dp: int, elems: float, tensors: float,
-                   num_microbatches: int, reductions: int, spec: TrainingSpec,
+                   gathers: int, reductions: int, spec: TrainingSpec,
                    topology: Topology, optimizer_bytes_per_param: float,
                    optimizer_ops_per_tensor: int, speed: float,
                    ranks_on_node: int) -> tuple[float, float]:
     """(transfers, host optimizer step) of one rank per step, seconds ([Note: offload]);
-    `tensors`: parameter tensors the rank holds; `speed`: DeviceSpec.speed of the busy ranks
+    `tensors`: parameter tensors the rank holds; `gathers`, `reductions`: the FSDP2 parameter
+    all-gathers and gradient reductions per step (pipeline.py); `speed`: DeviceSpec.speed of the busy ranks
     (CPU ranks share cores; 1 for GPUs); `ranks_on_node`: the ranks sharing the node's host
     optimizer bandwidth. (0, 0) without offload."""
     if offload == "none":
@@ -134,7 +135,7 @@ def offload_time_s(*, offload: str, zero_stage: int, dp: int, elems: float, tens
     if offload == "optimizer":
         moved = stepped * (g + p)
     else:
-        moved = stepped * (2 * num_microbatches * p + reductions * g)
+        moved = stepped * (gathers * p + reductions * g)
     # ZeRO-1 steps whole tensors of its owner (a dp-th of them); FSDP2 a shard of every one
     stepped_tensors = tensors / dp if zero_stage == 1 else tensors
     host_bw = topology.host_optimizer_bw_bytes_per_s / max(1, ranks_on_node)

@@ -336,7 +336,7 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     else:
         transfers, optimizer = off.offload_time_s(
             offload=offload, zero_stage=cfg.zero_stage, dp=cfg.dp, elems=elems,
-            tensors=tensors, num_microbatches=cfg.num_microbatches,
+            tensors=tensors, gathers=_gathers(cfg),
             reductions=_reductions(cfg), spec=spec, topology=topology,
             optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM.get(spec.optimizer, 0.0),
             optimizer_ops_per_tensor=OPTIMIZER_OPS_PER_TENSOR.get(spec.optimizer, 0),
