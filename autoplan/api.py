@@ -657,13 +657,15 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
             cp (context parallelism; default 1 here: the runtime does not run cp > 1 yet, and
             a plan with cp > 1 raises NotImplementedError when built).
+            offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
+            offload] in autoplan/solver/offload.py).
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
                "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
-               "ep", "sequence_parallel", "cp"}
+               "ep", "sequence_parallel", "cp", "offload"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib

@@ -133,6 +133,10 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
                           "/ all-gather instead of all-reduce); --no-sequence-parallel: those "
                           "regions replicated (plain tensor parallelism); "
                           "default: chosen per node by the solver")
+    fix.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"),
+                     help="CPU offload: optimizer states in host memory and the optimizer "
+                          "step on the host (ZeRO 0/1), or with ZeRO-3 the parameter shards "
+                          "too; default: searched where nothing fits on the device")
     fix.add_argument("--allow-tp-across-nodes", action="store_true",
                      help="let tp groups span nodes (default: tp stays inside a node)")
     solver = p.add_argument_group("planning")
@@ -303,7 +307,7 @@ def _plan(args, num_layers: int | None) -> _Planned:
                       checkpointing=args.checkpointing, sequence_parallel=args.sequence_parallel,
                       cp=args.cp,
                       allow_tp_across_nodes=args.allow_tp_across_nodes,
-                      time_limit_s=args.time_limit, top_k=args.top_k)
+                      time_limit_s=args.time_limit, top_k=args.top_k, offload=args.offload)
     said = []
     for w in caught:
         if issubclass(w.category, ReplicatedWeightsWarning):  # about the plan: for the user
@@ -332,7 +336,7 @@ def _summary(planned: _Planned, files) -> dict:
         "global_batch": plan.global_batch, "seq_len": plan.seq_len,
         "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
         "schedule": plan.schedule, "num_virtual_stages": plan.num_virtual_stages,
-        "checkpointing": plan.checkpointing, "dtype": plan.dtype,
+        "checkpointing": plan.checkpointing, "dtype": plan.dtype, "offload": plan.offload,
         "prediction": prediction,
         "alternatives": as_json["alternatives"],
         "files": [str(p) for p in files],
@@ -448,7 +452,7 @@ def _cache_request(args):
 
 # the `plan` flags a plan depends on besides the model, cluster and training spec
 _PLAN_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-               "checkpointing", "sequence_parallel", "allow_tp_across_nodes",
+               "checkpointing", "sequence_parallel", "allow_tp_across_nodes", "offload",
                "num_layers_capture", "time_limit", "top_k")
 
 

@@ -26,11 +26,12 @@ from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage", "Prediction",
-    "Alternative", "Plan", "parse_placement", "format_placement", "SCHEDULES",
+    "Alternative", "Plan", "parse_placement", "format_placement", "SCHEDULES", "OFFLOADS",
 ]
 
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 
 def parse_placement(text: str) -> Placement:
@@ -199,6 +200,10 @@ class Prediction:
             "peak_memory": {"low", "high" (fractions: predicted / measured - 1), "rows",
             "source", "covers", "not_covered"}}, from the fidelity benches ([Note: error
             bands] in cost_model/fidelity.py); empty in a plan written before it existed.
+        host_memory_bytes: host (CPU) memory of the most loaded rank for offloaded states
+            (0 without offload, [Note: offload] in solver/offload.py).
+        offload_s: the host <-> device transfers of offload per step, part of `comm_s`
+            (0 without offload).
     """
 
     step_time_s: float
@@ -214,6 +219,8 @@ class Prediction:
     p2p_s: float = 0.0
     error_bands: dict[str, dict] = field(default_factory=dict)
     cp_comm_s: float = 0.0
+    host_memory_bytes: float = 0.0
+    offload_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -229,6 +236,7 @@ class Alternative:
     reason: str
     checkpointing: str = "none"
     num_virtual_stages: int = 1
+    offload: str = "none"
 
 
 @dataclass(frozen=True)
@@ -254,6 +262,9 @@ class Plan:
         prediction: the cost model's figures for this plan.
         alternatives: the best runners-up.
         dtype: compute dtype name.
+        offload: one of OFFLOADS: "none"; "optimizer" (ZeRO 0/1: optimizer states and the
+            step on the host); "optimizer+params" (ZeRO-3: parameter shards too, FSDP2's
+            CPUOffloadPolicy); [Note: offload] in autoplan/solver/offload.py.
         schema_version: JSON schema version.
     """
 
@@ -275,6 +286,7 @@ class Plan:
     redistributions: tuple[Redistribution, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     dtype: str = "float32"
+    offload: str = "none"
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -282,6 +294,13 @@ class Plan:
             raise ValueError(f"plan: zero_stage={self.zero_stage} is not one of 0, 1, 2, 3")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"plan: schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"plan: offload {self.offload!r} is not one of {OFFLOADS}")
+        if self.offload == "optimizer" and self.zero_stage not in (0, 1) or (
+                self.offload == "optimizer+params" and self.zero_stage != 3):
+            raise ValueError(f"plan: offload {self.offload!r} does not run at ZeRO-"
+                             f"{self.zero_stage} ('optimizer': ZeRO 0 or 1; "
+                             f"'optimizer+params': ZeRO 3)")
         if len(self.stages) != self.mesh.pp * self.num_virtual_stages:
             raise ValueError(
                 f"plan: {len(self.stages)} stages for pp={self.mesh.pp} x "
@@ -311,6 +330,7 @@ class Plan:
                 f"{F.plural(self.num_microbatches, 'microbatch')} of "
                 f"{F.plural(self.microbatch_size, 'sample')}, "
                 f"{self.schedule}, "
+                + ("" if self.offload == "none" else f"{self.offload} offloaded, ") +
                 f"{F.plural(len(self.redistributions), 'redistribution')}, "
                 f"step {F.fmt_time(self.prediction.step_time_s)}, "
                 f"memory {F.fmt_bytes(self.prediction.memory_bytes)})")
@@ -318,15 +338,21 @@ class Plan:
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The plan as JSON-ready data; a mesh without expert or context parallelism (ep 1,
-        cp 1) is written without its `ep` / `cp` key, as before they existed (readers default
-        them to 1), so plans without them keep their JSON byte for byte."""
+        cp 1) is written without its `ep` / `cp` key, and a plan or alternative without offload
+        without its `offload` key (its prediction without the cp and host figures at 0), as
+        before they existed (readers default them), so plans without them keep their JSON byte
+        for byte: schema version 1 either way."""
         d = dataclasses.asdict(self)
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:
                     del mesh[axis]
-        if not d["prediction"]["cp_comm_s"]:
-            del d["prediction"]["cp_comm_s"]
+        for item in [d, *d["alternatives"]]:
+            if item.get("offload") == "none":
+                del item["offload"]
+        for key in ("cp_comm_s", "host_memory_bytes", "offload_s"):
+            if not d["prediction"][key]:
+                del d["prediction"][key]
         return d
 
     def to_json(self) -> str:

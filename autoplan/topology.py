@@ -80,6 +80,11 @@ class DeviceSpec:
             True for the GPU presets: the runs they are held to (bench/published.py:
             Megatron-LM, Megatron-DeepSpeed) fuse them, as Transformer Engine and
             torch.compile do. False for CPU ranks, which run one kernel per op as calibrated.
+        host_bw_bytes_per_s: host <-> device bandwidth of this device, per direction, B/s
+            (its PCIe link: the transfers of CPU offload, solver/offload.py). 0: not given, and
+            no plan offloads to the host. For CPU ranks the "host" is the same memory as the
+            device, so a transfer is a memcpy: half the memory bandwidth (it reads and writes
+            each byte).
     """
 
     name: str
@@ -97,6 +102,7 @@ class DeviceSpec:
     dtensor_optimizer_op_s: float = 0.0
     dtensor_redistribute_s: float = 0.0
     fuses_pointwise: bool = False
+    host_bw_bytes_per_s: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; raises ValueError naming the dtypes this device lists."""
@@ -180,6 +186,18 @@ class Topology:
         inter_node: link across nodes (InfiniBand/RoCE).
         measured: True when the figures were fitted by `autoplan calibrate` on real hardware.
         source: where the figures come from (citation or calibration file).
+        host_mem_bytes: host (CPU) memory of one node, bytes, which its devices share for
+            offloaded states (solver/offload.py). 0: not given (no offload).
+        host_optimizer_bw_bytes_per_s: bytes per second of one node's host running the
+            memory-bound optimizer pass of offloaded states (solver/pipeline.py
+            OPTIMIZER_BYTES_PER_PARAM per parameter), shared by the ranks of the node that
+            step at once, B/s. 0: not given (no offload). For CPU ranks: their memory
+            bandwidth times the ranks of the node (each rank's own, shared cores priced by
+            DeviceSpec.speed as for any compute).
+        host_is_device_memory: the host memory is the devices' own (CPU ranks): offloading
+            moves states within the same RAM and frees nothing, so the planner never chooses
+            it to make a plan fit; a plan can still fix it (the mechanics run and are
+            accounted alike).
     """
 
     name: str
@@ -190,6 +208,9 @@ class Topology:
     inter_node: LinkSpec
     measured: bool = False
     source: str = ""
+    host_mem_bytes: float = 0.0
+    host_optimizer_bw_bytes_per_s: float = 0.0
+    host_is_device_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.devices_per_node < 1:
@@ -246,9 +267,10 @@ def _from_dict(cls, data, where: str):
         elif name == "collectives":
             value = _collectives(value, f"{where}.{name}")
         elif f.type in ("float", float):
-            # times (latencies, overheads) may be 0; sizes, rates and fractions must be > 0
-            check = _non_negative if name.endswith("_s") and not name.endswith("_per_s") \
-                else _positive
+            # times (latencies, overheads) may be 0, and the host figures (0: not given);
+            # sizes, rates and fractions must be > 0
+            check = _non_negative if (name.endswith("_s") and not name.endswith("_per_s")) \
+                or name in _OPTIONAL_HOST_FIELDS else _positive
             value = check(value, f"{where}.{name}")
         elif f.type in ("bool", bool):
             if not isinstance(value, bool):
@@ -258,6 +280,10 @@ def _from_dict(cls, data, where: str):
                 raise ValueError(f"{where}.{name}: expected an integer >= 1, got {value!r}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+_OPTIONAL_HOST_FIELDS = frozenset({"host_bw_bytes_per_s", "host_optimizer_bw_bytes_per_s",
+                                   "host_mem_bytes"})
 
 
 def _number(value, where: str, *, zero_ok: bool) -> float:
@@ -334,6 +360,33 @@ def save_topology(topo: Topology, path: str | os.PathLike) -> None:
 # Figures: ../shared/reference/FORMULAS.md, "Hardware" (vendor datasheets; nccl-tests busbw).
 # Latencies: NVLink ~ 5 us and InfiniBand ~ 10 us per collective step are typical nccl-tests
 # small-message figures; they are approximate and marked as such.
+#
+# Host figures (CPU offload, solver/offload.py):
+# - host_bw_bytes_per_s: the GPU's PCIe x16 link per direction from its datasheet (A100: PCIe
+#   Gen4 64 GB/s, H100 / H200 SXM: PCIe Gen5 128 GB/s, both bidirectional: 32 and 64 GB/s per
+#   direction) times PCIE_EFFICIENCY.
+# - host_mem_bytes: system memory per node from NVIDIA's datasheets: DGX A100 640GB 2 TB (the
+#   320GB model has 1 TB), DGX H100 2 TB, DGX H200 2 TB.
+# - host_optimizer_bw_bytes_per_s: the node's theoretical DRAM bandwidth (two sockets x 8
+#   channels: DGX A100's AMD EPYC 7742 DDR4-3200, 8 x 25.6 GB/s = 204.8 GB/s per socket; DGX
+#   H100 / H200's Intel Xeon Platinum 8480C DDR5-4800, 8 x 38.4 = 307.2 GB/s per socket) times
+#   HOST_MEM_EFFICIENCY, shared by the GPUs of the node that step at once.
+
+PCIE_EFFICIENCY = 0.8
+"""Fraction of the raw PCIe rate a pinned host <-> device copy reaches. Assumption, not
+measured here: 128b/130b encoding and TLP headers leave ~80% of the raw Gen4/Gen5 rate for
+DMA payload (cudaMemcpy bandwidthTest figures of ~25 GB/s on Gen4 and ~50-55 GB/s on Gen5 x16
+are of that order)."""
+
+HOST_MEM_EFFICIENCY = 0.5
+"""Fraction of the host's theoretical DRAM bandwidth its AdamW pass reaches. Assumption, not
+measured: STREAM on two-socket servers reaches ~60-80% of theoretical, and the offloaded
+optimizer shares the host memory with the PCIe transfers landing in it."""
+
+
+def _pcie(raw_bidir_bytes_per_s: float) -> float:
+    """host_bw_bytes_per_s from a datasheet's bidirectional PCIe rate (see above)."""
+    return PCIE_EFFICIENCY * raw_bidir_bytes_per_s / 2
 
 def _dgx_a100(num_nodes: int = 1) -> Topology:
     return Topology(
@@ -343,12 +396,15 @@ def _dgx_a100(num_nodes: int = 1) -> Topology:
             peak_flops_per_s={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12,
                               "tf32": 156e12},
             mem_bytes=80e9, mem_bw_bytes_per_s=2.04e12, matmul_efficiency=0.8,
-            launch_latency_s=5e-6, fuses_pointwise=True),
+            launch_latency_s=5e-6, fuses_pointwise=True,
+            host_bw_bytes_per_s=_pcie(64e9)),
         # measured all-reduce busbw in one 8-GPU node ~235 GB/s (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=235e9, latency_s=5e-6),
         # 8 x 200 Gb/s HDR IB per node; ~192 GB/s all-reduce busbw across nodes (FORMULAS.md)
         inter_node=LinkSpec("infiniband", bw_bytes_per_s=192e9, latency_s=10e-6),
-        source="FORMULAS.md Hardware: A100 SXM datasheet, DGX A100, nccl-tests busbw")
+        source="FORMULAS.md Hardware: A100 SXM datasheet, DGX A100, nccl-tests busbw",
+        host_mem_bytes=2e12,
+        host_optimizer_bw_bytes_per_s=HOST_MEM_EFFICIENCY * 2 * 8 * 25.6e9)
 
 
 def _dgx_h100(num_nodes: int = 1) -> Topology:
@@ -359,14 +415,17 @@ def _dgx_h100(num_nodes: int = 1) -> Topology:
             peak_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12,
                               "tf32": 494e12},
             mem_bytes=80e9, mem_bw_bytes_per_s=3.35e12, matmul_efficiency=0.8,
-            launch_latency_s=5e-6, fuses_pointwise=True),
+            launch_latency_s=5e-6, fuses_pointwise=True,
+            host_bw_bytes_per_s=_pcie(128e9)),
         # measured ring all-reduce busbw in one 8-GPU node ~370 GB/s (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=370e9, latency_s=5e-6),
         # 8 x 400 Gb/s NDR per node, 46-48 GB/s measured per NIC (FORMULAS.md, Hardware). NCCL
         # drives all 8 rails at once, so the cross-node busbw is the node's NIC aggregate,
         # 8 * 46e9 B/s -- as the DGX A100 row shows (8 x 25 GB/s HDR -> ~192 GB/s busbw).
         inter_node=LinkSpec("infiniband", bw_bytes_per_s=8 * 46e9, latency_s=10e-6),
-        source="FORMULAS.md Hardware: H100 SXM datasheet, DGX H100, nccl-tests busbw")
+        source="FORMULAS.md Hardware: H100 SXM datasheet, DGX H100, nccl-tests busbw",
+        host_mem_bytes=2e12,
+        host_optimizer_bw_bytes_per_s=HOST_MEM_EFFICIENCY * 2 * 8 * 38.4e9)
 
 
 def _h200_node(num_nodes: int = 1) -> Topology:
@@ -377,11 +436,14 @@ def _h200_node(num_nodes: int = 1) -> Topology:
             peak_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12,
                               "tf32": 494e12},
             mem_bytes=141e9, mem_bw_bytes_per_s=4.8e12, matmul_efficiency=0.8,
-            launch_latency_s=5e-6, fuses_pointwise=True),
+            launch_latency_s=5e-6, fuses_pointwise=True,
+            host_bw_bytes_per_s=_pcie(128e9)),
         # ~367 GB/s ring all-reduce busbw in one node (FORMULAS.md, Hardware)
         intra_node=LinkSpec("nvlink", bw_bytes_per_s=367e9, latency_s=5e-6),
         inter_node=LinkSpec("infiniband", bw_bytes_per_s=8 * 46e9, latency_s=10e-6),
-        source="FORMULAS.md Hardware: H200 SXM datasheet, nccl-tests busbw")
+        source="FORMULAS.md Hardware: H200 SXM datasheet, nccl-tests busbw",
+        host_mem_bytes=2e12,
+        host_optimizer_bw_bytes_per_s=HOST_MEM_EFFICIENCY * 2 * 8 * 38.4e9)
 
 
 def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
@@ -389,7 +451,12 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
     `autoplan calibrate`) when present; otherwise conservative defaults, `measured=False`
     (assumptions, not measured: a 16 GB machine whose RAM the ranks share, 50 GFLOP/s fp32 per
     rank, 10 GB/s memory, 1 GB/s gloo). The ranks share the RAM, so mem_bytes follows the rank
-    count either way."""
+    count either way.
+
+    The host of CPU offload is the same RAM ([Note: offload] in solver/offload.py): a file
+    without host figures gets them from its own -- transfers are memcpy at half the memory
+    bandwidth (each byte read and written), the host optimizer pass at the memory bandwidth,
+    host memory the node's RAM."""
     cal = Path(os.environ.get("AUTOPLAN_CALIBRATION",
                               Path.home() / ".cache" / "autoplan" / "local-cpu.yaml"))
     if cal.is_file():
@@ -397,10 +464,10 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
         # The ranks share the machine's RAM: the file's per-rank figure is for its own rank
         # count; the node total divided by this one is the derived figure.
         mem_bytes = topo.device.mem_bytes * topo.devices_per_node / devices_per_node
-        return dataclasses.replace(
+        return _cpu_host(dataclasses.replace(
             topo, num_nodes=num_nodes, devices_per_node=devices_per_node,
-            device=dataclasses.replace(topo.device, mem_bytes=mem_bytes))
-    return Topology(
+            device=dataclasses.replace(topo.device, mem_bytes=mem_bytes)))
+    return _cpu_host(Topology(
         name="local-cpu", num_nodes=num_nodes, devices_per_node=devices_per_node,
         device=DeviceSpec(
             name="cpu-rank", peak_flops_per_s={"float32": 50e9, "bfloat16": 20e9,
@@ -410,7 +477,19 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
         intra_node=LinkSpec("gloo-loopback", bw_bytes_per_s=1e9, latency_s=50e-6),
         inter_node=LinkSpec("gloo-tcp", bw_bytes_per_s=1e9, latency_s=100e-6),
         measured=False,
-        source="uncalibrated defaults (run `autoplan calibrate` to fit them)")
+        source="uncalibrated defaults (run `autoplan calibrate` to fit them)"))
+
+
+def _cpu_host(topo: Topology) -> Topology:
+    """CPU ranks' host figures where not given: the host is their own RAM (see _local_cpu)."""
+    d, n = topo.device, topo.devices_per_node
+    return dataclasses.replace(
+        topo, host_is_device_memory=True,
+        host_mem_bytes=topo.host_mem_bytes or d.mem_bytes * n,
+        host_optimizer_bw_bytes_per_s=topo.host_optimizer_bw_bytes_per_s
+        or d.mem_bw_bytes_per_s * n,
+        device=dataclasses.replace(
+            d, host_bw_bytes_per_s=d.host_bw_bytes_per_s or d.mem_bw_bytes_per_s / 2))
 
 
 PRESETS = {

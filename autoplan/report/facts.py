@@ -39,6 +39,7 @@ __all__ = [
     "fmt_si", "fmt_bytes", "fmt_time", "fmt_count", "fmt_flops", "fmt_pct", "plural",
     "model_num_params", "sharded_params", "mesh_axes",
     "param_groups", "redistribution_groups", "part_costs", "tokens_per_s", "memory_rows",
+    "host_share_bytes", "OFFLOAD_TEXT",
 ]
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
@@ -127,6 +128,25 @@ def mesh_axes(plan: Plan, topology: Topology | None) -> list[AxisFacts]:
 def tokens_per_s(plan: Plan) -> float:
     step = plan.prediction.step_time_s
     return plan.global_batch * plan.seq_len / step if step > 0 else 0.0
+
+
+def host_share_bytes(plan: Plan, topology: Topology | None) -> float:
+    """Host memory per rank: the node's, shared by its ranks (0 without a topology or host
+    figures; [Note: offload] in autoplan/solver/offload.py)."""
+    if topology is None or not topology.host_mem_bytes:
+        return 0.0
+    return topology.host_mem_bytes / max(1, min(topology.devices_per_node,
+                                                plan.mesh.world_size))
+
+
+OFFLOAD_TEXT = {
+    "none": "none",
+    "optimizer": "optimizer states in host memory, the optimizer step on the host (gradients "
+                 "down, updated parameters up over PCIe every step)",
+    "optimizer+params": "parameter shards, gradients and optimizer states in host memory "
+                        "(FSDP2 CPUOffloadPolicy), the optimizer step on the host",
+}
+"""What each `Plan.offload` means, for the summary ([Note: offload] in solver/offload.py)."""
 
 
 def memory_rows(plan: Plan) -> list[tuple[str, float]]:

@@ -95,8 +95,9 @@ def _alt_label(a) -> str:
     v = f" v{a.num_virtual_stages}" if a.num_virtual_stages > 1 else ""
     ckpt = {"none": ""}.get(a.checkpointing, f" {a.checkpointing[:3]}-ckpt")
     cp = f" cp{a.mesh.cp}" if a.mesh.cp > 1 else ""
+    offload = {"none": ""}.get(getattr(a, "offload", "none"), " offload")
     return (f"pp{a.mesh.pp} dp{a.mesh.dp}{cp} tp{a.mesh.tp} z{a.zero_stage} "
-            f"m{a.num_microbatches} {schedule}{v}{ckpt}")
+            f"m{a.num_microbatches} {schedule}{v}{ckpt}{offload}")
 
 
 def _figure(chart: str, caption: str) -> str:
@@ -120,9 +121,19 @@ def _memory_chart(plan: Plan, topology: Topology | None) -> str:
     colors = {**_MEMORY_COLORS, "total (runner-up)": "#bab0ac"}
     chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="memory per rank", markers=markers,
                              colors=colors)
-    return _figure(chart, "Peak memory of the most loaded rank by kind (the plan records that "
-                          "rank's breakdown) and the runners-up's totals, against the device "
-                          "memory.")
+    caption = ("Peak memory of the most loaded rank by kind (the plan records that rank's "
+               "breakdown) and the runners-up's totals, against the device memory.")
+    host = plan.prediction.host_memory_bytes
+    if host:  # offloaded states: host memory, a bar of its own against the host's share
+        share = F.host_share_bytes(plan, topology)
+        chart += svg.stacked_bars(
+            [("host (offloaded)", [("offloaded states", host)])], fmt=F.fmt_bytes,
+            title="host memory per rank",
+            markers=[("host memory per rank", share)] if share else [],
+            colors={"offloaded states": "#76b7b2"})
+        caption += (f" Below: the host memory of its offloaded states ({plan.offload}), "
+                    "against its share of the node's host memory.")
+    return _figure(chart, caption)
 
 
 def _label_text(num_labelled: int, num_blocks: int) -> str:

@@ -76,6 +76,7 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         ["schedule", sched if m.pp > 1 else f"{sched} (pp 1: gradient accumulation over "
                                             f"{F.plural(plan.num_microbatches, 'microbatch')})"],
         ["activation checkpointing", plan.checkpointing],
+        *([["CPU offload", _offload_text(plan, topology)]] if plan.offload != "none" else []),
         *([["sequence parallelism", sp]] if (sp := _sequence_text(plan, graph)) else []),
         ["dtype", f"{plan.dtype}: {precision_recipe(plan.dtype)}"],
     ]
@@ -93,6 +94,15 @@ def _context_text(plan: Plan) -> str:
             f"gradients reduce-scattered after it: {F.fmt_time(p.cp_comm_s)} per step, "
             f"exposed; gradients reduced and ZeRO-sharded over dp x cp = {plan.mesh.dp_shard} "
             f"ranks")
+
+
+def _offload_text(plan: Plan, topology) -> str:
+    p = plan.prediction
+    share = F.host_share_bytes(plan, topology)
+    of = f" of {F.fmt_bytes(share)} per rank" if share else ""
+    return (f"{plan.offload}: {F.OFFLOAD_TEXT[plan.offload]}; host memory "
+            f"{F.fmt_bytes(p.host_memory_bytes)}{of}; transfers {F.fmt_time(p.offload_s)} "
+            f"per step (exposed)")
 
 
 def _sequence_text(plan: Plan, graph) -> str:
@@ -170,6 +180,12 @@ def _memory(plan: Plan, topology) -> list[str]:
         mem = topology.device.mem_bytes
         lines += [f"Device memory: {F.fmt_bytes(mem)} per {topology.device.name}; the plan "
                   f"uses {F.fmt_pct(peak / mem)} of it.", ""]
+    host = plan.prediction.host_memory_bytes
+    if host:
+        share = F.host_share_bytes(plan, topology)
+        lines += [f"Host memory (offloaded {plan.offload}): {F.fmt_bytes(host)} per rank"
+                  + (f", {F.fmt_pct(host / share)} of its share of the node's host memory "
+                     f"({F.fmt_bytes(share)})" if share else "") + ".", ""]
     return lines
 
 
@@ -277,15 +293,16 @@ def _alternatives(plan: Plan) -> list[str]:
     rows = [["**chosen**", F.mesh_text(plan.mesh),
              plan.zero_stage, plan.num_microbatches,
              _schedule(plan.schedule, plan.num_virtual_stages), plan.checkpointing,
-             F.fmt_time(step), "", F.fmt_bytes(plan.prediction.memory_bytes), ""]]
+             plan.offload, F.fmt_time(step), "", F.fmt_bytes(plan.prediction.memory_bytes),
+             ""]]
     for a in plan.alternatives:
         delta = F.fmt_pct(a.step_time_s / step - 1, sign=True) if step else ""
         rows.append(["", F.mesh_text(a.mesh), a.zero_stage,
                      a.num_microbatches, _schedule(a.schedule, a.num_virtual_stages),
-                     a.checkpointing, F.fmt_time(a.step_time_s), delta,
+                     a.checkpointing, a.offload, F.fmt_time(a.step_time_s), delta,
                      F.fmt_bytes(a.memory_bytes), a.reason])
     return lines + _table(["", "mesh", "ZeRO", "microbatches", "schedule", "checkpointing",
-                           "step time", "vs chosen", "memory", "why it loses"], rows)
+                           "offload", "step time", "vs chosen", "memory", "why it loses"], rows)
 
 
 def _schedule(schedule: str, num_virtual_stages: int) -> str:
@@ -346,7 +363,8 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
            else "")
         + f", {F.plural(plan.num_microbatches, 'microbatch')} of "
           f"{F.plural(plan.microbatch_size, 'sample')}",
-        f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}",
+        f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}"
+        + ("" if plan.offload == "none" else f"; {plan.offload} offloaded to the host"),
         f"params      {_sharded_text(plan, graph)}; "
         f"{F.plural(len(plan.redistributions), 'redistribution')}",
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
@@ -361,6 +379,11 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
     bands = [f"{what} {b['low'] * 100:+.0f}% to {b['high'] * 100:+.0f}%"
              for what, b in (("step time", p.error_bands.get("step_time")),
                              ("memory", p.error_bands.get("peak_memory"))) if b]
+    if p.host_memory_bytes:
+        share = F.host_share_bytes(plan, topology)
+        mem += (f"\nhost memory {F.fmt_bytes(p.host_memory_bytes)} per rank (offloaded "
+                f"{plan.offload})" + (f" of {F.fmt_bytes(share)}" if share else "")
+                + f"; transfers {F.fmt_time(p.offload_s)} per step")
     if bands:
         mem += "\nerror       " + ", ".join(bands) + " (predicted vs measured; see the report)"
     return "\n".join(lines + [mem])

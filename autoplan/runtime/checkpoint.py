@@ -30,8 +30,19 @@ def _optimizer(model):
     return getattr(opt, "inner", opt)  # ShardedOptimizer (ZeRO-1) wraps the owner's optimizer
 
 
+def _no_offload(model, what: str) -> None:
+    """Checkpoints key optimizer states by the model's parameters; an offloaded optimizer
+    (runtime/offload.py) keys them by its host copies, which this module does not map yet."""
+    offload = getattr(getattr(model, "plan", None), "offload", "none")
+    if offload != "none":
+        raise NotImplementedError(
+            f"{what} of a plan with offload {offload!r}: sharded checkpoints of offloaded "
+            f"optimizer states are not supported yet; plan with offload='none' to checkpoint")
+
+
 def _state_dict(model) -> tuple[dict, dict[str, list]]:
     """The DCP state dict of this rank, and the extra local copies of tied weights."""
+    _no_offload(model, "checkpoint")
     opt = _optimizer(model)
     sd: dict[str, object] = {}
     copies: dict[str, list] = {}

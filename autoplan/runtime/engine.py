@@ -64,6 +64,7 @@ from autoplan.passes.sharding import apply_placements, check_redistributions, va
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan, check_context_parallel
+from autoplan.runtime.offload import HostOptimizer
 from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
@@ -164,8 +165,14 @@ class DistributedModel:
             check_against_plan(self)
             params = self._unique_named_params()
             make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+            # CPU offload ([Note: offload] in solver/offload.py): ZeRO 0/1 step on the host
+            # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
+            host = plan.offload == "optimizer"
             if plan.zero_stage == 1 and plan.mesh.dp > 1:
-                self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"])
+                self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"],
+                                                          offload=host)
+            elif host:
+                self.optimizer = HostOptimizer(params, make_opt)
             else:
                 self.optimizer = make_opt(params)
             # the scheduler drives the torch optimizer itself (ZeRO-1's inner one)
@@ -316,7 +323,8 @@ class DistributedModel:
                 _compat.replicate(module, dp_mesh, mp_policy=mp, ignored_params=ignored)
             else:
                 _compat.fully_shard(module, dp_mesh, mp_policy=mp, ignored_params=ignored,
-                                    reshard_after_forward=plan.zero_stage == 3)
+                                    reshard_after_forward=plan.zero_stage == 3,
+                                    offload=plan.offload == "optimizer+params")
         return gm
 
     def _unique_named_params(self) -> list[tuple[str, nn.Parameter]]:

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as _fully_shard
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
@@ -24,6 +25,7 @@ from autoplan._torch_compat import (chunk_spec, implicit_replication,
                                    in_flight_pipeline_stage_class, pipeline_eval,
                                    replicate_module)
 from autoplan.plan import parse_placement
+from autoplan.runtime.offload import HostOptimizer
 
 __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
            "pipeline_eval", "local_tensor", "owning_outputs", "tp_stage_forward"]
@@ -37,11 +39,16 @@ def replicate(module: nn.Module, dp_mesh, *, mp_policy=None, ignored_params=None
 
 
 def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
-                mp_policy=None, ignored_params=None) -> nn.Module:
+                mp_policy=None, ignored_params=None, offload: bool = False) -> nn.Module:
     """ZeRO-3 (reshard_after_forward=True) or ZeRO-2 (False) with FSDP2 on the dp axis;
     `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters
-    FSDP2 leaves alone."""
+    FSDP2 leaves alone; `offload`: FSDP2's CPUOffloadPolicy -- sharded parameters, their
+    gradients and so the optimizer states in host memory, each shard copied to the device for
+    its all-gather ([Note: offload] in autoplan/solver/offload.py). Pinned host memory needs
+    an accelerator, so it is pinned only when the mesh is not on CPU."""
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
     if ignored_params:
         kwargs["ignored_params"] = set(ignored_params)
     return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
@@ -64,10 +71,13 @@ class ShardedOptimizer:
     that groups built by name come out alike on every rank; the parameters this rank does
     not own are then dropped from its groups (a group may end up empty here: it still
     steps nothing, and its hyperparameters stay).
+
+    `offload`: the owned parameters' states and step on the host (`HostOptimizer`,
+    runtime/offload.py), before the same all-gather; `host` is then that HostOptimizer.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], make_optimizer: Callable,
-                 dp_mesh):
+                 dp_mesh, *, offload: bool = False):
         named_params = list(named_params)
         self.params = [p for _, p in named_params]
         self.group = dp_mesh.get_group()
@@ -81,6 +91,11 @@ class ShardedOptimizer:
             loads[r] += self.params[i].numel()
         me = dp_mesh.get_local_rank()
         owned = {id(p) for p, o in zip(self.params, self.owner) if o == me}
+        self.host = None
+        if offload:  # the host optimizer drops what this rank does not own itself
+            self.host = HostOptimizer(named_params, make_optimizer, stepped=owned)
+            self.inner = self.host.inner
+            return
         self.inner = make_optimizer(named_params)
         for group in self.inner.param_groups:
             keep = [i for i, p in enumerate(group["params"]) if id(p) in owned]
@@ -100,7 +115,9 @@ class ShardedOptimizer:
         """Step the owned parameters, then one all-gather per dtype of every rank's owned
         parameters packed flat (DeepSpeed ZeRO-1's gather of the updated partitions; one
         collective, not one broadcast per parameter)."""
-        if self.inner is not None:
+        if self.host is not None:
+            self.host.step()
+        elif self.inner is not None:
             self.inner.step()
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
         for p, o in zip(self.params, self.owner):

@@ -63,9 +63,9 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
                         a.config.zero_stage,
                         a.config.num_microbatches, a.config.schedule, a.step_time_s,
                         a.memory_bytes, reason, a.config.checkpointing,
-                        a.config.num_virtual_stages)
+                        a.config.num_virtual_stages, a.config.offload)
             for a, reason in alternatives),
-        dtype=spec.dtype)
+        dtype=spec.dtype, offload=cfg.offload)
 
 
 def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
@@ -138,6 +138,7 @@ def _prediction(search, best: Assessment) -> Prediction:
         memory_breakdown=dict(best.memory_breakdown), model_flops=model_flops,
         tflops_per_device=per_device / 1e12, mfu=per_device / peak if peak else 0.0,
         stage_time_s=stage_s, p2p_s=p2p_s, cp_comm_s=best.cp_comm_s,
+        host_memory_bytes=best.host_memory_bytes, offload_s=best.offload_transfer_s,
         error_bands={k: dataclasses.asdict(b) for k, b in zip(
             ("step_time", "peak_memory"), error_bands(topology.device.name))})
 

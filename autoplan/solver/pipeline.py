@@ -44,6 +44,9 @@ collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
   memory-bound pass over the states plus the host time of the per-tensor ops (op_s =
   DeviceSpec.optimizer_op_s, or dtensor_optimizer_op_s when the parameters are DTensors: tp > 1,
   or dp > 1 with FSDP2, i.e. ZeRO 0, 2, 3).
+- offload (a configuration's `offload`, [Note: offload] in solver/offload.py): the optimizer
+  term becomes the host step, and the host <-> device transfers join the exposed
+  communication; the offloaded states leave the device's memory for the host's.
 
 [Note: memory per rank] Rank r holds the layers of its stages; the first rank also what comes
 before the blocks, the last rank what comes after. Its peak is cost_model.memory.
@@ -91,6 +94,7 @@ from autoplan.cost_model.memory import (
     STATE_BYTES_PER_PARAM, model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
 )
 from autoplan.plan import Stage
+from autoplan.solver import offload as off
 from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -170,6 +174,9 @@ class Assessment:
     solution: Solution | None = None
     optimizer_s: float = 0.0
     cp_comm_s: float = 0.0
+    offload: str = "none"
+    host_memory_bytes: float = 0.0
+    offload_transfer_s: float = 0.0
 
 
 def stages_of(total_layers: int, num_stages: int) -> tuple[Stage, ...]:
@@ -263,15 +270,16 @@ def _grads_at_activation_peak(cfg: Config, in_flight: float) -> bool:
 
 
 def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
-                  output_bytes: float, boundary_bytes: float = 0.0) -> list[RankMemory]:
+                  output_bytes: float, boundary_bytes: float = 0.0,
+                  offload: str = "none") -> list[RankMemory]:
     """[Note: memory per rank] as linear forms for the ILP: per pipeline rank, one form per
     moment of [Note: peak moments] (A: activations at their height, B: the backward of the
     rank's first layer), so that "every form within the budget" is exactly "the peak within
-    the budget"."""
+    the budget". Device memory only: `offload` states are on the host ([Note: offload])."""
     layers = _rank_layers(cfg, total_layers)
-    states = model_state_bytes(1.0, cfg.zero_stage, cfg.dp_shard,
-                               mixed_precision=spec.mixed_precision, optimizer=spec.optimizer,
-                               recipe="fsdp2")
+    states = off.device_states(model_state_bytes(
+        1.0, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
+        optimizer=spec.optimizer, recipe="fsdp2"), offload)
     kept = states["params"] + states["optimizer"]
     unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
     unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp_shard > 1 else 0.0
@@ -322,10 +330,12 @@ def _candidate_ranks(cfg: Config, layers: list[int]) -> list[int]:
 
 def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
            total_layers: int, output_bytes: float, boundary_bytes: float,
-           param_tensors: dict[str, float] | None = None) -> Assessment:
+           param_tensors: dict[str, float] | None = None,
+           offload: str = "none") -> Assessment:
     """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`;
     `param_tensors`: parameter tensors per part ("pre", "layer": all blocks, "post") for the
-    optimizer's per-tensor ops (none: not priced).
+    optimizer's per-tensor ops (none: not priced); `offload`: [Note: offload] (the host
+    memory is checked against the rank's share of its node's).
 
     Raises ValueError (from the cost model) when a mesh group straddles nodes unevenly.
     """
@@ -354,7 +364,7 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     _t_stage, comp, comm, cp_comm = max(per_rank)
     pipeline = _pipeline_s(cfg, comp, comm, topology, busy)
     memories = {r: _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-                              boundary_bytes) for r in ranks}
+                              boundary_bytes, offload) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])
     elems = max(sol.param_elems_on({p: _share(p, r, cfg, layers, total_layers)
                                     for p in ("pre", "layer", "post")}) for r in ranks)
@@ -362,15 +372,27 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(cfg, spec, topology, elems) / speed
     tensors = max(sum(param_tensors.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
                       for p in ("pre", "layer", "post")) for r in ranks)
-    optimizer = _optimizer_s(cfg, spec, topology, elems, tensors, speed)
+    if offload == "none":
+        transfers, optimizer = 0.0, _optimizer_s(cfg, spec, topology, elems, tensors, speed)
+    else:
+        transfers, optimizer = off.offload_time_s(
+            offload=offload, zero_stage=cfg.zero_stage, dp=cfg.dp_shard, elems=elems,
+            tensors=tensors, gathers=_gathers(cfg),
+            reductions=_reductions(cfg), spec=spec, topology=topology,
+            optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM.get(spec.optimizer, 0.0),
+            optimizer_ops_per_tensor=OPTIMIZER_OPS_PER_TENSOR.get(spec.optimizer, 0),
+            speed=speed, ranks_on_node=busy)
+        exposed += transfers
+    host = off.host_state_bytes(elems, cfg.zero_stage, cfg.dp_shard, offload, spec)
     m = cfg.num_microbatches
     breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
     peak = memories[worst]["peak"]
+    fits = peak <= spec.max_memory_fraction * topology.device.mem_bytes and (
+        offload == "none" or host <= off.host_budget_bytes(topology, spec, busy))
     return Assessment(cfg, pipeline + exposed + optimizer, m * comp + optimizer,
                       m * comm + exposed, _bubble_s(cfg, pipeline, m * (comp + comm)),
-                      dp_sync, peak,
-                      breakdown, peak <= spec.max_memory_fraction * topology.device.mem_bytes,
-                      sol, optimizer, m * cp_comm)
+                      dp_sync, peak, breakdown, fits, sol, optimizer, m * cp_comm, offload, host,
+                      transfers)
 
 
 def _bubble_s(cfg: Config, pipeline_s: float, busy_s: float) -> float:
@@ -412,15 +434,15 @@ def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: flo
 
 
 def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-               boundary_bytes) -> dict[str, float]:
+               boundary_bytes, offload="none") -> dict[str, float]:
     share = {p: _share(p, r, cfg, layers, total_layers) for p in ("pre", "layer", "post")}
     elems = sol.param_elems_on(share)
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
     late = sum(sol.act_bytes.get(p, 0.0) * c
                for p, c in _late_coef(r, layers, share, total_layers).items())
-    states = model_state_bytes(elems, cfg.zero_stage, cfg.dp_shard,
-                               mixed_precision=spec.mixed_precision, optimizer=spec.optimizer,
-                               recipe="fsdp2")
+    states = off.device_states(model_state_bytes(
+        elems, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
+        optimizer=spec.optimizer, recipe="fsdp2"), offload)
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
                                                 cfg.num_virtual_stages)
     # gathered parameters and unsharded gradients held at once ([Note: memory per rank])

@@ -21,8 +21,10 @@ from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
-    SolverLimitReached, SolverLimitWarning, enumerate_configs, same_argmin, validate,
+    SolverLimitReached, SolverLimitWarning, enumerate_configs, offload_variants, same_argmin,
+    validate,
 )
+from autoplan.solver.offload import available as offload_available
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -37,7 +39,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          schedule: str | None = None, num_virtual_stages: int | None = None,
          checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
          time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
-         sequence_parallel: bool | None = None, cp: int | None = None) -> Plan:
+         sequence_parallel: bool | None = None, cp: int | None = None,
+         offload: str | None = None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -68,8 +71,13 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         cp: the context-parallel degree ([Note: context parallelism] in solver/context.py):
             every sample's sequence split in 2 cp chunks over cp ranks, K/V all-gathered for
             attention; None: searched over 1 and the powers of two that divide the devices
-            and seq_len / 2 (a model with fused attention in every block); 1: none. The
-            runtime does not run cp > 1 yet: `@autoparallel` plans with cp 1.
+            and seq_len / 2 (a model with fused attention in every block) where nothing fits
+            on the devices with cp 1; 1: none. The runtime does not run cp > 1 yet:
+            `@autoparallel` plans with cp 1.
+        offload: "none" | "optimizer" (ZeRO 0/1) | "optimizer+params" (ZeRO-3): states in
+            host memory, the optimizer step on the host ([Note: offload] in
+            solver/offload.py); None: searched where no placement fits on the device (needs
+            the topology's host figures).
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -105,7 +113,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     with _collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            allow_tp_across_nodes, checkpointing, sequence_parallel, cp), time_limit_s, top_k)
+            allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload),
+            time_limit_s, top_k)
         if ep is not None and ep > 1 and result.zero_stage == 1:
             # ep does not run with ZeRO-1: the best plan at the other stages
             others = []
@@ -113,9 +122,9 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                 try:
                     others.append(_plan(graph, topology, spec, Overrides(
                         tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
-                        allow_tp_across_nodes, checkpointing, sequence_parallel, cp),
-                        time_limit_s,
-                        top_k))
+                        allow_tp_across_nodes, checkpointing, sequence_parallel, cp,
+                                  offload),
+                        time_limit_s, top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue
             if not others:
@@ -145,7 +154,7 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
                          plan.num_microbatches, plan.microbatch_size, plan.schedule,
                          plan.num_virtual_stages, cp=plan.mesh.cp,
-                         checkpointing=plan.checkpointing)
+                         checkpointing=plan.checkpointing, offload=plan.offload)
         problem = search.problem(cfg.tp)
         wanted = {st.node: (st.inputs, st.outputs) for st in plan.strategies}
         fqn_of = {g: fqn for g, (fqn, *_x) in problem.params.items()}
@@ -188,13 +197,33 @@ def _collector_paused():
 
 def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
           time_limit_s: float, top_k: int) -> Plan:
-    if overrides.cp is None:  # cp > 1 only where nothing fits without ([Note: context
-        try:                  # parallelism] in solver/context.py)
-            return _plan(graph, topology, spec, dataclasses.replace(overrides, cp=1),
-                         time_limit_s, top_k)
-        except (NoFeasiblePlan, InvalidConfig) as e:
-            if not _cp_may_help(graph, topology, spec, e):
-                raise
+    """The best plan; cp > 1 is searched only where nothing fits on the devices with cp 1
+    ([Note: context parallelism] in solver/context.py): a cp = 1 plan is taken unless there is
+    none or it needs CPU offload, in which case the search over every cp decides (the faster
+    of the two)."""
+    if overrides.cp is not None or not _cp_may_help(graph, topology, spec):
+        return _search(graph, topology, spec, overrides, time_limit_s, top_k)
+    first = None
+    try:
+        first = _search(graph, topology, spec, dataclasses.replace(overrides, cp=1),
+                        time_limit_s, top_k)
+    except (NoFeasiblePlan, InvalidConfig):
+        pass
+    if first is not None and first.offload == "none":
+        return first
+    try:
+        second = _search(graph, topology, spec, overrides, time_limit_s, top_k)
+    except (NoFeasiblePlan, InvalidConfig):
+        if first is None:
+            raise
+        return first
+    if first is None or second.prediction.step_time_s < first.prediction.step_time_s:
+        return second
+    return first
+
+
+def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
+            time_limit_s: float, top_k: int) -> Plan:
     start = time.perf_counter()
     validate(graph, topology, spec, overrides)
     search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel)
@@ -204,6 +233,7 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
             f"no configuration of {topology.world_size} devices satisfies the overrides "
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
+    configs += _offloaded(search, configs, overrides)
     evaluated = _branch_and_bound(search, configs, top_k)
     feasible = sorted((a for a in evaluated if a.fits), key=_rank)
     if not feasible and search.skipped:
@@ -221,11 +251,35 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     return result
 
 
-def _cp_may_help(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
-                 error: ValueError) -> bool:
-    """True when the search with cp free has configurations the cp = 1 one (which raised
-    `error`) had not: cp > 1 degrees exist for this sequence and devices (context.cp_degrees)."""
+def _cp_may_help(graph: CapturedGraph, topology: Topology, spec: TrainingSpec) -> bool:
+    """True when a search with cp free has configurations a cp = 1 one has not: cp > 1
+    degrees exist for this sequence and devices (context.cp_degrees)."""
     return any(cp > 1 for cp in cp_degrees(graph, spec.seq_len, topology.world_size))
+
+
+def _offloaded(search: Search, configs: list[PlanConfig],
+               overrides: Overrides) -> list[PlanConfig]:
+    """Offload variants of the configurations no placement of which fits in device memory
+    ([Note: offload] in solver/offload.py, "Search"); none without the topology's host
+    figures, or where the host is the devices' own memory (Topology.host_is_device_memory:
+    offloading there frees nothing)."""
+    if not offload_available(search.topology) or search.topology.host_is_device_memory:
+        return []
+    budget, out = search.budget_bytes, []
+    for cfg in configs:
+        lb = search.lower_bound(cfg)
+        if lb.memory_bytes <= budget:
+            continue
+        for variant in offload_variants(cfg, overrides):
+            # the variant's peak on lb's rank is lb's less what it offloads (at most these
+            # kinds: the unsharded gradients of "grads" stay): a variant over the budget even
+            # so needs no bound of its own
+            kinds = ("optimizer",) if variant.offload == "optimizer" else (
+                "optimizer", "params", "grads")
+            moved = sum(lb.memory_breakdown.get(k, 0.0) for k in kinds)
+            if lb.memory_bytes - moved <= budget:
+                out.append(variant)
+    return out
 
 
 def _warn_unsplit(search: Search, result: Plan) -> None:
@@ -301,7 +355,7 @@ def _rank(a: Assessment) -> tuple:
     # ties: less memory, then the simpler mesh (less tp, then less pp), then less recompute
     return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.cp, c.pp, c.zero_stage,
             c.num_microbatches, c.schedule, c.num_virtual_stages,
-            _POLICY_ORDER[c.checkpointing])
+            _POLICY_ORDER[c.checkpointing], c.offload != "none")
 
 
 # states of a configuration in the branch and bound
@@ -430,7 +484,7 @@ def _group(a: Assessment) -> tuple:
     """What makes a runner-up a different plan: all but the ZeRO stage."""
     c = a.config
     return (c.pp, c.dp, c.cp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages,
-            c.checkpointing)
+            c.checkpointing, c.offload)
 
 
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
@@ -461,6 +515,9 @@ def _reason(a: Assessment, best: Assessment) -> str:
     if deltas["compute"] > 0 and _POLICY_ORDER[a.config.checkpointing] > _POLICY_ORDER[
             best.config.checkpointing]:
         deltas["recomputation"] = deltas.pop("compute")  # the extra compute is the recompute
+    if a.config.offload != "none" and best.config.offload == "none":
+        # [Note: offload]: its host step and transfers are what it adds
+        deltas = {"offload": a.step_time_s - best.step_time_s}
     kind = max(deltas, key=deltas.get)
     if deltas[kind] <= 0:
         return "tie: same predicted step time; ranked by memory and simplicity"

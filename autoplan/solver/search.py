@@ -27,13 +27,13 @@ solves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoplan.cost_model.comm import group_layout
 from autoplan.graph import CapturedGraph
 from autoplan.plan import SCHEDULES
 from autoplan.solver import checkpointing as ckpt
-from autoplan.solver import sequence
+from autoplan.solver import offload, sequence
 from autoplan.solver.context import attention_nodes, cp_degrees, with_context_parallel
 from autoplan.solver.costs import Costs, build_costs
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
@@ -46,7 +46,7 @@ from autoplan.topology import Topology
 
 __all__ = ["NoFeasiblePlan", "InvalidConfig", "ReplicatedWeightsWarning", "SolverLimitReached",
            "SolverLimitWarning", "Overrides", "PlanConfig", "Search", "enumerate_configs",
-           "same_argmin", "validate"]
+           "same_argmin", "validate", "offload_variants"]
 
 
 class NoFeasiblePlan(ValueError):
@@ -97,19 +97,23 @@ class Overrides:
     checkpointing: str | None = None
     sequence_parallel: bool | None = None
     cp: int | None = None
+    offload: str | None = None
 
 
 @dataclass(frozen=True)
 class PlanConfig(Config):
     """A point of the outer search: pipeline.Config plus the activation checkpointing policy
-    ("none" | "core-attention" | "selective" | "full", [Note: checkpointing]); pipeline.py prices
-    the policy through the Solution and memory forms this module hands it. Its placement ILP
-    depends on (tp, b, policy, cp): `costs_key`."""
+    ("none" | "core-attention" | "selective" | "full", [Note: checkpointing]) and the CPU
+    offload ("none" | "optimizer" | "optimizer+params", [Note: offload] in solver/offload.py);
+    pipeline.py prices them through the Solution and memory forms this module hands it. Its
+    placement ILP depends on (tp, b, policy, cp): `costs_key`."""
 
     checkpointing: str = "none"
+    offload: str = "none"
 
     def __str__(self) -> str:
         extra = "" if self.checkpointing == "none" else f", {self.checkpointing} checkpointing"
+        extra += "" if self.offload == "none" else f", {self.offload} offloaded"
         return super().__str__() + extra
 
     @property
@@ -158,6 +162,17 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
     if o.checkpointing not in (None, "none") and not layers:
         raise InvalidConfig(f"checkpointing {o.checkpointing!r} needs repeated blocks; "
                             f"{graph.model_name} has none")
+    if o.offload is not None and o.offload not in offload.OFFLOADS:
+        raise InvalidConfig(f"offload {o.offload!r} is not one of {offload.OFFLOADS}")
+    if o.offload not in (None, "none") and not offload.available(topology):
+        raise InvalidConfig(f"offload {o.offload!r}: topology {topology.name!r} gives no host "
+                            f"figures (host_mem_bytes, device.host_bw_bytes_per_s, "
+                            f"device.host_optimizer_bw_bytes_per_s)")
+    if o.offload not in (None, "none") and o.zero_stage is not None:
+        try:
+            offload.check_offload(o.offload, o.zero_stage, o.dp or 2)
+        except ValueError as e:
+            raise InvalidConfig(str(e)) from None
     if o.num_microbatches is not None:
         _check_microbatches(spec, o, world)
     elif o.dp is not None and spec.global_batch % o.dp:
@@ -256,8 +271,20 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
                     continue  # the interleaved schedule runs microbatches in rounds of pp
                 b = spec.global_batch // (dp * m)
                 out += [PlanConfig(pp, dp, tp, zero, m, b, sched, v, cp=cp,
-                                   checkpointing=policy) for policy in policies]
+                                   checkpointing=policy, offload=o.offload or "none")
+                        for policy in policies]
+    if o.offload not in (None, "none"):  # a fixed offload: the stages that run it
+        out = [c for c in out if o.offload in offload.offloads_for(c.zero_stage, c.dp)]
     return out
+
+
+def offload_variants(cfg: PlanConfig, o: Overrides) -> list[PlanConfig]:
+    """The offloaded variants of `cfg` worth searching ([Note: offload] in solver/offload.py,
+    "Search"): the caller asks for them when no placement of cfg fits on the device; none
+    when the offload is fixed (enumerate_configs made those)."""
+    if o.offload is not None or cfg.offload != "none":
+        return []
+    return [replace(cfg, offload=k) for k in offload.offloads_for(cfg.zero_stage, cfg.dp)]
 
 
 @dataclass
@@ -329,7 +356,7 @@ class Search:
         costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp)
         boundary = self.boundary_bytes(tp, cfg.microbatch_size, cfg.cp)
         ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
-                              boundary_bytes=boundary)
+                              boundary_bytes=boundary, offload=cfg.offload)
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
                                        ckpt.block_bytes(self.problem(tp), costs,
                                                         cfg.checkpointing))
@@ -481,7 +508,7 @@ class Search:
             sol, policy, self.total_layers, boundary, one_block)
         result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
                         output_bytes=costs.output_bytes, boundary_bytes=boundary / divide,
-                        param_tensors=self.problem(tp).param_tensors)
+                        param_tensors=self.problem(tp).param_tensors, offload=cfg.offload)
         return ckpt.with_transient(result, transient, self.budget_bytes)
 
     def memory_bound(self, cfg: PlanConfig) -> Assessment:
@@ -500,7 +527,11 @@ class Search:
             self.bounds[key] = _lower_bound(
                 self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing, cfg.cp),
                 cfg.tp)
-        return self.assess(cfg, self.bounds[key], tp=1, divide=cfg.tp)
+        # kept per configuration: the planner asks again for the offload variants' sake
+        if ("lower", cfg) not in self.bounds:
+            self.bounds[("lower", cfg)] = self.assess(cfg, self.bounds[key], tp=1,
+                                                      divide=cfg.tp)
+        return self.bounds[("lower", cfg)]
 
 
 def _rank_shares(cfg: Config, total_layers: int) -> tuple:
