@@ -8,11 +8,8 @@ and when. One rank is one process with one intra-op thread, as `LocalCluster` ru
 [Note: calibration fits]
 Each timing is the median of several repeats, each repeat long enough (`min_time_s`) for the
 clock; the machine may be shared and noisy, so medians, never means or minima, and the repeats
-are interleaved, so that a burst of load from other processes cannot bend a fitted curve: every
-one-rank compute figure below -- the fp32 matmul sizes, the elementwise chain and ops, the two
-floors and the reference training step -- is timed in one interleaved measurement, since the
-launch-latency fit sets the reference step against the others and a shared machine's speed
-moves by tens of percent from one minute to the next.
+of the sizes of one measurement are interleaved, so that a burst of load from other processes
+cannot bend a fitted curve.
 
 - Matmul: fp32 square matmuls `(d, d) @ (d, d)`, 2 d^3 FLOPs each. `peak_flops_per_s["float32"]`
   is the largest measured rate. compute.py's curve, rate(d) = peak * E * d / (d + H), is fitted

@@ -77,19 +77,13 @@ def median_call_times_s(fns: Mapping[K, Callable[[], object]], *, repeats: int,
     return {key: statistics.median(ts) for key, ts in samples.items()}
 
 
-def _matmul_ops(dims: tuple[int, ...], dtype: torch.dtype) -> dict[int, Callable[[], object]]:
-    """One call of (d, d) @ (d, d) in `dtype` per d in `dims` (2 d^3 FLOPs each)."""
+def _matmul_rates(dims: tuple[int, ...], dtype: torch.dtype, s: _Settings) -> dict[int, float]:
+    """FLOP/s of (d, d) @ (d, d) matmuls on this thread: 2 d^3 / time, per d in `dims`."""
     ops = {}
     for d in dims:
         a, b = torch.randn(d, d).to(dtype), torch.randn(d, d).to(dtype)
         ops[d] = functools.partial(torch.mm, a, b, out=torch.empty(d, d, dtype=dtype))
-    return ops
-
-
-def _matmul_rates(dims: tuple[int, ...], dtype: torch.dtype, s: _Settings) -> dict[int, float]:
-    """FLOP/s of (d, d) @ (d, d) matmuls on this thread: 2 d^3 / time, per d in `dims`."""
-    times = median_call_times_s(_matmul_ops(dims, dtype), repeats=s.repeats,
-                                min_time_s=s.min_time_s)
+    times = median_call_times_s(ops, repeats=s.repeats, min_time_s=s.min_time_s)
     return {d: 2.0 * d**3 / t for d, t in times.items()}
 
 
@@ -118,10 +112,9 @@ _TRANSCENDENTAL_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _elementwise_ops(s: _Settings) -> tuple[dict[str, Callable[[], object]], int, int]:
-    """(calls, bytes of "chain" in the roofline's counting, elements of each transcendental
-    call) of the elementwise measurements: out-of-place ops on activation-like tensors that do
-    not stay in the caches ([Note: calibration fits])."""
+def _elementwise(s: _Settings) -> tuple[float, dict[str, float]]:
+    """(bandwidth B/s, {op: seconds per element}) of out-of-place elementwise ops on
+    activation-like tensors that do not stay in the caches ([Note: calibration fits])."""
     n = _CHUNK_BYTES // 4
     count = max(4, s.mem_bytes // _CHUNK_BYTES)
     xs = [torch.rand(n) + 0.5 for _ in range(count)]  # positive: log, sqrt, rsqrt are defined
@@ -137,19 +130,23 @@ def _elementwise_ops(s: _Settings) -> tuple[dict[str, Callable[[], object]], int
         return lambda: [fn(x) for x in xs]
 
     fns = {"chain": chain, **{op: unary(fn) for op, fn in _TRANSCENDENTAL_FNS.items()}}
-    return fns, count * n * 4 * (2 + 3 + 3 + 2 + 3), count * n
+    times = median_call_times_s(fns, repeats=s.repeats, min_time_s=s.min_time_s)
+    chain_bytes = count * n * 4 * (2 + 3 + 3 + 2 + 3)
+    per_elem = {op: times[op] / (count * n) for op in _TRANSCENDENTAL_FNS}
+    return chain_bytes / times["chain"], per_elem
 
 
-def _dispatch_op() -> Callable[[], object]:
-    """`torch.add` on 1-element tensors without autograd: the floor of the microbenchmarks'
-    calls (the matmul fit's launch term)."""
+def _dispatch_s(s: _Settings) -> float:
+    """Time of `torch.add` on 1-element tensors without autograd: the floor of the
+    microbenchmarks' calls (the matmul fit's launch term)."""
     x, y = torch.ones(1), torch.ones(1)
-    return lambda: torch.add(x, y)
+    return median_call_times_s({"add": lambda: torch.add(x, y)}, repeats=s.repeats + 2,
+                               min_time_s=s.min_time_s)["add"]
 
 
-def _launch_chain(chain: int) -> Callable[[], object]:
-    """Forward of `chain` ops of a training graph on a 1-element tensor: dispatch plus
-    autograd's recording of each op (the floor every op of a training step pays)."""
+def _launch_latency_s(s: _Settings, chain: int = 100) -> float:
+    """Forward time of one op of a training graph on a 1-element tensor: dispatch plus
+    autograd's recording of the op (the floor every op of a training step pays)."""
     w = torch.ones(1, requires_grad=True)
 
     def forward():
@@ -158,7 +155,8 @@ def _launch_chain(chain: int) -> Callable[[], object]:
             x = x * 1.0001
         return x
 
-    return forward
+    return median_call_times_s({"fwd": forward}, repeats=s.repeats + 2,
+                               min_time_s=s.min_time_s)["fwd"] / chain
 
 
 @functools.lru_cache(maxsize=1)
@@ -212,44 +210,23 @@ def _mem_total_bytes() -> float:
     raise ValueError("calibrate: /proc/meminfo has no MemTotal line")
 
 
-_LAUNCH_CHAIN = 100
-"""Ops of the 1-element autograd chain that measures the launch floor."""
-
-
 def _measure_rank_compute(s: _Settings) -> dict:
-    """Single-thread compute figures of one rank, measured in this process.
-
-    Every figure that the reference step's launch-latency fit combines -- matmul rates, the
-    elementwise chain and transcendental ops, the dispatch and launch floors, and the reference
-    training step itself -- is timed in one interleaved measurement (`median_call_times_s`):
-    the machine may change speed by tens of percent within a minute when it is shared, and a
-    reference step timed apart from the rates it is fitted against turns a slow minute into a
-    launch latency (2026-12-02: 166 us per op fitted in a slow minute, 87 us in a normal one,
-    which moved every prediction of bench/fidelity.py by 15%)."""
-    step, graph, _gm, _x = reference_step()
-    el_ops, chain_bytes, el_elems = _elementwise_ops(s)
-    fns = {("mm", d): fn for d, fn in _matmul_ops(s.matmul_dims, torch.float32).items()}
-    fns.update({("el", op): fn for op, fn in el_ops.items()})
-    fns[("floor", "dispatch")] = _dispatch_op()
-    fns[("floor", "launch")] = _launch_chain(_LAUNCH_CHAIN)
-    fns[("step", "reference")] = step
-    times = median_call_times_s(fns, repeats=s.repeats, min_time_s=s.min_time_s)
-    launch_s = times[("floor", "launch")] / _LAUNCH_CHAIN
-    dispatch_s = times[("floor", "dispatch")]
-    rates = {d: 2.0 * d**3 / times[("mm", d)] for d in s.matmul_dims}
+    """Single-thread compute figures of one rank, measured in this process."""
+    launch_s, dispatch_s = _launch_latency_s(s), _dispatch_s(s)
+    rates = _matmul_rates(s.matmul_dims, torch.float32, s)
     peak = max(rates.values())
     dims, values = list(rates), list(rates.values())
     half_dim, rms = best_half_dim(dims, values, peak, launch_latency_s=dispatch_s)
     eff, _ = fit_matmul_efficiency(dims, values, peak, half_dim, launch_latency_s=dispatch_s)
     _, rms_128 = fit_matmul_efficiency(dims, values, peak, 128.0, launch_latency_s=dispatch_s)
     bf16 = _matmul_rates(_bf16_dims(s), torch.bfloat16, s)
-    mem_bw = chain_bytes / times[("el", "chain")]
-    per_elem = {op: times[("el", op)] / el_elems for op in _TRANSCENDENTAL_FNS}
+    mem_bw, per_elem = _elementwise(s)
     device = DeviceSpec("fit", {"float32": peak}, 1.0, mem_bw, matmul_efficiency=eff,
                         matmul_half_dim=half_dim, elementwise_s_per_elem=per_elem)
-    reference_s = times[("step", "reference")]
-    floor_s, roofline = fit_launch_latency(device, graph, reference_s, floor_s=launch_s)
+    step, graph, _gm, _x = reference_step()
+    measured = median_call_times_s({"step": step}, repeats=s.repeats, min_time_s=s.min_time_s)
+    floor_s, roofline = fit_launch_latency(device, graph, measured["step"], floor_s=launch_s)
     return dict(matmul_rates=rates, peak_fp32=peak, eff=eff, half_dim=half_dim, eff_rms=rms,
                 rms_128=rms_128, peak_bf16=max(bf16.values()), bf16_dims=tuple(bf16),
                 mem_bw=mem_bw, elementwise=per_elem, launch_s=floor_s, chain_launch_s=launch_s,
-                reference_s=reference_s, reference_roofline_s=roofline)
+                reference_s=measured["step"], reference_roofline_s=roofline)
