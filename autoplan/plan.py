@@ -254,6 +254,10 @@ class Plan:
         prediction: the cost model's figures for this plan.
         alternatives: the best runners-up.
         dtype: compute dtype name.
+        compiled: the prediction assumes the stages run compiled (torch.compile: no DTensor
+            dispatch per op, pointwise chains fused; [Note: compiled execution] in
+            autoplan/cost_model/compute.py), and the runtime compiles them
+            ([Note: compiled stages] in autoplan/runtime/compiled.py).
         schema_version: JSON schema version.
     """
 
@@ -275,6 +279,7 @@ class Plan:
     redistributions: tuple[Redistribution, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     dtype: str = "float32"
+    compiled: bool = False
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -310,7 +315,7 @@ class Plan:
         return (f"Plan({self.model} on {self.topology}: {self.mesh}, ZeRO-{self.zero_stage}, "
                 f"{F.plural(self.num_microbatches, 'microbatch')} of "
                 f"{F.plural(self.microbatch_size, 'sample')}, "
-                f"{self.schedule}, "
+                f"{self.schedule}, {'compiled, ' if self.compiled else ''}"
                 f"{F.plural(len(self.redistributions), 'redistribution')}, "
                 f"step {F.fmt_time(self.prediction.step_time_s)}, "
                 f"memory {F.fmt_bytes(self.prediction.memory_bytes)})")
@@ -318,9 +323,12 @@ class Plan:
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The plan as JSON-ready data; a mesh without expert or context parallelism (ep 1,
-        cp 1) is written without its `ep` / `cp` key, as before they existed (readers default
-        them to 1), so plans without them keep their JSON byte for byte."""
+        cp 1) is written without its `ep` / `cp` key, and an eager plan without its `compiled`
+        key, as before they existed (readers default them to 1 and False), so plans without
+        them keep their JSON byte for byte."""
         d = dataclasses.asdict(self)
+        if not d["compiled"]:
+            del d["compiled"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:

@@ -102,9 +102,12 @@ def reshape(x, shape):
     and run `view` on it, which fails -- in forward, and in backward when the incoming gradient
     is strided. The local shard (and, through a hook, the gradient) is made contiguous first (a
     copy only when it is strided, as `reshape` would make); the sharding rule is DTensor's.
+    Under torch.compile no hook ([Note: compiled stages] in autoplan/runtime/compiled.py): the
+    backward is traced with the strides of every gradient known (AOTAutograd makes the
+    incoming ones contiguous), and a hook on an intermediate would break the graph.
     """
     out = aten.reshape.default(_contiguous_local(x), shape)
-    if isinstance(out, DTensor) and out.requires_grad:
+    if isinstance(out, DTensor) and out.requires_grad and not torch.compiler.is_compiling():
         out.register_hook(_contiguous_local)
     return out
 

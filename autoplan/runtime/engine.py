@@ -11,7 +11,8 @@ Build order (each step needs the previous one), all on the meta device until ste
    layout-invariant (`passes.rng`, [Note: RNG contract]). The RMSNorm and SwiGLU patterns
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
-   plan says so (`passes.checkpointing`).
+   plan says so (`passes.checkpointing`); with `compile`, each block's forward goes through
+   torch.compile ([Note: compiled stages] in runtime/compiled.py).
 5. Data parallelism by ZeRO stage, with torch's FSDP2 machinery on the dp sub-mesh, one unit
    per block plus one for the rest of the stage: 0 -> `replicate` (DDP-style all-reduce),
    2 -> `fully_shard(reshard_after_forward=False)`, 3 -> `fully_shard(reshard_after_forward=
@@ -64,6 +65,7 @@ from autoplan.passes.sharding import apply_placements, check_redistributions, va
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan, check_context_parallel
+from autoplan.runtime.compiled import compile_stage
 from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
@@ -101,6 +103,9 @@ class DistributedModel:
         kernels: replace the RMSNorm and SwiGLU patterns of the stage graphs with the fused
             kernels' ops (autoplan/passes/kernels.py; Triton on CUDA, the torch reference on
             CPU); False runs the captured ops as they are.
+        compile: run each block module of this rank's stages (a stage without blocks: the
+            whole stage) through torch.compile (inductor), [Note: compiled stages] in
+            autoplan/runtime/compiled.py; None: as the plan assumed (`plan.compiled`).
 
     The loss ([Note: step loss]): `loss_fn(output, target)` when given (the token-LM form:
     `(logits, labels)`; any other: the model's output and the batch as given to `step`, one
@@ -117,7 +122,8 @@ class DistributedModel:
                  optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  device: str = "cpu", max_grad_norm: float | None = None,
                  seed: int | None = None, lr_scheduler: Callable | None = None,
-                 inputs: InputSpec | None = None, kernels: bool = True):
+                 inputs: InputSpec | None = None, kernels: bool = True,
+                 compile: bool | None = None):
         check_context_parallel(plan)  # before anything is set up: not run yet
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
@@ -131,6 +137,8 @@ class DistributedModel:
         self.loss_fn = loss_fn
         self.kernels = kernels
         self.kernel_counts: dict[int, dict[str, int]] = {}  # by stage: fuse_kernels' counts
+        self.compile = plan.compiled if compile is None else bool(compile)
+        self.compiled: dict[int, list[str]] = {}  # by stage: the module paths compiled
         loss_mode(graph, self.inputs, loss_fn)  # no loss to train on: raise before building
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
@@ -236,6 +244,10 @@ class DistributedModel:
             blocks = install_blocks(sg.gm, graph)
             # Checkpoint after placements: a block's redistributions are recomputed with it.
             wrap_checkpointing(sg.gm, graph, plan.checkpointing, blocks)
+            # Compile the (checkpointed) block forwards on DTensors, inside the tp wrapper and
+            # the FSDP2 hooks ([Note: compiled stages]).
+            if self.compile:
+                self.compiled[sg.index] = compile_stage(sg.gm, blocks)
             if plan.mesh.tp > 1:
                 sg.gm.forward = _compat.tp_stage_forward(
                     sg.gm, self.mesh["tp"],
