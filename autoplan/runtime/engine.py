@@ -65,7 +65,7 @@ from autoplan.passes.sharding import apply_placements, check_redistributions, va
 from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan, check_context_parallel
-from autoplan.runtime.compiled import compile_stage
+from autoplan.runtime.compiled import compile_flat_stage, compile_stage, random_ops_eager
 from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
@@ -197,6 +197,12 @@ class DistributedModel:
         # dtype): rebinding them must not touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
         random_ops = random_op_indices(gm)
+        if random_ops and self.compile and plan.checkpointing == "selective":
+            raise ValueError(
+                f"compile=True with checkpointing='selective' on a model with random ops "
+                f"({len(random_ops)}: {sorted(random_ops)[:3]}...): a selectively checkpointed "
+                "block is compiled whole and the random ops run eagerly ([Note: compiled "
+                "stages]); plan with checkpointing='full' or 'none', or compile=False")
         _weights_to_meta(gm, self.precision.master_dtype)
         retarget_device(gm, self.device)
         stage_graphs = split_stages(gm, graph, plan.stages)
@@ -227,6 +233,8 @@ class DistributedModel:
                 make_random_ops_layout_invariant(sg.gm, random_ops)
                 sg.gm.random_state.seed = self.seed
                 self._random_states[sg.index] = sg.gm.random_state
+                if self.compile:  # drawn eagerly ([Note: compiled stages])
+                    random_ops_eager(sg.gm)
             # consumers this rank runs (a stage input placeholder named after its producer in
             # an earlier stage is not one)
             held |= {n.meta.get("orig_name", n.name) for n in sg.gm.graph.nodes
@@ -242,12 +250,17 @@ class DistributedModel:
             # Each block a called module (one FSDP2 unit each), after placements and the tp
             # parameters: a block takes its redistributions and DTensor parameters with it.
             blocks = install_blocks(sg.gm, graph)
-            # Checkpoint after placements: a block's redistributions are recomputed with it.
-            wrap_checkpointing(sg.gm, graph, plan.checkpointing, blocks)
-            # Compile the (checkpointed) block forwards on DTensors, inside the tp wrapper and
+            # Compile the block forwards on DTensors, inside checkpointing, the tp wrapper and
             # the FSDP2 hooks ([Note: compiled stages]).
-            if self.compile:
-                self.compiled[sg.index] = compile_stage(sg.gm, blocks)
+            if self.compile and blocks:
+                self.compiled[sg.index] = compile_stage(sg.gm, blocks, plan.checkpointing)
+            # Checkpoint after placements: a block's redistributions are recomputed with it.
+            # (compile_stage checkpoints selectively compiled blocks itself.)
+            wrap_checkpointing(sg.gm, graph, plan.checkpointing,
+                               [] if self.compile and plan.checkpointing == "selective"
+                               else blocks)
+            if self.compile and not blocks:
+                self.compiled[sg.index] = compile_flat_stage(sg.gm)
             if plan.mesh.tp > 1:
                 sg.gm.forward = _compat.tp_stage_forward(
                     sg.gm, self.mesh["tp"],
