@@ -78,6 +78,9 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         ["activation checkpointing", plan.checkpointing],
         *([["sequence parallelism", sp]] if (sp := _sequence_text(plan, graph)) else []),
         ["dtype", f"{plan.dtype}: {precision_recipe(plan.dtype)}"],
+        *([["execution", "compiled: torch.compile per block, priced without DTensor "
+                         "dispatch per op and with pointwise chains fused"]]
+          if plan.compiled else []),
     ]
     return [f"# autoplan: {plan.model} on {plan.topology}", "", "## Summary", "",
             *_table(["", ""], rows)]
@@ -346,7 +349,8 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
            else "")
         + f", {F.plural(plan.num_microbatches, 'microbatch')} of "
           f"{F.plural(plan.microbatch_size, 'sample')}",
-        f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}",
+        f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}"
+        + ("; compiled (torch.compile)" if plan.compiled else ""),
         f"params      {_sharded_text(plan, graph)}; "
         f"{F.plural(len(plan.redistributions), 'redistribution')}",
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
