@@ -58,8 +58,9 @@ def compile_stage(gm: torch.fx.GraphModule, blocks: list[str], checkpointing: st
     `wrap_checkpointing` then runs under `torch.utils.checkpoint` eagerly (the recompute calls
     the compiled forward again). "selective" compiles the checkpointed forward instead
     (torchtitan's order: dynamo's checkpoint applies the save list inside the compiled graph;
-    the save list cannot reach into a compiled region from outside); pass the returned paths'
-    blocks to `wrap_checkpointing` no more. A stage without block modules:
+    the save list cannot reach into a compiled region from outside): those blocks are then
+    checkpointed already, and must not be given to `wrap_checkpointing` again. A stage
+    without block modules:
     `compile_flat_stage`, after `wrap_checkpointing`. The compilation itself happens at the
     first call."""
     from autoplan.passes.checkpointing import selective_context
