@@ -94,24 +94,6 @@ def run_replicated(op, *args, **kwargs):
         if isinstance(t, torch.Tensor) else t, out)
 
 
-class _ContiguousLocalGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient's local shard contiguous: `reshape`'s
-    gradient hook as an op torch.compile traces into the backward graph."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if isinstance(grad, DTensor):
-            return DTensor.from_local(
-                grad.to_local().contiguous(), grad.device_mesh, grad.placements,
-                run_check=False, shape=grad.shape,
-                stride=torch._prims_common.make_contiguous_strides_for(grad.shape))
-        return grad.contiguous()
-
-
 def reshape(x, shape):
     """`aten.view` / `aten.reshape` that works on strided local shards.
 
@@ -120,21 +102,17 @@ def reshape(x, shape):
     and run `view` on it, which fails -- in forward, and in backward when the incoming gradient
     is strided. The local shard (and, through a hook, the gradient) is made contiguous first (a
     copy only when it is strided, as `reshape` would make); the sharding rule is DTensor's.
-    Under torch.compile ([Note: compiled stages] in autoplan/runtime/compiled.py) the local
-    shard is always made contiguous (`contiguous` of a contiguous tensor is free, and the
-    traced graph must not depend on a stride test that dynamo may answer from another layout)
-    and the gradient hook is an identity op whose backward does the same
-    (`_ContiguousLocalGrad`): a hook on an intermediate would break the graph.
+    Under torch.compile no hook ([Note: compiled stages] in autoplan/runtime/compiled.py): a
+    hook on an intermediate breaks the graph, and the lone reshape frame then fails in
+    AOTAutograd's replay of an aliased DTensor output (as_strided). Known limit: when the
+    gradient reaching a traced reshape is strided, AOTAutograd's trace of the backward view
+    fails (BackendCompilerFailed, "Cannot view a tensor ... with strides"; GPT-2 width 256 under
+    dp2 x tp2). An identity op making that gradient contiguous compiled but gave wrong
+    gradients (1% loss error at step 2), and an eager reshape meets the aliasing failure
+    again: neither is used, a loud failure being better than a wrong number.
     """
-    compiling = torch.compiler.is_compiling()
-    if compiling and isinstance(x, DTensor):
-        x = DTensor.from_local(
-            x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
-            shape=x.shape, stride=torch._prims_common.make_contiguous_strides_for(x.shape))
     out = aten.reshape.default(_contiguous_local(x), shape)
-    if isinstance(out, DTensor) and out.requires_grad:
-        if compiling:  # the hook's work as a traced op of the backward
-            return _ContiguousLocalGrad.apply(out)
+    if isinstance(out, DTensor) and out.requires_grad and not torch.compiler.is_compiling():
         out.register_hook(_contiguous_local)
     return out
 
