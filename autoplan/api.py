@@ -604,7 +604,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
                  loss_fn: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
                  init: Callable | None = None, seed: int | None = None, kernels: bool = True,
-                 compile: bool = False, example_batch=None, batch_dims: dict[str, int | None] | None = None,
+                 compile: bool = False, example_batch=None,
+                 batch_dims: dict[str, int | None] | None = None,
                  **overrides):
     """Decorate a module class, a factory function or an instance.
 
