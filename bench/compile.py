@@ -4,8 +4,9 @@
     python bench/compile.py            # -> bench/results/compile.json
     python bench/compile.py --quick    # fewer pairs, a smaller model, to try the bench
 
-For each configuration (dp2 x tp2 ZeRO-0 and pp2 x dp2 1F1B with 4 microbatches, the
-configurations of tests/test_compile.py at a bench size), every rank builds the same model
+For each configuration (dp2 x tp2 ZeRO-0 under a memory budget that makes the plan split the
+weights on the tp axis, see `split_weights_budget`, and pp2 x dp2 1F1B with 4 microbatches:
+the configurations of tests/test_compile.py at a bench size), every rank builds the same model
 twice from the same seed -- once eager, once with compile=True (plans identical but for
 `Plan.compiled` and its prediction) -- runs WARMUP steps of each (the compiled model's first
 step compiles), then PAIRS interleaved pairs of steps on the same batches (eager then compiled,
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 CONFIGS = {
-    "dp2xtp2": dict(dp=2, tp=2, zero_stage=0, num_microbatches=1),
+    "dp2xtp2 split weights": dict(dp=2, tp=2, zero_stage=0, num_microbatches=1),
     "pp2xdp2 1f1b m4": dict(pp=2, dp=2, zero_stage=0, num_microbatches=4, schedule="1f1b"),
 }
 MODEL = dict(n_embd=256, n_layer=4, n_head=4, vocab_size=2048, n_positions=64)
@@ -45,14 +46,25 @@ QUICK_MODEL = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=6
 GLOBAL_BATCH, SEQ, WARMUP = 8, 64, 2
 
 
-def _build(config: dict, overrides: dict, compile: bool):
+def _build(config: dict, overrides: dict, compile: bool, **options):
     from autoplan import autoparallel
     from autoplan.models import build_model
 
     torch.manual_seed(0)
     model = build_model("gpt2", device="cpu", **config)
     return autoparallel(model, global_batch=GLOBAL_BATCH, seq_len=SEQ, compile=compile,
-                        **overrides)
+                        **options, **overrides)
+
+
+def split_weights_budget(config: dict, overrides: dict) -> float | None:
+    """With tp: 0.9 of the memory the plan needs with ample memory, so that the planner splits
+    the weights on the tp axis (Megatron-style) instead of replicating them, as
+    tests/test_compile.py does. Compiling a tp plan that shards the batch dim of attention on
+    the tp axis fails at compile time (a strided gradient reaching a traced reshape,
+    autoplan/passes/sharding.py `reshape`), so the bench measures the split-weights plan."""
+    if overrides.get("tp", 1) == 1:
+        return None
+    return _build(config, overrides, False, world_size=4).plan.prediction.memory_bytes * 0.9
 
 
 def _timed_step(model, x, y) -> tuple[float, float]:
@@ -65,14 +77,15 @@ def _timed_step(model, x, y) -> tuple[float, float]:
     return loss, float(took)
 
 
-def run_config(config: dict, overrides: dict, pairs: int, cache_dir: str) -> dict:
+def run_config(config: dict, overrides: dict, pairs: int, cache_dir: str,
+               budget: float | None) -> dict:
     """On every rank: the eager and the compiled model, WARMUP steps each, then `pairs`
     interleaved pairs of steps."""
     from autoplan._torch_compat import compile_counters
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    models = {"eager": _build(config, overrides, False),
-              "compiled": _build(config, overrides, True)}
+    models = {"eager": _build(config, overrides, False, device_memory_bytes=budget),
+              "compiled": _build(config, overrides, True, device_memory_bytes=budget)}
     g = torch.Generator().manual_seed(1)
     steps = WARMUP + pairs
     tokens = torch.randint(0, config["vocab_size"], (steps, GLOBAL_BATCH, SEQ + 1),
@@ -105,7 +118,8 @@ def run_config(config: dict, overrides: dict, pairs: int, cache_dir: str) -> dic
         "predicted_ratio": (plans["compiled"].prediction.step_time_s
                             / plans["eager"].prediction.step_time_s),
         "compile_counters": {k: after[k] - before[k] for k in after},
-        "max_loss_rel_diff": loss_diff, "losses": losses,
+        "max_loss_rel_diff": loss_diff, "losses": losses, "device_memory_bytes": budget,
+        "param_placements": dict(plans["compiled"].param_placements),
     }
 
 
@@ -117,15 +131,22 @@ def main(argv=None) -> int:
                         default=Path(__file__).parent / "results" / "compile.json")
     args = parser.parse_args(argv)
     from autoplan.runtime import LocalCluster
+    from autoplan.runtime.launcher import RankError
 
     config = QUICK_MODEL if args.quick else MODEL
     pairs = args.pairs or (3 if args.quick else 9)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:
         for name, overrides in CONFIGS.items():
-            with LocalCluster(4, pg_timeout_s=1800) as cluster:
-                rows = cluster.run(run_config, config, overrides, pairs, cache_dir,
-                                   timeout_s=3000)
+            budget = split_weights_budget(config, overrides)
+            try:
+                with LocalCluster(4, pg_timeout_s=1800) as cluster:
+                    rows = cluster.run(run_config, config, overrides, pairs, cache_dir,
+                                       budget, timeout_s=3000)
+            except RankError as e:  # recorded, not hidden: the other configurations still run
+                runs[name] = {"error": str(e).splitlines()[0][:500]}
+                print(f"{name:16s} failed: {runs[name]['error']}", flush=True)
+                continue
             row = rows[0]  # the times are every rank's maximum: the same on each
             runs[name] = row
             print(f"{name:16s} {row['plan']}: compiled / eager step time "
