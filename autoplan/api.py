@@ -62,6 +62,7 @@ class PlanOptions:
     init: Callable | None = None
     seed: int | None = None
     kernels: bool = True
+    compile: bool = False
     example_batch: object = None
     batch_dims: tuple[tuple[str, int | None], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
@@ -240,7 +241,7 @@ class AutoParallel:
             return None
         return {"command": "autoparallel", "graph": graph_fingerprint(graph),
                 "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),
-                "overrides": overrides}
+                "overrides": overrides, "compiled": self.options.compile}
 
     def _cached_plan(self, request: dict | None, topo: Topology) -> Plan | None:
         """The cache's plan for `request`, its warnings said again; None on a miss."""
@@ -276,7 +277,8 @@ class AutoParallel:
             # (runtime/checks.py check_context_parallel); a given cp > 1 fails at build
             overrides = dict(self.options.overrides)
             try:
-                plan = solve(graph, topo, self.spec, **{"cp": 1, **overrides})
+                plan = solve(graph, topo, self.spec, compiled=self.options.compile,
+                             **{"cp": 1, **overrides})
             except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
                 if "cp" in overrides or not ("does not fit world size" in e.reason or
                                              "no configuration of" in e.reason):
@@ -296,6 +298,20 @@ class AutoParallel:
 
     # -- training ---------------------------------------------------------------------------
     def _compile(self):
+        """The engine (`_build_engine`); a build that fails takes down the one-rank process
+        group it set up for itself, so that the process is as it was (a later fake or real
+        group of another size can be made)."""
+        before = len(_PRIVATE_GROUP)
+        try:
+            return self._build_engine()
+        except BaseException:
+            if len(_PRIVATE_GROUP) > before and dist.is_initialized() and \
+                    dist.group.WORLD is _PRIVATE_GROUP[-1]:
+                dist.destroy_process_group()
+                _PRIVATE_GROUP.pop()
+            raise
+
+    def _build_engine(self):
         from autoplan.passes.expand import plan_for_graph
         from autoplan.progress import phase
         from autoplan.runtime import job
@@ -342,7 +358,8 @@ class AutoParallel:
                                       loss_fn=self.options.loss_fn,
                                       max_grad_norm=self.options.max_grad_norm,
                                       device=job.device(), seed=self.options.seed,
-                                      inputs=self.inputs, kernels=self.options.kernels)
+                                      inputs=self.inputs, kernels=self.options.kernels,
+                                      compile=self.options.compile)
         if self.options.weights is not None and _is_dcp(self.options.weights):
             with self._timed("build_s"):
                 engine.load(self.options.weights)
@@ -601,7 +618,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
                  loss_fn: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
                  init: Callable | None = None, seed: int | None = None, kernels: bool = True,
-                 example_batch=None, batch_dims: dict[str, int | None] | None = None,
+                 compile: bool = False, example_batch=None,
+                 batch_dims: dict[str, int | None] | None = None,
                  **overrides):
     """Decorate a module class, a factory function or an instance.
 
@@ -644,6 +662,15 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             implement in the rewritten graphs ([Note: kernel fusion] in
             autoplan/passes/kernels.py; Triton on CUDA, the torch reference on CPU); False keeps
             the captured ops. A runtime choice: the plan is the same either way.
+        compile: run each rank's stage modules through torch.compile (TorchInductor; C++ on
+            CPU, Triton on CUDA): one compiled region per repeated block (a model without
+            blocks: its whole stage), on the DTensors of tensor parallelism, inside FSDP2's
+            and the pipeline's collectives, as torchtitan compiles per block
+            ([Note: compiled stages] in autoplan/runtime/compiled.py). The plan is priced for
+            it (`Plan.compiled`: no DTensor host time per op, pointwise chains fused;
+            [Note: compiled execution] in autoplan/cost_model/compute.py). The first step
+            pays the compilation (TORCHINDUCTOR_CACHE_DIR keeps the kernels between runs);
+            results equal the eager run's (tests/test_compile.py).
         example_batch: the batch to plan for, as `step` takes it (a dict, tuple or tensor;
             tensors on meta do), at global_batch samples; default: the first batch given to
             `step`, or (global_batch, seq_len) token ids and labels (autoplan/inputs.py).
@@ -683,14 +710,16 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"autoparallel: {name}={value!r}; expected an integer >= {least}")
-    if not isinstance(kernels, bool):
-        raise ValueError(f"autoparallel: kernels={kernels!r}; expected True or False")
+    for name, value in (("kernels", kernels), ("compile", compile)):
+        if not isinstance(value, bool):
+            raise ValueError(f"autoparallel: {name}={value!r}; expected True or False")
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
                           max_grad_norm=max_grad_norm,
                           device_memory_bytes=device_memory_bytes, weights=weights, init=init,
-                          seed=seed, kernels=kernels, example_batch=example_batch,
+                          seed=seed, kernels=kernels, compile=compile,
+                          example_batch=example_batch,
                           batch_dims=tuple(sorted((batch_dims or {}).items())),
                           overrides=tuple(sorted(overrides.items())))
 

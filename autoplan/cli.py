@@ -139,6 +139,10 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
                           "too; default: searched where nothing fits on the device")
     fix.add_argument("--allow-tp-across-nodes", action="store_true",
                      help="let tp groups span nodes (default: tp stays inside a node)")
+    fix.add_argument("--compile", action="store_true",
+                     help="price the stages as run through torch.compile, as "
+                          "@autoparallel(compile=True) runs them: no DTensor host time per op, "
+                          "pointwise chains fused (the plan says compiled)")
     solver = p.add_argument_group("planning")
     if capture_depth:
         # default: autoplan.capture.planning.PLANNING_BLOCKS (not imported: it imports torch)
@@ -307,7 +311,8 @@ def _plan(args, num_layers: int | None) -> _Planned:
                       checkpointing=args.checkpointing, sequence_parallel=args.sequence_parallel,
                       cp=args.cp,
                       allow_tp_across_nodes=args.allow_tp_across_nodes,
-                      time_limit_s=args.time_limit, top_k=args.top_k, offload=args.offload)
+                      time_limit_s=args.time_limit, top_k=args.top_k, offload=args.offload,
+                      compiled=args.compile)
     said = []
     for w in caught:
         if issubclass(w.category, ReplicatedWeightsWarning):  # about the plan: for the user
@@ -453,6 +458,7 @@ def _cache_request(args):
 # the `plan` flags a plan depends on besides the model, cluster and training spec
 _PLAN_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
                "checkpointing", "sequence_parallel", "allow_tp_across_nodes", "offload",
+               "compile",
                "num_layers_capture", "time_limit", "top_k")
 
 

@@ -265,6 +265,10 @@ class Plan:
         offload: one of OFFLOADS: "none"; "optimizer" (ZeRO 0/1: optimizer states and the
             step on the host); "optimizer+params" (ZeRO-3: parameter shards too, FSDP2's
             CPUOffloadPolicy); [Note: offload] in autoplan/solver/offload.py.
+        compiled: the prediction assumes the stages run compiled (torch.compile: no DTensor
+            dispatch per op, pointwise chains fused; [Note: compiled execution] in
+            autoplan/cost_model/compute.py), and the runtime compiles them
+            ([Note: compiled stages] in autoplan/runtime/compiled.py).
         schema_version: JSON schema version.
     """
 
@@ -287,6 +291,7 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     dtype: str = "float32"
     offload: str = "none"
+    compiled: bool = False
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -329,7 +334,7 @@ class Plan:
         return (f"Plan({self.model} on {self.topology}: {self.mesh}, ZeRO-{self.zero_stage}, "
                 f"{F.plural(self.num_microbatches, 'microbatch')} of "
                 f"{F.plural(self.microbatch_size, 'sample')}, "
-                f"{self.schedule}, "
+                f"{self.schedule}, {'compiled, ' if self.compiled else ''}"
                 + ("" if self.offload == "none" else f"{self.offload} offloaded, ") +
                 f"{F.plural(len(self.redistributions), 'redistribution')}, "
                 f"step {F.fmt_time(self.prediction.step_time_s)}, "
@@ -338,11 +343,13 @@ class Plan:
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The plan as JSON-ready data; a mesh without expert or context parallelism (ep 1,
-        cp 1) is written without its `ep` / `cp` key, and a plan or alternative without offload
-        without its `offload` key (its prediction without the cp and host figures at 0), as
-        before they existed (readers default them), so plans without them keep their JSON byte
-        for byte: schema version 1 either way."""
+        cp 1) is written without its `ep` / `cp` key, a plan or alternative without offload
+        without its `offload` key (its prediction without the cp and host figures at 0), and an
+        eager plan without its `compiled` key, as before they existed (readers default them),
+        so plans without them keep their JSON byte for byte: schema version 1 either way."""
         d = dataclasses.asdict(self)
+        if not d["compiled"]:
+            del d["compiled"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:

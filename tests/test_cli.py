@@ -167,7 +167,9 @@ def test_export_arguments_reach_export_plan(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("autoplan.cli._plan", fake_plan)
     monkeypatch.setattr("autoplan.report.render_summary",
                         lambda plan, topology, graph: "summary")
-    monkeypatch.setattr("autoplan.passes.export.export_plan", fake_export)
+    # cli._export (not export_plan): with a process group in this process -- a single-process
+    # build earlier in the session keeps its private one -- export_plan runs in a forked child
+    monkeypatch.setattr("autoplan.cli._export", fake_export)
     code, out, err = _run(capsys, "export", "--model", "gpt2-tiny", "--cluster", "local-cpu",
                           "--global-batch", "8", "--seq", "16", "--tp", "2", "--zero", "3",
                           "--schedule", "gpipe", "-o", str(tmp_path / "x"))
@@ -187,7 +189,7 @@ def test_export_failure_leaves_no_directory(capsys, tmp_path, monkeypatch):
 
     monkeypatch.setattr("autoplan.cli._plan",
                         lambda args, n: _Planned("graph", preset("local-cpu"), _FakePlan()))
-    monkeypatch.setattr("autoplan.passes.export.export_plan", fake_export)
+    monkeypatch.setattr("autoplan.cli._export", fake_export)  # see the test above
     code, _, err = _run(capsys, "export", "--model", "gpt2-tiny", "--cluster", "local-cpu",
                         "--global-batch", "8", "--seq", "16", "-o", str(tmp_path / "x"))
     assert code == 2 and "cannot export" in err

@@ -66,6 +66,7 @@ __all__ = [
     "at_tokens",
     "module_input_bytes", "op_time_s",
     "backward_time_s", "graph_forward_time_s", "graph_backward_time_s", "dtensor_dispatches",
+    "compiled_device",
 ]
 
 MATMUL_HALF_DIM = 128.0
@@ -321,3 +322,38 @@ def dtensor_dispatches(node: NodeInfo) -> int:
     dispatch so counted on a reference graph, whose backward runs more DTensor ops than one per
     node (a matmul's backward is two matmuls and transposes)."""
     return 1 if op_name(node.target) in NO_GRAD_OPS else 2
+
+
+def compiled_device(device: DeviceSpec) -> DeviceSpec:
+    """`device` as it runs compiled stages ([Note: compiled execution]): pointwise chains fused
+    (`fuses_pointwise`), no DTensor host time per op or per redistribution
+    (`dtensor_op_overhead_s`, `dtensor_redistribute_s` 0). Everything else -- peak rates, the
+    matmul curve, launch latency per kernel, the optimizer's per-tensor host time -- as given.
+
+    [Note: compiled execution]
+    A plan made with `compiled=True` (Plan.compiled) is priced for stages whose blocks run
+    through torch.compile (TorchInductor; [Note: compiled stages] in
+    autoplan/runtime/compiled.py). What changes, and the assumption behind each:
+    - DTensor dispatch: inductor traces DTensor's sharding propagation once at compile time
+      and runs the local ops it produced (Ansel et al., "PyTorch 2", ASPLOS 2024, section 4:
+      tensor subclasses are desugared by AOTAutograd), so a tensor-parallel op costs no host
+      time beyond its kernel: `dtensor_op_overhead_s` = 0. The same holds for the Python work of
+      a redistribution, which is traced into functional collectives:
+      `dtensor_redistribute_s` = 0; the collective itself is priced by cost_model.comm as
+      before.
+    - Fusion: inductor fuses chains of pointwise ops and the reductions around them into one
+      kernel each, which is what [Note: pointwise fusion] in capture/fusion.py prices:
+      `fuses_pointwise` = True (each chain moves only what enters and leaves it and launches
+      once).
+    - Unchanged: `launch_latency_s` per kernel that still runs (a matmul is an extern call in
+      inductor's code too), the optimizer step (not compiled: `optimizer_op_s`,
+      `dtensor_optimizer_op_s`) and FSDP2's / pipelining's collectives (outside the compiled
+      region).
+    - Left out: the ops outside the block modules (embedding, final norm, head, loss) run
+      eagerly at run time but are priced compiled here: 2 of L + 2 regions of an L-block model
+      (assumption: small next to the blocks for the models planned; it under-prices the host
+      time of a shallow model). Compile time itself (the first step) is not in the step time.
+    Measured on CPU ranks by bench/compile.py (bench/results/compile.json).
+    """
+    return dataclasses.replace(device, fuses_pointwise=True, dtensor_op_overhead_s=0.0,
+                               dtensor_redistribute_s=0.0)

@@ -44,7 +44,8 @@ from autoplan.graph import CapturedGraph
 from autoplan.passes.blocks import block_nodes, outline
 from autoplan.passes.rng import RandomState
 
-__all__ = ["wrap_checkpointing", "run_checkpointed", "POLICIES", "SELECTIVE_SAVED_OPS"]
+__all__ = ["wrap_checkpointing", "run_checkpointed", "selective_context", "POLICIES",
+           "SELECTIVE_SAVED_OPS"]
 
 POLICIES = ("none", "core-attention", "selective", "full")
 
@@ -58,6 +59,13 @@ def _selective_policy(ctx, op, *args, **kwargs):
     # ops as dispatched: a captured aten.linear arrives here as its mm / addmm (and a view)
     return (CheckpointPolicy.MUST_SAVE if memory.selective_saves(op)
             else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def selective_context():
+    """The "selective" policy's (forward, recompute) contexts, without the random-state
+    restore of `run_checkpointed`: the `context_fn` of a checkpoint that torch.compile traces
+    (a module-level function, as dynamo requires; autoplan/runtime/compiled.py)."""
+    return create_selective_checkpoint_contexts(_selective_policy)
 
 
 @contextlib.contextmanager

@@ -102,9 +102,17 @@ def reshape(x, shape):
     and run `view` on it, which fails -- in forward, and in backward when the incoming gradient
     is strided. The local shard (and, through a hook, the gradient) is made contiguous first (a
     copy only when it is strided, as `reshape` would make); the sharding rule is DTensor's.
+    Under torch.compile no hook ([Note: compiled stages] in autoplan/runtime/compiled.py): a
+    hook on an intermediate breaks the graph, and the lone reshape frame then fails in
+    AOTAutograd's replay of an aliased DTensor output (as_strided). Known limit: when the
+    gradient reaching a traced reshape is strided, AOTAutograd's trace of the backward view
+    fails (BackendCompilerFailed, "Cannot view a tensor ... with strides"; GPT-2 width 256 under
+    dp2 x tp2). An identity op making that gradient contiguous compiled but gave wrong
+    gradients (1% loss error at step 2), and an eager reshape meets the aliasing failure
+    again: neither is used, a loud failure being better than a wrong number.
     """
     out = aten.reshape.default(_contiguous_local(x), shape)
-    if isinstance(out, DTensor) and out.requires_grad:
+    if isinstance(out, DTensor) and out.requires_grad and not torch.compiler.is_compiling():
         out.register_hook(_contiguous_local)
     return out
 

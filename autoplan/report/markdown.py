@@ -79,6 +79,9 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         *([["CPU offload", _offload_text(plan, topology)]] if plan.offload != "none" else []),
         *([["sequence parallelism", sp]] if (sp := _sequence_text(plan, graph)) else []),
         ["dtype", f"{plan.dtype}: {precision_recipe(plan.dtype)}"],
+        *([["execution", "compiled: torch.compile per block, priced without DTensor "
+                         "dispatch per op and with pointwise chains fused"]]
+          if plan.compiled else []),
     ]
     return [f"# autoplan: {plan.model} on {plan.topology}", "", "## Summary", "",
             *_table(["", ""], rows)]
@@ -364,7 +367,8 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
         + f", {F.plural(plan.num_microbatches, 'microbatch')} of "
           f"{F.plural(plan.microbatch_size, 'sample')}",
         f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}"
-        + ("" if plan.offload == "none" else f"; {plan.offload} offloaded to the host"),
+        + ("" if plan.offload == "none" else f"; {plan.offload} offloaded to the host")
+        + ("; compiled (torch.compile)" if plan.compiled else ""),
         f"params      {_sharded_text(plan, graph)}; "
         f"{F.plural(len(plan.redistributions), 'redistribution')}",
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "

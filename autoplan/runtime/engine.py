@@ -11,7 +11,8 @@ Build order (each step needs the previous one), all on the meta device until ste
    layout-invariant (`passes.rng`, [Note: RNG contract]). The RMSNorm and SwiGLU patterns
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
-   plan says so (`passes.checkpointing`).
+   plan says so (`passes.checkpointing`); with `compile`, each block's forward goes through
+   torch.compile ([Note: compiled stages] in runtime/compiled.py).
 5. Data parallelism by ZeRO stage, with torch's FSDP2 machinery on the dp sub-mesh, one unit
    per block plus one for the rest of the stage: 0 -> `replicate` (DDP-style all-reduce),
    2 -> `fully_shard(reshard_after_forward=False)`, 3 -> `fully_shard(reshard_after_forward=
@@ -65,6 +66,7 @@ from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan, check_context_parallel
 from autoplan.runtime.offload import HostOptimizer
+from autoplan.runtime.compiled import compile_flat_stage, compile_stage, random_ops_eager
 from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
@@ -102,6 +104,9 @@ class DistributedModel:
         kernels: replace the RMSNorm and SwiGLU patterns of the stage graphs with the fused
             kernels' ops (autoplan/passes/kernels.py; Triton on CUDA, the torch reference on
             CPU); False runs the captured ops as they are.
+        compile: run each block module of this rank's stages (a stage without blocks: the
+            whole stage) through torch.compile (inductor), [Note: compiled stages] in
+            autoplan/runtime/compiled.py; None: as the plan assumed (`plan.compiled`).
 
     The loss ([Note: step loss]): `loss_fn(output, target)` when given (the token-LM form:
     `(logits, labels)`; any other: the model's output and the batch as given to `step`, one
@@ -118,7 +123,8 @@ class DistributedModel:
                  optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  device: str = "cpu", max_grad_norm: float | None = None,
                  seed: int | None = None, lr_scheduler: Callable | None = None,
-                 inputs: InputSpec | None = None, kernels: bool = True):
+                 inputs: InputSpec | None = None, kernels: bool = True,
+                 compile: bool | None = None):
         check_context_parallel(plan)  # before anything is set up: not run yet
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
@@ -132,6 +138,8 @@ class DistributedModel:
         self.loss_fn = loss_fn
         self.kernels = kernels
         self.kernel_counts: dict[int, dict[str, int]] = {}  # by stage: fuse_kernels' counts
+        self.compile = plan.compiled if compile is None else bool(compile)
+        self.compiled: dict[int, list[str]] = {}  # by stage: the module paths compiled
         loss_mode(graph, self.inputs, loss_fn)  # no loss to train on: raise before building
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
@@ -196,6 +204,12 @@ class DistributedModel:
         # dtype): rebinding them must not touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
         random_ops = random_op_indices(gm)
+        if random_ops and self.compile and plan.checkpointing == "selective":
+            raise ValueError(
+                f"compile=True with checkpointing='selective' on a model with random ops "
+                f"({len(random_ops)}: {sorted(random_ops)[:3]}...): a selectively checkpointed "
+                "block is compiled whole and the random ops run eagerly ([Note: compiled "
+                "stages]); plan with checkpointing='full' or 'none', or compile=False")
         _weights_to_meta(gm, self.precision.master_dtype)
         retarget_device(gm, self.device)
         stage_graphs = split_stages(gm, graph, plan.stages)
@@ -226,6 +240,8 @@ class DistributedModel:
                 make_random_ops_layout_invariant(sg.gm, random_ops)
                 sg.gm.random_state.seed = self.seed
                 self._random_states[sg.index] = sg.gm.random_state
+                if self.compile:  # drawn eagerly ([Note: compiled stages])
+                    random_ops_eager(sg.gm)
             # consumers this rank runs (a stage input placeholder named after its producer in
             # an earlier stage is not one)
             held |= {n.meta.get("orig_name", n.name) for n in sg.gm.graph.nodes
@@ -241,8 +257,17 @@ class DistributedModel:
             # Each block a called module (one FSDP2 unit each), after placements and the tp
             # parameters: a block takes its redistributions and DTensor parameters with it.
             blocks = install_blocks(sg.gm, graph)
+            # Compile the block forwards on DTensors, inside checkpointing, the tp wrapper and
+            # the FSDP2 hooks ([Note: compiled stages]).
+            if self.compile and blocks:
+                self.compiled[sg.index] = compile_stage(sg.gm, blocks, plan.checkpointing)
             # Checkpoint after placements: a block's redistributions are recomputed with it.
-            wrap_checkpointing(sg.gm, graph, plan.checkpointing, blocks)
+            # (compile_stage checkpoints selectively compiled blocks itself.)
+            wrap_checkpointing(sg.gm, graph, plan.checkpointing,
+                               [] if self.compile and plan.checkpointing == "selective"
+                               else blocks)
+            if self.compile and not blocks:
+                self.compiled[sg.index] = compile_flat_stage(sg.gm)
             if plan.mesh.tp > 1:
                 sg.gm.forward = _compat.tp_stage_forward(
                     sg.gm, self.mesh["tp"],

@@ -10,6 +10,7 @@ import logging
 import time
 import warnings
 
+from autoplan.cost_model.compute import compiled_device
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
@@ -28,7 +29,7 @@ from autoplan.solver.offload import available as offload_available
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["plan", "reprice"]
+__all__ = ["plan", "reprice", "compiled_topology"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
          time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
          sequence_parallel: bool | None = None, cp: int | None = None,
-         offload: str | None = None) -> Plan:
+         offload: str | None = None, compiled: bool = False) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -78,6 +79,9 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             host memory, the optimizer step on the host ([Note: offload] in
             solver/offload.py); None: searched where no placement fits on the device (needs
             the topology's host figures).
+        compiled: price the stages as run through torch.compile (no DTensor host time,
+            pointwise chains fused: cost_model.compute.compiled_device, [Note: compiled
+            execution]); the plan says so (`Plan.compiled`) and the runtime compiles them.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -110,6 +114,10 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO 0, 2 or 3; got tp {tp}, "
                                 f"zero_stage {zero_stage}")
         tp = 1
+    if not isinstance(compiled, bool):
+        raise ValueError(f"compiled={compiled!r}; expected True or False")
+    if compiled:
+        topology = compiled_topology(topology)
     with _collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
@@ -131,7 +139,14 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                 raise InvalidConfig(f"ep {ep}: no plan fits at ZeRO 0, 2 or 3 (ep does not run "
                                     "with ZeRO-1)")
             result = min(others, key=lambda p: p.prediction.step_time_s)
-    return expert_parallel(graph, result, spec, topology, ep)
+    result = expert_parallel(graph, result, spec, topology, ep)
+    return dataclasses.replace(result, compiled=True) if compiled else result
+
+
+def compiled_topology(topology: Topology) -> Topology:
+    """`topology` with its device as it runs compiled stages
+    (cost_model.compute.compiled_device, [Note: compiled execution])."""
+    return dataclasses.replace(topology, device=compiled_device(topology.device))
 
 
 def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec) -> Plan:
@@ -141,7 +156,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
     fidelity.py prices the plan it ran at the machine speed measured during the run), or a plan
     made for one cluster on another of the same size.
 
-    An ep plan keeps its ep, repriced too ([Note: expert parallelism] in solver/experts.py).
+    An ep plan keeps its ep, repriced too ([Note: expert parallelism] in solver/experts.py);
+    a compiled plan is priced compiled ([Note: compiled execution]).
 
     Raises InvalidConfig when the plan does not belong to this graph and world size (a node
     without the plan's placements among its candidates, another device count).
@@ -149,6 +165,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
     if plan.mesh.world_size != topology.world_size:
         raise InvalidConfig(f"plan {plan.mesh} needs {plan.mesh.world_size} devices; topology "
                             f"{topology.name} has {topology.world_size}")
+    if plan.compiled:
+        topology = compiled_topology(topology)
     with _collector_paused():
         search = Search(graph, topology, spec, time_limit_s=10.0)
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
@@ -175,8 +193,9 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
             choice[n] = match[0]
         costs = search.cost(*cfg.costs_key)
         assessed = search.assess(cfg, evaluate(problem, costs, choice))
-        return expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
-                               plan.mesh.ep)
+        priced = expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
+                                 plan.mesh.ep)
+        return dataclasses.replace(priced, compiled=plan.compiled)
 
 
 @contextlib.contextmanager
