@@ -21,9 +21,9 @@ global batch on every rank, as `model.step` requires.
 Variants: `eager` (compile and kernels off), `compile` (torch.compile of each rank's stage
 modules), `kernels` (the fused kernels in the rewritten graphs: Triton on CUDA) and both. The
 script reads `autoparallel`'s signature: an option it has is set on or off as the variant says
-(`kernels=` is on by default, so `eager` turns it off); a variant that needs an option it does
-not have yet (`compile=` at the time of writing) is recorded as `skipped` with the reason, and
-printed.
+(`kernels=` is on by default, so `eager` turns it off); a variant that needs an option an
+installation lacks is recorded as `skipped` with the reason, and printed (`compile=` exists
+since the compiled stages of autoplan/runtime/compiled.py).
 
 Measured, per variant (after `--warmup` steps, over the next `--steps`): the median step time
 (`model.metrics.step_time_s`, wall time of `step` on rank 0) against the plan's predicted step
