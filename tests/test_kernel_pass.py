@@ -28,8 +28,9 @@ def _targets(gm) -> list:
 
 def test_llama_patterns_are_found_and_replaced():
     """llama-tiny, 2 layers: 2 RMSNorms a layer and the final one, 1 SwiGLU a layer; each norm
-    replaces its 7 or 8 aten nodes (the fp32 cast stays when the residual reads it too), each
-    gating 2; no rsqrt or silu is left, and the calls keep the output's name (its block)."""
+    replaces its 6 aten nodes (an fp32 graph has no casts: capture leaves out a cast to the
+    dtype a tensor has; a 16-bit one has 7 or 8), each gating 2; no rsqrt or silu is left, and
+    the calls keep the output's name (its block)."""
     graph = capture_preset("llama-tiny", batch=2, seq_len=16)
     gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
     before = len(gm.graph.nodes)
@@ -37,7 +38,7 @@ def test_llama_patterns_are_found_and_replaced():
     assert (counts["rms_norm"], counts["swiglu"]) == (5, 2), counts
     # every replaced node is gone, one call each in their place
     assert before - len(gm.graph.nodes) == counts["replaced_nodes"] - 7
-    assert 5 * 7 + 2 * 2 <= counts["replaced_nodes"] <= 5 * 8 + 2 * 2
+    assert 5 * 6 + 2 * 2 <= counts["replaced_nodes"] <= 5 * 8 + 2 * 2
     assert aten.rsqrt.default not in _targets(gm) and aten.silu.default not in _targets(gm)
     names = {n.meta.get("orig_name", n.name) for n in gm.graph.nodes
              if getattr(n.target, "__name__", "") in ("rms_norm_local", "swiglu_local")}
@@ -133,7 +134,12 @@ def test_dp2_tp2_with_kernels_matches_single_process(clusters, vocab):
     assert head == ("S(0)" if vocab else "R"), head
     for losses, params, _, counts, vocab_parallel, (loss, logits) in results:
         assert_matches("llama-tiny", (losses, params), ref, steps=steps)
-        assert {k: (c["rms_norm"], c["swiglu"]) for k, c in counts.items()} == {0: (5, 2)}
+        # the first norm reads the embedding's output itself (an fp32 graph has no cast in
+        # between); with the head split by vocabulary the plan redistributes that output
+        # on the way into the norm, which keeps the pattern unfused ([Note: kernel fusion])
+        norms = 5 if not vocab else (4, 5)
+        assert set(counts) == {0} and counts[0]["swiglu"] == 2
+        assert counts[0]["rms_norm"] in ((norms,) if isinstance(norms, int) else norms)
         assert vocab_parallel == bool(vocab)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
@@ -142,9 +148,9 @@ def test_dp2_tp2_with_kernels_matches_single_process(clusters, vocab):
 def test_fused_ops_are_priced_as_one_memory_pass():
     """[Note: kernel fusion], Pricing: on a fusing device the cost model's bytes of a replaced
     chain (capture/fusion.py fused_bytes) are the fused op's one pass: gate + up + y for each
-    SwiGLU; x + weight + y for the first norm, whose chain starts at the fp32 cast of the
-    embedding (kept: the residual reads it too, and it is the one that reads x); weight + y for a
-    norm inside a residual add's chain (x is priced with the add, not written)."""
+    SwiGLU; x + weight + y for the first norm, whose x is the embedding's output (read once by
+    the chain, though its pow and its mul both read it); weight + y for a norm inside a residual
+    add's chain (x is priced with the add, not written)."""
     from autoplan.capture.fusion import fused_bytes
 
     graph = capture_preset("llama-tiny", batch=2, seq_len=16)
@@ -166,8 +172,8 @@ def test_fused_ops_are_priced_as_one_memory_pass():
         one_pass = nbytes(x) + nbytes(w) + nbytes(node)
         if name == "swiglu_local":
             assert chain == one_pass, (node.name, chain, one_pass)
-        elif x.args[0].target is aten.embedding.default:
-            assert chain + priced[x.name] == one_pass, (node.name, chain, one_pass)
+        elif x.target is aten.embedding.default:
+            assert chain == one_pass, (node.name, chain, one_pass)
         else:
             assert chain == one_pass - nbytes(x), (node.name, chain, one_pass)
         seen[name].append(node.name)

@@ -97,15 +97,42 @@ def fused_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
     `call_function` node of `gm` ([Note: pointwise fusion]); nodes that are not fusible are
     absent (their bytes are their own). Reads `node.meta["val"]` (fake or meta tensors)."""
     out: dict[str, int] = {}
+    chain = _chains(gm)
+    seen: set[tuple] = set()  # (chain, external input): read once by the chain's kernel
     for node in gm.graph.nodes:
         if not _fusible(node):
             continue
         read = 0
         for arg in node.all_input_nodes:
-            if not _fusible(_source(arg)):
+            key = (chain[node], _source(arg))
+            if not _fusible(_source(arg)) and key not in seen:
+                seen.add(key)
                 read += _nbytes(arg.meta.get("val"))
         readers = _readers(node)
         written = (_nbytes(node.meta.get("val"))
                    if not readers or any(not _fusible(r) for r in readers) else 0)
         out[node.name] = read + written
     return out
+
+
+def _chains(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each fusible node's chain, by a representative node: fusible nodes joined by an edge
+    (through views) are one kernel, so an input from outside that several of them read --
+    RMSNorm's x, read by its pow and its mul -- is read once."""
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in gm.graph.nodes:
+        if _fusible(node):
+            parent[node] = node
+    for node in parent:
+        for arg in node.all_input_nodes:
+            src = _source(arg)
+            if src in parent:
+                parent[find(node)] = find(src)
+    return {n: find(n) for n in parent}

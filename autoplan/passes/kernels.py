@@ -8,6 +8,8 @@ patterns of the captured aten graph become one call each of a registered op (ker
       a = to.dtype(x, float32)            (absent when x is already the accumulation dtype)
       r = rsqrt(add(mean.dim(pow(a, 2), [-1], True), eps))
       y = mul(weight, to.dtype(mul(a, r), x.dtype))        -> rms_norm_local(x, weight, eps)
+      (both casts absent when x is in the accumulation dtype: capture drops a cast to the
+      dtype its input already has)
   SwiGLU gating (Shazeer 2020, eq. 6), gate and up of one shape and dtype:
       y = mul(silu(gate), up)                              -> swiglu_local(gate, up)
 
@@ -156,20 +158,24 @@ def _match_rms_norm(r: torch.fx.Node):
     n = next((u for u in r.users if u.target is aten.mul.Tensor), None)
     if len(r.users) != 1 or n is None or _other(n, r) is not a or len(n.users) != 1:
         return None
+    # the cast back to x's dtype is absent when x is in the accumulation dtype already (capture
+    # leaves a cast to the dtype its input has out of the graph: capture/clean.py)
     c = _only_user(n, aten.to.dtype)
-    y = _only_user(c, aten.mul.Tensor) if c is not None else None
+    y = _only_user(c if c is not None else n, aten.mul.Tensor)
     if y is None:
         return None
-    weight = _other(y, c)
+    weight = _other(y, c if c is not None else n)
+    casts = [c] if c is not None else []
     if a.op == "call_function" and a.target is aten.to.dtype and set(a.users) <= {p, n}:
-        x, nodes = a.args[0], [a, p, m, e, r, n, c, y]
+        x, nodes = a.args[0], [a, p, m, e, r, n, *casts, y]
     else:
-        x, nodes = a, [p, m, e, r, n, c, y]
+        x, nodes = a, [p, m, e, r, n, *casts, y]
     x_val, w_val = _val(x), _val(weight)
     if x_val is None or w_val is None or w_val.shape != x_val.shape[-1:]:
         return None
     acc = torch.float64 if torch.float64 in (x_val.dtype, w_val.dtype) else torch.float32
-    if a_val.dtype != acc or c.args[1] != x_val.dtype:
+    back = c.args[1] if c is not None else a_val.dtype
+    if a_val.dtype != acc or back != x_val.dtype:
         return None  # not the reference's precision: normalize in acc, cast back to x's dtype
     return x, weight, float(e.args[1]), nodes
 
