@@ -77,11 +77,7 @@ class HostOptimizer:
         return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        zero_grads(self.params, set_to_none)
         for _, h in self.pairs:
             h.grad = None
 
@@ -114,3 +110,12 @@ class HostOptimizer:
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
+
+
+def zero_grads(params, set_to_none: bool = True) -> None:
+    """Optimizer.zero_grad for `params`: gradients dropped (set_to_none) or zeroed in place."""
+    for p in params:
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.zero_()

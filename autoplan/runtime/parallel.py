@@ -25,7 +25,7 @@ from autoplan._torch_compat import (chunk_spec, implicit_replication,
                                    in_flight_pipeline_stage_class, pipeline_eval,
                                    replicate_module)
 from autoplan.plan import parse_placement
-from autoplan.runtime.offload import HostOptimizer
+from autoplan.runtime.offload import HostOptimizer, zero_grads
 
 __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
            "pipeline_eval", "local_tensor", "owning_outputs", "tp_stage_forward"]
@@ -104,11 +104,7 @@ class ShardedOptimizer:
                 group["param_names"] = [group["param_names"][i] for i in keep]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        zero_grads(self.params, set_to_none)
 
     @torch.no_grad()
     def step(self) -> None:
