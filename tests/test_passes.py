@@ -199,6 +199,29 @@ def test_core_attention_recomputes_the_cores_and_holds_what_is_priced(name):
     assert dropped >= graph.num_layers * scores - 4 * 32 * 32 * 4  # less the mask it holds
 
 
+def test_core_attention_missing_core_raises_only_where_the_stage_holds_it():
+    """A stage cut just after block 0's core holds ops that read the core but none that feed
+    it: nothing to wrap there, no error. A graph holding both sides but not the core (its ops
+    renamed by a rewrite) raises, naming the block, rather than silently not recomputing."""
+    from autoplan.cost_model.memory import core_attention_regions
+
+    _model, graph, gm = _captured("gpt2-tiny", attn_implementation="eager")
+    core = core_attention_regions(graph)[0]
+    cut = copy.deepcopy(gm)  # only what comes after the core stays (as on a later stage)
+    for n in cut.graph.nodes:
+        if n.op == "call_function":
+            n.meta["orig_name"] = "elsewhere_" + n.name
+        if n.name == core[-1]:
+            break
+    assert wrap_checkpointing(cut, graph, "core-attention") == graph.num_layers - 1
+    renamed = copy.deepcopy(gm)
+    for n in renamed.graph.nodes:
+        if n.name in core:
+            n.meta["orig_name"] = "renamed_" + n.name
+    with pytest.raises(ValueError, match=r"block 0 of this stage has none of its attention"):
+        wrap_checkpointing(renamed, graph, "core-attention")
+
+
 def test_core_attention_is_not_offered_for_fused_attention():
     from autoplan.solver import checkpointing as ckpt
     from autoplan.solver.problem import build_problem

@@ -35,19 +35,32 @@ def graphs():
             for name in ("gpt2-tiny", "llama-tiny")}
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def _gpt2_with_dropout():
+    """gpt2-tiny with dropout 0.1 (the preset's p = 0 dropouts are not captured)."""
+    from autoplan.capture import capture
+    from autoplan.models import build_model, example_inputs
+
+    model = build_model("gpt2-tiny", num_layers=2, resid_pdrop=0.1, embd_pdrop=0.1,
+                        attn_pdrop=0.1)
+    return capture(model, example_inputs("gpt2-tiny", batch=BATCH, seq_len=_jobs.SEQ),
+                   model_name="gpt2-tiny")
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "gpt2-dropout", "llama-tiny"])
 def test_region_is_norms_dropout_and_adds(graphs, name):
     """The region holds the norms (RMSNorm: its pow, mul, casts), the residual adds (and
-    GPT-2's dropouts) of the block, never a matmul, and each of its nodes offers S(seq) on the
-    tp axis."""
+    GPT-2's dropouts, where p > 0) of the block, never a matmul, and each of its nodes offers
+    S(seq) on the tp axis."""
+    if name == "gpt2-dropout":
+        graphs = {name: _gpt2_with_dropout()}
     prob = build_problem(graphs[name], 2, 4)
     assert sequence.seq_dim(prob.graph) == 1
     region = sequence.sequence_parallel_region(prob)
     nodes = {n.name: n for n in graphs[name].gm.graph.nodes}
     kinds = {str(nodes[n].target).split(".")[1] for n in region}
     assert "add" in kinds and kinds <= {"add", "layer_norm", "dropout", "mul", "pow", "to"}, kinds
-    if name == "gpt2-tiny":
-        assert {"layer_norm", "dropout"} <= kinds
+    if name.startswith("gpt2"):
+        assert "layer_norm" in kinds and ("dropout" in kinds) == (name == "gpt2-dropout"), kinds
     for n in region:
         assert any(c.outputs[0] == "S(1)" for c in prob.cands[n]), n
 

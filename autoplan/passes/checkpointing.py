@@ -186,9 +186,25 @@ def _wrap_cores(gm: torch.fx.GraphModule, graph: CapturedGraph, block_modules) -
                 count += 1
                 break
         else:
-            block = graph.layer_nodes.get(graph.nodes[region[0]].layer_id, ())
-            if present & set(block):
+            before, after = _around(graph, region)
+            if present & before and present & after:
                 raise ValueError(f"core-attention checkpointing: block "
                                  f"{graph.nodes[region[0]].layer_id} of this stage has none "
-                                 f"of its attention core's ops {list(region)}")
+                                 f"of its attention core's ops {list(region)}, though it holds "
+                                 f"ops that feed the core ({sorted(present & before)}) and "
+                                 f"ops that read it ({sorted(present & after)})")
     return count
+
+
+def _around(graph: CapturedGraph, region: tuple[str, ...]) -> tuple[set[str], set[str]]:
+    """The captured ops of the core's block that feed `region` and those that read it. A stage
+    holding some of both holds the core too (a stage is a contiguous cut of the graph), so a
+    core missing there was renamed; a stage cut before or after the core holds only one side."""
+    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+    block = set(graph.layer_nodes.get(graph.nodes[region[0]].layer_id, ()))
+    names = set(region)
+    before = {a.name for r in region for a in fx_nodes[r].all_input_nodes
+              if a.name in block and a.name not in names}
+    after = {u.name for r in region for u in fx_nodes[r].users
+             if u.name in block and u.name not in names}
+    return before, after
