@@ -122,6 +122,56 @@ def _schema_info(op, args) -> RuntimeSchemaInfo | None:
     return info
 
 
+def strided_shard_size_and_offset(size: int, split_factor: int, num_chunks: int,
+                                  rank: int) -> tuple[int, int]:
+    """(local size, first global index or -1 when empty) of `rank`'s shard of a dim of `size`
+    under `_StridedShard(split_factor)` over `num_chunks` ranks: the dim cut into
+    `split_factor` torch.chunk pieces, each cut into `num_chunks` torch.chunk pieces, the rank
+    holding its piece of each. The closed form DTensor itself uses for unbacked sizes
+    (`_StridedShard.local_shard_size_and_offset`), where for ints it builds `arange(size)` and
+    splits it: a second and more per call at the 16.7M-token dims of a 128K-context plan."""
+    first_size = -(-size // split_factor)
+    local, offset = 0, -1
+    for j in range(split_factor):
+        start = min(first_size * j, size)
+        length = max(0, min(first_size * (j + 1), size) - start)
+        second_size = -(-length // num_chunks)
+        lo, hi = min(second_size * rank, length), min(second_size * (rank + 1), length)
+        if hi > lo and offset < 0:
+            offset = start + lo
+        local += max(0, hi - lo)
+    return local, offset
+
+
+@contextlib.contextmanager
+def _strided_shard_sizes_by_formula():
+    """DTensor's `_StridedShard.local_shard_size_and_offset` answered by
+    `strided_shard_size_and_offset` for int sizes and ranks (offset mode FIRST or NONE), the
+    original otherwise; restored on exit. Sharding propagation calls it to adjust the shape
+    arguments of views (`_adjust_shape_and_stride_args`); tests/test_strategies.py checks the
+    formula against the original."""
+    from torch.distributed.tensor.placement_types import (_StridedShard,
+                                                          _StridedShardOffsetMode)
+
+    original = _StridedShard.__dict__["local_shard_size_and_offset"]
+
+    def by_formula(self, curr_local_size, num_chunks, rank,
+                   offset_mode=_StridedShardOffsetMode.FIRST):
+        mode = _StridedShardOffsetMode(offset_mode)
+        if (type(curr_local_size) is int and type(rank) is int and type(num_chunks) is int
+                and mode is not _StridedShardOffsetMode.ALL):
+            size, first = strided_shard_size_and_offset(
+                curr_local_size, self._split_factor_int(), num_chunks, rank)
+            return size, (None if mode is _StridedShardOffsetMode.NONE else first)
+        return original(self, curr_local_size, num_chunks, rank, offset_mode)
+
+    _StridedShard.local_shard_size_and_offset = by_formula
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original
+
+
 def propagate(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     """Run DTensor's sharding propagation for `op(*args, **kwargs)` on `mesh`.
 
@@ -136,7 +186,8 @@ def propagate(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagati
     args_s = pytree.tree_map(to_spec, args, is_leaf=lambda a: isinstance(a, TensorArg))
     kwargs_s = pytree.tree_map(to_spec, kwargs, is_leaf=lambda a: isinstance(a, TensorArg))
     schema = OpSchema(op, tuple(args_s), dict(kwargs_s), schema_info=_schema_info(op, args_s))
-    out = _propagator().propagate_op_sharding(schema)
+    with _strided_shard_sizes_by_formula():
+        out = _propagator().propagate_op_sharding(schema)
     given = [s for s in pytree.tree_leaves((args_s, kwargs_s)) if isinstance(s, DTensorSpec)]
     wanted = list(given)
     if out.redistribute_schema is not None:

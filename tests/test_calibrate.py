@@ -157,3 +157,22 @@ def test_preset_local_cpu_reads_the_calibration(calibrated, monkeypatch):
     assert topo.device.host_bw_bytes_per_s == written.device.mem_bw_bytes_per_s / 2
     assert dataclasses.replace(topo.device, host_bw_bytes_per_s=0.0) == written.device
     assert topo.intra_node == written.intra_node and topo.inter_node == written.inter_node
+
+
+def test_noisy_collective_timings_are_measured_again_then_refused_clearly():
+    """A burst of load can make a larger all_reduce look faster than a smaller one: the
+    calibration keeps the fastest of two measurements per size (load only adds time), and when
+    even those do not grow with the size it says so, naming the load, instead of fitting a
+    negative bandwidth."""
+    from autoplan.calibrate import ranks
+
+    noisy = [("all_reduce", 2, 1, 4, 1.1e-3), ("all_reduce", 2, 1, 16384, 2.8e-3),
+             ("all_reduce", 2, 1, 1 << 20, 1.0e-3)]
+    quiet = [("all_reduce", 2, 1, 4, 1.0e-3), ("all_reduce", 2, 1, 16384, 1.2e-3),
+             ("all_reduce", 2, 1, 1 << 20, 9.0e-3)]
+    merged = ranks._fastest(noisy, quiet)
+    assert [t for *_k, t in merged] == [1.0e-3, 1.2e-3, 1.0e-3]
+    with pytest.raises(ValueError, match="load average .* swamped the all_reduce timings"):
+        ranks._pooled_all_reduce(merged)
+    latency_s, bw, _rms = ranks._pooled_all_reduce(quiet)
+    assert latency_s > 0 and bw > 0

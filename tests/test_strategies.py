@@ -240,3 +240,27 @@ def test_identical_layers_cost_nothing_and_warm_planning_is_fast():
     for tp in (2, 4, 8):
         layer0, layer1 = graph.layer_nodes[0], graph.layer_nodes[1]
         assert all(results[tp][a] == results[tp][b] for a, b in zip(layer0, layer1))
+
+
+def test_strided_shard_sizes_by_formula_equal_dtensors():
+    """The closed form the planner's sharding propagation uses for `_StridedShard` local sizes
+    and first offsets (autoplan/_torch_compat.py) equals what DTensor computes by splitting an
+    arange, on even and uneven sizes, including empty shards."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from autoplan import _torch_compat as compat
+
+    original = _StridedShard.__dict__["local_shard_size_and_offset"]
+    for size in (1, 3, 7, 8, 12, 30, 64, 97):
+        for split_factor in (1, 2, 3, 4):
+            placement = _StridedShard(0, split_factor=split_factor)
+            for num_chunks in (1, 2, 3, 4, 8):
+                for rank in range(num_chunks):
+                    want = original(placement, size, num_chunks, rank)
+                    got = compat.strided_shard_size_and_offset(size, split_factor, num_chunks,
+                                                               rank)
+                    assert got == tuple(want), (size, split_factor, num_chunks, rank)
+                    with compat._strided_shard_sizes_by_formula():
+                        assert placement.local_shard_size_and_offset(
+                            size, num_chunks, rank) == tuple(want)
+    assert _StridedShard.__dict__["local_shard_size_and_offset"] is original  # restored

@@ -10,6 +10,8 @@ Activations derived from a captured graph: see [Note: saved tensors] below.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -122,6 +124,7 @@ def activation_bytes_per_layer_closed_form(s: float, b: float, h: float, a: floa
     return sbh * ((34 / t if sequence_parallel else 10 + 24 / t) + scores)
 
 
+@functools.lru_cache(maxsize=65536)  # called per rank of every configuration the search bounds
 def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: int,
                                     stage: int = 0, num_virtual_stages: int = 1) -> float:
     """Microbatches whose activations a pipeline rank holds at its peak, in units of one

@@ -87,6 +87,7 @@ one for the rest of the stage):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from autoplan.cost_model.comm import collective_time_s, p2p_time_s
@@ -193,12 +194,17 @@ def stages_of(total_layers: int, num_stages: int) -> tuple[Stage, ...]:
     return tuple(out)
 
 
-def _rank_layers(cfg: Config, total_layers: int) -> list[int]:
-    stages = stages_of(total_layers, cfg.pp * cfg.num_virtual_stages)
-    per_rank = [0] * cfg.pp
-    for st in stages:
-        per_rank[st.index % cfg.pp] += st.num_layers
-    return per_rank
+def _rank_layers(cfg: Config, total_layers: int) -> tuple[int, ...]:
+    """Layers per pipeline rank (its v chunks together)."""
+    return _layers_per_rank(cfg.pp, cfg.num_virtual_stages, total_layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layers_per_rank(pp: int, v: int, total_layers: int) -> tuple[int, ...]:
+    per_rank = [0] * pp
+    for st in stages_of(total_layers, pp * v):
+        per_rank[st.index % pp] += st.num_layers
+    return tuple(per_rank)
 
 
 def _share(part: str, r: int, cfg: Config, layers: list[int], total_layers: int) -> float:
@@ -208,6 +214,11 @@ def _share(part: str, r: int, cfg: Config, layers: list[int], total_layers: int)
     if part == "pre":
         return 1.0 if r == 0 else 0.0
     return 1.0 if r == cfg.pp - 1 else 0.0
+
+
+def _shares(r: int, cfg: Config, layers, total_layers: int) -> dict[str, float]:
+    """`_share` of each part ("pre", "layer", "post") on rank r."""
+    return {p: _share(p, r, cfg, layers, total_layers) for p in ("pre", "layer", "post")}
 
 
 def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
@@ -264,9 +275,13 @@ def _late_coef(r: int, layers: list[int], shares: dict, total_layers: int) -> di
 
 
 def _grads_at_activation_peak(cfg: Config, in_flight: float) -> bool:
-    if cfg.pp == 1:
-        return cfg.num_microbatches > 1
-    return cfg.schedule != "gpipe" and cfg.num_microbatches > in_flight
+    return _grads_at_peak(cfg.schedule, cfg.pp, cfg.num_microbatches, in_flight)
+
+
+def _grads_at_peak(schedule: str, pp: int, m: int, in_flight: float) -> bool:
+    if pp == 1:
+        return m > 1
+    return schedule != "gpipe" and m > in_flight
 
 
 def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
@@ -290,8 +305,7 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         grads_a = states["grads"] if _grads_at_activation_peak(cfg, in_flight) else 0.0
         recv = _recv_buffer_bytes(cfg, r, boundary_bytes)
         sent = in_flight * _sent_output_bytes(cfg, r, boundary_bytes)
-        shares = {part: _share(part, r, cfg, layers, total_layers)
-                  for part in ("pre", "layer", "post")}
+        shares = _shares(r, cfg, layers, total_layers)
         held = {p: _held_layers(cfg, layers[r], True) if p == "layer" else 1.0 for p in shares}
         grad_held = {p: _held_layers(cfg, layers[r], False) if p == "layer" else 1.0
                      for p in shares}
@@ -316,16 +330,24 @@ def _candidate_ranks(cfg: Config, layers: list[int]) -> list[int]:
     buffers, stage outputs and parts are those of any middle rank), so the run's first rank
     bounds the others and, coming first, is the one `max` picks on a tie.
     tests/test_planner_scale.py checks assess against every rank."""
+    return _ranks_to_check(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.num_virtual_stages,
+                           tuple(layers))
+
+
+@functools.lru_cache(maxsize=16384)
+def _ranks_to_check(schedule: str, pp: int, m: int, v: int,
+                    layers: tuple[int, ...]) -> tuple[int, ...]:
+    """_candidate_ranks on the numbers it depends on (cached: configurations differing only
+    in tp, cp, dp, ZeRO, microbatch size or policy share it)."""
     out = []
     flag = None
-    for r in range(cfg.pp):
-        in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches,
-                                                    r, cfg.num_virtual_stages)
-        now = (layers[r], _grads_at_activation_peak(cfg, in_flight))
-        if r in (0, 1, cfg.pp - 1) or now != flag:
+    for r in range(pp):
+        in_flight = pipeline_in_flight_microbatches(schedule, pp, m, r, v)
+        now = (layers[r], _grads_at_peak(schedule, pp, m, in_flight))
+        if r in (0, 1, pp - 1) or now != flag:
             out.append(r)
         flag = now
-    return out
+    return tuple(out)
 
 
 def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
@@ -353,25 +375,24 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
                                  concurrent_pairs=pairs)
     per_rank = []
     ranks = _candidate_ranks(cfg, layers)
+    shares = {r: _shares(r, cfg, layers, total_layers) for r in ranks}
+
+    def on(r: int, per_part: dict[str, float]) -> float:
+        return sum(per_part.get(p, 0.0) * s for p, s in shares[r].items())
+
     for r in ranks:
-        comp = sum(sol.compute_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
-                   for p in ("pre", "layer", "post")) / speed
-        comm = sum(sol.comm_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
-                   for p in ("pre", "layer", "post"))
-        cp_comm = sum(sol.cp_comm_s.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
-                      for p in ("pre", "layer", "post"))
-        per_rank.append((comp + comm + p2p, comp, comm + p2p, cp_comm))
+        comp = on(r, sol.compute_s) / speed
+        comm = on(r, sol.comm_s)
+        per_rank.append((comp + comm + p2p, comp, comm + p2p, on(r, sol.cp_comm_s)))
     _t_stage, comp, comm, cp_comm = max(per_rank)
     pipeline = _pipeline_s(cfg, comp, comm, topology, busy)
     memories = {r: _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-                              boundary_bytes, offload) for r in ranks}
+                              boundary_bytes, offload, shares[r]) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])
-    elems = max(sol.param_elems_on({p: _share(p, r, cfg, layers, total_layers)
-                                    for p in ("pre", "layer", "post")}) for r in ranks)
+    elems = max(sol.param_elems_on(shares[r]) for r in ranks)
     dp_sync = _dp_sync_s(cfg, spec, topology, elems)
     exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(cfg, spec, topology, elems) / speed
-    tensors = max(sum(param_tensors.get(p, 0.0) * _share(p, r, cfg, layers, total_layers)
-                      for p in ("pre", "layer", "post")) for r in ranks)
+    tensors = max(on(r, param_tensors) for r in ranks)
     if offload == "none":
         transfers, optimizer = 0.0, _optimizer_s(cfg, spec, topology, elems, tensors, speed)
     else:
@@ -434,8 +455,8 @@ def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: flo
 
 
 def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-               boundary_bytes, offload="none") -> dict[str, float]:
-    share = {p: _share(p, r, cfg, layers, total_layers) for p in ("pre", "layer", "post")}
+               boundary_bytes, offload="none", share=None) -> dict[str, float]:
+    share = share or _shares(r, cfg, layers, total_layers)
     elems = sol.param_elems_on(share)
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
     late = sum(sol.act_bytes.get(p, 0.0) * c

@@ -222,31 +222,44 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     of the two)."""
     if overrides.cp is not None or not _cp_may_help(graph, topology, spec):
         return _search(graph, topology, spec, overrides, time_limit_s, top_k)
-    first = None
-    try:
+    first, unfit = None, []
+    try:  # what does not fit is explained once both searches have failed
         first = _search(graph, topology, spec, dataclasses.replace(overrides, cp=1),
-                        time_limit_s, top_k)
+                        time_limit_s, top_k, unfit=unfit)
     except (NoFeasiblePlan, InvalidConfig):
         pass
     if first is not None and first.offload == "none":
         return first
-    try:
-        second = _search(graph, topology, spec, overrides, time_limit_s, top_k)
+    try:  # the cp = 1 configurations have had their search: the second one is over cp > 1
+        second = _search(graph, topology, spec, overrides, time_limit_s, top_k,
+                         context_parallel_only=True, unfit=unfit)
     except (NoFeasiblePlan, InvalidConfig):
-        if first is None:
-            raise
-        return first
+        if first is not None:
+            return first
+        if unfit:  # neither search has a plan that fits
+            raise NoFeasiblePlan(min(_explain_memory(*u) for u in unfit)[1]) from None
+        raise
     if first is None or second.prediction.step_time_s < first.prediction.step_time_s:
         return second
     return first
 
 
 def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
-            time_limit_s: float, top_k: int) -> Plan:
+            time_limit_s: float, top_k: int, context_parallel_only: bool = False,
+            unfit: list | None = None) -> Plan:
+    """The best plan over the configurations the overrides admit (those with cp > 1 only,
+    when `context_parallel_only`). Raises InvalidConfig when there are none, NoFeasiblePlan
+    when none fits: its message says what the smallest plan needs, unless `unfit` is given,
+    which then receives (search, configurations) for the caller to explain (a few ILPs)."""
     start = time.perf_counter()
     validate(graph, topology, spec, overrides)
     search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel)
     configs = enumerate_configs(graph, topology, spec, overrides, search.policies())
+    if context_parallel_only:
+        configs = [c for c in configs if c.cp > 1]
+        if not configs:
+            raise InvalidConfig(f"no configuration with cp > 1 of {topology.world_size} "
+                                f"devices satisfies the overrides {_given(overrides)}")
     if not configs:
         raise InvalidConfig(
             f"no configuration of {topology.world_size} devices satisfies the overrides "
@@ -257,8 +270,11 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
     feasible = sorted((a for a in evaluated if a.fits), key=_rank)
     if not feasible and search.skipped:
         raise _limit_error(search)
+    if not feasible and unfit is not None:
+        unfit.append((search, configs))
+        raise NoFeasiblePlan("no configuration fits in memory")
     if not feasible:
-        raise NoFeasiblePlan(_explain_memory(search, configs))
+        raise NoFeasiblePlan(_explain_memory(search, configs)[1])
     if search.skipped:
         _warn_skipped(search)
     best = feasible[0]
@@ -394,8 +410,10 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
     3. popped again: the LP relaxation of its own step-time ILP ([Note: step form]) either
        certifies an optimum or gives a bound, with which it goes back;
     4. popped again: its step-time ILP (CP-SAT) gives its optimum.
-    An optimum that does not fit goes back with its step time as its bound and, popped again
-    before the best plan is proven, the memory-constrained ILP decides. A configuration whose
+    A configuration no placement of which fits (search.memory_bound) is settled at state 2,
+    unfit, with its (tp, b, policy)'s placement: no ILP of its own. An optimum that does not
+    fit goes back with its step time as its bound and, popped again before the best plan is
+    proven, the memory-constrained ILP decides. A configuration whose
     ILP found no placement within the limit (SolverLimitReached) is skipped and recorded in
     `search.skipped`; one without any placement (no ILP solution at all) is dropped.
     Once the next bound is no better than the best plan, runners-up are filled in for the
@@ -435,7 +453,9 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
             if state == _BOUNDED:
                 sol = search.solution(cfg)  # None: no placement of its (tp, b, policy) at all
                 quick = None if sol is None else search.assess(cfg, sol)
-                if quick is not None and same_argmin(search.step_form(cfg)):
+                if quick is not None and not quick.fits and not search.memory_bound(cfg).fits:
+                    result = quick  # no placement fits: its own optimum would not either
+                elif quick is not None and same_argmin(search.step_form(cfg)):
                     result = settle(i, cfg, quick)
                 elif quick is not None:
                     refined = max(bound, search.refined_bound(cfg, sol))
@@ -552,8 +572,8 @@ def _seconds(d: float) -> str:
     return f"{d:.3g} s" if d >= 1 else f"{d * 1e3:.3g} ms"
 
 
-def _explain_memory(search: Search, configs: list[PlanConfig]) -> str:
-    """NoFeasiblePlan message: the smallest per-device memory any plan needs."""
+def _explain_memory(search: Search, configs: list[PlanConfig]) -> tuple[float, str]:
+    """(bytes, NoFeasiblePlan message): the smallest per-device memory any plan needs."""
     device = search.topology.device
     budget = search.spec.max_memory_fraction * device.mem_bytes
     bounds = sorted(((search.lower_bound(c).memory_bytes, c) for c in configs),
@@ -567,10 +587,11 @@ def _explain_memory(search: Search, configs: list[PlanConfig]) -> str:
         if best is None or value < best[0]:
             best = (value, cfg)
     best_bytes, best_cfg = best
-    return (f"no plan fits in memory: the smallest per-device memory any plan needs is "
-            f"{fmt_bytes(best_bytes)} ({best_cfg}), but {device.name} has "
-            f"{fmt_bytes(device.mem_bytes)} ({fmt_bytes(budget)} usable at "
-            f"max_memory_fraction {search.spec.max_memory_fraction})")
+    return best_bytes, (
+        f"no plan fits in memory: the smallest per-device memory any plan needs is "
+        f"{fmt_bytes(best_bytes)} ({best_cfg}), but {device.name} has "
+        f"{fmt_bytes(device.mem_bytes)} ({fmt_bytes(budget)} usable at "
+        f"max_memory_fraction {search.spec.max_memory_fraction})")
 
 
 def _min_memory(search: Search, cfg: PlanConfig) -> float | None:
