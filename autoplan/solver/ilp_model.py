@@ -68,9 +68,12 @@ class _Model:
         # constrain a placement -- and the bound variables (T, E, z)
         self.rows: list[tuple[dict, float, float, str, bool]] = []
         self.bounds: list = []
+        self._index: dict = {}  # variable -> its solver index, for the duplicate check
 
     def var(self, name: str):
-        return self.s.BoolVar(name) if self.integer else self.s.NumVar(0.0, 1.0, name)
+        v = self.s.BoolVar(name) if self.integer else self.s.NumVar(0.0, 1.0, name)
+        self._index[v] = v.index()  # asked once: the duplicate check needs it per term
+        return v
 
     def bound_var(self, ceiling: float, name: str):
         """A variable >= 0 that bounds a max (T, E, z): for CP-SAT integral (ns, elements, kB;
@@ -91,7 +94,9 @@ class _Model:
             if lb > 1e-9 or ub < -1e-9:
                 self.infeasible = self.infeasible or name
             return
-        key = (tuple(sorted((v.index(), c) for v, c in terms.items())), lb, ub)
+        index = self._index
+        key = (tuple(sorted((index[v] if v in index else v.index(), c)
+                            for v, c in terms.items())), lb, ub)
         if key in self._seen:
             return
         self._seen.add(key)
