@@ -57,6 +57,7 @@ from autoplan.runtime.step_inputs import StepInputs, loss_mode
 from autoplan.runtime.tied import sync_tied_grads, tied_groups, untie_across_stages
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
+from autoplan.passes.context import apply_context_parallel
 from autoplan.passes.device import retarget_device
 from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
 from autoplan.passes.pipeline import split_stages
@@ -72,7 +73,8 @@ from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.weights import (ModuleWeights, Targets, WeightSource, allocate as _allocate,
                                       weights_to_meta as _weights_to_meta)
-from autoplan._torch_compat import implicit_replication, quiet_understood_warnings
+from autoplan._torch_compat import (flatten_mesh as _flatten_mesh, implicit_replication,
+                                   quiet_understood_warnings)
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
 
@@ -125,7 +127,6 @@ class DistributedModel:
                  seed: int | None = None, lr_scheduler: Callable | None = None,
                  inputs: InputSpec | None = None, kernels: bool = True,
                  compile: bool | None = None):
-        check_context_parallel(plan)  # before anything is set up: not run yet
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(
@@ -140,7 +141,9 @@ class DistributedModel:
         self.kernel_counts: dict[int, dict[str, int]] = {}  # by stage: fuse_kernels' counts
         self.compile = plan.compiled if compile is None else bool(compile)
         self.compiled: dict[int, list[str]] = {}  # by stage: the module paths compiled
-        loss_mode(graph, self.inputs, loss_fn)  # no loss to train on: raise before building
+        # no loss to train on, or a cp plan this runtime cannot run: raise before building
+        check_context_parallel(plan, loss_mode(graph, self.inputs, loss_fn), self.inputs,
+                               self.compile)
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
@@ -159,9 +162,14 @@ class DistributedModel:
             self.pp_rank = self.mesh["pp"].get_local_rank()
             self.dp_rank = self.mesh["dp"].get_local_rank()
             self.tp_rank = self.mesh["tp"].get_local_rank()
+            self.cp_rank = self.mesh["cp"].get_local_rank() if plan.mesh.cp > 1 else 0
+            # gradients reduce and shard over dp x cp ([Note: context parallelism])
+            self.dp_mesh = self.mesh["dp"] if plan.mesh.cp == 1 else \
+                _flatten_mesh(self.mesh["dp", "cp"], "dp_cp")
             self.batch = StepInputs(graph, self.inputs, loss_fn, global_batch=plan.global_batch,
                                     num_microbatches=plan.num_microbatches, dp=plan.mesh.dp,
-                                    dp_rank=self.dp_rank, device=self.device)
+                                    dp_rank=self.dp_rank, device=self.device,
+                                    cp=plan.mesh.cp, cp_rank=self.cp_rank)
             # expert parallelism inside dp (runtime/moe.py): groups before the stages use them
             check_expert_parallel(plan)
             self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
@@ -176,8 +184,8 @@ class DistributedModel:
             # CPU offload ([Note: offload] in solver/offload.py): ZeRO 0/1 step on the host
             # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
             host = plan.offload == "optimizer"
-            if plan.zero_stage == 1 and plan.mesh.dp > 1:
-                self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"],
+            if plan.zero_stage == 1 and plan.mesh.dp_shard > 1:
+                self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.dp_mesh,
                                                           offload=host)
             elif host:
                 self.optimizer = HostOptimizer(params, make_opt)
@@ -204,6 +212,13 @@ class DistributedModel:
         # dtype): rebinding them must not touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
         random_ops = random_op_indices(gm)
+        if random_ops and plan.mesh.cp > 1:
+            raise ValueError(
+                f"context parallelism (cp {plan.mesh.cp}) on a model with random ops "
+                f"({len(random_ops)}: {sorted(random_ops)[:3]}...): the random-op stream is "
+                "keyed by sample ([Note: RNG contract]) and a cp rank holds part of each "
+                "sample, so its dropout masks would differ from one process's; set the "
+                "model's dropout to 0 or train with cp=1")
         if random_ops and self.compile and plan.checkpointing == "selective":
             raise ValueError(
                 f"compile=True with checkpointing='selective' on a model with random ops "
@@ -230,6 +245,10 @@ class DistributedModel:
         for sg in mine:
             untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
+            if plan.mesh.cp > 1:  # attention over the cp group, global positions
+                apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=plan.mesh.cp,
+                                       rank=self.cp_rank,
+                                       group_name=self.mesh["cp"].get_group().group_name)
             if self.kernels and sg.index == self.num_stages - 1:
                 unplanned |= self._vocab_parallel_loss(sg.gm, produced)
             if self.expert_parallel is not None:
@@ -337,9 +356,9 @@ class DistributedModel:
         MixedPrecisionPolicy is what casts the fp32 master weights for compute."""
         plan = self.plan
         mp = self.precision.policy()
-        if not list(gm.parameters()) or (plan.mesh.dp == 1 and mp is None):
+        if not list(gm.parameters()) or (plan.mesh.dp_shard == 1 and mp is None):
             return gm
-        dp_mesh = self.mesh["dp"]
+        dp_mesh = self.dp_mesh  # dp, or dp x cp flattened
         # expert weights under ep are reduced by runtime/moe.py, not by FSDP2
         ignored = set(self.expert_parallel.params) if self.expert_parallel else None
         gm.forward = _compat.owning_outputs(gm.forward)
@@ -448,9 +467,9 @@ class DistributedModel:
             self.skipped_steps += 1
         if self.lr_scheduler is not None:  # every step, skipped or not (as HF's Trainer)
             self.lr_scheduler.step()
-        if self.plan.mesh.dp > 1:
-            dist.all_reduce(loss, group=self.mesh["dp"].get_group())
-            loss = loss / self.plan.mesh.dp
+        if self.plan.mesh.dp_shard > 1:  # each cp rank holds a share of its samples' loss
+            dist.all_reduce(loss, group=self.dp_mesh.get_group())
+            loss = loss / self.plan.mesh.dp_shard
         return float(loss)
 
     def _count_microbatches(self) -> None:
