@@ -331,10 +331,10 @@ class AutoParallel:
 
         topo = self.topology  # joins torchrun's process group
         # nothing to train on is said before anything is set up ([Note: step loss])
-        # and a cp plan this runtime cannot run (its batch, loss, pp/tp/compile)
-        check_context_parallel(self.plan, loss_mode(self.graph, self.inputs,
-                                                    self.options.loss_fn),
-                               self.inputs, self.options.compile)
+        loss_mode(self.graph, self.inputs, self.options.loss_fn)
+        # and a cp plan this runtime cannot run (its batch, loss, dropout, pp/tp/compile)
+        check_context_parallel(self.plan, self.graph, self.inputs, self.options.loss_fn,
+                               self.options.compile)
         if not _in_job():
             if topo.world_size != 1:
                 raise RuntimeError(

@@ -101,7 +101,8 @@ def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 def _mask_kind(node: torch.fx.Node, mask: torch.fx.Node, s_local: int) -> bool:
     """Whether the mask `mask` of attention `node` is causal (True) or all True (False),
-    evaluated from its constants; raises ValueError for a mask that reads a graph input or
+    evaluated on the host from its constants (B x s_local^2 booleans at most: 64 MB a sample
+    at 8K local tokens); raises ValueError for a mask that reads a graph input or
     is neither."""
     nodes = _ancestors(mask)
     inputs = [n.name for n in nodes if n.op == "placeholder"]
@@ -117,16 +118,22 @@ def _mask_kind(node: torch.fx.Node, mask: torch.fx.Node, s_local: int) -> bool:
                              f"{n.op} {n.target}; only a mask computed from positions is "
                              "understood")
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+        # on the host, whatever device the graph was captured or retargeted to
+        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _on_cpu)
         env[n] = n.target(*args, **kwargs)
     value = env[mask].to(torch.bool)
     causal = torch.ones(s_local, s_local, dtype=torch.bool).tril()
-    if bool(value.eq(causal.to(value.device)).all()):
+    if bool(value.eq(causal).all()):
         return True
     if bool(value.all()):
         return False
     raise ValueError(f"context parallelism: the mask of attention {node.name} is neither "
                      f"causal nor all True at {s_local} tokens (a sliding window?); cp runs "
                      "causal or unmasked attention only")
+
+
+def _on_cpu(x: object) -> object:
+    return torch.device("cpu") if isinstance(x, torch.device) else x
 
 
 def _before_repeat_kv(t: torch.fx.Node) -> tuple[torch.fx.Node, int]:

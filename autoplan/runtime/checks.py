@@ -9,7 +9,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from autoplan.passes.rng import random_op_indices
 from autoplan.plan import parse_placement
+from autoplan.runtime.step_inputs import loss_mode
 
 __all__ = ["PlanMismatchError", "check_against_plan", "check_context_parallel"]
 
@@ -27,13 +29,16 @@ def _axis_placement(p: torch.Tensor, axis: str):
     return p.placements[names.index(axis)] if axis in names else None
 
 
-def check_context_parallel(plan, loss_mode: str, inputs, compile: bool) -> None:
+def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
     """Refuse, before anything is set up, a cp > 1 plan this runtime cannot run as planned
-    ([Note: context parallelism] in autoplan/solver/context.py; the rest is checked where it
-    is met: random ops in DistributedModel, the attention and positions of the graph in
-    passes/context.py). Raises NotImplementedError for pp > 1, tp > 1 or compile with cp, and
-    ValueError for a batch or loss that cannot be cut along the sequence ([Note: step loss]):
-    not the token-LM form `step(input_ids, labels)`, the model's own loss, a user's loss_fn."""
+    ([Note: context parallelism] in autoplan/solver/context.py; the graph's attention and
+    positions are checked where they are rewritten, passes/context.py). `graph`: the captured
+    graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
+
+    Raises NotImplementedError for pp > 1, tp > 1 or compile with cp, and ValueError for a
+    batch or loss that cannot be cut along the sequence ([Note: step loss]) -- not the
+    token-LM form `step(input_ids, labels)`, the model's own loss, a user's loss_fn -- and for
+    a model with random ops (dropout)."""
     cp = plan.mesh.cp
     if cp == 1:
         return
@@ -54,16 +59,25 @@ def check_context_parallel(plan, loss_mode: str, inputs, compile: bool) -> None:
             f"context parallelism (cp {cp}) takes the token-LM batch step(input_ids, labels), "
             f"each cut along the sequence; this plan's batch is a {inputs.describe()}, whose "
             "sequence dims the runtime cannot tell; train with cp=1")
-    if loss_mode != "tokens":
+    mode = loss_mode(graph, inputs, loss_fn)
+    if mode != "tokens":
         why = {"model": "the model's own loss shifts its labels inside the model, per local "
                         "chunk, and would pair each chunk's last token with the wrong target",
                "user": "a loss_fn is a mean over the rank's tokens, and cp ranks hold "
-                       "different shares of every sample's trained tokens"}[loss_mode]
+                       "different shares of every sample's trained tokens"}[mode]
         raise ValueError(
             f"context parallelism (cp {cp}) trains on the token cross-entropy of the logits "
             f"against the batch's labels, summed per rank over the global batch's trained "
             f"tokens; {why}. Leave loss_fn out and give labels of the next tokens "
             "(step(input_ids, labels)), or train with cp=1")
+    random_ops = random_op_indices(graph.gm)
+    if random_ops:
+        raise ValueError(
+            f"context parallelism (cp {cp}) on a model with random ops ({len(random_ops)}: "
+            f"{sorted(random_ops)[:3]}...): the random-op stream is keyed by sample ([Note: RNG "
+            "contract] in autoplan/passes/rng.py) and a cp rank holds part of each sample, so "
+            "its dropout masks would differ from one process's; set the model's dropout to 0 "
+            "or train with cp=1")
 
 
 def check_against_plan(model) -> None:

@@ -142,8 +142,8 @@ class DistributedModel:
         self.compile = plan.compiled if compile is None else bool(compile)
         self.compiled: dict[int, list[str]] = {}  # by stage: the module paths compiled
         # no loss to train on, or a cp plan this runtime cannot run: raise before building
-        check_context_parallel(plan, loss_mode(graph, self.inputs, loss_fn), self.inputs,
-                               self.compile)
+        loss_mode(graph, self.inputs, loss_fn)
+        check_context_parallel(plan, graph, self.inputs, loss_fn, self.compile)
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
@@ -212,13 +212,6 @@ class DistributedModel:
         # dtype): rebinding them must not touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
         random_ops = random_op_indices(gm)
-        if random_ops and plan.mesh.cp > 1:
-            raise ValueError(
-                f"context parallelism (cp {plan.mesh.cp}) on a model with random ops "
-                f"({len(random_ops)}: {sorted(random_ops)[:3]}...): the random-op stream is "
-                "keyed by sample ([Note: RNG contract]) and a cp rank holds part of each "
-                "sample, so its dropout masks would differ from one process's; set the "
-                "model's dropout to 0 or train with cp=1")
         if random_ops and self.compile and plan.checkpointing == "selective":
             raise ValueError(
                 f"compile=True with checkpointing='selective' on a model with random ops "
