@@ -21,8 +21,8 @@ from autoplan.cost_model.context import kv_bytes
 from autoplan.inputs import InputSpec
 from autoplan.models import build_model, example_inputs, model_config
 from autoplan.passes.device import retarget_device
-from autoplan.passes.context import (apply_context_parallel, attention_at_positions,
-                                     chunk_positions, context_parallel_attention)
+from autoplan.passes.context import (apply_context_parallel, chunk_positions,
+                                     context_parallel_attention, load_balanced_attention)
 from autoplan.plan import MeshShape, Plan
 from autoplan.report import render_markdown
 from autoplan.runtime.checks import check_context_parallel
@@ -273,33 +273,29 @@ def test_chunk_positions_balance_the_causal_work():
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_equals_full_attention(cp, kv_heads):
-    """Each cp rank's queries against the gathered keys (group-rank order, masked on global
-    positions) give full causal attention's rows for its positions; the gradients summed over
-    the ranks (what the gathers' reduce-scatter sums) are full attention's, GQA included."""
+    """Each cp rank's queries against the keys and values as the cp all-gather leaves them
+    (group-rank order) give full causal attention's rows for its positions; the gradients
+    summed over the ranks (what the gathers' reduce-scatter sums) are full attention's, GQA
+    included; likewise without the causal mask."""
     g = torch.Generator().manual_seed(0)
     b, h, s, d = 2, 4, 16, 8
     q, k, v, w = (torch.randn(b, n, s, d, generator=g) for n in (h, kv_heads, kv_heads, h))
     for t in (q, k, v):
         t.requires_grad_(True)
     gqa = kv_heads < h
-    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    want = torch.autograd.grad((full * w).sum(), (q, k, v))
-    kv_pos = torch.cat([chunk_positions(s, cp, r) for r in range(cp)])
-    total = 0.0
-    for r in range(cp):
-        pos = chunk_positions(s, cp, r)
-        out = attention_at_positions(q[:, :, pos], k[:, :, kv_pos], v[:, :, kv_pos], pos,
-                                     kv_pos, causal=True, enable_gqa=gqa)
-        torch.testing.assert_close(out, full[:, :, pos], rtol=1e-5, atol=1e-6)
-        total = total + (out * w[:, :, pos]).sum()
-    for got, ref in zip(torch.autograd.grad(total, (q, k, v)), want):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    # non-causal: every key
-    pos = chunk_positions(s, cp, 0)
-    out = attention_at_positions(q[:, :, pos], k[:, :, kv_pos], v[:, :, kv_pos], pos, kv_pos,
-                                 causal=False, enable_gqa=gqa)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(
-        q, k, v, enable_gqa=gqa)[:, :, pos], rtol=1e-5, atol=1e-6)
+    gathered = torch.cat([chunk_positions(s, cp, r) for r in range(cp)])
+    for causal in (True, False):
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        want = torch.autograd.grad((full * w).sum(), (q, k, v))
+        total = 0.0
+        for r in range(cp):
+            pos = chunk_positions(s, cp, r)
+            out = load_balanced_attention(q[:, :, pos], k[:, :, gathered], v[:, :, gathered],
+                                          cp, r, causal=causal, enable_gqa=gqa)
+            torch.testing.assert_close(out, full[:, :, pos], rtol=1e-5, atol=1e-6)
+            total = total + (out * w[:, :, pos]).sum()
+        for got, ref in zip(torch.autograd.grad(total, (q, k, v)), want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
@@ -317,8 +313,6 @@ def test_graph_rewrite_gathers_kv_and_gives_global_positions(name):
     counts = apply_context_parallel(gm, seq_len=16, cp=2, rank=1, group_name="cp")
     assert counts["attention"] == 2 and counts["positions"] >= 1 and counts["erased"] > 0
     assert gm.get_buffer("_cp_positions").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert gm.get_buffer("_cp_kv_positions").tolist() == [0, 1, 2, 3, 12, 13, 14, 15,
-                                                          4, 5, 6, 7, 8, 9, 10, 11]
     nodes = list(gm.graph.nodes)
     cp_nodes = [n for n in nodes if n.target is context_parallel_attention]
     assert len(cp_nodes) == 2
@@ -328,11 +322,12 @@ def test_graph_rewrite_gathers_kv_and_gives_global_positions(name):
     assert not [n for n in nodes if n.target is torch.ops.aten.arange.default
                 and tuple(n.meta["val"].shape) == (8,)]
     for n in cp_nodes:
-        q, k, v, *_ = n.args
+        q, k, v, group, cp, rank, causal, _, gqa = n.args
         assert k.meta["val"].shape[1] == v.meta["val"].shape[1] == heads
-        assert n.args[6] is True and n.args[8] == (heads < q.meta["val"].shape[1])
+        assert (group, cp, rank, causal) == ("cp", 2, 1, True)
+        assert gqa == (heads < q.meta["val"].shape[1])
     positions = next(n for n in nodes if n.op == "get_attr" and n.target == "_cp_positions")
-    assert len(positions.users) >= 3  # the two attentions and a position source
+    assert positions.users  # a position source reads it
 
 
 class _Attention(nn.Module):

@@ -7,10 +7,9 @@ capture gets wrong:
 
 1. every fused attention (`aten.scaled_dot_product_attention`) becomes
    `context_parallel_attention`: K and V all-gathered along the sequence dim over the cp group
-   (an autograd-aware functional collective: its backward reduce-scatters dK and dV), the
-   rank's queries against all keys under the causal mask of *global* positions
-   (q_pos >= k_pos). The gathered keys stay in group-rank order (rank r's two chunks, then
-   rank r + 1's); the mask is built from their positions, so no reordering is needed. Where
+   (an autograd-aware functional collective: its backward reduce-scatters dK and dV), and
+   the rank's two query chunks against the keys up to their own, causal on *global*
+   positions (`load_balanced_attention`: no s / cp x s mask is built). Where
    K and V reach attention through GQA's `repeat_kv` (unsqueeze -> expand -> reshape, Hugging
    Face's spelling) the gather takes the tensor before the expansion (h_kv heads, as the cost
    model prices it) and attention runs with `enable_gqa`;
@@ -32,12 +31,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from autoplan._torch_compat import all_gather_autograd
 from autoplan.cost_model.compute import ATTENTION_OPS, op_name
 from autoplan.passes.sharding import run_replicated, sdpa_local
 
-__all__ = ["chunk_positions", "attention_at_positions", "context_parallel_attention",
+__all__ = ["chunk_positions", "load_balanced_attention", "context_parallel_attention",
            "apply_context_parallel"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -60,32 +60,48 @@ def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
 
 
-def attention_at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           q_positions: torch.Tensor, kv_positions: torch.Tensor, *,
-                           causal: bool, scale: float | None = None,
-                           enable_gqa: bool = False) -> torch.Tensor:
-    """Attention of queries q (B, H, Sq, D) against keys k and values v (B, H_kv, Sk, D) held
-    in any order: query j sits at sequence position q_positions[j] (Sq,), key i at
-    kv_positions[i] (Sk,); causal: query j sees key i iff q_positions[j] >= kv_positions[i]
-    (Vaswani et al. 2017's causal mask, written on positions). Returns (B, H, Sq, D): equal to
-    causal attention over the whole sequence, restricted to the query rows."""
-    mask = q_positions[:, None] >= kv_positions[None, :] if causal else None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=enable_gqa)
+def load_balanced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
+                            rank: int, *, causal: bool, scale: float | None = None,
+                            enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of cp rank `rank`'s queries q (B, H, s / cp, D) -- sequence chunks `rank` and
+    2 cp - 1 - `rank` of c = s / (2 cp) tokens each -- against the whole sequence's keys k and
+    values v (B, H_kv, s, D) as the cp group's all-gather leaves them: group-rank order, rank
+    r's two chunks after rank r - 1's. Returns (B, H, s / cp, D), causal attention over the
+    whole sequence (Vaswani et al. 2017) restricted to the rank's query rows.
+
+    The keys are put back in sequence order, and query chunk j attends to key chunks 0..j
+    under the causal mask aligned at the bottom right (torch's `causal_lower_right`: a query
+    at row t of its chunk sees keys up to j c + t), so no s / cp x s mask is built and the
+    fused kernels still apply; the two calls cover (rank + 1) + (2 cp - rank) chunk pairs,
+    2 cp + 1 on every rank (the load balancing of [Note: context parallelism]).
+    `causal=False`: every key, in any order."""
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
+    c = q.shape[2] // 2
+    # sequence chunk j sits at slot 2 j (j < cp: rank j's first) or 2 (2 cp - 1 - j) + 1
+    slots = [2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)]
+    k = torch.cat([k.narrow(2, slot * c, c) for slot in slots], dim=2)
+    v = torch.cat([v.narrow(2, slot * c, c) for slot in slots], dim=2)
+    out = []
+    for half, j in enumerate((rank, 2 * cp - 1 - rank)):
+        keys = (j + 1) * c
+        out.append(F.scaled_dot_product_attention(
+            q.narrow(2, half * c, c), k.narrow(2, 0, keys), v.narrow(2, 0, keys),
+            attn_mask=causal_lower_right(c, keys), scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(out, dim=2)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               q_positions: torch.Tensor, kv_positions: torch.Tensor,
-                               group_name: str, causal: bool, scale: float | None,
-                               enable_gqa: bool) -> torch.Tensor:
+                               group_name: str, cp: int, rank: int, causal: bool,
+                               scale: float | None, enable_gqa: bool) -> torch.Tensor:
     """One cp rank's attention: its queries q (B, H, s / cp, D) against K and V all-gathered
     along the sequence dim (2) over the cp group `group_name` (k, v: (B, H_kv, s / cp, D),
-    gathered to (B, H_kv, s, D) in group-rank order; kv_positions (s,) says where each sits).
-    The gathers' backward reduce-scatters dK and dV. Returns (B, H, s / cp, D)."""
+    gathered to (B, H_kv, s, D) in group-rank order), `load_balanced_attention`. The gathers'
+    backward reduce-scatters dK and dV. Returns (B, H, s / cp, D)."""
     k = all_gather_autograd(k, 2, group_name)
     v = all_gather_autograd(v, 2, group_name)
-    return attention_at_positions(q, k, v, q_positions, kv_positions, causal=causal,
-                                  scale=scale, enable_gqa=enable_gqa)
+    return load_balanced_attention(q, k, v, cp, rank, causal=causal, scale=scale,
+                                   enable_gqa=enable_gqa)
 
 
 def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -151,8 +167,8 @@ def _before_repeat_kv(t: torch.fx.Node) -> tuple[torch.fx.Node, int]:
     return t, 1
 
 
-def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, q_pos, kv_pos,
-                       group_name: str, s_local: int) -> list[torch.fx.Node]:
+def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name: str,
+                       cp: int, rank: int, s_local: int) -> list[torch.fx.Node]:
     """Replace one fused attention; returns the nodes it read that may now be dead."""
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
              "enable_gqa"]
@@ -175,7 +191,7 @@ def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, q_pos, kv_
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(
             context_parallel_attention,
-            (given["query"], k, v, q_pos, kv_pos, group_name, causal, given.get("scale"), gqa))
+            (given["query"], k, v, group_name, cp, rank, causal, given.get("scale"), gqa))
     new.meta = dict(node.meta)
     new.meta["orig_name"] = node.meta.get("orig_name", node.name)
     node.replace_all_uses_with(new)
@@ -227,9 +243,8 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
                            group_name: str) -> dict[str, int]:
     """Rewrite a stage graph captured at seq_len / cp tokens per sample for cp rank `rank`
     of the cp group named `group_name` (in place; see the module docstring). The rank's
-    positions (seq_len / cp,) and every rank's, in group-rank order (seq_len,), become
-    non-persistent buffers `_cp_positions` / `_cp_kv_positions` on the device of the graph's
-    other constants. Returns {"attention": replaced, "positions": arange nodes replaced,
+    positions (seq_len / cp,) become the non-persistent buffer `_cp_positions`, on the device
+    of the graph's other constants. Returns {"attention": replaced, "positions": arange nodes replaced,
     "erased": dead nodes removed}.
 
     Raises ValueError naming the node for an attention this cannot run under cp (another
@@ -246,18 +261,9 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
         raise ValueError("context parallelism: the graph has no aten."
                          "scaled_dot_product_attention: attention spelled out in matmuls "
                          "and softmax cannot gather K and V (use attn_implementation='sdpa')")
-    device = _graph_device(gm)
-    gm.register_buffer("_cp_positions", chunk_positions(seq_len, cp, rank).to(device),
-                       persistent=False)
-    gm.register_buffer("_cp_kv_positions", torch.cat(
-        [chunk_positions(seq_len, cp, r) for r in range(cp)]).to(device), persistent=False)
-    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    with gm.graph.inserting_before(first):
-        q_pos = gm.graph.get_attr("_cp_positions")
-        kv_pos = gm.graph.get_attr("_cp_kv_positions")
     dead = []
     for node in attention:
-        dead += _replace_attention(gm, node, q_pos, kv_pos, group_name, s_local)
+        dead += _replace_attention(gm, node, group_name, cp, rank, s_local)
     erased = _erase_dead(gm, dead)
     aranges = [n for n in gm.graph.nodes if _is_position_arange(n, s_local)]
     if not aranges:
@@ -268,6 +274,12 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
             f"of the local {s_local} tokens; aranges: {seen or 'none'}): where the model's "
             "positions come from cannot be given the rank's global positions; train with "
             "cp=1")
+    gm.register_buffer("_cp_positions",
+                       chunk_positions(seq_len, cp, rank).to(_graph_device(gm)),
+                       persistent=False)
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        q_pos = gm.graph.get_attr("_cp_positions")
     for n in aranges:
         dtype = n.meta["val"].dtype
         src = q_pos
