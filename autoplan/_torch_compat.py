@@ -741,4 +741,18 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
-__all__ += ["all_gather_autograd", "flatten_mesh"]
+def causal_lower_right_bias(q_len: int, kv_len: int):
+    """torch.nn.attention.bias.causal_lower_right(q_len, kv_len): the causal mask of q_len
+    queries that are the last of kv_len positions, as an attention bias the fused kernels
+    take without a materialised mask. Created outside any active TorchDispatchMode
+    (`_disable_current_modes`, private in torch 2.13): it is a Tensor subclass over an empty
+    tensor, which selective activation checkpointing's mode would otherwise record and then
+    refuse to rewrap ("the raw Tensor object is already associated to a python object")."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return causal_lower_right(q_len, kv_len)
+
+
+__all__ += ["all_gather_autograd", "flatten_mesh", "causal_lower_right_bias"]

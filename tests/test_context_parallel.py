@@ -394,7 +394,10 @@ def cp_references():
 
 
 CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
-             "cp2xdp2": (4, dict(cp=2, dp=2, zero_stage=3))}
+             "cp2xdp2": (4, dict(cp=2, dp=2, zero_stage=3)),
+             # the K/V gather recomputed in backward under op-level selective checkpointing
+             "cp2xdp2-selective": (4, dict(cp=2, dp=2, zero_stage=1,
+                                           checkpointing="selective"))}
 
 
 @pytest.mark.slow
@@ -402,8 +405,9 @@ CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_cp_matches_single_process(clusters, cp_references, name, mesh):
     """cp2 on 2 gloo ranks (ZeRO-0: gradients all-reduced over the cp pair) and cp2 x dp2 on
-    4 (ZeRO-3 over the flattened dp x cp mesh), 16 tokens in 4 chunks of 4, fp32: every rank's
-    losses and parameters match one process after each of 3 AdamW steps (rtol 1e-5)."""
+    4 (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing), 16
+    tokens in 4 chunks of 4, fp32: every rank's losses and parameters match one process after
+    each of 3 AdamW steps (rtol 1e-5)."""
     world, overrides = CP_MESHES[mesh]
     results = clusters.get(world).run(_jobs.train, _jobs.preset(name), STEPS, BATCH,
                                       overrides, timeout_s=180)
@@ -413,5 +417,6 @@ def test_cp_matches_single_process(clusters, cp_references, name, mesh):
         assert compare(result, ref) == [], f"rank {rank}"
         got = json.loads(result[2])
         assert got["mesh"]["cp"] == 2 and got["zero_stage"] == overrides["zero_stage"]
+        assert got["checkpointing"] == overrides.get("checkpointing", got["checkpointing"])
         held |= set(result[1])
     assert held == set(ref[1]), "some parameters are held by no rank"

@@ -31,9 +31,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from autoplan._torch_compat import all_gather_autograd
+from autoplan._torch_compat import all_gather_autograd, causal_lower_right_bias
 from autoplan.cost_model.compute import ATTENTION_OPS, op_name
 from autoplan.passes.sharding import run_replicated, sdpa_local
 
@@ -87,7 +86,7 @@ def load_balanced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         keys = (j + 1) * c
         out.append(F.scaled_dot_product_attention(
             q.narrow(2, half * c, c), k.narrow(2, 0, keys), v.narrow(2, 0, keys),
-            attn_mask=causal_lower_right(c, keys), scale=scale, enable_gqa=enable_gqa))
+            attn_mask=causal_lower_right_bias(c, keys), scale=scale, enable_gqa=enable_gqa))
     return torch.cat(out, dim=2)
 
 
