@@ -114,7 +114,7 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--cp", type=_positive_int,
                      help="context-parallel degree: each sample's sequence split over cp ranks, "
                           "K/V all-gathered for attention (default: searched; the runtime "
-                          "trains it with dp and ZeRO, pp 1 and tp 1)")
+                          "trains it with dp, tp and ZeRO at pp 1)")
     fix.add_argument("--ep", type=_positive_int,
                      help="expert-parallel degree of a mixture-of-experts model (divides dp)")
     fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")

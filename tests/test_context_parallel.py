@@ -213,27 +213,24 @@ def test_free_plan_explains_a_losing_cp(long_llama, h100):
     assert all("K/V" not in a.reason for a in less)
 
 
-def test_runtime_refuses_cp_with_tp_or_pp(long_llama, h100):
+def test_runtime_refuses_cp_with_pp_or_compile(long_llama, h100):
     tokens = InputSpec.tokens(2, SEQ)
-    p = plan(long_llama, h100, SPEC, cp=2, tp=4)
-    with pytest.raises(NotImplementedError, match=r"pp1xdp1xcp2xtp4 has context parallelism "
-                                                  r"\(cp 2\) with tp 4 \(attention's DTensor"):
-        check_context_parallel(p, long_llama, tokens, None, False)
-    cp_only = dataclasses.replace(p, mesh=MeshShape(cp=2))  # what the runtime runs
+    with_tp = plan(long_llama, h100, SPEC, cp=2, tp=4)
     p = plan(long_llama, h100, SPEC, cp=2, pp=2, tp=2)
-    with pytest.raises(NotImplementedError, match=r"with pp 2 .*; tp 2 "):
+    with pytest.raises(NotImplementedError, match=r"pp2xdp1xcp2xtp2 has context parallelism "
+                                                  r"\(cp 2\) with pp 2 \(pipeline stages"):
         check_context_parallel(p, long_llama, tokens, None, False)
     with pytest.raises(NotImplementedError, match="compile=True"):
-        check_context_parallel(cp_only, long_llama, tokens, None, True)
-    # no error: cp 1 with anything; cp 2 alone
-    check_context_parallel(plan(long_llama, h100, SPEC, cp=1, tp=4), long_llama, tokens,
+        check_context_parallel(with_tp, long_llama, tokens, None, True)
+    # no error: cp 1 with anything; cp 2 with tp
+    check_context_parallel(plan(long_llama, h100, SPEC, cp=1, pp=2), long_llama, tokens,
                            None, True)
-    check_context_parallel(cp_only, long_llama, tokens, None, False)
+    check_context_parallel(with_tp, long_llama, tokens, None, False)
 
 
-def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_tp_at_build():
+def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_pp_at_build():
     """@autoparallel plans with cp 1 where plan() would take cp 4, and says that cp can be
-    given; cp=4 given plans it, and the build (tp 2 with cp 4, which the runtime does not run)
+    given; cp given plans it, and the build of cp 2 with pp 2 (which the runtime does not run)
     says why before anything is set up."""
     from autoplan import autoparallel
 
@@ -249,9 +246,10 @@ def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_tp_at_build():
     with pytest.raises(InvalidConfig, match=r"x cp 1 does not fit world size 8 \(cp is 1 "
                                             "unless given: fix cp=2, 4"):
         autoparallel(make, **fixed)().plan
-    given = autoparallel(make, **fixed, cp=4)()
-    assert given.plan.mesh.cp == 4
-    with pytest.raises(NotImplementedError, match=r"\(cp 4\) with tp 2"):
+    assert autoparallel(make, **fixed, cp=4)().plan.mesh.cp == 4
+    given = autoparallel(make, **dict(fixed, pp=2), cp=2)()
+    assert given.plan.mesh.cp == 2
+    with pytest.raises(NotImplementedError, match=r"\(cp 2\) with pp 2"):
         given.build()
 
 
@@ -394,6 +392,8 @@ def cp_references():
 
 
 CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
+             # attention on the tp shards (weights split: a memory budget, test_training.py)
+             "cp2xtp2": (4, dict(cp=2, tp=2, zero_stage=3)),
              "cp2xdp2": (4, dict(cp=2, dp=2, zero_stage=3)),
              # the K/V gather recomputed in backward under op-level selective checkpointing
              "cp2xdp2-selective": (4, dict(cp=2, dp=2, zero_stage=1,
@@ -404,13 +404,16 @@ CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
 @pytest.mark.parametrize("mesh", list(CP_MESHES))
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_cp_matches_single_process(clusters, cp_references, name, mesh):
-    """cp2 on 2 gloo ranks (ZeRO-0: gradients all-reduced over the cp pair) and cp2 x dp2 on
-    4 (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing), 16
+    """cp2 on 2 gloo ranks (ZeRO-0: gradients all-reduced over the cp pair), cp2 x dp2 on 4
+    (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing) and cp2 x
+    tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3 over cp), 16
     tokens in 4 chunks of 4, fp32: every rank's losses and parameters match one process after
     each of 3 AdamW steps (rtol 1e-5)."""
     world, overrides = CP_MESHES[mesh]
+    budget = _jobs.memory_budget(_jobs.preset(name), BATCH, overrides,
+                                 0.9 if "tp" in overrides else None, world)
     results = clusters.get(world).run(_jobs.train, _jobs.preset(name), STEPS, BATCH,
-                                      overrides, timeout_s=180)
+                                      overrides, timeout_s=180, device_memory_bytes=budget)
     ref = cp_references(name)
     held = set()
     for rank, result in enumerate(results):
@@ -418,5 +421,7 @@ def test_cp_matches_single_process(clusters, cp_references, name, mesh):
         got = json.loads(result[2])
         assert got["mesh"]["cp"] == 2 and got["zero_stage"] == overrides["zero_stage"]
         assert got["checkpointing"] == overrides.get("checkpointing", got["checkpointing"])
+        if "tp" in overrides:
+            assert any(p != "R" for _, p in got["param_placements"]), "no weight split on tp"
         held |= set(result[1])
     assert held == set(ref[1]), "some parameters are held by no rank"

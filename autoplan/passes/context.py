@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from autoplan._torch_compat import all_gather_autograd, causal_lower_right_bias
 from autoplan.cost_model.compute import ATTENTION_OPS, op_name
@@ -96,7 +97,26 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """One cp rank's attention: its queries q (B, H, s / cp, D) against K and V all-gathered
     along the sequence dim (2) over the cp group `group_name` (k, v: (B, H_kv, s / cp, D),
     gathered to (B, H_kv, s, D) in group-rank order), `load_balanced_attention`. The gathers'
-    backward reduce-scatters dK and dV. Returns (B, H, s / cp, D)."""
+    backward reduce-scatters dK and dV. Returns (B, H, s / cp, D).
+
+    Under tensor parallelism q, k, v are DTensors on the tp mesh with one placement (heads
+    Shard(1), batch Shard(0) or Replicate, as sharding.sdpa_local takes them): attention runs
+    on the local shards and returns a DTensor with q's placement. Raises ValueError when their
+    placements differ."""
+    if isinstance(q, DTensor):
+        local_q, local_k = q.to_local().shape[1], k.to_local().shape[1]
+        if k.placements != q.placements or v.placements != q.placements or \
+                any(p.is_partial() for p in q.placements) or \
+                local_k == 0 or local_q * k.shape[1] != local_k * q.shape[1]:
+            raise ValueError(
+                f"context parallelism: q, k, v reach attention at {q.placements}, "
+                f"{k.placements}, {v.placements} ({local_q} query and {local_k} key heads "
+                f"here of {q.shape[1]} and {k.shape[1]}); cp attention runs on one common "
+                "Shard or Replicate placement that keeps whole GQA groups on every rank")
+        out = context_parallel_attention(q.to_local(), k.to_local(), v.to_local(), group_name,
+                                         cp, rank, causal, scale, enable_gqa)
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False,
+                                  shape=q.shape, stride=q.stride())
     k = all_gather_autograd(k, 2, group_name)
     v = all_gather_autograd(v, 2, group_name)
     return load_balanced_attention(q, k, v, cp, rank, causal=causal, scale=scale,
@@ -167,7 +187,7 @@ def _before_repeat_kv(t: torch.fx.Node) -> tuple[torch.fx.Node, int]:
 
 
 def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name: str,
-                       cp: int, rank: int, s_local: int) -> list[torch.fx.Node]:
+                       cp: int, rank: int, s_local: int, tp: int) -> list[torch.fx.Node]:
     """Replace one fused attention; returns the nodes it read that may now be dead."""
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
              "enable_gqa"]
@@ -185,7 +205,9 @@ def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name
     k, v, gqa = given["key"], given["value"], bool(given.get("enable_gqa", False))
     k0, nk = _before_repeat_kv(k)
     v0, nv = _before_repeat_kv(v)
-    if nk > 1 and nk == nv and not gqa:  # gather the h_kv heads, expand inside attention
+    # gather the h_kv heads and expand inside attention, where each tp rank holds whole
+    # groups of them (else the expanded K and V: correct, h / h_kv times the bytes)
+    if nk > 1 and nk == nv and not gqa and k0.meta["val"].shape[1] % tp == 0:
         k, v, gqa = k0, v0, True
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(
@@ -239,9 +261,11 @@ def _is_position_arange(n: torch.fx.Node, s_local: int) -> bool:
 
 
 def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, rank: int,
-                           group_name: str) -> dict[str, int]:
+                           group_name: str, tp: int = 1) -> dict[str, int]:
     """Rewrite a stage graph captured at seq_len / cp tokens per sample for cp rank `rank`
-    of the cp group named `group_name` (in place; see the module docstring). The rank's
+    of the cp group named `group_name` (in place; see the module docstring); `tp`: the tp
+    degree the stage's heads are split by (K and V are gathered before GQA's expansion when
+    tp divides their heads). The rank's
     positions (seq_len / cp,) become the non-persistent buffer `_cp_positions`, on the device
     of the graph's other constants. Returns {"attention": replaced, "positions": arange nodes replaced,
     "erased": dead nodes removed}.
@@ -262,7 +286,7 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
                          "and softmax cannot gather K and V (use attn_implementation='sdpa')")
     dead = []
     for node in attention:
-        dead += _replace_attention(gm, node, group_name, cp, rank, s_local)
+        dead += _replace_attention(gm, node, group_name, cp, rank, s_local, tp)
     erased = _erase_dead(gm, dead)
     aranges = [n for n in gm.graph.nodes if _is_position_arange(n, s_local)]
     if not aranges:

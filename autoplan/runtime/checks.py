@@ -35,7 +35,7 @@ def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
     positions are checked where they are rewritten, passes/context.py). `graph`: the captured
     graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
 
-    Raises NotImplementedError for pp > 1, tp > 1 or compile with cp, and ValueError for a
+    Raises NotImplementedError for pp > 1 or compile with cp, and ValueError for a
     batch or loss that cannot be cut along the sequence ([Note: step loss]) -- not the
     token-LM form `step(input_ids, labels)`, the model's own loss, a user's loss_fn -- and for
     a model with random ops (dropout)."""
@@ -45,15 +45,13 @@ def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
     unsupported = [what for what, bad in (
         (f"pp {plan.mesh.pp} (pipeline stages would pass the cp positions between stages)",
          plan.mesh.pp > 1),
-        (f"tp {plan.mesh.tp} (attention's DTensor inputs are not cut for the K/V gather)",
-         plan.mesh.tp > 1),
         ("compile=True (the K/V gather is not traced by torch.compile here)", compile))
         if bad]
     if unsupported:
         raise NotImplementedError(
             f"the plan {plan.mesh} has context parallelism (cp {cp}) with "
-            f"{'; '.join(unsupported)}: this runtime runs cp with data parallelism and ZeRO "
-            f"only (pp 1, tp 1, eager); plan with cp=1 or fix pp=1, tp=1")
+            f"{'; '.join(unsupported)}: this runtime runs cp with data and tensor "
+            f"parallelism and ZeRO (pp 1, eager); plan with cp=1 or fix pp=1")
     if inputs.form != "tokens":
         raise ValueError(
             f"context parallelism (cp {cp}) takes the token-LM batch step(input_ids, labels), "

@@ -241,7 +241,8 @@ class DistributedModel:
             if plan.mesh.cp > 1:  # attention over the cp group, global positions
                 apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=plan.mesh.cp,
                                        rank=self.cp_rank,
-                                       group_name=self.mesh["cp"].get_group().group_name)
+                                       group_name=self.mesh["cp"].get_group().group_name,
+                                       tp=plan.mesh.tp)
             if self.kernels and sg.index == self.num_stages - 1:
                 unplanned |= self._vocab_parallel_loss(sg.gm, produced)
             if self.expert_parallel is not None:

@@ -50,8 +50,8 @@ K/V collectives of every layer compete with the tp ones; searched freely at 4K-8
 planner would trade full for selective recompute through cp 2-8 on the strength of a few
 percent it cannot vouch for. `@autoparallel` plans cp 1 unless given cp.
 
-What the runtime runs (autoplan/passes/context.py, runtime/step_inputs.py; a given cp with dp
-and ZeRO, pp 1, tp 1, eager -- runtime/checks.py refuses the rest by name) against what is
+What the runtime runs (autoplan/passes/context.py, runtime/step_inputs.py; a given cp with dp,
+tp and ZeRO, pp 1, eager -- runtime/checks.py refuses the rest by name) against what is
 priced above:
 
 - the runtime graph is captured at s / cp tokens per sample, so every op but attention runs
@@ -73,8 +73,13 @@ priced above:
   loss all-reduced over dp x cp (a scalar, not priced); gradients reduce and shard over the
   flattened dp x cp mesh (FSDP2 / replicate, or ZeRO-1's sharded optimizer over it).
 
-So the planner can produce cp plans the runtime does not run yet: with tp or pp (the 128K
-preset's cp32 x tp4), a model with dropout, a batch other than (input_ids, labels).
+- under tp, attention runs on the rank's heads (q, k, v one placement, as sharding.sdpa_local):
+  the gather moves the rank's h_kv / t' heads, as priced. Where the plan's redistributions
+  sit inside repeat_kv's chain, the gather takes the expanded K and V (h / h_kv times the
+  priced bytes).
+
+So the planner can produce cp plans the runtime does not run yet: with pp, a model with
+dropout, a batch other than (input_ids, labels).
 
 Which cp the search tries then (`cp_degrees`): 1, and the powers of two with cp dividing the devices
 left after tp, s divisible by 2 cp (the load-balanced chunks), chunks of at least
