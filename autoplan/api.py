@@ -374,7 +374,7 @@ class AutoParallel:
                                       max_grad_norm=self.options.max_grad_norm,
                                       device=job.device(), seed=self.options.seed,
                                       inputs=self.inputs, kernels=self.options.kernels,
-                                      compile=self.options.compile)
+                                      compile=self.options.compile, planned_graph=planned)
         if self.options.weights is not None and _is_dcp(self.options.weights):
             with self._timed("build_s"):
                 engine.load(self.options.weights)

@@ -21,6 +21,7 @@ from autoplan.cost_model.context import kv_bytes
 from autoplan.inputs import InputSpec
 from autoplan.models import build_model, example_inputs, model_config
 from autoplan.passes.device import retarget_device
+from autoplan.passes.expand import counterparts
 from autoplan.passes.context import (apply_context_parallel, chunk_positions,
                                      context_parallel_attention, load_balanced_attention)
 from autoplan.plan import MeshShape, Plan
@@ -361,6 +362,41 @@ def test_rewrite_refuses_what_it_cannot_split():
     graph = capture(eager, example_inputs("llama-tiny", batch=1, seq_len=8), model_name="x")
     with pytest.raises(ValueError, match="no aten.scaled_dot_product_attention"):
         apply_context_parallel(graph.gm, seq_len=16, cp=2, rank=0, group_name="cp")
+
+
+class _HiddenIndex(nn.Module):
+    """Causal attention over learned positions, plus an arange over the hidden dim (8) that
+    is as long as a cp rank's 8 of 16 tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos, self.qkv = nn.Embedding(16, 8), nn.Embedding(16, 8), nn.Linear(8, 24)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.emb(ids) + self.pos(positions) + torch.arange(8, device=ids.device)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_rewrite_tells_positions_from_an_index_of_the_same_length():
+    """With the graph captured at the whole sequence, an arange over the hidden dim that is
+    as long as the local sequence is told apart from the positions (and refused, naming it);
+    the positions alone pass."""
+    local = capture(_HiddenIndex(), (torch.zeros(2, 8, dtype=torch.long),), model_name="h")
+    whole = capture(_HiddenIndex(), (torch.zeros(2, 16, dtype=torch.long),), model_name="h")
+    with pytest.raises(ValueError, match=r"arange_1 is an aten.arange of 8 entries, the local "
+                                         r"sequence length, but of 8 at the whole sequence"):
+        apply_context_parallel(local.gm, seq_len=16, cp=2, rank=0, group_name="cp",
+                               planned=counterparts(whole, local))
+    graph = capture(build_model("gpt2-tiny"), example_inputs("gpt2-tiny", batch=2, seq_len=8),
+                    model_name="g")
+    planned = capture(build_model("gpt2-tiny"),
+                      example_inputs("gpt2-tiny", batch=4, seq_len=16), model_name="g")
+    counts = apply_context_parallel(retarget_device(graph.gm, "cpu"), seq_len=16, cp=2,
+                                    rank=0, group_name="cp",
+                                    planned=counterparts(planned, graph))
+    assert counts["positions"] == 1
 
 
 def test_runtime_refuses_a_batch_or_loss_it_cannot_cut(long_llama, h100):

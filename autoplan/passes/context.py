@@ -261,11 +261,16 @@ def _is_position_arange(n: torch.fx.Node, s_local: int) -> bool:
 
 
 def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, rank: int,
-                           group_name: str, tp: int = 1) -> dict[str, int]:
+                           group_name: str, tp: int = 1,
+                           planned: dict[str, torch.fx.Node] | None = None) -> dict[str, int]:
     """Rewrite a stage graph captured at seq_len / cp tokens per sample for cp rank `rank`
     of the cp group named `group_name` (in place; see the module docstring); `tp`: the tp
     degree the stage's heads are split by (K and V are gathered before GQA's expansion when
-    tp divides their heads). The rank's
+    tp divides their heads); `planned`: node name -> its counterpart in the graph captured at
+    the whole seq_len (passes.expand.counterparts), whose aranges must have seq_len entries
+    where this graph's have seq_len / cp -- an arange over something else that happens to be
+    seq_len / cp long is then told apart from a position index (without it, the length alone
+    decides). The rank's
     positions (seq_len / cp,) become the non-persistent buffer `_cp_positions`, on the device
     of the graph's other constants. Returns {"attention": replaced, "positions": arange nodes replaced,
     "erased": dead nodes removed}.
@@ -297,6 +302,7 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
             f"of the local {s_local} tokens; aranges: {seen or 'none'}): where the model's "
             "positions come from cannot be given the rank's global positions; train with "
             "cp=1")
+    _check_against_planned(aranges, planned, seq_len)
     gm.register_buffer("_cp_positions",
                        chunk_positions(seq_len, cp, rank).to(_graph_device(gm)),
                        persistent=False)
@@ -315,6 +321,23 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
     gm.graph.lint()
     gm.recompile()
     return {"attention": len(attention), "positions": len(aranges), "erased": erased}
+
+
+def _check_against_planned(aranges: list[torch.fx.Node], planned, seq_len: int) -> None:
+    """Raise ValueError for a would-be position index whose namesake in the graph captured at
+    the whole sequence does not have seq_len entries (it indexes something else)."""
+    if planned is None:
+        return
+    for n in aranges:
+        name = n.meta.get("orig_name", n.name)
+        other = planned.get(name)
+        val = other.meta.get("val") if other is not None else None
+        if val is not None and tuple(val.shape) != (seq_len,):
+            raise ValueError(
+                f"context parallelism: {name} is an aten.arange of {n.meta['val'].shape[0]} "
+                f"entries, the local sequence length, but of {tuple(val.shape)[0]} at the "
+                f"whole sequence ({seq_len} tokens): not a position index, and cp cannot tell "
+                "the model's positions apart from it; train with cp=1")
 
 
 def _graph_device(gm: torch.fx.GraphModule) -> torch.device:

@@ -59,6 +59,7 @@ from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.context import apply_context_parallel
 from autoplan.passes.device import retarget_device
+from autoplan.passes.expand import counterparts
 from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
 from autoplan.passes.pipeline import split_stages
 from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, random_op_indices
@@ -109,6 +110,9 @@ class DistributedModel:
         compile: run each block module of this rank's stages (a stage without blocks: the
             whole stage) through torch.compile (inductor), [Note: compiled stages] in
             autoplan/runtime/compiled.py; None: as the plan assumed (`plan.compiled`).
+        planned_graph: under cp, the graph the plan was made on (at the whole sequence): an
+            aten.arange that is seq_len / cp long in `graph` is taken as a position index
+            only if its namesake there is seq_len long (passes/context.py).
 
     The loss ([Note: step loss]): `loss_fn(output, target)` when given (the token-LM form:
     `(logits, labels)`; any other: the model's output and the batch as given to `step`, one
@@ -126,7 +130,7 @@ class DistributedModel:
                  device: str = "cpu", max_grad_norm: float | None = None,
                  seed: int | None = None, lr_scheduler: Callable | None = None,
                  inputs: InputSpec | None = None, kernels: bool = True,
-                 compile: bool | None = None):
+                 compile: bool | None = None, planned_graph: CapturedGraph | None = None):
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(
@@ -135,6 +139,9 @@ class DistributedModel:
         quiet_understood_warnings()
         self.plan = plan
         self.graph = graph
+        # cp: the graph captured at the whole sequence, to tell position indexes apart
+        self.planned_nodes = counterparts(planned_graph, graph) \
+            if planned_graph is not None and plan.mesh.cp > 1 else None
         self.inputs = inputs or InputSpec.tokens(plan.global_batch, plan.seq_len)
         self.loss_fn = loss_fn
         self.kernels = kernels
@@ -242,7 +249,7 @@ class DistributedModel:
                 apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=plan.mesh.cp,
                                        rank=self.cp_rank,
                                        group_name=self.mesh["cp"].get_group().group_name,
-                                       tp=plan.mesh.tp)
+                                       tp=plan.mesh.tp, planned=self.planned_nodes)
             if self.kernels and sg.index == self.num_stages - 1:
                 unplanned |= self._vocab_parallel_loss(sg.gm, produced)
             if self.expert_parallel is not None:
