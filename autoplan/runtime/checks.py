@@ -1,7 +1,8 @@
 """Build-time check that what the runtime built is what the plan says (STYLE rule 14): the
 tp placement of every parameter, the ZeRO stage's dp sharding (an expert slice under ep:
 Shard(0) on the ep mesh instead), the master and compute dtypes.
-A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time."""
+A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time.
+`check_context_parallel` refuses, before building, a cp plan the runtime cannot run."""
 
 from __future__ import annotations
 

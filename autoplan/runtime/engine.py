@@ -1,7 +1,9 @@
 """The training engine: one rank's share of a planned model, and its optimizer step.
 
 Build order (each step needs the previous one), all on the meta device until step 7:
-1. DeviceMesh ("pp", "dp", "tp") from the plan, tp innermost.
+1. DeviceMesh ("pp", "dp", "tp") from the plan, tp innermost; ("pp", "dp", "cp", "tp") with
+   context parallelism, whose dp and cp axes are flattened into the data-parallel mesh
+   ("dp_cp") that gradients reduce and ZeRO shards over (torchtitan's dp_shard x cp).
 2. The captured graph (in the plan's compute dtype) gets meta weights in the master dtype, is
    retargeted to the device and split into pipeline stages (`passes.split_stages`); this rank
    keeps the stages `s` with `s % pp == pp_rank` (interleaved schedules hold several).
@@ -10,6 +12,9 @@ Build order (each step needs the previous one), all on the meta device until ste
    DTensor; stage inputs/outputs cross stage boundaries as local tensors. Random ops become
    layout-invariant (`passes.rng`, [Note: RNG contract]). The RMSNorm and SwiGLU patterns
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
+   Under cp (the graph captured at seq_len / cp tokens per sample), attention gathers K and V
+   over the cp axis and positions become the rank's global ones (`passes.context`, [Note:
+   context parallelism] in solver/context.py).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
    plan says so (`passes.checkpointing`); with `compile`, each block's forward goes through
    torch.compile ([Note: compiled stages] in runtime/compiled.py).
@@ -32,7 +37,8 @@ Build order (each step needs the previous one), all on the meta device until ste
 The batch is any pytree of tensors (autoplan/inputs.py), split along each tensor's batch dim
 over dp ranks and microbatches (runtime/step_inputs.py); the loss is the user's, the model's
 own or the token cross-entropy ([Note: step loss]): each microbatch's mean loss is scaled by
-1/num_microbatches and dp gradients are averaged.
+1/num_microbatches and dp gradients are averaged. Under cp each rank keeps its two chunks of
+every sample's tokens (token-LM batches and the token loss only; runtime/checks.py).
 """
 
 from __future__ import annotations
