@@ -270,10 +270,9 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
     the whole seq_len (passes.expand.counterparts), whose aranges must have seq_len entries
     where this graph's have seq_len / cp -- an arange over something else that happens to be
     seq_len / cp long is then told apart from a position index (without it, the length alone
-    decides). The rank's
-    positions (seq_len / cp,) become the non-persistent buffer `_cp_positions`, on the device
-    of the graph's other constants. Returns {"attention": replaced, "positions": arange nodes replaced,
-    "erased": dead nodes removed}.
+    decides). The rank's positions (seq_len / cp,) become the non-persistent buffer
+    `_cp_positions`, on the device of the graph's other constants. Returns {"attention":
+    attentions replaced, "positions": arange nodes replaced, "erased": dead nodes removed}.
 
     Raises ValueError naming the node for an attention this cannot run under cp (another
     fused attention op, dropout in attention, a mask from the batch or not causal) and when
@@ -295,8 +294,8 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
     erased = _erase_dead(gm, dead)
     aranges = [n for n in gm.graph.nodes if _is_position_arange(n, s_local)]
     if not aranges:
-        seen = [f"{n.name} {n.args} {n.kwargs} {n.meta.get('val')}" for n in gm.graph.nodes
-                if _arange(n) is not None]
+        seen = [f"{n.name} {tuple(n.meta['val'].shape)}" for n in gm.graph.nodes
+                if _arange(n) is not None and n.meta.get("val") is not None]
         raise ValueError(
             f"context parallelism: no position source in the graph (an integer aten.arange "
             f"of the local {s_local} tokens; aranges: {seen or 'none'}): where the model's "
