@@ -428,6 +428,7 @@ def cp_references():
 
 
 CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
+             "cp4": (4, dict(cp=4, zero_stage=2)),  # 8 chunks of 2 tokens
              # attention on the tp shards (weights split: a memory budget, test_training.py)
              "cp2xtp2": (4, dict(cp=2, tp=2, zero_stage=3)),
              "cp2xdp2": (4, dict(cp=2, dp=2, zero_stage=3)),
@@ -441,9 +442,10 @@ CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_cp_matches_single_process(clusters, cp_references, name, mesh):
     """cp2 on 2 gloo ranks (ZeRO-0: gradients all-reduced over the cp pair), cp2 x dp2 on 4
-    (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing) and cp2 x
-    tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3 over cp), 16
-    tokens in 4 chunks of 4, fp32: every rank's losses and parameters match one process after
+    (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing), cp4 on 4
+    (ZeRO-2) and cp2 x tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3
+    over cp), 16 tokens in 2 cp chunks, fp32: every rank's losses and parameters match one
+    process after
     each of 3 AdamW steps (rtol 1e-5)."""
     world, overrides = CP_MESHES[mesh]
     budget = _jobs.memory_budget(_jobs.preset(name), BATCH, overrides,
@@ -455,7 +457,8 @@ def test_cp_matches_single_process(clusters, cp_references, name, mesh):
     for rank, result in enumerate(results):
         assert compare(result, ref) == [], f"rank {rank}"
         got = json.loads(result[2])
-        assert got["mesh"]["cp"] == 2 and got["zero_stage"] == overrides["zero_stage"]
+        assert got["mesh"]["cp"] == overrides["cp"]
+        assert got["zero_stage"] == overrides["zero_stage"]
         assert got["checkpointing"] == overrides.get("checkpointing", got["checkpointing"])
         if "tp" in overrides:
             assert any(p != "R" for _, p in got["param_placements"]), "no weight split on tp"
