@@ -445,8 +445,7 @@ def test_cp_matches_single_process(clusters, cp_references, name, mesh):
     (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing), cp4 on 4
     (ZeRO-2) and cp2 x tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3
     over cp), 16 tokens in 2 cp chunks, fp32: every rank's losses and parameters match one
-    process after
-    each of 3 AdamW steps (rtol 1e-5)."""
+    process after each of 3 AdamW steps (rtol 1e-5)."""
     world, overrides = CP_MESHES[mesh]
     budget = _jobs.memory_budget(_jobs.preset(name), BATCH, overrides,
                                  0.9 if "tp" in overrides else None, world)
