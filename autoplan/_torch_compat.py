@@ -771,3 +771,39 @@ def compile_counters() -> dict[str, int]:
 
 
 __all__ += ["compile_counters"]
+
+
+def all_gather_autograd(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """`t` all-gathered along tensor dim `dim` over `group` (a ProcessGroup or its name), in
+    group-rank order, differentiable: its backward reduce-scatters (sums) the gradient along
+    `dim` (torch.distributed._functional_collectives.all_gather_single_autograd, private in
+    torch 2.13, which replaced all_gather_tensor_autograd: it gathers on dim 0 and cuts and
+    concatenates for another dim). What context parallelism gathers K and V with ([Note:
+    context parallelism] in autoplan/solver/context.py)."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    return all_gather_single_autograd(t.contiguous(), dim, group)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1-D mesh of all ranks of `mesh` (a sub-mesh of several axes, e.g. ("dp", "cp")),
+    row-major, named `name`: torchtitan's `mesh["dp_shard", "cp"]._flatten("dp_shard_cp")`
+    (DeviceMesh._flatten, private in torch 2.13)."""
+    return mesh._flatten(name)
+
+
+def causal_lower_right_bias(q_len: int, kv_len: int):
+    """torch.nn.attention.bias.causal_lower_right(q_len, kv_len): the causal mask of q_len
+    queries that are the last of kv_len positions, as an attention bias the fused kernels
+    take without a materialised mask. Created outside any active TorchDispatchMode
+    (`_disable_current_modes`, private in torch 2.13): it is a Tensor subclass over an empty
+    tensor, which selective activation checkpointing's mode would otherwise record and then
+    refuse to rewrap ("the raw Tensor object is already associated to a python object")."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return causal_lower_right(q_len, kv_len)
+
+
+__all__ += ["all_gather_autograd", "flatten_mesh", "causal_lower_right_bias"]

@@ -174,13 +174,19 @@ class AutoParallel:
         _ = self.plan
         return self._graph
 
-    def _capture(self, source: nn.Module, batch_size: int, planning: bool = False):
+    def _capture(self, source: nn.Module, batch_size: int, planning: bool = False,
+                 seq_len: int | None = None):
         """The graph of `source` called on the planned batch at `batch_size` samples (planning:
-        a few identical blocks scaled to the real depth, [Note: shallow planning capture])."""
+        a few identical blocks scaled to the real depth, [Note: shallow planning capture]);
+        `seq_len`: tokens per sample of the token-LM batch instead of the planned ones (a cp
+        rank's seq_len / cp)."""
         from autoplan.capture import capture
         from autoplan.capture.planning import capture_for_planning
+        from autoplan.inputs import InputSpec
 
         spec = self.inputs
+        if seq_len is not None and seq_len != self.spec.seq_len:
+            spec = InputSpec.tokens(spec.global_batch, seq_len)  # cp: the token form only
         example = spec.example(batch_size, "meta" if _on_meta(source) else "cpu")
         args, kwargs = spec.call([t if leaf.to_model else None
                                   for leaf, t in zip(spec.leaves, example)])
@@ -189,7 +195,7 @@ class AutoParallel:
             graph = capture_for_planning(source, args, example_kwargs=kwargs, model_name=name)
         else:
             graph = capture(source, args, example_kwargs=kwargs, model_name=name)
-        graph.batch_size, graph.seq_len = batch_size, self.spec.seq_len
+        graph.batch_size, graph.seq_len = batch_size, seq_len or self.spec.seq_len
         return graph
 
     def _make_plan(self) -> Plan:
@@ -273,8 +279,9 @@ class AutoParallel:
         from autoplan.solver.search import ReplicatedWeightsWarning
 
         with warnings.catch_warnings(record=True) as caught:
-            # cp 1 unless asked: the runtime does not run context parallelism yet
-            # (runtime/checks.py check_context_parallel); a given cp > 1 fails at build
+            # cp 1 unless asked: free planning would try cp > 1 only where nothing fits
+            # without it, and the runtime does not run every cp plan (pp 1 only, the token
+            # batch and loss: runtime/checks.py check_context_parallel)
             overrides = dict(self.options.overrides)
             try:
                 plan = solve(graph, topo, self.spec, compiled=self.options.compile,
@@ -283,8 +290,8 @@ class AutoParallel:
                 if "cp" in overrides or not ("does not fit world size" in e.reason or
                                              "no configuration of" in e.reason):
                     raise
-                raise InvalidConfig(f"{e.reason} (cp is 1 here: the runtime does not run "
-                                    "context parallelism yet)", option=e.option) from None
+                raise InvalidConfig(f"{e.reason} (cp is 1 unless given: fix cp=2, 4, ... to "
+                                    "plan context parallelism)", option=e.option) from None
         for w in caught:  # shown as they would have been
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if request is not None and (not _in_job() or dist.get_rank() == 0):
@@ -325,7 +332,9 @@ class AutoParallel:
         topo = self.topology  # joins torchrun's process group
         # nothing to train on is said before anything is set up ([Note: step loss])
         loss_mode(self.graph, self.inputs, self.options.loss_fn)
-        check_context_parallel(self.plan)  # a cp plan is not run yet: said before building
+        # and a cp plan this runtime cannot run (its batch, loss, dropout, pp/tp/compile)
+        check_context_parallel(self.plan, self.graph, self.inputs, self.options.loss_fn,
+                               self.options.compile)
         if not _in_job():
             if topo.world_size != 1:
                 raise RuntimeError(
@@ -342,13 +351,19 @@ class AutoParallel:
         # One capture serves both when planning captured every block at the global batch and
         # the plan runs one microbatch of it per rank (dp 1, one microbatch): the same call of
         # `capture` on the same source would be made again.
+        # Under context parallelism (cp > 1) the runtime graph is captured at a cp rank's own
+        # tokens, seq_len / cp per sample: every view shape is then local, and
+        # passes/context.py gives it global positions and attention over the cp group.
         planned = self._graph
-        reuse = planned.num_layers == planned.total_layers and \
+        cp = plan.mesh.cp
+        reuse = planned.num_layers == planned.total_layers and cp == 1 and \
             planned.batch_size == plan.microbatch_size and plan.dtype == self.options.dtype
         with self._timed("capture_runtime_s"), \
-                phase(f"capturing {name} at microbatch {plan.microbatch_size}"):
+                phase(f"capturing {name} at microbatch {plan.microbatch_size}"
+                      + (f", {self.spec.seq_len // cp} tokens per cp rank" if cp > 1 else "")):
             graph = planned if reuse else self._capture(self._capture_source(precision),
-                                                        plan.microbatch_size)
+                                                        plan.microbatch_size,
+                                                        seq_len=self.spec.seq_len // cp)
             plan = plan_for_graph(plan, planned, graph)  # planned on a few blocks, run on all
         self._build_stats["capture_reused"] = reuse
         with self._timed("build_s"), phase(f"building this rank's shards ({plan.mesh})"):
@@ -359,7 +374,7 @@ class AutoParallel:
                                       max_grad_norm=self.options.max_grad_norm,
                                       device=job.device(), seed=self.options.seed,
                                       inputs=self.inputs, kernels=self.options.kernels,
-                                      compile=self.options.compile)
+                                      compile=self.options.compile, planned_graph=planned)
         if self.options.weights is not None and _is_dcp(self.options.weights):
             with self._timed("build_s"):
                 engine.load(self.options.weights)
@@ -682,8 +697,11 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             "core-attention" | "selective" | "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
             sequence_parallel (True / False: Megatron-LM's sequence parallelism on the tp axis
             fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
-            cp (context parallelism; default 1 here: the runtime does not run cp > 1 yet, and
-            a plan with cp > 1 raises NotImplementedError when built).
+            cp (context parallelism, [Note: context parallelism] in autoplan/solver/context.py:
+            every sample's sequence cut into 2 cp chunks over cp ranks, K and V all-gathered
+            in attention; default 1 here, not searched. The runtime runs a given cp with dp
+            tp and ZeRO -- pp 1, eager -- on the token-LM batch and loss, fused causal
+            attention, no dropout; anything else raises when built, naming why).
             offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
             offload] in autoplan/solver/offload.py).
 

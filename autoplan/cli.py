@@ -114,7 +114,7 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--cp", type=_positive_int,
                      help="context-parallel degree: each sample's sequence split over cp ranks, "
                           "K/V all-gathered for attention (default: searched; the runtime "
-                          "does not train cp > 1 yet)")
+                          "trains it with dp, tp and ZeRO at pp 1)")
     fix.add_argument("--ep", type=_positive_int,
                      help="expert-parallel degree of a mixture-of-experts model (divides dp)")
     fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
@@ -475,7 +475,7 @@ def _cmd_export(args) -> int:
     from autoplan.report import render_summary
 
     if args.cp is None:
-        args.cp = 1  # the rewrite has no cp pass yet (passes/export.py): export plans cp 1
+        args.cp = 1  # export's rewrite has no cp pass (passes/export.py): it plans cp 1
     planned = _plan(args, None)  # every rank's graph: the full depth
     try:
         import autoplan.passes.export  # noqa: F401 - an installation without it fails here

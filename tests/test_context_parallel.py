@@ -1,17 +1,29 @@
-"""Context parallelism in the planner ([Note: context parallelism] in autoplan/solver/context.py):
-the cp mesh axis and its JSON, the costs per cp rank and the K/V collectives against the
-alpha-beta formula by hand, the search over cp, the report, and the runtime's refusal to build
-a cp plan it does not run yet."""
+"""Context parallelism ([Note: context parallelism] in autoplan/solver/context.py): in the
+planner, the cp mesh axis and its JSON, the costs per cp rank and the K/V collectives against
+the alpha-beta formula by hand, the search over cp, the report; in the runtime, the cp
+attention against full attention, the graph rewrite (passes/context.py), the refusals of what
+it does not run, and training under cp2 and cp2 x dp2 against one process (gloo ranks)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import _jobs
 
 from autoplan.capture import capture
 from autoplan.cost_model.context import kv_bytes
+from autoplan.inputs import InputSpec
 from autoplan.models import build_model, example_inputs, model_config
+from autoplan.passes.device import retarget_device
+from autoplan.passes.expand import counterparts
+from autoplan.passes.context import (apply_context_parallel, chunk_positions,
+                                     context_parallel_attention, load_balanced_attention)
 from autoplan.plan import MeshShape, Plan
 from autoplan.report import render_markdown
 from autoplan.runtime.checks import check_context_parallel
@@ -20,9 +32,11 @@ from autoplan.solver import pipeline
 from autoplan.solver.context import attention_nodes, cp_degrees
 from autoplan.solver.search import Overrides, PlanConfig, Search, enumerate_configs
 from autoplan.spec import TrainingSpec
+from autoplan.testing import compare
 from autoplan.topology import preset
 
 SEQ = 2048
+STEPS, BATCH = 3, 4  # the gloo runs: as tests/test_training.py
 
 
 @pytest.fixture(scope="module")
@@ -200,18 +214,25 @@ def test_free_plan_explains_a_losing_cp(long_llama, h100):
     assert all("K/V" not in a.reason for a in less)
 
 
-def test_runtime_refuses_a_cp_plan(long_llama, h100):
-    p = plan(long_llama, h100, SPEC, cp=2, tp=4)
-    with pytest.raises(NotImplementedError, match=r"context parallelism \(cp 2 in "
-                                                  r"pp1xdp1xcp2xtp4\).*all-gather of K and V"):
-        check_context_parallel(p)
-    check_context_parallel(plan(long_llama, h100, SPEC, cp=1, tp=4))  # no error
+def test_runtime_refuses_cp_with_pp_or_compile(long_llama, h100):
+    tokens = InputSpec.tokens(2, SEQ)
+    with_tp = plan(long_llama, h100, SPEC, cp=2, tp=4)
+    p = plan(long_llama, h100, SPEC, cp=2, pp=2, tp=2)
+    with pytest.raises(NotImplementedError, match=r"pp2xdp1xcp2xtp2 has context parallelism "
+                                                  r"\(cp 2\) with pp 2 \(pipeline stages"):
+        check_context_parallel(p, long_llama, tokens, None, False)
+    with pytest.raises(NotImplementedError, match="compile=True"):
+        check_context_parallel(with_tp, long_llama, tokens, None, True)
+    # no error: cp 1 with anything; cp 2 with tp
+    check_context_parallel(plan(long_llama, h100, SPEC, cp=1, pp=2), long_llama, tokens,
+                           None, True)
+    check_context_parallel(with_tp, long_llama, tokens, None, False)
 
 
-def test_autoparallel_plans_cp_1_and_refuses_a_given_cp_at_build():
-    """@autoparallel plans with cp 1 (the runtime does not run cp > 1) where plan() would
-    take cp 4; cp=4 given plans it, and the build says what is missing, before anything is
-    set up."""
+def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_pp_at_build():
+    """@autoparallel plans with cp 1 where plan() would take cp 4, and says that cp can be
+    given; cp given plans it, and the build of cp 2 with pp 2 (which the runtime does not run)
+    says why before anything is set up."""
     from autoplan import autoparallel
 
     def make():
@@ -224,9 +245,221 @@ def test_autoparallel_plans_cp_1_and_refuses_a_given_cp_at_build():
     assert plan(graph, preset("dgx-h100"), TrainingSpec(4, 1024), tp=2, pp=1,
                 dp=1).mesh.cp == 4
     with pytest.raises(InvalidConfig, match=r"x cp 1 does not fit world size 8 \(cp is 1 "
-                                            "here: the runtime does not run context"):
+                                            "unless given: fix cp=2, 4"):
         autoparallel(make, **fixed)().plan
-    given = autoparallel(make, **fixed, cp=4)()
-    assert given.plan.mesh.cp == 4
-    with pytest.raises(NotImplementedError, match="cp 4"):
+    assert autoparallel(make, **fixed, cp=4)().plan.mesh.cp == 4
+    given = autoparallel(make, **dict(fixed, pp=2), cp=2)()
+    assert given.plan.mesh.cp == 2
+    with pytest.raises(NotImplementedError, match=r"\(cp 2\) with pp 2"):
         given.build()
+
+
+# -- the runtime ------------------------------------------------------------------------------
+
+def test_chunk_positions_balance_the_causal_work():
+    """cp rank i holds chunks i and 2 cp - 1 - i; together the ranks hold every position once,
+    and each rank's queries see the same number of keys under the causal mask."""
+    assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for cp in (2, 4):
+        ranks = [chunk_positions(32, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(ranks).tolist()) == list(range(32))
+        assert len({int((p + 1).sum()) for p in ranks}) == 1  # keys seen, summed over queries
+    with pytest.raises(ValueError, match="seq_len 12 is not divisible by 2 x cp = 8"):
+        chunk_positions(12, 4, 0)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_attention_equals_full_attention(cp, kv_heads):
+    """Each cp rank's queries against the keys and values as the cp all-gather leaves them
+    (group-rank order) give full causal attention's rows for its positions; the gradients
+    summed over the ranks (what the gathers' reduce-scatter sums) are full attention's, GQA
+    included; likewise without the causal mask."""
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 4, 16, 8
+    q, k, v, w = (torch.randn(b, n, s, d, generator=g) for n in (h, kv_heads, kv_heads, h))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    gqa = kv_heads < h
+    gathered = torch.cat([chunk_positions(s, cp, r) for r in range(cp)])
+    for causal in (True, False):
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        want = torch.autograd.grad((full * w).sum(), (q, k, v))
+        total = 0.0
+        for r in range(cp):
+            pos = chunk_positions(s, cp, r)
+            out = load_balanced_attention(q[:, :, pos], k[:, :, gathered], v[:, :, gathered],
+                                          cp, r, causal=causal, enable_gqa=gqa)
+            torch.testing.assert_close(out, full[:, :, pos], rtol=1e-5, atol=1e-6)
+            total = total + (out * w[:, :, pos]).sum()
+        for got, ref in zip(torch.autograd.grad(total, (q, k, v)), want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_graph_rewrite_gathers_kv_and_gives_global_positions(name):
+    """The graph captured at a cp rank's 8 of 16 tokens: every attention becomes the cp
+    attention, with K/V taken before GQA's repeat_kv (llama-tiny: 2 key/value heads of 8, what
+    the cost model prices, kv_bytes); the model's local mask is gone; the positions feeding
+    the position embedding (GPT-2) or the rotary tables (Llama) read the rank's global
+    positions."""
+    model = build_model(name)
+    graph = capture(model, example_inputs(name, batch=2, seq_len=8), model_name=name)
+    heads = model_config(name).get("num_key_value_heads") or \
+        model_config(name).get("n_head") or model_config(name)["num_attention_heads"]
+    gm = retarget_device(graph.gm, "cpu")  # as the runtime's stage graphs are
+    counts = apply_context_parallel(gm, seq_len=16, cp=2, rank=1, group_name="cp")
+    assert counts["attention"] == 2 and counts["positions"] >= 1 and counts["erased"] > 0
+    assert gm.get_buffer("_cp_positions").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    nodes = list(gm.graph.nodes)
+    cp_nodes = [n for n in nodes if n.target is context_parallel_attention]
+    assert len(cp_nodes) == 2
+    assert not [n for n in nodes if "scaled_dot_product" in str(n.target)]
+    assert not [n for n in nodes if n.target in (torch.ops.aten.cumsum.default,
+                                                 torch.ops.aten.diff.default)]  # the mask
+    assert not [n for n in nodes if n.target is torch.ops.aten.arange.default
+                and tuple(n.meta["val"].shape) == (8,)]
+    for n in cp_nodes:
+        q, k, v, group, cp, rank, causal, _, gqa = n.args
+        assert k.meta["val"].shape[1] == v.meta["val"].shape[1] == heads
+        assert (group, cp, rank, causal) == ("cp", 2, 1, True)
+        assert gqa == (heads < q.meta["val"].shape[1])
+    positions = next(n for n in nodes if n.op == "get_attr" and n.target == "_cp_positions")
+    assert positions.users  # a position source reads it
+
+
+class _Attention(nn.Module):
+    """One attention head over (B, S, 8) embeddings: `mask` "input" (given with the batch),
+    "window" (a 2-token sliding window from arange), "causal" (is_causal, no positions)."""
+
+    def __init__(self, mask: str):
+        super().__init__()
+        self.mask, self.emb, self.qkv = mask, nn.Embedding(16, 8), nn.Linear(8, 24)
+
+    def forward(self, ids, mask=None):
+        q, k, v = self.qkv(self.emb(ids)).unsqueeze(1).chunk(3, dim=-1)  # (B, 1, S, 8)
+        if self.mask == "window":
+            i = torch.arange(ids.shape[1], device=ids.device)
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=self.mask == "causal")
+
+
+def test_rewrite_refuses_what_it_cannot_split():
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    cases = [("input", (ids, torch.ones(4, 4, dtype=torch.bool)),
+              r"attention scaled_dot_product_attention takes a mask computed from the batch "
+              r"\(\['mask'\]"),
+             ("window", (ids,), "is neither causal nor all True at 4 tokens"),
+             ("causal", (ids,), "no position source in the graph"
+                                r" \(an integer aten.arange of the local 4 tokens")]
+    for kind, args, message in cases:
+        graph = capture(_Attention(kind), args, model_name=kind)
+        with pytest.raises(ValueError, match=message):
+            apply_context_parallel(graph.gm, seq_len=8, cp=2, rank=0, group_name="cp")
+    eager = build_model("llama-tiny", attn_implementation="eager")
+    graph = capture(eager, example_inputs("llama-tiny", batch=1, seq_len=8), model_name="x")
+    with pytest.raises(ValueError, match="no aten.scaled_dot_product_attention"):
+        apply_context_parallel(graph.gm, seq_len=16, cp=2, rank=0, group_name="cp")
+
+
+class _HiddenIndex(nn.Module):
+    """Causal attention over learned positions, plus an arange over the hidden dim (8) that
+    is as long as a cp rank's 8 of 16 tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos, self.qkv = nn.Embedding(16, 8), nn.Embedding(16, 8), nn.Linear(8, 24)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.emb(ids) + self.pos(positions) + torch.arange(8, device=ids.device)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_rewrite_tells_positions_from_an_index_of_the_same_length():
+    """With the graph captured at the whole sequence, an arange over the hidden dim that is
+    as long as the local sequence is told apart from the positions (and refused, naming it);
+    the positions alone pass."""
+    local = capture(_HiddenIndex(), (torch.zeros(2, 8, dtype=torch.long),), model_name="h")
+    whole = capture(_HiddenIndex(), (torch.zeros(2, 16, dtype=torch.long),), model_name="h")
+    with pytest.raises(ValueError, match=r"arange_1 is an aten.arange of 8 entries, the local "
+                                         r"sequence length, but of 8 at the whole sequence"):
+        apply_context_parallel(local.gm, seq_len=16, cp=2, rank=0, group_name="cp",
+                               planned=counterparts(whole, local))
+    graph = capture(build_model("gpt2-tiny"), example_inputs("gpt2-tiny", batch=2, seq_len=8),
+                    model_name="g")
+    planned = capture(build_model("gpt2-tiny"),
+                      example_inputs("gpt2-tiny", batch=4, seq_len=16), model_name="g")
+    counts = apply_context_parallel(retarget_device(graph.gm, "cpu"), seq_len=16, cp=2,
+                                    rank=0, group_name="cp",
+                                    planned=counterparts(planned, graph))
+    assert counts["positions"] == 1
+
+
+def test_runtime_refuses_a_batch_or_loss_it_cannot_cut(long_llama, h100):
+    """A user loss_fn, a batch that is not the token pair, dropout: named errors."""
+    cp_plan = dataclasses.replace(plan(long_llama, h100, SPEC, cp=2, tp=4), mesh=MeshShape(cp=2))
+    tokens = InputSpec.tokens(2, SEQ)
+    with pytest.raises(ValueError, match="a loss_fn is a mean over the rank's tokens"):
+        check_context_parallel(cp_plan, long_llama, tokens, lambda out, y: out.sum(), False)
+    batch = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long),
+             "labels": torch.zeros(2, SEQ, dtype=torch.long)}
+    as_dict = InputSpec.of(batch, build_model("llama-tiny"), 2)
+    with pytest.raises(ValueError, match=r"takes the token-LM batch step\(input_ids, labels\)"):
+        check_context_parallel(cp_plan, long_llama, as_dict, None, False)
+    dropout = build_model("gpt2-tiny", resid_pdrop=0.1)
+    graph = capture(dropout, example_inputs("gpt2-tiny", batch=2, seq_len=8), model_name="x")
+    with pytest.raises(ValueError, match=r"\(cp 2\) on a model with random ops"):
+        check_context_parallel(cp_plan, graph, InputSpec.tokens(2, 8), None, False)
+
+
+@pytest.fixture(scope="module")
+def cp_references():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = _jobs.reference(_jobs.preset(name), STEPS, BATCH)
+        return cache[name]
+    return get
+
+
+CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
+             "cp4": (4, dict(cp=4, zero_stage=2)),  # 8 chunks of 2 tokens
+             # attention on the tp shards (weights split: a memory budget, test_training.py)
+             "cp2xtp2": (4, dict(cp=2, tp=2, zero_stage=3)),
+             "cp2xdp2": (4, dict(cp=2, dp=2, zero_stage=3)),
+             # the K/V gather recomputed in backward under op-level selective checkpointing
+             "cp2xdp2-selective": (4, dict(cp=2, dp=2, zero_stage=1,
+                                           checkpointing="selective"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", list(CP_MESHES))
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_cp_matches_single_process(clusters, cp_references, name, mesh):
+    """cp2 on 2 gloo ranks (ZeRO-0: gradients all-reduced over the cp pair), cp2 x dp2 on 4
+    (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing), cp4 on 4
+    (ZeRO-2) and cp2 x tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3
+    over cp), 16 tokens in 2 cp chunks, fp32: every rank's losses and parameters match one
+    process after each of 3 AdamW steps (rtol 1e-5)."""
+    world, overrides = CP_MESHES[mesh]
+    budget = _jobs.memory_budget(_jobs.preset(name), BATCH, overrides,
+                                 0.9 if "tp" in overrides else None, world)
+    results = clusters.get(world).run(_jobs.train, _jobs.preset(name), STEPS, BATCH,
+                                      overrides, timeout_s=180, device_memory_bytes=budget)
+    ref = cp_references(name)
+    held = set()
+    for rank, result in enumerate(results):
+        assert compare(result, ref) == [], f"rank {rank}"
+        got = json.loads(result[2])
+        assert got["mesh"]["cp"] == overrides["cp"]
+        assert got["zero_stage"] == overrides["zero_stage"]
+        assert got["checkpointing"] == overrides.get("checkpointing", got["checkpointing"])
+        if "tp" in overrides:
+            assert any(p != "R" for _, p in got["param_placements"]), "no weight split on tp"
+        held |= set(result[1])
+    assert held == set(ref[1]), "some parameters are held by no rank"

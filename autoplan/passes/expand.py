@@ -37,7 +37,7 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import NodeStrategy, Plan, Redistribution
 from autoplan.passes.sharding import tensor_args
 
-__all__ = ["plan_for_graph"]
+__all__ = ["plan_for_graph", "counterparts"]
 
 
 def plan_for_graph(plan: Plan, planned: CapturedGraph, graph: CapturedGraph) -> Plan:
@@ -79,6 +79,13 @@ def plan_for_graph(plan: Plan, planned: CapturedGraph, graph: CapturedGraph) -> 
                 r, producer=args[r.arg_index].name, consumer=consumer))
     return dataclasses.replace(plan, strategies=tuple(new_strategies),
                                redistributions=tuple(new_redistributions))
+
+
+def counterparts(planned: CapturedGraph, graph: CapturedGraph) -> dict[str, torch.fx.Node]:
+    """Node name of `graph` -> the node of `planned` it corresponds to (call_function and
+    output nodes; [Note: plan retargeting]): the same model captured at another batch or
+    sequence length, or with another number of blocks."""
+    return _match(planned, graph)
 
 
 def _match(planned: CapturedGraph, graph: CapturedGraph) -> dict[str, torch.fx.Node]:

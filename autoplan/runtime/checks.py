@@ -1,7 +1,8 @@
 """Build-time check that what the runtime built is what the plan says (STYLE rule 14): the
 tp placement of every parameter, the ZeRO stage's dp sharding (an expert slice under ep:
 Shard(0) on the ep mesh instead), the master and compute dtypes.
-A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time."""
+A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time.
+`check_context_parallel` refuses, before building, a cp plan the runtime cannot run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from autoplan.passes.rng import random_op_indices
 from autoplan.plan import parse_placement
+from autoplan.runtime.step_inputs import loss_mode
 
 __all__ = ["PlanMismatchError", "check_against_plan", "check_context_parallel"]
 
@@ -27,18 +30,53 @@ def _axis_placement(p: torch.Tensor, axis: str):
     return p.placements[names.index(axis)] if axis in names else None
 
 
-def check_context_parallel(plan) -> None:
-    """NotImplementedError for a plan with context parallelism (cp > 1): the planner prices
-    it ([Note: context parallelism] in autoplan/solver/context.py), this runtime does not run
-    it yet, and building it without would train something else than the plan says."""
-    if plan.mesh.cp > 1:
+def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
+    """Refuse, before anything is set up, a cp > 1 plan this runtime cannot run as planned
+    ([Note: context parallelism] in autoplan/solver/context.py; the graph's attention and
+    positions are checked where they are rewritten, passes/context.py). `graph`: the captured
+    graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
+
+    Raises NotImplementedError for pp > 1 or compile with cp, and ValueError for a
+    batch or loss that cannot be cut along the sequence ([Note: step loss]) -- not the
+    token-LM form `step(input_ids, labels)`, the model's own loss, a user's loss_fn -- and for
+    a model with random ops (dropout)."""
+    cp = plan.mesh.cp
+    if cp == 1:
+        return
+    unsupported = [what for what, bad in (
+        (f"pp {plan.mesh.pp} (pipeline stages would pass the cp positions between stages)",
+         plan.mesh.pp > 1),
+        ("compile=True (the K/V gather is not traced by torch.compile here)", compile))
+        if bad]
+    if unsupported:
         raise NotImplementedError(
-            f"the plan has context parallelism (cp {plan.mesh.cp} in {plan.mesh}), which this "
-            "runtime does not run yet: missing are the sequence split of each batch over the "
-            "cp axis (chunks i and 2 cp - 1 - i on cp rank i, labels shifted before the "
-            "split), the matching position ids, rotary tables and causal-mask rows, and the "
-            "all-gather of K and V over the cp axis inside attention; plan with cp=1 (the "
-            "default of @autoparallel) to train")
+            f"the plan {plan.mesh} has context parallelism (cp {cp}) with "
+            f"{'; '.join(unsupported)}: this runtime runs cp with data and tensor "
+            f"parallelism and ZeRO (pp 1, eager); plan with cp=1 or fix pp=1")
+    if inputs.form != "tokens":
+        raise ValueError(
+            f"context parallelism (cp {cp}) takes the token-LM batch step(input_ids, labels), "
+            f"each cut along the sequence; this plan's batch is a {inputs.describe()}, whose "
+            "sequence dims the runtime cannot tell; train with cp=1")
+    mode = loss_mode(graph, inputs, loss_fn)
+    if mode != "tokens":
+        why = {"model": "the model's own loss shifts its labels inside the model, per local "
+                        "chunk, and would pair each chunk's last token with the wrong target",
+               "user": "a loss_fn is a mean over the rank's tokens, and cp ranks hold "
+                       "different shares of every sample's trained tokens"}[mode]
+        raise ValueError(
+            f"context parallelism (cp {cp}) trains on the token cross-entropy of the logits "
+            f"against the batch's labels, summed per rank over the global batch's trained "
+            f"tokens; {why}. Leave loss_fn out and give labels of the next tokens "
+            "(step(input_ids, labels)), or train with cp=1")
+    random_ops = random_op_indices(graph.gm)
+    if random_ops:
+        raise ValueError(
+            f"context parallelism (cp {cp}) on a model with random ops ({len(random_ops)}: "
+            f"{sorted(random_ops)[:3]}...): the random-op stream is keyed by sample ([Note: RNG "
+            "contract] in autoplan/passes/rng.py) and a cp rank holds part of each sample, so "
+            "its dropout masks would differ from one process's; set the model's dropout to 0 "
+            "or train with cp=1")
 
 
 def check_against_plan(model) -> None:
@@ -47,8 +85,10 @@ def check_against_plan(model) -> None:
     problems = []
     for _, module in model.stages:
         wrapped = isinstance(module, FSDPModule)
-        if (plan.mesh.dp > 1 or precision.mixed) and list(module.parameters()) and not wrapped:
-            problems.append(f"a stage is not wrapped by FSDP2 (dp {plan.mesh.dp}, "
+        if (plan.mesh.dp_shard > 1 or precision.mixed) and list(module.parameters()) and \
+                not wrapped:
+            problems.append(f"a stage is not wrapped by FSDP2 (dp {plan.mesh.dp}, cp "
+                            f"{plan.mesh.cp}, "
                             f"dtype {plan.dtype})")
         for fqn, p in module.named_parameters():
             want_dtype = precision.master_dtype or p.dtype
@@ -65,8 +105,9 @@ def check_against_plan(model) -> None:
                 if _axis_placement(p, "ep") != Shard(0):
                     problems.append(f"{fqn}: ep placement {_axis_placement(p, 'ep')}, expert "
                                     "parallelism splits the experts Shard(0)")
-            elif plan.mesh.dp > 1 and p.is_floating_point():
-                got = _axis_placement(p, "dp")
+            elif plan.mesh.dp_shard > 1 and p.is_floating_point():
+                # the data-parallel axis: dp, or dp x cp flattened (runtime/engine.py)
+                got = _axis_placement(p, "dp" if plan.mesh.cp == 1 else "dp_cp")
                 sharded = got is not None and (got.is_shard() or "Shard" in type(got).__name__)
                 if sharded != (plan.zero_stage >= 2):
                     problems.append(f"{fqn}: dp placement {got}, ZeRO-{plan.zero_stage} "

@@ -1,7 +1,9 @@
 """The training engine: one rank's share of a planned model, and its optimizer step.
 
 Build order (each step needs the previous one), all on the meta device until step 7:
-1. DeviceMesh ("pp", "dp", "tp") from the plan, tp innermost.
+1. DeviceMesh ("pp", "dp", "tp") from the plan, tp innermost; ("pp", "dp", "cp", "tp") with
+   context parallelism, whose dp and cp axes are flattened into the data-parallel mesh
+   ("dp_cp") that gradients reduce and ZeRO shards over (torchtitan's dp_shard x cp).
 2. The captured graph (in the plan's compute dtype) gets meta weights in the master dtype, is
    retargeted to the device and split into pipeline stages (`passes.split_stages`); this rank
    keeps the stages `s` with `s % pp == pp_rank` (interleaved schedules hold several).
@@ -10,6 +12,9 @@ Build order (each step needs the previous one), all on the meta device until ste
    DTensor; stage inputs/outputs cross stage boundaries as local tensors. Random ops become
    layout-invariant (`passes.rng`, [Note: RNG contract]). The RMSNorm and SwiGLU patterns
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
+   Under cp (the graph captured at seq_len / cp tokens per sample), attention gathers K and V
+   over the cp axis and positions become the rank's global ones (`passes.context`, [Note:
+   context parallelism] in solver/context.py).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
    plan says so (`passes.checkpointing`); with `compile`, each block's forward goes through
    torch.compile ([Note: compiled stages] in runtime/compiled.py).
@@ -32,7 +37,8 @@ Build order (each step needs the previous one), all on the meta device until ste
 The batch is any pytree of tensors (autoplan/inputs.py), split along each tensor's batch dim
 over dp ranks and microbatches (runtime/step_inputs.py); the loss is the user's, the model's
 own or the token cross-entropy ([Note: step loss]): each microbatch's mean loss is scaled by
-1/num_microbatches and dp gradients are averaged.
+1/num_microbatches and dp gradients are averaged. Under cp each rank keeps its two chunks of
+every sample's tokens (token-LM batches and the token loss only; runtime/checks.py).
 """
 
 from __future__ import annotations
@@ -57,7 +63,9 @@ from autoplan.runtime.step_inputs import StepInputs, loss_mode
 from autoplan.runtime.tied import sync_tied_grads, tied_groups, untie_across_stages
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
+from autoplan.passes.context import apply_context_parallel
 from autoplan.passes.device import retarget_device
+from autoplan.passes.expand import counterparts
 from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
 from autoplan.passes.pipeline import split_stages
 from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, random_op_indices
@@ -72,7 +80,8 @@ from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.weights import (ModuleWeights, Targets, WeightSource, allocate as _allocate,
                                       weights_to_meta as _weights_to_meta)
-from autoplan._torch_compat import implicit_replication, quiet_understood_warnings
+from autoplan._torch_compat import (flatten_mesh as _flatten_mesh, implicit_replication,
+                                   quiet_understood_warnings)
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
 
@@ -107,6 +116,9 @@ class DistributedModel:
         compile: run each block module of this rank's stages (a stage without blocks: the
             whole stage) through torch.compile (inductor), [Note: compiled stages] in
             autoplan/runtime/compiled.py; None: as the plan assumed (`plan.compiled`).
+        planned_graph: under cp, the graph the plan was made on (at the whole sequence): an
+            aten.arange that is seq_len / cp long in `graph` is taken as a position index
+            only if its namesake there is seq_len long (passes/context.py).
 
     The loss ([Note: step loss]): `loss_fn(output, target)` when given (the token-LM form:
     `(logits, labels)`; any other: the model's output and the batch as given to `step`, one
@@ -124,8 +136,7 @@ class DistributedModel:
                  device: str = "cpu", max_grad_norm: float | None = None,
                  seed: int | None = None, lr_scheduler: Callable | None = None,
                  inputs: InputSpec | None = None, kernels: bool = True,
-                 compile: bool | None = None):
-        check_context_parallel(plan)  # before anything is set up: not run yet
+                 compile: bool | None = None, planned_graph: CapturedGraph | None = None):
         if not dist.is_initialized() or dist.get_world_size() != plan.mesh.world_size:
             have = dist.get_world_size() if dist.is_initialized() else 0
             raise ValueError(
@@ -134,13 +145,18 @@ class DistributedModel:
         quiet_understood_warnings()
         self.plan = plan
         self.graph = graph
+        # cp: the graph captured at the whole sequence, to tell position indexes apart
+        self.planned_nodes = counterparts(planned_graph, graph) \
+            if planned_graph is not None and plan.mesh.cp > 1 else None
         self.inputs = inputs or InputSpec.tokens(plan.global_batch, plan.seq_len)
         self.loss_fn = loss_fn
         self.kernels = kernels
         self.kernel_counts: dict[int, dict[str, int]] = {}  # by stage: fuse_kernels' counts
         self.compile = plan.compiled if compile is None else bool(compile)
         self.compiled: dict[int, list[str]] = {}  # by stage: the module paths compiled
-        loss_mode(graph, self.inputs, loss_fn)  # no loss to train on: raise before building
+        # no loss to train on, or a cp plan this runtime cannot run: raise before building
+        loss_mode(graph, self.inputs, loss_fn)
+        check_context_parallel(plan, graph, self.inputs, loss_fn, self.compile)
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
@@ -159,9 +175,14 @@ class DistributedModel:
             self.pp_rank = self.mesh["pp"].get_local_rank()
             self.dp_rank = self.mesh["dp"].get_local_rank()
             self.tp_rank = self.mesh["tp"].get_local_rank()
+            self.cp_rank = self.mesh["cp"].get_local_rank() if plan.mesh.cp > 1 else 0
+            # gradients reduce and shard over dp x cp ([Note: context parallelism])
+            self.dp_mesh = self.mesh["dp"] if plan.mesh.cp == 1 else \
+                _flatten_mesh(self.mesh["dp", "cp"], "dp_cp")
             self.batch = StepInputs(graph, self.inputs, loss_fn, global_batch=plan.global_batch,
                                     num_microbatches=plan.num_microbatches, dp=plan.mesh.dp,
-                                    dp_rank=self.dp_rank, device=self.device)
+                                    dp_rank=self.dp_rank, device=self.device,
+                                    cp=plan.mesh.cp, cp_rank=self.cp_rank)
             # expert parallelism inside dp (runtime/moe.py): groups before the stages use them
             check_expert_parallel(plan)
             self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
@@ -176,8 +197,8 @@ class DistributedModel:
             # CPU offload ([Note: offload] in solver/offload.py): ZeRO 0/1 step on the host
             # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
             host = plan.offload == "optimizer"
-            if plan.zero_stage == 1 and plan.mesh.dp > 1:
-                self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.mesh["dp"],
+            if plan.zero_stage == 1 and plan.mesh.dp_shard > 1:
+                self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.dp_mesh,
                                                           offload=host)
             elif host:
                 self.optimizer = HostOptimizer(params, make_opt)
@@ -230,6 +251,11 @@ class DistributedModel:
         for sg in mine:
             untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
+            if plan.mesh.cp > 1:  # attention over the cp group, global positions
+                apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=plan.mesh.cp,
+                                       rank=self.cp_rank,
+                                       group_name=self.mesh["cp"].get_group().group_name,
+                                       tp=plan.mesh.tp, planned=self.planned_nodes)
             if self.kernels and sg.index == self.num_stages - 1:
                 unplanned |= self._vocab_parallel_loss(sg.gm, produced)
             if self.expert_parallel is not None:
@@ -337,9 +363,9 @@ class DistributedModel:
         MixedPrecisionPolicy is what casts the fp32 master weights for compute."""
         plan = self.plan
         mp = self.precision.policy()
-        if not list(gm.parameters()) or (plan.mesh.dp == 1 and mp is None):
+        if not list(gm.parameters()) or (plan.mesh.dp_shard == 1 and mp is None):
             return gm
-        dp_mesh = self.mesh["dp"]
+        dp_mesh = self.dp_mesh  # dp, or dp x cp flattened
         # expert weights under ep are reduced by runtime/moe.py, not by FSDP2
         ignored = set(self.expert_parallel.params) if self.expert_parallel else None
         gm.forward = _compat.owning_outputs(gm.forward)
@@ -448,9 +474,9 @@ class DistributedModel:
             self.skipped_steps += 1
         if self.lr_scheduler is not None:  # every step, skipped or not (as HF's Trainer)
             self.lr_scheduler.step()
-        if self.plan.mesh.dp > 1:
-            dist.all_reduce(loss, group=self.mesh["dp"].get_group())
-            loss = loss / self.plan.mesh.dp
+        if self.plan.mesh.dp_shard > 1:  # each cp rank holds a share of its samples' loss
+            dist.all_reduce(loss, group=self.dp_mesh.get_group())
+            loss = loss / self.plan.mesh.dp_shard
         return float(loss)
 
     def _count_microbatches(self) -> None:

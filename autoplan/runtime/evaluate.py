@@ -21,6 +21,11 @@ def eval_batch(engine, leaves: list[torch.Tensor], return_outputs: bool = False)
     the microbatches' and dp ranks' output tensors concatenated on dim 0 (0-d outputs, such as
     a loss, averaged). Collective over all ranks."""
     batch = engine.batch
+    if return_outputs and engine.plan.mesh.cp > 1:
+        raise NotImplementedError(
+            f"eval_step(return_outputs=True) under context parallelism (cp "
+            f"{engine.plan.mesh.cp}): each rank holds two chunks of every sample's outputs, "
+            "which are not put back in sequence order; ask for the loss only")
     local = batch.local(leaves)
     parts = batch.start(leaves, local, training=False)
     for state in engine._random_states.values():
@@ -32,9 +37,9 @@ def eval_batch(engine, leaves: list[torch.Tensor], return_outputs: bool = False)
     finally:
         for state in engine._random_states.values():
             state.drawing = True
-    dp = engine.plan.mesh.dp
+    dp = engine.plan.mesh.dp_shard  # dp x cp: a cp rank holds a share of its samples' loss
     if dp > 1:
-        dist.all_reduce(loss, group=engine.mesh["dp"].get_group())
+        dist.all_reduce(loss, group=engine.dp_mesh.get_group())
         loss = loss / dp
     if not return_outputs:
         return float(loss)

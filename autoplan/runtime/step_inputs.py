@@ -11,6 +11,17 @@ tensor along its batch dim, the model's inputs, what the loss reads, and the los
 - the token cross-entropy of the main output (`logits`) against the batch's `labels`, -100
   ignored, weighted so that the step's loss is the mean over the *global* batch's trained
   tokens, as one process computes it on the whole batch (`token_loss`).
+
+Under context parallelism (cp > 1, [Note: context parallelism] in autoplan/solver/context.py)
+only the last applies, to the token-LM form: the labels are the next tokens already (the
+token loss reads `labels[t]` as the target of position t and shifts nothing), so cutting
+input_ids and labels into the same 2 cp chunks (chunks i and 2 cp - 1 - i on cp rank i) gives
+every rank the targets of its own positions, the last position's included; each rank's
+summed token loss is weighted by cp x num_microbatches x dp / the global batch's trained
+tokens, and gradients and the step's loss are averaged over the dp x cp ranks. The model's own
+loss (Hugging Face shifts its labels inside, per local chunk: it would pair a chunk's last
+token with the wrong target and drop a target per chunk) and a user's loss_fn (a mean over
+the rank's tokens, weighted per rank, not per token) are refused (runtime/checks.py).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import torch.utils._pytree as pytree
 
 from autoplan.graph import CapturedGraph
 from autoplan.inputs import InputSpec
+from autoplan.passes.context import chunk_positions
 
 __all__ = ["StepInputs", "loss_mode"]
 
@@ -52,6 +64,8 @@ class StepInputs:
         loss_fn: the user's loss, or None.
         global_batch, num_microbatches, dp, dp_rank: the plan's split.
         device: where this rank computes.
+        cp, cp_rank: the context-parallel degree and this rank's index on the cp axis (token-LM
+            form only: the leaves, (B, s), keep this rank's 2 of 2 cp sequence chunks).
 
     Attributes:
         mode: "user" | "model" | "tokens" ([Note: step loss]).
@@ -62,12 +76,18 @@ class StepInputs:
 
     def __init__(self, graph: CapturedGraph, inputs: InputSpec, loss_fn: Callable | None, *,
                  global_batch: int, num_microbatches: int, dp: int, dp_rank: int,
-                 device: torch.device):
+                 device: torch.device, cp: int = 1, cp_rank: int = 0):
         self.graph, self.inputs, self.loss_fn = graph, inputs, loss_fn
         self.mode = loss_mode(graph, inputs, loss_fn)
         self.global_batch, self.m, self.dp, self.dp_rank = (global_batch, num_microbatches,
                                                              dp, dp_rank)
         self.device = device
+        self.cp = cp
+        # the global positions of this cp rank's tokens (s / cp,), None without cp
+        self.positions: torch.Tensor | None = None
+        if cp > 1:
+            seq_len = inputs.leaves[0].shape[1]  # the token form: (B, s)
+            self.positions = chunk_positions(seq_len, cp, cp_rank).to(device)
         self.targets: list = []
         self.token_scale = 1.0
         # (tp group, first token id of this rank's shard, vocabulary size) when the stage
@@ -90,7 +110,10 @@ class StepInputs:
                 raise ValueError(
                     f"batch value {leaf.name} has {t.shape[leaf.batch_dim]} samples; the plan "
                     f"was made for global_batch {self.global_batch}")
-        return [t.to(self.device) for t in self.split(leaves, self.dp)[self.dp_rank]]
+        local = [t.to(self.device) for t in self.split(leaves, self.dp)[self.dp_rank]]
+        if self.positions is not None:  # token form: (B, s) ids and labels, s on dim 1
+            local = [t.index_select(1, self.positions) for t in local]
+        return local
 
     def start(self, leaves: list[torch.Tensor], local: list[torch.Tensor],
               training: bool = True) -> list[list[torch.Tensor]]:
@@ -103,7 +126,7 @@ class StepInputs:
             if trained == 0 and training:
                 raise ValueError(f"step: every one of the {labels.numel()} labels is -100 "
                                  "(ignored)")
-            self.token_scale = self.m * self.dp / max(trained, 1)
+            self.token_scale = self.m * self.dp * self.cp / max(trained, 1)
         parts = self.split(local, self.m)
         self.targets = [self._target(p) for p in parts]
         return parts

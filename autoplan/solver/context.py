@@ -48,7 +48,38 @@ long context -- and what the price above leaves out decides it at ordinary lengt
 and matmul kernels on s / cp-token chunks run below the efficiency of whole sequences, and the
 K/V collectives of every layer compete with the tp ones; searched freely at 4K-8K tokens the
 planner would trade full for selective recompute through cp 2-8 on the strength of a few
-percent it cannot vouch for. The runtime does not run cp > 1 yet either.
+percent it cannot vouch for. `@autoparallel` plans cp 1 unless given cp.
+
+What the runtime runs (autoplan/passes/context.py, runtime/step_inputs.py; a given cp with dp,
+tp and ZeRO, pp 1, eager -- runtime/checks.py refuses the rest by name) against what is
+priced above:
+
+- the runtime graph is captured at s / cp tokens per sample, so every op but attention runs
+  on the rank's b s / cp tokens, as priced; the position index (an integer arange of the
+  local length: HF's cache_position / position_ids, GPT-2's position-embedding index) is
+  replaced by the rank's global positions, and the model's own causal mask is dropped;
+- each fused attention all-gathers K and V over the cp group (all_gather_single_autograd,
+  whose backward reduce-scatters dK and dV: the priced pair) before GQA's expansion where the
+  graph spells it as HF's repeat_kv (unsqueeze -> expand -> reshape; attention then runs with
+  enable_gqa) or the attention op has enable_gqa itself: h_kv heads, as priced. Another
+  spelling of the expansion is gathered after it, h / h_kv times the priced bytes: a
+  cost-model mismatch, not a numerical one;
+- attention puts the gathered keys back in sequence order (one copy of the gathered K and V,
+  transient, not priced) and runs each query chunk j against key chunks 0..j under a
+  bottom-right-aligned causal mask: (i + 1) + (2 cp - i) chunk pairs on rank i, the balanced
+  work priced above, with no s / cp x s mask materialised;
+- under checkpointing the block's forward is recomputed with its gathers, as priced;
+- the token loss is summed per rank over the global batch's trained tokens and the step's
+  loss all-reduced over dp x cp (a scalar, not priced); gradients reduce and shard over the
+  flattened dp x cp mesh (FSDP2 / replicate, or ZeRO-1's sharded optimizer over it).
+
+- under tp, attention runs on the rank's heads (q, k, v one placement, as sharding.sdpa_local):
+  the gather moves the rank's h_kv / t' heads, as priced. Where the plan's redistributions
+  sit inside repeat_kv's chain, the gather takes the expanded K and V (h / h_kv times the
+  priced bytes).
+
+So the planner can produce cp plans the runtime does not run yet: with pp, a model with
+dropout, a batch other than (input_ids, labels).
 
 Which cp the search tries then (`cp_degrees`): 1, and the powers of two with cp dividing the devices
 left after tp, s divisible by 2 cp (the load-balanced chunks), chunks of at least
