@@ -222,17 +222,17 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     of the two)."""
     if overrides.cp is not None or not _cp_may_help(graph, topology, spec):
         return _search(graph, topology, spec, overrides, time_limit_s, top_k)
-    first, unfit = None, []
+    first, unfit, shared = None, [], {}
     try:  # what does not fit is explained once both searches have failed
         first = _search(graph, topology, spec, dataclasses.replace(overrides, cp=1),
-                        time_limit_s, top_k, unfit=unfit)
+                        time_limit_s, top_k, unfit=unfit, shared=shared)
     except (NoFeasiblePlan, InvalidConfig):
         pass
     if first is not None and first.offload == "none":
         return first
     try:  # the cp = 1 configurations have had their search: the second one is over cp > 1
         second = _search(graph, topology, spec, overrides, time_limit_s, top_k,
-                         context_parallel_only=True, unfit=unfit)
+                         context_parallel_only=True, unfit=unfit, shared=shared)
     except (NoFeasiblePlan, InvalidConfig):
         if first is not None:
             return first
@@ -246,14 +246,20 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
 
 def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
             time_limit_s: float, top_k: int, context_parallel_only: bool = False,
-            unfit: list | None = None) -> Plan:
+            unfit: list | None = None, shared: dict | None = None) -> Plan:
     """The best plan over the configurations the overrides admit (those with cp > 1 only,
     when `context_parallel_only`). Raises InvalidConfig when there are none, NoFeasiblePlan
     when none fits: its message says what the smallest plan needs, unless `unfit` is given,
-    which then receives (search, configurations) for the caller to explain (a few ILPs)."""
+    which then receives (search, configurations) for the caller to explain (a few ILPs).
+    `shared`: the strategy cache, problems per tp and ILP coefficients of an earlier search of
+    the same graph, topology, spec and sequence-parallel choice (they depend on nothing else),
+    filled with this one's."""
     start = time.perf_counter()
     validate(graph, topology, spec, overrides)
-    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel)
+    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel,
+                    **(shared or {}))
+    if shared is not None:
+        shared.update(cache=search.cache, problems=search.problems, costs=search.costs)
     configs = enumerate_configs(graph, topology, spec, overrides, search.policies())
     if context_parallel_only:
         configs = [c for c in configs if c.cp > 1]
