@@ -139,6 +139,13 @@ def train_resume(factory, batch: int, first: dict, second: dict, path: str, *, s
     return losses, b.state_dict(), buffers
 
 
+@functools.lru_cache(maxsize=None)
+def preset_reference(name: str, steps: int, batch: int):
+    """`reference` of preset `name`, computed once per test session (read it, never change
+    it)."""
+    return reference(preset(name), steps, batch)
+
+
 def reference_keyed(factory, steps: int, batch: int, seed: int, *, seq: int = SEQ):
     """Single-process eager training with random ops under the RNG contract
     (autoplan.passes.rng.keyed_random_ops): (losses, parameters after the last step)."""

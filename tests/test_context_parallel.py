@@ -418,13 +418,7 @@ def test_runtime_refuses_a_batch_or_loss_it_cannot_cut(long_llama, h100):
 
 @pytest.fixture(scope="module")
 def cp_references():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = _jobs.reference(_jobs.preset(name), STEPS, BATCH)
-        return cache[name]
-    return get
+    return lambda name: _jobs.preset_reference(name, STEPS, BATCH)
 
 
 CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),

@@ -140,13 +140,7 @@ def test_llama3_8b_on_one_h200_plans_with_offloaded_states():
 
 @pytest.fixture(scope="module")
 def references():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = _jobs.reference(_jobs.preset(name), STEPS, BATCH)
-        return cache[name]
-    return get
+    return lambda name: _jobs.preset_reference(name, STEPS, BATCH)
 
 
 @pytest.mark.slow
