@@ -186,6 +186,29 @@ def test_compiled_matches_single_process(clusters, inductor_dir, mesh):
     assert held == set(ref[1])
 
 
+@pytest.mark.slow
+def test_compile_cache_is_keyed_by_what_group_names_mean(tmp_path):
+    """dp2 x tp2, compiled, run twice by fresh processes sharing one inductor cache, as ranks
+    on one machine and a restarted job do. c10d names a group by a counter that differs between
+    ranks that are not its members, so the two tp groups carry different names on ranks {0, 1}
+    and {2, 3}, and torch's caches do not key on what a name means ([Note: compile cache and
+    process groups]): the second run must not load a kernel naming another rank's group. It
+    matches one process. Failed before the cache key carried the groups' meaning (rank 3:
+    "Could not resolve the process group registered under the name 7", ranks 0 and 1 waiting in
+    an all-gather)."""
+    from autoplan.runtime.launcher import LocalCluster
+
+    cache, overrides = str(tmp_path / "inductor"), dict(dp=2, tp=2, zero_stage=0, compile=True)
+    ref = _jobs.reference(_jobs.preset("gpt2-tiny"), STEPS, BATCH)
+    for _ in range(2):  # fresh processes each time, the second reads what the first stored
+        with LocalCluster(4, pg_timeout_s=120) as cluster:
+            results = cluster.run(_compile_jobs.train_compiled, _jobs.preset("gpt2-tiny"),
+                                  STEPS, BATCH, overrides, cache, timeout_s=600)
+        for losses, *_ in results:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]),
+                                       rtol=1e-5, atol=1e-6)
+
+
 def test_compile_counters_count_graphs_and_breaks():
     before = compile_counters()
 

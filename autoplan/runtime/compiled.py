@@ -34,17 +34,35 @@ guard that recompiles every step.
 
 Compile time: inductor generates and builds C++ (CPU) or Triton (CUDA) kernels on the first
 step; `TORCHINDUCTOR_CACHE_DIR` keeps them between runs (torch's own cache, keyed by graph).
+
+[Note: compile cache and process groups]
+A compiled region that runs a collective names its process group by the group's *name*, and
+c10d names groups by a counter of the groups a rank registered: ranks that are not members of a
+group do not count it, so the two tp groups of dp2 x tp2 carry different names on ranks {0, 1}
+and {2, 3}, and a process that created groups of its own first numbers them differently again.
+Torch's on-disk caches (FX graph cache, AOTAutograd cache), which the ranks of one machine and
+a restarted job share, do not key on what a name means: a rank could load kernels that another
+rank compiled, naming a group that is absent on it ("Could not resolve the process group
+registered under the name 7", its peers waiting in an all-gather) or, worse, one of other
+ranks (tests/test_compile.py::test_compile_cache_is_keyed_by_what_group_names_mean). `pin_cache_to_groups` therefore adds the meaning of every group
+of the engine's mesh (name -> global ranks) to `torch.compiler.config.cache_key_tag`, which both
+caches include in their keys: a cached artifact is reused only where its group names mean the
+same ranks. The tag is set process-wide, not around the compiled calls, because AOTAutograd
+compiles a backward lazily, at the first backward, outside any forward's context; it keeps a
+tag the user set (prefix) and accumulates the groups of every engine built in the process.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["compile_stage", "compile_flat_stage", "random_ops_eager", "COMPILE_BACKEND"]
+__all__ = ["compile_stage", "compile_flat_stage", "random_ops_eager", "pin_cache_to_groups",
+           "COMPILE_BACKEND"]
 
 COMPILE_BACKEND = "inductor"
 """torch.compile's backend for the stages (TorchInductor: C++/OpenMP on CPU, Triton on CUDA)."""
@@ -86,6 +104,28 @@ def compile_flat_stage(gm: torch.fx.GraphModule) -> list[str]:
         _compile_forward(gm)
         paths = [""]
     return paths
+
+
+_PINNED_GROUPS: set[tuple[str, tuple[int, ...]]] = set()
+"""(group name, global ranks) of every mesh group `pin_cache_to_groups` saw in this process."""
+_USER_TAG: list[str] = []
+"""The cache_key_tag the process had before the first pin (kept as the tag's prefix)."""
+
+
+def pin_cache_to_groups(mesh) -> str:
+    """Key torch's compile caches on what the process-group names of `mesh` (a DeviceMesh)
+    mean ([Note: compile cache and process groups]); call before the first compiled call.
+    Returns the tag now in `torch.compiler.config.cache_key_tag`."""
+    import torch.distributed as dist
+
+    if not _USER_TAG:
+        _USER_TAG.append(torch.compiler.config.cache_key_tag)
+    _PINNED_GROUPS.update((g.group_name, tuple(dist.get_process_group_ranks(g)))
+                          for g in mesh.get_all_groups())
+    digest = hashlib.sha256(repr(sorted(_PINNED_GROUPS)).encode()).hexdigest()[:16]
+    tag = f"autoplan-process-groups-{digest}"
+    torch.compiler.config.cache_key_tag = f"{_USER_TAG[0]}|{tag}" if _USER_TAG[0] else tag
+    return torch.compiler.config.cache_key_tag
 
 
 def _compile_forward(module: torch.nn.Module) -> None:

@@ -74,7 +74,8 @@ from autoplan.plan import Plan, parse_placement
 from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan, check_context_parallel
 from autoplan.runtime.offload import HostOptimizer
-from autoplan.runtime.compiled import compile_flat_stage, compile_stage, random_ops_eager
+from autoplan.runtime.compiled import (compile_flat_stage, compile_stage, pin_cache_to_groups,
+                                      random_ops_eager)
 from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
@@ -248,6 +249,8 @@ class DistributedModel:
         inserted, out, held = [], [], set()
         self._random_states: dict[int, RandomState] = {}
         unplanned: set[tuple[str, str]] = set()  # planned redistributions the kernels replace
+        if self.compile:  # [Note: compile cache and process groups]
+            pin_cache_to_groups(self.mesh)
         for sg in mine:
             untie_across_stages(sg.gm)
             inserted += apply_placements(sg.gm, plan)
