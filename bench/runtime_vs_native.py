@@ -466,7 +466,8 @@ def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
             "rank, pair 1 a cold process with an empty plan cache, median over "
             f"{rows[0].get('first_pairs', '?')} pairs. Bars: step <= {STEP_BAR}, first step <= "
             f"{FIRST_STEP_BAR:g}x. Results: `bench/results/runtime_vs_native.json` "
-            f"({result['date']}, load average {result['machine']['loadavg']}).\n\n"
+            f"({result['date']}, load average {result['machine']['loadavg']}; rows run by "
+            "`--only` keep the others, each row has its own date and load average).\n\n"
             f"{table(rows)}\n\nautoplan's first step by phase (`model.build_stats()`, rank 0, "
             "seconds; median over the pairs whose plan came from the cache):\n\n"
             f"{phase_table(rows)}\n\n{verdict(rows)}\n")
@@ -508,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                                    timeout_s=3600)
         rows.append(_row(name, overrides, per_rank))
         rows[-1]["loadavg"] = os.getloadavg()[0]
+        rows[-1]["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         print(table(rows[-1:]), file=sys.stderr, flush=True)
     result = {"schema_version": SCHEMA_VERSION,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
