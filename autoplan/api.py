@@ -655,7 +655,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             `local-cpu` preset when planning outside a process group.
         dtype: compute dtype; optimizer: `named_params -> Optimizer`, given (FQN, parameter)
             pairs, which torch optimizers take as they take parameters, so that groups can be
-            built by name (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3);
+            built by name (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3)
+            (with kernels on, its fused update: [Note: fused AdamW] in runtime/optim.py);
         lr_scheduler: `optimizer -> LRScheduler`, stepped after every optimizer step;
         loss_fn: `(output, batch) -> scalar`, the mean loss of one microbatch (its samples
             equally weighted: the step's loss is the mean over microbatches and dp ranks),
@@ -673,10 +674,11 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         init: `module -> None`, the init of a model given on meta (see above).
         seed: the seed of dropout and every other random op in training ([Note: RNG contract]
             in autoplan/passes/rng.py; default: rank 0's `torch.initial_seed()`).
-        kernels: run the fused kernels (RMSNorm, SwiGLU gating) in place of the patterns they
-            implement in the rewritten graphs ([Note: kernel fusion] in
-            autoplan/passes/kernels.py; Triton on CUDA, the torch reference on CPU); False keeps
-            the captured ops. A runtime choice: the plan is the same either way.
+        kernels: run the fused kernels (RMSNorm, SwiGLU gating, the vocab-parallel loss) in
+            place of the patterns they implement in the rewritten graphs ([Note: kernel fusion]
+            in autoplan/passes/kernels.py; Triton on CUDA, the torch reference on CPU), and the
+            default optimizer's fused AdamW update; False keeps the captured ops and
+            torch.optim.AdamW. A runtime choice: the plan is the same either way.
         compile: run each rank's stage modules through torch.compile (TorchInductor; C++ on
             CPU, Triton on CUDA): one compiled region per repeated block (a model without
             blocks: its whole stage), on the DTensors of tensor parallelism, inside FSDP2's

@@ -81,15 +81,23 @@ def memory_budget(factory, batch: int, overrides: dict, fraction: float | None,
     return ample.prediction.memory_bytes * fraction
 
 
+def fused_adamw(params):
+    """`adamw`'s hyperparameters with the runtime's fused update ([Note: fused AdamW])."""
+    from autoplan.runtime.optim import FusedAdamW
+
+    return FusedAdamW(params, lr=LR, eps=1e-6)
+
+
 def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=None,
-          seq: int = SEQ, device_memory_bytes: float | None = None):
+          seq: int = SEQ, device_memory_bytes: float | None = None, optimizer=adamw):
     """On every rank: plan with `overrides` (fixing some of the solver's choices) and
-    `device_memory_bytes` (see `memory_budget`), train, and return (losses, this rank's full
-    parameters, plan JSON, gradient norms before clipping)."""
+    `device_memory_bytes` (see `memory_budget`), train with `optimizer` (a factory), and
+    return (losses, this rank's full parameters, plan JSON, gradient norms before
+    clipping)."""
     from autoplan.api import autoparallel
 
     model = factory()
-    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw,
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=optimizer,
                       max_grad_norm=max_grad_norm, device_memory_bytes=device_memory_bytes,
                       **overrides)
     x, y = batches(vocab_of(model), steps, batch, seq)

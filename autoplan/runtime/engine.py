@@ -44,6 +44,7 @@ every sample's tokens (token-LM batches and the token loss only; runtime/checks.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Callable
@@ -67,6 +68,7 @@ from autoplan.passes.context import apply_context_parallel
 from autoplan.passes.device import retarget_device
 from autoplan.passes.expand import counterparts
 from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
+from autoplan.runtime.optim import default_adamw
 from autoplan.passes.pipeline import split_stages
 from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, random_op_indices
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
@@ -102,7 +104,8 @@ class DistributedModel:
             a mapping must include non-persistent buffers (e.g. rotary inv_freq).
         optimizer: `named_params -> torch.optim.Optimizer`, given this rank's (FQN, parameter)
             pairs (the model's own names; torch optimizers take them as they take parameters,
-            and groups can be built by name); default AdamW(lr=1e-3).
+            and groups can be built by name); default AdamW(lr=1e-3), with `kernels` the
+            fused one (runtime/optim.py FusedAdamW, [Note: fused AdamW]).
         loss_fn: `(output, labels) -> scalar mean loss` of one microbatch (default: token
             cross-entropy weighted by the global batch's trained tokens, see `_token_loss`).
         device: "cpu" or "cuda".
@@ -113,7 +116,8 @@ class DistributedModel:
             token-LM form, input_ids and labels of (global_batch, seq_len)).
         kernels: replace the RMSNorm and SwiGLU patterns of the stage graphs with the fused
             kernels' ops (autoplan/passes/kernels.py; Triton on CUDA, the torch reference on
-            CPU); False runs the captured ops as they are.
+            CPU), and step the default optimizer with the fused AdamW update; False runs the
+            captured ops as they are and torch.optim.AdamW.
         compile: run each block module of this rank's stages (a stage without blocks: the
             whole stage) through torch.compile (inductor), [Note: compiled stages] in
             autoplan/runtime/compiled.py; None: as the plan assumed (`plan.compiled`).
@@ -194,7 +198,9 @@ class DistributedModel:
             self.weight_source = source
             check_against_plan(self)
             params = self._unique_named_params()
-            make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+            # default: AdamW(lr=1e-3), its update the fused kernel where kernels are on
+            # ([Note: fused AdamW] in runtime/optim.py)
+            make_opt = optimizer or functools.partial(default_adamw, fused=self.kernels)
             # CPU offload ([Note: offload] in solver/offload.py): ZeRO 0/1 step on the host
             # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
             host = plan.offload == "optimizer"

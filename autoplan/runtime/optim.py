@@ -1,0 +1,118 @@
+"""The runtime's default optimizer: AdamW whose update is the fused kernel (`kernels.adamw`).
+
+[Note: fused AdamW]
+Without an `optimizer=` of the user's, the engine steps with `FusedAdamW` where the kernel pass is
+on (`kernels=True`, the default) and the parameters it steps are float32 (`default_adamw`; the
+fp32 masters of every mixed-precision recipe): per parameter, one `kernels.adamw_step` on the rank's local
+shard -- the flat shards of ZeRO-1 (`ShardedOptimizer`'s owned slices), the local tensors of
+FSDP2's and tensor parallelism's DTensor parameters, plain tensors otherwise. On CUDA that is one
+Triton kernel reading param, grad and both moments once and writing param and moments once (the
+unfused update makes about ten passes); elsewhere the kernel's torch reference, which is the body
+of torch.optim.AdamW's single-tensor path op for op, so a CPU run computes what torch's AdamW
+computes (tests/test_fused_adamw.py: equal to one process with torch.optim.AdamW).
+
+The state is torch.optim.AdamW's: per parameter "step" (a float32 scalar tensor), "exp_avg" and
+"exp_avg_sq" (like the parameter: DTensors for DTensor parameters), so checkpoints (DCP, the
+optimizer's state_dict) are interchangeable with torch's AdamW, and the param groups carry the
+same hyperparameters (lr is read at every step: LR schedulers work unchanged).
+
+The cost model prices the update as one fused pass on devices whose kernels fuse
+(`DeviceSpec.fuses_pointwise`: the GPU presets), as the unfused ten passes otherwise
+(solver/pipeline.py, OPTIMIZER_BYTES_PER_PARAM).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FusedAdamW", "default_adamw"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own elements of `t` (a DTensor's local shard, else `t`)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def default_adamw(params, *, fused: bool, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The engine's default optimizer, AdamW(lr): `FusedAdamW` when `fused` (the kernels are
+    on) and every parameter is float32 (the kernel's dtype), else torch.optim.AdamW.
+    `params`: tensors or (name, tensor) pairs, as torch optimizers take them."""
+    params = list(params)
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    if fused and all(t.dtype == torch.float32 for t in tensors):
+        return FusedAdamW(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+_TORCH_ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                          differentiable=False, fused=None, decoupled_weight_decay=True)
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (Loshchilov & Hutter 2019, Algorithm 2; torch.optim.AdamW's defaults) stepping
+    each parameter's local shard with `kernels.adamw_step` ([Note: fused AdamW]).
+
+    Args: as torch.optim.AdamW: params (tensors or groups), lr, betas, eps, weight_decay.
+    Raises ValueError for a hyperparameter torch.optim.AdamW would refuse; at `step`, for a
+    param group asking for amsgrad, maximize, capturable, differentiable or coupled weight
+    decay (a state_dict of torch's AdamW with them loaded), for a parameter or gradient that is
+    not float32 (the kernel's dtype: under mixed precision the
+    optimizer steps the float32 master weights) or a sparse gradient.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"FusedAdamW: invalid learning rate {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"FusedAdamW: invalid epsilon {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"FusedAdamW: invalid betas {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"FusedAdamW: invalid weight_decay {weight_decay}")
+        # torch.optim.AdamW's group keys, the variants the kernel does not implement off: a
+        # state_dict of either loads into the other (torch's Adam reads a missing
+        # decoupled_weight_decay as False, an L2 penalty)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, **_TORCH_ADAMW_FLAGS))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from kernels.adamw import adamw_step
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            off = [k for k in ("amsgrad", "maximize", "capturable", "differentiable")
+                   if group.get(k)] + ([] if group.get("decoupled_weight_decay", True)
+                                       else ["decoupled_weight_decay=False"])
+            if off:
+                raise ValueError(f"FusedAdamW: a param group asks for {', '.join(off)}, which "
+                                 "the fused update does not implement (torch.optim.AdamW does)")
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("FusedAdamW: sparse gradients are not supported")
+                if p.dtype != torch.float32 or p.grad.dtype != torch.float32:
+                    raise ValueError(f"FusedAdamW: parameter of {p.dtype} with a {p.grad.dtype}"
+                                     " gradient; the fused update takes float32 (master) weights")
+                state = self.state[p]
+                if not state:  # torch.optim.AdamW's state layout
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                flat = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
+                        for t in tensors]
+                adamw_step(*flat, step=int(state["step"].item()), lr=group["lr"],
+                           betas=group["betas"], eps=group["eps"],
+                           weight_decay=group["weight_decay"])
+                for t, f in zip(tensors, flat):  # non-contiguous shards were updated in copies
+                    if f.data_ptr() != t.data_ptr() and t is not tensors[1]:
+                        t.copy_(f.view(t.shape))
+        return loss
