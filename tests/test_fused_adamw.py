@@ -129,3 +129,21 @@ def test_default_adamw_takes_torchs_for_16_bit_parameters():
     assert type(default_adamw([("w", half)], fused=True)) is torch.optim.AdamW
     assert type(default_adamw([("w", full)], fused=True)) is FusedAdamW
     assert type(default_adamw([full], fused=False)) is torch.optim.AdamW
+
+
+def test_cost_model_prices_the_update_the_runtime_runs():
+    """Where the runtime's default AdamW runs the fused kernel (devices that fuse: the GPU
+    presets), the cost model prices one pass of 28 bytes per parameter and 2 ops per tensor;
+    on the CPU, where it runs the kernel's reference (torch's ten passes), torch's figures."""
+    from autoplan.solver.pipeline import (OPTIMIZER_BYTES_PER_PARAM, OPTIMIZER_OPS_PER_TENSOR,
+                                          optimizer_pass)
+    from autoplan.spec import TrainingSpec
+    from autoplan.topology import preset
+
+    spec = TrainingSpec(global_batch=8, seq_len=128)
+    assert spec.optimizer == "adamw"
+    gpu, cpu = preset("dgx-h100", num_nodes=1).device, preset("local-cpu").device
+    assert gpu.fuses_pointwise and not cpu.fuses_pointwise
+    assert optimizer_pass(spec, gpu) == (28.0, 2)
+    assert optimizer_pass(spec, cpu) == (OPTIMIZER_BYTES_PER_PARAM["adamw"],
+                                         OPTIMIZER_OPS_PER_TENSOR["adamw"])

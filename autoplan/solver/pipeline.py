@@ -41,7 +41,8 @@ collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
   dp_sync.
 - optimizer = [(parameters whose states this rank steps) x OPTIMIZER_BYTES_PER_PARAM /
   mem_bw + (parameter tensors it steps) x OPTIMIZER_OPS_PER_TENSOR x op_s] / speed(N): a
-  memory-bound pass over the states plus the host time of the per-tensor ops (op_s =
+  memory-bound pass over the states plus the host time of the per-tensor ops (the fused
+  AdamW update's figures on devices that fuse, `optimizer_pass`) (op_s =
   DeviceSpec.optimizer_op_s, or dtensor_optimizer_op_s when the parameters are DTensors: tp > 1,
   or dp > 1 with FSDP2, i.e. ZeRO 0, 2, 3).
 - offload (a configuration's `offload`, [Note: offload] in solver/offload.py): the optimizer
@@ -100,7 +101,8 @@ from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR", "Config",
+__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR",
+           "optimizer_pass", "Config",
            "Assessment", "stages_of",
            "assess", "rank_memories"]
 
@@ -124,6 +126,23 @@ OPTIMIZER_OPS_PER_TENSOR = {"adamw": 9, "sgd": 1}
 """Ops an optimizer step runs per parameter tensor, from the same functions: AdamW's step
 counter add_, then param.mul_, exp_avg.lerp_, exp_avg_sq.mul_ and addcmul_, sqrt, div, add_,
 param.addcdiv_ (bias corrections are Python floats); SGD without momentum: param.add_."""
+
+FUSED_ADAMW_BYTES_PER_PARAM, FUSED_ADAMW_OPS_PER_TENSOR = 28.0, 2
+"""The fused AdamW update ([Note: fused AdamW] in autoplan/runtime/optim.py, kernels/adamw.py),
+the runtime's default on devices whose kernels fuse: one kernel reads p, g, m, v and writes p, m,
+v once, 7 accesses of 4 bytes; per tensor the step counter's add_ and the kernel's launch."""
+
+
+def optimizer_pass(spec: TrainingSpec, device) -> tuple[float, int]:
+    """(bytes moved per fp32 parameter, ops per parameter tensor) of one optimizer step on
+    `device` (a DeviceSpec): the fused AdamW update where the device's kernels fuse
+    (`DeviceSpec.fuses_pointwise`: the GPU presets, where the runtime's default AdamW runs the
+    Triton kernel), else torch's unfused passes (OPTIMIZER_BYTES_PER_PARAM,
+    OPTIMIZER_OPS_PER_TENSOR; 0 for an optimizer not in them)."""
+    if spec.optimizer == "adamw" and device.fuses_pointwise:
+        return FUSED_ADAMW_BYTES_PER_PARAM, FUSED_ADAMW_OPS_PER_TENSOR
+    return (OPTIMIZER_BYTES_PER_PARAM.get(spec.optimizer, 0.0),
+            OPTIMIZER_OPS_PER_TENSOR.get(spec.optimizer, 0))
 
 
 
@@ -443,14 +462,13 @@ def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: flo
     states it steps plus the host time of the per-tensor ops."""
     # ZeRO >= 1 shards the states: a dp-th of the elements; ZeRO-1 (whole tensors per owner)
     # a dp-th of the tensors, FSDP2 (ZeRO 2, 3) a shard of every tensor
-    shard = cfg.dp_shard
-    nbytes = elems / (shard if cfg.zero_stage >= 1 else 1) * OPTIMIZER_BYTES_PER_PARAM.get(
-        spec.optimizer, 0.0)
-    device = topology.device
+    shard, device = cfg.dp_shard, topology.device
+    per_param, ops = optimizer_pass(spec, device)
+    nbytes = elems / (shard if cfg.zero_stage >= 1 else 1) * per_param
     dtensor = cfg.tp > 1 or (shard > 1 and cfg.zero_stage != 1)
     op_s = device.dtensor_optimizer_op_s if dtensor else device.optimizer_op_s
     stepped = tensors / (shard if cfg.zero_stage == 1 else 1)
-    host = stepped * OPTIMIZER_OPS_PER_TENSOR.get(spec.optimizer, 0) * op_s
+    host = stepped * ops * op_s
     return (nbytes / device.mem_bw_bytes_per_s + host) / speed
 
 
