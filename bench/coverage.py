@@ -27,23 +27,9 @@ seq2seq (T5) and image (ViT) models on a dict batch, `step({"input_ids": ..., "l
 (architectures.example_batch says what each holds). A check that fails gives the exception's
 type and first line (a failed rank: its own cause), truncated to `DETAIL_CHARS`.
 
-[Note: AdamW rounding allowance] N ranks sum a gradient in another order than one process,
-so each gradient element carries fp32 rounding noise dg <= C * u * max|G| (u = 2^-24, the unit
-roundoff; max|G| the largest element of that parameter's gradient at that step, the scale of
-the terms an element's sum cancels; C = ALLOWANCE_ROUNDINGS). AdamW's step
-lr * m_hat / (sqrt(v_hat) + eps) moves by up to lr * dg / (sqrt(v_hat) + eps) for it: nothing
-for an ordinary element (|g| ~ 3e-3: 1e-9), but lr / eps = 1e3 times dg for an element whose
-gradient is nearly zero. Measured on GPT-NeoX (tiny, 3 steps): layers.1.mlp.dense_h_to_4h
-element (19, 15) has g = 2.5e-8 at step 0 against max|G| = 2.5e-2, so dg ~ 1.5e-9 becomes
-~1.5e-6 of parameter: 0.9e-6 and 1.8e-6 in two runs at dp2xtp2 (the latter over atol 1e-6);
-one process itself moves that much (accumulating two half batches instead of one whole batch
-changes parameters by up to 6.4e-7, and fp32 differs from fp64 by up to 1.0e-6). So a
-parameter element passes when |planned - one process| <= atol + rtol * |one process| +
-sum over steps of lr * C * u * max|G_t| / (sqrt(v_hat_t) + eps), with G_t and v_hat_t
-(AdamW's, from G_t, betas (0.9, 0.999)) of the one-process run. The allowance is per element
-and vanishes wherever the gradient is not nearly zero, so a real difference (a wrong rotary
-slice, a missing reduction: whole rows of ordinary elements) still fails; the row's detail
-counts the elements that needed it and the largest ratio of difference to allowance.
+The AdamW rounding allowance of the parameter comparison is [Note: AdamW rounding allowance] in
+autoplan/testing.py; a row's detail counts the elements that needed it and the largest ratio of
+difference to allowance.
 
 Each architecture runs in its own Python process (`--worker NAME`) under a timeout
 (`--timeout-s`, default 900 s), so a crash or a hang costs that row only: a check the process
@@ -74,8 +60,6 @@ SEQ = 16  # tokens per sample of the tiny runs
 LARGE = dict(cluster="dgx-h100", num_nodes=2, dtype="bfloat16", global_batch=64, seq_len=4096)
 TRAIN = {"train dp2xtp2": dict(dp=2, tp=2), "train dp2xep2": dict(dp=4, ep=2)}
 RTOL, ATOL = 1e-5, 1e-6
-ALLOWANCE_ROUNDINGS = 4  # C of [Note: AdamW rounding allowance]
-UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 
 
 def _first_line(e: BaseException) -> str:
@@ -146,34 +130,11 @@ def _batches(name: str, steps: int) -> list:
 
 
 def _reference(factory, batches: list) -> tuple[list[float], dict, dict]:
-    """autoplan.testing.reference, and each parameter's [Note: AdamW rounding allowance]."""
-    from collections import defaultdict
-
-    import torch
-
+    """autoplan.testing.reference: losses, parameters, and each parameter's [Note: AdamW
+    rounding allowance] (autoplan/testing.py)."""
     from autoplan import testing
 
-    grads: dict[str, list[torch.Tensor]] = defaultdict(list)
-
-    def recording():  # one backward per step: a leaf's hook sees its whole gradient once
-        model = factory()
-        for fqn, p in model.named_parameters():
-            p.register_hook(lambda g, fqn=fqn: grads[fqn].append(g.detach().clone()))
-        return model
-
-    losses, params = testing.reference(recording, batches)
-    opt = testing.adamw([torch.zeros(1)]).defaults
-    (_, beta2), eps, lr = opt["betas"], opt["eps"], opt["lr"]
-    allowance = {}
-    for fqn, gs in grads.items():
-        v, total = torch.zeros_like(gs[0]), torch.zeros_like(gs[0])
-        for t, g in enumerate(gs, start=1):
-            v = beta2 * v + (1 - beta2) * g * g
-            v_hat = v / (1 - beta2 ** t)
-            noise = ALLOWANCE_ROUNDINGS * UNIT_ROUNDOFF * g.abs().max()
-            total += lr * noise / (v_hat.sqrt() + eps)
-        allowance[fqn] = total
-    return losses, params, allowance
+    return testing.reference(factory, batches)
 
 
 def _compare(result, reference) -> tuple[list[str], str]:

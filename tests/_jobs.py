@@ -44,11 +44,14 @@ def batches(vocab: int, steps: int, batch: int, seq: int = SEQ, seed: int = 1):
 def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
               max_grad_norm: float | None = None, seq: int = SEQ):
     """Single-process training: (losses per step, parameters after the last step, grad norms
-    before clipping)."""
+    before clipping, each parameter's [Note: AdamW rounding allowance] in autoplan/testing.py).
+    """
+    from autoplan.testing import adamw_allowance, record_gradients
+
     model = factory()
     opt = adamw(model.parameters())
     x, y = batches(vocab_of(model), steps, batch, seq)
-    losses, norms = [], []
+    losses, norms, grads = [], [], {}
     for i in range(steps):
         opt.zero_grad()
         total = 0.0
@@ -59,10 +62,11 @@ def reference(factory, steps: int, batch: int, *, accumulation: int = 1,
         if max_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                               max_grad_norm)))
+        record_gradients(model, grads)
         opt.step()
         losses.append(total)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return losses, params, norms
+    return losses, params, norms, adamw_allowance(grads)
 
 
 def memory_budget(factory, batch: int, overrides: dict, fraction: float | None,

@@ -25,6 +25,7 @@ from autoplan.solver import plan as solve
 from autoplan.solver.planner import reprice
 from autoplan.spec import TrainingSpec
 from autoplan.topology import preset
+from autoplan.testing import assert_params_close
 
 STEPS = 3
 BATCH = 4
@@ -177,9 +178,7 @@ def test_compiled_matches_single_process(clusters, inductor_dir, mesh):
             assert any(p != "R" for _, p in plan["param_placements"])
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]),
                                    rtol=1e-5, atol=1e-6)
-        for fqn, value in params.items():
-            torch.testing.assert_close(value, ref[1][fqn], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{fqn}: {m}")
+        assert_params_close(params, ref[1], ref[3])  # [Note: AdamW rounding allowance]
         held |= set(params)
         # every rank compiled its blocks, no guard failed step after step
         assert counters["graphs"] >= 1 and counters["recompiles"] == 0, counters
