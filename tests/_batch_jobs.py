@@ -85,11 +85,13 @@ def user_loss(output, batch):
 
 
 def reference(kind: str, steps: int, parts: int, with_user_loss: bool = False):
-    """One process: (losses, parameters) of `steps` steps, each the mean loss over the batch
-    cut into `parts` (dp x m) microbatches."""
+    """One process: (losses, parameters, [Note: AdamW rounding allowance]) of `steps` steps,
+    each the mean loss over the batch cut into `parts` (dp x m) microbatches."""
+    from autoplan.testing import adamw_allowance, record_gradients
+
     net = _model(kind)
     opt = adamw(net.parameters())
-    losses = []
+    losses, grads = [], {}
     for batch in batches(kind, steps):
         opt.zero_grad()
         total = 0.0
@@ -98,9 +100,11 @@ def reference(kind: str, steps: int, parts: int, with_user_loss: bool = False):
             loss = (user_loss(out, mb) if with_user_loss else out.loss) / parts
             loss.backward()
             total += loss.item()
+        record_gradients(net, grads)
         opt.step()
         losses.append(total)
-    return losses, {k: p.detach().clone() for k, p in net.named_parameters()}
+    return (losses, {k: p.detach().clone() for k, p in net.named_parameters()},
+            adamw_allowance(grads))
 
 
 def train(kind: str, steps: int, overrides: dict, with_user_loss: bool = False,

@@ -532,7 +532,11 @@ def _variant(name: str) -> dict:
 
 
 def reference_variant(name: str, factory, steps: int, batch: int, *, seq: int = SEQ):
-    """One process, whole batch: (losses, parameters after the last step)."""
+    """One process, whole batch: (losses, parameters after the last step, [Note: AdamW
+    rounding allowance] at `adamw`'s lr and eps, which the variants' optimizers and schedules do
+    not exceed)."""
+    from autoplan.testing import adamw_allowance, record_gradients
+
     v = _variant(name)
     model = factory()
     opt = v.get("optimizer", adamw)(model.named_parameters() if v.get("named")
@@ -541,16 +545,18 @@ def reference_variant(name: str, factory, steps: int, batch: int, *, seq: int = 
     loss_fn = v.get("loss_fn", cross_entropy_loss)
     x, y = batches(vocab_of(model), steps, batch, seq)
     y = _mask_unevenly(y) if v.get("mask") else y
-    losses = []
+    losses, grads = [], {}
     for i in range(steps):
         opt.zero_grad()
         loss = loss_fn(logits(model, x[i]), y[i])
         loss.backward()
+        record_gradients(model, grads)
         opt.step()
         if sched is not None:
             sched.step()
         losses.append(loss.item())
-    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+    return (losses, {k: p.detach().clone() for k, p in model.named_parameters()},
+            adamw_allowance(grads))
 
 
 def train_variant(name: str, factory, steps: int, batch: int, overrides: dict, *,
