@@ -43,19 +43,7 @@ def _model(**overrides):
 # -- the plan ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _no_private_group():
-    """A one-process build keeps the one-rank group it made (api._PRIVATE_GROUP) for the
-    process's life; here each test's is taken down after it, so that later test files (export's
-    fake 4-rank world) start without a process group."""
-    yield
-    import torch.distributed as dist
-
-    from autoplan import api
-
-    if api._PRIVATE_GROUP and dist.is_initialized() and dist.group.WORLD is api._PRIVATE_GROUP[-1]:
-        dist.destroy_process_group()
-        api._PRIVATE_GROUP.pop()
+pytestmark = pytest.mark.usefixtures("no_private_group")  # one-process builds
 
 def test_plan_says_it_assumed_compiled_execution():
     compiled = autoparallel(_model(), global_batch=BATCH, seq_len=_jobs.SEQ, world_size=4,

@@ -15,6 +15,7 @@ from autoplan.runtime.optim import FusedAdamW
 from autoplan.testing import assert_params_close
 
 STEPS, BATCH = 3, 4
+pytestmark = pytest.mark.usefixtures("no_private_group")  # one-process builds
 
 
 def _params(seed: int = 0) -> list[torch.Tensor]:

@@ -53,9 +53,12 @@ def _peak(device: torch.device) -> int | None:
 class PhasePeaks:
     """Peak memory per named phase, bytes: `with peaks.phase("construction"): ...`.
 
-    `as_dict()` gives {"<phase>_peak_bytes": int}, the device kind, the resident bytes before
-    the first phase (`baseline_bytes`: interpreter and libraries) and, on CPU, each peak minus
-    that baseline ("<phase>_above_baseline_bytes")."""
+    `as_dict()` gives {"<phase>_peak_bytes": int}, the device kind, the least resident bytes
+    seen before a phase (`baseline_bytes`: interpreter and libraries; the least, because what
+    construction leaves for the garbage collector may be returned to the system later, and a
+    baseline that held it would make a later phase's peak look smaller than nothing) and, on
+    CPU, each peak minus that baseline ("<phase>_above_baseline_bytes", never negative: a
+    phase's high-water mark is at least the resident set it started with)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -64,6 +67,9 @@ class PhasePeaks:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        now = resident_bytes() if self.device.type != "cuda" else None
+        if now is not None and self.baseline_bytes is not None:
+            self.baseline_bytes = min(self.baseline_bytes, now)
         _reset_peak(self.device)
         try:
             yield
