@@ -31,7 +31,9 @@ runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 
 Time. The recomputed nodes' forward compute (cost_model.compute.op_time_s at the candidate's
 shard factor) is added to their ILP compute coefficient, and the forward redistribution of
-every edge into a recomputed node is added to that edge's backward time (`checkpointed_costs`).
+every edge into a recomputed node is added to that edge's backward time (`checkpointed_costs`),
+which no longer pays the all-gather again of a gathered input held as its shard ([Note:
+regather priced] in solver/costs.py): the recomputed forward gathers it.
 The placement ILP therefore prices recomputation exactly, with its form unchanged.
 
 Memory of pipeline rank r, with f_r microbatches in flight and L_r of the T blocks:
@@ -120,8 +122,17 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
         compute[n] = [t + op_time_s(scaled, topology.device, spec.dtype,
                                     shard_factor=c.shard_factor)
                       for t, c in zip(compute[n], problem.cands[n])]
-    pairs = [{key: (fwd, bwd + fwd, name) for key, (fwd, bwd, name) in row.items()}
-             if edge.dst in nodes else row for edge, row in zip(problem.edges, costs.pairs)]
+    # A gather into a checkpointed block runs again in its recomputation (under "selective"
+    # also into the kept matmuls: the replay gathers their input before the cache answers),
+    # and the held-shard all-gather again ([Note: regather priced] in solver/costs.py) is
+    # then not paid: the checkpoint, not autograd, holds what the block saves.
+    replayed = (lambda e: problem.part.get(e.dst) == "layer") if policy in ("selective",
+                                                                             "full") \
+        else (lambda e: e.dst in nodes)
+    pairs = [{key: (fwd, bwd + fwd - costs.regather_s.get(i, {}).get(key, 0.0), name)
+              for key, (fwd, bwd, name) in row.items()}
+             if edge.dst in nodes or (i in costs.regather_s and replayed(edge)) else row
+             for i, (edge, row) in enumerate(zip(problem.edges, costs.pairs))]
     # context parallelism's K/V all-gather runs again with attention's recomputed inputs
     # under both policies ([Note: context parallelism] in solver/context.py)
     # (core-attention needs unfused attention, cp fused: they never meet)
