@@ -195,10 +195,12 @@ def test_sequence_parallel_dropout_matches_single_process(clusters):
 
 def test_free_planning_picks_sequence_parallelism_where_memory_is_tight():
     """llama3-70b, 8 dgx-h100 nodes, seq 8192, tp8 x pp4 x dp2, selective checkpointing, ZeRO
-    0: the ILP puts the whole region at S(1) by itself (measured: 75.6 s, 71.4 GB), and at
+    0: the ILP puts the whole region at S(1) by itself (measured: 75.6 s, 70.8 GB), and at
     ZeRO 1 plain tensor parallelism is slower (79.1 vs 74.5 s) and holds more activations than
-    ZeRO 0's sequence parallelism (35.8 vs 26.4 GB): the block inputs it no longer splits, (f_r L_r) x I x (1 - 1/8), with
-    f_r L_r = 4 in flight x 20 blocks on the first pp rank and I = s h bytes (bf16)."""
+    ZeRO 0's sequence parallelism (35.8 vs 25.9 GB): the block inputs and the kept stage
+    outputs it no longer splits, (f_r L_r + f_r) x I x (1 - 1/8), with f_r L_r = 4 in flight x
+    20 blocks on the first pp rank, f_r = 4 stage outputs ([Note: memory per rank]) and
+    I = s h bytes (bf16)."""
     from autoplan.solver import plan
 
     graph = capture_preset("llama3-70b", batch=1, seq_len=8192, num_layers=1,
@@ -213,9 +215,9 @@ def test_free_planning_picks_sequence_parallelism_where_memory_is_tight():
     off = plan(graph, topo, spec, zero_stage=1, sequence_parallel=False, **fixed)
     on = plan(graph, topo, spec, zero_stage=1, **fixed)
     acts = [p.prediction.memory_breakdown["activations"] for p in (on, off, free)]
-    block_inputs = 4 * 20 * 8192 * 8192 * 2 * (1 - 1 / 8)
-    # selective recomputes the region's own ops: at ZeRO 0 the block inputs are the whole
-    # difference; at ZeRO 1 (memory to spare) the ILP also keeps o_proj's output whole
+    block_inputs = (4 * 20 + 4) * 8192 * 8192 * 2 * (1 - 1 / 8)
+    # selective recomputes the region's own ops: at ZeRO 0 the block inputs and stage outputs
+    # are the whole difference; at ZeRO 1 (memory to spare) the ILP also keeps o_proj's output whole
     # (row-parallel, P) rather than gathering its input again in the recomputation
     # ([Note: regather priced] in solver/costs.py), which costs as much as it saves
     assert acts[1] - acts[2] == pytest.approx(block_inputs, rel=1e-3)

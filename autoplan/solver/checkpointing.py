@@ -71,7 +71,7 @@ from autoplan.cost_model.memory import SELECTIVE_SAVED_OPS
 from autoplan.solver.costs import Costs, out_divisor
 from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.solver.pipeline import Assessment
-from autoplan.solver.problem import OUTPUT, Problem
+from autoplan.solver.problem import Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -165,26 +165,6 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
                                node_comm_s=node_comm)
 
 
-def _boundary_edge(problem: Problem):
-    edges = [e for e in problem.edges if problem.part.get(e.src) == "layer"
-             and (e.dst == OUTPUT or problem.part.get(e.dst) != "layer")]
-    return max(edges, key=lambda e: e.nbytes, default=None)
-
-
-def boundary_node(problem: Problem) -> str | None:
-    """The ILP node whose output is the residual stream a block hands to the next one (the
-    block's output read after the blocks), None without blocks."""
-    edge = _boundary_edge(problem) if problem.num_layers else None
-    return edge.src if edge is not None and edge.src in problem.cands else None
-
-
-def boundary_bytes(problem: Problem) -> float:
-    """I: global bytes of one block's input (the residual stream) at the captured batch, in
-    the compute dtype (0.0 without blocks)."""
-    edge = _boundary_edge(problem) if problem.num_layers else None
-    return edge.nbytes if edge is not None else 0.0
-
-
 def block_bytes(problem: Problem, costs: Costs, policy: str = "selective",
                 choice: dict[str, int] | None = None) -> float:
     """What one block's recomputation rematerialises at the microbatch, bytes -- the
@@ -229,7 +209,7 @@ def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
             const += held * input_bytes
         else:  # selective, core-attention: the rows are what the blocks keep already
             const += one_block_bytes if held else 0.0
-        out.append(RankMemory(dict(rank.param_coef), act, const))
+        out.append(RankMemory(dict(rank.param_coef), act, const, rank.boundary_coef))
     return out
 
 

@@ -50,7 +50,7 @@ from autoplan.cost_model.comm import backward_redistribution, redistribute_time_
 from autoplan.cost_model.compute import (MATMUL_OPS, at_tokens, backward_time_s,
                                          dtensor_dispatches, module_input_bytes, op_name,
                                          op_time_s)
-from autoplan.solver.problem import OUTPUT, Problem
+from autoplan.solver.problem import OUTPUT, Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -76,6 +76,12 @@ class Costs:
             parallelism] in solver/context.py); per occurrence, like compute_s.
         regather_s: edge index -> {pair key: seconds} of `pairs`' backward that is the
             all-gather again of a gathered input held as its shard ([Note: regather priced]).
+        boundary_bytes: {block-output node (problem.boundary_node): [bytes per candidate]}:
+            the residual stream between blocks, one microbatch, as a tp rank holds it -- a
+            pipeline stage's output kept for its backward and a receive buffer are the
+            producer's local tensor (runtime/parallel.py tp_stage_forward), 1/tp of it when
+            the candidate splits it (sequence parallelism); [Note: memory per rank] in
+            solver/pipeline.py. Empty without blocks.
     """
 
     scale: float
@@ -86,6 +92,7 @@ class Costs:
     output_bytes: float
     node_comm_s: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     regather_s: dict[int, dict[tuple, float]] = dataclasses.field(default_factory=dict)
+    boundary_bytes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -216,6 +223,10 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
     costs.act_bytes = acts
     for g, (_fqn, numel, _parts, mult) in problem.params.items():
         costs.param_elems[g] = [numel * mult / out_divisor(c, tp) for c in problem.cands[g]]
+    out = boundary_node(problem)
+    if out is not None:
+        costs.boundary_bytes[out] = [boundary_bytes(problem) * scale / out_divisor(c, tp)
+                                     for c in problem.cands[out]]
     return costs
 
 

@@ -48,7 +48,8 @@ from autoplan.strategies import (
     Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
 )
 
-__all__ = ["OUTPUT", "Edge", "Problem", "build_problem", "share_key"]
+__all__ = ["OUTPUT", "Edge", "Problem", "build_problem", "share_key", "boundary_node",
+           "boundary_bytes"]
 
 OUTPUT = "__output__"
 """Pseudo-consumer of the graph output: it takes "R" (the graph output must be replicated)."""
@@ -468,6 +469,26 @@ def _through_flat_views(graph: CapturedGraph, prob: Problem,
             owner = root.name
         out.append(dataclasses.replace(it, owner=owner) if owner != it.owner else it)
     return out, regathered
+
+
+def _boundary_edge(problem: Problem) -> Edge | None:
+    edges = [e for e in problem.edges if problem.part.get(e.src) == "layer"
+             and (e.dst == OUTPUT or problem.part.get(e.dst) != "layer")]
+    return max(edges, key=lambda e: e.nbytes, default=None)
+
+
+def boundary_node(problem: Problem) -> str | None:
+    """The ILP node whose output is the residual stream a block hands to the next one (the
+    block's output read after the blocks), None without blocks."""
+    edge = _boundary_edge(problem) if problem.num_layers else None
+    return edge.src if edge is not None and edge.src in problem.cands else None
+
+
+def boundary_bytes(problem: Problem) -> float:
+    """I: global bytes of one block's input (the residual stream) at the captured batch, in
+    the compute dtype (0.0 without blocks)."""
+    edge = _boundary_edge(problem) if problem.num_layers else None
+    return edge.nbytes if edge is not None else 0.0
 
 
 def _kept_selective(graph: CapturedGraph, prob: Problem, layer_of,
