@@ -272,6 +272,24 @@ def test_cli_imports_no_torch():
     assert done.stdout.startswith("usage: autoplan")
 
 
+def test_plan_imports_only_the_planning_path(tmp_path):
+    """A cold `autoplan plan` (capture, solve, report) imports none of what training, export or
+    a terminal needs: the runtime, the decorator's module, the export pass, the kernels, the
+    calibration and demo commands, torch's pipelining, rich (stderr is no terminal here) -- each
+    would add to the 8 s a cold plan may take (bench/plan_speed.py, cli-cold)."""
+    unwanted = ("autoplan.runtime", "autoplan.api", "autoplan.passes.export", "autoplan.calibrate",
+                "autoplan.demo", "kernels", "torch.distributed.pipelining", "rich")
+    check = ("import sys; from autoplan.cli import main; "
+             f"code = main(['plan', *{list(_TINY)!r}, '--no-cache', '-q', "
+             f"'-o', {str(tmp_path / 'out')!r}]); "
+             f"bad = sorted(m for m in sys.modules if m.startswith({unwanted!r})); "
+             "assert code == 0 and not bad, (code, bad)")
+    env = {**os.environ, "AUTOPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=_REPO, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_version(capsys):
     import importlib.metadata
     import tomllib

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import heapq
 import logging
 import time
 import warnings
 
+from autoplan.collector import collector_paused
 from autoplan.cost_model.compute import compiled_device
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
@@ -118,7 +117,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         raise ValueError(f"compiled={compiled!r}; expected True or False")
     if compiled:
         topology = compiled_topology(topology)
-    with _collector_paused():
+    with collector_paused():
         result = _plan(graph, topology, spec, Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
             allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload),
@@ -167,7 +166,7 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
                             f"{topology.name} has {topology.world_size}")
     if plan.compiled:
         topology = compiled_topology(topology)
-    with _collector_paused():
+    with collector_paused():
         search = Search(graph, topology, spec, time_limit_s=10.0)
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
                          plan.num_microbatches, plan.microbatch_size, plan.schedule,
@@ -196,22 +195,6 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         priced = expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
                                  plan.mesh.ep)
         return dataclasses.replace(priced, compiled=plan.compiled)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Pause CPython's cyclic garbage collector while planning. The search allocates many
-    small acyclic objects, which trigger collections; each full one re-scans the ~360,000
-    objects torch and transformers keep alive (0.2 s of a 1 s plan, measured on 2 cores) and
-    finds next to nothing: reference counting frees the search's garbage anyway. The previous
-    state is restored on exit, also on error."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
