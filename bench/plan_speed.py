@@ -2,6 +2,7 @@
 
     python bench/plan_speed.py            # every case, 3 runs each -> bench/results/plan_speed.json
     python bench/plan_speed.py --runs 1 --case llama3-8b
+    python bench/plan_speed.py --case cli --merge   # cli-cold/-warm only, into the JSON
 
 What is measured. Every run is a fresh Python process (`--worker CASE`), so each pays the same
 cold costs: the first torch.export, DTensor's first sharding propagations, OR-Tools' first
@@ -240,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a case to run (repeatable); `cli` runs cli-cold and cli-warm")
     parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
     parser.add_argument("-o", "--out", type=Path, default=RESULT)
+    parser.add_argument("--merge", action="store_true",
+                        help="with --case: replace those cases in the results file (-o), "
+                             "keeping the others, and recompute the bars; each merged case "
+                             "records the load average it ran at")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker)))
@@ -258,16 +263,32 @@ def main(argv: list[str] | None = None) -> int:
                                             CASES[case])),
                          "runs": runs, "median": medians, "plan": runs[0]["plan"]}
         print(f"{case}: plan {medians['plan_s']:.2f} s", file=sys.stderr)
+    machine = {"platform": platform.platform(), "python": platform.python_version(),
+               "cpus": _cpus(), "load_average_1_5_15": list(os.getloadavg())}
+    if args.merge and args.case:
+        return _merge(results, machine, args.runs, args.out)
     bars = _bars(results)
-    report = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "cpus": _cpus(), "load_average_1_5_15": list(os.getloadavg())},
-              "runs_per_case": args.runs, "cases": results, "bars": bars,
+    report = {"machine": machine, "runs_per_case": args.runs, "cases": results, "bars": bars,
               "info": _info(results)}
     if args.case is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     _print_table(results, bars, report["info"])
     return 0 if all(b["ok"] for b in bars) else 1
+
+
+def _merge(results: dict, machine: dict, runs: int, out: Path) -> int:
+    """`--case ... --merge`: these cases replace their entries in `out` (each with the
+    machine and load average it ran at, and its number of runs), the others are kept, and
+    the bars and info are recomputed over the merged cases."""
+    report = json.loads(out.read_text())
+    for case, result in results.items():
+        report["cases"][case] = {**result, "machine": machine, "runs_per_case": runs}
+    report["bars"], report["info"] = _bars(report["cases"]), _info(report["cases"])
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    _print_table(results, [b for b in report["bars"] if b["bar"].split()[0] in results],
+                 [])
+    return 0 if all(b["ok"] for b in report["bars"]) else 1
 
 
 def _cli_argv() -> list[str]:
