@@ -107,12 +107,11 @@ class FusedAdamW(torch.optim.Optimizer):
                         p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                flat = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
-                        for t in tensors]
+                flat = [t.contiguous().view(-1) for t in tensors]  # a copy only if strided
                 adamw_step(*flat, step=int(state["step"].item()), lr=group["lr"],
                            betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"])
                 for t, f in zip(tensors, flat):  # non-contiguous shards were updated in copies
-                    if f.data_ptr() != t.data_ptr() and t is not tensors[1]:
+                    if not t.is_contiguous() and t is not tensors[1]:
                         t.copy_(f.view(t.shape))
         return loss
