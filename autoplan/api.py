@@ -495,7 +495,7 @@ class AutoParallel:
         self.metrics = StepMetrics(
             step=engine.num_steps, loss=loss, step_time_s=took, tokens=tokens,
             tokens_per_s=tokens / took, mfu=pred.mfu * pred.step_time_s / took,
-            peak_memory_bytes=None if peak is None else peak - engine.memory.baseline_bytes,
+            peak_memory_bytes=peak,
             predicted_step_time_s=pred.step_time_s, predicted_mfu=pred.mfu,
             predicted_peak_memory_bytes=plan.prediction.memory_bytes,
             memory_measure=engine.memory.as_dict()["measure"])

@@ -145,9 +145,10 @@ class StepMetrics:
             (step_time_s x world size x the device's dense peak FLOP/s for the dtype), i.e.
             the plan's predicted MFU scaled by predicted / measured step time.
         peak_memory_bytes: this rank's peak during the step (CUDA max allocated on GPU; on
-            CPU the resident set's high-water mark above the process's baseline, which also
-            holds allocator slack and the libraries' buffers: larger than the tensor bytes the
-            plan predicts, most of all for a tiny model).
+            CPU the whole process's resident-set high-water mark, which also holds the
+            interpreter, the libraries and allocator slack: larger than the tensor bytes the
+            plan predicts, most of all for a tiny model; `memory_stats()` gives it above the
+            process's baseline, which is 0 when a step touches no new pages).
         predicted_step_time_s, predicted_mfu, predicted_peak_memory_bytes: the plan's (the
             last: tensor bytes of the most loaded rank).
         memory_measure: "cuda_max_allocated" | "resident_hwm".
