@@ -36,7 +36,7 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "strict_redistribution", "replicate_module", "implicit_replication",
            "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents", "checkpoint_keys",
            "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
-           "cpu_claiming_fakes", "Placement", "Partial", "Replicate", "Shard"]
+           "cpu_claiming_fakes", "view_base", "Placement", "Partial", "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -331,6 +331,12 @@ def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
     if ignored_params:
         kwargs["ignored_params"] = set(ignored_params)
     return replicate(module, mesh=dp_mesh, **kwargs)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is an autograd view of (`Tensor._base`), None when it is not a view.
+    DTensor views made by aten view ops (linear's flatten of its input) keep it too."""
+    return t._base
 
 
 @contextlib.contextmanager

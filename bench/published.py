@@ -17,6 +17,11 @@ per row from its source and says so in `ROW_ASSUMPTIONS`:
 - Megatron-LM 2021-22 (SC'21, Korthikanti et al. 2022) and Megatron-DeepSpeed (BLOOM) computed
   attention unfused (baddbmm, fused scale-mask-softmax, dropout, bmm): `attention="eager"`.
 - Dropout 0.1 on attention probabilities and hidden states (Megatron-LM's defaults).
+- GeLU as Megatron-LM runs it: one fused op (`bias_gelu_impl`, the tanh approximation) whose
+  backward needs only its input -- HF's "gelu_pytorch_tanh" (aten.gelu, approximate="tanh"),
+  not GPT-2's default "gelu_new", which writes the same formula as eight pointwise ops that
+  hold three more 4h-wide tensors per block for the backward (24 s b h bytes; Korthikanti et
+  al. 2022 Table 2 counts the GeLU's input alone, 8 s b h of its 34 s b h).
 - Sequence parallelism as the run used it (`Row.sequence_parallel`): off (plain tensor
   parallelism) for the runs before Korthikanti et al. 2022 and its full-recompute column, on
   for its selective + sequence-parallel column.
@@ -209,10 +214,11 @@ def out_of_scope(row: Row) -> str:
 
 
 def _config(row: Row) -> dict:
-    """The HF GPT-2 config of a row (Megatron-LM's GPT: learned positions, 4h GeLU MLP, pre-LN;
-    dropout 0.1, Megatron-LM's default)."""
+    """The HF GPT-2 config of a row (Megatron-LM's GPT: learned positions, 4h GeLU MLP with the
+    GeLU one op, pre-LN; dropout 0.1, Megatron-LM's default)."""
     return {"model_type": "gpt2", "n_embd": row.h, "n_layer": row.layers, "n_head": row.heads,
             "vocab_size": row.vocab, "n_positions": row.seq, "resid_pdrop": 0.1,
+            "activation_function": "gelu_pytorch_tanh",
             "embd_pdrop": 0.1, "attn_pdrop": 0.1, "attn_implementation": row.attention}
 
 

@@ -633,3 +633,47 @@ def kernel_wrappers_under_dtensor():
         (paths, got), (_, want) = runs
         out[name] = (paths, max(float((a - b).abs().max()) for a, b in zip(got, want)))
     return out
+
+
+def held_after_forward(name: str, batch: int, overrides: dict, tagged: bool, *,
+                       seq: int = SEQ):
+    """On every rank: one training step of preset `name` (one stage, one microbatch), with
+    gathered activations held as their shards (`tagged`, the runtime's way: [Note: gathered
+    inputs saved sharded]) or as autograd would hold them (the tag switched off). Returns
+    (live tensor bytes the stage's forward leaves for its backward, less its output; the
+    plan's predicted activation bytes; predicted bytes the shards save: every planned
+    all-gather into a node whose input an op saves, (1 - 1/tp) of its bytes)."""
+    import autoplan.passes.sharding as sharding
+
+    tag = sharding.tag_gathered
+    if not tagged:  # restored below: the cluster's ranks run later jobs in this process
+        sharding.tag_gathered = lambda source, out: None
+    try:
+        return _held_after_forward(name, batch, overrides, seq)
+    finally:
+        sharding.tag_gathered = tag
+
+
+def _held_after_forward(name: str, batch: int, overrides: dict, seq: int):
+    from autoplan.api import autoparallel
+    from autoplan.runtime.live_bytes import LiveTensorBytes
+    from autoplan.solver.problem import build_problem
+
+    model = preset(name)()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, optimizer=adamw, **overrides)
+    x, y = batches(vocab_of(model), 1, batch, seq)
+    ap.build()
+    (_, module), = ap._engine.stages
+    held = []
+    with LiveTensorBytes() as live:
+        module.register_forward_pre_hook(lambda _m, _a: held.append(live.current))
+        module.register_forward_hook(
+            lambda _m, _a, out: held.append(live.current - held.pop()
+                                            - out.numel() * out.element_size()))
+        ap.step(x[0], y[0])
+    plan, tp = ap.plan, ap.plan.mesh.tp
+    saver = build_problem(ap.graph, tp, 4).regathered
+    shards_save = sum(r.bytes * (1 - 1 / tp) for r in plan.redistributions
+                      if r.collective == "all_gather" and r.consumer in saver)
+    return held[0], plan.prediction.memory_breakdown["activations"], shards_save
+

@@ -94,16 +94,16 @@ def test_gpipe_holds_every_microbatch(clusters):
 def test_cost_model_prices_what_the_runtime_holds():
     """solver/pipeline.py [Note: memory per rank]: per rank, one posted receive per side
     (moments A and B) and, at moment A, the stage output of each in-flight microbatch; 1F1B's
-    do not grow with m, GPipe's do (boundary = 1 byte, no layers' activations)."""
+    do not grow with m, GPipe's do (counted in boundaries, no layers' activations)."""
     from autoplan.solver.pipeline import Config, rank_memories
     from autoplan.spec import TrainingSpec
 
     def consts(m: int, schedule: str = "1f1b", v: int = 1) -> list[float]:
         cfg = Config(pp=4, dp=1, tp=1, zero_stage=0, num_microbatches=m, microbatch_size=1,
                      schedule=schedule, num_virtual_stages=v)
-        forms = rank_memories(cfg, TrainingSpec(global_batch=m, seq_len=SEQ), 8, 0.0,
-                              boundary_bytes=1.0)
-        return [f.const_bytes for f in forms]  # (A, B) of rank 0, then rank 1, ...
+        forms = rank_memories(cfg, TrainingSpec(global_batch=m, seq_len=SEQ), 8, 0.0)
+        assert all(f.const_bytes == 0.0 for f in forms)
+        return [f.boundary_coef for f in forms]  # (A, B) of rank 0, then rank 1, ...
 
     assert consts(8) == consts(64)
     assert consts(8) == [4 + 1, 1, 3 + 2, 2, 2 + 2, 2, 0 + 1, 1]

@@ -115,9 +115,12 @@ def _frontier(prob, costs) -> list[Solution]:
         outs = [np.array([c.outputs[0] for c in prob.cands[g]])[at(g)] for g in nodes]
         for other in outs[1:]:
             valid &= other == outs[0]
+    held = np.zeros(size)  # the boundary as a tp rank holds it (Costs.boundary_bytes)
+    for n, row in costs.boundary_bytes.items():
+        held = np.asarray(row)[at(n)] if n in prob.nodes else np.full(size, row[0])
     cols = [(k, p) for k in tot for p in _PARTS]
-    rows = np.unique(np.stack([tot[k][p] for k, p in cols], axis=1)[valid], axis=0)
-    kept = np.empty((0, len(cols)))
+    rows = np.unique(np.stack([tot[k][p] for k, p in cols] + [held], axis=1)[valid], axis=0)
+    kept = np.empty((0, len(cols) + 1))
     for row in rows[np.argsort(rows.sum(axis=1))]:
         if not len(kept) or not np.any(np.all(kept <= row, axis=1)):
             kept = np.vstack([kept, row])
@@ -127,7 +130,8 @@ def _frontier(prob, costs) -> list[Solution]:
         for (k, p), value in zip(cols, row):
             if value:
                 totals[k][p] = float(value)
-        sols.append(Solution({}, **totals))
+        sols.append(Solution({}, **totals,
+                             boundary_bytes=float(row[-1]) if costs.boundary_bytes else None))
     return sols
 
 
@@ -227,6 +231,8 @@ def _form_memory(prob, costs, rank, choice) -> float:
     for n, row in costs.act_bytes.items():
         part = prob.part.get(n, "pre") if n is not None else "pre"
         total += rank.act_coef.get(part, 0.0) * (row[choice[n]] if n in choice else row[0])
+    for n, row in costs.boundary_bytes.items():  # stage outputs, receive buffers
+        total += rank.boundary_coef * (row[choice[n]] if n in choice else row[0])
     return total
 
 

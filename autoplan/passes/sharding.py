@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autoplan._torch_compat import has_direct_rule, is_aten_op, is_composite
 from autoplan.experts import EXPERTS_OP
 from autoplan.passes.moe import experts_local
+from autoplan.passes.regather import tag_gathered
 from autoplan.plan import Plan, Redistribution, parse_placement
 
 __all__ = ["apply_placements", "redistribute", "reshape", "run_replicated", "sdpa_local",
@@ -41,7 +42,9 @@ def redistribute(x, placement: str):
     """Move DTensor `x` to `placement` on its (1-D) mesh; plain tensors pass through.
 
     Collective by (src -> dst): S->R all-gather, P->R all-reduce, P->S reduce-scatter,
-    S(i)->S(j) all-to-all, R->S local slice (DTensor's redistribute semantics).
+    S(i)->S(j) all-to-all, R->S local slice (DTensor's redistribute semantics). An
+    all-gathered activation is tagged so that autograd keeps its shard for the backward and
+    gathers it again there ([Note: gathered inputs saved sharded] in passes/regather.py).
     """
     if not isinstance(x, DTensor):
         return x
@@ -49,7 +52,9 @@ def redistribute(x, placement: str):
     if tuple(x.placements) == (p,):
         return x
 
-    return x.redistribute(x.device_mesh, (p,))
+    out = x.redistribute(x.device_mesh, (p,))
+    tag_gathered(x, out)
+    return out
 
 
 def _contiguous_local(t):

@@ -307,7 +307,8 @@ class DistributedModel:
                 sg.gm.forward = _compat.tp_stage_forward(
                     sg.gm, self.mesh["tp"],
                     [produced.get(n, "R") for n in sg.input_names],
-                    [produced.get(n, "R") for n in sg.output_names])
+                    [produced.get(n, "R") for n in sg.output_names],
+                    hold_sharded=not self.compile)
             out.append((sg.index, self._apply_data_parallel(sg.gm, blocks)))
         # Lint: the redistributions inserted in this rank's stages are exactly the plan's.
         check_redistributions([r for r in plan.redistributions if r.consumer in held

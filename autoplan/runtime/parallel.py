@@ -10,6 +10,7 @@ DTensor parameters).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -24,6 +25,7 @@ from autoplan._torch_compat import (chunk_spec, implicit_replication,
                                    in_flight_interleaved_schedule_class,
                                    in_flight_pipeline_stage_class, pipeline_eval,
                                    replicate_module)
+from autoplan.passes.regather import held_sharded
 from autoplan.plan import parse_placement
 from autoplan.runtime.offload import HostOptimizer, zero_grads
 
@@ -209,8 +211,11 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
 
 
 def tp_stage_forward(gm: torch.fx.GraphModule, mesh, in_placements: list[str],
-                   out_placements: list[str]) -> Callable:
-    """Forward for a tp-sharded stage: local tensors in, DTensor interpretation, local out."""
+                     out_placements: list[str], *, hold_sharded: bool = True) -> Callable:
+    """Forward for a tp-sharded stage: local tensors in, DTensor interpretation, local out;
+    with `hold_sharded`, all-gathered activations are saved for the backward as their shards
+    ([Note: gathered inputs saved sharded] in autoplan/passes/regather.py; off for compiled
+    stages, whose saved set the compiled graph decides)."""
     inner = gm.forward
 
     def forward(*args):
@@ -218,7 +223,8 @@ def tp_stage_forward(gm: torch.fx.GraphModule, mesh, in_placements: list[str],
             DTensor.from_local(a, mesh, (parse_placement(p),), run_check=False)
             if isinstance(a, torch.Tensor) else a
             for a, p in zip(args, in_placements)]
-        with implicit_replication():
+        with implicit_replication(), (held_sharded() if hold_sharded
+                                      else contextlib.nullcontext()):
             out = inner(*wrapped)
         if isinstance(out, tuple):
             return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)

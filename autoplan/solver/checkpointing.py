@@ -31,7 +31,9 @@ runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 
 Time. The recomputed nodes' forward compute (cost_model.compute.op_time_s at the candidate's
 shard factor) is added to their ILP compute coefficient, and the forward redistribution of
-every edge into a recomputed node is added to that edge's backward time (`checkpointed_costs`).
+every edge into a recomputed node is added to that edge's backward time (`checkpointed_costs`),
+which no longer pays the all-gather again of a gathered input held as its shard ([Note:
+regather priced] in solver/costs.py): the recomputed forward gathers it.
 The placement ILP therefore prices recomputation exactly, with its form unchanged.
 
 Memory of pipeline rank r, with f_r microbatches in flight and L_r of the T blocks:
@@ -69,7 +71,7 @@ from autoplan.cost_model.memory import SELECTIVE_SAVED_OPS
 from autoplan.solver.costs import Costs, out_divisor
 from autoplan.solver.ilp_types import RankMemory, Solution
 from autoplan.solver.pipeline import Assessment
-from autoplan.solver.problem import OUTPUT, Problem
+from autoplan.solver.problem import Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -120,8 +122,17 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
         compute[n] = [t + op_time_s(scaled, topology.device, spec.dtype,
                                     shard_factor=c.shard_factor)
                       for t, c in zip(compute[n], problem.cands[n])]
-    pairs = [{key: (fwd, bwd + fwd, name) for key, (fwd, bwd, name) in row.items()}
-             if edge.dst in nodes else row for edge, row in zip(problem.edges, costs.pairs)]
+    # A gather into a checkpointed block runs again in its recomputation (under "selective"
+    # also into the kept matmuls: the replay gathers their input before the cache answers),
+    # and the held-shard all-gather again ([Note: regather priced] in solver/costs.py) is
+    # then not paid: the checkpoint, not autograd, holds what the block saves.
+    replayed = (lambda e: problem.part.get(e.dst) == "layer") if policy in ("selective",
+                                                                             "full") \
+        else (lambda e: e.dst in nodes)
+    pairs = [{key: (fwd, bwd + fwd - costs.regather_s.get(i, {}).get(key, 0.0), name)
+              for key, (fwd, bwd, name) in row.items()}
+             if edge.dst in nodes or (i in costs.regather_s and replayed(edge)) else row
+             for i, (edge, row) in enumerate(zip(problem.edges, costs.pairs))]
     # context parallelism's K/V all-gather runs again with attention's recomputed inputs
     # under both policies ([Note: context parallelism] in solver/context.py)
     # (core-attention needs unfused attention, cp fused: they never meet)
@@ -152,26 +163,6 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
                 row[i] += nbytes * costs.scale * mult / out_divisor(c, problem.tp)
     return dataclasses.replace(costs, compute_s=compute, pairs=pairs, act_bytes=acts,
                                node_comm_s=node_comm)
-
-
-def _boundary_edge(problem: Problem):
-    edges = [e for e in problem.edges if problem.part.get(e.src) == "layer"
-             and (e.dst == OUTPUT or problem.part.get(e.dst) != "layer")]
-    return max(edges, key=lambda e: e.nbytes, default=None)
-
-
-def boundary_node(problem: Problem) -> str | None:
-    """The ILP node whose output is the residual stream a block hands to the next one (the
-    block's output read after the blocks), None without blocks."""
-    edge = _boundary_edge(problem) if problem.num_layers else None
-    return edge.src if edge is not None and edge.src in problem.cands else None
-
-
-def boundary_bytes(problem: Problem) -> float:
-    """I: global bytes of one block's input (the residual stream) at the captured batch, in
-    the compute dtype (0.0 without blocks)."""
-    edge = _boundary_edge(problem) if problem.num_layers else None
-    return edge.nbytes if edge is not None else 0.0
 
 
 def block_bytes(problem: Problem, costs: Costs, policy: str = "selective",
@@ -218,7 +209,7 @@ def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
             const += held * input_bytes
         else:  # selective, core-attention: the rows are what the blocks keep already
             const += one_block_bytes if held else 0.0
-        out.append(RankMemory(dict(rank.param_coef), act, const))
+        out.append(RankMemory(dict(rank.param_coef), act, const, rank.boundary_coef))
     return out
 
 

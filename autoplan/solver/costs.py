@@ -26,7 +26,18 @@ exact when the graph is captured at the planned sequence length). Parameter tens
   consumers' gradients add up before the one backward collective; so also for p = q, e.g. the
   backward all-reduce of a replicated input that q, k and v projections read);
   `redistribution_units`;
-- activation bytes: each saved tensor divided by tp when its owner's candidate output is S(d);
+- the backward all-gather of a gathered activation that autograd holds as its shard ([Note:
+  gathered inputs saved sharded] in autoplan/passes/regather.py): an edge S(d) -> R into a
+  node whose input an op saves (`Problem.regathered`) gathers the shard again in that op's
+  backward. [Note: regather priced] The runtime issues that all-gather before the op's
+  input-gradient matmul and waits for it at the weight-gradient one (Megatron-LM's overlap,
+  Korthikanti et al. 2022 section 4.2.2), so the backward pays what the matmul does not hide:
+  max(0, all-gather - input-gradient matmul), the latter priced as the forward matmul split tp
+  ways (cost_model.compute.op_time_s; a smaller bound than an unsplit matmul's). An op that is
+  no matmul hides nothing: the whole all-gather. Added to the pair's backward time and kept in
+  `Costs.regather_s` (checkpointing recomputes the gather instead: solver/checkpointing.py);
+- activation bytes: each saved tensor divided by tp when its owner's candidate output is S(d)
+  (a flattening view's saved value owned by its view chain's root: problem.py);
 - parameter elements per device: numel / tp when the get_attr candidate is S(d).
 """
 
@@ -36,9 +47,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import (at_tokens, backward_time_s, dtensor_dispatches,
-                                         module_input_bytes, op_time_s)
-from autoplan.solver.problem import OUTPUT, Problem
+from autoplan.cost_model.compute import (MATMUL_OPS, at_tokens, backward_time_s,
+                                         dtensor_dispatches, module_input_bytes, op_name,
+                                         op_time_s)
+from autoplan.solver.problem import OUTPUT, Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -62,6 +74,14 @@ class Costs:
             that belong to the node itself rather than to an edge: the K/V all-gather and
             reduce-scatter of attention under context parallelism ([Note: context
             parallelism] in solver/context.py); per occurrence, like compute_s.
+        regather_s: edge index -> {pair key: seconds} of `pairs`' backward that is the
+            all-gather again of a gathered input held as its shard ([Note: regather priced]).
+        boundary_bytes: {block-output node (problem.boundary_node): [bytes per candidate]}:
+            the residual stream between blocks, one microbatch, as a tp rank holds it -- a
+            pipeline stage's output kept for its backward and a receive buffer are the
+            producer's local tensor (runtime/parallel.py tp_stage_forward), 1/tp of it when
+            the candidate splits it (sequence parallelism); [Note: memory per rank] in
+            solver/pipeline.py. Empty without blocks.
     """
 
     scale: float
@@ -71,6 +91,8 @@ class Costs:
     param_elems: dict[str, list[float]]
     output_bytes: float
     node_comm_s: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    regather_s: dict[int, dict[tuple, float]] = dataclasses.field(default_factory=dict)
+    boundary_bytes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -179,8 +201,15 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
             op_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor)
             + backward_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor) + host
             for c in problem.cands[n]]
-    for edge in problem.edges:
-        costs.pairs.append(_edge_pairs(problem, edge, scale, topology))
+    for i, edge in enumerate(problem.edges):
+        pairs = _edge_pairs(problem, edge, scale, topology)
+        regather = _regather_s(problem, edge, pairs, scale, spec, topology, fx_nodes)
+        for key, extra_s in regather.items():
+            fwd, bwd, name = pairs[key]
+            pairs[key] = (fwd, bwd + extra_s, name)
+        if regather:
+            costs.regather_s[i] = regather
+        costs.pairs.append(pairs)
         if edge.dst == OUTPUT:
             costs.output_bytes += edge.nbytes * scale
     acts: dict = {}
@@ -194,12 +223,32 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
     costs.act_bytes = acts
     for g, (_fqn, numel, _parts, mult) in problem.params.items():
         costs.param_elems[g] = [numel * mult / out_divisor(c, tp) for c in problem.cands[g]]
+    out = boundary_node(problem)
+    if out is not None:
+        costs.boundary_bytes[out] = [boundary_bytes(problem) * scale / out_divisor(c, tp)
+                                     for c in problem.cands[out]]
     return costs
 
 
 def _dtensor_host_s(info, device) -> float:
     """DTensor dispatch overhead of one op, forward plus backward (module docstring)."""
     return device.dtensor_op_overhead_s * dtensor_dispatches(info)
+
+
+def _regather_s(problem: Problem, edge, pairs: dict, scale: float, spec: TrainingSpec,
+                topology: Topology, fx_nodes: dict) -> dict[tuple, float]:
+    """{pair key: exposed seconds of the backward all-gather again} for the S(d) -> R pairs
+    of an activation edge whose gathered value an op saves ([Note: regather priced])."""
+    saver = problem.regathered.get(edge.dst) if edge.dst != OUTPUT else None
+    if (problem.tp == 1 or saver is None or edge.getitem or not edge.scales or not edge.grad):
+        return {}
+    hidden_s = 0.0
+    info = problem.graph.nodes.get(saver)
+    if info is not None and op_name(str(info.target)) in MATMUL_OPS:
+        scaled = at_tokens(info, scale, module_input_bytes(fx_nodes[saver]))
+        hidden_s = op_time_s(scaled, topology.device, spec.dtype, shard_factor=problem.tp)
+    return {key: max(0.0, fwd - hidden_s) for key, (fwd, _bwd, _name) in pairs.items()
+            if key[0].startswith("S(") and key[1] == "R"}
 
 
 def _edge_pairs(problem: Problem, edge, scale: float, topology: Topology) -> dict:

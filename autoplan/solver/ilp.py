@@ -314,5 +314,7 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
     for n, row in costs.act_bytes.items():
         part = problem.part.get(n, "pre") if n is not None else "pre"
         add(sol.act_bytes, part, row[choice[n]] if n is not None and n in choice else row[0])
+    for n, row in costs.boundary_bytes.items():
+        sol.boundary_bytes = row[choice[n]] if n in choice else row[0]
     sol.objective_s = sum(sol.compute_s.values()) + sum(sol.comm_s.values())
     return sol

@@ -262,6 +262,16 @@ class _Model:
                     const += coef * b / _KB
                 else:
                     terms[v] += coef * b / _KB
+        for n, row in self.c.boundary_bytes.items() if rank.boundary_coef else ():
+            coef = rank.boundary_coef
+            if n not in self.x:
+                const += coef * row[0] / _KB
+                continue
+            for v, b in zip(self.x[n], row):
+                if v is None:
+                    const += coef * b / _KB
+                else:
+                    terms[v] += coef * b / _KB
         return terms, const
 
     def add_memory_constraint(self, ranks: list[RankMemory], budget_bytes: float) -> None:
@@ -442,11 +452,12 @@ def _undominated(ranks: list[RankMemory]) -> list[tuple[int, RankMemory]]:
     coefficients and element counts are >= 0, so a dominated rank's constraint is implied)."""
     def vec(r: RankMemory) -> tuple:
         parts = sorted(set(r.param_coef) | set(r.act_coef))
-        return tuple((r.param_coef.get(p, 0.0), r.act_coef.get(p, 0.0)) for p in parts)
+        return tuple((r.param_coef.get(p, 0.0), r.act_coef.get(p, 0.0))
+                     for p in parts) + (r.boundary_coef,)
 
     def leq(a: RankMemory, b: RankMemory) -> bool:
         parts = set(a.param_coef) | set(a.act_coef) | set(b.param_coef) | set(b.act_coef)
-        return a.const_bytes <= b.const_bytes and all(
+        return a.const_bytes <= b.const_bytes and a.boundary_coef <= b.boundary_coef and all(
             a.param_coef.get(p, 0.0) <= b.param_coef.get(p, 0.0)
             and a.act_coef.get(p, 0.0) <= b.act_coef.get(p, 0.0) for p in parts)
 

@@ -41,11 +41,15 @@ class RankMemory:
             them, multiplicity included). A parameter in several parts takes the largest.
         act_coef: part -> factor on activation bytes (in flight x share of the part on the rank).
         const_bytes: placement-independent bytes (logits working set, ...).
+        boundary_coef: residual streams between blocks the rank holds (pipeline stage
+            outputs kept for the backward, receive buffers), each at its size on a tp rank
+            for the placement of the block-output node (Costs.boundary_bytes).
     """
 
     param_coef: dict[str, float]
     act_coef: dict[str, float]
     const_bytes: float = 0.0
+    boundary_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,9 @@ class Solution:
         cp_comm_s: part -> seconds per microbatch of context parallelism's K/V collectives,
             included in comm_s (Costs.node_comm_s; [Note: context parallelism] in
             solver/context.py).
+        boundary_bytes: the residual stream between blocks, one microbatch, on a tp rank at
+            the chosen placement (Costs.boundary_bytes); None: not known (its global size is
+            assumed).
     """
 
     choice: dict[str, int]
@@ -124,6 +131,7 @@ class Solution:
     solve_s: float = 0.0
     integer_solver: bool = False
     cp_comm_s: dict[str, float] = field(default_factory=dict)
+    boundary_bytes: float | None = None
 
     def add_param_elems(self, parts, elems: float) -> None:
         """Count a parameter of `elems` elements per device used by `parts`."""

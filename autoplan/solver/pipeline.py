@@ -83,6 +83,12 @@ one for the rest of the stage):
   stage's chunk on the last rank) boundary bytes at moment A, counted with the activations
   (Megatron-LM's `deallocate_output_tensor` frees these; torch 2.13 does not). GPipe holds all
   m, 1F1B min(m, pp - r): nothing in the runtime grows with m beyond what is in flight.
+A boundary (stage output, receive buffer) is the tensor a tp rank sends and receives: the
+producer's local value (runtime/parallel.py tp_stage_forward), the whole residual stream when it
+is replicated and a tp-th of it when it is split (sequence parallelism, [Note: sequence
+parallelism] in solver/sequence.py): Costs.boundary_bytes per candidate of the block-output
+node, RankMemory.boundary_coef boundaries per rank. (Korthikanti et al. 2022 count neither:
+Megatron-LM's `deallocate_output_tensor` frees the outputs' data once sent.)
 `rank_memories` gives the ILP the same quantities as linear forms, one per moment and rank.
 """
 
@@ -304,12 +310,13 @@ def _grads_at_peak(schedule: str, pp: int, m: int, in_flight: float) -> bool:
 
 
 def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
-                  output_bytes: float, boundary_bytes: float = 0.0,
-                  offload: str = "none") -> list[RankMemory]:
+                  output_bytes: float, offload: str = "none") -> list[RankMemory]:
     """[Note: memory per rank] as linear forms for the ILP: per pipeline rank, one form per
     moment of [Note: peak moments] (A: activations at their height, B: the backward of the
     rank's first layer), so that "every form within the budget" is exactly "the peak within
-    the budget". Device memory only: `offload` states are on the host ([Note: offload])."""
+    the budget". Device memory only: `offload` states are on the host ([Note: offload]).
+    The stage outputs and receive buffers are counts of boundaries (`boundary_coef`), priced
+    at the block-output node's placement (Costs.boundary_bytes)."""
     layers = _rank_layers(cfg, total_layers)
     states = off.device_states(model_state_bytes(
         1.0, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
@@ -322,8 +329,8 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches,
                                                     r, cfg.num_virtual_stages)
         grads_a = states["grads"] if _grads_at_activation_peak(cfg, in_flight) else 0.0
-        recv = _recv_buffer_bytes(cfg, r, boundary_bytes)
-        sent = in_flight * _sent_output_bytes(cfg, r, boundary_bytes)
+        recv = _recv_buffer_bytes(cfg, r, 1.0)
+        sent = in_flight * _sent_output_bytes(cfg, r, 1.0)
         shares = _shares(r, cfg, layers, total_layers)
         held = {p: _held_layers(cfg, layers[r], True) if p == "layer" else 1.0 for p in shares}
         grad_held = {p: _held_layers(cfg, layers[r], False) if p == "layer" else 1.0
@@ -331,11 +338,11 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
                                for p, sh in shares.items()},
                               {p: in_flight * sh for p, sh in shares.items()},
-                              (output_bytes if r == cfg.pp - 1 else 0.0) + sent + recv)
+                              output_bytes if r == cfg.pp - 1 else 0.0, sent + recv)
         moment_b = RankMemory({p: (kept + states["grads"] + unit * held[p]
                                    + unsharded * grad_held[p]) * sh
                                for p, sh in shares.items()}, _late_coef(r, layers, shares,
-                                                                        total_layers), recv)
+                                                                        total_layers), 0.0, recv)
         out += [moment_a, moment_b]
     return out
 
@@ -489,7 +496,10 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     block = sol.param_elems.get("layer", 0.0) * share["layer"]
     gathered = rest + block * _held_layers(cfg, layers[r], True)
     grad_unit = rest + block * _held_layers(cfg, layers[r], False)
-    # the stage outputs kept for backward are held per in-flight microbatch, like activations
+    # the stage outputs kept for backward are held per in-flight microbatch, like activations;
+    # they and the receive buffers are the producer's local tensor (1/tp of it when split)
+    if sol.boundary_bytes is not None:
+        boundary_bytes = sol.boundary_bytes
     sent = _sent_output_bytes(cfg, r, boundary_bytes)
     return peak_memory_bytes(
         model_states=states, activation_bytes=acts + sent, in_flight_microbatches=in_flight,

@@ -31,6 +31,7 @@ redistribution p -> q once (costs.redistribution_units).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections import defaultdict
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
+from autoplan.cost_model.compute import VIEW_OPS, op_name
 from autoplan.cost_model.memory import (
     core_attention_regions, node_producers, saved_tensors, selective_saves,
 )
@@ -46,7 +48,8 @@ from autoplan.strategies import (
     Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
 )
 
-__all__ = ["OUTPUT", "Edge", "Problem", "build_problem", "share_key"]
+__all__ = ["OUTPUT", "Edge", "Problem", "build_problem", "share_key", "boundary_node",
+           "boundary_bytes"]
 
 OUTPUT = "__output__"
 """Pseudo-consumer of the graph output: it takes "R" (the graph output must be replicated)."""
@@ -108,6 +111,10 @@ class Problem:
             multiplicity, part) for every block op whose outputs "selective" checkpointing
             keeps (cost_model.memory.SELECTIVE_SAVED_OPS: matmuls of every spelling, fused
             attention; [Note: selective saved set]).
+        regathered: node -> the op whose backward reads the node's input (the node itself,
+            or the op that saves it through flattening views): an all-gather on an edge into
+            the node is held as its shard and all-gathered again in that op's backward
+            ([Note: gathered inputs saved sharded] in autoplan/passes/regather.py).
         params: ILP get_attr node -> (canonical FQN, numel, parts it belongs to, multiplicity).
         constants: constant-like nodes (no cost).
         shared: True when blocks share variables.
@@ -126,6 +133,7 @@ class Problem:
     core_nodes: frozenset = frozenset()
     core_inputs: list[tuple] = field(default_factory=list)
     kept_selective: list[tuple] = field(default_factory=list)
+    regathered: dict[str, str] = field(default_factory=dict)
     params: dict[str, tuple[str, int, frozenset, float]] = field(default_factory=dict)
     constants: set[str] = field(default_factory=set)
     shared: bool = True
@@ -391,6 +399,7 @@ def _saved(graph: CapturedGraph, prob: Problem, layer_of,
     infos = [info for name, info in graph.nodes.items()
              if name in prob.cands and name not in prob.constants]
     items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes)
+    items, prob.regathered = _through_flat_views(graph, prob, items)
     seen: dict[tuple, float] = {}
     outside: set[tuple] = set()  # saved by an op outside the cores, or owned outside them
     for it in items:
@@ -419,6 +428,67 @@ def _saved(graph: CapturedGraph, prob: Problem, layer_of,
         held.append((ilp, _tensor_bytes(graph, node, 0, dtype_bytes), mult,
                      prob.part.get(ilp, "pre")))
     return out, dropped, held
+
+
+_FLAT_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "flatten",
+                         "unflatten", "alias", "view_as"})
+
+
+def _through_flat_views(graph: CapturedGraph, prob: Problem,
+                        items: list) -> tuple[list, dict[str, str]]:
+    """([Note: gathered inputs saved sharded] in autoplan/passes/regather.py) `items` with every
+    saved operand that is a flattening view (view, reshape, flatten: same elements, contiguous)
+    of an activation owned by the view chain's root (unless that is a strided view, which
+    the reshape copies) -- the tensor the runtime holds: the gather's
+    shard when the chain's input was all-gathered, the root's own value otherwise -- and the
+    map Problem.regathered: node -> the op that saves its input (itself, or through flat views):
+    an all-gather on an edge into the node is held as its shard and gathered again in the
+    backward."""
+    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+
+    def flat_view(name: str) -> bool:
+        node = fx_nodes.get(name)
+        return (node is not None and node.op == "call_function" and bool(node.args)
+                and isinstance(node.args[0], torch.fx.Node)
+                and op_name(str(node.target)) in _FLAT_VIEWS)
+
+    out, regathered = [], {}
+    for it in items:
+        if it.slot != "out" or it.owner == it.consumer:
+            out.append(it)
+            continue
+        regathered.setdefault(it.consumer, it.consumer)
+        owner = it.owner
+        while flat_view(owner):
+            regathered.setdefault(owner, it.consumer)
+            root = fx_nodes[owner].args[0]
+            # a reshape of a transposed (strided) value is a copy, not a view of it
+            if (root.op != "call_function" or root.name in prob.constants
+                    or (op_name(str(root.target)) in VIEW_OPS and not flat_view(root.name))):
+                break
+            owner = root.name
+        out.append(dataclasses.replace(it, owner=owner) if owner != it.owner else it)
+    return out, regathered
+
+
+def _boundary_edge(problem: Problem) -> Edge | None:
+    edges = [e for e in problem.edges if problem.part.get(e.src) == "layer"
+             and (e.dst == OUTPUT or problem.part.get(e.dst) != "layer")]
+    return max(edges, key=lambda e: e.nbytes, default=None)
+
+
+def boundary_node(problem: Problem) -> str | None:
+    """The ILP node whose output is the residual stream a block hands to the next one (the
+    block's output read after the blocks), None without blocks."""
+    edge = _boundary_edge(problem) if problem.num_layers else None
+    return edge.src if edge is not None and edge.src in problem.cands else None
+
+
+def boundary_bytes(problem: Problem) -> float:
+    """I: global bytes of one block's input (the residual stream) at the captured batch, in
+    the compute dtype (0.0 without blocks)."""
+    edge = _boundary_edge(problem) if problem.num_layers else None
+    return edge.nbytes if edge is not None else 0.0
 
 
 def _kept_selective(graph: CapturedGraph, prob: Problem, layer_of,

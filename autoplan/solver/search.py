@@ -356,7 +356,7 @@ class Search:
         costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp)
         boundary = self.boundary_bytes(tp, cfg.microbatch_size, cfg.cp)
         ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
-                              boundary_bytes=boundary, offload=cfg.offload)
+                              offload=cfg.offload)
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
                                        ckpt.block_bytes(self.problem(tp), costs,
                                                         cfg.checkpointing))
@@ -573,7 +573,8 @@ def _signature(ranks) -> tuple:
     """Per-rank memory coefficients rounded to 6 significant digits (a cache key)."""
     r6 = lambda v: float(f"{v:.6g}")  # noqa: E731
     return tuple((tuple(sorted((k, r6(v)) for k, v in r.param_coef.items())),
-                  tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes))
+                  tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes),
+                  r6(r.boundary_coef))
                  for r in ranks)
 
 
@@ -589,4 +590,6 @@ def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
         sol.add_param_elems(prob.params[g][2], min(elems) / tp)
     for n, row in costs.act_bytes.items():
         add(sol.act_bytes, prob.part.get(n, "pre") if n is not None else "pre", min(row) / tp)
+    for row in costs.boundary_bytes.values():
+        sol.boundary_bytes = min(row) / tp
     return sol

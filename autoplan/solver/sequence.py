@@ -12,9 +12,18 @@ all-gather from it (S(s) -> R). The placement ILP expresses this without a new c
 - communication: P -> S(s) is priced as a reduce-scatter and S(s) -> R as an all-gather, each
   with the bytes of the full tensor (cost_model.comm.redistribute_time_s): together the
   all-reduce's volume, forward and backward (the backward of each is the other);
-- memory: a saved tensor is divided by tp when its owner's output is S(s) (solver/costs.py), and
-  under "selective" checkpointing the block input each block keeps is priced at the placement
-  of the block's output (solver/checkpointing.py), so an S(s) residual stream holds 1/tp.
+- memory: a saved tensor is divided by tp when its owner's output is S(s) (solver/costs.py);
+  a gathered input (S(s) -> R into a matmul, through flattening views) is saved as its shard
+  and all-gathered again in the backward, as Megatron-LM's sequence-parallel linear does
+  (Korthikanti et al. 2022, sec. 4.2.2; runtime: [Note: gathered inputs saved sharded] in
+  passes/regather.py; cost: its view chain's root owns it, Problem.regathered, and the gather
+  again is [Note: regather priced] in solver/costs.py); under "selective" checkpointing the
+  block input each block keeps is priced at the placement of the block's output
+  (solver/checkpointing.py), so an S(s) residual stream holds 1/tp; a pipeline stage's output
+  kept for its backward and its receive buffers are the block output's local tensor, 1/tp of
+  it when S(s) (Costs.boundary_bytes, [Note: memory per rank] in solver/pipeline.py).
+  With "core-attention" checkpointing a block of a GPT then holds 34 s b h / t bytes, Table 2's
+  "selective + sequence parallelism" row (tests/test_sequence_parallel.py).
 
 So free planning picks sequence parallelism wherever it is cheapest.
 
