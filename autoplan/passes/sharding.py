@@ -109,17 +109,32 @@ def reshape(x, shape):
     copy only when it is strided, as `reshape` would make); the sharding rule is DTensor's.
     Under torch.compile no hook ([Note: compiled stages] in autoplan/runtime/compiled.py): a
     hook on an intermediate breaks the graph, and the lone reshape frame then fails in
-    AOTAutograd's replay of an aliased DTensor output (as_strided). Known limit: when the
-    gradient reaching a traced reshape is strided, AOTAutograd's trace of the backward view
-    fails (BackendCompilerFailed, "Cannot view a tensor ... with strides"; GPT-2 width 256 under
-    dp2 x tp2). An identity op making that gradient contiguous compiled but gave wrong
-    gradients (1% loss error at step 2), and an eager reshape meets the aliasing failure
-    again: neither is used, a loud failure being better than a wrong number.
+    AOTAutograd's replay of an aliased DTensor output (as_strided). Nor DTensor's reshape: its
+    backward is a `view` of the incoming gradient chosen by the gradient's *global* strides,
+    and when the local gradient is strided (the transpose after a head split, dp2 x tp2)
+    AOTAutograd's trace fails ("Cannot view a tensor ... with strides"). Traced, the reshape
+    runs on the local shard between `to_local` and `from_local`, with the output placements
+    and local shape DTensor's rule gives: a plain reshape, whose backward copies a strided
+    gradient. (A custom autograd identity making the DTensor gradient contiguous through
+    to_local / from_local compiled but gave wrong gradients, 3e-4 loss error at step 2.) Known
+    limit: where DTensor's rule gathers the input first (a sharded dim merged behind another)
+    the traced reshape is DTensor's, with the failure above when its gradient is strided.
+    Eagerly the DTensor reshape is kept: the regather hooks ([Note: gathered inputs saved
+    sharded] in passes/regather.py) find a gathered value through its view chain.
     """
     out = aten.reshape.default(_contiguous_local(x), shape)
-    if isinstance(out, DTensor) and out.requires_grad and not torch.compiler.is_compiling():
+    if not isinstance(out, DTensor) or not out.requires_grad:
+        return out
+    if not torch.compiler.is_compiling():
         out.register_hook(_contiguous_local)
-    return out
+        return out
+    local = x.to_local()
+    if local.numel() != out._local_tensor.numel():  # DTensor's rule gathered x first
+        return out
+    # traced: the DTensor reshape above only gave the placements and is dead code
+    return DTensor.from_local(local.reshape(out._local_tensor.shape), out.device_mesh,
+                              out.placements, run_check=False, shape=out.shape,
+                              stride=out.stride())
 
 
 def sdpa_local(q, k, v, attn_mask=None, *args, **kwargs):
