@@ -155,7 +155,8 @@ def _stage_time_s(search, best: Assessment) -> tuple[float, float]:
                 + sum(sol.comm_s.values())), 0.0
     stage_ranks = cfg.tp * cfg.cp * cfg.dp
     crosses = stage_ranks >= topology.devices_per_node
-    boundary = search.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp)
+    boundary = (search.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp)
+                if sol.boundary_bytes is None else sol.boundary_bytes)
     p2p = 2 * cfg.num_virtual_stages * p2p_time_s(
         boundary, topology, crosses_nodes=crosses,
         concurrent_pairs=None if crosses else stage_ranks)

@@ -397,7 +397,9 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
         stage_ranks = cfg.tp * cfg.cp * cfg.dp
         crosses = stage_ranks >= topology.devices_per_node
         pairs = None if crosses else stage_ranks
-        p2p = 2 * v * p2p_time_s(boundary_bytes, topology, crosses_nodes=crosses,
+        # what a tp rank sends: its local boundary (a tp-th under sequence parallelism)
+        sent_bytes = boundary_bytes if sol.boundary_bytes is None else sol.boundary_bytes
+        p2p = 2 * v * p2p_time_s(sent_bytes, topology, crosses_nodes=crosses,
                                  concurrent_pairs=pairs)
     per_rank = []
     ranks = _candidate_ranks(cfg, layers)

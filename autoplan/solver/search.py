@@ -450,8 +450,15 @@ class Search:
         (tests/test_planner_scale.py checks the form against assess on random placements)."""
         key = ("form", cfg)
         if key not in self.bounds:
+            # the pipeline transfers at the smallest boundary a placement can send (a tp-th
+            # under sequence parallelism): the constant stays a lower bound; the ILP does not
+            # see the transfers' difference between placements (priced by assess)
+            rows = self.cost(*cfg.costs_key).boundary_bytes.values()
+            least = min((min(row) for row in rows), default=None)
+
             def probe(**totals) -> float:
-                return self.assess(cfg, Solution({}, **totals)).step_time_s
+                return self.assess(cfg, Solution({}, boundary_bytes=least,
+                                                 **totals)).step_time_s
             zero, elems = probe(), 1e9
             self.bounds[key] = StepForm(
                 probe(compute_s={"pre": 1.0}) - zero, probe(comm_s={"pre": 1.0}) - zero,
