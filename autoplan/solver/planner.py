@@ -388,7 +388,20 @@ def _rank(a: Assessment) -> tuple:
             _POLICY_ORDER[c.checkpointing], c.offload != "none")
 
 
-# states of a configuration in the branch and bound ([Note: lazy bounds] for _LAZY)
+# [Note: lazy bounds] Bounding every configuration up front (search.lower_bound: a whole
+# pipeline.assess each) was most of a large search -- 13,640 configurations for a 128K-token
+# llama3.1-405b on 2,048 nodes, of which some 80 are ever popped. So a configuration enters
+# the heap lazily, at its pipeline term (search.pipeline_bound: the pipeline term of its lower
+# bound's placement, which its lower bound adds exposed communication and the optimizer to, so
+# never more; shared by its ZeRO stages and offloads), and is bounded -- and, where its bound
+# does not fit, its offload variants made and bounded -- when popped. The pops of bounded
+# configurations are then exactly those of bounding all up front, in the same order: a lazy
+# entry sorts before what it becomes (a bound no smaller, the same tp, pp and index, state
+# _LAZY first), so it is expanded before anything that would follow it; an offload variant
+# keeps its place in `configs + _offloaded(configs)` (index n + i k + j). A lazy entry popped
+# when the runners-up are complete ends the search as a bounded one would: every entry left
+# is no better. Configurations never popped are never bounded.
+# states of a configuration in the branch and bound
 _LAZY, _BOUNDED, _REFINED, _RELAXED, _UNFIT = -1, 0, 1, 2, 3
 
 
