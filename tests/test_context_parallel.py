@@ -161,6 +161,61 @@ def test_search_covers_cp_and_bounds_hold(long_llama, h100):
         assert assessed.cp_comm_s > 0 and sum(sol.cp_comm_s.values()) > 0
 
 
+def test_pipeline_bound_is_below_every_lower_bound(long_llama, h100):
+    """[Note: lazy bounds] in solver/planner.py: the pipeline term a configuration waits at
+    never exceeds its lower bound, for every configuration (cp > 1 and offloads included)."""
+    from autoplan.solver.search import offload_variants
+    search = Search(long_llama, h100, SPEC, 10.0)
+    configs = enumerate_configs(long_llama, h100, SPEC, Overrides(), search.policies())
+    configs += [v for c in configs for v in offload_variants(c, Overrides())]
+    assert any(c.cp > 1 for c in configs) and any(c.offload != "none" for c in configs)
+    for cfg in configs:
+        assert search.pipeline_bound(cfg) <= search.lower_bound(cfg).step_time_s
+
+
+def test_lazy_bounds_pop_as_bounding_everything_first(long_llama, h100, monkeypatch):
+    """The branch and bound with lazy entries ([Note: lazy bounds]) makes the same
+    assessments in the same order as with every configuration bounded up front (every lazy
+    entry at bound -inf: all are expanded, in index order, before anything else pops), over
+    cp 1 and cp > 1, memory binding or not; and so the same plan."""
+    from autoplan.solver.planner import _branch_and_bound
+    for mem in (None, 3e9):
+        topo = h100 if mem is None else dataclasses.replace(
+            h100, device=dataclasses.replace(h100.device, mem_bytes=mem))
+        runs = []
+        for lazy in (True, False):
+            search = Search(long_llama, topo, SPEC, 10.0)
+            if not lazy:
+                monkeypatch.setattr(search, "pipeline_bound", lambda cfg: float("-inf"))
+            configs = enumerate_configs(long_llama, topo, SPEC, Overrides(), search.policies())
+            done = _branch_and_bound(search, configs, 5, Overrides())
+            runs.append([(a.config, a.step_time_s, a.memory_bytes, a.fits) for a in done])
+        assert runs[0] == runs[1] and runs[0]
+
+
+def test_replayed_ilp_models_equal_fresh_ones(long_llama, h100):
+    """[Note: model templates] in solver/ilp_model.py: a model replayed from the template of
+    another (tp, b, policy, cp) is the model a fresh build makes, coefficient for
+    coefficient (LP and CP-SAT, with objective)."""
+    from ortools.linear_solver import linear_solver_pb2
+
+    from autoplan.solver.ilp import TIME_FORM, model_proto
+    search = Search(long_llama, h100, SPEC, 10.0)
+    prob = search.problem(2)
+
+    def proto(costs, integer):
+        out = linear_solver_pb2.MPModelProto()
+        out.CopyFrom(model_proto(prob, costs, form=TIME_FORM, integer=integer))
+        return out.SerializeToString()
+
+    keys = [(2, 1, "none", 1), (2, 1, "selective", 2), (2, 2, "none", 1), (2, 1, "none", 2)]
+    replayed = {(k, i): proto(search.cost(*k), i) for k in keys for i in (False, True)}
+    assert prob.__dict__.get("_ilp_templates")
+    for key, integer in replayed:
+        prob.__dict__.pop("_ilp_templates")  # a fresh build
+        assert replayed[(key, integer)] == proto(search.cost(*key), integer)
+
+
 def test_candidate_ranks_give_the_peak_of_every_rank(long_llama, h100, monkeypatch):
     """assess over the ranks `_candidate_ranks` keeps equals assess over all ranks."""
     search = Search(long_llama, h100, SPEC, 10.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
@@ -28,7 +29,15 @@ class _Model:
     pywraplp's constraint objects directly (its operator API costs ~10 us per term, which was
     most of a solve); a node with one candidate is the constant 1, and an edge with one end
     fixed needs no y variables (its pair costs become the other end's x coefficients and an
-    unavailable pair forbids that candidate); identical constraints are added once."""
+    unavailable pair forbids that candidate); identical constraints are added once.
+
+    [Note: model templates] The variables and rows of add_node_constraint,
+    add_edge_constraint and add_tied_constraint depend on the problem, the pairs each edge
+    offers and which redistributions cost anything -- not on what they cost. A search solves
+    dozens of ILPs of one problem (one per (b, policy, cp) and step form), so the first model
+    of each such structure records what it did (`_Template`, kept on the Problem) and the later
+    ones replay it: the same variables, rows, bounds and communication terms in the same order
+    (the costs of this model's units), at about half the Python work."""
 
     def __init__(self, problem: Problem, costs: Costs, integer: bool, limit_s: float) -> None:
         self.p, self.c, self.integer = problem, costs, integer
@@ -69,10 +78,67 @@ class _Model:
         self.rows: list[tuple[dict, float, float, str, bool]] = []
         self.bounds: list = []
         self._index: dict = {}  # variable -> its solver index, for the duplicate check
+        self._log: list | None = None  # [Note: model templates]: what add_structure did
+
+    def add_structure(self) -> None:
+        """add_node_constraint, add_edge_constraint and add_tied_constraint, replayed from a
+        template of the problem when an earlier model had the same structure ([Note: model
+        templates])."""
+        units = redistribution_units(self.p, self.c)
+        signature = (tuple(frozenset(pairs) for pairs in self.c.pairs),
+                     tuple(bool(u.cost_s) for u in units))
+        templates = self.p.__dict__.setdefault("_ilp_templates", {})
+        if signature in templates:
+            self._replay(templates[signature], units)
+            return
+        self._log = []
+        self.add_node_constraint()
+        self.add_edge_constraint()
+        self.add_tied_constraint()
+        templates[signature] = _Template(
+            tuple(self._log), frozenset(self._seen), self.infeasible,
+            {n: None if xs == [None] else [self._index[v] for v in xs]
+             for n, xs in self.x.items()},
+            [{key: self._index[v] for key, v in y.items()} for y in self.y])
+        self._log = None
+
+    def _replay(self, template: "_Template", units: list) -> None:
+        """The model add_structure builds, from `template` (the same variables, rows, bounds
+        and communication terms in the same order; the costs from `units`)."""
+        made: list = []
+        for op in template.ops:
+            kind = op[0]
+            if kind == "var":
+                made.append(self.var(op[1]))
+            elif kind == "row":
+                _kind, terms, lb, ub, name, binding = op
+                terms = {made[o]: c for o, c in terms}
+                self.rows.append((terms, lb, ub, name, binding))
+                ct = self.s.Constraint(lb, ub, name)
+                for v, c in terms.items():
+                    ct.SetCoefficient(v, c)
+            elif kind == "ub0":
+                made[op[1]].SetUb(0.0)
+            elif kind == "comm":  # as _add_redistribution_costs: cost, then cost * coef
+                _kind, part, n, o, coef = op
+                cost = units[n].cost_s * _NS
+                self.comm[part][made[o]] += cost if coef is None else cost * coef
+            elif kind == "const":
+                self.comm_const[op[1]] += units[op[2]].cost_s * _NS
+            else:  # "shared"
+                self.shared.append((made[op[1]], [({made[o]: c for o, c in terms}, const)
+                                                  for terms, const in op[2]]))
+        self._seen = set(template.seen)
+        self.infeasible = template.infeasible
+        self.x = {n: [None] if xs is None else [made[o] for o in xs]
+                  for n, xs in template.x.items()}
+        self.y = [{key: made[o] for key, o in y.items()} for y in template.y]
 
     def var(self, name: str):
         v = self.s.BoolVar(name) if self.integer else self.s.NumVar(0.0, 1.0, name)
         self._index[v] = v.index()  # asked once: the duplicate check needs it per term
+        if self._log is not None:
+            self._log.append(("var", name))
         return v
 
     def bound_var(self, ceiling: float, name: str):
@@ -101,6 +167,9 @@ class _Model:
             return
         self._seen.add(key)
         self.rows.append((terms, lb, ub, name, binding))
+        if self._log is not None:
+            self._log.append(("row", tuple((index[v], c) for v, c in terms.items()), lb, ub,
+                              name, binding))
         ct = self.s.Constraint(lb, ub, name)
         for v, c in terms.items():
             ct.SetCoefficient(v, c)
@@ -111,6 +180,8 @@ class _Model:
             self.infeasible = self.infeasible or why
         else:
             v.SetUb(0.0)
+            if self._log is not None:
+                self._log.append(("ub0", self._index[v]))
 
     def add_node_constraint(self) -> None:
         for n in self.p.nodes:
@@ -214,19 +285,26 @@ class _Model:
                     exprs.append((dict(terms), const))
             if not exprs:
                 continue
+            log = self._log if self._log is not None else []
             if any(const >= 1.0 for _t, const in exprs):
                 self.comm_const[unit.part] += cost
+                log.append(("const", unit.part, n))
                 continue
             if len(exprs) == 1:
                 for v, coef in exprs[0][0].items():
                     self.comm[unit.part][v] += cost * coef
+                    log.append(("comm", unit.part, n, self._index[v], coef))
                 continue
             z = self.var(f"z[{n}]")
             self.shared.append((z, exprs))
+            log.append(("shared", self._index[z], [
+                (tuple((self._index[v], c) for v, c in terms.items()), const)
+                for terms, const in exprs]))
             for m, (terms, const) in enumerate(exprs):
                 self.constraint({z: 1.0, **{v: -c for v, c in terms.items()}}, const,
                                 self.s.infinity(), f"shared[{n},{m}]")
             self.comm[unit.part][z] += cost
+            log.append(("comm", unit.part, n, self._index[z], None))
 
     def add_tied_constraint(self) -> None:
         by_fqn = defaultdict(list)
@@ -447,6 +525,21 @@ class _Model:
         self.s.SetHint(list(values), list(values.values()))
 
 
+@dataclass(frozen=True)
+class _Template:
+    """[Note: model templates] What add_structure did, by variable number (creation order):
+    `ops` in order -- ("var", name), ("row", ((var, coef), ...), lb, ub, name, binding),
+    ("ub0", var), ("comm", part, unit, var, coef or None for the unit's z), ("const", part,
+    unit), ("shared", z, [(((var, coef), ...), const), ...]) -- then the duplicate check's
+    keys, the infeasible constraint, and x and y by variable number."""
+
+    ops: tuple
+    seen: frozenset
+    infeasible: str
+    x: dict
+    y: list
+
+
 def _undominated(ranks: list[RankMemory]) -> list[tuple[int, RankMemory]]:
     """Ranks whose memory no other rank bounds from above coefficient by coefficient (all
     coefficients and element counts are >= 0, so a dominated rank's constraint is implied)."""
@@ -486,9 +579,7 @@ def edge_key(problem: Problem, edge, choice: dict[str, int]) -> tuple:
 def _build(problem, costs, integer, ranks, budget_bytes, objective, form, busiest,
            limit_s) -> _Model:
     model = _Model(problem, costs, integer, limit_s)
-    model.add_node_constraint()
-    model.add_edge_constraint()
-    model.add_tied_constraint()
+    model.add_structure()
     if objective == "memory":
         model.add_memory_objective(ranks or [])
     else:

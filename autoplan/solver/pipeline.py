@@ -110,7 +110,7 @@ from autoplan.topology import Topology
 __all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR",
            "optimizer_pass", "Config",
            "Assessment", "stages_of",
-           "assess", "rank_memories"]
+           "assess", "pipeline_time_s", "rank_memories"]
 
 DP_SYNC_OVERLAP = 0.0
 """Fraction of the data-parallel gradient sync (and ZeRO-3 parameter gathers) hidden behind
@@ -376,19 +376,20 @@ def _ranks_to_check(schedule: str, pp: int, m: int, v: int,
     return tuple(out)
 
 
-def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
-           total_layers: int, output_bytes: float, boundary_bytes: float,
-           param_tensors: dict[str, float] | None = None,
-           offload: str = "none") -> Assessment:
-    """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`;
-    `param_tensors`: parameter tensors per part ("pre", "layer": all blocks, "post") for the
-    optimizer's per-tensor ops (none: not priced); `offload`: [Note: offload] (the host
-    memory is checked against the rank's share of its node's).
+def pipeline_time_s(cfg: Config, sol: Solution, topology: Topology, *, total_layers: int,
+                    boundary_bytes: float) -> float:
+    """The pipeline term of [Note: step time] (seconds): `assess`'s step time less the
+    exposed data-parallel and offload time and the optimizer, all >= 0 -- so never more than
+    `assess(cfg, sol, ...).step_time_s`, whatever the ZeRO stage, offload and memory (the
+    planner's first bound, planner.py)."""
+    return _stage_times(cfg, sol, topology, total_layers, boundary_bytes)[-1]
 
-    Raises ValueError (from the cost model) when a mesh group straddles nodes unevenly.
-    """
+
+def _stage_times(cfg: Config, sol: Solution, topology: Topology, total_layers: int,
+                 boundary_bytes: float) -> tuple:
+    """(layers per rank, busy ranks per node, speed, candidate ranks, their shares, t_comp,
+    t_comm, the busiest rank's cp communication, pipeline) of [Note: step time]."""
     layers = _rank_layers(cfg, total_layers)
-    param_tensors = param_tensors or {}
     v = cfg.num_virtual_stages
     busy = min(topology.devices_per_node, cfg.world_size)
     speed = topology.device.speed(busy)
@@ -414,6 +415,27 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
         per_rank.append((comp + comm + p2p, comp, comm + p2p, on(r, sol.cp_comm_s)))
     _t_stage, comp, comm, cp_comm = max(per_rank)
     pipeline = _pipeline_s(cfg, comp, comm, topology, busy)
+    return layers, busy, speed, ranks, shares, comp, comm, cp_comm, pipeline
+
+
+def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
+           total_layers: int, output_bytes: float, boundary_bytes: float,
+           param_tensors: dict[str, float] | None = None,
+           offload: str = "none") -> Assessment:
+    """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`;
+    `param_tensors`: parameter tensors per part ("pre", "layer": all blocks, "post") for the
+    optimizer's per-tensor ops (none: not priced); `offload`: [Note: offload] (the host
+    memory is checked against the rank's share of its node's).
+
+    Raises ValueError (from the cost model) when a mesh group straddles nodes unevenly.
+    """
+    layers, busy, speed, ranks, shares, comp, comm, cp_comm, pipeline = _stage_times(
+        cfg, sol, topology, total_layers, boundary_bytes)
+    param_tensors = param_tensors or {}
+
+    def on(r: int, per_part: dict[str, float]) -> float:
+        return sum(per_part.get(p, 0.0) * s for p, s in shares[r].items())
+
     memories = {r: _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                               boundary_bytes, offload, shares[r]) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])

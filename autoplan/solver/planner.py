@@ -24,6 +24,7 @@ from autoplan.solver.search import (
     SolverLimitReached, SolverLimitWarning, enumerate_configs, offload_variants, same_argmin,
     validate,
 )
+from autoplan.solver.offload import OFFLOADS
 from autoplan.solver.offload import available as offload_available
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -254,11 +255,12 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
             f"no configuration of {topology.world_size} devices satisfies the overrides "
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
-    configs += _offloaded(search, configs, overrides)
-    evaluated = _branch_and_bound(search, configs, top_k)
+    evaluated = _branch_and_bound(search, configs, top_k, overrides)
     feasible = sorted((a for a in evaluated if a.fits), key=_rank)
     if not feasible and search.skipped:
         raise _limit_error(search)
+    if not feasible:  # what does not fit is explained with the offload variants too
+        configs += _offloaded(search, configs, overrides)
     if not feasible and unfit is not None:
         unfit.append((search, configs))
         raise NoFeasiblePlan("no configuration fits in memory")
@@ -287,22 +289,26 @@ def _offloaded(search: Search, configs: list[PlanConfig],
     ([Note: offload] in solver/offload.py, "Search"); none without the topology's host
     figures, or where the host is the devices' own memory (Topology.host_is_device_memory:
     offloading there frees nothing)."""
+    return [v for cfg in configs for v in _variants(search, cfg, overrides)]
+
+
+def _variants(search: Search, cfg: PlanConfig, overrides: Overrides) -> list[PlanConfig]:
+    """`_offloaded` of one configuration."""
     if not offload_available(search.topology) or search.topology.host_is_device_memory:
         return []
     budget, out = search.budget_bytes, []
-    for cfg in configs:
-        lb = search.lower_bound(cfg)
-        if lb.memory_bytes <= budget:
-            continue
-        for variant in offload_variants(cfg, overrides):
-            # the variant's peak on lb's rank is lb's less what it offloads (at most these
-            # kinds: the unsharded gradients of "grads" stay): a variant over the budget even
-            # so needs no bound of its own
-            kinds = ("optimizer",) if variant.offload == "optimizer" else (
-                "optimizer", "params", "grads")
-            moved = sum(lb.memory_breakdown.get(k, 0.0) for k in kinds)
-            if lb.memory_bytes - moved <= budget:
-                out.append(variant)
+    lb = search.lower_bound(cfg)
+    if lb.memory_bytes <= budget:
+        return []
+    for variant in offload_variants(cfg, overrides):
+        # the variant's peak on lb's rank is lb's less what it offloads (at most these
+        # kinds: the unsharded gradients of "grads" stay): a variant over the budget even
+        # so needs no bound of its own
+        kinds = ("optimizer",) if variant.offload == "optimizer" else (
+            "optimizer", "params", "grads")
+        moved = sum(lb.memory_breakdown.get(k, 0.0) for k in kinds)
+        if lb.memory_bytes - moved <= budget:
+            out.append(variant)
     return out
 
 
@@ -382,15 +388,32 @@ def _rank(a: Assessment) -> tuple:
             _POLICY_ORDER[c.checkpointing], c.offload != "none")
 
 
+# [Note: lazy bounds] Bounding every configuration up front (search.lower_bound: a whole
+# pipeline.assess each) was most of a large search -- 13,640 configurations for a 128K-token
+# llama3.1-405b on 2,048 nodes, of which some 80 are ever popped. So a configuration enters
+# the heap lazily, at its pipeline term (search.pipeline_bound: the pipeline term of its lower
+# bound's placement, which its lower bound adds exposed communication and the optimizer to, so
+# never more; shared by its ZeRO stages and offloads), and is bounded -- and, where its bound
+# does not fit, its offload variants made and bounded -- when popped. The pops of bounded
+# configurations are then exactly those of bounding all up front, in the same order: a lazy
+# entry sorts before what it becomes (a bound no smaller, the same tp, pp and index, state
+# _LAZY first), so it is expanded before anything that would follow it; an offload variant
+# keeps its place in `configs + _offloaded(configs)` (index n + i k + j). A lazy entry popped
+# when the runners-up are complete ends the search as a bounded one would: every entry left
+# is no better. Configurations never popped are never bounded.
 # states of a configuration in the branch and bound
-_BOUNDED, _REFINED, _RELAXED, _UNFIT = 0, 1, 2, 3
+_LAZY, _BOUNDED, _REFINED, _RELAXED, _UNFIT = -1, 0, 1, 2, 3
 
 
-def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> list[Assessment]:
+def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
+                      overrides: Overrides = Overrides()) -> list[Assessment]:
     """[Note: decomposition] steps 2-4 in search.py; returns every assessment made.
 
     A heap of configurations by lower bound; each moves through up to four states, with a
     tighter bound at each:
+    0. lazy, at its pipeline term (search.pipeline_bound, [Note: lazy bounds]); popped: its
+       lower bound is made, and where that does not fit, the bounds of its offload variants
+       (`_offloaded`);
     1. bounded without an ILP (search.lower_bound);
     2. popped: the time-optimal placement of its (tp, b, policy) -- one ILP shared by all the
        configurations of those -- is assessed. When the configuration's step time orders
@@ -412,11 +435,12 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
     (a plan it can run, so its step time is no better than its optimum), and constrained ones
     stay "memory" alternatives.
     """
-    heap: list[tuple] = []
-    for i, cfg in enumerate(configs):
-        lb = search.lower_bound(cfg)
-        if lb.fits:
-            heapq.heappush(heap, (lb.step_time_s, cfg.tp, cfg.pp, i, _BOUNDED, cfg, None))
+    # [Note: lazy bounds] configuration i's offload variants j are numbered n + i k + j: in the
+    # order of `configs + _offloaded(configs)`, which breaks ties between equal bounds
+    heap: list[tuple] = [(search.pipeline_bound(cfg), cfg.tp, cfg.pp, i, _LAZY, cfg, None)
+                         for i, cfg in enumerate(configs)]
+    heapq.heapify(heap)
+    n, k = len(configs), len(OFFLOADS)
     done: list[Assessment] = []
     best, best_group = float("inf"), None
     fill_solves, fill_groups = 0, set()
@@ -436,6 +460,14 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int) -> 
         if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k
                             or (fill_solves >= top_k and fill_groups)):
             break
+        if state == _LAZY:
+            bounded = [(i, cfg)] + [(n + i * k + j, v) for j, v in enumerate(
+                _variants(search, cfg, overrides))]
+            for index, c in bounded:
+                lb = search.lower_bound(c)
+                if lb.fits:
+                    heapq.heappush(heap, (lb.step_time_s, c.tp, c.pp, index, _BOUNDED, c, None))
+            continue
         solved = search.num_solves
         result = None
         try:

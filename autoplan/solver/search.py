@@ -38,7 +38,8 @@ from autoplan.solver.context import attention_nodes, cp_degrees, with_context_pa
 from autoplan.solver.costs import Costs, build_costs
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
                                  relax, solve)
-from autoplan.solver.pipeline import Assessment, Config, assess, rank_memories, stages_of
+from autoplan.solver.pipeline import (Assessment, Config, assess, pipeline_time_s, rank_memories,
+                                      stages_of)
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
@@ -505,6 +506,15 @@ class Search:
         """pipeline.assess of `cfg` with placement `sol` under cfg's checkpointing policy.
         (tp, divide): for bounds, quantities of the tp problem with the boundary divided."""
         tp = cfg.tp if tp is None else tp
+        costs, boundary, seen, transient = self._seen(cfg, sol, tp, divide)
+        result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
+                        output_bytes=costs.output_bytes, boundary_bytes=boundary / divide,
+                        param_tensors=self.problem(tp).param_tensors, offload=cfg.offload)
+        return ckpt.with_transient(result, transient, self.budget_bytes)
+
+    def _seen(self, cfg: PlanConfig, sol: Solution, tp: int, divide: int) -> tuple:
+        """(costs, boundary bytes, the Solution pipeline.assess sees, transient bytes) of
+        `assess`."""
         b, policy = cfg.microbatch_size, cfg.checkpointing
         costs = self.cost(tp, b, policy, cfg.cp)
         boundary = self.boundary_bytes(tp, b, cfg.cp)
@@ -513,10 +523,22 @@ class Search:
             divide if policy == "core-attention" else 1)
         seen, transient = ckpt.checkpointed_solution(
             sol, policy, self.total_layers, boundary, one_block)
-        result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
-                        output_bytes=costs.output_bytes, boundary_bytes=boundary / divide,
-                        param_tensors=self.problem(tp).param_tensors, offload=cfg.offload)
-        return ckpt.with_transient(result, transient, self.budget_bytes)
+        return costs, boundary, seen, transient
+
+    def pipeline_bound(self, cfg: PlanConfig) -> float:
+        """A step time `lower_bound(cfg)` never goes below, at a fraction of its cost: the
+        pipeline term alone (pipeline.pipeline_time_s) of the bound's placement. It is the
+        same for every ZeRO stage and offload of cfg's mesh, (b, policy), microbatches and
+        schedule, so it is computed once for them (planner.py: [Note: lazy bounds])."""
+        key = ("pipeline", cfg.costs_key, cfg.pp, cfg.dp, cfg.num_microbatches, cfg.schedule,
+               cfg.num_virtual_stages)
+        if key not in self.bounds:
+            _costs, boundary, seen, _transient = self._seen(cfg, self._lower_solution(cfg), 1,
+                                                            cfg.tp)
+            self.bounds[key] = pipeline_time_s(cfg, seen, self.topology,
+                                               total_layers=self.total_layers,
+                                               boundary_bytes=boundary / cfg.tp)
+        return self.bounds[key]
 
     def memory_bound(self, cfg: PlanConfig) -> Assessment:
         """An Assessment whose memory no placement at this (tp, b, policy) can beat: every
@@ -529,16 +551,20 @@ class Search:
         a split op takes at least 1/tp of the replicated time (the roofline's efficiency only
         drops on smaller shapes), a split tensor holds exactly 1/tp. Under "full" checkpointing
         a block's saved input is priced replicated at every tp, so it is not divided."""
+        # kept per configuration: the planner asks again for the offload variants' sake
+        if ("lower", cfg) not in self.bounds:
+            self.bounds[("lower", cfg)] = self.assess(cfg, self._lower_solution(cfg), tp=1,
+                                                      divide=cfg.tp)
+        return self.bounds[("lower", cfg)]
+
+    def _lower_solution(self, cfg: PlanConfig) -> Solution:
+        """`lower_bound`'s placement totals: of the tp = 1 problem, divided by cfg.tp."""
         key = cfg.costs_key
         if key not in self.bounds:
             self.bounds[key] = _lower_bound(
                 self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing, cfg.cp),
                 cfg.tp)
-        # kept per configuration: the planner asks again for the offload variants' sake
-        if ("lower", cfg) not in self.bounds:
-            self.bounds[("lower", cfg)] = self.assess(cfg, self.bounds[key], tp=1,
-                                                      divide=cfg.tp)
-        return self.bounds[("lower", cfg)]
+        return self.bounds[key]
 
 
 def _rank_shares(cfg: Config, total_layers: int) -> tuple:
