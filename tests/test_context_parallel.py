@@ -247,13 +247,35 @@ def test_report_names_cp(long_llama, h100):
 
 
 def test_cp_only_where_nothing_fits_without(long_llama, h100):
-    """[Note: context parallelism]: with memory for a cp = 1 plan, free planning keeps cp 1
-    (no cp anywhere, alternatives included); with 1.26 MB usable per device, where the
+    """[Note: context parallelism]: with memory for a cp = 1 plan and no cp plan faster beyond
+    the error band, free planning keeps cp 1 (no cp anywhere, alternatives included); with
+    1.26 MB usable per device, where the
     smallest cp = 1 plan needs 1.32 MB, it plans cp > 1."""
     p = plan(long_llama, h100, SPEC, top_k=5)
     assert p.mesh.cp == 1 and all(a.mesh.cp == 1 for a in p.alternatives)
     tight = dataclasses.replace(h100, device=dataclasses.replace(h100.device, mem_bytes=1.4e6))
     assert plan(long_llama, tight, SPEC).mesh.cp > 1
+
+
+def test_cp_where_faster_than_cp_1_beyond_the_error_band():
+    """[Note: context parallelism]: llama3.1-405b at 128K tokens, global batch 128 on 2,048
+    dgx-h100 nodes (issue 13's command). A cp = 1 plan fits (sequence parallelism holds the
+    activations a tp-th) but 128 sequences over 16,384 devices leave it 2 microbatches for a
+    deep pipeline: mostly bubble. The free plan takes cp > 1, faster than the best cp = 1 plan
+    even at the worst of the step-time error band; a search that stopped at the first plan
+    that fits (as before) fails this."""
+    from autoplan.capture import capture_preset
+    from autoplan.cost_model.fidelity import error_bands
+
+    graph = capture_preset("llama3.1-405b", batch=1, seq_len=131072, num_layers=2,
+                           dtype=torch.bfloat16)
+    topo = preset("dgx-h100", num_nodes=2048)
+    spec = TrainingSpec(global_batch=128, seq_len=131072, dtype="bfloat16")
+    free = plan(graph, topo, spec, top_k=0)
+    cp1 = plan(graph, topo, spec, cp=1, top_k=0)
+    low, high = error_bands(topo.device.name)[0].low, error_bands(topo.device.name)[0].high
+    assert free.mesh.cp > 1 and cp1.mesh.cp == 1
+    assert free.prediction.step_time_s * (1 + high) < cp1.prediction.step_time_s * (1 + low)
 
 
 def test_free_plan_explains_a_losing_cp(long_llama, h100):

@@ -41,14 +41,20 @@ the cost model, per microbatch of b samples of s tokens:
 Ring attention (p2p of K/V chunks overlapped with the attention of the previous chunk) would
 hide most of t_cp; it is not what the runtime does, so it is not what is priced.
 
-When the search tries cp > 1: only where no configuration with cp = 1 fits in memory (unless
-the user fixes cp; `planner._plan` plans with cp = 1 first). Context parallelism is a memory
-lever for long sequences -- Llama 3 used it only in its 128K phase, torchtitan enables it for
-long context -- and what the price above leaves out decides it at ordinary lengths: attention
-and matmul kernels on s / cp-token chunks run below the efficiency of whole sequences, and the
-K/V collectives of every layer compete with the tp ones; searched freely at 4K-8K tokens the
-planner would trade full for selective recompute through cp 2-8 on the strength of a few
-percent it cannot vouch for. `@autoparallel` plans cp 1 unless given cp.
+When the search takes cp > 1 (unless the user fixes cp; `planner._plan` plans with cp = 1
+first, then searches cp > 1): where no configuration with cp = 1 fits in memory, where the
+cp = 1 plan needs CPU offload, and otherwise only for a plan faster than the cp = 1 one even
+at the worst of the step-time error band (`planner._cp_ceiling_s`: predicted x (1 + high) below
+the cp = 1 plan's x (1 + low); the search runs under that ceiling, so a configuration bounded
+above it costs no ILP). What the price above leaves out -- attention and matmul kernels on
+s / cp-token chunks run below the efficiency of whole sequences, the K/V collectives of every
+layer compete with the tp ones -- would otherwise decide cp on the strength of a few percent
+the model cannot vouch for. Context parallelism is a memory lever for long sequences (Llama 3
+used it in its 128K phase), and it also takes devices off dp x pp: where the global batch is
+small for the devices (128 sequences of 128K tokens on 16,384 GPUs) a cp = 1 plan that fits
+has a few microbatches for a deep pipeline and is mostly bubble, and cp restores the
+microbatches (Dubey et al. 2024, section 3.3.2, name the same batch constraint).
+`@autoparallel` plans cp 1 unless given cp.
 
 What the runtime runs (autoplan/passes/context.py, runtime/step_inputs.py; a given cp with dp,
 tp and ZeRO, pp 1, eager -- runtime/checks.py refuses the rest by name) against what is

@@ -10,6 +10,7 @@ import warnings
 
 from autoplan.collector import collector_paused
 from autoplan.cost_model.compute import compiled_device
+from autoplan.cost_model.fidelity import error_bands
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
@@ -200,10 +201,11 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
 
 def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
           time_limit_s: float, top_k: int) -> Plan:
-    """The best plan; cp > 1 is searched only where nothing fits on the devices with cp 1
-    ([Note: context parallelism] in solver/context.py): a cp = 1 plan is taken unless there is
-    none or it needs CPU offload, in which case the search over every cp decides (the faster
-    of the two)."""
+    """The best plan; cp > 1 is searched after cp = 1 ([Note: context parallelism] in
+    solver/context.py): where no cp = 1 plan fits, where the cp = 1 plan needs CPU offload,
+    and otherwise for a plan faster than the cp = 1 one beyond the step-time error band
+    (`_cp_ceiling_s`: branch and bound under that ceiling, so configurations bounded above it
+    cost no ILP). The faster of the two is taken."""
     if overrides.cp is not None or not _cp_may_help(graph, topology, spec):
         return _search(graph, topology, spec, overrides, time_limit_s, top_k)
     first, unfit, shared = None, [], {}
@@ -212,12 +214,14 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
                         time_limit_s, top_k, unfit=unfit, shared=shared)
     except (NoFeasiblePlan, InvalidConfig):
         pass
+    ceiling = float("inf")
     if first is not None and first.offload == "none":
-        return first
+        ceiling = _cp_ceiling_s(first, topology)
     try:  # the cp = 1 configurations have had their search: the second one is over cp > 1
         second = _search(graph, topology, spec, overrides, time_limit_s, top_k,
-                         context_parallel_only=True, unfit=unfit, shared=shared)
-    except (NoFeasiblePlan, InvalidConfig):
+                         context_parallel_only=True, unfit=unfit, shared=shared,
+                         ceiling_s=ceiling)
+    except (NoFeasiblePlan, InvalidConfig, _NoneFaster):
         if first is not None:
             return first
         if unfit:  # neither search has a plan that fits
@@ -228,13 +232,29 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     return first
 
 
+class _NoneFaster(Exception):
+    """No configuration of a search beats its ceiling (`_search`'s `ceiling_s`)."""
+
+
+def _cp_ceiling_s(first: Plan, topology: Topology) -> float:
+    """The step time a cp > 1 plan must beat to be taken over `first`, a cp = 1 plan that
+    fits without offload, seconds: faster even at the worst of the step-time error band
+    (cost_model/fidelity.py: predicted (1 + high) below the cp = 1 plan's (1 + low)), the
+    margin by which the cost model can vouch for it ([Note: context parallelism])."""
+    band = error_bands(topology.device.name)[0]
+    return first.prediction.step_time_s * (1.0 + band.low) / (1.0 + band.high)
+
+
 def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
             time_limit_s: float, top_k: int, context_parallel_only: bool = False,
-            unfit: list | None = None, shared: dict | None = None) -> Plan:
+            unfit: list | None = None, shared: dict | None = None,
+            ceiling_s: float = float("inf")) -> Plan:
     """The best plan over the configurations the overrides admit (those with cp > 1 only,
     when `context_parallel_only`). Raises InvalidConfig when there are none, NoFeasiblePlan
     when none fits: its message says what the smallest plan needs, unless `unfit` is given,
     which then receives (search, configurations) for the caller to explain (a few ILPs).
+    `ceiling_s`: only plans faster than that (seconds) are searched for; _NoneFaster when
+    there is none.
     `shared`: the strategy cache, problems per tp and ILP coefficients of an earlier search of
     the same graph, topology, spec and sequence-parallel choice (they depend on nothing else),
     filled with this one's."""
@@ -255,7 +275,10 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
             f"no configuration of {topology.world_size} devices satisfies the overrides "
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
-    evaluated = _branch_and_bound(search, configs, top_k, overrides)
+    evaluated = _branch_and_bound(search, configs, top_k, overrides, ceiling_s)
+    if ceiling_s < float("inf") and not any(a.fits and a.step_time_s < ceiling_s
+                                            for a in evaluated):
+        raise _NoneFaster(f"no plan under {ceiling_s:.3g} s")
     feasible = sorted((a for a in evaluated if a.fits), key=_rank)
     if not feasible and search.skipped:
         raise _limit_error(search)
@@ -406,8 +429,11 @@ _LAZY, _BOUNDED, _REFINED, _RELAXED, _UNFIT = -1, 0, 1, 2, 3
 
 
 def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
-                      overrides: Overrides = Overrides()) -> list[Assessment]:
+                      overrides: Overrides = Overrides(),
+                      ceiling_s: float = float("inf")) -> list[Assessment]:
     """[Note: decomposition] steps 2-4 in search.py; returns every assessment made.
+    `ceiling_s`: the best step time is taken to start there (a plan elsewhere is that fast);
+    when nothing beats it the search ends at the first bound no better, with no runners-up.
 
     A heap of configurations by lower bound; each moves through up to four states, with a
     tighter bound at each:
@@ -442,7 +468,7 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
     heapq.heapify(heap)
     n, k = len(configs), len(OFFLOADS)
     done: list[Assessment] = []
-    best, best_group = float("inf"), None
+    best, best_group = ceiling_s, None
     fill_solves, fill_groups = 0, set()
 
     def settle(i: int, cfg: PlanConfig, result: Assessment) -> Assessment | None:
@@ -456,6 +482,8 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
     while heap:
         bound, _tp, _pp, i, state, cfg, payload = heapq.heappop(heap)
         proving = bound < best
+        if not proving and best_group is None and best == ceiling_s < float("inf"):
+            break  # nothing under the ceiling: the plan that set it is taken
         # runners-up: at most top_k more ILP solves, 2 top_k while none has been found
         if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k
                             or (fill_solves >= top_k and fill_groups)):
