@@ -175,13 +175,13 @@ class AutoParallel:
         return self._graph
 
     def _capture(self, source: nn.Module, batch_size: int, planning: bool = False,
-                 seq_len: int | None = None):
+                 seq_len: int | None = None, stats_key: str | None = None):
         """The graph of `source` called on the planned batch at `batch_size` samples (planning:
         a few identical blocks scaled to the real depth, [Note: shallow planning capture]);
         `seq_len`: tokens per sample of the token-LM batch instead of the planned ones (a cp
-        rank's seq_len / cp)."""
-        from autoplan.capture import capture
-        from autoplan.capture.planning import capture_for_planning
+        rank's seq_len / cp); `stats_key`: the build_stats() entry that records whether the
+        graph came from the capture cache."""
+        from autoplan.capture.cache import cached_capture
         from autoplan.inputs import InputSpec
 
         spec = self.inputs
@@ -191,10 +191,12 @@ class AutoParallel:
         args, kwargs = spec.call([t if leaf.to_model else None
                                   for leaf, t in zip(spec.leaves, example)])
         name = type(self.module).__name__
-        if planning:
-            graph = capture_for_planning(source, args, example_kwargs=kwargs, model_name=name)
-        else:
-            graph = capture(source, args, example_kwargs=kwargs, model_name=name)
+        # read back from the capture cache when this capture was made before, by an earlier
+        # job or another rank of this machine ([Note: capture cache] in capture/cache.py)
+        graph, how = cached_capture(source, args, example_kwargs=kwargs, model_name=name,
+                                    planning=planning)
+        if stats_key is not None:
+            self._build_stats[stats_key] = how == "hit"
         graph.batch_size, graph.seq_len = batch_size, seq_len or self.spec.seq_len
         return graph
 
@@ -217,7 +219,8 @@ class AutoParallel:
         # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
         with self._timed("capture_for_planning_s"), phase(f"capturing {name}"):
             source = self._capture_source(Precision.of(self.options.dtype))
-            graph = self._capture(source, self.options.global_batch, planning=True)
+            graph = self._capture(source, self.options.global_batch, planning=True,
+                                  stats_key="capture_for_planning_cached")
         with self._timed("plan_s"):
             request = self._cache_request(graph, topo)
             plan = self._cached_plan(request, topo)
@@ -363,7 +366,8 @@ class AutoParallel:
                       + (f", {self.spec.seq_len // cp} tokens per cp rank" if cp > 1 else "")):
             graph = planned if reuse else self._capture(self._capture_source(precision),
                                                         plan.microbatch_size,
-                                                        seq_len=self.spec.seq_len // cp)
+                                                        seq_len=self.spec.seq_len // cp,
+                                                        stats_key="capture_runtime_cached")
             plan = plan_for_graph(plan, planned, graph)  # planned on a few blocks, run on all
         self._build_stats["capture_reused"] = reuse
         with self._timed("build_s"), phase(f"building this rank's shards ({plan.mesh})"):
