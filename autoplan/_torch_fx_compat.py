@@ -39,11 +39,16 @@ def loads_graph(data: bytes) -> object:
 
     Raises any exception of unpickling (a truncated or foreign file, an operator that is not
     registered in this process)."""
+    import warnings
+
     import torch.fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
 
-    obj = GraphPickler.loads(data, FakeTensorMode())
+    with warnings.catch_warnings():  # torch 2.13's pickler itself uses a deprecated name
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated",
+                                category=FutureWarning)
+        obj = GraphPickler.loads(data, FakeTensorMode())
     for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
         if isinstance(value, torch.fx.GraphModule):
             value.recompile()

@@ -49,7 +49,12 @@ _LIBRARY_DIRS = tuple(sorted({str(Path(p).resolve()) for key in ("purelib", "pla
                                                                   "stdlib", "platstdlib")
                               if (p := sysconfig.get_paths().get(key))}))
 _PLAIN = (bool, int, str, type(None))
-_TABLES = ("_parameters", "_buffers", "_modules")
+# Fields that vary from process to process without changing what forward computes, so that
+# keeping them would make every key new: HF's GenerationConfig keeps `hash()` of its own
+# content, which Python salts per process (PYTHONHASHSEED); it is read by generate() only.
+_PER_PROCESS_FIELDS = {
+    "transformers.generation.configuration_utils.GenerationConfig": {"_original_object_hash"},
+}
 
 
 class Unfingerprintable(ValueError):
@@ -81,8 +86,9 @@ def _is_library(path: str) -> bool:
     return str(Path(path).resolve()).startswith(_LIBRARY_DIRS)
 
 
-@functools.lru_cache(maxsize=4096)
-def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+def _file_digest(path: str) -> str:
+    # the content, every time (a few ms for the ~20 files of a model): a modification time
+    # can miss an edit made within its granularity that keeps the size
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
@@ -93,6 +99,10 @@ class _Encoder:
         self.paths = {id(m): p for p, m in model.named_modules()}
         self.tensor_ids: dict[int, int] = {}  # id -> first index: tied tensors share one
         self.code_modules: set[str] = set()  # modules (by name) whose source is in the key
+        # modules whose plain globals are in the key besides the user's own: those that define
+        # the model's module classes (not their bases': a library's base module may hold a
+        # per-process value, as transformers.utils.hub's SESSION_ID)
+        self.class_modules = {type(m).__module__ for m in model.modules()}
         self.on_path: set[int] = set()
 
     # -- modules ---------------------------------------------------------------------------
@@ -158,10 +168,9 @@ class _Encoder:
             file = getattr(mod, "__file__", None)
             if mod is None or not file:
                 raise Unfingerprintable(f"module {name} (code of the model) has no source file")
-            st = Path(file).stat()
             library = _is_library(file)
-            out.append([name, _file_digest(file, st.st_mtime_ns, st.st_size),
-                        _plain_globals(mod), _version(name) if library else None])
+            plain = _plain_globals(mod) if not library or name in self.class_modules else None
+            out.append([name, _file_digest(file), plain, _version(name) if library else None])
             if not library:
                 todo.extend(sorted(_reached(mod) - seen))
         return sorted(out)
@@ -212,7 +221,10 @@ class _Encoder:
         if state is None:
             raise Unfingerprintable(f"{where}: a {type(v).__module__}.{type(v).__qualname__} "
                                     "cannot be written down field by field")
-        return ["object", self.cls(type(v)), [[k, sub(x, f"{where}.{k}")] for k, x in state]]
+        name = self.cls(type(v))
+        skip = _PER_PROCESS_FIELDS.get(name, ())
+        return ["object", name, [[k, sub(x, f"{where}.{k}")] for k, x in state
+                                 if k not in skip]]
 
 
 def _object_state(v) -> list | None:
