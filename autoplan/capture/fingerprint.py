@@ -14,9 +14,10 @@ The document holds, for a module about to be captured:
   modules' MROs and of every class or function an attribute holds, and, from those files,
   every module they reach through their globals that is not an installed library (the user's
   own helpers, transitively), with the plain module-level values (bool, int, float, str, None
-  and tuples of them) of each: a flag set at run time (`mymodel.USE_FLASH = False`) changes
-  the key; an installed library reached that way is named by its version (torch, transformers
-  and the rest of `autoplan.cache.library_versions` are in every key anyway);
+  and tuples of them) of each of the user's modules and of the modules that define the
+  model's own classes: a flag set at run time (`mymodel.USE_FLASH = False`) changes the key;
+  an installed library reached is named by its version too (torch, transformers and the rest
+  of `autoplan.cache.library_versions` are in every key anyway);
 - torch's global state that changes what export records: default dtype, grad mode, inference
   mode, autocast, deterministic algorithms.
 
@@ -25,7 +26,9 @@ environment variable, a file, a global of a module its files never name. Such a 
 captured with AUTOPLAN_CAPTURE_CACHE=0. An attribute whose value cannot be written down
 exactly (an object of a C type other than those below, a function without a source file, a
 module that is not a submodule, a reference cycle) raises Unfingerprintable: the model is then
-captured every time, never served a graph keyed on less than its whole state.
+captured every time, never served a graph keyed on less than its whole state. Left out, on
+purpose, are values that differ from process to process without changing forward
+(`_PER_PROCESS_FIELDS`), or every key would be new.
 """
 
 from __future__ import annotations
