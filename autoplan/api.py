@@ -179,9 +179,8 @@ class AutoParallel:
         """The graph of `source` called on the planned batch at `batch_size` samples (planning:
         a few identical blocks scaled to the real depth, [Note: shallow planning capture]);
         `seq_len`: tokens per sample of the token-LM batch instead of the planned ones (a cp
-        rank's seq_len / cp)."""
-        from autoplan.capture import capture
-        from autoplan.capture.planning import capture_for_planning
+        rank's seq_len / cp). Returns (graph, whether it was read from the capture cache)."""
+        from autoplan.capture.cache import cached_capture
         from autoplan.inputs import InputSpec
 
         spec = self.inputs
@@ -191,12 +190,12 @@ class AutoParallel:
         args, kwargs = spec.call([t if leaf.to_model else None
                                   for leaf, t in zip(spec.leaves, example)])
         name = type(self.module).__name__
-        if planning:
-            graph = capture_for_planning(source, args, example_kwargs=kwargs, model_name=name)
-        else:
-            graph = capture(source, args, example_kwargs=kwargs, model_name=name)
+        # read back from the capture cache when this capture was made before, by an earlier
+        # job or another rank of this machine ([Note: capture cache] in capture/cache.py)
+        graph, how = cached_capture(source, args, example_kwargs=kwargs, model_name=name,
+                                    planning=planning)
         graph.batch_size, graph.seq_len = batch_size, seq_len or self.spec.seq_len
-        return graph
+        return graph, how == "hit"
 
     def _make_plan(self) -> Plan:
         from autoplan.progress import phase
@@ -217,7 +216,8 @@ class AutoParallel:
         # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
         with self._timed("capture_for_planning_s"), phase(f"capturing {name}"):
             source = self._capture_source(Precision.of(self.options.dtype))
-            graph = self._capture(source, self.options.global_batch, planning=True)
+            graph, cached = self._capture(source, self.options.global_batch, planning=True)
+        self._build_stats["capture_for_planning_cached"] = cached
         with self._timed("plan_s"):
             request = self._cache_request(graph, topo)
             plan = self._cached_plan(request, topo)
@@ -361,11 +361,12 @@ class AutoParallel:
         with self._timed("capture_runtime_s"), \
                 phase(f"capturing {name} at microbatch {plan.microbatch_size}"
                       + (f", {self.spec.seq_len // cp} tokens per cp rank" if cp > 1 else "")):
-            graph = planned if reuse else self._capture(self._capture_source(precision),
-                                                        plan.microbatch_size,
-                                                        seq_len=self.spec.seq_len // cp)
+            graph, cached = (planned, False) if reuse else self._capture(
+                self._capture_source(precision), plan.microbatch_size,
+                seq_len=self.spec.seq_len // cp)
             plan = plan_for_graph(plan, planned, graph)  # planned on a few blocks, run on all
         self._build_stats["capture_reused"] = reuse
+        self._build_stats["capture_runtime_cached"] = cached
         with self._timed("build_s"), phase(f"building this rank's shards ({plan.mesh})"):
             engine = DistributedModel(graph, plan, self._weight_source(graph),
                                       optimizer=self.options.optimizer,
@@ -399,13 +400,16 @@ class AutoParallel:
         - `record_s`: running the decorated class or factory on the meta device with its
           construction recorded (absent for a model given as an instance);
         - `capture_for_planning_s`: torch.export of the model (a few blocks) at the global
-          batch, for planning;
+          batch, for planning, or its graph read from the capture cache
+          (`capture_for_planning_cached`: which; [Note: capture cache] in
+          autoplan/capture/cache.py);
         - `plan_s`: the plan, solved or read from the plan cache (`plan_from_cache`: which),
           and broadcast from rank 0;
-        - `capture_runtime_s`: torch.export of the whole model at the microbatch size, and the
-          plan extended to all its blocks (`capture_reused`: True when the planning capture
-          was already that graph -- every block, one microbatch of the global batch -- and
-          served the runtime as it was);
+        - `capture_runtime_s`: torch.export of the whole model at the microbatch size (or its
+          graph read from the capture cache: `capture_runtime_cached`), and the plan extended
+          to all its blocks (`capture_reused`: True when the planning capture was already that
+          graph -- every block, one microbatch of the global batch -- and served the runtime
+          as it was);
         - `build_s`: this rank's stages, shards, weights, optimizer and schedule
           (DistributedModel), and a checkpoint given as `weights=` loaded;
         - `first_step_s`: the first `step`, from the checked batch to the loss;
@@ -585,7 +589,7 @@ class AutoParallel:
         name = type(self.module).__name__
         source = self._capture_source(Precision.of(plan.dtype))
         with phase(f"exporting {name}'s per-rank graphs to {out_dir}"):
-            graph = self._capture(source, plan.microbatch_size)
+            graph, _ = self._capture(source, plan.microbatch_size)
             plan = plan_for_graph(plan, self._graph, graph)
             kernels = self.options.kernels
             if not dist.is_initialized():

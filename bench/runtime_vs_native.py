@@ -34,9 +34,9 @@ their losses are checked equal step by step (`LOSS_RTOL`).
   `--first-pairs` interleaved pairs (autoplan, then hand-written, then the next pair), each
   configuration in a fresh `LocalCluster`: pair 1 is autoplan in a cold process (its first
   export, solve and DTensor dispatch; the hand-written set-up after it finds torch's lazy
-  state warm, in its favour). autoplan's plan cache (`AUTOPLAN_CACHE_DIR`) is a fresh empty
-  directory for the run, so pair 1 solves the plan and later pairs read it from the cache, as a
-  restarted job does; both are recorded. The ratio is autoplan's slowest rank over the
+  state warm, in its favour). autoplan's plan and capture caches (`AUTOPLAN_CACHE_DIR`) are a
+  fresh empty directory for the run, so pair 1 captures and solves, and later pairs read the
+  plan and both captures from the caches, as a restarted job does; both are recorded. The ratio is autoplan's slowest rank over the
   hand-written's slowest rank, median over pairs (pair 1 also on its own: "cold").
 - *Step time*: after 2 warm-up steps each, `--pairs` interleaved pairs of one autoplan step and
   one hand-written step (a barrier before each); a step's wall time is its slowest rank's and its
@@ -441,13 +441,15 @@ def verdict(rows: list[dict]) -> str:
             + ", ".join(f"{n} {u['autoplan']} / {u['native']}" for n, u in units.items() if u)
             + f". First step (eager rows; a compiled row's is inductor's compilation on both "
             f"sides): {len(first)} of {len(eager)} within {FIRST_STEP_BAR:g}x "
-            f"(**{'met' if len(first) == len(eager) else 'not met'}**): the two torch.export "
-            f"captures (for planning, then at the microbatch size) take "
+            f"(**{'met' if len(first) == len(eager) else 'not met'}**): after pair 1 both "
+            "captures (for planning, then at the microbatch size) are read from the capture "
+            "cache ([Note: capture cache] in autoplan/capture/cache.py) and take "
             f"{min(c / t for c, t in zip(captures, totals)):.0%}-"
-            f"{max(c / t for c, t in zip(captures, totals)):.0%} of autoplan's warm first step "
-            "and the build (graph passes, shards, FSDP2, weights) most of the rest, against a "
-            "hand-written set-up that runs no capture at all; a cold first pair adds the solve "
-            "and the process's first export and DTensor dispatch.")
+            f"{max(c / t for c, t in zip(captures, totals)):.0%} of autoplan's warm first step; "
+            "the rest is the build (graph passes, shards, FSDP2, weights), the first step "
+            "itself and the plan-cache read, against a hand-written set-up that captures "
+            "nothing; a cold first pair adds the two torch.export captures, the solve and the "
+            "process's first DTensor dispatch.")
 
 
 def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:

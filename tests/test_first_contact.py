@@ -310,9 +310,12 @@ def test_build_stats_time_each_phase_to_the_first_loss(tiny):
 
     first, again = planned(), planned()
     for s in (first, again):
-        assert list(s) == ["record_s", "capture_for_planning_s", "plan_s", "plan_from_cache",
-                           "total_s"] and s["record_s"] > 0
+        assert list(s) == ["record_s", "capture_for_planning_s", "capture_for_planning_cached",
+                           "plan_s", "plan_from_cache", "total_s"] and s["record_s"] > 0
     assert first["plan_from_cache"] is False and again["plan_from_cache"] is True
+    # the same capture again is read from the capture cache ([Note: capture cache])
+    assert first["capture_for_planning_cached"] is False
+    assert again["capture_for_planning_cached"] is True
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -39,7 +39,8 @@ weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters)
 constants.py (constants the model's code creates while traced on meta), planning.py
 (`capture_for_planning`: a few identical blocks scaled to the real depth, [Note: shallow
 planning capture]; the plan is restated for the runtime's full graph by
-autoplan/passes/expand.py).
+autoplan/passes/expand.py), cache.py and fingerprint.py (`cached_capture`: a capture made before
+read back from disk, keyed by everything the graph depends on, [Note: capture cache]).
 """
 
 from __future__ import annotations
