@@ -209,6 +209,15 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     if overrides.cp is not None or not _cp_may_help(graph, topology, spec):
         return _search(graph, topology, spec, overrides, time_limit_s, top_k)
     first, unfit, shared = None, [], {}
+    least = _least_bound_s(graph, topology, spec, dataclasses.replace(overrides, cp=1),
+                           time_limit_s, shared)
+    if least < float("inf"):  # [Note: cp first under a bound]
+        try:
+            return _search(graph, topology, spec, overrides, time_limit_s, top_k,
+                           context_parallel_only=True, shared=shared,
+                           ceiling_s=_cp_ceiling_s(least, topology))
+        except (InvalidConfig, _NoneFaster):
+            pass
     try:  # what does not fit is explained once both searches have failed
         first = _search(graph, topology, spec, dataclasses.replace(overrides, cp=1),
                         time_limit_s, top_k, unfit=unfit, shared=shared)
@@ -216,7 +225,7 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
         pass
     ceiling = float("inf")
     if first is not None and first.offload == "none":
-        ceiling = _cp_ceiling_s(first, topology)
+        ceiling = _cp_ceiling_s(first.prediction.step_time_s, topology)
     try:  # the cp = 1 configurations have had their search: the second one is over cp > 1
         second = _search(graph, topology, spec, overrides, time_limit_s, top_k,
                          context_parallel_only=True, unfit=unfit, shared=shared,
@@ -236,13 +245,66 @@ class _NoneFaster(Exception):
     """No configuration of a search beats its ceiling (`_search`'s `ceiling_s`)."""
 
 
-def _cp_ceiling_s(first: Plan, topology: Topology) -> float:
-    """The step time a cp > 1 plan must beat to be taken over `first`, a cp = 1 plan that
-    fits without offload, seconds: faster even at the worst of the step-time error band
-    (cost_model/fidelity.py: predicted (1 + high) below the cp = 1 plan's (1 + low)), the
-    margin by which the cost model can vouch for it ([Note: context parallelism])."""
+def _cp_ceiling_s(first_s: float, topology: Topology) -> float:
+    """The step time a cp > 1 plan must beat to be taken over a cp = 1 plan of step time
+    `first_s` that fits without offload, seconds: faster even at the worst of the step-time
+    error band (cost_model/fidelity.py: predicted (1 + high) below the cp = 1 plan's
+    (1 + low)), the margin by which the cost model can vouch for it ([Note: context
+    parallelism]). Increasing in `first_s`."""
     band = error_bands(topology.device.name)[0]
-    return first.prediction.step_time_s * (1.0 + band.low) / (1.0 + band.high)
+    return first_s * (1.0 + band.low) / (1.0 + band.high)
+
+
+# [Note: cp first under a bound] The cp = 1 search's best plan matters to a cp > 1 one only
+# through its ceiling (_cp_ceiling_s), and every cp = 1 plan is at least the least lower bound
+# of the cp = 1 configurations (`_least_bound_s`, no ILP: bounds only). So the cp > 1 search
+# runs first under the ceiling of that bound: a plan under it is under the ceiling of the
+# cp = 1 best as well (the ceiling increases with the step time), so it is taken and the
+# cp = 1 search is never run (llama3.1-405b at 128K tokens: its nine ILPs, ~4 s, are spared).
+# The plan is the same as the search under the cp = 1 best's ceiling finds, runners-up
+# included: a ceiling only sets the best step time before one is found, and every
+# configuration bounded below the plan found is popped, and solved, under either. Otherwise
+# the searches run as before, cp = 1 then cp > 1 under its best's ceiling; the second cp > 1
+# search finds the ILPs of the first in the Search caches `shared` holds (every ILP it solved
+# was at a bound under the lower ceiling, so the second one solves it too, before any runner-up
+# is filled in: the runners-up's ILP budget is unchanged).
+
+
+def _least_bound_s(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
+                   overrides: Overrides, time_limit_s: float, shared: dict) -> float:
+    """A step time no plan the overrides admit beats, seconds ([Note: cp first under a
+    bound]): the least search.lower_bound that fits over the configurations and their offload
+    variants (`_variants`), inf when none (or the overrides admit none). Lazily, as
+    `_branch_and_bound` ([Note: lazy bounds]): a configuration's pipeline term is no more
+    than its and its variants' bounds, so those from the least pipeline term on are skipped."""
+    try:
+        validate(graph, topology, spec, overrides)
+    except InvalidConfig:
+        return float("inf")
+    search = _new_search(graph, topology, spec, overrides, time_limit_s, shared)
+    configs = enumerate_configs(graph, topology, spec, overrides, search.policies())
+    heap = [(search.pipeline_bound(cfg), i, cfg) for i, cfg in enumerate(configs)]
+    heapq.heapify(heap)
+    least = float("inf")
+    while heap and heap[0][0] < least:
+        _bound, _i, cfg = heapq.heappop(heap)
+        for c in [cfg] + _variants(search, cfg, overrides):
+            lb = search.lower_bound(c)
+            if lb.fits:
+                least = min(least, lb.step_time_s)
+    return least
+
+
+def _new_search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
+                overrides: Overrides, time_limit_s: float, shared: dict | None) -> Search:
+    """A Search with the caches in `shared` (filled with its own, when given)."""
+    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel,
+                    **(shared or {}))
+    if shared is not None:
+        shared.update(cache=search.cache, problems=search.problems, costs=search.costs,
+                      scaled=search.scaled, solutions=search.solutions,
+                      bounds=search.bounds, stopped=search.stopped)
+    return search
 
 
 def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
@@ -255,15 +317,13 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
     which then receives (search, configurations) for the caller to explain (a few ILPs).
     `ceiling_s`: only plans faster than that (seconds) are searched for; _NoneFaster when
     there is none.
-    `shared`: the strategy cache, problems per tp and ILP coefficients of an earlier search of
-    the same graph, topology, spec and sequence-parallel choice (they depend on nothing else),
-    filled with this one's."""
+    `shared`: the strategy cache, problems per tp, ILP coefficients, bounds and ILP solutions
+    of an earlier search of the same graph, topology, spec and sequence-parallel choice (they
+    depend on nothing else), filled with this one's."""
     start = time.perf_counter()
     validate(graph, topology, spec, overrides)
-    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel,
-                    **(shared or {}))
-    if shared is not None:
-        shared.update(cache=search.cache, problems=search.problems, costs=search.costs)
+    search = _new_search(graph, topology, spec, overrides, time_limit_s, shared)
+    solved = search.num_solves  # ILPs of earlier searches, in the caches `shared` holds
     configs = enumerate_configs(graph, topology, spec, overrides, search.policies())
     if context_parallel_only:
         configs = [c for c in configs if c.cp > 1]
@@ -296,7 +356,7 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
     if overrides.tp is not None:  # a tp the planner chose is the cost model's optimum
         _warn_unsplit(search, result)
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
-             time.perf_counter() - start, len(configs), search.num_solves)
+             time.perf_counter() - start, len(configs), search.num_solves - solved)
     return result
 
 

@@ -35,7 +35,7 @@ from autoplan.plan import SCHEDULES
 from autoplan.solver import checkpointing as ckpt
 from autoplan.solver import offload, sequence
 from autoplan.solver.context import attention_nodes, cp_degrees, with_context_parallel
-from autoplan.solver.costs import Costs, build_costs
+from autoplan.solver.costs import Costs, build_costs, token_scale
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
                                  relax, solve)
 from autoplan.solver.pipeline import (Assessment, Config, assess, pipeline_time_s, rank_memories,
@@ -300,6 +300,8 @@ class Search:
         stopped: ILP cache key -> the SolverLimitReached of an ILP that found no placement
             within the limit (raised again, naming the configuration, on every request).
         skipped: configuration -> the SolverLimitReached for which the planner skipped it.
+        scaled: (tp, token scale) -> build_costs at that scale ([Note: costs per token
+            scale]).
     """
 
     graph: CapturedGraph
@@ -310,6 +312,7 @@ class Search:
     cache: StrategyCache = field(default_factory=StrategyCache)
     problems: dict[int, Problem] = field(default_factory=dict)
     costs: dict[tuple, Costs] = field(default_factory=dict)
+    scaled: dict[tuple, Costs] = field(default_factory=dict)
     solutions: dict[tuple, Solution | None] = field(default_factory=dict)
     bounds: dict[tuple, Solution] = field(default_factory=dict)
     stopped: dict[tuple, SolverLimitReached] = field(default_factory=dict)
@@ -343,8 +346,16 @@ class Search:
         if key not in self.costs:
             if policy == "none":
                 prob = self.problem(tp)
-                self.costs[key] = with_context_parallel(
-                    prob, build_costs(prob, b, self.spec, self.topology, cp), cp, self.topology)
+                # [Note: costs per token scale] build_costs depends on (b, cp) only through
+                # the tokens one cp rank holds, b seq_len / cp (costs.token_scale): (b, cp)
+                # = (1, 8), (2, 16) and (4, 32) share one build (a quarter of a cp > 1
+                # search's cost tables at 8K tokens); the cp collectives differ, and are
+                # added to a copy (with_context_parallel replaces the rows it changes).
+                scale = (tp, token_scale(prob, b, self.spec.seq_len, cp))
+                if scale not in self.scaled:
+                    self.scaled[scale] = build_costs(prob, b, self.spec, self.topology, cp)
+                self.costs[key] = with_context_parallel(prob, self.scaled[scale], cp,
+                                                        self.topology)
             else:
                 self.costs[key] = ckpt.checkpointed_costs(
                     self.problem(tp), self.cost(tp, b, "none", cp), policy, self.spec,
