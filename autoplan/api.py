@@ -280,8 +280,8 @@ class AutoParallel:
 
         with warnings.catch_warnings(record=True) as caught:
             # cp 1 unless asked: free planning would try cp > 1 only where nothing fits
-            # without it, and the runtime does not run every cp plan (pp 1 only, the token
-            # batch and loss: runtime/checks.py check_context_parallel)
+            # without it, and the runtime does not run every cp plan (the token batch and
+            # loss, eager: runtime/checks.py check_context_parallel)
             overrides = dict(self.options.overrides)
             try:
                 plan = solve(graph, topo, self.spec, compiled=self.options.compile,
@@ -705,8 +705,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
             cp (context parallelism, [Note: context parallelism] in autoplan/solver/context.py:
             every sample's sequence cut into 2 cp chunks over cp ranks, K and V all-gathered
-            in attention; default 1 here, not searched. The runtime runs a given cp with dp
-            tp and ZeRO -- pp 1, eager -- on the token-LM batch and loss, fused causal
+            in attention; default 1 here, not searched. The runtime runs a given cp with dp,
+            tp, pp and ZeRO, eagerly, on the token-LM batch and loss, fused causal
             attention, no dropout; anything else raises when built, naming why).
             offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
             offload] in autoplan/solver/offload.py).

@@ -291,25 +291,24 @@ def test_free_plan_explains_a_losing_cp(long_llama, h100):
     assert all("K/V" not in a.reason for a in less)
 
 
-def test_runtime_refuses_cp_with_pp_or_compile(long_llama, h100):
+def test_runtime_refuses_cp_with_compile(long_llama, h100):
     tokens = InputSpec.tokens(2, SEQ)
     with_tp = plan(long_llama, h100, SPEC, cp=2, tp=4)
-    p = plan(long_llama, h100, SPEC, cp=2, pp=2, tp=2)
-    with pytest.raises(NotImplementedError, match=r"pp2xdp1xcp2xtp2 has context parallelism "
-                                                  r"\(cp 2\) with pp 2 \(pipeline stages"):
-        check_context_parallel(p, long_llama, tokens, None, False)
-    with pytest.raises(NotImplementedError, match="compile=True"):
+    with pytest.raises(NotImplementedError, match=r"xcp2xtp4 has context parallelism \(cp 2\) "
+                                                  r"with compile=True"):
         check_context_parallel(with_tp, long_llama, tokens, None, True)
-    # no error: cp 1 with anything; cp 2 with tp
+    # no error: cp 1 with anything; cp 2 with tp, and with pp
     check_context_parallel(plan(long_llama, h100, SPEC, cp=1, pp=2), long_llama, tokens,
                            None, True)
     check_context_parallel(with_tp, long_llama, tokens, None, False)
+    check_context_parallel(plan(long_llama, h100, SPEC, cp=2, pp=2, tp=2), long_llama, tokens,
+                           None, False)
 
 
-def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_pp_at_build():
+def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_compile_at_build():
     """@autoparallel plans with cp 1 where plan() would take cp 4, and says that cp can be
-    given; cp given plans it, and the build of cp 2 with pp 2 (which the runtime does not run)
-    says why before anything is set up."""
+    given; cp given plans it (with pp too), and the build of cp 2 with compile=True (which the
+    runtime does not run) says why before anything is set up."""
     from autoplan import autoparallel
 
     def make():
@@ -325,9 +324,9 @@ def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_pp_at_build():
                                             "unless given: fix cp=2, 4"):
         autoparallel(make, **fixed)().plan
     assert autoparallel(make, **fixed, cp=4)().plan.mesh.cp == 4
-    given = autoparallel(make, **dict(fixed, pp=2), cp=2)()
-    assert given.plan.mesh.cp == 2
-    with pytest.raises(NotImplementedError, match=r"\(cp 2\) with pp 2"):
+    given = autoparallel(make, **dict(fixed, pp=2), cp=2, compile=True)()
+    assert (given.plan.mesh.cp, given.plan.mesh.pp) == (2, 2)
+    with pytest.raises(NotImplementedError, match=r"\(cp 2\) with compile=True"):
         given.build()
 
 
@@ -503,6 +502,8 @@ CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
              # attention on the tp shards (weights split: a memory budget, test_training.py)
              "cp2xtp2": (4, dict(cp=2, tp=2, zero_stage=3)),
              "cp2xdp2": (4, dict(cp=2, dp=2, zero_stage=3)),
+             # each stage rewritten on its own; GPT-2's tied embedding and head across stages
+             "cp2xpp2": (4, dict(cp=2, pp=2, zero_stage=1)),
              # the K/V gather recomputed in backward under op-level selective checkpointing
              "cp2xdp2-selective": (4, dict(cp=2, dp=2, zero_stage=1,
                                            checkpointing="selective"))}
@@ -514,8 +515,8 @@ CP_MESHES = {"cp2": (2, dict(cp=2, zero_stage=0)),
 def test_cp_matches_single_process(clusters, cp_references, name, mesh):
     """cp2 on 2 gloo ranks (ZeRO-0: gradients all-reduced over the cp pair), cp2 x dp2 on 4
     (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing), cp4 on 4
-    (ZeRO-2) and cp2 x tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3
-    over cp), 16 tokens in 2 cp chunks, fp32: every rank's losses and parameters match one
+    (ZeRO-2), cp2 x tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3
+    over cp) and cp2 x pp2 on 4 (ZeRO-1 over cp), 16 tokens in 2 cp chunks, fp32: every rank's losses and parameters match one
     process after each of 3 AdamW steps (rtol 1e-5)."""
     world, overrides = CP_MESHES[mesh]
     budget = _jobs.memory_budget(_jobs.preset(name), BATCH, overrides,

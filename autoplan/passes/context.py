@@ -37,7 +37,7 @@ from autoplan._torch_compat import all_gather_autograd, causal_lower_right_bias
 from autoplan.cost_model.compute import ATTENTION_OPS, op_name
 from autoplan.passes.sharding import run_replicated, sdpa_local
 
-__all__ = ["chunk_positions", "load_balanced_attention", "context_parallel_attention",
+__all__ = ["check_whole_graph", "position_sources", "chunk_positions", "load_balanced_attention", "context_parallel_attention",
            "apply_context_parallel"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -260,9 +260,26 @@ def _is_position_arange(n: torch.fx.Node, s_local: int) -> bool:
     return start == 0 and step == 1
 
 
+def position_sources(gm: torch.fx.GraphModule, seq_len: int, cp: int) -> list[torch.fx.Node]:
+    """The graph's position sources at seq_len / cp tokens per cp rank (rule 3 of the module
+    docstring): integer aten.arange nodes of the local length, in graph order."""
+    return [n for n in gm.graph.nodes if _is_position_arange(n, seq_len // cp)]
+
+
+def check_whole_graph(gm: torch.fx.GraphModule, seq_len: int, cp: int) -> None:
+    """Raise ValueError when the graph (all stages) has no aten.scaled_dot_product_attention
+    or no position source at seq_len / cp tokens per cp rank: what `apply_context_parallel`
+    checks of a whole graph, for a graph that is rewritten stage by stage."""
+    if not any(n.op == "call_function" and n.target in _FUSED for n in gm.graph.nodes):
+        raise ValueError(_NO_ATTENTION)
+    if not position_sources(gm, seq_len, cp):
+        raise ValueError(_no_positions(gm, seq_len // cp))
+
+
 def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, rank: int,
                            group_name: str, tp: int = 1,
-                           planned: dict[str, torch.fx.Node] | None = None) -> dict[str, int]:
+                           planned: dict[str, torch.fx.Node] | None = None,
+                           whole: bool = True) -> dict[str, int]:
     """Rewrite a stage graph captured at seq_len / cp tokens per sample for cp rank `rank`
     of the cp group named `group_name` (in place; see the module docstring); `tp`: the tp
     degree the stage's heads are split by (K and V are gathered before GQA's expansion when
@@ -270,7 +287,11 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
     the whole seq_len (passes.expand.counterparts), whose aranges must have seq_len entries
     where this graph's have seq_len / cp -- an arange over something else that happens to be
     seq_len / cp long is then told apart from a position index (without it, the length alone
-    decides). The rank's positions (seq_len / cp,) become the non-persistent buffer
+    decides). `whole`: False for one pipeline stage of the graph, which need not hold an
+    attention or a position source of its own: its positions reach it from an earlier stage
+    as boundary activations computed there at the rank's global positions (the runtime checks
+    the whole graph has both before splitting it: `check_whole_graph`).
+    The rank's positions (seq_len / cp,) become the non-persistent buffer
     `_cp_positions`, on the device of the graph's other constants. Returns {"attention":
     attentions replaced, "positions": arange nodes replaced, "erased": dead nodes removed}.
 
@@ -284,23 +305,19 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
         raise ValueError(f"context parallelism: fused attention {other[0]} is not "
                          "aten.scaled_dot_product_attention, the op cp replaces")
     attention = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _FUSED]
-    if not attention:
-        raise ValueError("context parallelism: the graph has no aten."
-                         "scaled_dot_product_attention: attention spelled out in matmuls "
-                         "and softmax cannot gather K and V (use attn_implementation='sdpa')")
+    if not attention and whole:
+        raise ValueError(_NO_ATTENTION)
     dead = []
     for node in attention:
         dead += _replace_attention(gm, node, group_name, cp, rank, s_local, tp)
     erased = _erase_dead(gm, dead)
-    aranges = [n for n in gm.graph.nodes if _is_position_arange(n, s_local)]
+    aranges = position_sources(gm, seq_len, cp)
+    if not aranges and not whole:
+        gm.graph.lint()
+        gm.recompile()
+        return {"attention": len(attention), "positions": 0, "erased": erased}
     if not aranges:
-        seen = [f"{n.name} {tuple(n.meta['val'].shape)}" for n in gm.graph.nodes
-                if _arange(n) is not None and n.meta.get("val") is not None]
-        raise ValueError(
-            f"context parallelism: no position source in the graph (an integer aten.arange "
-            f"of the local {s_local} tokens; aranges: {seen or 'none'}): where the model's "
-            "positions come from cannot be given the rank's global positions; train with "
-            "cp=1")
+        raise ValueError(_no_positions(gm, s_local))
     _check_against_planned(aranges, planned, seq_len)
     gm.register_buffer("_cp_positions",
                        chunk_positions(seq_len, cp, rank).to(_graph_device(gm)),
@@ -320,6 +337,20 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
     gm.graph.lint()
     gm.recompile()
     return {"attention": len(attention), "positions": len(aranges), "erased": erased}
+
+
+_NO_ATTENTION = ("context parallelism: the graph has no aten.scaled_dot_product_attention: "
+                 "attention spelled out in matmuls and softmax cannot gather K and V (use "
+                 "attn_implementation='sdpa')")
+
+
+def _no_positions(gm: torch.fx.GraphModule, s_local: int) -> str:
+    seen = [f"{n.name} {tuple(n.meta['val'].shape)}" for n in gm.graph.nodes
+            if _arange(n) is not None and n.meta.get("val") is not None]
+    return (f"context parallelism: no position source in the graph (an integer aten.arange "
+            f"of the local {s_local} tokens; aranges: {seen or 'none'}): where the model's "
+            "positions come from cannot be given the rank's global positions; train with "
+            "cp=1")
 
 
 def _check_against_planned(aranges: list[torch.fx.Node], planned, seq_len: int) -> None:

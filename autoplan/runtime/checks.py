@@ -36,23 +36,19 @@ def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
     positions are checked where they are rewritten, passes/context.py). `graph`: the captured
     graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
 
-    Raises NotImplementedError for pp > 1 or compile with cp, and ValueError for a
+    Raises NotImplementedError for compile with cp, and ValueError for a
     batch or loss that cannot be cut along the sequence ([Note: step loss]) -- not the
     token-LM form `step(input_ids, labels)`, the model's own loss, a user's loss_fn -- and for
     a model with random ops (dropout)."""
     cp = plan.mesh.cp
     if cp == 1:
         return
-    unsupported = [what for what, bad in (
-        (f"pp {plan.mesh.pp} (pipeline stages would pass the cp positions between stages)",
-         plan.mesh.pp > 1),
-        ("compile=True (the K/V gather is not traced by torch.compile here)", compile))
-        if bad]
-    if unsupported:
+    if compile:
         raise NotImplementedError(
-            f"the plan {plan.mesh} has context parallelism (cp {cp}) with "
-            f"{'; '.join(unsupported)}: this runtime runs cp with data and tensor "
-            f"parallelism and ZeRO (pp 1, eager); plan with cp=1 or fix pp=1")
+            f"the plan {plan.mesh} has context parallelism (cp {cp}) with compile=True (the "
+            "K/V gather is not traced by torch.compile here): this runtime runs cp eagerly, "
+            "with data, tensor and pipeline parallelism and ZeRO; build with compile=False "
+            "or plan with cp=1")
     if inputs.form != "tokens":
         raise ValueError(
             f"context parallelism (cp {cp}) takes the token-LM batch step(input_ids, labels), "

@@ -64,7 +64,7 @@ from autoplan.runtime.step_inputs import StepInputs, loss_mode
 from autoplan.runtime.tied import sync_tied_grads, tied_groups, untie_across_stages
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
-from autoplan.passes.context import apply_context_parallel
+from autoplan.passes.context import apply_context_parallel, check_whole_graph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.expand import counterparts
 from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
@@ -240,6 +240,8 @@ class DistributedModel:
                 "stages]); plan with checkpointing='full' or 'none', or compile=False")
         _weights_to_meta(gm, self.precision.master_dtype)
         retarget_device(gm, self.device)
+        if plan.mesh.cp > 1 and plan.mesh.pp > 1:  # stage by stage below
+            check_whole_graph(gm, plan.seq_len, plan.mesh.cp)
         stage_graphs = split_stages(gm, graph, plan.stages)
         self.num_stages = len(stage_graphs)
         param_fqns = {fqn for fqn, p in graph.params.items() if not p.is_buffer}
@@ -264,7 +266,8 @@ class DistributedModel:
                 apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=plan.mesh.cp,
                                        rank=self.cp_rank,
                                        group_name=self.mesh["cp"].get_group().group_name,
-                                       tp=plan.mesh.tp, planned=self.planned_nodes)
+                                       tp=plan.mesh.tp, planned=self.planned_nodes,
+                                       whole=plan.mesh.pp == 1)
             if self.kernels and sg.index == self.num_stages - 1:
                 unplanned |= self._vocab_parallel_loss(sg.gm, produced)
             if self.expert_parallel is not None:

@@ -486,7 +486,9 @@ def save_pretrained(engine, path, *, config=None,
     tensor by tensor, so no rank holds more than its shards plus one full tensor
     (collective, `engine`: a DistributedModel). Weights are written in the master
     dtype (fp32 under mixed precision); a tied weight once, under its first name."""
-    pp, mesh = engine.plan.mesh.pp, engine.mesh.mesh  # mesh: (pp, dp, tp) global ranks
+    pp = engine.plan.mesh.pp
+    # the global ranks of each pp stage: one row per pp rank (the other axes flattened)
+    mesh = engine.mesh.mesh.movedim(engine.mesh.mesh_dim_names.index("pp"), 0).reshape(pp, -1)
     first_stage = {}
     for idx in sorted(engine._stage_param_fqns):
         for fqn in engine._stage_param_fqns[idx]:
@@ -496,7 +498,7 @@ def save_pretrained(engine, path, *, config=None,
     for fqn, info in engine.graph.params.items():
         if info.is_buffer or fqn not in first_stage:
             continue
-        writer = int(mesh[first_stage[fqn] % pp, 0, 0])
+        writer = int(mesh[first_stage[fqn] % pp, 0])
         entries.append(HFTensor(fqn, tuple(info.shape),
                                 dtype or getattr(torch, info.dtype), writer))
     local = {}

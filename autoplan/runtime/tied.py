@@ -17,7 +17,8 @@ __all__ = ["sync_tied_grads", "tied_groups", "untie_across_stages"]
 
 def tied_groups(engine) -> dict:
     """For parameters held by several stages: FQN -> (the local copies, a process group over
-    the pp ranks that hold copies (same dp and tp coordinates), or None when local). Sets
+    the pp ranks that hold copies (same coordinates on every other mesh axis: dp, cp, tp), or
+    None when local). Sets
     `engine.tied_owner_stage` (FQN -> the first stage holding it). Collective: every rank
     creates every group, in the same order."""
     holders: dict[str, set[int]] = defaultdict(set)
@@ -34,17 +35,18 @@ def tied_groups(engine) -> dict:
     engine.tied_owner_stage = {fqn: min(h) for fqn, h in holders.items() if len(h) > 1}
     groups = {}
     # Every rank creates every group, in the same order (new_group is collective).
-    mesh_ranks = engine.mesh.mesh  # (pp, dp, tp) tensor of global ranks
+    # the global ranks of each pp line: one row per coordinate on the other axes (dp, cp, tp)
+    axis = engine.mesh.mesh_dim_names.index("pp")
+    lines = engine.mesh.mesh.movedim(axis, -1).reshape(-1, pp).tolist()
     for fqn in sorted(n for n, h in holders.items() if len(h) > 1):
         pp_ranks = sorted({s % pp for s in holders[fqn]})
         mine = None
         if len(pp_ranks) > 1:
-            for d in range(engine.plan.mesh.dp):
-                for t in range(engine.plan.mesh.tp):
-                    ranks = [int(mesh_ranks[r, d, t]) for r in pp_ranks]
-                    g = dist.new_group(ranks)
-                    if dist.get_rank() in ranks:
-                        mine = g
+            for line in lines:
+                ranks = [line[r] for r in pp_ranks]
+                g = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = g
         if fqn in stage_params:
             groups[fqn] = (stage_params[fqn], mine)
     return groups

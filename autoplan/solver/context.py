@@ -57,7 +57,7 @@ microbatches (Dubey et al. 2024, section 3.3.2, name the same batch constraint).
 `@autoparallel` plans cp 1 unless given cp.
 
 What the runtime runs (autoplan/passes/context.py, runtime/step_inputs.py; a given cp with dp,
-tp and ZeRO, pp 1, eager -- runtime/checks.py refuses the rest by name) against what is
+tp, pp and ZeRO, eager -- runtime/checks.py refuses the rest by name) against what is
 priced above:
 
 - the runtime graph is captured at s / cp tokens per sample, so every op but attention runs
@@ -75,6 +75,10 @@ priced above:
   bottom-right-aligned causal mask: (i + 1) + (2 cp - i) chunk pairs on rank i, the balanced
   work priced above, with no s / cp x s mask materialised;
 - under checkpointing the block's forward is recomputed with its gathers, as priced;
+- under pp every stage is rewritten on its own; the positions-derived values a later stage
+  takes (rotary cos/sin, GPT-2's position embeddings) cross the stage boundary already at the
+  rank's global positions, and the boundary activations are the rank's b s / cp tokens, as
+  priced;
 - the token loss is summed per rank over the global batch's trained tokens and the step's
   loss all-reduced over dp x cp (a scalar, not priced); gradients reduce and shard over the
   flattened dp x cp mesh (FSDP2 / replicate, or ZeRO-1's sharded optimizer over it).
@@ -84,8 +88,8 @@ priced above:
   sit inside repeat_kv's chain, the gather takes the expanded K and V (h / h_kv times the
   priced bytes).
 
-So the planner can produce cp plans the runtime does not run yet: with pp, a model with
-dropout, a batch other than (input_ids, labels).
+So the planner can produce cp plans the runtime does not run yet: a model with dropout, a
+batch other than (input_ids, labels), compile=True.
 
 Which cp the search tries then (`cp_degrees`): 1, and the powers of two with cp dividing the devices
 left after tp, s divisible by 2 cp (the load-balanced chunks), chunks of at least
