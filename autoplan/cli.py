@@ -115,7 +115,7 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
     fix.add_argument("--cp", type=_positive_int,
                      help="context-parallel degree: each sample's sequence split over cp ranks, "
                           "K/V all-gathered for attention (default: searched; the runtime "
-                          "trains it with dp, tp and ZeRO at pp 1)")
+                          "trains it with dp, tp, pp and ZeRO, eagerly)")
     fix.add_argument("--ep", type=_positive_int,
                      help="expert-parallel degree of a mixture-of-experts model (divides dp)")
     fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
@@ -485,8 +485,6 @@ def _cmd_export(args) -> int:
     from autoplan.report import render_summary
 
     no_collection_at_exit()  # [Note: collector paused] in autoplan/collector.py
-    if args.cp is None:
-        args.cp = 1  # export's rewrite has no cp pass (passes/export.py): it plans cp 1
     planned = _plan(args, None)  # every rank's graph: the full depth
     try:
         import autoplan.passes.export  # noqa: F401 - an installation without it fails here
@@ -494,18 +492,19 @@ def _cmd_export(args) -> int:
         raise _Failure(f"export is not available in this installation: {e}") from None
     out = Path(args.out)
     existed = out.exists()
-    graph, mb = planned.graph, planned.plan.microbatch_size
-    if mb != args.global_batch:  # the graphs a rank runs: at the plan's microbatch size
+    graph, mb, cp = planned.graph, planned.plan.microbatch_size, planned.plan.mesh.cp
+    if mb != args.global_batch or cp > 1:  # what a rank runs: a microbatch of seq / cp tokens
         import torch
 
         from autoplan.capture import capture_preset
 
-        with phase(f"capturing {args.model} at microbatch {mb}"):
-            graph = capture_preset(args.model, batch=mb, seq_len=args.seq,
+        tokens = f", {args.seq // cp} tokens per cp rank" if cp > 1 else ""
+        with phase(f"capturing {args.model} at microbatch {mb}{tokens}"):
+            graph = capture_preset(args.model, batch=mb, seq_len=args.seq // cp,
                                    dtype=getattr(torch, args.dtype))
     try:
         with phase(f"exporting the per-rank graphs into {out}"):
-            paths = _export(graph, planned.plan, out)
+            paths = _export(graph, planned.plan, out, planned.graph)
     except BaseException:
         if not existed:
             shutil.rmtree(out, ignore_errors=True)  # no partial output directory
@@ -518,18 +517,19 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def _export(graph, plan, out: Path) -> dict:
+def _export(graph, plan, out: Path, planned) -> dict:
     """export_plan here, or in a forked child when this process already has a process group
-    (`main` called from a training job): export traces on a fake group of its own."""
+    (`main` called from a training job): export traces on a fake group of its own.
+    `planned`: the graph the plan was made on (the whole sequence; cp's position check)."""
     import torch.distributed as dist
 
     from autoplan.passes.export import export_plan
 
     if not dist.is_initialized():
-        return export_plan(graph, plan, out)
+        return export_plan(graph, plan, out, planned=planned)
     from autoplan.runtime.job import run_isolated
 
-    return run_isolated(export_plan, graph, plan, out)
+    return run_isolated(export_plan, graph, plan, out, True, planned)
 
 
 def _optional(module: str, command: str):

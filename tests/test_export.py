@@ -212,3 +212,50 @@ def test_export_without_kernels_keeps_the_aten_ops_and_the_same_collectives(expo
         assert "torch.ops.autoplan." not in code and "torch.ops.aten.rsqrt" in code
         assert ([line for line in code.splitlines() if "forward collectives" in line]
                 == [line for line in fused.splitlines() if "forward collectives" in line])
+
+
+def test_a_context_parallel_plan_exports_its_kv_gathers_per_cp_rank(tmp_path):
+    """cp2 x pp2 x tp2 of llama-tiny at 512 tokens (8 ranks): one file per (pp, cp, tp)
+    coordinate and stage, each graph at 256 tokens per sample with one K and one V all-gather
+    per attention (2 per layer: its stage's layers) and the rank's global positions as its
+    `_cp_positions` input; the header names the cp group and the dp x cp gradient group. A
+    graph captured at the whole sequence is refused by name, and nothing is written."""
+    from autoplan.capture import capture
+    from autoplan.models import build_model, example_inputs
+
+    def llama(batch, seq_len):
+        return capture(build_model("llama-tiny", max_position_embeddings=1024),
+                       example_inputs("llama-tiny", batch=batch, seq_len=seq_len),
+                       model_name="llama-tiny")
+
+    seq, cp = 512, 2
+    planned = llama(4, seq)
+    spec = TrainingSpec(4, seq)
+    plan = solve(planned, preset("dgx-h100"), spec, cp=cp, pp=2, tp=2, dp=1,
+                 num_microbatches=2)
+    assert (plan.mesh.cp, plan.mesh.pp, plan.mesh.tp) == (2, 2, 2)
+    graph = llama(plan.microbatch_size, seq // cp)
+    files = export_plan(graph, plan, tmp_path / "x", planned=planned)
+    stems = sorted(n[:-3] for n in files if n.endswith(".py"))
+    # global rank ((pp dp + d) cp + c) tp + t: stage 0 on ranks 0-3, stage 1 on ranks 4-7
+    assert stems == [f"rank{r}_stage{r // 4}" for r in range(8)]
+    layers = {s.index: s.layer_end - s.layer_start for s in plan.stages}
+    for stem in stems:
+        stage, rank = int(stem[-1]), int(stem[4:stem.index("_")])
+        code = (tmp_path / "x" / f"{stem}.py").read_text()
+        rows = json.loads((tmp_path / "x" / f"{stem}.json").read_text())
+        gathers = [r for r in rows if "all_gather_into_tensor" in r["target"]]
+        # (cp b, h_kv / tp, s / cp, d): the cp ranks' chunks stacked on dim 0
+        kv = [r for r in gathers if r["shape"] and r["shape"][0] == cp * plan.microbatch_size
+              and r["shape"][-2] == seq // cp]
+        assert len(kv) == 2 * layers[stage], (stem, [r["shape"] for r in gathers])
+        assert "_cp_positions" in code
+        cp_rank = rank // 2 % 2
+        group = [rank - cp_rank * 2, rank - cp_rank * 2 + 2]
+        assert f"cp rank {cp_rank}" in code and f"cp group {group}" in code
+        assert f"chunks {cp_rank} and {3 - cp_rank} of 4" in code
+        assert f"256 of {seq} tokens per sample" in code
+    with pytest.raises(ValueError, match=r"captured at 512 tokens per sample; a cp 2 rank runs "
+                                         r"256"):
+        export_plan(planned, plan, tmp_path / "never")
+    assert not (tmp_path / "never").exists()

@@ -7,14 +7,18 @@ shard shapes, and every collective the plan inserted as an explicit `_c10d_funct
 model exports on a laptop.
 
 Ranks that differ only in their dp coordinate run the same code; one file is written per
-(pp rank, tp rank) with the dp ranks that share it listed in the header, together with the
-collectives outside the forward graph: pipeline send/recv and the dp gradient synchronisation
-of the plan's ZeRO stage.
+(pp rank, cp rank, tp rank) with the dp ranks that share it listed in the header, together with
+the collectives outside the forward graph: pipeline send/recv and the dp (x cp) gradient
+synchronisation of the plan's ZeRO stage. Under context parallelism the graph is the one
+captured at seq / cp tokens per sample and rewritten as the runtime rewrites it
+(autoplan/passes/context.py): each attention's K/V all-gather over the cp group is in the
+graph, and the rank's global positions are its `_cp_positions` input.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import re
@@ -80,31 +84,42 @@ def _val(node: torch.fx.Node):
 
 
 def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
-               kernels: bool = True):
-    """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, tp_rank), with the
-    fused kernels' ops in place of their patterns as the runtime runs them (`kernels`, see
-    autoplan/passes/kernels.py).
+               kernels: bool = True, cp_rank: int = 0,
+               planned: CapturedGraph | None = None):
+    """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, cp_rank, tp_rank),
+    with the fused kernels' ops in place of their patterns as the runtime runs them
+    (`kernels`, see autoplan/passes/kernels.py). Under cp > 1 `graph` is the model captured at
+    plan.seq_len / cp tokens per sample, rewritten for cp rank `cp_rank` as the runtime does
+    (passes/context.py; `planned`: the graph captured at the whole sequence, to tell position
+    indexes apart).
 
     Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
+    Raises ValueError where the cp rewrite does (passes/context.py).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    if plan.mesh.cp > 1:  # the rewrite has no cp pass yet: its graphs would not be the plan's
-        raise NotImplementedError(
-            f"export of a context-parallel plan (cp {plan.mesh.cp} in {plan.mesh}): the "
-            "rewrite does not split the sequence or gather K/V over the cp axis yet")
     mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
     tp_mesh = mesh["tp"]
-    tp = plan.mesh.tp
+    tp, cp = plan.mesh.tp, plan.mesh.cp
     gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
     retarget_device(gm, "cpu")
+    if cp > 1:
+        from autoplan.passes.context import apply_context_parallel, check_whole_graph
+        from autoplan.passes.expand import counterparts
+
+        check_whole_graph(gm, plan.seq_len, cp)
+        nodes = counterparts(planned, graph) if planned is not None else None
     produced = value_placements(plan)
     out = []
     for sg in split_stages(gm, graph, plan.stages):
         if sg.index % plan.mesh.pp != pp_rank:
             continue
         apply_placements(sg.gm, plan)
+        if cp > 1:  # as runtime/engine.py: after the placements, before the kernels
+            apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=cp, rank=cp_rank,
+                                   group_name=mesh["cp"].get_group().group_name, tp=tp,
+                                   planned=nodes, whole=plan.mesh.pp == 1)
         if kernels:
             fuse_kernels(sg.gm)
         attrs = [n.target for n in sg.gm.graph.nodes if n.op == "get_attr"]
@@ -134,8 +149,9 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
 
         with FakeTensorMode(allow_non_fake_inputs=True):
             args = []
-            for target in attrs:
-                t = gm.get_parameter(target) if _is_param(gm, target) else gm.get_buffer(target)
+            for target in attrs:  # the stage's own: the cp pass adds `_cp_positions`
+                t = sg.gm.get_parameter(target) if _is_param(sg.gm, target) \
+                    else sg.gm.get_buffer(target)
                 args.append(torch.empty(_local_shape(t.shape, plan.placement_of(target), tp),
                                         dtype=t.dtype))
             for node, p in zip(placeholders, in_pl):
@@ -145,6 +161,16 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
         _name_placeholders(traced, attrs + [n.name for n in placeholders])
         out.append((sg.index, traced, sg.input_names, sg.output_names))
     return out
+
+
+def _graph_seq_len(graph: CapturedGraph) -> int | None:
+    """The sequence length of the token input the graph was captured with ((b, s) integer
+    ids), None for another input form."""
+    for n in graph.gm.graph.nodes:
+        v = n.meta.get("val") if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and not v.is_floating_point():
+            return int(v.shape[1])
+    return None
 
 
 def _is_param(gm: torch.nn.Module, target: str) -> bool:
@@ -162,39 +188,58 @@ def _name_placeholders(gm: torch.fx.GraphModule, names: list[str]) -> None:
     gm.recompile()
 
 
-def _rank(plan: Plan, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-    return (pp_rank * plan.mesh.dp + dp_rank) * plan.mesh.tp + tp_rank
+def _rank(plan: Plan, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+    """The global rank of a mesh coordinate (axes pp, dp, cp, tp, row-major)."""
+    return ((pp_rank * plan.mesh.dp + dp_rank) * plan.mesh.cp + cp_rank) * plan.mesh.tp \
+        + tp_rank
 
 
 def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
-            collectives: dict[str, int], fused: dict[str, int]) -> str:
-    ranks = [_rank(plan, pp_rank, d, tp_rank) for d in range(plan.mesh.dp)]
+            collectives: dict[str, int], fused: dict[str, int], cp_rank: int = 0) -> str:
+    cp = plan.mesh.cp
+    ranks = [_rank(plan, pp_rank, d, tp_rank, cp_rank) for d in range(plan.mesh.dp)]
     num_stages = len(plan.stages)
     st = plan.stages[stage]
+    where = f"pp rank {pp_rank}, " + (f"cp rank {cp_rank}, " if cp > 1 else "") + \
+        f"tp rank {tp_rank}, every dp rank"
+    groups = "tp group" + (", cp group" if cp > 1 else "")
     lines = [
         f"# autoplan export: {plan.model} on {plan.topology}, mesh {plan.mesh} "
-        f"(axes pp, dp, tp), ZeRO-{plan.zero_stage}, schedule {plan.schedule}",
+        f"(axes {', '.join(plan.mesh.axis_names)}), ZeRO-{plan.zero_stage}, "
+        f"schedule {plan.schedule}",
         f"# pipeline stage {stage} of {num_stages}: layers [{st.layer_start}, {st.layer_end})",
-        f"# runs on global ranks {ranks} (pp rank {pp_rank}, tp rank {tp_rank}, every dp rank)",
-        f"# forward collectives in this graph (tp group): {collectives or 'none'}",
+        f"# runs on global ranks {ranks} ({where})",
+        f"# forward collectives in this graph ({groups}): {collectives or 'none'}",
         f"# fused kernel calls (torch.ops.autoplan, autoplan/passes/kernels.py): "
         f"{fused or 'none'}",
         f"# stage inputs: {inputs}",
         f"# stage outputs: {outputs}",
     ]
+    if cp > 1:
+        group = [_rank(plan, pp_rank, 0, tp_rank, c) for c in range(cp)]
+        lines.append(
+            f"# context parallelism: cp group {group} (dp 0); "
+            f"{plan.seq_len // cp} of {plan.seq_len} tokens per sample, chunks "
+            f"{cp_rank} and {2 * cp - 1 - cp_rank} of {2 * cp} (input _cp_positions); K and V "
+            "all-gathered over the cp group in each attention")
     if stage > 0:
-        lines.append(f"# recv activations from stage {stage - 1} "
-                     f"(rank {_rank(plan, (stage - 1) % plan.mesh.pp, 0, tp_rank)} for dp 0)")
+        lines.append(f"# recv activations from stage {stage - 1} (rank "
+                     f"{_rank(plan, (stage - 1) % plan.mesh.pp, 0, tp_rank, cp_rank)} for dp 0)")
     if stage < num_stages - 1:
-        lines.append(f"# send activations to stage {stage + 1} "
-                     f"(rank {_rank(plan, (stage + 1) % plan.mesh.pp, 0, tp_rank)} for dp 0)")
-    if plan.mesh.dp > 1:
+        lines.append(f"# send activations to stage {stage + 1} (rank "
+                     f"{_rank(plan, (stage + 1) % plan.mesh.pp, 0, tp_rank, cp_rank)} for dp 0)")
+    if plan.mesh.dp_shard > 1:
         sync = {0: "all-reduce of gradients (replicate)",
                 1: "all-reduce of gradients + broadcast of updated parameters (ZeRO-1)",
                 2: "reduce-scatter of gradients; parameters all-gathered once per step",
                 3: "all-gather of parameters before forward and backward, reduce-scatter of "
                    "gradients"}[plan.zero_stage]
-        lines.append(f"# dp group {ranks}: {sync}")
+        if cp > 1:
+            shard = [_rank(plan, pp_rank, d, tp_rank, c) for d in range(plan.mesh.dp)
+                     for c in range(cp)]
+            lines.append(f"# dp x cp group {shard}: {sync}")
+        else:
+            lines.append(f"# dp group {ranks}: {sync}")
     return "\n".join(lines) + "\n"
 
 
@@ -225,22 +270,31 @@ def _json(gm: torch.fx.GraphModule) -> list[dict]:
 
 
 def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
-                kernels: bool = True) -> dict[str, Path]:
+                kernels: bool = True, planned: CapturedGraph | None = None) -> dict[str, Path]:
     """Write per-rank graphs for `plan` into `out_dir` (created; files replaced atomically, the
     graphs of an earlier export there that this plan does not have removed):
-    `plan.json`, and per (pp rank, tp rank) and stage `rank{r}_stage{s}.py` (local graph code),
-    `.dot` (Graphviz) and `.json`. Returns {name: path}. With `kernels` the graphs call the
-    fused kernels where the runtime does (`torch.ops.autoplan.rms_norm`, ...; the header counts
-    them).
+    `plan.json`, and per (pp rank, cp rank, tp rank) and stage `rank{r}_stage{s}.py` (local
+    graph code), `.dot` (Graphviz) and `.json`. Returns {name: path}. With `kernels` the graphs
+    call the fused kernels where the runtime does (`torch.ops.autoplan.rms_norm`, ...; the
+    header counts them). Under cp > 1 `graph` is the model captured at plan.seq_len / cp
+    tokens per sample and `planned` the one captured at the whole sequence (`trace_rank`).
 
     Runs on a fake process group in this process; when a process group already exists here
     (inside torchrun), raises RuntimeError -- export from a planning process instead.
-    Raises ValueError when the graph was captured with fewer layers than the model has.
+    Raises ValueError when the graph was captured with fewer layers than the model has, or
+    (cp > 1) at another sequence length than plan.seq_len / cp.
     """
     if graph.num_layers != graph.total_layers:
         raise ValueError(
             f"export needs the full model: the graph was captured with {graph.num_layers} of "
             f"{graph.total_layers} layers")
+    cp = plan.mesh.cp
+    seq = _graph_seq_len(graph)
+    if cp > 1 and seq is not None and seq != plan.seq_len // cp:
+        raise ValueError(
+            f"export of {plan.mesh}: the graph was captured at {seq} tokens per sample; a cp "
+            f"{cp} rank runs {plan.seq_len // cp} of the plan's {plan.seq_len} (capture at "
+            "seq_len / cp)")
     quiet_understood_warnings()
     if dist.is_initialized():
         raise RuntimeError("export_plan runs on a fake process group and needs a process "
@@ -250,23 +304,23 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
     out_dir = Path(out_dir)
     files: dict[str, str] = {"plan.json": plan.to_json()}
     # traced in memory first: a failure writes nothing (all-or-nothing outputs)
-    for pp_rank in range(plan.mesh.pp):
-        for tp_rank in range(plan.mesh.tp):
-            rank = _rank(plan, pp_rank, 0, tp_rank)
-            dist.init_process_group("fake", store=FakeStore(), rank=rank,
-                                    world_size=plan.mesh.world_size)
-            try:
-                traced = trace_rank(graph, plan, pp_rank, tp_rank, kernels)
-            finally:
-                dist.destroy_process_group()
-                clear_dtensor_caches()
-            for stage, gm, ins, outs in traced:
-                stem = f"rank{rank}_stage{stage}"
-                header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
-                                 count_collectives(gm), count_kernels(gm))
-                files[f"{stem}.py"] = header + gm.code
-                files[f"{stem}.dot"] = _dot(gm, stem)
-                files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
+    for pp_rank, cp_rank, tp_rank in itertools.product(range(plan.mesh.pp), range(cp),
+                                                       range(plan.mesh.tp)):
+        rank = _rank(plan, pp_rank, 0, tp_rank, cp_rank)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank,
+                                world_size=plan.mesh.world_size)
+        try:
+            traced = trace_rank(graph, plan, pp_rank, tp_rank, kernels, cp_rank, planned)
+        finally:
+            dist.destroy_process_group()
+            clear_dtensor_caches()
+        for stage, gm, ins, outs in traced:
+            stem = f"rank{rank}_stage{stage}"
+            header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
+                             count_collectives(gm), count_kernels(gm), cp_rank)
+            files[f"{stem}.py"] = header + gm.code
+            files[f"{stem}.dot"] = _dot(gm, stem)
+            files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
     out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed trace leaves nothing
     written = {}
     for name, text in files.items():
