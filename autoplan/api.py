@@ -279,9 +279,9 @@ class AutoParallel:
         from autoplan.solver.search import ReplicatedWeightsWarning
 
         with warnings.catch_warnings(record=True) as caught:
-            # cp 1 unless asked: free planning would try cp > 1 only where nothing fits
-            # without it, and the runtime does not run every cp plan (the token batch and
-            # loss, eager: runtime/checks.py check_context_parallel)
+            # cp 1 unless asked: free planning tries cp > 1 where nothing fits without it or
+            # where it is faster beyond the error band, and the runtime does not run every cp
+            # plan (the token batch and loss, eager: runtime/checks.py check_context_parallel)
             overrides = dict(self.options.overrides)
             try:
                 plan = solve(graph, topo, self.spec, compiled=self.options.compile,

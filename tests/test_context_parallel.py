@@ -516,8 +516,8 @@ def test_cp_matches_single_process(clusters, cp_references, name, mesh):
     """cp2 on 2 gloo ranks (ZeRO-0: gradients all-reduced over the cp pair), cp2 x dp2 on 4
     (ZeRO-3 over the flattened dp x cp mesh; ZeRO-1 with selective checkpointing), cp4 on 4
     (ZeRO-2), cp2 x tp2 on 4 (weights split on tp, attention on the local heads, ZeRO-3
-    over cp) and cp2 x pp2 on 4 (ZeRO-1 over cp), 16 tokens in 2 cp chunks, fp32: every rank's losses and parameters match one
-    process after each of 3 AdamW steps (rtol 1e-5)."""
+    over cp) and cp2 x pp2 on 4 (ZeRO-1 over cp), 16 tokens in 2 cp chunks, fp32: every
+    rank's losses and parameters match one process after each of 3 AdamW steps (rtol 1e-5)."""
     world, overrides = CP_MESHES[mesh]
     budget = _jobs.memory_budget(_jobs.preset(name), BATCH, overrides,
                                  0.9 if "tp" in overrides else None, world)

@@ -37,8 +37,8 @@ from autoplan._torch_compat import all_gather_autograd, causal_lower_right_bias
 from autoplan.cost_model.compute import ATTENTION_OPS, op_name
 from autoplan.passes.sharding import run_replicated, sdpa_local
 
-__all__ = ["check_whole_graph", "position_sources", "chunk_positions", "load_balanced_attention", "context_parallel_attention",
-           "apply_context_parallel"]
+__all__ = ["check_whole_graph", "position_sources", "chunk_positions",
+           "load_balanced_attention", "context_parallel_attention", "apply_context_parallel"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _FUSED = (_SDPA, sdpa_local)  # apply_placements swaps the aten op for sdpa_local
