@@ -219,12 +219,15 @@ class AutoParallel:
             graph, cached = self._capture(source, self.options.global_batch, planning=True)
         self._build_stats["capture_for_planning_cached"] = cached
         with self._timed("plan_s"):
-            request = self._cache_request(graph, topo)
+            # cp searched where the runtime can run it for this model, batch and loss
+            why_not = None if "cp" in dict(self.options.overrides) else \
+                self._cp_refusal(graph, topo)
+            request = self._cache_request(graph, topo, cp_searched=why_not is None)
             plan = self._cached_plan(request, topo)
             from_cache = plan is not None
             if plan is None:
                 with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
-                    plan = self._solve(graph, topo, request)
+                    plan = self._solve(graph, topo, request, why_not)
             if _in_job() and dist.get_world_size() > 1:
                 box = [plan.to_json() if dist.get_rank() == 0 else None]
                 dist.broadcast_object_list(box, src=0)
@@ -233,10 +236,11 @@ class AutoParallel:
         self._graph = graph
         return plan
 
-    def _cache_request(self, graph, topo: Topology) -> dict | None:
+    def _cache_request(self, graph, topo: Topology, cp_searched: bool) -> dict | None:
         """The plan cache's request for this model ([Note: plan cache] in autoplan/cache.py):
-        the captured graph's fingerprint, the cluster, the training spec and the overrides;
-        None when the cache is off (AUTOPLAN_PLAN_CACHE=0) or an override is not JSON data."""
+        the captured graph's fingerprint, the cluster, the training spec, the overrides and
+        whether cp is searched (`_cp_refusal`); None when the cache is off
+        (AUTOPLAN_PLAN_CACHE=0) or an override is not JSON data."""
         from autoplan.cache import graph_fingerprint
 
         if os.environ.get("AUTOPLAN_PLAN_CACHE", "1") == "0":
@@ -247,7 +251,8 @@ class AutoParallel:
             return None
         return {"command": "autoparallel", "graph": graph_fingerprint(graph),
                 "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),
-                "overrides": overrides, "compiled": self.options.compile}
+                "overrides": overrides, "compiled": self.options.compile,
+                "cp_searched": cp_searched}
 
     def _cached_plan(self, request: dict | None, topo: Topology) -> Plan | None:
         """The cache's plan for `request`, its warnings said again; None on a miss."""
@@ -267,9 +272,10 @@ class AutoParallel:
             warnings.warn(message, ReplicatedWeightsWarning, stacklevel=2)
         return Plan.from_dict(entry["plan"])
 
-    def _solve(self, graph, topo: Topology, request: dict | None) -> Plan:
+    def _solve(self, graph, topo: Topology, request: dict | None, why_not: str | None) -> Plan:
         """Solve, and store the plan with the solver's warnings about it (rank 0 of a job
-        writes; a cache that cannot be written is a detail line, not a failure)."""
+        writes; a cache that cannot be written is a detail line, not a failure). `why_not`:
+        why cp is not searched (cp 1 then, unless given), None to search it."""
         import warnings
 
         from autoplan.cache import PlanCache
@@ -279,19 +285,19 @@ class AutoParallel:
         from autoplan.solver.search import ReplicatedWeightsWarning
 
         with warnings.catch_warnings(record=True) as caught:
-            # cp 1 unless asked: free planning tries cp > 1 where nothing fits without it or
-            # where it is faster beyond the error band, and the runtime does not run every cp
-            # plan (the token batch and loss, eager: runtime/checks.py check_context_parallel)
+            # cp searched as `autoplan plan` searches it (where nothing fits without it, or
+            # faster beyond the error band) when the runtime can run it for this model, batch
+            # and loss (runtime/checks.py); cp 1 otherwise, unless given
             overrides = dict(self.options.overrides)
             try:
                 plan = solve(graph, topo, self.spec, compiled=self.options.compile,
-                             **{"cp": 1, **overrides})
+                             **({} if why_not is None else {"cp": 1}), **overrides)
             except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
-                if "cp" in overrides or not ("does not fit world size" in e.reason or
-                                             "no configuration of" in e.reason):
+                if why_not is None or not ("does not fit world size" in e.reason or
+                                           "no configuration of" in e.reason):
                     raise
-                raise InvalidConfig(f"{e.reason} (cp is 1 unless given: fix cp=2, 4, ... to "
-                                    "plan context parallelism)", option=e.option) from None
+                raise InvalidConfig(f"{e.reason} (planned with cp 1: {why_not})",
+                                    option=e.option) from None
         for w in caught:  # shown as they would have been
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if request is not None and (not _in_job() or dist.get_rank() == 0):
@@ -302,6 +308,35 @@ class AutoParallel:
             except OSError as e:
                 detail(f"plan cache not written: {e}")
         return plan
+
+    def _cp_refusal(self, graph, topo: Topology) -> str | None:
+        """Why the runtime could not run a cp > 1 plan of this model, batch and loss, or None:
+        runtime/checks.py context_parallel_refusal, then the graph rewrite itself
+        (passes/context.py: its attentions, masks and position source) tried on a copy of
+        the planning graph. None without a trial where the search has no cp > 1 for this
+        sequence and world (solver/context.py cp_degrees)."""
+        import copy
+
+        import torch.fx
+
+        from autoplan.passes.context import apply_context_parallel
+        from autoplan.runtime.checks import context_parallel_refusal
+        from autoplan.solver.context import cp_degrees
+
+        if not any(cp > 1 for cp in cp_degrees(graph, self.spec.seq_len, topo.world_size)):
+            return None  # the search has no cp > 1 to try
+
+        refusal = context_parallel_refusal(graph, self.inputs, self.options.loss_fn,
+                                           self.options.compile)
+        if refusal is not None:
+            return str(refusal)
+        trial = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+        try:  # cp 1: the same checks at the planned length; the copy is dropped
+            apply_context_parallel(trial, seq_len=self.spec.seq_len, cp=1, rank=0,
+                                   group_name="trial")
+        except ValueError as e:
+            return str(e)
+        return None
 
     # -- training ---------------------------------------------------------------------------
     def _compile(self):
@@ -705,9 +740,11 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
             cp (context parallelism, [Note: context parallelism] in autoplan/solver/context.py:
             every sample's sequence cut into 2 cp chunks over cp ranks, K and V all-gathered
-            in attention; default 1 here, not searched. The runtime runs a given cp with dp,
-            tp, pp and ZeRO, eagerly, on the token-LM batch and loss, fused causal
-            attention, no dropout; anything else raises when built, naming why).
+            in attention; searched as `autoplan plan` searches it where the runtime can run
+            it -- the token-LM batch and loss, fused causal attention, a position index, no
+            dropout, compile=False; with dp, tp, pp and ZeRO -- and 1 otherwise, the reason
+            given where a cp 1 plan cannot be made; a given cp the runtime cannot run raises
+            when built, naming why).
             offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
             offload] in autoplan/solver/offload.py).
 

@@ -305,10 +305,12 @@ def test_runtime_refuses_cp_with_compile(long_llama, h100):
                            None, False)
 
 
-def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_compile_at_build():
-    """@autoparallel plans with cp 1 where plan() would take cp 4, and says that cp can be
-    given; cp given plans it (with pp too), and the build of cp 2 with compile=True (which the
-    runtime does not run) says why before anything is set up."""
+def test_autoparallel_searches_cp_where_the_runtime_runs_it():
+    """@autoparallel plans cp as plan() does where the runtime can run it (the token-LM batch
+    and loss, no dropout, eager): llama-tiny at 1024 tokens with tp 2 on 8 GPUs takes cp 4.
+    Where it cannot (a loss_fn; compile=True) it plans cp 1 and says why no cp 1 plan fits the
+    world; cp given plans it (with pp too), and the build of cp 2 with compile=True says why
+    before anything is set up."""
     from autoplan import autoparallel
 
     def make():
@@ -320,10 +322,14 @@ def test_autoparallel_plans_cp_1_unless_given_and_refuses_cp_with_compile_at_bui
                     total_layers=2)
     assert plan(graph, preset("dgx-h100"), TrainingSpec(4, 1024), tp=2, pp=1,
                 dp=1).mesh.cp == 4
-    with pytest.raises(InvalidConfig, match=r"x cp 1 does not fit world size 8 \(cp is 1 "
-                                            "unless given: fix cp=2, 4"):
-        autoparallel(make, **fixed)().plan
-    assert autoparallel(make, **fixed, cp=4)().plan.mesh.cp == 4
+    assert autoparallel(make, **fixed)().plan.mesh.cp == 4
+    with pytest.raises(InvalidConfig, match=r"cp 1 does not fit world size 8 \(planned with cp "
+                                            r"1: context parallelism: cp trains on the token "
+                                            r"cross-entropy .* a loss_fn is a mean"):
+        autoparallel(make, **fixed, loss_fn=lambda out, batch: out.logits.sum())().plan
+    with pytest.raises(InvalidConfig, match=r"planned with cp 1: context parallelism with "
+                                            r"compile=True"):
+        autoparallel(make, **fixed, compile=True)().plan
     given = autoparallel(make, **dict(fixed, pp=2), cp=2, compile=True)()
     assert (given.plan.mesh.cp, given.plan.mesh.pp) == (2, 2)
     with pytest.raises(NotImplementedError, match=r"\(cp 2\) with compile=True"):
@@ -488,7 +494,7 @@ def test_runtime_refuses_a_batch_or_loss_it_cannot_cut(long_llama, h100):
         check_context_parallel(cp_plan, long_llama, as_dict, None, False)
     dropout = build_model("gpt2-tiny", resid_pdrop=0.1)
     graph = capture(dropout, example_inputs("gpt2-tiny", batch=2, seq_len=8), model_name="x")
-    with pytest.raises(ValueError, match=r"\(cp 2\) on a model with random ops"):
+    with pytest.raises(ValueError, match=r"\(cp 2\): a model with random ops"):
         check_context_parallel(cp_plan, graph, InputSpec.tokens(2, 8), None, False)
 
 

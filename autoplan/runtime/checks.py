@@ -14,7 +14,8 @@ from autoplan.passes.rng import random_op_indices
 from autoplan.plan import parse_placement
 from autoplan.runtime.step_inputs import loss_mode
 
-__all__ = ["PlanMismatchError", "check_against_plan", "check_context_parallel"]
+__all__ = ["PlanMismatchError", "check_against_plan", "check_context_parallel",
+           "context_parallel_refusal"]
 
 _FLOATING = {"float32", "bfloat16", "float16", "float64"}
 
@@ -36,43 +37,56 @@ def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
     positions are checked where they are rewritten, passes/context.py). `graph`: the captured
     graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
 
-    Raises NotImplementedError for compile with cp, and ValueError for a
-    batch or loss that cannot be cut along the sequence ([Note: step loss]) -- not the
-    token-LM form `step(input_ids, labels)`, the model's own loss, a user's loss_fn -- and for
-    a model with random ops (dropout)."""
-    cp = plan.mesh.cp
-    if cp == 1:
+    Raises what `context_parallel_refusal` returns: NotImplementedError for compile with cp,
+    ValueError for a batch or loss that cannot be cut along the sequence and for a model with
+    random ops (dropout)."""
+    if plan.mesh.cp == 1:
         return
+    refusal = context_parallel_refusal(graph, inputs, loss_fn, compile,
+                                       f"the plan {plan.mesh} has context parallelism "
+                                       f"(cp {plan.mesh.cp})")
+    if refusal is not None:
+        raise refusal
+
+
+def context_parallel_refusal(graph, inputs, loss_fn, compile: bool,
+                             subject: str = "context parallelism") -> Exception | None:
+    """Why this runtime cannot run context parallelism for this model, batch and loss, as the
+    exception to raise (its message starts with `subject`), or None when it can: compile=True
+    (NotImplementedError); a batch other than the token-LM form `step(input_ids, labels)`, the
+    model's own loss or a user's loss_fn ([Note: step loss]), random ops (dropout), and no
+    position source in the graph (ValueError). `@autoparallel` plans cp 1 where this is not
+    None, and `check_context_parallel` raises it for a cp plan."""
     if compile:
-        raise NotImplementedError(
-            f"the plan {plan.mesh} has context parallelism (cp {cp}) with compile=True (the "
-            "K/V gather is not traced by torch.compile here): this runtime runs cp eagerly, "
-            "with data, tensor and pipeline parallelism and ZeRO; build with compile=False "
-            "or plan with cp=1")
+        return NotImplementedError(
+            f"{subject} with compile=True (the K/V gather is not traced by torch.compile "
+            "here): this runtime runs cp eagerly, with data, tensor and pipeline parallelism "
+            "and ZeRO; build with compile=False or plan with cp=1")
     if inputs.form != "tokens":
-        raise ValueError(
-            f"context parallelism (cp {cp}) takes the token-LM batch step(input_ids, labels), "
-            f"each cut along the sequence; this plan's batch is a {inputs.describe()}, whose "
-            "sequence dims the runtime cannot tell; train with cp=1")
+        return ValueError(
+            f"{subject}: cp takes the token-LM batch step(input_ids, labels), each cut along "
+            f"the sequence; this plan's batch is a {inputs.describe()}, whose sequence dims "
+            "the runtime cannot tell; train with cp=1")
     mode = loss_mode(graph, inputs, loss_fn)
     if mode != "tokens":
         why = {"model": "the model's own loss shifts its labels inside the model, per local "
                         "chunk, and would pair each chunk's last token with the wrong target",
                "user": "a loss_fn is a mean over the rank's tokens, and cp ranks hold "
                        "different shares of every sample's trained tokens"}[mode]
-        raise ValueError(
-            f"context parallelism (cp {cp}) trains on the token cross-entropy of the logits "
-            f"against the batch's labels, summed per rank over the global batch's trained "
-            f"tokens; {why}. Leave loss_fn out and give labels of the next tokens "
-            "(step(input_ids, labels)), or train with cp=1")
+        return ValueError(
+            f"{subject}: cp trains on the token cross-entropy of the logits against the "
+            f"batch's labels, summed per rank over the global batch's trained tokens; {why}. "
+            "Leave loss_fn out and give labels of the next tokens (step(input_ids, labels)), "
+            "or train with cp=1")
     random_ops = random_op_indices(graph.gm)
     if random_ops:
-        raise ValueError(
-            f"context parallelism (cp {cp}) on a model with random ops ({len(random_ops)}: "
+        return ValueError(
+            f"{subject}: a model with random ops ({len(random_ops)}: "
             f"{sorted(random_ops)[:3]}...): the random-op stream is keyed by sample ([Note: RNG "
             "contract] in autoplan/passes/rng.py) and a cp rank holds part of each sample, so "
             "its dropout masks would differ from one process's; set the model's dropout to 0 "
             "or train with cp=1")
+    return None
 
 
 def check_against_plan(model) -> None:

@@ -54,7 +54,8 @@ used it in its 128K phase), and it also takes devices off dp x pp: where the glo
 small for the devices (128 sequences of 128K tokens on 16,384 GPUs) a cp = 1 plan that fits
 has a few microbatches for a deep pipeline and is mostly bubble, and cp restores the
 microbatches (Dubey et al. 2024, section 3.3.2, name the same batch constraint).
-`@autoparallel` plans cp 1 unless given cp.
+`@autoparallel` searches cp the same way where the runtime can run it for the model, batch and
+loss (runtime/checks.py context_parallel_refusal), and plans cp 1 otherwise unless given cp.
 
 What the runtime runs (autoplan/passes/context.py, runtime/step_inputs.py; a given cp with dp,
 tp, pp and ZeRO, eager -- runtime/checks.py refuses the rest by name) against what is

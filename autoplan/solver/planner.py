@@ -74,8 +74,9 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             every sample's sequence split in 2 cp chunks over cp ranks, K/V all-gathered for
             attention; None: searched over 1 and the powers of two that divide the devices
             and seq_len / 2 (a model with fused attention in every block) where nothing fits
-            on the devices with cp 1; 1: none. `@autoparallel` plans with cp 1
-            unless given one (the runtime: runtime/checks.py check_context_parallel).
+            on the devices with cp 1 or a cp > 1 plan is faster beyond the error band; 1:
+            none. `@autoparallel` searches it only where the runtime can run it
+            (runtime/checks.py context_parallel_refusal), else plans cp 1 unless given.
         offload: "none" | "optimizer" (ZeRO 0/1) | "optimizer+params" (ZeRO-3): states in
             host memory, the optimizer step on the host ([Note: offload] in
             solver/offload.py); None: searched where no placement fits on the device (needs
