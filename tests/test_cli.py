@@ -160,7 +160,7 @@ def test_export_arguments_reach_export_plan(capsys, tmp_path, monkeypatch):
         seen["args"], seen["num_layers"] = args, num_layers
         return _Planned("graph", preset("local-cpu"), _FakePlan())
 
-    def fake_export(graph, plan, out_dir):
+    def fake_export(graph, plan, out_dir, planned):
         seen["export"] = (graph, plan, out_dir)
         return {"plan.json": out_dir / "plan.json"}
 
@@ -182,7 +182,7 @@ def test_export_arguments_reach_export_plan(capsys, tmp_path, monkeypatch):
 
 
 def test_export_failure_leaves_no_directory(capsys, tmp_path, monkeypatch):
-    def fake_export(graph, plan, out_dir):
+    def fake_export(graph, plan, out_dir, planned):
         out_dir.mkdir()
         (out_dir / "rank0_stage0.py").write_text("partial")
         raise ValueError("cannot export")
@@ -198,6 +198,7 @@ def test_export_failure_leaves_no_directory(capsys, tmp_path, monkeypatch):
 
 class _FakePlan:
     microbatch_size = 8  # the tests' --global-batch: planned at it, export captures nothing again
+    mesh = MeshShape()  # cp 1: no capture at seq / cp either
 
 
 def test_demo_and_calibrate_are_wired(monkeypatch):
@@ -373,7 +374,7 @@ def test_export_json(capsys, tmp_path, monkeypatch):
     plan = _hand_made_plan()
     monkeypatch.setattr("autoplan.cli._plan", lambda args, n: _Planned(
         "graph", preset("local-cpu", devices_per_node=4), plan, ("a warning",)))
-    monkeypatch.setattr("autoplan.passes.export.export_plan", lambda graph, plan, out: {
+    monkeypatch.setattr("autoplan.passes.export.export_plan", lambda graph, plan, out, planned: {
         "plan.json": out / "plan.json", "rank0_stage0.py": out / "rank0_stage0.py"})
     out_dir = tmp_path / "x"
     code, out, err = _run(capsys, "export", *_TINY, "--json", "-o", str(out_dir))
