@@ -134,11 +134,13 @@ def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _mask_kind(node: torch.fx.Node, mask: torch.fx.Node, s_local: int) -> bool:
+def _mask_kind(node: torch.fx.Node, mask: torch.fx.Node, s_local: int,
+               evaluate_up_to: int | None = None) -> bool:
     """Whether the mask `mask` of attention `node` is causal (True) or all True (False),
     evaluated on the host from its constants (B x s_local^2 booleans at most: 64 MB a sample
     at 8K local tokens); raises ValueError for a mask that reads a graph input or
-    is neither."""
+    is neither. A mask of more than `evaluate_up_to` elements (None: no limit) is not
+    evaluated and taken as causal (`apply_context_parallel`'s `check_masks_up_to`)."""
     nodes = _ancestors(mask)
     inputs = [n.name for n in nodes if n.op == "placeholder"]
     if inputs:
@@ -146,6 +148,9 @@ def _mask_kind(node: torch.fx.Node, mask: torch.fx.Node, s_local: int) -> bool:
             f"context parallelism: attention {node.name} takes a mask computed from the "
             f"batch ({inputs}: padding, documents or a user's mask), which cp does not "
             "split; train without it or with cp=1")
+    val = mask.meta.get("val")
+    if evaluate_up_to is not None and (val is None or val.numel() > evaluate_up_to):
+        return True
     env: dict[torch.fx.Node, object] = {}
     for n in nodes:
         if n.op != "call_function":
@@ -187,7 +192,8 @@ def _before_repeat_kv(t: torch.fx.Node) -> tuple[torch.fx.Node, int]:
 
 
 def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name: str,
-                       cp: int, rank: int, s_local: int, tp: int) -> list[torch.fx.Node]:
+                       cp: int, rank: int, s_local: int, tp: int,
+                       evaluate_up_to: int | None = None) -> list[torch.fx.Node]:
     """Replace one fused attention; returns the nodes it read that may now be dead."""
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
              "enable_gqa"]
@@ -201,7 +207,7 @@ def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name
         if causal:
             raise ValueError(f"context parallelism: attention {node.name} has both a mask and "
                              "is_causal")
-        causal = _mask_kind(node, mask, s_local)
+        causal = _mask_kind(node, mask, s_local, evaluate_up_to)
     k, v, gqa = given["key"], given["value"], bool(given.get("enable_gqa", False))
     k0, nk = _before_repeat_kv(k)
     v0, nv = _before_repeat_kv(v)
@@ -279,7 +285,8 @@ def check_whole_graph(gm: torch.fx.GraphModule, seq_len: int, cp: int) -> None:
 def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, rank: int,
                            group_name: str, tp: int = 1,
                            planned: dict[str, torch.fx.Node] | None = None,
-                           whole: bool = True) -> dict[str, int]:
+                           whole: bool = True,
+                           check_masks_up_to: int | None = None) -> dict[str, int]:
     """Rewrite a stage graph captured at seq_len / cp tokens per sample for cp rank `rank`
     of the cp group named `group_name` (in place; see the module docstring); `tp`: the tp
     degree the stage's heads are split by (K and V are gathered before GQA's expansion when
@@ -291,6 +298,9 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
     attention or a position source of its own: its positions reach it from an earlier stage
     as boundary activations computed there at the rank's global positions (the runtime checks
     the whole graph has both before splitting it: `check_whole_graph`).
+    `check_masks_up_to`: a mask of more elements is not evaluated and taken as causal -- for
+    a trial of the rewrite on a graph captured at the whole sequence (`@autoparallel`
+    deciding whether to search cp), whose masks the build checks at seq_len / cp tokens.
     The rank's positions (seq_len / cp,) become the non-persistent buffer
     `_cp_positions`, on the device of the graph's other constants. Returns {"attention":
     attentions replaced, "positions": arange nodes replaced, "erased": dead nodes removed}.
@@ -309,7 +319,8 @@ def apply_context_parallel(gm: torch.fx.GraphModule, *, seq_len: int, cp: int, r
         raise ValueError(_NO_ATTENTION)
     dead = []
     for node in attention:
-        dead += _replace_attention(gm, node, group_name, cp, rank, s_local, tp)
+        dead += _replace_attention(gm, node, group_name, cp, rank, s_local, tp,
+                                   check_masks_up_to)
     erased = _erase_dead(gm, dead)
     aranges = position_sources(gm, seq_len, cp)
     if not aranges and not whole:
