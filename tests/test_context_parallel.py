@@ -6,6 +6,7 @@ it does not run, and training under cp2 and cp2 x dp2 against one process (gloo 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -444,6 +445,16 @@ def test_rewrite_refuses_what_it_cannot_split():
     graph = capture(eager, example_inputs("llama-tiny", batch=1, seq_len=8), model_name="x")
     with pytest.raises(ValueError, match="no aten.scaled_dot_product_attention"):
         apply_context_parallel(graph.gm, seq_len=16, cp=2, rank=0, group_name="cp")
+    # check_masks_up_to (@autoparallel's trial at the whole sequence): the window's 4 x 4
+    # mask is evaluated up to 16 entries and refused; above, it is left to the build (the
+    # rewrite goes on, and finds no position source once the mask is dropped)
+    window = capture(_Attention("window"), (ids,), model_name="window")
+    with pytest.raises(ValueError, match="is neither causal nor all True"):
+        apply_context_parallel(copy.deepcopy(window.gm), seq_len=8, cp=2, rank=0,
+                               group_name="cp", check_masks_up_to=16)
+    with pytest.raises(ValueError, match="no position source"):
+        apply_context_parallel(copy.deepcopy(window.gm), seq_len=8, cp=2, rank=0,
+                               group_name="cp", check_masks_up_to=15)
 
 
 class _HiddenIndex(nn.Module):
