@@ -664,16 +664,21 @@ def _held_after_forward(name: str, batch: int, overrides: dict, seq: int):
     x, y = batches(vocab_of(model), 1, batch, seq)
     ap.build()
     (_, module), = ap._engine.stages
-    held = []
+    held, before = [], []
     with LiveTensorBytes() as live:
-        module.register_forward_pre_hook(lambda _m, _a: held.append(live.current))
+        module.register_forward_pre_hook(lambda _m, _a: before.append(live.current))
         module.register_forward_hook(
-            lambda _m, _a, out: held.append(live.current - held.pop()
+            lambda _m, _a, out: held.append(live.current - before.pop()
                                             - out.numel() * out.element_size()))
-        ap.step(x[0], y[0])
+        # the least of three steps: now and then one rank's forward leaves 8-12 kB more
+        # (seen in CI and in repeated runs of the same job, 1 run in ~6: a buffer released a
+        # moment late, most likely by a gloo work object on gloo's own thread) -- only ever
+        # more than the forward holds, never less
+        for _ in range(3):
+            ap.step(x[0], y[0])
     plan, tp = ap.plan, ap.plan.mesh.tp
     saver = build_problem(ap.graph, tp, 4).regathered
     shards_save = sum(r.bytes * (1 - 1 / tp) for r in plan.redistributions
                       if r.collective == "all_gather" and r.consumer in saver)
-    return held[0], plan.prediction.memory_breakdown["activations"], shards_save
+    return min(held), plan.prediction.memory_breakdown["activations"], shards_save
 

@@ -194,6 +194,33 @@ def test_lazy_bounds_pop_as_bounding_everything_first(long_llama, h100, monkeypa
         assert runs[0] == runs[1] and runs[0]
 
 
+def test_a_resumed_search_equals_a_fresh_one(long_llama, h100):
+    """[Note: resumed search] in solver/planner.py: a branch and bound paused under a ceiling
+    below the optimum (nothing found), then resumed under a higher one, makes the same
+    assessments in the same order as a fresh search under the higher ceiling (cp 1 and cp > 1,
+    memory binding or not), and pauses with entries left to pop."""
+    from autoplan.solver.planner import _branch_and_bound
+
+    def run(search, topo, ceiling, paused=None):
+        configs = enumerate_configs(long_llama, topo, SPEC, Overrides(), search.policies())
+        done = _branch_and_bound(search, configs, 5, Overrides(), ceiling, paused)
+        return [(a.config, a.step_time_s, a.memory_bytes, a.fits) for a in done]
+
+    for mem in (None, 3e9):
+        topo = h100 if mem is None else dataclasses.replace(
+            h100, device=dataclasses.replace(h100.device, mem_bytes=mem))
+        best = min(t for _c, t, _m, fits in run(Search(long_llama, topo, SPEC, 10.0), topo,
+                                                 float("inf")) if fits)
+        for higher in (best * 1.5, float("inf")):
+            search, paused = Search(long_llama, topo, SPEC, 10.0), {}
+            below = run(search, topo, best * 0.999, paused)
+            assert not any(fits and t < best * 0.999 for _c, t, _m, fits in below)
+            assert paused["heap"]  # entries left to pop
+            resumed = run(search, topo, higher, paused)
+            assert not paused  # taken
+            assert resumed == run(Search(long_llama, topo, SPEC, 10.0), topo, higher)
+
+
 def test_replayed_ilp_models_equal_fresh_ones(long_llama, h100):
     """[Note: model templates] in solver/ilp_model.py: a model replayed from the template of
     another (tp, b, policy, cp) is the model a fresh build makes, coefficient for

@@ -299,8 +299,8 @@ def _least_bound_s(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
 def _new_search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
                 overrides: Overrides, time_limit_s: float, shared: dict | None) -> Search:
     """A Search with the caches in `shared` (filled with its own, when given)."""
-    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel,
-                    **(shared or {}))
+    caches = {k: v for k, v in (shared or {}).items() if k != "paused"}
+    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel, **caches)
     if shared is not None:
         shared.update(cache=search.cache, problems=search.problems, costs=search.costs,
                       scaled=search.scaled, solutions=search.solutions,
@@ -336,7 +336,11 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
             f"no configuration of {topology.world_size} devices satisfies the overrides "
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
-    evaluated = _branch_and_bound(search, configs, top_k, overrides, ceiling_s)
+    # a search of these configurations under a lower ceiling found nothing: resumed from
+    # where it stopped ([Note: resumed search])
+    paused = None if shared is None else shared.setdefault(
+        "paused", {}).setdefault((context_parallel_only, repr(overrides)), {})
+    evaluated = _branch_and_bound(search, configs, top_k, overrides, ceiling_s, paused)
     if ceiling_s < float("inf") and not any(a.fits and a.step_time_s < ceiling_s
                                             for a in evaluated):
         raise _NoneFaster(f"no plan under {ceiling_s:.3g} s")
@@ -485,16 +489,29 @@ def _rank(a: Assessment) -> tuple:
 # keeps its place in `configs + _offloaded(configs)` (index n + i k + j). A lazy entry popped
 # when the runners-up are complete ends the search as a bounded one would: every entry left
 # is no better. Configurations never popped are never bounded.
+#
+# [Note: resumed search] A search under a ceiling that finds nothing below it (the first cp > 1
+# search of [Note: cp first under a bound]) has popped exactly the entries of bound below the
+# ceiling, every one while proving, and the assessments those made are at or above it. The
+# same search under a higher ceiling pops those same entries first, also all while proving
+# (its best plan is never below the lower ceiling), with the same transitions -- none depends
+# on the best plan but whether a pop proves. So it resumes the paused one: the heap as left
+# (the entry that stopped it pushed back), its assessments, its best among them, its skipped
+# configurations; it continues as a fresh search would from there (llama3-405b at 8K tokens
+# on 2,048 nodes: the second cp > 1 search no longer pops its ~6,000 bounded entries again).
 # states of a configuration in the branch and bound
 _LAZY, _BOUNDED, _REFINED, _RELAXED, _UNFIT = -1, 0, 1, 2, 3
 
 
 def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
                       overrides: Overrides = Overrides(),
-                      ceiling_s: float = float("inf")) -> list[Assessment]:
+                      ceiling_s: float = float("inf"),
+                      paused: dict | None = None) -> list[Assessment]:
     """[Note: decomposition] steps 2-4 in search.py; returns every assessment made.
     `ceiling_s`: the best step time is taken to start there (a plan elsewhere is that fast);
     when nothing beats it the search ends at the first bound no better, with no runners-up.
+    `paused`: where such a search leaves its heap and assessments, and from where a search of
+    the same configurations under a higher ceiling resumes them ([Note: resumed search]).
 
     A heap of configurations by lower bound; each moves through up to four states, with a
     tighter bound at each:
@@ -524,12 +541,20 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
     """
     # [Note: lazy bounds] configuration i's offload variants j are numbered n + i k + j: in the
     # order of `configs + _offloaded(configs)`, which breaks ties between equal bounds
-    heap: list[tuple] = [(search.pipeline_bound(cfg), cfg.tp, cfg.pp, i, _LAZY, cfg, None)
-                         for i, cfg in enumerate(configs)]
-    heapq.heapify(heap)
     n, k = len(configs), len(OFFLOADS)
-    done: list[Assessment] = []
+    if paused and paused["ceiling_s"] <= ceiling_s:  # [Note: resumed search]
+        heap, done = paused.pop("heap"), paused.pop("done")
+        search.skipped.update(paused.pop("skipped"))
+        paused.clear()
+    else:
+        heap = [(search.pipeline_bound(cfg), cfg.tp, cfg.pp, i, _LAZY, cfg, None)
+                for i, cfg in enumerate(configs)]
+        heapq.heapify(heap)
+        done = []
     best, best_group = ceiling_s, None
+    for a in done:  # a resumed search's plans, all at or above the ceiling they were made under
+        if a.fits and a.step_time_s < best:
+            best, best_group = a.step_time_s, _group(a)
     fill_solves, fill_groups = 0, set()
 
     def settle(i: int, cfg: PlanConfig, result: Assessment) -> Assessment | None:
@@ -544,6 +569,7 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
         bound, _tp, _pp, i, state, cfg, payload = heapq.heappop(heap)
         proving = bound < best
         if not proving and best_group is None and best == ceiling_s < float("inf"):
+            heapq.heappush(heap, (bound, _tp, _pp, i, state, cfg, payload))  # for `paused`
             break  # nothing under the ceiling: the plan that set it is taken
         # runners-up: at most top_k more ILP solves, 2 top_k while none has been found
         if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k
@@ -596,6 +622,8 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
                 best, best_group = result.step_time_s, _group(result)
             if not proving and _group(result) != best_group:
                 fill_groups.add(_group(result))  # another ZeRO stage of the best is no runner-up
+    if paused is not None and best_group is None and ceiling_s < float("inf"):
+        paused.update(ceiling_s=ceiling_s, heap=heap, done=done, skipped=dict(search.skipped))
     return done
 
 
