@@ -52,7 +52,9 @@ Bands (DESIGN.md bars): step time within +-20%, peak memory within +-10% of meas
 runs on a quiet machine, all ten plans in both bands; the margins move by ~5 points between
 calibrations):
 - Step time: the model sits 0-20% under the measured step, most for the 4-rank plans (dp4 ZeRO-1
-  -16 to -20%, dp4 selective -15 to -18%) and tensor parallelism (tp2 -16 to -19%). Unpriced:
+  -16 to -20%, dp4 selective -15 to -18%) and tensor parallelism (tp2 -16 to -19%). On
+  2026-12-04 (load 1-3, main with cp, offload and the fused AdamW) three plans were out, all
+  under: dp4 ZeRO-1 -30%, dp4 selective -23%, dp2 ZeRO-3 -21% (the others -5% to -17%). Unpriced:
   FSDP2's gradient packing and copies run at a fraction of the calibrated memory bandwidth in a
   training process (fresh buffers; 22 ms for 13 MB of gradients on 4 ranks against ~4 ms at
   `mem_bw`), its hooks, and the loss outside the captured graph; a tp step waits ~25% longer
