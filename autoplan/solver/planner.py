@@ -266,9 +266,9 @@ def _cp_ceiling_s(first_s: float, topology: Topology) -> float:
 # included: a ceiling only sets the best step time before one is found, and every
 # configuration bounded below the plan found is popped, and solved, under either. Otherwise
 # the searches run as before, cp = 1 then cp > 1 under its best's ceiling; the second cp > 1
-# search finds the ILPs of the first in the Search caches `shared` holds (every ILP it solved
-# was at a bound under the lower ceiling, so the second one solves it too, before any runner-up
-# is filled in: the runners-up's ILP budget is unchanged).
+# search resumes the first where it stopped ([Note: resumed search]: every entry the first
+# popped was under the lower ceiling, so the second would pop it too, before any runner-up is
+# filled in: the runners-up's ILP budget is unchanged).
 
 
 def _least_bound_s(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
