@@ -54,7 +54,10 @@ calibrations):
 - Step time: the model sits 0-20% under the measured step, most for the 4-rank plans (dp4 ZeRO-1
   -16 to -20%, dp4 selective -15 to -18%) and tensor parallelism (tp2 -16 to -19%). On
   2026-12-04 (load 1-3, main with cp, offload and the fused AdamW) three plans were out, all
-  under: dp4 ZeRO-1 -30%, dp4 selective -23%, dp2 ZeRO-3 -21% (the others -5% to -17%). Unpriced:
+  under: dp4 ZeRO-1 -30%, dp4 selective -23%, dp2 ZeRO-3 -21% (the others -5% to -17%). A
+  profile of one dp4 step (rank 0): FSDP2's per-block post_backward_reduce holds 72-140 ms of a
+  270-340 ms step, waiting for the other ranks on the 2 shared cores, against 28-41 ms of
+  priced communication and a calibrated sync skew of 1.7 ms per collective. Unpriced:
   FSDP2's gradient packing and copies run at a fraction of the calibrated memory bandwidth in a
   training process (fresh buffers; 22 ms for 13 MB of gradients on 4 ranks against ~4 ms at
   `mem_bw`), its hooks, and the loss outside the captured graph; a tp step waits ~25% longer
