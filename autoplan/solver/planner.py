@@ -543,9 +543,9 @@ def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
     # order of `configs + _offloaded(configs)`, which breaks ties between equal bounds
     n, k = len(configs), len(OFFLOADS)
     if paused and paused["ceiling_s"] <= ceiling_s:  # [Note: resumed search]
-        heap, done = paused.pop("heap"), paused.pop("done")
-        search.skipped.update(paused.pop("skipped"))
-        paused.clear()
+        heap, done = paused["heap"], paused["done"]
+        search.skipped.update(paused["skipped"])
+        paused.clear()  # taken: a later search under a higher ceiling does not resume it again
     else:
         heap = [(search.pipeline_bound(cfg), cfg.tp, cfg.pp, i, _LAZY, cfg, None)
                 for i, cfg in enumerate(configs)]
