@@ -62,6 +62,13 @@ class DeviceSpec:
             all_reduce, vs the chunks alone). Empty for GPUs: kernels queue behind each other
             on the device, so host jitter does not reach the collective (assumption, not
             measured). See `skew`.
+        sync_skew_slope: {n: seconds of that wait per second of compute (wall time, at n busy
+            devices) since the previous synchronisation} -- on cores shared by time slicing,
+            ranks drift apart in proportion to how long they compute without meeting, so a
+            collective after a long compute waits longer than one after a short one. Fitted by
+            `autoplan calibrate` for CPU ranks together with `sync_skew_s` (then the
+            intercept), from the same test at two chunk lengths; empty for GPUs (as
+            `sync_skew_s`). See `skew_slope`.
         optimizer_op_s: host time of one op of the optimizer step on one parameter tensor,
             beyond its memory traffic (dispatch of an in-place op without autograd), seconds;
             the step costs solver.pipeline.OPTIMIZER_OPS_PER_TENSOR of them per tensor (torch's
@@ -98,6 +105,7 @@ class DeviceSpec:
     elementwise_s_per_elem: dict[str, float] = field(default_factory=dict)
     dtensor_op_overhead_s: float = 0.0
     sync_skew_s: dict[int, float] = field(default_factory=dict)
+    sync_skew_slope: dict[int, float] = field(default_factory=dict)
     optimizer_op_s: float = 0.0
     dtensor_optimizer_op_s: float = 0.0
     dtensor_redistribute_s: float = 0.0
@@ -131,8 +139,21 @@ class DeviceSpec:
         """Expected wait for stragglers at one blocking collective while `busy_devices`
         devices of the node compute (`sync_skew_s`), seconds: the entry, else the nearest
         measured count below it; 0.0 without entries or for one device."""
-        below = [n for n in self.sync_skew_s if n <= busy_devices]
-        return self.sync_skew_s[max(below)] if below and busy_devices > 1 else 0.0
+        return _at_or_below(self.sync_skew_s, busy_devices)
+
+    def skew_slope(self, busy_devices: int) -> float:
+        """Straggler wait per second of compute between synchronisations while
+        `busy_devices` devices of the node compute (`sync_skew_slope`), seconds per second: the
+        entry, else the nearest measured count below it; 0.0 without entries or for one
+        device."""
+        return _at_or_below(self.sync_skew_slope, busy_devices)
+
+
+def _at_or_below(by_count: dict[int, float], busy_devices: int) -> float:
+    """The entry of `by_count` for `busy_devices`, else for the nearest count below it; 0.0
+    without one or for a single device."""
+    below = [n for n in by_count if n <= busy_devices]
+    return by_count[max(below)] if below and busy_devices > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -258,7 +279,7 @@ def _from_dict(cls, data, where: str):
             value = {str(k): _positive(v, f"{where}.{name}[{k}]") for k, v in value.items()}
         elif name == "shared_speed":
             value = _int_keyed(value, f"{where}.{name}", lambda v, w: _positive(v, w))
-        elif name == "sync_skew_s":
+        elif name in ("sync_skew_s", "sync_skew_slope"):
             value = _int_keyed(value, f"{where}.{name}", _non_negative)
         elif name == "elementwise_s_per_elem":
             if not isinstance(value, dict):

@@ -139,6 +139,7 @@ def test_quick_run_writes_a_measured_plausible_topology(calibrated):
     assert {"tanh", "exp"} <= set(dev.elementwise_s_per_elem)
     assert 0 <= dev.dtensor_op_overhead_s < 0.1
     assert set(dev.sync_skew_s) == {2} and 0 <= dev.sync_skew_s[2] < 0.1
+    assert set(dev.sync_skew_slope) == {2} and 0 <= dev.sync_skew_slope[2] < 1
     fits = topo.intra_node.collectives
     # all_to_all is gloo's all_gather + chunk (from its fit); a fit that noise swamped on this
     # shared machine is left out for the link's figures, and all_to_all with it
@@ -176,3 +177,20 @@ def test_noisy_collective_timings_are_measured_again_then_refused_clearly():
         ranks._pooled_all_reduce(merged)
     latency_s, bw, _rms = ranks._pooled_all_reduce(quiet)
     assert latency_s > 0 and bw > 0
+
+
+def test_fit_sync_skew_draws_the_line_through_both_chunk_lengths():
+    """[Note: calibration fits], sync skew: the wait is intercept + slope x the chunk's wall
+    time through the short and the long chunk; a long chunk that waited less is noise, so the
+    slope is 0 and the short chunk's wait the intercept."""
+    from autoplan.calibrate.ranks import fit_sync_skew
+
+    short = {2: (0.3e-3, 10e-3), 4: (2.0e-3, 20e-3), 3: (1.0e-3, 10e-3)}
+    long = {2: (2.3e-3, 110e-3), 4: (16.0e-3, 220e-3), 3: (0.5e-3, 100e-3)}
+    intercept, slope = fit_sync_skew(short, long)
+    assert slope[2] == pytest.approx(0.02) and intercept[2] == pytest.approx(0.1e-3)
+    assert slope[4] == pytest.approx(0.07) and intercept[4] == pytest.approx(0.6e-3)
+    assert slope[3] == 0.0 and intercept[3] == pytest.approx(1.0e-3)
+    # a steep line through a small short-chunk wait would cross below zero: clamped at 0
+    intercept, slope = fit_sync_skew({2: (0.1e-3, 10e-3)}, {2: (10.1e-3, 60e-3)})
+    assert slope[2] == pytest.approx(0.2) and intercept[2] == 0.0

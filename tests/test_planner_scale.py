@@ -25,7 +25,9 @@ from autoplan.solver import InvalidConfig, NoFeasiblePlan, plan
 from autoplan.solver.costs import split_of
 from autoplan.solver.ilp import Solution, evaluate, model_proto
 from autoplan.solver.problem import OUTPUT, build_problem
-from autoplan.solver.search import Overrides, PlanConfig, Search, enumerate_configs
+from autoplan.solver.offload import available as offload_available
+from autoplan.solver.search import (Overrides, PlanConfig, Search, enumerate_configs,
+                                     offload_variants)
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import node_strategies, node_tensor_meta, tensor_args
 from autoplan.topology import preset
@@ -136,18 +138,31 @@ def _frontier(prob, costs) -> list[Solution]:
 
 
 def _exhaustive(graph, topology, spec) -> list[tuple[float, float, PlanConfig]]:
-    """(step time, memory, configuration) of every configuration with every placement of the
-    Pareto frontier of its (tp, microbatch size, checkpointing)."""
+    """(step time, memory, configuration) of every configuration, and of its offloaded variants
+    (`offload_variants`), with every placement of the Pareto frontier of its (tp, microbatch
+    size, checkpointing)."""
     search = Search(graph, topology, spec, 10.0)
     out, frontiers = [], {}
-    for cfg in enumerate_configs(graph, topology, spec, Overrides(), search.policies()):
-        key = (cfg.tp, cfg.microbatch_size, cfg.checkpointing)
+    for base in enumerate_configs(graph, topology, spec, Overrides(), search.policies()):
+        key = (base.tp, base.microbatch_size, base.checkpointing)
         if key not in frontiers:
-            frontiers[key] = _frontier(search.problem(cfg.tp), search.cost(*key))
-        for sol in frontiers[key]:
-            a = search.assess(cfg, sol)
-            out.append((a.step_time_s, a.memory_bytes, cfg))
+            frontiers[key] = _frontier(search.problem(base.tp), search.cost(*key))
+        offloads = offload_available(topology) and not topology.host_is_device_memory
+        variants = offload_variants(base, Overrides()) if offloads else []
+        for cfg in [base] + variants:
+            for sol in frontiers[key]:
+                a = search.assess(cfg, sol)
+                out.append((a.step_time_s, a.memory_bytes, cfg))
     return out
+
+
+def _searched(everything, budget: float) -> list[tuple[float, float, PlanConfig]]:
+    """The entries of `_exhaustive` that fit `budget` and that the planner searches: an
+    offloaded variant only where no placement of its configuration fits on the device
+    ([Note: offload] in solver/offload.py, "Search")."""
+    fits = {c for _t, memory, c in everything if memory <= budget and c.offload == "none"}
+    return [x for x in everything if x[1] <= budget and (
+        x[2].offload == "none" or dataclasses.replace(x[2], offload="none") not in fits)]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -157,7 +172,8 @@ def test_solver_equals_exhaustive_search(seed):
     an exhaustive enumeration over the same cost model.
 
     The enumeration: every configuration `enumerate_configs` yields (mesh, ZeRO stage,
-    microbatches, schedule, checkpointing: the space the planner searches), times every
+    microbatches, schedule, checkpointing: the space the planner searches) and its offloaded
+    variants where no placement of it fits on the device, times every
     combination of one candidate per ILP node (the product of the candidate lists, each
     assessed exactly as the planner assesses a placement: ilp.evaluate's per-part totals into
     Search.assess). It is reduced without loss: the step time and the peak memory of a
@@ -176,7 +192,7 @@ def test_solver_equals_exhaustive_search(seed):
     fastest = min(everything, key=lambda x: x[0])[1]
     budget = rng.uniform(0.9 * smallest, 1.05 * max(fastest, smallest))
     topology = _with_memory(topology, budget / spec.max_memory_fraction)
-    fitting = [x for x in everything if x[1] <= budget]
+    fitting = _searched(everything, budget)
     if not fitting:
         with pytest.raises(NoFeasiblePlan):
             plan(graph, topology, spec)

@@ -129,7 +129,8 @@ def test_measured_fields_round_trip_and_speed(tmp_path):
     device = dataclasses.replace(base.device, matmul_half_dim=24.0,
                                  shared_speed={1: 1.0, 2: 0.98, 4: 0.5},
                                  elementwise_s_per_elem={"tanh": 2.5e-9},
-                                 dtensor_op_overhead_s=3e-5, sync_skew_s={2: 4e-4, 4: 2e-3})
+                                 dtensor_op_overhead_s=3e-5, sync_skew_s={2: 4e-4, 4: 2e-3},
+                                 sync_skew_slope={2: 0.02, 4: 0.07})
     link = dataclasses.replace(base.intra_node, collectives={
         "all_reduce": {2: {1: [1e-4, 1e9], 2: [2e-4, 7e8]}}})
     topo = dataclasses.replace(base, device=device, intra_node=link)
@@ -141,12 +142,18 @@ def test_measured_fields_round_trip_and_speed(tmp_path):
     assert base.device.speed(8) == 1.0  # GPUs share nothing
     assert [device.skew(n) for n in (1, 2, 3, 4, 8)] == [0.0, 4e-4, 4e-4, 2e-3, 2e-3]
     assert base.device.skew(8) == 0.0
+    assert [device.skew_slope(n) for n in (1, 2, 3, 4, 8)] == [0.0, 0.02, 0.02, 0.07, 0.07]
+    assert base.device.skew_slope(8) == 0.0
     assert link.fit("all_reduce", 2, 2) == (2e-4, 7e8)
     assert link.fit("all_reduce", 2, 3) == (2e-4, 7e8)  # nearest measured group count
     assert link.fit("all_gather", 2, 1) == (base.intra_node.latency_s, base.intra_node.bw_bytes_per_s)
     data = topo.to_dict()
     data["device"]["sync_skew_s"] = {2: -1e-3}
     with pytest.raises(ValueError, match=r"device\.sync_skew_s.*>= 0"):
+        load_topology(_saved(tmp_path, data))
+    data = topo.to_dict()
+    data["device"]["sync_skew_slope"] = {4: -0.1}
+    with pytest.raises(ValueError, match=r"device\.sync_skew_slope.*>= 0"):
         load_topology(_saved(tmp_path, data))
     data = topo.to_dict()
     data["intra_node"]["collectives"]["all_reduce"][2][1] = [1e-4]

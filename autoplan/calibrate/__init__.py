@@ -47,12 +47,16 @@ cannot bend a fitted curve.
   training step, not a matmul: n ranks on shared cores lose more on its elementwise ops
   (memory bandwidth, caches) than on matmuls (4 ranks on 2 cores: ~0.42 for a d=256 matmul
   loop, less for the step).
-- Sync skew (`DeviceSpec.sync_skew_s`, cost_model/comm.py [Note: stragglers]): for
-  n = 2..max_ranks the first n ranks run rounds of [a compute chunk of (256, 256) matmuls,
-  ~`skew_chunk_s` alone; a 4-byte all_reduce over the n ranks], each timing its own chunk; a
-  round lasts as long as its slowest chunk, so the wait for stragglers per synchronisation is
-  the slowest chunk minus the mean one: its median over `skew_iters` x `repeats` rounds (the
-  ranks agree on it: all-gathered chunk times).
+- Sync skew (`DeviceSpec.sync_skew_s`, `sync_skew_slope`, cost_model/comm.py [Note:
+  stragglers]): for n = 2..max_ranks the first n ranks run rounds of [a compute chunk of
+  (256, 256) matmuls, ~`skew_chunk_s` alone; a 4-byte all_reduce over the n ranks], each timing
+  its own chunk; a round lasts as long as its slowest chunk, so the wait for stragglers per
+  synchronisation is the slowest chunk minus the mean one: its median over `skew_iters` x
+  `repeats` rounds (the ranks agree on it: all-gathered chunk times). Ranks sharing cores drift
+  apart the longer they compute without meeting (4 ranks on 2 cores: ~2 ms after 5 ms chunks,
+  ~7-10 ms after 50 ms, ~20 ms after 150 ms), so the test runs again with chunks of
+  `skew_long_chunk_s` and the wait is fitted as intercept (`sync_skew_s`) + slope
+  (`sync_skew_slope`) x the chunk's wall time, through the two points.
 - Collectives (`LinkSpec.collectives`, [Note: measured collectives] in cost_model/comm.py): for
   every rank count N = 2..max_ranks and group size p dividing N, the first N ranks form g = N / p
   groups of p consecutive ranks and every group runs the collective at the same time (as SPMD runs
@@ -163,7 +167,8 @@ def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
             matmul_efficiency=fig["eff"], launch_latency_s=fig["launch_s"],
             matmul_half_dim=fig["half_dim"], shared_speed=fig["shared_speed"],
             elementwise_s_per_elem=fig["elementwise"], dtensor_op_overhead_s=fig["dtensor_s"],
-            sync_skew_s=fig["sync_skew"], optimizer_op_s=fig["optimizer_op_s"],
+            sync_skew_s=fig["sync_skew"], sync_skew_slope=fig["sync_skew_slope"],
+            optimizer_op_s=fig["optimizer_op_s"],
             dtensor_redistribute_s=fig["redistribute_s"],
             dtensor_optimizer_op_s=fig["dtensor_optimizer_op_s"]),
         intra_node=link, inter_node=link, measured=True,
@@ -211,9 +216,11 @@ def _source(fig: dict, s: _Settings, max_ranks: int, quick: bool) -> str:
         "memory pass, per tensor and op, times shared_speed",
         "dtensor_redistribute_s = DTensor Shard(1) -> Replicate of an (8, 8p) tensor minus a "
         "raw all_gather of it, times shared_speed",
-        "sync_skew_s = slowest minus mean chunk of rounds [compute chunk of "
-        f"{s.skew_chunk_s * 1e3:g} ms; 4-byte all_reduce]: "
-        + ", ".join(f"n={n} {v * 1e3:.2f} ms" for n, v in fig["sync_skew"].items()),
+        "sync_skew_s + sync_skew_slope x chunk wall time = slowest minus mean chunk of rounds "
+        f"[compute chunk of {s.skew_chunk_s * 1e3:g} ms and of {s.skew_long_chunk_s * 1e3:g} ms "
+        "alone; 4-byte all_reduce], through the two points: " + ", ".join(
+            f"n={n} {v * 1e3:.2f} ms + {fig['sync_skew_slope'][n]:.3f} x"
+            for n, v in fig["sync_skew"].items()),
         f"mem_bytes = MemTotal / {max_ranks}",
         "shared_speed = per-rank reference-step throughput with n ranks at once times the "
         f"model's one-rank step time ({fig['solo_step_s'] * 1e3:.3g} ms), "
@@ -260,7 +267,8 @@ def _print_table(topo: Topology, fig: dict, out: Path) -> None:
         ("shared speed (n ranks at once)",
          ", ".join(f"{n}: {v:.2f}" for n, v in dev.shared_speed.items())),
         ("sync skew (n ranks at once)",
-         ", ".join(f"{n}: {v:.3g} s" for n, v in dev.sync_skew_s.items())),
+         ", ".join(f"{n}: {v:.3g} s + {dev.skew_slope(n):.3f} x compute"
+                   for n, v in dev.sync_skew_s.items())),
         ("all_reduce busbw", f"{link.bw_bytes_per_s:.3g} B/s"),
         ("all_reduce latency per step", f"{link.latency_s:.3g} s (rms rel. error "
                                         f"{fig['ar_rms']:.0%})"),

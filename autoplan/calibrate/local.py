@@ -37,19 +37,23 @@ class _Settings:
     speed_rounds: int
     skew_chunk_s: float       # compute between two synchronisations of the sync-skew test
     skew_iters: int           # synchronisations per repeat of it
+    skew_long_chunk_s: float  # the longer chunk that fits the skew's slope
+    skew_long_iters: int      # synchronisations per repeat with it
 
 
 _FULL = _Settings(matmul_dims=(16, 32, 64, 128, 256, 512, 1024), bf16_dims=(256, 512),
                   mem_bytes=64 * 2**20,
                   collective_bytes=(4, 2**10, 2**14, 2**17, 2**20, 2**22, 2**24),
                   repeats=7, min_time_s=0.01, speed_window_s=0.3, speed_rounds=3,
-                  skew_chunk_s=0.005, skew_iters=20)
+                  skew_chunk_s=0.005, skew_iters=20, skew_long_chunk_s=0.08,
+                  skew_long_iters=4)
 
 
 _QUICK = _Settings(matmul_dims=(32, 64, 128, 256), bf16_dims=(256,), mem_bytes=16 * 2**20,
                    collective_bytes=(4, 2**14, 2**20), repeats=3, min_time_s=0.003,
                    speed_window_s=0.05, speed_rounds=1,
-                   skew_chunk_s=0.002, skew_iters=5)
+                   skew_chunk_s=0.002, skew_iters=5, skew_long_chunk_s=0.01,
+                   skew_long_iters=2)
 
 
 def median_call_times_s(fns: Mapping[K, Callable[[], object]], *, repeats: int,

@@ -16,7 +16,7 @@ import torch
 from autoplan.calibrate.fits import fit_collective
 from autoplan.calibrate.local import _Settings, median_call_times_s, reference_step
 
-__all__ = ["shared_speed_job", "sync_skew_job", "dtensor_overhead_job"]
+__all__ = ["shared_speed_job", "sync_skew_job", "fit_sync_skew", "dtensor_overhead_job"]
 
 def _speed_windows(work: Callable[[], float], counts: list[int], window_s: float,
                    rounds: int) -> dict[int, list[float]]:
@@ -55,13 +55,15 @@ def shared_speed_job(counts: list[int], window_s: float, rounds: int) -> dict[in
     return _speed_windows(one_step, counts, window_s, rounds)
 
 
-def sync_skew_job(max_ranks: int, chunk_s: float, iters: int, repeats: int) -> dict[int, float]:
+def sync_skew_job(max_ranks: int, chunk_s: float, iters: int,
+                  repeats: int) -> dict[int, tuple[float, float]]:
     """On every rank: for n = 2..max_ranks, the first n ranks run `iters` x `repeats` rounds of
     [compute chunk; 4-byte all_reduce over the n ranks], each rank timing its own chunk from the
     moment the previous all_reduce returned. A round lasts as long as its slowest chunk, so a
     synchronisation costs the slowest rank's chunk minus the mean one: the wait for stragglers
     ([Note: calibration fits], sync skew). A chunk is (256, 256) matmuls for ~`chunk_s` alone.
-    Returns {n: median over rounds of (max - mean) chunk time, seconds}."""
+    Returns {n: (median over rounds of (max - mean) chunk time, median mean chunk time)},
+    seconds: the wait and the wall time of the compute it followed."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -74,7 +76,7 @@ def sync_skew_job(max_ranks: int, chunk_s: float, iters: int, repeats: int) -> d
     calls = torch.tensor([max(1, round(chunk_s / ((time.perf_counter() - t0) / 20)))])
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank runs the same chunk
     k, flag, rounds = int(calls), torch.zeros(1), iters * repeats
-    skew: dict[int, float] = {}
+    skew: dict[int, tuple[float, float]] = {}
     for n in range(2, max_ranks + 1):
         group = dist.new_group(list(range(n)))  # collective: every rank creates it
         if rank < n:
@@ -89,9 +91,24 @@ def sync_skew_job(max_ranks: int, chunk_s: float, iters: int, repeats: int) -> d
             every = torch.zeros(n * rounds, dtype=torch.float64)
             dist.all_gather_into_tensor(every, mine, group=group)
             chunks = every.view(n, rounds)
-            skew[n] = float((chunks.max(dim=0).values - chunks.mean(dim=0)).median())
+            skew[n] = (float((chunks.max(dim=0).values - chunks.mean(dim=0)).median()),
+                       float(chunks.mean(dim=0).median()))
         dist.barrier()
     return skew
+
+
+def fit_sync_skew(short: dict[int, tuple[float, float]],
+                  long: dict[int, tuple[float, float]]) -> tuple[dict, dict]:
+    """(sync_skew_s, sync_skew_slope) per rank count from `sync_skew_job` at a short and a
+    long chunk ([Note: calibration fits], sync skew): the wait is intercept + slope x chunk
+    wall time, through the two points; slope and intercept clamped at 0 (a longer chunk that
+    waited less is noise, not a negative drift)."""
+    intercept, slope = {}, {}
+    for n, (s_short, w_short) in short.items():
+        s_long, w_long = long[n]
+        k = max(0.0, (s_long - s_short) / (w_long - w_short)) if w_long > w_short else 0.0
+        slope[n], intercept[n] = k, max(0.0, s_short - k * w_short)
+    return intercept, slope
 
 
 def dtensor_overhead_job(repeats: int, min_time_s: float) -> dict:
@@ -333,6 +350,8 @@ def _measure_ranks(max_ranks: int, s: _Settings, solo_step_s: float) -> dict:
                              timeout_s=300.0)
         skews = cluster.run(sync_skew_job, max_ranks, s.skew_chunk_s, s.skew_iters, s.repeats,
                             timeout_s=300.0)
+        skews_long = cluster.run(sync_skew_job, max_ranks, s.skew_long_chunk_s,
+                                 s.skew_long_iters, s.repeats, timeout_s=300.0)
         samples = _collective_samples(cluster.run(
             _collectives_job, max_ranks, list(s.collective_bytes), s.repeats, s.min_time_s,
             timeout_s=600.0))
@@ -350,11 +369,14 @@ def _measure_ranks(max_ranks: int, s: _Settings, solo_step_s: float) -> dict:
         per_round = [statistics.median(r[n][i] for r in speeds if n in r)
                      for i in range(s.speed_rounds)]
         shared[n] = statistics.median(per_round) * solo_step_s
-    skew = {n: skews[0][n] for n in counts[1:]}  # the ranks computed the same figure
+    # the ranks computed the same figures
+    skew, skew_slope = fit_sync_skew({n: skews[0][n] for n in counts[1:]},
+                                     {n: skews_long[0][n] for n in counts[1:]})
     table, errors = _fit_tables(samples)
     latency_s, bw, rms = pooled
     speed = shared[max_ranks]  # all ranks measured at once: one-rank figures below
-    return dict(samples=samples, shared_speed=shared, sync_skew=skew, collectives=table,
+    return dict(samples=samples, shared_speed=shared, sync_skew=skew,
+                sync_skew_slope=skew_slope, collectives=table,
                 fit_errors=errors, latency_s=latency_s, bw=bw, ar_rms=rms,
                 dtensor_s=statistics.median(r["dispatch_s"] for r in dtensor) * speed,
                 redistribute_s=statistics.median(r["redistribute_s"] for r in dtensor) * speed,

@@ -35,6 +35,10 @@ by a random amount. `DeviceSpec.skew(n)` (`sync_skew_s`, fitted by `autoplan cal
 the GPU presets) is that expected wait per blocking collective with n busy devices on the node
 (all of them, under SPMD); `collective_time_s` adds it to every collective of a group. Pipeline
 send/recv does not pay it: a stage waiting for its neighbour is the pipeline term's business.
+The wait grows with the compute since the ranks last met (time slicing lets them drift apart):
+`sync_skew_s` is the intercept of that line and `DeviceSpec.skew_slope(n)` its slope, which the
+step-time model charges once per step on the step's compute (solver/pipeline.py [Note: step
+time], drift), since the compute between meetings sums to it.
 
 [Note: group layout]
 Mesh axes are ("pp", "dp", "tp") with tp innermost, so a group of the tp axis has stride 1, of

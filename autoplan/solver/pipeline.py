@@ -10,7 +10,7 @@ collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
     pipeline = sum over slots j = 0 .. m v + pp - 2 of
                (t_comp speed(N) / speed(a_j R) + t_comm) / v,   a_j = min(j + 1, pp, m v,
                                                                          m v + pp - 1 - j)
-    step     = pipeline + dp_sync + dp_local + optimizer
+    step     = pipeline + dp_sync + dp_local + optimizer + drift
 
 - speed(n) = DeviceSpec.speed(n): the fraction of its solo speed a device keeps while n devices
   of its node compute (1 for GPUs; measured for CPU ranks sharing cores, `autoplan calibrate`).
@@ -26,7 +26,9 @@ collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
   stage boundary send at once.
 - dp_sync, over the dp group (stride tp; dp x cp ranks with context parallelism, whose ranks
   reduce and shard like data-parallel ones), G / W = the rank's gradient / parameter bytes, as the
-  runtime issues it (autoplan/runtime/engine.py, step 4: one FSDP2 unit per pipeline stage):
+  runtime issues it (autoplan/runtime/engine.py, step 4: one FSDP2 unit per block and one per
+  stage root, `_dp_units`; each collective below is issued per unit on the unit's share of
+  the bytes, so the latency and straggler terms are paid per unit):
     ZeRO 0: all_reduce(G) (FSDP2 replicate)          ZeRO 1: all_reduce(G) + all_gather(W)
     ZeRO 2: reduce_scatter(G) + all_gather(W)       ZeRO 3: reduce_scatter(G) + 2 all_gather(W)
   (ZeRO-3 gathers the parameters for the forward and again for the backward: 1.5x the traffic of
@@ -45,6 +47,12 @@ collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
   AdamW update's figures on devices that fuse, `optimizer_pass`) (op_s =
   DeviceSpec.optimizer_op_s, or dtensor_optimizer_op_s when the parameters are DTensors: tp > 1,
   or dp > 1 with FSDP2, i.e. ZeRO 0, 2, 3).
+- drift = DeviceSpec.skew_slope(N) x (m t_comp + optimizer) when the rank meets others at
+  collectives (tp x dp x cp > 1): ranks sharing cores drift apart in proportion to the compute
+  between their meetings, and the sum of that compute over a step is the step's compute, so the
+  step waits slope x compute for stragglers beyond the per-collective intercept that
+  `collective_time_s` adds (cost_model/comm.py [Note: stragglers]). 0 on the GPU presets
+  (no fit); pipeline send/recv between stages is the pipeline term's.
 - offload (a configuration's `offload`, [Note: offload] in solver/offload.py): the optimizer
   term becomes the host step, and the host <-> device transfers join the exposed
   communication; the offloaded states leave the device's memory for the host's.
@@ -114,12 +122,15 @@ __all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TE
 
 DP_SYNC_OVERLAP = 0.0
 """Fraction of the data-parallel gradient sync (and ZeRO-3 parameter gathers) hidden behind
-compute. Derived from the runtime, not assumed: autoplan/runtime/engine.py wraps each pipeline
-stage as one FSDP2 (or replicate) unit, so the stage's gradients are reduced after its whole
-backward and its parameters gathered before its forward and backward start -- there is nothing
-left to overlap with (bucketed overlap, PyTorch DDP, Li et al. VLDB 2020, section 3.2.3, needs
-one unit per block). Megatron-LM, in the runs of Narayanan et al. SC'21, likewise all-reduced the
-data-parallel gradients after the pipeline flush."""
+compute: none is credited. autoplan/runtime/engine.py makes one FSDP2 (or replicate) unit per
+block, so on GPUs FSDP2 can overlap a block's reduce-scatter with the next block's backward and
+prefetch the next block's all-gather; that overlap is not modelled (the dp collectives are priced
+in full, a conservative bound). On CPU ranks (gloo) there is none to credit: a 13 MB all_reduce
+issued asynchronously while the rank computes adds about as much to the step as one issued after
+the compute (2 and 4 ranks of this repository's 2-core machine, 2026-12-04, ~7 vs 11 ms and 55
+vs 61 ms), because gloo's transfers need the cores the compute holds. Megatron-LM, in the runs of
+Narayanan et al. SC'21 that bench/published.py checks, all-reduced the data-parallel gradients
+after the pipeline flush."""
 
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 80.0, "sgd": 12.0}
 """Bytes an optimizer step moves per fp32 parameter it updates. Derived from torch's AdamW
@@ -440,7 +451,7 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
                               boundary_bytes, offload, shares[r]) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])
     elems = max(sol.param_elems_on(shares[r]) for r in ranks)
-    dp_sync = _dp_sync_s(cfg, spec, topology, elems)
+    dp_sync = _dp_sync_s(cfg, spec, topology, elems, _dp_units(cfg, layers))
     exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(cfg, spec, topology, elems) / speed
     tensors = max(on(r, param_tensors) for r in ranks)
     if offload == "none":
@@ -456,6 +467,8 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
         exposed += transfers
     host = off.host_state_bytes(elems, cfg.zero_stage, cfg.dp_shard, offload, spec)
     m = cfg.num_microbatches
+    if cfg.tp * cfg.dp_shard > 1:  # drift between meetings ([Note: step time])
+        exposed += topology.device.skew_slope(busy) * (m * comp + optimizer)
     breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
     peak = memories[worst]["peak"]
     fits = peak <= spec.max_memory_fraction * topology.device.mem_bytes and (
@@ -569,20 +582,36 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     return passes / device.mem_bw_bytes_per_s
 
 
-def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float) -> float:
+def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float,
+               units: int = 1) -> float:
     """The dp group's collectives per step ([Note: step time], dp_sync); with context
-    parallelism the group is dp x cp ranks (the dp and cp axes are adjacent, so stride tp)."""
+    parallelism the group is dp x cp ranks (the dp and cp axes are adjacent, so stride tp).
+    FSDP2 issues each reduction and gather once per unit (`units`, `_dp_units`), each on that
+    unit's share of the bytes: the bandwidth terms sum to the whole, the latency and straggler
+    terms are paid per unit. ZeRO-1's gather of the updated parameters is one packed
+    all-gather (runtime/parallel.py ShardedOptimizer)."""
     if cfg.dp_shard == 1:
         return 0.0
     grads, weights = _grad_weight_bytes(spec, elems)
-    t = lambda kind, n: collective_time_s(kind, n, cfg.dp_shard, topology,  # noqa: E731
-                                          stride=cfg.tp)
+
+    def t(kind: str, nbytes: float, n: int = units) -> float:
+        return n * collective_time_s(kind, nbytes / n, cfg.dp_shard, topology, stride=cfg.tp)
+
     reductions = _reductions(cfg)
     if cfg.zero_stage == 0:
         return reductions * t("all_reduce", grads)
     if cfg.zero_stage == 1:
-        return reductions * t("all_reduce", grads) + t("all_gather", weights)
+        return reductions * t("all_reduce", grads) + t("all_gather", weights, 1)
     return reductions * t("reduce_scatter", grads) + _gathers(cfg) * t("all_gather", weights)
+
+
+def _dp_units(cfg: Config, layers) -> int:
+    """FSDP2 units on the busiest pipeline rank (autoplan/runtime/engine.py
+    `_apply_data_parallel`: one per block module and one per stage module for the rest): its
+    blocks, plus the stage root on the first and last pipeline ranks, which hold the parameters
+    outside the blocks (embeddings, final norm, head); middle ranks' roots hold none and issue
+    no collective."""
+    return max(1, max(n + (r == 0 or r == cfg.pp - 1) for r, n in enumerate(layers)))
 
 
 def _gathers(cfg: Config) -> int:

@@ -1,0 +1,77 @@
+"""The data-parallel sync as the runtime issues it: one collective per FSDP2 unit, and the
+stragglers' drift on ranks that share cores (solver/pipeline.py [Note: step time])."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autoplan.capture import capture_preset
+from autoplan.cost_model.comm import collective_time_s
+from autoplan.solver.pipeline import Config, _dp_sync_s, _dp_units
+from autoplan.solver.search import PlanConfig, Search
+from autoplan.spec import TrainingSpec
+from autoplan.topology import preset
+
+
+def _local4(**device):
+    topo = preset("local-cpu", devices_per_node=4)
+    return dataclasses.replace(topo, device=dataclasses.replace(topo.device, **device))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_each_unit_pays_its_own_latency_and_straggler_wait(zero_stage):
+    """FSDP2 reduces (and gathers) per unit: the same bytes in `units` collectives cost the
+    bandwidth term once and the latency + skew of a collective once per unit; ZeRO-1's packed
+    all-gather of the updated parameters stays one collective."""
+    topo = _local4(sync_skew_s={4: 2e-3})
+    cfg = Config(pp=1, dp=4, tp=1, zero_stage=zero_stage, num_microbatches=2,
+                 microbatch_size=1, schedule="1f1b", num_virtual_stages=1)
+    spec = TrainingSpec(global_batch=8, seq_len=16)
+    elems = 3.0e6
+    one, five = (_dp_sync_s(cfg, spec, topo, elems, units) for units in (1, 5))
+    per_unit = {0: ["all_reduce"], 1: ["all_reduce"],
+                2: ["reduce_scatter"] * 2 + ["all_gather"] * 2,  # both per microbatch
+                3: ["reduce_scatter"] * 2 + ["all_gather"] * 4}[zero_stage]
+    fixed = sum(collective_time_s(kind, 0.0, 4, topo) for kind in per_unit)
+    assert fixed > 2e-3 * len(per_unit)  # latency steps and the skew
+    assert five - one == pytest.approx(4 * fixed, rel=1e-9)
+
+
+def test_units_are_the_blocks_and_the_roots_holding_parameters():
+    """engine.py `_apply_data_parallel`: a unit per block, one per stage root; only the first
+    and last pipeline ranks' roots hold parameters (embeddings, head)."""
+    def cfg(pp):
+        return Config(pp=pp, dp=2, tp=1, zero_stage=0, num_microbatches=4,
+                      microbatch_size=1, schedule="1f1b", num_virtual_stages=1)
+    assert _dp_units(cfg(1), [12]) == 13
+    assert _dp_units(cfg(4), [3, 3, 3, 3]) == 4
+    assert _dp_units(cfg(4), [2, 4, 4, 2]) == 4
+    assert _dp_units(cfg(4), [4, 3, 3, 2]) == 5
+    assert _dp_units(cfg(2), [0, 0]) == 1
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture_preset("gpt2-tiny", batch=1, seq_len=16)
+
+
+@pytest.mark.parametrize("mesh, drifts", [((1, 4, 1), True), ((1, 2, 2), True),
+                                          ((1, 1, 4), True), ((4, 1, 1), False)])
+def test_ranks_that_meet_at_collectives_wait_for_drift_in_proportion_to_compute(
+        graph, mesh, drifts):
+    """[Note: step time], drift: with sync_skew_slope s, a plan whose ranks meet at
+    collectives (dp, tp) takes s x its compute longer; a pipeline-only plan (send/recv between
+    stages) does not."""
+    pp, dp, tp = mesh
+    spec = TrainingSpec(global_batch=8, seq_len=16)
+    cfg = PlanConfig(pp, dp, tp, 0, 2 * pp, 8 // (2 * pp) // dp, "1f1b", 1)
+    runs = []
+    for slope in ({}, {4: 0.1}):
+        search = Search(graph, _local4(sync_skew_slope=slope), spec, 1.0)
+        runs.append(search.assess(cfg, search.solution(cfg)))
+    plain, drifted = runs
+    want = 0.1 * plain.compute_s if drifts else 0.0
+    assert drifted.step_time_s - plain.step_time_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert drifted.comm_s - plain.comm_s == pytest.approx(want, rel=1e-9, abs=1e-12)
