@@ -45,7 +45,7 @@ _FULL = _Settings(matmul_dims=(16, 32, 64, 128, 256, 512, 1024), bf16_dims=(256,
                   mem_bytes=64 * 2**20,
                   collective_bytes=(4, 2**10, 2**14, 2**17, 2**20, 2**22, 2**24),
                   repeats=7, min_time_s=0.01, speed_window_s=0.3, speed_rounds=3,
-                  skew_chunk_s=0.005, skew_iters=20, skew_long_chunk_s=0.08,
+                  skew_chunk_s=0.005, skew_iters=20, skew_long_chunk_s=0.1,
                   skew_long_iters=4)
 
 
