@@ -682,3 +682,21 @@ def _held_after_forward(name: str, batch: int, overrides: dict, seq: int):
                       if r.collective == "all_gather" and r.consumer in saver)
     return min(held), plan.prediction.memory_breakdown["activations"], shards_save
 
+
+
+def eval_outputs_refusal(factory, batch: int, overrides: dict, *, seq: int = SEQ):
+    """On every rank: plan with `overrides`, evaluate one batch for its loss, then ask for the
+    outputs too, then the loss again; returns (loss, what the second call raised:
+    "NotImplementedError: ..." or "no error", the third call's loss)."""
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=seq, **overrides)
+    x, y = batches(vocab_of(model), 1, batch, seq)
+    loss = ap.eval_step(x[0], y[0])
+    try:
+        ap.eval_step(x[0], y[0], return_outputs=True)
+        raised = "no error"
+    except NotImplementedError as e:
+        raised = f"NotImplementedError: {e}"
+    return float(loss), raised, float(ap.eval_step(x[0], y[0]))

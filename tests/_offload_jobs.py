@@ -44,5 +44,25 @@ def train_offloaded(factory, steps: int, batch: int, overrides: dict, *, seq: in
              "bytes_to_device": host.bytes_to_device if host else 0,
              "host_bytes": host.host_bytes() if host else 0,
              "stepped_elems": stepped,
-             "fsdp_offloaded": _fsdp_offloaded(engine)}
+             "fsdp_offloaded": _fsdp_offloaded(engine),
+             "checkpoint_refusals": _checkpoint_refusals(ap)}
     return losses, ap.state_dict(), ap.plan.to_json(), facts
+
+
+def _checkpoint_refusals(ap) -> list[str]:
+    """What `save` and `load` of an offloaded plan raise (runtime/checkpoint.py refuses both
+    before any collective or file access; load of a directory that does not exist still names
+    the offload)."""
+    import tempfile
+    from pathlib import Path
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for call, path in ((ap.save, Path(tmp) / "ckpt"), (ap.load, Path(tmp) / "absent")):
+            try:
+                call(path)
+                out.append(f"{call.__name__}: no error")
+            except NotImplementedError as e:
+                out.append(str(e))
+        assert not (Path(tmp) / "ckpt").exists(), "a refused save wrote files"
+    return out

@@ -579,3 +579,17 @@ def test_cp_matches_single_process(clusters, cp_references, name, mesh):
             assert any(p != "R" for _, p in got["param_placements"]), "no weight split on tp"
         held |= set(result[1])
     assert held == set(ref[1]), "some parameters are held by no rank"
+
+
+@pytest.mark.slow
+def test_eval_outputs_under_cp_are_refused_by_name_and_the_loss_is_not(clusters):
+    """eval_step under cp2 gives the loss; asking for the outputs too (each rank holds two
+    chunks of every sample's, not put back in order) is refused by name, on every rank, and
+    leaves the process group usable (a loss-only evaluation after it still agrees)."""
+    results = clusters.get(2).run(_jobs.eval_outputs_refusal, _jobs.preset("gpt2-tiny"), BATCH,
+                                  dict(cp=2, zero_stage=0), timeout_s=180)
+    losses = {loss for loss, _, _ in results} | {again for _, _, again in results}
+    assert len(losses) == 1 and all(loss > 0 for loss in losses), losses
+    for _, raised, _ in results:
+        assert raised.startswith("NotImplementedError: eval_step(return_outputs=True) under "
+                                 "context parallelism (cp 2)"), raised

@@ -184,4 +184,8 @@ def test_zero3_offloaded_params_match_single_process(clusters, references, name)
         assert_matches(name, result, references(name))
         facts = result[3]
         assert facts["fsdp_offloaded"] and all(facts["fsdp_offloaded"])
+        # checkpoints of offloaded states are refused by name, before any file is written
+        save, load = facts["checkpoint_refusals"]
+        assert save.startswith("checkpoint of a plan with offload 'optimizer+params'"), save
+        assert load.startswith("load of a plan with offload 'optimizer+params'"), load
     assert all(Plan.from_json(r[2]).offload == "optimizer+params" for r in results)

@@ -125,12 +125,13 @@ def check_files(path: str | os.PathLike) -> None:
 def load(model, path: str | os.PathLike) -> None:
     """Load the DCP directory `path` into `model` (collective), resharding as needed.
 
-    Raises CheckpointError (before anything is changed) for a missing directory, one not
-    written by `save`, or a truncated file; whatever DCP raises for a missing key or a shape
-    mismatch (it names the key).
+    Raises NotImplementedError for a plan with offload, and CheckpointError for a missing
+    directory, one not written by `save`, or a truncated file, both before anything is
+    changed; whatever DCP raises for a missing key or a shape mismatch (it names the key).
     """
     from autoplan._torch_compat import checkpoint_keys
 
+    _no_offload(model, "load")  # before the optimizer's zero step changes anything
     check_files(path)
     _initialise_optimizer_state(model)
     sd, copies = _state_dict(model)
