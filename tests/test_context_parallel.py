@@ -163,7 +163,7 @@ def test_search_covers_cp_and_bounds_hold(long_llama, h100):
 
 
 def test_pipeline_bound_is_below_every_lower_bound(long_llama, h100):
-    """[Note: lazy bounds] in solver/planner.py: the pipeline term a configuration waits at
+    """[Note: lazy bounds] in solver/branch_bound.py: the pipeline term a configuration waits at
     never exceeds its lower bound, for every configuration (cp > 1 and offloads included)."""
     from autoplan.solver.search import offload_variants
     search = Search(long_llama, h100, SPEC, 10.0)
@@ -179,7 +179,7 @@ def test_lazy_bounds_pop_as_bounding_everything_first(long_llama, h100, monkeypa
     assessments in the same order as with every configuration bounded up front (every lazy
     entry at bound -inf: all are expanded, in index order, before anything else pops), over
     cp 1 and cp > 1, memory binding or not; and so the same plan."""
-    from autoplan.solver.planner import _branch_and_bound
+    from autoplan.solver.branch_bound import branch_and_bound
     for mem in (None, 3e9):
         topo = h100 if mem is None else dataclasses.replace(
             h100, device=dataclasses.replace(h100.device, mem_bytes=mem))
@@ -189,21 +189,21 @@ def test_lazy_bounds_pop_as_bounding_everything_first(long_llama, h100, monkeypa
             if not lazy:
                 monkeypatch.setattr(search, "pipeline_bound", lambda cfg: float("-inf"))
             configs = enumerate_configs(long_llama, topo, SPEC, Overrides(), search.policies())
-            done = _branch_and_bound(search, configs, 5, Overrides())
+            done = branch_and_bound(search, configs, 5, Overrides())
             runs.append([(a.config, a.step_time_s, a.memory_bytes, a.fits) for a in done])
         assert runs[0] == runs[1] and runs[0]
 
 
 def test_a_resumed_search_equals_a_fresh_one(long_llama, h100):
-    """[Note: resumed search] in solver/planner.py: a branch and bound paused under a ceiling
+    """[Note: resumed search] in solver/branch_bound.py: a branch and bound paused under a ceiling
     below the optimum (nothing found), then resumed under a higher one, makes the same
     assessments in the same order as a fresh search under the higher ceiling (cp 1 and cp > 1,
     memory binding or not), and pauses with entries left to pop."""
-    from autoplan.solver.planner import _branch_and_bound
+    from autoplan.solver.branch_bound import branch_and_bound
 
     def run(search, topo, ceiling, paused=None):
         configs = enumerate_configs(long_llama, topo, SPEC, Overrides(), search.policies())
-        done = _branch_and_bound(search, configs, 5, Overrides(), ceiling, paused)
+        done = branch_and_bound(search, configs, 5, Overrides(), ceiling, paused)
         return [(a.config, a.step_time_s, a.memory_bytes, a.fits) for a in done]
 
     for mem in (None, 3e9):

@@ -11,8 +11,10 @@ The pipeline, in files:
     ilp_types.py      its inputs (per-rank memory, step form) and its Solution
     pipeline.py       step time and memory of a configuration (bubble, dp sync, per-rank peak)
     search.py         configurations, bounds, step forms, errors ([Note: decomposition])
-    planner.py        plan(): branch and bound over configurations -> the best and runners-up;
-                      reprice(): a fixed plan priced on another topology
+    branch_bound.py   the branch and bound over configurations (lazy, resumable bounds)
+    planner.py        plan(): that search driven to the best plan and runners-up (cp first
+                      under a bound, offload where nothing fits, errors); reprice(): a fixed
+                      plan priced on another topology
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
 Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig`, `SolverLimitReached` (all

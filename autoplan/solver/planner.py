@@ -1,4 +1,5 @@
-"""`plan()`: the search of search.py driven to a `Plan` (branch and bound over configurations)."""
+"""`plan()`: the search of search.py driven to a `Plan` (its branch and bound over
+configurations: solver/branch_bound.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from autoplan.cost_model.fidelity import error_bands
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
+from autoplan.solver.branch_bound import (
+    POLICY_ORDER, branch_and_bound, offload_candidates, offloaded, rank_key,
+    runner_up_group,
+)
 from autoplan.solver.context import cp_degrees
 from autoplan.units import fmt_bytes
 from autoplan.solver.experts import expert_parallel
@@ -22,11 +27,8 @@ from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
-    SolverLimitReached, SolverLimitWarning, enumerate_configs, offload_variants, same_argmin,
-    validate,
+    SolverLimitReached, SolverLimitWarning, enumerate_configs, validate,
 )
-from autoplan.solver.offload import OFFLOADS
-from autoplan.solver.offload import available as offload_available
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -266,18 +268,19 @@ def _cp_ceiling_s(first_s: float, topology: Topology) -> float:
 # included: a ceiling only sets the best step time before one is found, and every
 # configuration bounded below the plan found is popped, and solved, under either. Otherwise
 # the searches run as before, cp = 1 then cp > 1 under its best's ceiling; the second cp > 1
-# search resumes the first where it stopped ([Note: resumed search]: every entry the first
-# popped was under the lower ceiling, so the second would pop it too, before any runner-up is
-# filled in: the runners-up's ILP budget is unchanged).
+# search resumes the first where it stopped ([Note: resumed search] in branch_bound.py: every
+# entry the first popped was under the lower ceiling, so the second would pop it too, before
+# any runner-up is filled in: the runners-up's ILP budget is unchanged).
 
 
 def _least_bound_s(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
                    overrides: Overrides, time_limit_s: float, shared: dict) -> float:
     """A step time no plan the overrides admit beats, seconds ([Note: cp first under a
     bound]): the least search.lower_bound that fits over the configurations and their offload
-    variants (`_variants`), inf when none (or the overrides admit none). Lazily, as
-    `_branch_and_bound` ([Note: lazy bounds]): a configuration's pipeline term is no more
-    than its and its variants' bounds, so those from the least pipeline term on are skipped."""
+    variants (`offload_candidates`), inf when none (or the overrides admit none). Lazily, as
+    `branch_and_bound` ([Note: lazy bounds] in branch_bound.py): a configuration's pipeline
+    term is no more than its and its variants' bounds, so those from the least pipeline term
+    on are skipped."""
     try:
         validate(graph, topology, spec, overrides)
     except InvalidConfig:
@@ -289,7 +292,7 @@ def _least_bound_s(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
     least = float("inf")
     while heap and heap[0][0] < least:
         _bound, _i, cfg = heapq.heappop(heap)
-        for c in [cfg] + _variants(search, cfg, overrides):
+        for c in [cfg] + offload_candidates(search, cfg, overrides):
             lb = search.lower_bound(c)
             if lb.fits:
                 least = min(least, lb.step_time_s)
@@ -337,18 +340,18 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
     # a search of these configurations under a lower ceiling found nothing: resumed from
-    # where it stopped ([Note: resumed search])
+    # where it stopped ([Note: resumed search] in branch_bound.py)
     paused = None if shared is None else shared.setdefault(
         "paused", {}).setdefault((context_parallel_only, repr(overrides)), {})
-    evaluated = _branch_and_bound(search, configs, top_k, overrides, ceiling_s, paused)
+    evaluated = branch_and_bound(search, configs, top_k, overrides, ceiling_s, paused)
     if ceiling_s < float("inf") and not any(a.fits and a.step_time_s < ceiling_s
                                             for a in evaluated):
         raise _NoneFaster(f"no plan under {ceiling_s:.3g} s")
-    feasible = sorted((a for a in evaluated if a.fits), key=_rank)
+    feasible = sorted((a for a in evaluated if a.fits), key=rank_key)
     if not feasible and search.skipped:
         raise _limit_error(search)
     if not feasible:  # what does not fit is explained with the offload variants too
-        configs += _offloaded(search, configs, overrides)
+        configs += offloaded(search, configs, overrides)
     if not feasible and unfit is not None:
         unfit.append((search, configs))
         raise NoFeasiblePlan("no configuration fits in memory")
@@ -369,35 +372,6 @@ def _cp_may_help(graph: CapturedGraph, topology: Topology, spec: TrainingSpec) -
     """True when a search with cp free has configurations a cp = 1 one has not: cp > 1
     degrees exist for this sequence and devices (context.cp_degrees)."""
     return any(cp > 1 for cp in cp_degrees(graph, spec.seq_len, topology.world_size))
-
-
-def _offloaded(search: Search, configs: list[PlanConfig],
-               overrides: Overrides) -> list[PlanConfig]:
-    """Offload variants of the configurations no placement of which fits in device memory
-    ([Note: offload] in solver/offload.py, "Search"); none without the topology's host
-    figures, or where the host is the devices' own memory (Topology.host_is_device_memory:
-    offloading there frees nothing)."""
-    return [v for cfg in configs for v in _variants(search, cfg, overrides)]
-
-
-def _variants(search: Search, cfg: PlanConfig, overrides: Overrides) -> list[PlanConfig]:
-    """`_offloaded` of one configuration."""
-    if not offload_available(search.topology) or search.topology.host_is_device_memory:
-        return []
-    budget, out = search.budget_bytes, []
-    lb = search.lower_bound(cfg)
-    if lb.memory_bytes <= budget:
-        return []
-    for variant in offload_variants(cfg, overrides):
-        # the variant's peak on lb's rank is lb's less what it offloads (at most these
-        # kinds: the unsharded gradients of "grads" stay): a variant over the budget even
-        # so needs no bound of its own
-        kinds = ("optimizer",) if variant.offload == "optimizer" else (
-            "optimizer", "params", "grads")
-        moved = sum(lb.memory_breakdown.get(k, 0.0) for k in kinds)
-        if lb.memory_bytes - moved <= budget:
-            out.append(variant)
-    return out
 
 
 def _warn_unsplit(search: Search, result: Plan) -> None:
@@ -465,213 +439,14 @@ def _given(o: Overrides) -> dict:
     return {k: v for k, v in vars(o).items() if v is not None and k != "allow_tp_across_nodes"}
 
 
-_POLICY_ORDER = {"none": 0, "core-attention": 1, "selective": 2, "full": 3}
-
-
-def _rank(a: Assessment) -> tuple:
-    c = a.config
-    # ties: less memory, then the simpler mesh (less tp, then less pp), then less recompute
-    return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.cp, c.pp, c.zero_stage,
-            c.num_microbatches, c.schedule, c.num_virtual_stages,
-            _POLICY_ORDER[c.checkpointing], c.offload != "none")
-
-
-# [Note: lazy bounds] Bounding every configuration up front (search.lower_bound: a whole
-# pipeline.assess each) was most of a large search -- 13,640 configurations for a 128K-token
-# llama3.1-405b on 2,048 nodes, of which some 80 are ever popped. So a configuration enters
-# the heap lazily, at its pipeline term (search.pipeline_bound: the pipeline term of its lower
-# bound's placement, which its lower bound adds exposed communication and the optimizer to, so
-# never more; shared by its ZeRO stages and offloads), and is bounded -- and, where its bound
-# does not fit, its offload variants made and bounded -- when popped. The pops of bounded
-# configurations are then exactly those of bounding all up front, in the same order: a lazy
-# entry sorts before what it becomes (a bound no smaller, the same tp, pp and index, state
-# _LAZY first), so it is expanded before anything that would follow it; an offload variant
-# keeps its place in `configs + _offloaded(configs)` (index n + i k + j). A lazy entry popped
-# when the runners-up are complete ends the search as a bounded one would: every entry left
-# is no better. Configurations never popped are never bounded.
-#
-# [Note: resumed search] A search under a ceiling that finds nothing below it (the first cp > 1
-# search of [Note: cp first under a bound]) has popped exactly the entries of bound below the
-# ceiling, every one while proving, and the assessments those made are at or above it. The
-# same search under a higher ceiling pops those same entries first, also all while proving
-# (its best plan is never below the lower ceiling), with the same transitions -- none depends
-# on the best plan but whether a pop proves. So it resumes the paused one: the heap as left
-# (the entry that stopped it pushed back), its assessments, its best among them, its skipped
-# configurations; it continues as a fresh search would from there (llama3-405b at 8K tokens
-# on 2,048 nodes: the second cp > 1 search no longer pops its ~6,000 bounded entries again).
-# states of a configuration in the branch and bound
-_LAZY, _BOUNDED, _REFINED, _RELAXED, _UNFIT = -1, 0, 1, 2, 3
-
-
-def _branch_and_bound(search: Search, configs: list[PlanConfig], top_k: int,
-                      overrides: Overrides = Overrides(),
-                      ceiling_s: float = float("inf"),
-                      paused: dict | None = None) -> list[Assessment]:
-    """[Note: decomposition] steps 2-4 in search.py; returns every assessment made.
-    `ceiling_s`: the best step time is taken to start there (a plan elsewhere is that fast);
-    when nothing beats it the search ends at the first bound no better, with no runners-up.
-    `paused`: where such a search leaves its heap and assessments, and from where a search of
-    the same configurations under a higher ceiling resumes them ([Note: resumed search]).
-
-    A heap of configurations by lower bound; each moves through up to four states, with a
-    tighter bound at each:
-    0. lazy, at its pipeline term (search.pipeline_bound, [Note: lazy bounds]); popped: its
-       lower bound is made, and where that does not fit, the bounds of its offload variants
-       (`_offloaded`);
-    1. bounded without an ILP (search.lower_bound);
-    2. popped: the time-optimal placement of its (tp, b, policy) -- one ILP shared by all the
-       configurations of those -- is assessed. When the configuration's step time orders
-       placements like one microbatch's time (pp = 1 and dp = 1: `same_argmin`), that is its
-       optimum; otherwise the bound is refined (search.refined_bound) and it goes back;
-    3. popped again: the LP relaxation of its own step-time ILP ([Note: step form]) either
-       certifies an optimum or gives a bound, with which it goes back;
-    4. popped again: its step-time ILP (CP-SAT) gives its optimum.
-    A configuration no placement of which fits (search.memory_bound) is settled at state 2,
-    unfit, with its (tp, b, policy)'s placement: no ILP of its own. An optimum that does not
-    fit goes back with its step time as its bound and, popped again before the best plan is
-    proven, the memory-constrained ILP decides. A configuration whose
-    ILP found no placement within the limit (SolverLimitReached) is skipped and recorded in
-    `search.skipped`; one without any placement (no ILP solution at all) is dropped.
-    Once the next bound is no better than the best plan, runners-up are filled in for the
-    report with at most `top_k` more ILP solves (2 `top_k` while none is found), of
-    time-optimal placements only: a runner-up
-    whose own ILP was not solved while proving is assessed at its (tp, b, policy)'s placement
-    (a plan it can run, so its step time is no better than its optimum), and constrained ones
-    stay "memory" alternatives.
-    """
-    # [Note: lazy bounds] configuration i's offload variants j are numbered n + i k + j: in the
-    # order of `configs + _offloaded(configs)`, which breaks ties between equal bounds
-    n, k = len(configs), len(OFFLOADS)
-    if paused and paused["ceiling_s"] <= ceiling_s:  # [Note: resumed search]
-        heap, done = paused["heap"], paused["done"]
-        search.skipped.update(paused["skipped"])
-        paused.clear()  # taken: a later search under a higher ceiling does not resume it again
-    else:
-        heap = [(search.pipeline_bound(cfg), cfg.tp, cfg.pp, i, _LAZY, cfg, None)
-                for i, cfg in enumerate(configs)]
-        heapq.heapify(heap)
-        done = []
-    best, best_group = ceiling_s, None
-    for a in done:  # a resumed search's plans, all at or above the ceiling they were made under
-        if a.fits and a.step_time_s < best:
-            best, best_group = a.step_time_s, _group(a)
-    fill_solves, fill_groups = 0, set()
-
-    def settle(i: int, cfg: PlanConfig, result: Assessment) -> Assessment | None:
-        """`result` is cfg's unconstrained optimum: final, or back on the heap to be solved
-        under its memory constraints."""
-        if not result.fits and search.memory_bound(cfg).fits:
-            heapq.heappush(heap, (result.step_time_s, cfg.tp, cfg.pp, i, _UNFIT, cfg, result))
-            return None
-        return result
-
-    while heap:
-        bound, _tp, _pp, i, state, cfg, payload = heapq.heappop(heap)
-        proving = bound < best
-        if not proving and best_group is None and best == ceiling_s < float("inf"):
-            heapq.heappush(heap, (bound, _tp, _pp, i, state, cfg, payload))  # for `paused`
-            break  # nothing under the ceiling: the plan that set it is taken
-        # runners-up: at most top_k more ILP solves, 2 top_k while none has been found
-        if not proving and (len(fill_groups) >= top_k or fill_solves >= 2 * top_k
-                            or (fill_solves >= top_k and fill_groups)):
-            break
-        if state == _LAZY:
-            bounded = [(i, cfg)] + [(n + i * k + j, v) for j, v in enumerate(
-                _variants(search, cfg, overrides))]
-            for index, c in bounded:
-                lb = search.lower_bound(c)
-                if lb.fits:
-                    heapq.heappush(heap, (lb.step_time_s, c.tp, c.pp, index, _BOUNDED, c, None))
-            continue
-        solved = search.num_solves
-        result = None
-        try:
-            if state == _BOUNDED:
-                sol = search.solution(cfg)  # None: no placement of its (tp, b, policy) at all
-                quick = None if sol is None else search.assess(cfg, sol)
-                if quick is not None and not quick.fits and not search.memory_bound(cfg).fits:
-                    result = quick  # no placement fits: its own optimum would not either
-                elif quick is not None and same_argmin(search.step_form(cfg)):
-                    result = settle(i, cfg, quick)
-                elif quick is not None:
-                    refined = max(bound, search.refined_bound(cfg, sol))
-                    heapq.heappush(heap, (refined, cfg.tp, cfg.pp, i, _REFINED, cfg, quick))
-            elif state == _REFINED and proving and not search.solved(cfg, exact=True):
-                lp_bound, _certified = search.relaxation(cfg)
-                if not search.solved(cfg, exact=True):  # not certified by the LP: CP-SAT later
-                    heapq.heappush(heap, (max(bound, lp_bound), cfg.tp, cfg.pp, i, _RELAXED,
-                                          cfg, payload))
-                    continue
-                result = settle(i, cfg, _exact(search, cfg, payload))
-            elif state in (_REFINED, _RELAXED) and (proving or search.solved(cfg, exact=True)):
-                result = settle(i, cfg, _exact(search, cfg, payload))
-            elif state in (_REFINED, _RELAXED):
-                result = payload  # a runner-up: assessed at its (tp, b, policy) placement
-            elif proving:
-                result = _constrained(search, cfg, payload)
-            else:
-                result = payload  # a runner-up that needs more memory than its fastest placement
-        except SolverLimitReached as e:  # [Note: deterministic limits]: skipped, on record
-            search.skipped[cfg] = e
-        fill_solves += 0 if proving else search.num_solves - solved
-        if result is None:
-            continue
-        done.append(result)
-        if result.fits:
-            if result.step_time_s < best:
-                best, best_group = result.step_time_s, _group(result)
-            if not proving and _group(result) != best_group:
-                fill_groups.add(_group(result))  # another ZeRO stage of the best is no runner-up
-    if paused is not None and best_group is None and ceiling_s < float("inf"):
-        paused.update(ceiling_s=ceiling_s, heap=heap, done=done, skipped=dict(search.skipped))
-    return done
-
-
-def _constrained(search: Search, cfg: PlanConfig, unfit: Assessment) -> Assessment:
-    """cfg's optimum under its memory constraints, or `unfit` when nothing fits. Safeguard:
-    the ILP's memory forms are pipeline.py's linear image of its peak; should they misjudge a
-    placement (tests/test_planner_scale.py::test_memory_forms_equal_assess checks they do not),
-    the placement of least memory is tried before the configuration is given up."""
-    stopped = None
-    for find in (lambda: search.solution(cfg, constrained=True), lambda: search.smallest(cfg)):
-        try:
-            sol = find()
-        except SolverLimitReached as e:  # the least-memory placement may still fit
-            stopped = stopped or e
-            continue
-        result = search.assess(cfg, sol) if sol is not None else None
-        if result is not None and result.fits:
-            return result
-    if stopped is not None:
-        raise stopped
-    return unfit
-
-
-def _exact(search: Search, cfg: PlanConfig, quick: Assessment) -> Assessment:
-    """cfg's unconstrained optimum (its own step-time ILP); `quick`, the placement of its
-    (tp, b, policy), when that is as good (equal up to the ILP's tie-breaks)."""
-    sol = search.solution(cfg, exact=True)
-    if sol is None:  # no placement (then none of its (tp, b, policy) either; kept for safety)
-        return quick
-    exact = search.assess(cfg, sol)
-    return quick if quick.fits and quick.step_time_s < exact.step_time_s else exact
-
-
-def _group(a: Assessment) -> tuple:
-    """What makes a runner-up a different plan: all but the ZeRO stage."""
-    c = a.config
-    return (c.pp, c.dp, c.cp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages,
-            c.checkpointing, c.offload)
-
-
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
     """Runners-up with the reason each loses: up to two faster ones that do not fit
     ("memory"), then the fastest that fit; one per (mesh, microbatches, schedule), so that
     the list shows different plans rather than ZeRO stages of one."""
-    group = _group
+    group = runner_up_group
     seen = {group(best)}
     faster_oom, fits = [], []
-    for a in sorted(evaluated, key=_rank):
+    for a in sorted(evaluated, key=rank_key):
         if group(a) in seen:
             continue
         if a.fits:
@@ -681,7 +456,7 @@ def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> 
             seen.add(group(a))
             faster_oom.append(a)
     chosen = (faster_oom + fits)[:top_k]
-    return [(a, _reason(a, best)) for a in sorted(chosen, key=_rank)]
+    return [(a, _reason(a, best)) for a in sorted(chosen, key=rank_key)]
 
 
 def _reason(a: Assessment, best: Assessment) -> str:
@@ -689,7 +464,7 @@ def _reason(a: Assessment, best: Assessment) -> str:
         return (f"memory: needs {fmt_bytes(a.memory_bytes)} per device, over the budget")
     deltas = {"bubble": a.bubble_s - best.bubble_s, "communication": a.comm_s - best.comm_s,
               "compute": a.compute_s - best.compute_s}
-    if deltas["compute"] > 0 and _POLICY_ORDER[a.config.checkpointing] > _POLICY_ORDER[
+    if deltas["compute"] > 0 and POLICY_ORDER[a.config.checkpointing] > POLICY_ORDER[
             best.config.checkpointing]:
         deltas["recomputation"] = deltas.pop("compute")  # the extra compute is the recompute
     if a.config.offload != "none" and best.config.offload == "none":

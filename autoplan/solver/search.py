@@ -540,7 +540,7 @@ class Search:
         """A step time `lower_bound(cfg)` never goes below, at a fraction of its cost: the
         pipeline term alone (pipeline.pipeline_time_s) of the bound's placement. It is the
         same for every ZeRO stage and offload of cfg's mesh, (b, policy), microbatches and
-        schedule, so it is computed once for them (planner.py: [Note: lazy bounds])."""
+        schedule, so it is computed once for them (branch_bound.py: [Note: lazy bounds])."""
         key = ("pipeline", cfg.costs_key, cfg.pp, cfg.dp, cfg.num_microbatches, cfg.schedule,
                cfg.num_virtual_stages)
         if key not in self.bounds:
