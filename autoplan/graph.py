@@ -56,6 +56,10 @@ class ParamInfo:
         is_buffer: True for buffers (not trained, never ZeRO-sharded).
         layer_id: repeated-block index of the module that owns it, or None.
         aliases: other FQNs bound to the same tensor (tied weights), excluding `fqn`.
+        trainable: the optimizer steps it (`requires_grad` of a parameter; False for a
+            frozen parameter and for every buffer). A frozen parameter gets no gradient, no
+            reduction and no optimizer state ([Note: frozen parameters] in
+            autoplan/runtime/engine.py).
     """
 
     fqn: str
@@ -65,6 +69,7 @@ class ParamInfo:
     is_buffer: bool
     layer_id: int | None
     aliases: tuple[str, ...] = ()
+    trainable: bool = True
 
 
 @dataclass
@@ -147,5 +152,11 @@ class CapturedGraph:
 
     @property
     def num_params(self) -> int:
-        """Trainable parameter count (tied weights counted once)."""
+        """Parameter count, frozen ones included (tied weights counted once)."""
         return sum(p.numel for p in self.params.values() if not p.is_buffer)
+
+    @property
+    def num_trainable_params(self) -> int:
+        """Count of the parameters the optimizer steps (`requires_grad`; tied weights
+        counted once)."""
+        return sum(p.numel for p in self.params.values() if p.trainable)

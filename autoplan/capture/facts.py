@@ -176,5 +176,6 @@ def _param_infos(model: nn.Module, prefix: str) -> dict[str, ParamInfo]:
         fqn: ParamInfo(fqn=fqn, shape=tuple(t.shape), dtype=_dtype_name(t.dtype),
                        numel=t.numel(), is_buffer=id(t) not in params,
                        layer_id=_layer_of(fqn.rpartition(".")[0], prefix),
-                       aliases=tuple(aliases[fqn]))
+                       aliases=tuple(aliases[fqn]),
+                       trainable=id(t) in params and t.requires_grad)
         for fqn, t in canonical.items()}

@@ -364,8 +364,10 @@ class DistributedModel:
             if leaf in owner._parameters:
                 p = owner._parameters[leaf]
                 if not isinstance(p, DTensor):
+                    # a frozen parameter stays frozen ([Note: frozen parameters])
                     owner._parameters[leaf] = nn.Parameter(
-                        distribute_tensor(p.data, tp_mesh, placement))
+                        distribute_tensor(p.data, tp_mesh, placement),
+                        requires_grad=p.requires_grad)
             # Buffers (rotary tables, lifted constants) stay plain tensors: only constant-like
             # nodes read them, and those run replicated (implicit replication).
 

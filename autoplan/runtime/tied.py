@@ -75,4 +75,6 @@ def untie_across_stages(gm: torch.fx.GraphModule) -> None:
             owner_path, _, leaf = node.target.rpartition(".")
             owner = gm.get_submodule(owner_path) if owner_path else gm
             if leaf in owner._parameters:
-                owner._parameters[leaf] = nn.Parameter(owner._parameters[leaf].detach().clone())
+                old = owner._parameters[leaf]
+                owner._parameters[leaf] = nn.Parameter(old.detach().clone(),
+                                                       requires_grad=old.requires_grad)
