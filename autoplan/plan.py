@@ -269,6 +269,11 @@ class Plan:
             dispatch per op, pointwise chains fused; [Note: compiled execution] in
             autoplan/cost_model/compute.py), and the runtime compiles them
             ([Note: compiled stages] in autoplan/runtime/compiled.py).
+        frozen_dtype: the dtype frozen parameters (`requires_grad=False`) are held in;
+            "" (default): as the trainable ones (fp32 masters under a 16-bit plan). Under a
+            16-bit plan, the compute dtype holds the frozen base in 16-bit only -- no fp32
+            copy, no gradient, no optimizer state -- as LoRA set-ups run ([Note: frozen
+            parameters] in autoplan/runtime/engine.py).
         schema_version: JSON schema version.
     """
 
@@ -292,9 +297,13 @@ class Plan:
     dtype: str = "float32"
     offload: str = "none"
     compiled: bool = False
+    frozen_dtype: str = ""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if self.frozen_dtype not in ("", self.dtype):
+            raise ValueError(f"plan: frozen_dtype {self.frozen_dtype!r} is neither '' (as the "
+                             f"trainable parameters) nor the compute dtype {self.dtype!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"plan: zero_stage={self.zero_stage} is not one of 0, 1, 2, 3")
         if self.schedule not in SCHEDULES:
@@ -345,11 +354,14 @@ class Plan:
         """The plan as JSON-ready data; a mesh without expert or context parallelism (ep 1,
         cp 1) is written without its `ep` / `cp` key, a plan or alternative without offload
         without its `offload` key (its prediction without the cp and host figures at 0), and an
-        eager plan without its `compiled` key, as before they existed (readers default them),
+        eager plan without its `compiled` key and one without frozen parameters held apart
+        without its `frozen_dtype` key, as before they existed (readers default them),
         so plans without them keep their JSON byte for byte: schema version 1 either way."""
         d = dataclasses.asdict(self)
         if not d["compiled"]:
             del d["compiled"]
+        if not d["frozen_dtype"]:
+            del d["frozen_dtype"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:

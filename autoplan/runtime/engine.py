@@ -34,6 +34,20 @@ Build order (each step needs the previous one), all on the meta device until ste
 8. Weights used by several stages (tied embedding and head) get their gradients summed over
    the stages that hold them before the optimizer step, so the copies stay identical.
 
+[Note: frozen parameters] A parameter with `requires_grad=False` stays frozen, as on one process
+and as FSDP2, DeepSpeed and Megatron-Core keep it: every step that rebuilds a Parameter (tp's
+DTensor, a stage's own copy of a tied weight, the allocation) carries `requires_grad` over, so
+autograd gives it no gradient; FSDP2 reduces only the gradients that exist (a unit may mix
+frozen and trainable parameters); the optimizer factory is given the trainable parameters
+only (no state, no step, no weight decay for the frozen ones), ZeRO-1 partitions and gathers
+only those, and clipping, tied-gradient sums and the loss scaler see only gradients that
+exist. The frozen set is part of the plan's model (`ParamInfo.trainable`): the planner prices
+gradients, their reduction and optimizer states for trainable parameters only, and a model
+whose frozen set changed after planning is refused at its next step (`AutoParallel.step`).
+Under a 16-bit plan with `frozen_dtype` set, frozen parameters are held in the compute dtype
+(no fp32 master), which computes the same numbers: the compute reads a 16-bit cast of the
+master either way.
+
 The batch is any pytree of tensors (autoplan/inputs.py), split along each tensor's batch dim
 over dp ranks and microbatches (runtime/step_inputs.py); the loss is the user's, the model's
 own or the token cross-entropy ([Note: step loss]): each microbatch's mean loss is scaled by
