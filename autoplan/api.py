@@ -497,7 +497,10 @@ class AutoParallel:
         `example_batch=` did.
 
         Raises ValueError naming the value for a batch the plan cannot take (structure, shape,
-        dtype, ids outside the vocabulary, no label to train on) before any rank computes.
+        dtype, ids outside the vocabulary, no label to train on) before any rank computes;
+        FrozenSetChangedError (a ValueError) naming the parameters whose `requires_grad`
+        changed since the model was planned ([Note: frozen parameters] in
+        autoplan/runtime/engine.py).
         """
         import time
 
@@ -505,9 +508,13 @@ class AutoParallel:
         from autoplan.runtime import job
         from autoplan.runtime.batch import StepMetrics
 
+        from autoplan.runtime.checks import check_frozen_set
+
         leaves = self._checked(batch)
         if self._engine is None:
             self._engine = self._compile()
+        # the parameters that train are the ones planned ([Note: frozen parameters])
+        check_frozen_set(self._engine.graph, self.module)
         if self._progress is None:
             self._progress = job.Progress()
         engine = self._engine

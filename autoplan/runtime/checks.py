@@ -15,7 +15,7 @@ from autoplan.plan import parse_placement
 from autoplan.runtime.step_inputs import loss_mode
 
 __all__ = ["PlanMismatchError", "check_against_plan", "check_context_parallel",
-           "context_parallel_refusal"]
+           "context_parallel_refusal", "FrozenSetChangedError", "check_frozen_set"]
 
 _FLOATING = {"float32", "bfloat16", "float16", "float64"}
 
@@ -132,3 +132,38 @@ def check_against_plan(model) -> None:
     if problems:
         raise PlanMismatchError(f"the built model differs from plan {plan.mesh}, ZeRO-"
                                 f"{plan.zero_stage}, {plan.dtype}: " + "; ".join(problems[:6]))
+
+
+class FrozenSetChangedError(PlanMismatchError):
+    """The model's frozen parameters (`requires_grad=False`) are not those it was planned and
+    built with."""
+
+
+def check_frozen_set(graph, module: torch.nn.Module) -> None:
+    """Refuse a model whose frozen set changed after planning ([Note: frozen parameters] in
+    autoplan/runtime/engine.py): the plan priced gradients and optimizer states for the
+    parameters that trained then, and the runtime's optimizer holds exactly those.
+
+    `graph`: the CapturedGraph the runtime was built from (every block); `module`: the user's
+    model (`AutoParallel.module`). Parameters the graph does not name are not compared.
+    Raises FrozenSetChangedError naming the parameters on each side (at most 8 each)."""
+    planned = {fqn: info.trainable for fqn, info in graph.params.items() if not info.is_buffer}
+    froze, unfroze = [], []
+    for fqn, p in module.named_parameters():
+        was = planned.get(fqn)
+        if was is None or was == p.requires_grad:
+            continue
+        (froze if was else unfroze).append(fqn)
+    if not froze and not unfroze:
+        return
+    parts = []
+    if froze:
+        parts.append(f"{len(froze)} frozen since: {froze[:8]}")
+    if unfroze:
+        parts.append(f"{len(unfroze)} trainable since: {unfroze[:8]}")
+    raise FrozenSetChangedError(
+        f"{type(module).__name__}: the parameters that train changed after the model was "
+        f"planned and built ({'; '.join(parts)}); the plan's gradients, their reduction and "
+        "the optimizer's states are for the set it was planned with. To train another set, "
+        "write the weights out (save_pretrained) and wrap the model again with the new "
+        "requires_grad flags, or set them back")

@@ -116,8 +116,8 @@ class DistributedModel:
         plan: the plan.
         state: the full model (nn.Module) or its weights by FQN, identical on every rank;
             a mapping must include non-persistent buffers (e.g. rotary inv_freq).
-        optimizer: `named_params -> torch.optim.Optimizer`, given this rank's (FQN, parameter)
-            pairs (the model's own names; torch optimizers take them as they take parameters,
+        optimizer: `named_params -> torch.optim.Optimizer`, given this rank's trainable
+            (FQN, parameter) pairs ([Note: frozen parameters]; the model's own names; torch optimizers take them as they take parameters,
             and groups can be built by name); default AdamW(lr=1e-3), with `kernels` the
             fused one (runtime/optim.py FusedAdamW, [Note: fused AdamW]).
         loss_fn: `(output, labels) -> scalar mean loss` of one microbatch (default: token
@@ -146,7 +146,8 @@ class DistributedModel:
     main output (`logits`) against the batch's `labels`.
 
     Must be constructed on every rank of a process group of size plan.mesh.world_size.
-    Raises ValueError when the world size does not match the plan.
+    Raises ValueError when the world size does not match the plan or when every parameter
+    is frozen (nothing to train).
     """
 
     def __init__(self, graph: CapturedGraph, plan: Plan,
@@ -211,7 +212,13 @@ class DistributedModel:
             source.fill(self._targets())
             self.weight_source = source
             check_against_plan(self)
-            params = self._unique_named_params()
+            # the optimizer steps the trainable parameters only ([Note: frozen parameters])
+            params = [(n, p) for n, p in self._unique_named_params() if p.requires_grad]
+            if not params:
+                raise ValueError(
+                    "every parameter of the model is frozen (requires_grad=False): nothing to "
+                    "train; unfreeze the parameters to train (param.requires_grad_(True)) or "
+                    "evaluate the model without autoplan")
             # default: AdamW(lr=1e-3), its update the fused kernel where kernels are on
             # ([Note: fused AdamW] in runtime/optim.py)
             make_opt = optimizer or functools.partial(default_adamw, fused=self.kernels)

@@ -69,7 +69,9 @@ class ShardedOptimizer:
     rank). `step` runs the inner optimizer on owned parameters, then all-gathers the updated
     parameters over the dp group (packed flat per dtype), so all replicas stay equal.
 
-    `make_optimizer` receives every (FQN, parameter) of the model, as on one process, so
+    `make_optimizer` receives every trainable (FQN, parameter) of the model (the engine
+    leaves frozen ones out: [Note: frozen parameters] in runtime/engine.py), as on one
+    process, so
     that groups built by name come out alike on every rank; the parameters this rank does
     not own are then dropped from its groups (a group may end up empty here: it still
     steps nothing, and its hyperparameters stay).
