@@ -212,13 +212,17 @@ class DistributedModel:
             source.fill(self._targets())
             self.weight_source = source
             check_against_plan(self)
-            # the optimizer steps the trainable parameters only ([Note: frozen parameters])
-            params = [(n, p) for n, p in self._unique_named_params() if p.requires_grad]
-            if not params:
+            # the optimizer steps the trainable parameters only ([Note: frozen parameters]);
+            # a rank whose stages are wholly frozen (the bottom of a model frozen under pp)
+            # gets its frozen ones, which never have a gradient: it steps nothing, keeps no
+            # state, and its learning-rate schedule and checkpoint keys are as on every rank
+            if graph.num_trainable_params == 0:
                 raise ValueError(
                     "every parameter of the model is frozen (requires_grad=False): nothing to "
                     "train; unfreeze the parameters to train (param.requires_grad_(True)) or "
                     "evaluate the model without autoplan")
+            named = self._unique_named_params()
+            params = [(n, p) for n, p in named if p.requires_grad] or named
             # default: AdamW(lr=1e-3), its update the fused kernel where kernels are on
             # ([Note: fused AdamW] in runtime/optim.py)
             make_opt = optimizer or functools.partial(default_adamw, fused=self.kernels)

@@ -83,7 +83,9 @@ class ShardedOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], make_optimizer: Callable,
                  dp_mesh, *, offload: bool = False):
         named_params = list(named_params)
-        self.params = [p for _, p in named_params]
+        # frozen parameters (a rank with nothing to train is given its frozen ones) are
+        # neither owned nor gathered: they never change
+        self.params = [p for _, p in named_params if p.requires_grad]
         self.group = dp_mesh.get_group()
         self.ranks = dist.get_process_group_ranks(self.group)
         loads = [0] * len(self.ranks)
