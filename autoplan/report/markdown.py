@@ -336,7 +336,8 @@ def markdown_sections(plan: Plan, graph: CapturedGraph | None = None,
     "as given, cast from the checkpoint's bfloat16": AutoParallel.dtype_origin)."""
     if parts is None and graph is not None and topology is not None:
         parts = F.part_costs(plan, graph, topology)
-    return [("summary", _summary(plan, graph, topology, dtype_origin)), ("mesh", _mesh(plan, topology)),
+    return [("summary", _summary(plan, graph, topology, dtype_origin)),
+            ("mesh", _mesh(plan, topology)),
             ("prediction", _prediction(plan, topology)), ("memory", _memory(plan, topology)),
             ("stages", _stages(plan)), ("placements", _placements(plan, graph)),
             ("redistributions", _redistributions(plan, graph)), ("parts", _parts(plan, parts)),
