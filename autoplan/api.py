@@ -36,7 +36,7 @@ from autoplan.plan import Plan
 from autoplan.runtime.construction import (is_dcp as _is_dcp, meta_skeleton,
                                            on_meta as _on_meta,
                                            record_construction as _record_construction,
-                                           weight_source)
+                                           resolve_dtype, weight_source)
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology, load_topology, preset
 
@@ -52,7 +52,7 @@ class PlanOptions:
     cluster: str = "local-cpu"
     num_nodes: int | None = None
     world_size: int | None = None
-    dtype: str = "float32"
+    dtype: str | None = None
     optimizer: Callable | None = None
     lr_scheduler: Callable | None = None
     loss_fn: Callable | None = None
@@ -94,6 +94,9 @@ class AutoParallel:
             "record_s": record_s}
         if options.example_batch is not None:
             self._inputs = self._spec_of(options.example_batch)
+        # the compute dtype: dtype= or the weights' own ([Note: dtype of the weights] in
+        # runtime/construction.py), and where it came from, for the report
+        self.dtype, self.dtype_origin = resolve_dtype(module, options.dtype, options.weights)
 
     # -- planning ---------------------------------------------------------------------------
     @property
@@ -127,7 +130,7 @@ class AutoParallel:
     @property
     def spec(self) -> TrainingSpec:
         return TrainingSpec(global_batch=self.options.global_batch, seq_len=self._seq_len(),
-                            dtype=self.options.dtype)
+                            dtype=self.dtype)
 
     @property
     def inputs(self):
@@ -215,7 +218,7 @@ class AutoParallel:
         # Planned on the graph the runtime will run: a meta copy in the compute dtype (a 16-bit
         # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
         with self._timed("capture_for_planning_s"), phase(f"capturing {name}"):
-            source = self._capture_source(Precision.of(self.options.dtype))
+            source = self._capture_source(Precision.of(self.dtype))
             graph, cached = self._capture(source, self.options.global_batch, planning=True)
         self._build_stats["capture_for_planning_cached"] = cached
         with self._timed("plan_s"):
@@ -395,7 +398,7 @@ class AutoParallel:
         planned = self._graph
         cp = plan.mesh.cp
         reuse = planned.num_layers == planned.total_layers and cp == 1 and \
-            planned.batch_size == plan.microbatch_size and plan.dtype == self.options.dtype
+            planned.batch_size == plan.microbatch_size and plan.dtype == self.dtype
         with self._timed("capture_runtime_s"), \
                 phase(f"capturing {name} at microbatch {plan.microbatch_size}"
                       + (f", {self.spec.seq_len // cp} tokens per cp rank" if cp > 1 else "")):
@@ -462,11 +465,15 @@ class AutoParallel:
 
     def _capture_source(self, precision) -> nn.Module:
         """What planning and the runtime capture (the same, so that their graphs match node for
-        node): the model itself when it has real fp32 weights (constants torch.export lifts
-        out of forward keep their values), else a meta copy in the compute dtype."""
-        if not _on_meta(self.module) and not precision.mixed:
+        node): the model itself when it has real fp32 weights and trains in fp32 (constants
+        torch.export lifts out of forward keep their values), else a meta copy with its
+        floating parameters in the compute dtype (a bf16 model trained in fp32 is captured
+        in fp32: [Note: dtype of the weights])."""
+        if not _on_meta(self.module) and not precision.mixed and all(
+                p.dtype == torch.float32 for p in self.module.parameters()
+                if p.is_floating_point()):
             return self.module
-        return meta_skeleton(self.module, precision.compute_dtype if precision.mixed else None)
+        return meta_skeleton(self.module, precision.compute_dtype)
 
     def _weight_source(self, graph):
         """Where this rank's shards come from ([Note: sharded construction])."""
@@ -614,8 +621,10 @@ class AutoParallel:
 
         plan = self.plan
         if out_dir is not None:
-            write_report(plan, Path(out_dir), graph=self._graph, topology=self.topology)
-        return render_markdown(plan, graph=self._graph, topology=self.topology)
+            write_report(plan, Path(out_dir), graph=self._graph, topology=self.topology,
+                         dtype_origin=self.dtype_origin)
+        return render_markdown(plan, graph=self._graph, topology=self.topology,
+                               dtype_origin=self.dtype_origin)
 
     def export(self, out_dir: str | os.PathLike, *, timeout_s: float = 600.0) -> dict[str, Path]:
         """Per-rank graph code, Graphviz and JSON in `out_dir`, captured at the plan's
@@ -657,9 +666,13 @@ def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
     """An `AutoParallel` over the Hugging Face causal LM in checkpoint directory `path`
     (config.json + safetensors): the model is built from its config on meta and each rank
     reads only the slices of the weights it owns. `options` are `autoparallel`'s
-    (global_batch, seq_len, cluster, dtype, overrides, ...).
+    (global_batch, seq_len, cluster, dtype, overrides, ...). Without `dtype`, it trains in the
+    checkpoint's dtype (its safetensors headers: a bf16 checkpoint with bf16 compute and fp32
+    masters); `dtype` given, the weights are cast on load ([Note: dtype of the weights] in
+    autoplan/runtime/construction.py).
 
-    Raises ValueError when `path` has no config.json."""
+    Raises ValueError when `path` has no config.json, and without `dtype` for a checkpoint
+    whose floating tensors are of several dtypes."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"from_pretrained: {str(path)!r} has no config.json")
@@ -668,8 +681,11 @@ def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
     config = transformers.AutoConfig.from_pretrained(path)
 
     def build():
-        # sdpa: one fused attention op per layer in the captured graph (as autoplan.models)
-        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        # sdpa: one fused attention op per layer in the captured graph (as autoplan.models);
+        # built in fp32 whatever config.json's dtype (a bf16 checkpoint's says bfloat16): the
+        # capture and the shards take the plan's dtypes, buffers keep the model's own
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                             dtype=torch.float32)
 
     build.__name__ = type(config).__name__.replace("Config", "")
     return autoparallel(build, weights=str(path), **options)()
@@ -677,7 +693,8 @@ def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
 
 def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
                  cluster: str = "local-cpu",
-                 num_nodes: int | None = None, world_size: int | None = None, dtype: str = "float32",
+                 num_nodes: int | None = None, world_size: int | None = None,
+                 dtype: str | None = None,
                  optimizer: Callable | None = None, lr_scheduler: Callable | None = None,
                  loss_fn: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
@@ -702,10 +719,17 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         num_nodes: nodes of the cluster (default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE
             under torchrun, a topology file's own, else 1); world_size: ranks of the
             `local-cpu` preset when planning outside a process group.
-        dtype: compute dtype; optimizer: `named_params -> Optimizer`, given (FQN, parameter)
-            pairs, which torch optimizers take as they take parameters, so that groups can be
-            built by name (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3)
-            (with kernels on, its fused update: [Note: fused AdamW] in runtime/optim.py);
+        dtype: compute dtype, "float32", or "bfloat16" / "float16" for mixed precision
+            ([Note: precision recipe] in runtime/precision.py); default: the dtype of the
+            weights -- an HF checkpoint's given as `weights=` (its safetensors headers), else
+            the model's floating parameters (all bf16: "bfloat16"), float32 for a `save`
+            directory or a model without floating parameters; weights of several floating
+            dtypes raise ValueError asking for it. Weights in another dtype are cast on load
+            ([Note: dtype of the weights] in runtime/construction.py).
+        optimizer: `named_params -> Optimizer`, given (FQN, parameter) pairs, which torch
+            optimizers take as they take parameters, so that groups can be built by name
+            (e.g. no weight decay on norms and biases); default AdamW(lr=1e-3) (with kernels
+            on, its fused update: [Note: fused AdamW] in runtime/optim.py);
         lr_scheduler: `optimizer -> LRScheduler`, stepped after every optimizer step;
         loss_fn: `(output, batch) -> scalar`, the mean loss of one microbatch (its samples
             equally weighted: the step's loss is the mean over microbatches and dp ranks),

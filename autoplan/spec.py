@@ -9,16 +9,20 @@ __all__ = ["TrainingSpec", "precision_recipe"]
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def precision_recipe(dtype: str) -> str:
+def precision_recipe(dtype: str, frozen_dtype: str = "") -> str:
     """What the runtime does for a compute dtype, in words ([Note: precision recipe] in
-    autoplan/runtime/precision.py). Raises ValueError for an unknown dtype."""
+    autoplan/runtime/precision.py); `frozen_dtype` as `Plan.frozen_dtype` (the compute dtype:
+    frozen parameters held in it only). Raises ValueError for an unknown dtype."""
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPE_BYTES)}")
     if dtype == "float32":
         return "fp32 weights, activations, gradients and optimizer states"
     name = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
-    text = (f"{name} forward/backward, fp32 master weights and AdamW states, dp gradient "
-            f"reduction in fp32, tp partial sums in {name}")
+    masters = "fp32 master weights and AdamW states" if frozen_dtype != dtype else (
+        f"fp32 master weights and AdamW states of the trainable parameters, frozen ones held "
+        f"in {name} only")
+    text = (f"{name} forward/backward, {masters}, dp gradient reduction in fp32, tp partial "
+            f"sums in {name}")
     return text + (", dynamic loss scaling" if dtype == "float16" else "")
 
 

@@ -197,7 +197,7 @@ def _alternatives_chart(plan: Plan) -> str:
 
 
 def render_html(plan: Plan, *, graph: CapturedGraph | None = None,
-                topology: Topology | None = None) -> str:
+                topology: Topology | None = None, dtype_origin: str = "") -> str:
     """The report as one self-contained HTML page (module docstring); same arguments and
     errors as `render_markdown`."""
     parts = F.part_costs(plan, graph, topology) if graph is not None and topology else None
@@ -208,7 +208,7 @@ def render_html(plan: Plan, *, graph: CapturedGraph | None = None,
     if plan.alternatives:
         charts["alternatives"] = _alternatives_chart(plan)
     body = []
-    for key, lines in markdown_sections(plan, graph, topology, parts):
+    for key, lines in markdown_sections(plan, graph, topology, parts, dtype_origin):
         body.append(f'<section id="{key}">{markdown_to_html(lines)}{charts.get(key, "")}'
                     "</section>")
     title = escape(f"autoplan: {plan.model} on {plan.topology}")

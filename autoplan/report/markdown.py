@@ -55,7 +55,7 @@ def _model_text(plan: Plan, graph: CapturedGraph | None) -> str:
     return text
 
 
-def _summary(plan: Plan, graph, topology) -> list[str]:
+def _summary(plan: Plan, graph, topology, dtype_origin: str = "") -> list[str]:
     m = plan.mesh
     tokens = plan.global_batch * plan.seq_len
     sched = plan.schedule + (f", {plan.num_virtual_stages} model chunks per pp rank"
@@ -78,7 +78,8 @@ def _summary(plan: Plan, graph, topology) -> list[str]:
         ["activation checkpointing", plan.checkpointing],
         *([["CPU offload", _offload_text(plan, topology)]] if plan.offload != "none" else []),
         *([["sequence parallelism", sp]] if (sp := _sequence_text(plan, graph)) else []),
-        ["dtype", f"{plan.dtype}: {precision_recipe(plan.dtype)}"],
+        ["dtype", f"{plan.dtype}{f' ({dtype_origin})' if dtype_origin else ''}: "
+                  f"{precision_recipe(plan.dtype, plan.frozen_dtype)}"],
         *([["execution", "compiled: torch.compile per block, priced without DTensor "
                          "dispatch per op and with pointwise chains fused"]]
           if plan.compiled else []),
@@ -327,12 +328,16 @@ def _formulas(plan: Plan) -> list[str]:
 
 def markdown_sections(plan: Plan, graph: CapturedGraph | None = None,
                       topology: Topology | None = None,
-                      parts: list[F.PartCost] | None = None) -> list[tuple[str, list[str]]]:
+                      parts: list[F.PartCost] | None = None,
+                      dtype_origin: str = "") -> list[tuple[str, list[str]]]:
     """The report as (section key, Markdown lines); html.py adds a chart to some keys.
-    `parts`: F.part_costs(plan, graph, topology), computed here when None and both given."""
+    `parts`: F.part_costs(plan, graph, topology), computed here when None and both given;
+    `dtype_origin`: where the plan's dtype came from, in words ("the checkpoint's dtype",
+    "as given, cast from the checkpoint's bfloat16": AutoParallel.dtype_origin)."""
     if parts is None and graph is not None and topology is not None:
         parts = F.part_costs(plan, graph, topology)
-    return [("summary", _summary(plan, graph, topology)), ("mesh", _mesh(plan, topology)),
+    return [("summary", _summary(plan, graph, topology, dtype_origin)),
+            ("mesh", _mesh(plan, topology)),
             ("prediction", _prediction(plan, topology)), ("memory", _memory(plan, topology)),
             ("stages", _stages(plan)), ("placements", _placements(plan, graph)),
             ("redistributions", _redistributions(plan, graph)), ("parts", _parts(plan, parts)),
@@ -340,11 +345,14 @@ def markdown_sections(plan: Plan, graph: CapturedGraph | None = None,
 
 
 def render_markdown(plan: Plan, *, graph: CapturedGraph | None = None,
-                    topology: Topology | None = None) -> str:
+                    topology: Topology | None = None, dtype_origin: str = "") -> str:
     """The plan report as Markdown (see module docstring). `graph` adds parameter counts,
     shapes, block roles and per-part costs; `topology` adds the device memory and the
-    topology level of each mesh axis. Raises ValueError from the cost model."""
-    lines = [line for _, section in markdown_sections(plan, graph, topology) for line in section]
+    topology level of each mesh axis; `dtype_origin`: where the dtype came from
+    (`markdown_sections`). Raises ValueError from the cost model."""
+    lines = [line for _, section in markdown_sections(plan, graph, topology,
+                                                      dtype_origin=dtype_origin)
+             for line in section]
     return "\n".join(lines).rstrip() + "\n"
 
 

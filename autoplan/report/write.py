@@ -55,24 +55,28 @@ def write_files(files: dict[str, str], out_dir: str | os.PathLike) -> dict[str, 
 
 
 def render_report(plan: Plan, *, graph: CapturedGraph | None = None,
-                  topology: Topology | None = None) -> dict[str, str]:
+                  topology: Topology | None = None, dtype_origin: str = "") -> dict[str, str]:
     """The text of `plan.json`, `report.md` and `report.html`, by file name (what
-    `write_report` writes). Raises ValueError from rendering."""
+    `write_report` writes); `dtype_origin` as `render_markdown`'s. Raises ValueError from
+    rendering."""
     from autoplan.report.html import render_html
     from autoplan.report.markdown import render_markdown
 
     return {
         "plan.json": plan.to_json() + "\n",
-        "report.md": render_markdown(plan, graph=graph, topology=topology),
-        "report.html": render_html(plan, graph=graph, topology=topology),
+        "report.md": render_markdown(plan, graph=graph, topology=topology,
+                                     dtype_origin=dtype_origin),
+        "report.html": render_html(plan, graph=graph, topology=topology,
+                                   dtype_origin=dtype_origin),
     }
 
 
 def write_report(plan: Plan, out_dir: str | os.PathLike, *, graph: CapturedGraph | None = None,
-                 topology: Topology | None = None) -> dict[str, Path]:
+                 topology: Topology | None = None, dtype_origin: str = "") -> dict[str, Path]:
     """Write `plan.json`, `report.md` and `report.html` into `out_dir`, atomically.
 
     Returns {"plan.json": path, "report.md": path, "report.html": path}. Raises ValueError from
     rendering (nothing is written then) and OSError from the file system.
     """
-    return write_files(render_report(plan, graph=graph, topology=topology), out_dir)
+    return write_files(render_report(plan, graph=graph, topology=topology,
+                                     dtype_origin=dtype_origin), out_dir)

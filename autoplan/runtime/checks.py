@@ -1,6 +1,7 @@
 """Build-time check that what the runtime built is what the plan says (STYLE rule 14): the
 tp placement of every parameter, the ZeRO stage's dp sharding (an expert slice under ep:
-Shard(0) on the ep mesh instead), the master and compute dtypes.
+Shard(0) on the ep mesh instead), the dtype each parameter is held in (trainable: the master
+dtype; frozen: `Plan.frozen_dtype` when set) and the compute dtype.
 A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time.
 `check_context_parallel` refuses, before building, a cp plan the runtime cannot run."""
 
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.passes.rng import random_op_indices
 from autoplan.plan import parse_placement
+from autoplan.runtime.precision import Precision
 from autoplan.runtime.step_inputs import loss_mode
 
 __all__ = ["PlanMismatchError", "check_against_plan", "check_context_parallel",
@@ -91,7 +93,8 @@ def context_parallel_refusal(graph, inputs, loss_fn, compile: bool,
 
 def check_against_plan(model) -> None:
     """Check a DistributedModel against its plan; raises PlanMismatchError."""
-    plan, precision = model.plan, model.precision
+    plan = model.plan
+    precision = Precision.of(plan.dtype, plan.frozen_dtype)  # what the plan says
     problems = []
     for _, module in model.stages:
         wrapped = isinstance(module, FSDPModule)
@@ -101,10 +104,12 @@ def check_against_plan(model) -> None:
                             f"{plan.mesh.cp}, "
                             f"dtype {plan.dtype})")
         for fqn, p in module.named_parameters():
-            want_dtype = precision.master_dtype or p.dtype
+            want_dtype = precision.param_dtype(p.requires_grad) if p.is_floating_point() \
+                else p.dtype
             if p.dtype != want_dtype:
-                problems.append(f"{fqn}: master weights are {p.dtype}, the recipe needs "
-                                f"{want_dtype}")
+                role = "trainable" if p.requires_grad else "frozen"
+                problems.append(f"{fqn}: a {role} parameter held in {p.dtype}, the plan holds "
+                                f"{role} parameters in {want_dtype}")
             if plan.mesh.tp > 1:
                 got = _axis_placement(p, "tp")
                 want = parse_placement(plan.placement_of(fqn))

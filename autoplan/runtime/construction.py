@@ -1,11 +1,25 @@
 """How a model handed to `@autoparallel` becomes this rank's weight source: a factory's
 construction recorded on the meta device, the meta copy that capture traces, the default init
-of a model given on meta, and the choice among the sources of runtime/weights.py
-([Note: sharded construction])."""
+of a model given on meta, the choice among the sources of runtime/weights.py
+([Note: sharded construction]), and the dtype its weights say to train in.
+
+[Note: dtype of the weights] The compute dtype is an input the weights carry: without `dtype=`,
+a model trains in the dtype of its weights -- an HF checkpoint's (`weights=`,
+`from_pretrained`) read from its safetensors headers, else a model's own floating parameters
+(an instance's, or a factory's recorded on meta) -- with that dtype's recipe ([Note: precision
+recipe]: a bf16 checkpoint trains with bf16 compute and fp32 masters where trainable, read from
+the file and upcast exactly). `dtype=` given wins, the weights cast on load (a bf16 checkpoint
+under `dtype="float32"`: fp32 throughout, upcast exactly). Weights of more than one floating
+dtype (bf16 beside fp16, or fp32 norms beside bf16 matrices) are ambiguous: a ValueError asks
+for `dtype=`, never a silent pick. A checkpoint's config.json `dtype` / `torch_dtype` is read
+only where its tensors have no floating dtype (the tensors are what is loaded); a model with no
+floating parameters and a `save` directory (it holds fp32 masters, whatever the compute dtype
+was) say nothing, and float32 is the default."""
 
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -14,7 +28,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["default_init", "is_dcp", "meta_skeleton", "on_meta", "record_construction",
-           "weight_source"]
+           "resolve_dtype", "weight_source"]
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -93,3 +107,59 @@ def weight_source(module: nn.Module, init_trace, weights: str | None, init: Call
         return replay
     aliases = {a: fqn for fqn, p in graph.params.items() for a in p.aliases}
     return HFWeights(weights, replay, aliases)
+
+
+def _weights_dtypes(module: nn.Module, weights: str | None) -> tuple[dict[str, list[str]], str]:
+    """(dtype name -> names of the floating tensors in it, what holds them: "checkpoint" or
+    "model") for [Note: dtype of the weights]; ({}, ...) where the weights say nothing."""
+    if weights is not None and not is_dcp(weights):
+        from autoplan.runtime.hf_checkpoint import checkpoint_dtypes
+
+        found = checkpoint_dtypes(weights)
+        if not found:  # no floating tensor: config.json's word, if it has one
+            config = Path(weights) / "config.json"
+            said = json.loads(config.read_text()) if config.is_file() else {}
+            name = said.get("dtype") or said.get("torch_dtype")
+            found = {name: ["config.json"]} if isinstance(name, str) else {}
+        return found, "checkpoint"
+    found: dict[str, list[str]] = {}
+    for fqn, p in module.named_parameters():
+        if p.is_floating_point():
+            found.setdefault(str(p.dtype).removeprefix("torch."), []).append(fqn)
+    return dict(sorted(found.items())), "model"
+
+
+def resolve_dtype(module: nn.Module, dtype: str | None, weights: str | None) -> tuple[str, str]:
+    """The compute dtype to train `module` in and where it came from, in words for the report
+    ([Note: dtype of the weights]): `dtype` when given, else the dtype of the weights
+    (`weights`: an HF checkpoint directory or a `save` one), else "float32".
+
+    Returns (dtype name, origin), e.g. ("bfloat16", "the checkpoint's dtype") or ("float32",
+    "as given, cast from the checkpoint's bfloat16"). Raises ValueError for a `dtype` that
+    is not float32, bfloat16 or float16, and, without `dtype`, for weights of several floating
+    dtypes or of one autoplan does not train in (both named, with a few tensors each)."""
+    from autoplan.runtime.precision import DTYPES
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"autoparallel: dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    found, holder = _weights_dtypes(module, weights)
+    if dtype is not None:
+        others = sorted(set(found) - {dtype})
+        if not others:
+            return dtype, "as given"
+        return dtype, f"as given, cast from the {holder}'s {' and '.join(others)}"
+    if not found:
+        return "float32", "the default"
+    where = f"the weights of the checkpoint {weights}" if holder == "checkpoint" else \
+        "the model's parameters"
+    if len(found) > 1:
+        listed = "; ".join(f"{len(v)} in {k} ({', '.join(v[:2])}{', ...' if len(v) > 2 else ''})"
+                           for k, v in found.items())
+        raise ValueError(f"autoparallel: {where} are of several floating dtypes: {listed}; give "
+                         "the dtype to train in, dtype=\"bfloat16\" (bf16 compute, fp32 "
+                         "masters) or dtype=\"float32\", and the weights are cast on load")
+    (name,) = found
+    if name not in DTYPES:
+        raise ValueError(f"autoparallel: {where} are {name}, not a dtype autoplan trains in "
+                         f"({sorted(DTYPES)}); give dtype= and the weights are cast on load")
+    return name, f"the {holder}'s dtype"

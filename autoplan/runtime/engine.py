@@ -180,7 +180,7 @@ class DistributedModel:
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # before clipping, of the last step
         self.device = torch.device(device)
-        self.precision = Precision.of(plan.dtype)
+        self.precision = Precision.of(plan.dtype, plan.frozen_dtype)
         self.memory = PhasePeaks(self.device)
         self.num_steps = 0
         self.skipped_steps = 0  # fp16 steps skipped for an overflowing gradient
@@ -263,7 +263,7 @@ class DistributedModel:
                 f"({len(random_ops)}: {sorted(random_ops)[:3]}...): a selectively checkpointed "
                 "block is compiled whole and the random ops run eagerly ([Note: compiled "
                 "stages]); plan with checkpointing='full' or 'none', or compile=False")
-        _weights_to_meta(gm, self.precision.master_dtype)
+        _weights_to_meta(gm, self.precision.master_dtype, self.precision.frozen_dtype)
         retarget_device(gm, self.device)
         if plan.mesh.cp > 1 and plan.mesh.pp > 1:  # stage by stage below
             check_whole_graph(gm, plan.seq_len, plan.mesh.cp)

@@ -46,8 +46,8 @@ from torch.distributed.tensor import DTensor
 
 from autoplan._torch_compat import local_shard_slices
 
-__all__ = ["HFTensor", "LoadStats", "load_hf_weights", "save_hf_weights", "save_pretrained",
-           "plan_hf_files"]
+__all__ = ["HFTensor", "LoadStats", "checkpoint_dtypes", "load_hf_weights", "save_hf_weights",
+           "save_pretrained", "plan_hf_files"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -211,6 +211,29 @@ def load_hf_weights(path: str | os.PathLike, params: Mapping[str, torch.Tensor],
             local.copy_(piece)
             bytes_read += piece.numel() * piece.element_size()
     return LoadStats(bytes_read=bytes_read, num_tensors=len(plan))
+
+
+def checkpoint_dtypes(path: str | os.PathLike) -> dict[str, list[str]]:
+    """The dtypes of the floating tensors of the HF safetensors checkpoint at `path` (as
+    `load_hf_weights` takes it), from the files' headers only (8 + N bytes per file, no tensor
+    read): torch dtype name ("bfloat16", ...) -> the tensor names of that dtype, sorted.
+
+    Raises ValueError as `load_hf_weights` does for no or an unreadable checkpoint."""
+    _, files = _key_files(Path(path))
+    names = {v: str(k).removeprefix("torch.") for k, v in _DTYPES.items() if k.is_floating_point}
+    out: dict[str, list[str]] = {}
+    for file in files:
+        try:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"load_hf_weights: cannot read the header of safetensors file "
+                             f"{file}: {e}") from e
+        for key, entry in header.items():
+            if key != "__metadata__" and entry.get("dtype") in names:
+                out.setdefault(names[entry["dtype"]], []).append(key)
+    return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 # --- saving ---------------------------------------------------------------------------------

@@ -10,7 +10,12 @@ and torchtitan train (Micikevicius et al. 2018, "Mixed Precision Training"):
   compute and reduces gradients across dp in fp32 (also at dp 1, where it only casts);
 - tensor-parallel partial sums are reduced in the dtype of the activations (16-bit), as the
   plan prices them;
-- fp16 adds dynamic loss scaling (`LossScaler`).
+- fp16 adds dynamic loss scaling (`LossScaler`);
+- frozen parameters (`requires_grad=False`) are fp32 masters too, unless the plan holds them in
+  the compute dtype (`Plan.frozen_dtype`): then they are 16-bit only -- the value the compute
+  reads either way, a 16-bit cast of the fp32 weight -- and FSDP2's policy leaves them
+  uncast (it asks a uniform original dtype of the trainable parameters only;
+  torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py `_init_mp_dtypes`).
 `"float32"` trains in fp32 throughout.
 """
 
@@ -37,20 +42,39 @@ class Precision:
         compute_dtype: the dtype forward and backward run in.
         master_dtype: dtype of the parameters the optimizer steps (None: as captured, fp32).
         loss_scaling: dynamic loss scaling (fp16 only).
+        frozen_dtype: dtype of the frozen parameters where it is not the master dtype (the
+            compute dtype under a plan with `frozen_dtype` set), else None.
     """
 
     compute_dtype: torch.dtype
     master_dtype: torch.dtype | None
     loss_scaling: bool
+    frozen_dtype: torch.dtype | None = None
 
     @staticmethod
-    def of(dtype: str) -> "Precision":
-        """Raises ValueError for a dtype name other than float32, bfloat16, float16."""
+    def of(dtype: str, frozen_dtype: str = "") -> "Precision":
+        """The recipe of compute dtype `dtype`, frozen parameters held in `frozen_dtype`
+        ("": as the trainable ones; else `dtype` itself, as `Plan.frozen_dtype`).
+
+        Raises ValueError for a dtype name other than float32, bfloat16, float16, and for a
+        `frozen_dtype` other than "" or `dtype`."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if frozen_dtype not in ("", dtype):
+            raise ValueError(f"frozen_dtype {frozen_dtype!r} is neither '' nor the compute "
+                             f"dtype {dtype!r}")
         compute = DTYPES[dtype]
         mixed = compute != torch.float32
-        return Precision(compute, torch.float32 if mixed else None, compute == torch.float16)
+        frozen = compute if mixed and frozen_dtype == dtype else None
+        return Precision(compute, torch.float32 if mixed else None, compute == torch.float16,
+                         frozen)
+
+    def param_dtype(self, trainable: bool) -> torch.dtype:
+        """The dtype a floating parameter is held in: the master dtype (the compute dtype
+        under fp32), or `frozen_dtype` for a frozen one when set."""
+        if not trainable and self.frozen_dtype is not None:
+            return self.frozen_dtype
+        return self.master_dtype or self.compute_dtype
 
     @property
     def mixed(self) -> bool:
@@ -67,7 +91,8 @@ class Precision:
         """The recipe in words (autoplan.spec.precision_recipe, which the report prints)."""
         name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                 torch.float16: "float16"}[self.compute_dtype]
-        return precision_recipe(name)
+        frozen = "" if self.frozen_dtype is None else name
+        return precision_recipe(name, frozen)
 
 
 class LossScaler:

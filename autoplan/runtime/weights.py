@@ -219,10 +219,13 @@ class LostConstantError(ValueError):
     captured without its value: the graph cannot compute what the model does."""
 
 
-def weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None) -> None:
+def weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None,
+                    frozen_dtype: torch.dtype | None = None) -> None:
     """Every parameter of `gm` becomes a meta tensor of its shape (in `master_dtype` when
-    given: fp32 masters of a 16-bit graph), and every buffer not owned by the graph (lifted
-    constants keep their captured values) a meta tensor; nothing is allocated.
+    given: fp32 masters of a 16-bit graph; a frozen one, `requires_grad=False`, in
+    `frozen_dtype` when given: the compute dtype, [Note: precision recipe]), and every buffer
+    not owned by the graph (lifted constants keep their captured values) a meta tensor;
+    nothing is allocated.
 
     Raises LostConstantError for a lifted constant that is itself a meta tensor: no weight
     source has its value, and building on would leave uninitialised memory in its place
@@ -239,7 +242,10 @@ def weights_to_meta(gm: torch.fx.GraphModule, master_dtype: torch.dtype | None) 
     for fqn, p in list(gm.named_parameters()):
         owner_path, _, leaf = fqn.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
-        dtype = master_dtype if master_dtype is not None and p.is_floating_point() else p.dtype
+        dtype = p.dtype
+        if p.is_floating_point():
+            held = frozen_dtype if not p.requires_grad else None
+            dtype = held or master_dtype or p.dtype
         owner._parameters[leaf] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"),
                                                requires_grad=p.requires_grad)
     for fqn, b in list(gm.named_buffers()):
