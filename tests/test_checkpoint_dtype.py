@@ -51,9 +51,13 @@ def test_a_model_trains_in_its_parameters_dtype():
     assert resolve_dtype(fp32, "bfloat16", None) == ("bfloat16", "as given, cast from the "
                                                                   "model's float32")
     assert resolve_dtype(nn.ReLU(), None, None) == ("float32", "the default")
-    mixed = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4).to(torch.bfloat16))
+    # fp32 beside one 16-bit dtype (PEFT's fp32 adapters over a bf16 base): that dtype
+    adapted = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4).to(torch.bfloat16))
+    assert resolve_dtype(adapted, None, None) == (
+        "bfloat16", "the model's bfloat16; its 2 float32 tensors kept as float32 masters")
+    mixed = nn.Sequential(nn.Linear(4, 4).half(), nn.LayerNorm(4).to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"parameters are of several floating dtypes: 2 in "
-                                         r"bfloat16 \(1.weight, 1.bias\); 2 in float32 "
+                                         r"bfloat16 \(1.weight, 1.bias\); 2 in float16 "
                                          r"\(0.weight, 0.bias\); give the dtype to train in"):
         resolve_dtype(mixed, None, None)
     with pytest.raises(ValueError, match="dtype='bf16' is not one of"):

@@ -137,7 +137,9 @@ def resolve_dtype(module: nn.Module, dtype: str | None, weights: str | None) -> 
     Returns (dtype name, origin), e.g. ("bfloat16", "the checkpoint's dtype") or ("float32",
     "as given, cast from the checkpoint's bfloat16"). Raises ValueError for a `dtype` that
     is not float32, bfloat16 or float16, and, without `dtype`, for weights of several floating
-    dtypes or of one autoplan does not train in (both named, with a few tensors each)."""
+    dtypes (but float32 beside one 16-bit dtype: that 16-bit dtype, the fp32 tensors as fp32
+    masters -- PEFT's adapters over a bf16 base) or of one autoplan does not train in (both
+    named, with a few tensors each)."""
     from autoplan.runtime.precision import DTYPES
 
     if dtype is not None and dtype not in DTYPES:
@@ -152,6 +154,12 @@ def resolve_dtype(module: nn.Module, dtype: str | None, weights: str | None) -> 
         return "float32", "the default"
     where = f"the weights of the checkpoint {weights}" if holder == "checkpoint" else \
         "the model's parameters"
+    half = sorted(set(found) - {"float32"})
+    if len(found) == 2 and len(half) == 1 and half[0] in DTYPES:
+        # a 16-bit model with fp32 parts (PEFT's adapters over a bf16 base, modules HF keeps
+        # in fp32): the 16-bit recipe, whose fp32 masters hold the fp32 tensors exactly
+        return half[0], (f"the {holder}'s {half[0]}; its {len(found['float32'])} float32 "
+                         "tensors kept as float32 masters")
     if len(found) > 1:
         listed = "; ".join(f"{len(v)} in {k} ({', '.join(v[:2])}{', ...' if len(v) > 2 else ''})"
                            for k, v in found.items())
