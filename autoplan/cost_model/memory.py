@@ -92,7 +92,7 @@ def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
         raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
     if dp < 1 or num_params < 0:
         raise ValueError(f"dp={dp} must be >= 1 and num_params={num_params} >= 0")
-    if not 0 <= frozen_params <= num_params * (1 + 1e-12):
+    if frozen_params and not 0 <= frozen_params <= num_params * (1 + 1e-12):
         raise ValueError(f"frozen_params={frozen_params} must be in [0, num_params="
                          f"{num_params}]")
     key = (bool(mixed_precision), optimizer)

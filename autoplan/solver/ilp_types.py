@@ -170,18 +170,17 @@ class Solution:
         """Parameter elements per device of a rank holding `share[part]` of each part; a
         parameter several parts use counts once, at its largest share there (a tied embedding
         and head on one pipeline rank is one tensor; on two, one on each)."""
-        return _elems_on(share, self.param_elems, self.shared_param_elems)
+        own = sum(s * self.param_elems.get(p, 0.0) for p, s in share.items())
+        return own + sum(e * max(share.get(p, 0.0) for p in parts)
+                         for parts, e in self.shared_param_elems)
 
     def frozen_elems_on(self, share: dict[str, float]) -> float:
         """`param_elems_on` of the frozen parameters (0.0 when all train)."""
         if not self.frozen_elems and not self.shared_frozen_elems:
             return 0.0
-        return _elems_on(share, self.frozen_elems, self.shared_frozen_elems)
-
-
-def _elems_on(share: dict[str, float], per_part: dict[str, float], shared: list) -> float:
-    own = sum(s * per_part.get(p, 0.0) for p, s in share.items())
-    return own + sum(e * max(share.get(p, 0.0) for p in parts) for parts, e in shared)
+        own = sum(s * self.frozen_elems.get(p, 0.0) for p, s in share.items())
+        return own + sum(e * max(share.get(p, 0.0) for p in parts)
+                         for parts, e in self.shared_frozen_elems)
 
 
 class SolverLimitReached(ValueError):

@@ -542,17 +542,16 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     states = off.device_states(model_state_bytes(
         elems, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
         optimizer=spec.optimizer, recipe="fsdp2", frozen_params=frozen,
-        frozen_param_bytes=frozen_param_bytes(spec)), offload)
+        frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
                                                 cfg.num_virtual_stages)
     # gathered parameters and unsharded gradients held at once ([Note: memory per rank]);
     # frozen parameters are gathered like the others but have no gradient
-    rest = elems - sol.param_elems.get("layer", 0.0) * share["layer"]
     block = sol.param_elems.get("layer", 0.0) * share["layer"]
+    rest = elems - block
     gathered = rest + block * _held_layers(cfg, layers[r], True)
-    trained_block = (sol.param_elems.get("layer", 0.0) - sol.frozen_elems.get("layer", 0.0)
-                     ) * share["layer"]
-    grad_unit = (elems - frozen - trained_block) + trained_block * _held_layers(
+    frozen_block = sol.frozen_elems.get("layer", 0.0) * share["layer"]
+    grad_unit = (rest - (frozen - frozen_block)) + (block - frozen_block) * _held_layers(
         cfg, layers[r], False)
     # the stage outputs kept for backward are held per in-flight microbatch, like activations;
     # they and the receive buffers are the producer's local tensor (1/tp of it when split)
