@@ -12,7 +12,7 @@ import pytest
 
 from autoplan.cli import _plan, build_parser, main
 from autoplan.models.adapters import Trainable
-from autoplan.report import render_summary
+from autoplan.report import render_html, render_summary
 from autoplan.report.facts import model_num_params
 from autoplan.report.markdown import render_markdown
 from autoplan.solver import NoFeasiblePlan
@@ -53,6 +53,8 @@ def test_llama3_70b_lora_fits_one_node_with_adapter_only_states(lora_70b):
     assert "207 M of 70.8 G parameters train (0.293 %)" in text
     assert "frozen ones held in bfloat16 only" in text
     assert "parameters train" in render_summary(plan, topology=topology, graph=graph)
+    assert "207 M of 70.8 G parameters train" in render_html(plan, graph=graph,
+                                                             topology=topology)
 
 
 def test_llama3_70b_full_training_does_not_fit_one_node():
