@@ -36,7 +36,7 @@ from autoplan.plan import Plan
 from autoplan.runtime.construction import (is_dcp as _is_dcp, meta_skeleton,
                                            on_meta as _on_meta,
                                            record_construction as _record_construction,
-                                           resolve_dtype, weight_source)
+                                           frozen_weights_dtype, resolve_dtype, weight_source)
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology, load_topology, preset
 
@@ -255,7 +255,8 @@ class AutoParallel:
         return {"command": "autoparallel", "graph": graph_fingerprint(graph),
                 "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),
                 "overrides": overrides, "compiled": self.options.compile,
-                "cp_searched": cp_searched}
+                "cp_searched": cp_searched,
+                "frozen_weights_dtype": self._frozen_weights_dtype()}
 
     def _cached_plan(self, request: dict | None, topo: Topology) -> Plan | None:
         """The cache's plan for `request`, its warnings said again; None on a miss."""
@@ -294,6 +295,7 @@ class AutoParallel:
             overrides = dict(self.options.overrides)
             try:
                 plan = solve(graph, topo, self.spec, compiled=self.options.compile,
+                             frozen_weights_dtype=self._frozen_weights_dtype(),
                              **({} if why_not is None else {"cp": 1}), **overrides)
             except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
                 if why_not is None or not ("does not fit world size" in e.reason or
@@ -311,6 +313,12 @@ class AutoParallel:
             except OSError as e:
                 detail(f"plan cache not written: {e}")
         return plan
+
+    def _frozen_weights_dtype(self) -> str | None:
+        """The dtype the frozen parameters' weights come in (runtime/construction.py
+        frozen_weights_dtype): where it is the 16-bit compute dtype, the planner holds them in
+        it ([Note: frozen dtype] in solver/frozen.py)."""
+        return frozen_weights_dtype(self.module, self.options.weights)
 
     def _cp_refusal(self, graph, topo: Topology) -> str | None:
         """Why the runtime could not run a cp > 1 plan of this model, batch and loss, or None:

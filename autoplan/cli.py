@@ -1,6 +1,8 @@
 """The `autoplan` command line: plan, export, demo, calibrate.
 
     autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
+    autoplan plan --model llama3-70b --cluster dgx-h100 --global-batch 64 --seq 4096 \\
+        --trainable lora:r=16
     autoplan plan --model gpt2-tiny --cluster local-cpu --devices-per-node 4 \\
         --global-batch 8 --seq 16 -o out/tiny
     autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/x
@@ -48,6 +50,8 @@ _SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # autoplan.plan.SCHEDULES, k
 _EPILOG = """\
 examples:
   autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
+  autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 1 --global-batch 64 --seq 4096 \\
+      --trainable lora:r=16
   autoplan plan --model gpt3-175b --cluster dgx-a100 --nodes 128 --global-batch 1536 \\
       --seq 2048 --tp 8 --pp 8 --dp 16 --microbatches 96 --schedule interleaved-1f1b \\
       -o out/gpt3
@@ -85,7 +89,8 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> None:
+def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool,
+                       trainable: bool = False) -> None:
     what = p.add_argument_group("model, cluster and training step")
     what.add_argument("--model", required=True, metavar="NAME|config.json",
                       help="model preset (e.g. llama3-70b, gpt2-tiny) or a Hugging Face "
@@ -108,6 +113,17 @@ def _add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool) -> No
                       help="optimizer whose states are counted (default: %(default)s)")
     what.add_argument("--max-memory-fraction", type=_fraction, default=0.9, metavar="F",
                       help="fraction of device memory a plan may use (default: %(default)s)")
+    if trainable:
+        what.add_argument(
+            "--trainable", default="full", metavar="SPEC|PATH",
+            help="what trains: full (default: every parameter); lora:r=R[,alpha=A]"
+                 "[,targets=M+M...]: LoRA adapters on a frozen base (alpha default 2 r, "
+                 "targets default all-linear: every linear layer but the head), added to "
+                 "the model with PEFT before capture; or the path of a PEFT LoRA "
+                 "adapter_config.json or its directory. Planned as fine-tuning: gradients, "
+                 "their reduction and optimizer states for the trainable parameters only; "
+                 "the frozen base held in the compute dtype when the model's weights are "
+                 "in it already (a bf16 checkpoint) or fp32 copies do not fit")
     fix = p.add_argument_group("overrides (fix a choice instead of searching it)")
     fix.add_argument("--tp", type=_positive_int, help="tensor-parallel degree")
     fix.add_argument("--pp", type=_positive_int, help="pipeline-parallel degree")
@@ -192,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "summary; with -o write plan.json, report.md, report.html. "
                                    "The same request again is answered from the plan cache "
                                    "(--no-cache plans anew).")
-    _add_planning_args(p, capture_depth=True)
+    _add_planning_args(p, capture_depth=True, trainable=True)
     p.add_argument("-o", "--out", metavar="DIR",
                    help="write plan.json, report.md and report.html into DIR")
     p.add_argument("--no-cache", action="store_true",
@@ -290,19 +306,23 @@ def _plan(args, num_layers: int | None) -> _Planned:
 
     from autoplan.capture import capture_preset
     from autoplan.models import model_config
+    from autoplan.models.adapters import Trainable
     from autoplan.solver import plan
     from autoplan.solver.search import ReplicatedWeightsWarning
     from autoplan.spec import TrainingSpec
 
-    model_config(args.model)  # an unknown preset fails here, before the cluster is read
+    config = model_config(args.model)  # an unknown preset fails here, before the cluster
     topology = _topology(args)
     spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
                         optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
+    trainable = Trainable.parse(getattr(args, "trainable", "full"))
     depth = (f" ({num_layers} blocks; costs scaled to the full depth)"
-             if num_layers and num_layers < _depth(model_config(args.model)) else "")
-    with phase(f"capturing {args.model}{depth}"):
+             if num_layers and num_layers < _depth(config) else "")
+    adapters = "" if trainable.kind == "full" else f" with {trainable.describe()}"
+    with phase(f"capturing {args.model}{adapters}{depth}"):
         graph = capture_preset(args.model, batch=args.global_batch, seq_len=args.seq,
-                               num_layers=num_layers, dtype=getattr(torch, args.dtype))
+                               num_layers=num_layers, dtype=getattr(torch, args.dtype),
+                               trainable=None if trainable.kind == "full" else trainable)
     with phase(f"planning {args.model} for {topology.world_size} x {topology.device.name}"), \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ReplicatedWeightsWarning)  # each run says its own
@@ -313,7 +333,7 @@ def _plan(args, num_layers: int | None) -> _Planned:
                       cp=args.cp,
                       allow_tp_across_nodes=args.allow_tp_across_nodes,
                       time_limit_s=args.time_limit, top_k=args.top_k, offload=args.offload,
-                      compiled=args.compile)
+                      compiled=args.compile, frozen_weights_dtype=_weights_dtype(config))
     said = []
     for w in caught:
         if issubclass(w.category, ReplicatedWeightsWarning):  # about the plan: for the user
@@ -322,6 +342,14 @@ def _plan(args, num_layers: int | None) -> _Planned:
         else:  # a library's: shown as Python shows it
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return _Planned(graph, topology, result, tuple(said))
+
+
+def _weights_dtype(config: dict) -> str | None:
+    """The dtype of the model's weights as its checkpoint holds them, when its config says:
+    an HF config.json's `torch_dtype` (`dtype` in newer ones), a preset's `_weights_dtype`
+    note (the published checkpoint's); None when not known ([Note: frozen dtype] in
+    autoplan/solver/frozen.py)."""
+    return config.get("torch_dtype") or config.get("dtype") or config.get("_weights_dtype")
 
 
 def _summary(planned: _Planned, files) -> dict:
@@ -343,11 +371,26 @@ def _summary(planned: _Planned, files) -> dict:
         "num_microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
         "schedule": plan.schedule, "num_virtual_stages": plan.num_virtual_stages,
         "checkpointing": plan.checkpointing, "dtype": plan.dtype, "offload": plan.offload,
+        **({"frozen_dtype": plan.frozen_dtype} if plan.frozen_dtype else {}),
+        **_trainable_counts(planned.graph),
         "prediction": prediction,
         "alternatives": as_json["alternatives"],
         "files": [str(p) for p in files],
         "warnings": list(planned.warnings),
     }
+
+
+def _trainable_counts(graph: CapturedGraph) -> dict:
+    """{"num_params", "num_trainable_params"} of a model with frozen parameters (real depth),
+    {} when every parameter trains (the summary as before)."""
+    from autoplan.graph import CapturedGraph
+    from autoplan.report.facts import model_num_params
+    from autoplan.solver.frozen import has_frozen
+
+    if not isinstance(graph, CapturedGraph) or not has_frozen(graph):
+        return {}
+    return {"num_params": model_num_params(graph),
+            "num_trainable_params": model_num_params(graph, trainable_only=True)}
 
 
 def _print_json(summary: dict) -> None:
@@ -451,17 +494,22 @@ def _cache_request(args):
 
     from autoplan.cache import PlanCache
     from autoplan.models import model_config
+    from autoplan.models.adapters import Trainable
     from autoplan.spec import TrainingSpec
 
-    # in `_plan`'s order, so that the first mistake is the one named: model, cluster, spec
+    # in `_plan`'s order, so that the first mistake is the one named: model, cluster, spec,
+    # what trains
     config, topology = model_config(args.model), _topology(args)
     spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
                         optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
+    trainable = Trainable.parse(args.trainable)
     request = {
         "command": "plan", "model": args.model, "model_config": config,
         "topology": topology.to_dict(), "spec": dataclasses.asdict(spec),
         "flags": {name: getattr(args, name) for name in _PLAN_FLAGS},
     }
+    if trainable.kind != "full":  # a full-training request keeps its key
+        request["trainable"] = trainable.to_dict()
     return PlanCache(), request
 
 

@@ -38,6 +38,12 @@ class TrainingSpec:
         optimizer: "adamw" (2 fp32 states per parameter) or "sgd" (none).
         max_memory_fraction: fraction of device memory the plan may use (headroom for the
             allocator and the framework).
+        frozen_dtype: the dtype frozen parameters (`requires_grad=False`) are held in: ""
+            (default) as the trainable ones (fp32 masters under a 16-bit dtype), or `dtype`
+            (the frozen base in 16-bit only). `autoplan.solver.plan` chooses it when left ""
+            ([Note: frozen dtype] in solver/planner.py) and records it in `Plan.frozen_dtype`;
+            the cost model prices what it says ([Note: frozen pricing] in
+            cost_model/memory.py).
     """
 
     global_batch: int
@@ -45,6 +51,7 @@ class TrainingSpec:
     dtype: str = "float32"
     optimizer: str = "adamw"
     max_memory_fraction: float = 0.9
+    frozen_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -55,6 +62,10 @@ class TrainingSpec:
             raise ValueError(f"training spec: dtype {self.dtype!r} not in {sorted(_DTYPE_BYTES)}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"training spec: optimizer {self.optimizer!r} not in ['adamw', 'sgd']")
+        if self.frozen_dtype not in ("", self.dtype):
+            raise ValueError(f"training spec: frozen_dtype {self.frozen_dtype!r} is neither '' "
+                             f"(as the trainable parameters) nor the compute dtype "
+                             f"{self.dtype!r}")
 
     @property
     def dtype_bytes(self) -> int:

@@ -46,7 +46,7 @@ def test_help_examples_are_valid(capsys, tmp_path):
 
     commands = [shlex.split(c.replace("\\\n", " "))
                 for c in _EPILOG.split("\n  autoplan ")[1:]]
-    assert len(commands) == 4
+    assert len(commands) == 5
     for argv in commands:
         build_parser().parse_args(argv)  # SystemExit on a bad example
     fixed = next(a for a in commands if "--tp" in a)

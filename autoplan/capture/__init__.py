@@ -165,11 +165,15 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
 
 
 def capture_preset(name: str, *, batch: int, seq_len: int, num_layers: int | None = None,
-                   dtype: torch.dtype | None = None) -> CapturedGraph:
+                   dtype: torch.dtype | None = None, trainable=None) -> CapturedGraph:
     """Build preset `name` on meta with at most `num_layers` blocks and capture it on
-    (batch, seq_len) inputs; `total_layers` is the preset's real depth (see autoplan.models)."""
+    (batch, seq_len) inputs; `total_layers` is the preset's real depth (see autoplan.models).
+    `trainable` (autoplan.models.adapters.Trainable): the adapters to add before capture,
+    the base frozen (None: full training). Raises ValueError from Trainable.apply."""
     from autoplan.models import build_model, example_inputs, model_depth
 
     model = build_model(name, device="meta", num_layers=num_layers, dtype=dtype)
+    if trainable is not None:
+        model = trainable.apply(model)
     inputs = example_inputs(name, batch=batch, seq_len=seq_len, device="meta")
     return capture(model, inputs, model_name=name, total_layers=model_depth(name))

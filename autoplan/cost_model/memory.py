@@ -55,25 +55,36 @@ FSDP2_MIXED_STATE_BYTES = {"adamw": (4.0, 4.0, 8.0), "sgd": (4.0, 4.0, 0.0)}
 
 def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
                       mixed_precision: bool = True,
-                      optimizer: str = "adamw", recipe: str = "zero") -> dict[str, float]:
+                      optimizer: str = "adamw", recipe: str = "zero",
+                      frozen_params: float = 0.0,
+                      frozen_param_bytes: float | None = None) -> dict[str, float]:
     """Bytes per rank of parameters, gradients and optimizer states (ZeRO Table 1).
 
     Stage 1 shards the optimizer states over the dp ranks, stage 2 also the gradients, stage 3
     also the parameters. For mixed-precision Adam (2 + 2 + K=12 bytes per parameter):
     stage 0: 16 Psi; 1: 4 Psi + 12 Psi / N_d; 2: 2 Psi + 14 Psi / N_d; 3: 16 Psi / N_d.
 
+    [Note: frozen pricing] A frozen parameter (`requires_grad=False`, [Note: frozen
+    parameters] in autoplan/runtime/engine.py) is held, and sharded by ZeRO-3, like any other,
+    but has no gradient and no optimizer state: of `num_params`, the `frozen_params` cost
+    `frozen_param_bytes` each in "params" (the compute dtype's width when the plan holds the
+    frozen base in 16-bit, `Plan.frozen_dtype`; default: a trainable parameter's) and nothing
+    in "grads" and "optimizer". With no frozen parameter the figures are the paper's.
+
     Args:
         num_params: parameters held by this rank before ZeRO sharding (after tensor and
-            pipeline splitting).
+            pipeline splitting), frozen ones included.
         zero_stage: 0, 1, 2 or 3.
         dp: data-parallel degree N_d (>= 1).
         mixed_precision: 16-bit params/grads with fp32 master states; False for fp32 training.
         optimizer: "adamw" or "sgd" (see STATE_BYTES_PER_PARAM).
         recipe: "zero" (the paper's mixed-precision split, above) or "fsdp2" (what autoplan's
             runtime holds under mixed precision: FSDP2_MIXED_STATE_BYTES); fp32 is the same.
+        frozen_params: how many of `num_params` are frozen (0 <= frozen_params <= num_params).
+        frozen_param_bytes: bytes per frozen parameter; None: the recipe's "params" bytes.
 
     Returns {"params", "grads", "optimizer"} in bytes. Raises ValueError for a bad stage, dp,
-    parameter count, optimizer or recipe.
+    parameter count, frozen count, optimizer or recipe.
     """
     if recipe not in ("zero", "fsdp2"):
         raise ValueError(f"recipe {recipe!r} is not 'zero' or 'fsdp2'")
@@ -81,16 +92,22 @@ def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
         raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
     if dp < 1 or num_params < 0:
         raise ValueError(f"dp={dp} must be >= 1 and num_params={num_params} >= 0")
+    if frozen_params and not 0 <= frozen_params <= num_params * (1 + 1e-12):
+        raise ValueError(f"frozen_params={frozen_params} must be in [0, num_params="
+                         f"{num_params}]")
     key = (bool(mixed_precision), optimizer)
     if key not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"optimizer {optimizer!r} not in ['adamw', 'sgd']")
     params, grads, states = STATE_BYTES_PER_PARAM[key]
     if recipe == "fsdp2" and mixed_precision:
         params, grads, states = FSDP2_MIXED_STATE_BYTES[optimizer]
+    frozen_b = params if frozen_param_bytes is None else frozen_param_bytes
+    trainable = max(0.0, num_params - frozen_params)  # >= 0 through float residue
     return {
-        "params": num_params * params / (dp if zero_stage >= 3 else 1),
-        "grads": num_params * grads / (dp if zero_stage >= 2 else 1),
-        "optimizer": num_params * states / (dp if zero_stage >= 1 else 1),
+        "params": (trainable * params + frozen_params * frozen_b)
+        / (dp if zero_stage >= 3 else 1),
+        "grads": trainable * grads / (dp if zero_stage >= 2 else 1),
+        "optimizer": trainable * states / (dp if zero_stage >= 1 else 1),
     }
 
 

@@ -7,7 +7,10 @@ plain-PyTorch families need no `transformers`: `nanogpt` (autoplan.models.nanogp
 (autoplan.models.mlp); their presets use the same JSON format with their own `model_type`.
 
 Every preset JSON carries a `"_source"` key citing the paper or model card of its figures; keys
-starting with "_" are notes, never passed to a constructor.
+starting with "_" are notes, never passed to a constructor. `"_weights_dtype"` is the dtype of
+the published checkpoint (its HF config.json's `torch_dtype`; the Llama 3 presets:
+"bfloat16"), which the command line tells the planner for a fine-tune's frozen base ([Note:
+frozen dtype] in autoplan/solver/frozen.py).
 
 Building on the meta device (the default) allocates nothing, so a 405B model can be planned on a
 laptop; `num_layers` builds a shallow copy (the planner captures a few identical blocks and scales

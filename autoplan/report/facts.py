@@ -37,7 +37,7 @@ from autoplan.units import fmt_bytes, fmt_count, fmt_flops, fmt_pct, fmt_si, fmt
 __all__ = [
     "MEMORY_KINDS", "AxisFacts", "ParamGroup", "RedistributionGroup", "PartCost",
     "fmt_si", "fmt_bytes", "fmt_time", "fmt_count", "fmt_flops", "fmt_pct", "plural",
-    "model_num_params", "sharded_params", "mesh_axes",
+    "model_num_params", "trainable_text", "sharded_params", "mesh_axes",
     "param_groups", "redistribution_groups", "part_costs", "tokens_per_s", "memory_rows",
     "host_share_bytes", "OFFLOAD_TEXT",
 ]
@@ -50,16 +50,39 @@ MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "c
 
 # --- model and mesh ----------------------------------------------------------------------------
 
-def model_num_params(graph: CapturedGraph) -> int:
-    """Trainable parameters of the real model: parameters outside the blocks plus the captured
+def model_num_params(graph: CapturedGraph, *, trainable_only: bool = False) -> int:
+    """Parameters of the real model, frozen ones included (`trainable_only`: those the
+    optimizer steps, `ParamInfo.trainable`): parameters outside the blocks plus the captured
     blocks' parameters scaled to `total_layers` ([Note: block roles]); tied weights once."""
-    outside = sum(p.numel for p in graph.params.values()
-                  if not p.is_buffer and p.layer_id is None)
-    inside = sum(p.numel for p in graph.params.values()
-                 if not p.is_buffer and p.layer_id is not None)
+    params = [p for p in graph.params.values()
+              if not p.is_buffer and (p.trainable or not trainable_only)]
+    outside = sum(p.numel for p in params if p.layer_id is None)
+    inside = sum(p.numel for p in params if p.layer_id is not None)
     if graph.num_layers:
         inside = inside * graph.total_layers // graph.num_layers
     return outside + inside
+
+
+def trainable_text(plan: Plan, graph: CapturedGraph | None, *, short: bool = False) -> str:
+    """What trains, in words, for a model with frozen parameters ("" when every parameter
+    trains, or without the graph): "207 M of 70.8 G parameters train (0.293 %)", what is
+    priced for them and how the frozen ones are held (`Plan.frozen_dtype`; [Note: frozen
+    dtype] in autoplan/solver/frozen.py); `short`: one terminal line's worth."""
+    if graph is None:
+        return ""
+    total, trainable = model_num_params(graph), model_num_params(graph, trainable_only=True)
+    if trainable == total:
+        return ""
+    share = fmt_pct(trainable / total) if total else "0 %"
+    held = (f"in {plan.frozen_dtype} only (no fp32 master)"
+            if plan.frozen_dtype and plan.frozen_dtype != "float32"
+            else "in float32" if plan.dtype == "float32"
+            else "as fp32 masters (saved bit-identical)")
+    text = f"{fmt_count(trainable)} of {fmt_count(total)} parameters train ({share})"
+    if short:
+        return f"{text}; the frozen ones held {held}"
+    return (f"{text}: gradients, their dp reduction and optimizer states for those only; "
+            f"the {fmt_count(total - trainable)} frozen ones held {held}")
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ def _summary(plan: Plan, graph, topology, dtype_origin: str = "") -> list[str]:
                   f"{F.fmt_count(tokens)} tokens per step"],
         ["schedule", sched if m.pp > 1 else f"{sched} (pp 1: gradient accumulation over "
                                             f"{F.plural(plan.num_microbatches, 'microbatch')})"],
+        *([["fine-tuning", tt]] if (tt := F.trainable_text(plan, graph)) else []),
         ["activation checkpointing", plan.checkpointing],
         *([["CPU offload", _offload_text(plan, topology)]] if plan.offload != "none" else []),
         *([["sequence parallelism", sp]] if (sp := _sequence_text(plan, graph)) else []),
@@ -166,7 +167,7 @@ def _prediction(plan: Plan, topology) -> list[str]:
     return ["## Predicted step", "", *_table(["", "value", "share / note"], rows)]
 
 
-def _memory(plan: Plan, topology) -> list[str]:
+def _memory(plan: Plan, topology, graph: CapturedGraph | None = None) -> list[str]:
     peak = plan.prediction.memory_bytes
     rows = [[k, F.fmt_bytes(v), F.fmt_pct(v / peak) if peak else ""]
             for k, v in F.memory_rows(plan)]
@@ -174,6 +175,11 @@ def _memory(plan: Plan, topology) -> list[str]:
     lines = ["## Memory per rank", "",
              "The most loaded rank at its peak (the backward of its last layer for the oldest "
              "microbatch in flight)."
+             + (" Gradients and optimizer states are those of the trainable parameters only; "
+                "params holds the frozen ones too"
+                + (f", in {plan.frozen_dtype}" if plan.frozen_dtype else ", as fp32 masters")
+                + " ([Note: frozen pricing] in autoplan/cost_model/memory.py)."
+                if F.trainable_text(plan, graph) else "")
              + (f" With cp {plan.mesh.cp} the activations are those of "
                 f"{plan.seq_len // plan.mesh.cp} tokens per sample plus the keys and values "
                 "of the whole sequence that attention gathered and saves for its backward; "
@@ -338,7 +344,8 @@ def markdown_sections(plan: Plan, graph: CapturedGraph | None = None,
         parts = F.part_costs(plan, graph, topology)
     return [("summary", _summary(plan, graph, topology, dtype_origin)),
             ("mesh", _mesh(plan, topology)),
-            ("prediction", _prediction(plan, topology)), ("memory", _memory(plan, topology)),
+            ("prediction", _prediction(plan, topology)),
+            ("memory", _memory(plan, topology, graph)),
             ("stages", _stages(plan)), ("placements", _placements(plan, graph)),
             ("redistributions", _redistributions(plan, graph)), ("parts", _parts(plan, parts)),
             ("alternatives", _alternatives(plan)), ("formulas", _formulas(plan))]
@@ -379,6 +386,7 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
         + ("; compiled (torch.compile)" if plan.compiled else ""),
         f"params      {_sharded_text(plan, graph)}; "
         f"{F.plural(len(plan.redistributions), 'redistribution')}",
+        *([f"trains      {tt}"] if (tt := F.trainable_text(plan, graph, short=True)) else []),
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
         f"communication {F.fmt_time(p.comm_s)}, bubble {F.fmt_time(p.bubble_s)})",
         f"throughput  {F.fmt_count(F.tokens_per_s(plan))} tokens/s, "

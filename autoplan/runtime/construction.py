@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["default_init", "is_dcp", "meta_skeleton", "on_meta", "record_construction",
-           "resolve_dtype", "weight_source"]
+           "resolve_dtype", "frozen_weights_dtype", "weight_source"]
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -127,6 +127,26 @@ def _weights_dtypes(module: nn.Module, weights: str | None) -> tuple[dict[str, l
         if p.is_floating_point():
             found.setdefault(str(p.dtype).removeprefix("torch."), []).append(fqn)
     return dict(sorted(found.items())), "model"
+
+
+def frozen_weights_dtype(module: nn.Module, weights: str | None) -> str | None:
+    """The dtype the frozen parameters' (`requires_grad=False`) weights come in, which the
+    planner reads to hold them in a 16-bit compute dtype without rounding them ([Note: frozen
+    dtype] in solver/frozen.py): their common dtype in the model, or -- weights from an HF
+    checkpoint, whose names need not be the model's (PEFT's `base_layer`) -- the dtype of
+    every floating tensor of the checkpoint. None when the model has no frozen parameter or
+    the dtype is not one (a checkpoint of several dtypes, a `save` directory)."""
+    frozen = [fqn for fqn, p in module.named_parameters()
+              if not p.requires_grad and p.is_floating_point()]
+    if not frozen:
+        return None
+    if weights is not None:
+        if is_dcp(weights):
+            return None
+        found, _ = _weights_dtypes(module, weights)
+        return next(iter(found)) if len(found) == 1 else None
+    dtypes = {module.get_parameter(fqn).dtype for fqn in frozen}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
 
 
 def resolve_dtype(module: nn.Module, dtype: str | None, weights: str | None) -> tuple[str, str]:

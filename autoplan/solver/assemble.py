@@ -20,6 +20,7 @@ from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
 )
 from autoplan.solver.costs import token_scale
+from autoplan.solver.frozen import has_frozen
 from autoplan.solver.pipeline import Assessment, stages_of
 from autoplan.solver.problem import Problem, _tensor_bytes, share_key
 from autoplan.strategies import Candidate, tensor_args
@@ -65,7 +66,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
                         a.memory_bytes, reason, a.config.checkpointing,
                         a.config.num_virtual_stages, a.config.offload)
             for a, reason in alternatives),
-        dtype=spec.dtype, offload=cfg.offload)
+        dtype=spec.dtype, offload=cfg.offload,
+        frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "")
 
 
 def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:

@@ -58,7 +58,9 @@ class ExpertLayers:
         top_k: choices per token (the largest over the layers).
         hidden: H, the tokens' width.
         expert_elems: expert weight elements of the full model (gate_up_proj + down_proj).
-        model_elems: trained parameter elements of the full model (blocks scaled likewise).
+        model_elems: parameter elements of the full model (blocks scaled likewise).
+        frozen_expert_elems, frozen_model_elems: of those, the frozen ones (no gradient, no
+            optimizer state: [Note: frozen pricing] in cost_model/memory.py).
     """
 
     num_layers: float
@@ -67,6 +69,8 @@ class ExpertLayers:
     hidden: int
     expert_elems: float
     model_elems: float
+    frozen_expert_elems: float = 0.0
+    frozen_model_elems: float = 0.0
 
 
 def expert_layers(graph: CapturedGraph) -> ExpertLayers | None:
@@ -77,7 +81,14 @@ def expert_layers(graph: CapturedGraph) -> ExpertLayers | None:
     scale = graph.total_layers / graph.num_layers if graph.num_layers else 1.0
     shapes = [[tuple(a.meta["val"].shape) if "val" in a.meta else tuple(
         graph.params[str(a.target)].shape) for a in n.args[:5]] for n in nodes]
+    frozen = [graph.params[str(a.target)] for n in nodes for a in n.args[3:5]
+              if a.op == "get_attr" and str(a.target) in graph.params
+              and not graph.params[str(a.target)].trainable]
     return ExpertLayers(
+        frozen_expert_elems=scale * sum(p.numel for p in frozen),
+        frozen_model_elems=sum(p.numel * (scale if p.layer_id is not None else 1.0)
+                               for p in graph.params.values()
+                               if not p.is_buffer and not p.trainable),
         num_layers=len(nodes) * scale,
         num_experts=tuple(s[3][0] for s in shapes),
         top_k=max(s[1][1] for s in shapes),
@@ -100,12 +111,15 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     a2a_s = per_layer * per_rank_layers * plan.num_microbatches
     _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
     experts, total = layers.expert_elems / mesh.pp, layers.model_elems / mesh.pp
+    frozen_experts = layers.frozen_expert_elems / mesh.pp
+    frozen_total = layers.frozen_model_elems / mesh.pp
     cfg = Config(mesh.pp, mesh.dp, mesh.tp, plan.zero_stage, plan.num_microbatches,
                  plan.microbatch_size, plan.schedule, plan.num_virtual_stages)
-    before = _dp_sync_s(cfg, spec, topology, total)
-    after = _dp_sync_s(cfg, spec, topology, total - experts) + (collective_time_s(
-        "all_reduce", experts * grad_b / ep, mesh.dp // ep, topology, stride=mesh.tp * ep)
-        if mesh.dp > ep else 0.0)
+    before = _dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
+    after = _dp_sync_s(cfg, spec, topology, total - experts,
+                       frozen=frozen_total - frozen_experts) + (collective_time_s(
+        "all_reduce", (experts - frozen_experts) * grad_b / ep, mesh.dp // ep, topology,
+        stride=mesh.tp * ep) if mesh.dp > ep else 0.0)
     return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before)
 
 
@@ -164,10 +178,13 @@ def _repriced(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topology: To
     old = plan.prediction
     breakdown = dict(old.memory_breakdown)
     saved_bytes = 0.0
-    # (kind, bytes per parameter, the lowest ZeRO stage that shards it over dp)
+    trained = experts - layers.frozen_expert_elems / plan.mesh.pp
+    # (kind, bytes per parameter, the lowest ZeRO stage that shards it over dp); frozen
+    # experts have no gradient and no optimizer state
     for kind, per, stage in zip(("params", "grads", "optimizer"), per_param, (3, 2, 1)):
-        held = experts / dp if zero >= stage else experts   # without ep
-        saved = (held - experts / ep) * per                 # with ep: the slice, whole
+        elems = experts if kind == "params" else trained
+        held = elems / dp if zero >= stage else elems   # without ep
+        saved = (held - elems / ep) * per               # with ep: the slice, whole
         saved_bytes += saved
         if kind in breakdown:
             breakdown[kind] = max(0.0, breakdown[kind] - saved)

@@ -30,7 +30,8 @@ Constraints
     (memory_r)    sum_g a_r(g) elems(g, c) x[g, c] + sum_n b_r(n) act(n, c) x[n, c] + K_r <= M
                   for every pipeline rank r, when memory limits are given: a_r is the bytes per
                   parameter element of rank r (model states under the ZeRO stage and dp, plus
-                  ZeRO transients), b_r the microbatches in flight times the share of the node's
+                  ZeRO transients; for a frozen g, Problem.frozen, those without gradient and
+                  optimizer state: RankMemory.frozen_coef), b_r the microbatches in flight times the share of the node's
                   part on the rank, M = max_memory_fraction * device memory
                   -- implemented in add_memory_constraint()
 
@@ -40,17 +41,20 @@ affine in the placement's per-part compute, communication and parameter totals
     M_p = sum_{e in p} w_e sum_k (t_fwd(e, k) + t_bwd(e, k)) y[e, k]     (seconds per microbatch)
           + sum_{k shared, in p} c_k z[k]     (edges in a shared group: their terms are the z's,
                                                c_k the largest w_e t of the group; costs.py)
-    P_p = sum_{g: p in parts(g)} sum_c elems(g, c) x[g, c]               (parameter elements)
+    P_p = sum_{g: p in parts(g), g trainable} sum_c elems(g, c) x[g, c]  (parameter elements)
+    F_p = the same over the frozen g (Problem.frozen)
 for the parts p in {pre, layer, post}, through the busiest pipeline rank r* (the largest
 sum_p s[r, p] (C_p + M_p), s[r, p] the share of part p on rank r) and the rank with the most
 parameters:
-    step = a_c sum_p s[r*, p] C_p + a_m sum_p s[r*, p] M_p + B max_r sum_p s[r, p] P_p + K
+    step = a_c sum_p s[r*, p] C_p + a_m sum_p s[r*, p] M_p
+           + max_r sum_p s[r, p] (B P_p + B_f F_p) + K
 with a_c, a_m the stage factors (microbatches plus the bubble; they differ only where compute
 slows down with the number of busy ranks), B the data-parallel sync and optimizer seconds per
-parameter element, K constant (`StepForm`). So
+trainable parameter element, B_f <= B that of a frozen one (its ZeRO gathers only), K constant
+(`StepForm`). So
     min  a_c sum_p s[rho, p] C_p + a_m sum_p s[rho, p] M_p + B E + eps * (nodes not all-R)
     (busiest_r)  sum_p s[rho, p] (C_p + M_p) >= sum_p s[r, p] (C_p + M_p)   for r != rho
-    (sync_r)     E >= sum_p s[r, p] P_p
+    (sync_r)     E >= sum_p s[r, p] (P_p + (B_f / B) F_p)
     -- implemented in add_objective(), once per candidate busiest rank rho (the ranks no other
     rank dominates part by part; the best of the solves is kept). With a_c = a_m (dedicated
     devices) one solve does: min a_m T + B E, (stage_r) T >= sum_p s[r, p] (C_p + M_p); with
@@ -310,7 +314,7 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
         if unit.cost_s and any(keys[i] in pair_keys for i, pair_keys in unit.uses):
             add(sol.comm_s, unit.part, unit.cost_s)
     for g, elems in costs.param_elems.items():
-        sol.add_param_elems(problem.params[g][2], elems[choice[g]])
+        sol.add_param_elems(problem.params[g][2], elems[choice[g]], frozen=g in problem.frozen)
     for n, row in costs.act_bytes.items():
         part = problem.part.get(n, "pre") if n is not None else "pre"
         add(sol.act_bytes, part, row[choice[n]] if n is not None and n in choice else row[0])

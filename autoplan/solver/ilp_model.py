@@ -65,10 +65,13 @@ class _Model:
         # nodes separately (they matter in the stage/sync constraints of pp > 1)
         self.comp = {p: defaultdict(float) for p in _PARTS}
         self.comm = {p: defaultdict(float) for p in _PARTS}
-        self.elems = {p: defaultdict(float) for p in _PARTS}
+        self.elems = {p: defaultdict(float) for p in _PARTS}  # trainable parameters
+        self.frozen = {p: defaultdict(float) for p in _PARTS}  # frozen ones (Problem.frozen)
         self.comp_const = dict.fromkeys(_PARTS, 0.0)
         self.comm_const = dict.fromkeys(_PARTS, 0.0)
         self.elems_const = dict.fromkeys(_PARTS, 0.0)
+        self.frozen_const = dict.fromkeys(_PARTS, 0.0)
+        self.frozen_weight = 0.0  # B_f / B of the objective's step form (add_objective)
         self.ties: dict = defaultdict(float)
         self.infeasible = ""  # the constraint that cannot hold, when found while building
         self._seen: set[tuple] = set()
@@ -323,8 +326,9 @@ class _Model:
         terms: dict = defaultdict(float)
         const = rank.const_bytes / _KB
         for g, elems in self.c.param_elems.items():
-            coef = max((rank.param_coef.get(part, 0.0) for part in self.p.params[g][2]),
-                       default=0.0)
+            per_part = rank.param_coef if rank.frozen_coef is None or g not in self.p.frozen \
+                else rank.frozen_coef
+            coef = max((per_part.get(part, 0.0) for part in self.p.params[g][2]), default=0.0)
             for v, e in zip(self.x[g], elems):
                 if v is None:
                     const += coef * e / _KB
@@ -377,17 +381,21 @@ class _Model:
                 else:
                     self.comm[part][v] += w * (fwd + bwd) * _NS
         for g, elems in self.c.param_elems.items():
+            terms, consts = (self.frozen, self.frozen_const) if g in self.p.frozen else (
+                self.elems, self.elems_const)
             for part in self.p.params[g][2]:
                 for v, e in zip(self.x[g], elems):
                     if v is None:
-                        self.elems_const[part] += e
+                        consts[part] += e
                     else:
-                        self.elems[part][v] += e
+                        terms[part][v] += e
 
     def add_objective(self, form: StepForm, busiest: int | None = None) -> None:
         """[Note: step form]; `busiest`: the rank rho assumed busiest (a_c != a_m)."""
         obj: dict = defaultdict(float, self.ties)
         a_c, a_m, b = form.compute_factor, form.comm_factor, form.sync_s_per_elem * _NS
+        # E counts trainable elements, a frozen one at B_f / B of one ([Note: step form])
+        self.frozen_weight = form.sync_s_per_frozen_elem * _NS / b if b else 0.0
         if len(form.shares) == 1 or busiest is not None:
             rank = form.shares[0 if busiest is None else busiest]
             self._add_terms(obj, rank, self.comp, a_c)
@@ -404,6 +412,7 @@ class _Model:
                 self._at_least(big_t, rank, f"stage[rank {r}]")
         if len(form.shares) == 1:
             self._add_terms(obj, form.shares[0], self.elems, b)
+            self._add_terms(obj, form.shares[0], self.frozen, b * self.frozen_weight)
         elif b:
             big_e = self.bound_var(self._ceiling(form, elems=True), "E")
             obj[big_e] += b
@@ -429,16 +438,19 @@ class _Model:
         return most * (1 + 1e-9)
 
     def _row(self, rank, elems: bool) -> tuple[dict, float]:
-        """(terms, constant) of sum_p s[r, p] (C_p + M_p), or of sum_p s[r, p] P_p."""
+        """(terms, constant) of sum_p s[r, p] (C_p + M_p), or of sum_p s[r, p] (P_p + w F_p),
+        w = B_f / B (`frozen_weight`)."""
         row: dict = defaultdict(float)
         const = 0.0
-        kinds = ((self.elems, self.elems_const),) if elems else (
-            (self.comp, self.comp_const), (self.comm, self.comm_const))
+        kinds = ((self.elems, self.elems_const, 1.0),) if elems else (
+            (self.comp, self.comp_const, 1.0), (self.comm, self.comm_const, 1.0))
+        if elems and self.frozen_weight:
+            kinds += ((self.frozen, self.frozen_const, self.frozen_weight),)
         for part, share in rank:
-            for terms, consts in kinds:
-                const += share * consts[part]
+            for terms, consts, weight in kinds:
+                const += share * weight * consts[part]
                 for v, c in terms[part].items():
-                    row[v] += share * c
+                    row[v] += share * weight * c
         return row, const
 
     def _at_least(self, bound, rank, name: str, *, elems: bool = False,
@@ -543,15 +555,19 @@ class _Template:
 def _undominated(ranks: list[RankMemory]) -> list[tuple[int, RankMemory]]:
     """Ranks whose memory no other rank bounds from above coefficient by coefficient (all
     coefficients and element counts are >= 0, so a dominated rank's constraint is implied)."""
+    def frozen(r: RankMemory) -> dict:
+        return r.param_coef if r.frozen_coef is None else r.frozen_coef
+
     def vec(r: RankMemory) -> tuple:
         parts = sorted(set(r.param_coef) | set(r.act_coef))
-        return tuple((r.param_coef.get(p, 0.0), r.act_coef.get(p, 0.0))
+        return tuple((r.param_coef.get(p, 0.0), r.act_coef.get(p, 0.0), frozen(r).get(p, 0.0))
                      for p in parts) + (r.boundary_coef,)
 
     def leq(a: RankMemory, b: RankMemory) -> bool:
         parts = set(a.param_coef) | set(a.act_coef) | set(b.param_coef) | set(b.act_coef)
         return a.const_bytes <= b.const_bytes and a.boundary_coef <= b.boundary_coef and all(
             a.param_coef.get(p, 0.0) <= b.param_coef.get(p, 0.0)
+            and frozen(a).get(p, 0.0) <= frozen(b).get(p, 0.0)
             and a.act_coef.get(p, 0.0) <= b.act_coef.get(p, 0.0) for p in parts)
 
     out: list[tuple[int, RankMemory]] = []

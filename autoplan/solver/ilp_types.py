@@ -44,12 +44,16 @@ class RankMemory:
         boundary_coef: residual streams between blocks the rank holds (pipeline stage
             outputs kept for the backward, receive buffers), each at its size on a tp rank
             for the placement of the block-output node (Costs.boundary_bytes).
+        frozen_coef: part -> bytes per element of a frozen parameter (Problem.frozen: no
+            gradient, no optimizer state, [Note: frozen pricing] in cost_model/memory.py);
+            None: priced as `param_coef`.
     """
 
     param_coef: dict[str, float]
     act_coef: dict[str, float]
     const_bytes: float = 0.0
     boundary_coef: float = 0.0
+    frozen_coef: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,12 @@ class StepForm:
         compute_factor, comm_factor: a_c, a_m, seconds of step per second of the busiest
             rank's compute (communication) per microbatch.
         shares: per pipeline rank (those no other rank dominates), ((part, share), ...).
-        sync_s_per_elem: B, data-parallel sync and optimizer seconds per parameter element.
+        sync_s_per_elem: B, data-parallel sync and optimizer seconds per trainable parameter
+            element.
         const_s: K, seconds (constant in the placement; not in the ILP objective).
+        sync_s_per_frozen_elem: B_f, the same per frozen parameter element (its ZeRO
+            gathers only: no gradient reduction, no optimizer step; [Note: frozen pricing] in
+            cost_model/memory.py); B_f <= B.
     """
 
     compute_factor: float
@@ -69,6 +77,7 @@ class StepForm:
     shares: tuple[tuple[tuple[str, float], ...], ...]
     sync_s_per_elem: float = 0.0
     const_s: float = 0.0
+    sync_s_per_frozen_elem: float = 0.0
 
     @property
     def one_factor(self) -> bool:
@@ -82,10 +91,19 @@ class StepForm:
             return sum(s * per_part.get(p, 0.0) for p, s in rank)
         busiest = max(self.shares, key=lambda rank: (
             on(rank, sol.compute_s) + on(rank, sol.comm_s), on(rank, sol.compute_s)))
-        elems = max(sol.param_elems_on(dict(rank)) for rank in self.shares)
         return (self.compute_factor * on(busiest, sol.compute_s)
                 + self.comm_factor * on(busiest, sol.comm_s)
-                + self.sync_s_per_elem * elems + self.const_s)
+                + self.sync_s(sol) + self.const_s)
+
+    def sync_s(self, sol: "Solution") -> float:
+        """The sync term of the rank whose parameters cost the most, seconds: max over ranks
+        of B x trainable + B_f x frozen elements."""
+        def cost(rank) -> float:
+            share = dict(rank)
+            total, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
+            return (self.sync_s_per_elem * (total - frozen)
+                    + self.sync_s_per_frozen_elem * frozen)
+        return max(cost(rank) for rank in self.shares)
 
 
 TIME_FORM = StepForm(1.0, 1.0, (tuple((p, 1.0) for p in _PARTS),))
@@ -104,6 +122,8 @@ class Solution:
         shared_param_elems: ((parts, elements per device), ...) of the parameters several
             parts use (a tied embedding and head): held once by a rank that runs any of those
             parts (`param_elems_on`).
+        frozen_elems, shared_frozen_elems: the same of the frozen parameters only (included in
+            param_elems and shared_param_elems; `frozen_elems_on`); empty when all train.
         objective_s: compute + comm, seconds per microbatch.
         optimal: proved optimal (False: the best placement found within the deterministic
             limit, or the solve's feasible start; [Note: deterministic limits]).
@@ -132,14 +152,19 @@ class Solution:
     integer_solver: bool = False
     cp_comm_s: dict[str, float] = field(default_factory=dict)
     boundary_bytes: float | None = None
+    frozen_elems: dict[str, float] = field(default_factory=dict)
+    shared_frozen_elems: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
 
-    def add_param_elems(self, parts, elems: float) -> None:
-        """Count a parameter of `elems` elements per device used by `parts`."""
+    def add_param_elems(self, parts, elems: float, *, frozen: bool = False) -> None:
+        """Count a parameter of `elems` elements per device used by `parts` (`frozen`: one
+        the optimizer does not step, counted in the frozen totals too)."""
         parts = tuple(parts)
-        if len(parts) == 1:
-            self.param_elems[parts[0]] = self.param_elems.get(parts[0], 0.0) + elems
-        else:
-            self.shared_param_elems.append((parts, elems))
+        for per_part, shared in ((self.param_elems, self.shared_param_elems),) + (
+                ((self.frozen_elems, self.shared_frozen_elems),) if frozen else ()):
+            if len(parts) == 1:
+                per_part[parts[0]] = per_part.get(parts[0], 0.0) + elems
+            else:
+                shared.append((parts, elems))
 
     def param_elems_on(self, share: dict[str, float]) -> float:
         """Parameter elements per device of a rank holding `share[part]` of each part; a
@@ -148,6 +173,14 @@ class Solution:
         own = sum(s * self.param_elems.get(p, 0.0) for p, s in share.items())
         return own + sum(e * max(share.get(p, 0.0) for p in parts)
                          for parts, e in self.shared_param_elems)
+
+    def frozen_elems_on(self, share: dict[str, float]) -> float:
+        """`param_elems_on` of the frozen parameters (0.0 when all train)."""
+        if not self.frozen_elems and not self.shared_frozen_elems:
+            return 0.0
+        own = sum(s * self.frozen_elems.get(p, 0.0) for p, s in share.items())
+        return own + sum(e * max(share.get(p, 0.0) for p in parts)
+                         for parts, e in self.shared_frozen_elems)
 
 
 class SolverLimitReached(ValueError):

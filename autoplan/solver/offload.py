@@ -42,6 +42,11 @@ as on CPU ranks, where offload frees nothing; a plan may still fix it there): an
 adds the transfers and the host step, so it is never faster at the same placement. Stated gap:
 where the device memory only binds (a slower placement fits without offload), a variant that
 lets the faster placement fit is not searched.
+
+Frozen parameters ([Note: frozen pricing] in cost_model/memory.py) have no gradient and no
+optimizer state: "optimizer" steps, holds and moves the trainable ones only (E above counts
+them); "optimizer+params" holds every sharded parameter on the host, a frozen one at its own
+bytes (`frozen_param_bytes`), and moves it up for each gather, with no gradient down.
 """
 
 from __future__ import annotations
@@ -101,11 +106,17 @@ def device_states(states: dict[str, float], offload: str) -> dict[str, float]:
 
 
 def host_state_bytes(elems: float, zero_stage: int, dp: int, offload: str,
-                     spec: TrainingSpec) -> float:
-    """Host bytes of one rank holding `elems` parameters (after tp and pp): [Note: offload]."""
+                     spec: TrainingSpec, *, frozen: float = 0.0,
+                     frozen_param_bytes: float | None = None) -> float:
+    """Host bytes of one rank holding `elems` parameters (after tp and pp), `frozen` of them
+    frozen (held at `frozen_param_bytes` each, None: as a trainable one): [Note: offload]."""
+    if offload == "optimizer":  # the host copies of the trainable ones it steps
+        elems, frozen = elems - frozen, 0.0
     stepped = _stepped(elems, zero_stage, dp, offload)
     s = model_state_bytes(stepped, 0, 1, mixed_precision=spec.mixed_precision,
-                          optimizer=spec.optimizer, recipe="fsdp2")
+                          optimizer=spec.optimizer, recipe="fsdp2",
+                          frozen_params=_stepped(frozen, zero_stage, dp, offload),
+                          frozen_param_bytes=frozen_param_bytes)
     return s["params"] + s["grads"] + s["optimizer"]
 
 
@@ -119,23 +130,27 @@ def offload_time_s(*, offload: str, zero_stage: int, dp: int, elems: float, tens
                    gathers: int, reductions: int, spec: TrainingSpec,
                    topology: Topology, optimizer_bytes_per_param: float,
                    optimizer_ops_per_tensor: int, speed: float,
-                   ranks_on_node: int) -> tuple[float, float]:
+                   ranks_on_node: int, frozen: float = 0.0,
+                   frozen_param_bytes: float | None = None) -> tuple[float, float]:
     """(transfers, host optimizer step) of one rank per step, seconds ([Note: offload]);
     `tensors`: parameter tensors the rank holds; `gathers`, `reductions`: the FSDP2 parameter
     all-gathers and gradient reductions per step (pipeline.py); `speed`: DeviceSpec.speed of the busy ranks
     (CPU ranks share cores; 1 for GPUs); `ranks_on_node`: the ranks sharing the node's host
-    optimizer bandwidth. (0, 0) without offload."""
+    optimizer bandwidth; `frozen` of the `elems` are frozen (`host_state_bytes`). (0, 0)
+    without offload."""
     if offload == "none":
         return 0.0, 0.0
     d = topology.device
     s = model_state_bytes(1.0, 0, 1, mixed_precision=spec.mixed_precision,
                           optimizer=spec.optimizer, recipe="fsdp2")
     p, g = s["params"], s["grads"]
-    stepped = _stepped(elems, zero_stage, dp, offload)
+    p_frozen = p if frozen_param_bytes is None else frozen_param_bytes
+    stepped = _stepped(elems - frozen, zero_stage, dp, offload)  # trainable: stepped
     if offload == "optimizer":
         moved = stepped * (g + p)
     else:
-        moved = stepped * (gathers * p + reductions * g)
+        moved = stepped * (gathers * p + reductions * g) + _stepped(
+            frozen, zero_stage, dp, offload) * gathers * p_frozen
     # ZeRO-1 steps whole tensors of its owner (a dp-th of them); FSDP2 a shard of every one
     stepped_tensors = tensors / dp if zero_stage == 1 else tensors
     host_bw = topology.host_optimizer_bw_bytes_per_s / max(1, ranks_on_node)

@@ -116,7 +116,7 @@ from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
 __all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR",
-           "optimizer_pass", "Config",
+           "optimizer_pass", "frozen_param_bytes", "Config",
            "Assessment", "stages_of",
            "assess", "pipeline_time_s", "rank_memories"]
 
@@ -321,18 +321,25 @@ def _grads_at_peak(schedule: str, pp: int, m: int, in_flight: float) -> bool:
 
 
 def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
-                  output_bytes: float, offload: str = "none") -> list[RankMemory]:
+                  output_bytes: float, offload: str = "none",
+                  frozen: bool = False) -> list[RankMemory]:
     """[Note: memory per rank] as linear forms for the ILP: per pipeline rank, one form per
     moment of [Note: peak moments] (A: activations at their height, B: the backward of the
     rank's first layer), so that "every form within the budget" is exactly "the peak within
     the budget". Device memory only: `offload` states are on the host ([Note: offload]).
     The stage outputs and receive buffers are counts of boundaries (`boundary_coef`), priced
-    at the block-output node's placement (Costs.boundary_bytes)."""
+    at the block-output node's placement (Costs.boundary_bytes). `frozen`: the model has
+    frozen parameters, priced per element by `RankMemory.frozen_coef` (held and gathered,
+    no gradient, no optimizer state: [Note: frozen pricing] in cost_model/memory.py)."""
     layers = _rank_layers(cfg, total_layers)
     states = off.device_states(model_state_bytes(
         1.0, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
         optimizer=spec.optimizer, recipe="fsdp2"), offload)
     kept = states["params"] + states["optimizer"]
+    kept_frozen = off.device_states(model_state_bytes(
+        1.0, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
+        optimizer=spec.optimizer, recipe="fsdp2", frozen_params=1.0,
+        frozen_param_bytes=frozen_param_bytes(spec)), offload)["params"]
     unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
     unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp_shard > 1 else 0.0
     out = []
@@ -346,14 +353,19 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         held = {p: _held_layers(cfg, layers[r], True) if p == "layer" else 1.0 for p in shares}
         grad_held = {p: _held_layers(cfg, layers[r], False) if p == "layer" else 1.0
                      for p in shares}
+        # a frozen element at both moments: held (and gathered), no gradient
+        frozen_coef = {p: (kept_frozen + unit * held[p]) * sh
+                       for p, sh in shares.items()} if frozen else None
         moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
                                for p, sh in shares.items()},
                               {p: in_flight * sh for p, sh in shares.items()},
-                              output_bytes if r == cfg.pp - 1 else 0.0, sent + recv)
+                              output_bytes if r == cfg.pp - 1 else 0.0, sent + recv,
+                              frozen_coef)
         moment_b = RankMemory({p: (kept + states["grads"] + unit * held[p]
                                    + unsharded * grad_held[p]) * sh
                                for p, sh in shares.items()}, _late_coef(r, layers, shares,
-                                                                        total_layers), 0.0, recv)
+                                                                        total_layers), 0.0, recv,
+                              frozen_coef)
         out += [moment_a, moment_b]
     return out
 
@@ -450,12 +462,14 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     memories = {r: _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                               boundary_bytes, offload, shares[r]) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])
-    elems = max(sol.param_elems_on(shares[r]) for r in ranks)
-    dp_sync = _dp_sync_s(cfg, spec, topology, elems, _dp_units(cfg, layers))
-    exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(cfg, spec, topology, elems) / speed
-    tensors = max(on(r, param_tensors) for r in ranks)
+    elems, frozen = _most_elems(cfg, sol, spec, topology, [shares[r] for r in ranks], speed)
+    dp_sync = _dp_sync_s(cfg, spec, topology, elems, _dp_units(cfg, layers), frozen)
+    exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(
+        cfg, spec, topology, elems, frozen) / speed
+    tensors = max(on(r, param_tensors) for r in ranks)  # trainable ones (Problem.param_tensors)
     if offload == "none":
-        transfers, optimizer = 0.0, _optimizer_s(cfg, spec, topology, elems, tensors, speed)
+        transfers, optimizer = 0.0, _optimizer_s(cfg, spec, topology, elems - frozen, tensors,
+                                                 speed)
     else:
         transfers, optimizer = off.offload_time_s(
             offload=offload, zero_stage=cfg.zero_stage, dp=cfg.dp_shard, elems=elems,
@@ -463,9 +477,11 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
             reductions=_reductions(cfg), spec=spec, topology=topology,
             optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM.get(spec.optimizer, 0.0),
             optimizer_ops_per_tensor=OPTIMIZER_OPS_PER_TENSOR.get(spec.optimizer, 0),
-            speed=speed, ranks_on_node=busy)
+            speed=speed, ranks_on_node=busy, frozen=frozen,
+            frozen_param_bytes=frozen_param_bytes(spec))
         exposed += transfers
-    host = off.host_state_bytes(elems, cfg.zero_stage, cfg.dp_shard, offload, spec)
+    host = off.host_state_bytes(elems, cfg.zero_stage, cfg.dp_shard, offload, spec,
+                                frozen=frozen, frozen_param_bytes=frozen_param_bytes(spec))
     m = cfg.num_microbatches
     if cfg.tp * cfg.dp_shard > 1:  # drift between meetings ([Note: step time])
         exposed += topology.device.skew_slope(busy) * (m * comp + optimizer)
@@ -519,20 +535,24 @@ def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: flo
 def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                boundary_bytes, offload="none", share=None) -> dict[str, float]:
     share = share or _shares(r, cfg, layers, total_layers)
-    elems = sol.param_elems_on(share)
+    elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
     late = sum(sol.act_bytes.get(p, 0.0) * c
                for p, c in _late_coef(r, layers, share, total_layers).items())
     states = off.device_states(model_state_bytes(
         elems, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
-        optimizer=spec.optimizer, recipe="fsdp2"), offload)
+        optimizer=spec.optimizer, recipe="fsdp2", frozen_params=frozen,
+        frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
                                                 cfg.num_virtual_stages)
-    # gathered parameters and unsharded gradients held at once ([Note: memory per rank])
-    rest = elems - sol.param_elems.get("layer", 0.0) * share["layer"]
+    # gathered parameters and unsharded gradients held at once ([Note: memory per rank]);
+    # frozen parameters are gathered like the others but have no gradient
     block = sol.param_elems.get("layer", 0.0) * share["layer"]
+    rest = elems - block
     gathered = rest + block * _held_layers(cfg, layers[r], True)
-    grad_unit = rest + block * _held_layers(cfg, layers[r], False)
+    frozen_block = sol.frozen_elems.get("layer", 0.0) * share["layer"]
+    grad_unit = (rest - (frozen - frozen_block)) + (block - frozen_block) * _held_layers(
+        cfg, layers[r], False)
     # the stage outputs kept for backward are held per in-flight microbatch, like activations;
     # they and the receive buffers are the producer's local tensor (1/tp of it when split)
     if sol.boundary_bytes is not None:
@@ -549,10 +569,38 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         late_activation_bytes=late, cast_unit=spec.mixed_precision)
 
 
-def _grad_weight_bytes(spec: TrainingSpec, elems: float) -> tuple[float, float]:
-    """(gradient bytes, compute-precision weight bytes) of `elems` parameters."""
+def frozen_param_bytes(spec: TrainingSpec) -> float | None:
+    """Bytes a rank holds per frozen parameter element before ZeRO sharding ([Note: frozen
+    pricing] in cost_model/memory.py): the compute dtype's width when the frozen base is held
+    in it (`spec.frozen_dtype`, Plan.frozen_dtype), else None (as a trainable one: its fp32
+    master)."""
+    return float(spec.dtype_bytes) if spec.frozen_dtype else None
+
+
+def _most_elems(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology,
+                shares: list[dict[str, float]], speed: float) -> tuple[float, float]:
+    """(parameter elements, of which frozen) of the rank whose parameters cost the most
+    ([Note: step time]: dp_sync, dp_local, optimizer): the rank with the most elements when
+    all train; with frozen ones (no reduction, no optimizer step), the rank where those terms
+    (the per-tensor ops left out: every rank is priced at the most tensors) take longest."""
+    ranks = [(sol.param_elems_on(share), sol.frozen_elems_on(share)) for share in shares]
+    if not any(frozen for _elems, frozen in ranks):
+        return max(ranks)
+
+    def cost_s(t: tuple[float, float]) -> float:
+        elems, frozen = t
+        return (_dp_sync_s(cfg, spec, topology, elems, frozen=frozen)
+                + _dp_local_s(cfg, spec, topology, elems, frozen) / speed
+                + _optimizer_s(cfg, spec, topology, elems - frozen, 0.0, speed))
+    return max(ranks, key=cost_s)
+
+
+def _grad_weight_bytes(spec: TrainingSpec, elems: float,
+                       frozen: float = 0.0) -> tuple[float, float]:
+    """(gradient bytes, compute-precision weight bytes) of `elems` parameters, `frozen` of
+    them without a gradient."""
     _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
-    return elems * grad_b, elems * spec.dtype_bytes
+    return (elems - frozen) * grad_b, elems * spec.dtype_bytes
 
 
 def _reductions(cfg: Config) -> int:
@@ -561,7 +609,8 @@ def _reductions(cfg: Config) -> int:
     return cfg.num_microbatches if cfg.pp == 1 and cfg.zero_stage >= 2 else 1
 
 
-def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float) -> float:
+def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float,
+                frozen: float = 0.0) -> float:
     """The local passes around the dp collectives ([Note: step time], dp_local), memory-bound:
     FSDP2 packs the gradients into a flat buffer, divides them by dp in place and unpacks the
     result into the gradient tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
@@ -570,29 +619,33 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     of them out of the received buffer (W); every FSDP2 parameter all-gather of ZeRO 2/3
     copies the shards in (foreach_all_gather: W / dp read and written) and the gathered buffer
     out into the unsharded parameters (foreach_all_gather_copy_out, split_with_sizes_copy: W
-    read and written)."""
+    read and written). `frozen` of the `elems` have no gradient, and ZeRO-1 leaves them out
+    ([Note: frozen parameters] in autoplan/runtime/engine.py)."""
     if cfg.dp_shard == 1:
         return 0.0
-    grads, weights = _grad_weight_bytes(spec, elems)
+    grads, weights = _grad_weight_bytes(spec, elems, frozen)
     device = topology.device
     passes = _reductions(cfg) * 3 * 2 * grads
     if cfg.zero_stage == 1:
-        passes += 2 * weights / cfg.dp_shard + 2 * weights
+        stepped = _grad_weight_bytes(spec, elems - frozen)[1]
+        passes += 2 * stepped / cfg.dp_shard + 2 * stepped
     passes += _gathers(cfg) * (2 * weights / cfg.dp_shard + 2 * weights)
     return passes / device.mem_bw_bytes_per_s
 
 
 def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float,
-               units: int = 1) -> float:
+               units: int = 1, frozen: float = 0.0) -> float:
     """The dp group's collectives per step ([Note: step time], dp_sync); with context
     parallelism the group is dp x cp ranks (the dp and cp axes are adjacent, so stride tp).
     FSDP2 issues each reduction and gather once per unit (`units`, `_dp_units`), each on that
     unit's share of the bytes: the bandwidth terms sum to the whole, the latency and straggler
     terms are paid per unit. ZeRO-1's gather of the updated parameters is one packed
-    all-gather (runtime/parallel.py ShardedOptimizer)."""
+    all-gather (runtime/parallel.py ShardedOptimizer). `frozen` of the `elems` have no
+    gradient to reduce and ZeRO-1 does not gather them; ZeRO-2/3 gather them as any
+    parameter ([Note: frozen parameters] in autoplan/runtime/engine.py)."""
     if cfg.dp_shard == 1:
         return 0.0
-    grads, weights = _grad_weight_bytes(spec, elems)
+    grads, weights = _grad_weight_bytes(spec, elems, frozen)
 
     def t(kind: str, nbytes: float, n: int = units) -> float:
         return n * collective_time_s(kind, nbytes / n, cfg.dp_shard, topology, stride=cfg.tp)
@@ -601,7 +654,8 @@ def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float
     if cfg.zero_stage == 0:
         return reductions * t("all_reduce", grads)
     if cfg.zero_stage == 1:
-        return reductions * t("all_reduce", grads) + t("all_gather", weights, 1)
+        stepped = _grad_weight_bytes(spec, elems - frozen)[1]
+        return reductions * t("all_reduce", grads) + t("all_gather", stepped, 1)
     return reductions * t("reduce_scatter", grads) + _gathers(cfg) * t("all_gather", weights)
 
 

@@ -22,6 +22,7 @@ from autoplan.solver.branch_bound import (
 from autoplan.solver.context import cp_degrees
 from autoplan.units import fmt_bytes
 from autoplan.solver.experts import expert_parallel
+from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
@@ -44,7 +45,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
          time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
          sequence_parallel: bool | None = None, cp: int | None = None,
-         offload: str | None = None, compiled: bool = False) -> Plan:
+         offload: str | None = None, compiled: bool = False,
+         frozen_weights_dtype: str | None = None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -86,6 +88,13 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         compiled: price the stages as run through torch.compile (no DTensor host time,
             pointwise chains fused: cost_model.compute.compiled_device, [Note: compiled
             execution]); the plan says so (`Plan.compiled`) and the runtime compiles them.
+        frozen_weights_dtype: the dtype the model's frozen parameters (`requires_grad=False`)
+            start in, e.g. "bfloat16" for a LoRA base read from a bf16 checkpoint; None: not
+            known. With frozen parameters under a 16-bit dtype, the plan holds them in the
+            compute dtype (`Plan.frozen_dtype`) when these are in it already or when fp32
+            masters of them fit nowhere on the devices; `spec.frozen_dtype` set fixes it
+            ([Note: frozen dtype] in solver/frozen.py). A model without frozen parameters
+            is planned as it is.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -123,10 +132,18 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     if compiled:
         topology = compiled_topology(topology)
     with collector_paused():
-        result = _plan(graph, topology, spec, Overrides(
+        overrides = Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload),
-            time_limit_s, top_k)
+            allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload)
+
+        def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
+            fixed = overrides if search_offload or offload is not None else \
+                dataclasses.replace(overrides, offload="none")
+            return _plan(graph, topology, chosen, fixed, time_limit_s, top_k)
+
+        result = plan_frozen_dtype(graph, spec, run, weights_dtype=frozen_weights_dtype,
+                                   offload_searched=offload is None)
+        spec = dataclasses.replace(spec, frozen_dtype=result.frozen_dtype or spec.frozen_dtype)
         if ep is not None and ep > 1 and result.zero_stage == 1:
             # ep does not run with ZeRO-1: the best plan at the other stages
             others = []
@@ -171,6 +188,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
                             f"{topology.name} has {topology.world_size}")
     if plan.compiled:
         topology = compiled_topology(topology)
+    if plan.frozen_dtype:  # priced as it holds its frozen parameters
+        spec = dataclasses.replace(spec, frozen_dtype=plan.frozen_dtype)
     with collector_paused():
         search = Search(graph, topology, spec, time_limit_s=10.0)
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,

@@ -116,6 +116,8 @@ class Problem:
             the node is held as its shard and all-gathered again in that op's backward
             ([Note: gathered inputs saved sharded] in autoplan/passes/regather.py).
         params: ILP get_attr node -> (canonical FQN, numel, parts it belongs to, multiplicity).
+        frozen: the get_attr nodes of `params` whose parameter the optimizer does not step
+            (`ParamInfo.trainable` False; [Note: frozen pricing] in cost_model/memory.py).
         constants: constant-like nodes (no cost).
         shared: True when blocks share variables.
     """
@@ -135,6 +137,7 @@ class Problem:
     kept_selective: list[tuple] = field(default_factory=list)
     regathered: dict[str, str] = field(default_factory=dict)
     params: dict[str, tuple[str, int, frozenset, float]] = field(default_factory=dict)
+    frozen: frozenset = frozenset()
     constants: set[str] = field(default_factory=set)
     shared: bool = True
 
@@ -149,10 +152,12 @@ class Problem:
 
     @functools.cached_property
     def param_tensors(self) -> dict[str, float]:
-        """Parameter tensors per part (a tied weight in every part that uses it, block ones
-        times their multiplicity), for the optimizer's per-tensor ops."""
+        """Trainable parameter tensors per part (a tied weight in every part that uses it,
+        block ones times their multiplicity), for the optimizer's per-tensor ops."""
         out: dict[str, float] = {}
-        for _fqn, _numel, parts, mult in self.params.values():
+        for g, (_fqn, _numel, parts, mult) in self.params.items():
+            if g in self.frozen:
+                continue
             for part in parts:
                 out[part] = out.get(part, 0.0) + mult
         return out
@@ -185,6 +190,8 @@ def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
     prob.saved, prob.core_saved, prob.core_inputs = _saved(graph, prob, layer_of, dtype_bytes)
     prob.kept_selective = _kept_selective(graph, prob, layer_of, dtype_bytes)
     prob.params = _params(graph, prob)
+    prob.frozen = frozenset(g for g, (fqn, *_rest) in prob.params.items()
+                            if not graph.params[fqn].trainable)
     return prob
 
 

@@ -368,7 +368,7 @@ class Search:
         costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp)
         boundary = self.boundary_bytes(tp, cfg.microbatch_size, cfg.cp)
         ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
-                              offload=cfg.offload)
+                              offload=cfg.offload, frozen=bool(self.problem(tp).frozen))
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
                                        ckpt.block_bytes(self.problem(tp), costs,
                                                         cfg.checkpointing))
@@ -472,10 +472,13 @@ class Search:
                 return self.assess(cfg, Solution({}, boundary_bytes=least,
                                                  **totals)).step_time_s
             zero, elems = probe(), 1e9
+            # a frozen element: no gradient, no optimizer state ([Note: frozen pricing])
+            frozen = (probe(param_elems={"pre": elems}, frozen_elems={"pre": elems}) - zero
+                      ) / elems if self.problem(cfg.tp).frozen else 0.0
             self.bounds[key] = StepForm(
                 probe(compute_s={"pre": 1.0}) - zero, probe(comm_s={"pre": 1.0}) - zero,
                 _rank_shares(cfg, self.total_layers),
-                (probe(param_elems={"pre": elems}) - zero) / elems, zero)
+                (probe(param_elems={"pre": elems}) - zero) / elems, zero, frozen)
         return self.bounds[key]
 
     def refined_bound(self, cfg: PlanConfig, sol: Solution) -> float:
@@ -488,9 +491,8 @@ class Search:
         slack = len(self.problem(cfg.tp).nodes) * 1e-9  # the ILP's tie-breaks ([Note: step form])
         average = (sol.objective_s - slack) / cfg.pp if sol.optimal else 0.0
         own = max(sum(s * mins.compute_s.get(p, 0.0) for p, s in rank) for rank in form.shares)
-        elems = max(mins.param_elems_on(dict(rank)) for rank in form.shares)
         factor = min(form.compute_factor, form.comm_factor)
-        return factor * max(average, own) + form.sync_s_per_elem * elems + form.const_s
+        return factor * max(average, own) + form.sync_s(mins) + form.const_s
 
     def _cheapest(self, cfg: PlanConfig) -> Solution:
         key = ("memory",) + cfg.costs_key
@@ -598,7 +600,8 @@ def same_argmin(form: StepForm, other: StepForm = TIME_FORM) -> bool:
     """True when the two forms order placements alike: one rank each with proportional
     shares, proportional compute and communication factors, no sync term."""
     if len(form.shares) != 1 or len(other.shares) != 1 or form.sync_s_per_elem or \
-            other.sync_s_per_elem:
+            other.sync_s_per_elem or form.sync_s_per_frozen_elem or \
+            other.sync_s_per_frozen_elem:
         return False
     a, b = dict(form.shares[0]), dict(other.shares[0])
     ratios = {round(a[p] * form.compute_factor / (b[p] * other.compute_factor), 12)
@@ -610,7 +613,8 @@ def same_argmin(form: StepForm, other: StepForm = TIME_FORM) -> bool:
 def _form_signature(form: StepForm) -> tuple:
     r9 = lambda v: float(f"{v:.9g}")  # noqa: E731
     return (r9(form.compute_factor), r9(form.comm_factor),
-            tuple(tuple((p, r9(v)) for p, v in r) for r in form.shares), r9(form.sync_s_per_elem))
+            tuple(tuple((p, r9(v)) for p, v in r) for r in form.shares), r9(form.sync_s_per_elem),
+            r9(form.sync_s_per_frozen_elem))
 
 
 def _signature(ranks) -> tuple:
@@ -618,7 +622,8 @@ def _signature(ranks) -> tuple:
     r6 = lambda v: float(f"{v:.6g}")  # noqa: E731
     return tuple((tuple(sorted((k, r6(v)) for k, v in r.param_coef.items())),
                   tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes),
-                  r6(r.boundary_coef))
+                  r6(r.boundary_coef),
+                  r.frozen_coef and tuple(sorted((k, r6(v)) for k, v in r.frozen_coef.items())))
                  for r in ranks)
 
 
@@ -631,7 +636,7 @@ def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
         add(sol.comm_s, prob.part[n], prob.weight[n] * min(f + b for f, b in row) / tp)
         add(sol.cp_comm_s, prob.part[n], prob.weight[n] * min(f + b for f, b in row) / tp)
     for g, elems in costs.param_elems.items():
-        sol.add_param_elems(prob.params[g][2], min(elems) / tp)
+        sol.add_param_elems(prob.params[g][2], min(elems) / tp, frozen=g in prob.frozen)
     for n, row in costs.act_bytes.items():
         add(sol.act_bytes, prob.part.get(n, "pre") if n is not None else "pre", min(row) / tp)
     for row in costs.boundary_bytes.values():
