@@ -28,12 +28,14 @@ def llama_config():
 
 def peft_config(kind: str):
     """LoRA on the attention's q and v, the MLP's up and down projections and the token
-    embedding ("lora"), or IA3 on k, v and the MLP's down projection ("ia3")."""
+    embedding, with dropout on the adapters' input ("lora"; the embedding's adapter has none),
+    or IA3 on k, v and the MLP's down projection ("ia3")."""
     from peft import IA3Config, LoraConfig
 
     if kind == "lora":
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj",
-                                                             "down_proj", "embed_tokens"])
+        return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                          target_modules=["q_proj", "v_proj", "up_proj", "down_proj",
+                                          "embed_tokens"])
     return IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
                      feedforward_modules=["down_proj"])
 
