@@ -59,6 +59,7 @@ class PlanOptions:
     max_grad_norm: float | None = None
     device_memory_bytes: float | None = None
     weights: str | None = None
+    adapter: str | None = None
     init: Callable | None = None
     seed: int | None = None
     kernels: bool = True
@@ -486,7 +487,7 @@ class AutoParallel:
     def _weight_source(self, graph):
         """Where this rank's shards come from ([Note: sharded construction])."""
         return weight_source(self.module, self._init_trace, self.options.weights,
-                             self.options.init, graph)
+                             self.options.init, graph, adapter=self.options.adapter)
 
     def build(self) -> "AutoParallel":
         """Capture, plan and build this rank's shards now (the first `step` otherwise does);
@@ -602,13 +603,29 @@ class AutoParallel:
         self._engine.load(path)
 
     def save_pretrained(self, path: str | os.PathLike, *,
-                        max_shard_bytes: int = 5_000_000_000) -> None:
+                        max_shard_bytes: int = 5_000_000_000,
+                        selected_adapters: list[str] | None = None,
+                        save_embedding_layers: bool | str = "auto") -> None:
         """A consolidated Hugging Face checkpoint of the trained weights (safetensors, plus the
         model's `config.json` when it has an HF config) that
         `AutoModelForCausalLM.from_pretrained(path)` loads; every rank calls it. Gathered tensor
-        by tensor: no rank holds more than its shards plus one full tensor."""
-        self.build()._engine.save_pretrained(path, config=getattr(self.module, "config", None),
-                                             max_shard_bytes=max_shard_bytes)
+        by tensor: no rank holds more than its shards plus one full tensor.
+
+        A PEFT model (`peft.PeftModel`) writes what `PeftModel.save_pretrained` writes, which
+        `PeftModel.from_pretrained(base, path)` loads: each adapter's
+        `adapter_model.safetensors` (PEFT's names) and `adapter_config.json`, "default" in
+        `path` and any other in `path/<name>` (`selected_adapters`: which, default all;
+        `save_embedding_layers` as PEFT's), rank 0 writing ([Note: PEFT names] in
+        autoplan/runtime/adapters.py)."""
+        from autoplan.runtime.adapters import is_peft_model, save_adapters
+
+        engine = self.build()._engine
+        if is_peft_model(self.module):
+            save_adapters(engine, self.module, path, selected_adapters=selected_adapters,
+                          save_embedding_layers=save_embedding_layers)
+            return
+        engine.save_pretrained(path, config=getattr(self.module, "config", None),
+                               max_shard_bytes=max_shard_bytes)
 
     def bytes_read(self) -> int | None:
         """Bytes this rank read from the HF checkpoint given as `weights=` (None otherwise)."""
@@ -670,7 +687,8 @@ def _in_job() -> bool:
     return dist.is_initialized() and not (_PRIVATE_GROUP and dist.group.WORLD is _PRIVATE_GROUP[-1])
 
 
-def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
+def from_pretrained(path: str | os.PathLike, *, peft_config=None,
+                    adapter: str | os.PathLike | None = None, **options) -> AutoParallel:
     """An `AutoParallel` over the Hugging Face causal LM in checkpoint directory `path`
     (config.json + safetensors): the model is built from its config on meta and each rank
     reads only the slices of the weights it owns. `options` are `autoparallel`'s
@@ -679,24 +697,47 @@ def from_pretrained(path: str | os.PathLike, **options) -> AutoParallel:
     masters); `dtype` given, the weights are cast on load ([Note: dtype of the weights] in
     autoplan/runtime/construction.py).
 
-    Raises ValueError when `path` has no config.json, and without `dtype` for a checkpoint
-    whose floating tensors are of several dtypes."""
+    Fine-tuning with PEFT, as `get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+    peft_config)` on one process: `peft_config` (a `peft.PeftConfig`, e.g. `LoraConfig`)
+    wraps the model in its adapters, initialised by PEFT's init (recorded on meta and
+    replayed on each rank's shards, [Note: RNG contract for initialisation]); the base
+    weights, frozen, come from `path`. `adapter`: a directory written by
+    `PeftModel.save_pretrained` (or `AutoParallel.save_pretrained`) to go on training, as
+    `PeftModel.from_pretrained(model, adapter, is_trainable=True)`: its adapter_config.json
+    and its adapter weights.
+
+    Raises ValueError when `path` has no config.json, for both `peft_config` and `adapter`,
+    and without `dtype` for a checkpoint whose floating tensors are of several dtypes."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"from_pretrained: {str(path)!r} has no config.json")
+    if peft_config is not None and adapter is not None:
+        raise ValueError("from_pretrained: peft_config= and adapter= are both given; the "
+                         "adapter directory holds its own config: give one of them")
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
+    if adapter is not None:
+        from peft import PeftConfig
+
+        peft_config = PeftConfig.from_pretrained(str(adapter))
+        peft_config.inference_mode = False  # trained on, as is_trainable=True loads it
 
     def build():
         # sdpa: one fused attention op per layer in the captured graph (as autoplan.models);
         # built in fp32 whatever config.json's dtype (a bf16 checkpoint's says bfloat16): the
         # capture and the shards take the plan's dtypes, buffers keep the model's own
-        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                             dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                              dtype=torch.float32)
+        if peft_config is None:
+            return model
+        from peft import get_peft_model
+
+        return get_peft_model(model, peft_config)
 
     build.__name__ = type(config).__name__.replace("Config", "")
-    return autoparallel(build, weights=str(path), **options)()
+    return autoparallel(build, weights=str(path), adapter=None if adapter is None else
+                        str(adapter), **options)()
 
 
 def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
@@ -706,7 +747,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
                  optimizer: Callable | None = None, lr_scheduler: Callable | None = None,
                  loss_fn: Callable | None = None, max_grad_norm: float | None = None,
                  device_memory_bytes: float | None = None, weights: str | None = None,
-                 init: Callable | None = None, seed: int | None = None, kernels: bool = True,
+                 adapter: str | None = None, init: Callable | None = None,
+                 seed: int | None = None, kernels: bool = True,
                  compile: bool = False, example_batch=None,
                  batch_dims: dict[str, int | None] | None = None,
                  **overrides):
@@ -751,7 +793,14 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         device_memory_bytes: memory per device the plan may use (replaces the cluster's figure,
             e.g. to leave room for something else).
         weights: a Hugging Face checkpoint directory (config.json + safetensors; each rank
-            reads only its slices) or a directory written by `save`, loaded at build.
+            reads only its slices) or a directory written by `save`, loaded at build. For a
+            PEFT model (`get_peft_model(...)`), the base model's checkpoint: base weights are
+            read under the names the model had before PEFT wrapped it, adapter weights come
+            from their init (or `adapter`); a base weight the checkpoint lacks is an error
+            ([Note: PEFT names] in autoplan/runtime/adapters.py).
+        adapter: for a PEFT model, a directory written by `PeftModel.save_pretrained` (its
+            `adapter_model.safetensors`) whose weights the adapters start from, instead of
+            their init.
         init: `module -> None`, the init of a model given on meta (see above).
         seed: the seed of dropout and every other random op in training ([Note: RNG contract]
             in autoplan/passes/rng.py; default: rank 0's `torch.initial_seed()`).
@@ -820,7 +869,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
                           max_grad_norm=max_grad_norm,
-                          device_memory_bytes=device_memory_bytes, weights=weights, init=init,
+                          device_memory_bytes=device_memory_bytes, weights=weights,
+                          adapter=adapter, init=init,
                           seed=seed, kernels=kernels, compile=compile,
                           example_batch=example_batch,
                           batch_dims=tuple(sorted((batch_dims or {}).items())),

@@ -22,6 +22,12 @@ random weights from a config, nothing downloaded), in order:
   (torchtitan's convention; [Note: expert parallelism] in autoplan/solver/experts.py), so the
   row's 2 x 2 is dp=4 with ep=2.
 
+Fine-tuning rows (`FINE_TUNING`): an architecture wrapped in PEFT adapters (`get_peft_model`;
+architectures.build_fine_tuning), its base frozen and its adapters trained, through the same
+checks: "llama+lora" is Llama with LoRA of rank 8 on every linear layer (QLoRA's recipe); its
+7B plan is Llama-2-7B's with the adapters, and its training check compares the frozen base and
+the adapters with one process running the same PEFT model.
+
 Causal LMs train on autoplan's token batch, `step(input_ids, labels)`; the masked LM (BERT),
 seq2seq (T5) and image (ViT) models on a dict batch, `step({"input_ids": ..., "labels": ...})`
 (architectures.example_batch says what each holds). A check that fails gives the exception's
@@ -59,6 +65,7 @@ BATCH = 4  # samples per global batch of the tiny runs (dp 2 x 2)
 SEQ = 16  # tokens per sample of the tiny runs
 LARGE = dict(cluster="dgx-h100", num_nodes=2, dtype="bfloat16", global_batch=64, seq_len=4096)
 TRAIN = {"train dp2xtp2": dict(dp=2, tp=2), "train dp2xep2": dict(dp=4, ep=2)}
+FINE_TUNING = {"llama+lora": ("llama", "lora")}  # row -> (architecture, PEFT adapter)
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -85,11 +92,35 @@ def _check(fn) -> dict:
     return {"status": status, "detail": detail, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def _architecture(name: str) -> str:
+    """The architecture of row `name` (a fine-tuning row's base model's)."""
+    return FINE_TUNING.get(name, (name,))[0]
+
+
+def _build(name: str, size: str):
+    """Row `name`'s model at `size` on the meta device."""
+    from autoplan.models.architectures import build_architecture, build_fine_tuning
+
+    if name in FINE_TUNING:
+        return build_fine_tuning(*FINE_TUNING[name], size)
+    return build_architecture(name, size)
+
+
+def _factory(name: str):
+    """A picklable factory of row `name`'s tiny model (autoplan.testing)."""
+    from autoplan.models.architectures import architecture_factory, fine_tuning_factory
+
+    if name in FINE_TUNING:
+        return fine_tuning_factory(*FINE_TUNING[name])
+    return architecture_factory(name)
+
+
 def _batch_options(name: str, size: str, batch: int, seq_len: int) -> dict:
     """How the batch is declared: seq_len for a causal LM's token batch, `example_batch=` (on
     meta: shapes only) for the dict batch of the other tasks."""
     from autoplan.models.architectures import ARCHITECTURES, example_batch
 
+    name = _architecture(name)
     if ARCHITECTURES[name].task == "causal-lm":
         return dict(global_batch=batch, seq_len=seq_len)
     return dict(global_batch=batch, example_batch=example_batch(
@@ -98,29 +129,30 @@ def _batch_options(name: str, size: str, batch: int, seq_len: int) -> dict:
 
 def _plan_tiny(name: str) -> str:
     from autoplan.api import autoparallel
-    from autoplan.models.architectures import build_architecture
 
-    plan = autoparallel(build_architecture(name, "tiny"), world_size=2, tp=2,
+    plan = autoparallel(_build(name, "tiny"), world_size=2, tp=2,
                         **_batch_options(name, "tiny", BATCH, SEQ)).plan
     return str(plan)
 
 
 def _plan_large(name: str) -> str:
     from autoplan.api import autoparallel
-    from autoplan.models.architectures import build_architecture
 
-    model = build_architecture(name, "7b")
+    model = _build(name, "7b")
     billions = sum(p.numel() for p in model.parameters()) / 1e9
     options = {k: v for k, v in LARGE.items() if k not in ("global_batch", "seq_len")}
     plan = autoparallel(model, **options, **_batch_options(name, "7b", LARGE["global_batch"],
                                                            LARGE["seq_len"])).plan
-    return f"{billions:.1f}B parameters: {plan}"
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e9
+    frozen = f" ({trainable * 1e3:.0f}M trainable)" if trainable < billions else ""
+    return f"{billions:.1f}B parameters{frozen}: {plan}"
 
 
 def _batches(name: str, steps: int) -> list:
     """`steps` global batches: token pairs for causal LMs, dicts for the other tasks."""
     from autoplan.models.architectures import ARCHITECTURES, example_batch
 
+    name = _architecture(name)
     out = []
     for i in range(steps):
         batch = example_batch(name, batch=BATCH, seq_len=SEQ, seed=1 + i)
@@ -177,12 +209,11 @@ def _train(name: str, overrides: dict, steps: int, state: dict) -> str:
     """Train on 4 gloo ranks and compare with one process; the plan when every rank matches.
     `state` keeps the reference and the cluster between this architecture's checks."""
     from autoplan import testing
-    from autoplan.models.architectures import architecture_factory, build_architecture
     from autoplan.runtime import LocalCluster
 
-    factory, batches = architecture_factory(name), _batches(name, steps)
+    factory, batches = _factory(name), _batches(name, steps)
     # planned once here, not on every rank: the ranks then plan once each
-    budget = testing.split_weights_budget(build_architecture(name, "tiny"), overrides,
+    budget = testing.split_weights_budget(_build(name, "tiny"), overrides,
                                           batches[0], global_batch=BATCH, seq_len=SEQ,
                                           world_size=4)
     if "reference" not in state:
@@ -211,8 +242,10 @@ def run_worker(name: str, steps: int, out: Path) -> None:
     check, so that a parent that kills a hung worker keeps the checks it finished."""
     from autoplan.models.architectures import ARCHITECTURES
 
-    arch = ARCHITECTURES[name]
+    arch = ARCHITECTURES[_architecture(name)]
     row = {"architecture": name, "task": arch.task, "moe": arch.moe, "checks": {}}
+    if name in FINE_TUNING:
+        row["adapter"] = FINE_TUNING[name][1]
     todo = {"plan tp2": lambda: _plan_tiny(name), "plan 7B": lambda: _plan_large(name)}
     state: dict = {}
     for check, overrides in TRAIN.items():
@@ -336,10 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from autoplan.models.architectures import ARCHITECTURES
 
-    names = args.only or list(ARCHITECTURES)
-    unknown = [n for n in names if n not in ARCHITECTURES]
+    known = [*ARCHITECTURES, *FINE_TUNING]
+    names = args.only or known
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"--only {unknown[0]}: unknown; known: {', '.join(ARCHITECTURES)}")
+        parser.error(f"--only {unknown[0]}: unknown; known: {', '.join(known)}")
     doc = run(names, args.steps, args.timeout_s, args.results)
     print(f"{len(names)} architectures in {doc['last_run']['seconds']} s -> {args.results}")
     return 0

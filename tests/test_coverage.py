@@ -88,3 +88,15 @@ def test_large_configs_are_7b_class_on_meta():
         assert 5e9 < n < 9e9, (name, n)
         assert all(p.is_meta for p in model.parameters())
     assert torch.get_default_device().type == "cpu"
+
+
+def test_the_fine_tuning_row_trains_lora_on_a_frozen_base():
+    pytest.importorskip("peft")
+    bench = _bench()
+    assert bench._architecture("llama+lora") == "llama"
+    model = bench._build("llama+lora", "tiny")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # every linear layer of the blocks has its adapter, the output head none
+    assert sum(".lora_A." in n for n in trainable) == 7 * 2
+    assert not any("lm_head" in n for n in trainable)

@@ -161,6 +161,11 @@ def test_save_input_errors(tmp_path):
         save_hf_weights(tmp_path / "o", [a], {})
     with pytest.raises(ValueError, match=r"'a': this rank's tensor has global shape \(3, 2\)"):
         save_hf_weights(tmp_path / "o", [a], {"a": torch.ones(3, 2)})
+    with pytest.raises(ValueError, match=r"'a': rank 0 is its source but holds no piece"):
+        save_hf_weights(tmp_path / "o", [HFTensor("a", (2, 3), torch.float32, 0, 0)], {})
+    with pytest.raises(ValueError, match="source_rank 3 is not in the group"):
+        save_hf_weights(tmp_path / "o", [HFTensor("a", (2, 3), torch.float32, 0, 3)],
+                        {"a": torch.ones(2, 3)})
     with pytest.raises(ValueError, match="writer_rank 1 is not in the group"):
         save_hf_weights(tmp_path / "o", [HFTensor("a", (2, 3), torch.float32, 1)],
                         {"a": torch.ones(2, 3)})

@@ -33,8 +33,9 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["Architecture", "ARCHITECTURES", "TASKS", "SIZES", "architecture_config",
-           "build_architecture", "example_batch", "architecture_factory"]
+__all__ = ["Architecture", "ARCHITECTURES", "TASKS", "SIZES", "ADAPTERS", "architecture_config",
+           "build_architecture", "example_batch", "architecture_factory", "adapter_config",
+           "build_fine_tuning", "fine_tuning_factory"]
 
 TASKS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification")
 SIZES = ("tiny", "7b")
@@ -188,6 +189,39 @@ def architecture_factory(name: str, size: str = "tiny"):
     rank's replay on its shards gives the weights a plain call would."""
     _architecture(name)
     return functools.partial(build_architecture, name, size, device=None)
+
+
+ADAPTERS = ("lora",)
+"""PEFT adapters a fine-tuning model is built with (`adapter_config`)."""
+
+
+def adapter_config(adapter: str):
+    """The PEFT config of `adapter`: "lora" is LoRA of rank 8 (alpha 16) on every linear layer
+    but the output head (PEFT's "all-linear"), as QLoRA (Dettmers et al. 2023, section 4)
+    fine-tunes. Raises ValueError for another name."""
+    if adapter not in ADAPTERS:
+        raise ValueError(f"unknown adapter {adapter!r}; known: {', '.join(ADAPTERS)}")
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+
+
+def build_fine_tuning(name: str, adapter: str, size: str = "tiny", *,
+                      device: str | torch.device | None = "meta") -> nn.Module:
+    """Architecture `name` at `size` (`build_architecture`) wrapped in PEFT's `adapter`
+    (`get_peft_model`): the base frozen, the adapters trainable, initialised by PEFT."""
+    from peft import get_peft_model
+
+    return get_peft_model(build_architecture(name, size, device=device),
+                          adapter_config(adapter))
+
+
+def fine_tuning_factory(name: str, adapter: str, size: str = "tiny"):
+    """A picklable factory of `build_fine_tuning` on torch's default device, as
+    `architecture_factory` is for the architecture alone."""
+    _architecture(name)
+    adapter_config(adapter)
+    return functools.partial(build_fine_tuning, name, adapter, size, device=None)
 
 
 def _batch_shapes(task: str, config, batch: int, seq_len: int) -> dict[str, tuple]:

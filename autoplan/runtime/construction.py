@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["default_init", "is_dcp", "meta_skeleton", "on_meta", "record_construction",
-           "resolve_dtype", "frozen_weights_dtype", "weight_source"]
+__all__ = ["default_init", "is_dcp", "meta_skeleton", "on_meta", "peft_weight_source",
+           "record_construction", "resolve_dtype", "frozen_weights_dtype", "weight_source"]
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -75,7 +75,14 @@ def meta_skeleton(module: nn.Module, param_dtype: torch.dtype | None = None) -> 
 def default_init(module: nn.Module) -> None:
     """The model's own init: HF `init_weights()` when it has one (it also recomputes
     non-persistent buffers such as rotary tables), else every submodule's
-    `reset_parameters()` in `named_modules()` order."""
+    `reset_parameters()` in `named_modules()` order; a PEFT model's: its base model's, then
+    PEFT's init of its adapters (runtime/adapters.py init_peft_model: HF's init alone would
+    draw LoRA's B, which PEFT starts at zero)."""
+    from autoplan.runtime.adapters import init_peft_model, is_peft_model
+
+    if is_peft_model(module):
+        init_peft_model(module)
+        return
     if hasattr(module, "init_weights"):
         module.init_weights()
         return
@@ -85,25 +92,35 @@ def default_init(module: nn.Module) -> None:
 
 
 def weight_source(module: nn.Module, init_trace, weights: str | None, init: Callable | None,
-                  graph):
+                  graph, adapter: str | None = None):
     """Where this rank's shards come from ([Note: sharded construction]): the module's own
     weights; the replay of its recorded construction (`init_trace`) or of `init` (default
     `default_init`) for a module on meta; an HF checkpoint `weights` read slice by slice
-    (aliases of tied weights from `graph`). Raises ValueError for `weights` given with a
-    module that already has real weights."""
+    (aliases of tied weights from `graph`); for a PEFT model, `peft_weight_source`. Raises
+    ValueError for `weights` or `adapter` given with a module that already has real weights,
+    and for `adapter` given for a model that is no PEFT model."""
+    from autoplan.runtime.adapters import is_peft_model
     from autoplan.runtime.deferred_init import record
     from autoplan.runtime.weights import HFWeights, InitReplay, ModuleWeights
 
-    if not on_meta(module) and weights is None:
+    if adapter is not None and not is_peft_model(module):
+        raise ValueError(f"adapter={adapter!r} is given for a {type(module).__name__}, which is "
+                         "no peft.PeftModel: build the model with get_peft_model(...)")
+    if not on_meta(module) and weights is None and adapter is None:
         return ModuleWeights(module)
     trace = init_trace
     if trace is None:
         if not on_meta(module):
-            raise ValueError("weights= is given for a model that already has real weights: "
+            given = "weights=" if weights is not None else "adapter="
+            raise ValueError(f"{given} is given for a model that already has real weights: "
                              "build it on the meta device (or decorate its factory)")
         _, trace = record(lambda: (init or default_init)(module))
-    replay = InitReplay(trace, module, params=weights is None)
-    if weights is None or is_dcp(weights):
+    from_checkpoint = weights is not None and not is_dcp(weights)
+    if is_peft_model(module) and (from_checkpoint or adapter is not None):
+        return peft_weight_source(module, trace, weights if from_checkpoint else None, adapter,
+                                  graph)
+    replay = InitReplay(trace, module, params=not from_checkpoint)
+    if not from_checkpoint:
         return replay
     aliases = {a: fqn for fqn, p in graph.params.items() for a in p.aliases}
     return HFWeights(weights, replay, aliases)
@@ -191,3 +208,35 @@ def resolve_dtype(module: nn.Module, dtype: str | None, weights: str | None) -> 
         raise ValueError(f"autoparallel: {where} are {name}, not a dtype autoplan trains in "
                          f"({sorted(DTYPES)}); give dtype= and the weights are cast on load")
     return name, f"the {holder}'s dtype"
+
+
+def peft_weight_source(module: nn.Module, trace, weights: str | None, adapter: str | None,
+                       graph):
+    """A PEFT model's weights ([Note: PEFT names] in runtime/adapters.py), in this order:
+    the adapter weights from the PEFT adapter directory `adapter` (its
+    `adapter_model.safetensors`) when given; the base weights from the base model's HF
+    checkpoint `weights` (under the names the model had before `get_peft_model`), each rank
+    reading its slices; the rest from the recorded construction or init `trace`: adapter
+    weights without `adapter`, buffers (rotary tables), and base weights without `weights`.
+    A base weight that the checkpoint lacks is an error naming it (load_hf_weights), never
+    an init."""
+    from autoplan.runtime import adapters
+    from autoplan.runtime.weights import HFWeights, InitReplay, PartedWeights
+
+    parts = []
+    if adapter is not None:
+        keys = adapters.adapter_aliases(module)
+        parts.append((set(keys), HFWeights(adapters.adapter_file(adapter), None, keys)))
+    if weights is not None:
+        keys = adapters.base_keys(module)
+        # tied weights: the checkpoint may hold any of the names (GPT-2: wte for lm_head)
+        tied: dict[str, list[str]] = {}
+        for fqn, p in graph.params.items():
+            for name in (fqn, *p.aliases):
+                tied[name] = [fqn, *p.aliases]
+        aliases = {fqn: list(dict.fromkeys(keys[n] for n in tied.get(fqn, [fqn]) if n in keys))
+                   for fqn in keys}
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        parts.append(({n for n in keys if n in params}, HFWeights(weights, None, aliases)))
+    parts.append((None, InitReplay(trace, module, params=True)))
+    return PartedWeights(parts)

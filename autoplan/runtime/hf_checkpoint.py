@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,14 +115,20 @@ def _open(stack: contextlib.ExitStack, file: Path):
         raise ValueError(f"load_hf_weights: cannot read safetensors file {file}: {e}") from e
 
 
-def _resolve(fqns: Sequence[str], available, aliases: Mapping[str, str]) -> dict[str, str]:
+def _names(alias: str | Sequence[str]) -> list[str]:
+    return [alias] if isinstance(alias, str) else list(alias)
+
+
+def _resolve(fqns: Sequence[str], available,
+             aliases: Mapping[str, str | Sequence[str]]) -> dict[str, str]:
     """fqn -> the checkpoint key holding it (itself, or an alias in either direction)."""
     reverse: dict[str, list[str]] = {}
     for a, b in aliases.items():
-        reverse.setdefault(b, []).append(a)
+        for name in _names(b):
+            reverse.setdefault(name, []).append(a)
     keys, missing = {}, []
     for fqn in fqns:
-        candidates = [fqn, *([aliases[fqn]] if fqn in aliases else []), *reverse.get(fqn, [])]
+        candidates = [fqn, *_names(aliases.get(fqn, ())), *reverse.get(fqn, [])]
         found = next((c for c in candidates if c in available), None)
         if found is None:
             missing.append(fqn)
@@ -156,7 +163,7 @@ def _target(fqn: str, p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] 
 
 @torch.no_grad()
 def load_hf_weights(path: str | os.PathLike, params: Mapping[str, torch.Tensor], *,
-                    aliases: Mapping[str, str] | None = None) -> LoadStats:
+                    aliases: Mapping[str, str | Sequence[str]] | None = None) -> LoadStats:
     """Fill this rank's `params` in place from the HF safetensors checkpoint at `path`.
 
     Args:
@@ -169,7 +176,9 @@ def load_hf_weights(path: str | os.PathLike, params: Mapping[str, torch.Tensor],
             FSDP2's `_StridedShard`; see `_torch_compat.local_shard_slices`). Values are cast
             to the target's dtype and device.
         aliases: fqn -> another fqn naming the same tensor (tied weights: GPT-2 files hold
-            `transformer.wte.weight` for `lm_head.weight`); tried in both directions when a
+            `transformer.wte.weight` for `lm_head.weight`), or several tried in order (a PEFT
+            model's base weight: its key in the base checkpoint, then its tied names' keys;
+            [Note: PEFT names] in runtime/adapters.py); tried in both directions when a
             requested fqn is not in the files. Keys of the files nobody asks for are ignored.
 
     Returns:
@@ -247,13 +256,18 @@ class HFTensor:
         shape: global shape.
         dtype: dtype in the files (the rank's tensor is cast to it while writing).
         writer_rank: global rank that writes it; it must hold the tensor or a DTensor shard of
-            it (and so take part in gathering it).
+            it (and so take part in gathering it), unless `source_rank` is given.
+        source_rank: global rank that holds it (a piece of it: it takes part in gathering it)
+            and sends the whole tensor, in the file's dtype, to `writer_rank`, which need not
+            hold it (a pipeline stage's tensor written into rank 0's one file); None: the
+            writer holds it.
     """
 
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     writer_rank: int
+    source_rank: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
@@ -267,13 +281,14 @@ class HFTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def plan_hf_files(entries: Sequence[HFTensor],
-                  max_shard_bytes: int) -> list[tuple[str, list[HFTensor]]]:
+def plan_hf_files(entries: Sequence[HFTensor], max_shard_bytes: int,
+                  file_name: str = SINGLE_FILE) -> list[tuple[str, list[HFTensor]]]:
     """Split `entries`, in order, into (file name, tensors) as `save_hf_weights` writes them.
 
     A file holds at most `max_shard_bytes` of tensor data (a bigger tensor gets a file of its
     own) and tensors of one writer only: a new file starts when the writer changes. One file is
-    `model.safetensors`; n files are `model-0000k-of-0000n.safetensors` (transformers' names).
+    `file_name` (`model.safetensors`); n files are `model-0000k-of-0000n.safetensors`
+    (transformers' names).
     """
     groups: list[list[HFTensor]] = []
     size = 0
@@ -285,7 +300,7 @@ def plan_hf_files(entries: Sequence[HFTensor],
         groups[-1].append(e)
         size += e.num_bytes
     if len(groups) == 1:
-        return [(SINGLE_FILE, groups[0])]
+        return [(file_name, groups[0])]
     n = len(groups)
     return [(f"model-{k + 1:05d}-of-{n:05d}.safetensors", g) for k, g in enumerate(groups)]
 
@@ -344,15 +359,18 @@ def _check_save(entries: Sequence[HFTensor], local: Mapping[str, torch.Tensor], 
         if e.fqn in seen:
             errors.append(f"{e.fqn!r} appears twice in entries")
         seen.add(e.fqn)
-        if e.writer_rank not in group.ranks:
-            errors.append(f"{e.fqn!r}: writer_rank {e.writer_rank} is not in the group "
-                          f"(ranks {group.ranks[:8]}{'...' if len(group.ranks) > 8 else ''})")
+        for what, r in (("writer_rank", e.writer_rank), ("source_rank", e.source_rank)):
+            if r is not None and r not in group.ranks:
+                errors.append(f"{e.fqn!r}: {what} {r} is not in the group (ranks "
+                              f"{group.ranks[:8]}{'...' if len(group.ranks) > 8 else ''})")
         piece = local.get(e.fqn)
         if piece is not None and tuple(piece.shape) != e.shape:
             errors.append(f"{e.fqn!r}: this rank's tensor has global shape "
                           f"{tuple(piece.shape)}, entries say {e.shape}")
-        if piece is None and e.writer_rank == group.rank:
-            errors.append(f"{e.fqn!r}: rank {group.rank} is its writer but holds no piece of it")
+        holder = e.writer_rank if e.source_rank is None else e.source_rank
+        if piece is None and holder == group.rank:
+            role = "writer" if e.source_rank is None else "source"
+            errors.append(f"{e.fqn!r}: rank {group.rank} is its {role} but holds no piece of it")
     if group.is_first and config is not None and not (
             isinstance(config, Mapping) or hasattr(config, "save_pretrained")):
         errors.append(f"config must be a dict or a transformers PretrainedConfig, got "
@@ -390,10 +408,9 @@ def _write_files(tmp: Path, files, local: Mapping[str, torch.Tensor], rank: int,
             except OSError as e:
                 error = f"writing {name}: {e}"
         for e in tensors:
-            piece = local.get(e.fqn)
-            if piece is None:
+            full = _full(e, local.get(e.fqn), rank)
+            if full is None:
                 continue
-            full = piece.full_tensor() if isinstance(piece, DTensor) else piece
             if f is not None and e.writer_rank == rank:
                 try:
                     _write_tensor(f, full, e.dtype)
@@ -410,6 +427,29 @@ def _write_files(tmp: Path, files, local: Mapping[str, torch.Tensor], rank: int,
             except OSError as e:
                 error = f"closing {name}: {e}"
     return error
+
+
+def _full(e: HFTensor, piece: torch.Tensor | None, rank: int) -> torch.Tensor | None:
+    """The whole tensor of entry `e` on this rank, or None where this rank neither writes nor
+    holds it: gathered from this rank's DTensor piece (every holder takes part), and sent by
+    `e.source_rank` to `e.writer_rank` when they differ (through the collective device: NCCL
+    sends CUDA tensors). The writer receives even after a write error of its own, so that the
+    sender never waits."""
+    full = None
+    if piece is not None:
+        full = piece.full_tensor() if isinstance(piece, DTensor) else piece
+    if e.source_rank is None or e.source_rank == e.writer_rank:
+        return full
+    from autoplan.runtime.job import comm_device
+
+    if rank == e.source_rank:
+        dist.send(full.detach().to(comm_device(), e.dtype).contiguous(), dst=e.writer_rank)
+        return None
+    if rank == e.writer_rank:
+        received = torch.empty(e.shape, dtype=e.dtype, device=comm_device())
+        dist.recv(received, src=e.source_rank)
+        return received
+    return None
 
 
 def _replace(tmp: Path, path: Path, token: str) -> None:
@@ -433,7 +473,8 @@ def _replace(tmp: Path, path: Path, token: str) -> None:
 @torch.no_grad()
 def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
                     local: Mapping[str, torch.Tensor], *, config=None,
-                    max_shard_bytes: int = 5_000_000_000, group=None) -> None:
+                    max_shard_bytes: int = 5_000_000_000, group=None,
+                    file_name: str = SINGLE_FILE) -> None:
     """Write a consolidated HF safetensors checkpoint of a sharded model to directory `path`
     (collective over `group`; see [Note: atomic HF save]).
 
@@ -448,6 +489,8 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
         config: written as `config.json` by the group's first rank: a dict, or a transformers
             PretrainedConfig (`save_pretrained`).
         max_shard_bytes: most tensor bytes per file (`plan_hf_files`), bytes.
+        file_name: the name of a checkpoint that fits one file (PEFT's adapter:
+            `adapter_model.safetensors`).
         group: process group of the ranks taking part (default: world). Collectives are skipped
             when torch.distributed is not initialised or the group has one rank.
 
@@ -466,7 +509,7 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
         raise RuntimeError("save_hf_weights writes safetensors (little-endian) by viewing "
                            "tensor memory as bytes; this host is big-endian")
     entries, path, ranks = tuple(entries), Path(path), _Group(group)
-    digest = hashlib.sha256(repr([(e.fqn, e.shape, str(e.dtype), e.writer_rank)
+    digest = hashlib.sha256(repr([(e.fqn, e.shape, str(e.dtype), e.writer_rank, e.source_rank)
                                   for e in entries]).encode()).hexdigest()
     token = uuid.uuid4().hex[:12]
     status = ranks.all_gather((_check_save(entries, local, ranks, config, max_shard_bytes),
@@ -479,7 +522,7 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
                          + "; ".join(errors[:8]))
     token = status[0][2]
     tmp = path.with_name(f"{path.name}.tmp-{token}")
-    files = plan_hf_files(entries, max_shard_bytes)
+    files = plan_hf_files(entries, max_shard_bytes, file_name)
     error = None
     if ranks.is_first:
         try:
@@ -502,13 +545,21 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
                            + "; ".join(failures[:8]))
 
 
-def save_pretrained(engine, path, *, config=None,
-                    max_shard_bytes: int = 5_000_000_000) -> None:
+def save_pretrained(engine, path, *, config=None, max_shard_bytes: int = 5_000_000_000,
+                    keys: Mapping[str, str] | None = None, writer_rank: int | None = None,
+                    file_name: str = SINGLE_FILE) -> None:
     """A consolidated Hugging Face checkpoint (safetensors, sharded files + index above
     `max_shard_bytes`, `config.json` from `config`) that `from_pretrained` loads; gathered
     tensor by tensor, so no rank holds more than its shards plus one full tensor
     (collective, `engine`: a DistributedModel). Weights are written in the master
-    dtype (fp32 under mixed precision); a tied weight once, under its first name."""
+    dtype (fp32 under mixed precision); a tied weight once, under its first name.
+
+    `keys`: FQN -> name in the files of the tensors to write, in that order (default: every
+    parameter under its FQN, in the model's order); `writer_rank`: the global rank that writes
+    every file, the others sending it what they hold (default: each tensor written by the first
+    rank of the first pp stage that holds it); `file_name`: the name of one file
+    (`save_hf_weights`). A PEFT adapter is all three ([Note: PEFT names] in
+    runtime/adapters.py)."""
     pp = engine.plan.mesh.pp
     # the global ranks of each pp stage: one row per pp rank (the other axes flattened)
     mesh = engine.mesh.mesh.movedim(engine.mesh.mesh_dim_names.index("pp"), 0).reshape(pp, -1)
@@ -517,16 +568,30 @@ def save_pretrained(engine, path, *, config=None,
         for fqn in engine._stage_param_fqns[idx]:
             first_stage.setdefault(fqn, idx)
     dtype = engine.precision.master_dtype
-    entries = []
-    for fqn, info in engine.graph.params.items():
-        if info.is_buffer or fqn not in first_stage:
-            continue
-        writer = int(mesh[first_stage[fqn] % pp, 0])
-        entries.append(HFTensor(fqn, tuple(info.shape),
-                                dtype or getattr(torch, info.dtype), writer))
+    params = engine.graph.params
+    if keys is None:
+        keys = {fqn: fqn for fqn, info in params.items()
+                if not info.is_buffer and fqn in first_stage}
+    # a tied weight's other names are its first name's tensor
+    canonical = {a: fqn for fqn, info in params.items() for a in info.aliases}
+    missing = [fqn for fqn in keys if canonical.get(fqn, fqn) not in first_stage]
+    if missing:
+        raise ValueError(f"save_pretrained: {len(missing)} tensor(s) to write are no parameter "
+                         f"of the planned model: {missing[:8]}")
+    entries, files_of = [], defaultdict(list)
+    for fqn, key in keys.items():
+        fqn = canonical.get(fqn, fqn)
+        files_of[fqn].append(key)
+        info = params[fqn]
+        holder = int(mesh[first_stage[fqn] % pp, 0])
+        writer = holder if writer_rank is None else writer_rank
+        entries.append(HFTensor(key, tuple(info.shape), dtype or getattr(torch, info.dtype),
+                                writer, None if writer == holder else holder))
     local = {}
     for idx, module in engine.stages:
         for fqn, p in module.named_parameters():
             if first_stage.get(fqn) == idx:
-                local[fqn] = p
-    save_hf_weights(path, entries, local, config=config, max_shard_bytes=max_shard_bytes)
+                for key in files_of.get(fqn, ()):
+                    local[key] = p
+    save_hf_weights(path, entries, local, config=config, max_shard_bytes=max_shard_bytes,
+                    file_name=file_name)

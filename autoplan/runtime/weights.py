@@ -15,11 +15,13 @@ Sources:
   (autoplan.runtime.deferred_init, [Note: RNG contract for initialisation]).
 - `HFWeights`: a Hugging Face safetensors checkpoint, each rank reading only its slices
   (autoplan.runtime.hf_checkpoint); buffers (rotary tables) come from an `InitReplay`.
+- `PartedWeights`: several of these, each for the tensors it names (a PEFT model: base
+  weights from the checkpoint, adapters from their init or an adapter file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -31,8 +33,8 @@ from autoplan._torch_compat import local_shard_slices
 
 from autoplan.runtime.deferred_init import InitTrace, module_tensors, replay
 
-__all__ = ["WeightSource", "Targets", "ModuleWeights", "InitReplay", "HFWeights", "fill_shard",
-           "weights_to_meta", "allocate", "LostConstantError"]
+__all__ = ["WeightSource", "Targets", "ModuleWeights", "InitReplay", "HFWeights",
+           "PartedWeights", "fill_shard", "weights_to_meta", "allocate", "LostConstantError"]
 
 
 class Targets:
@@ -53,6 +55,17 @@ class Targets:
 
     def names(self) -> set[str]:
         return set(self.params) | set(self.buffers)
+
+    def split(self, names: Collection[str] | None) -> tuple["Targets", "Targets"]:
+        """(the targets named in `names`, the others); None names them all."""
+        if names is None:
+            return self, Targets({}, {}, self.device)
+        names = set(names)
+        mine = Targets({k: v for k, v in self.params.items() if k in names},
+                       {k: v for k, v in self.buffers.items() if k in names}, self.device)
+        rest = Targets({k: v for k, v in self.params.items() if k not in names},
+                       {k: v for k, v in self.buffers.items() if k not in names}, self.device)
+        return mine, rest
 
     def put(self, fqn: str, full: torch.Tensor) -> None:
         """Give every target named `fqn` its part of the full tensor `full`."""
@@ -182,11 +195,18 @@ class HFWeights:
     """A Hugging Face checkpoint directory (safetensors): parameters read slice by slice;
     buffers from `buffers` (an InitReplay, params=False).
 
+    Args:
+        path: the directory (or one .safetensors file).
+        buffers: fills the buffers (None: no buffer is asked of this source).
+        aliases: fqn -> the name, or names tried in order, that the files may hold it under
+            (hf_checkpoint.load_hf_weights).
+
     Attributes:
         bytes_read: bytes this rank read from the files (after `fill`).
     """
 
-    def __init__(self, path, buffers: WeightSource | None, aliases: Mapping[str, str]):
+    def __init__(self, path, buffers: WeightSource | None,
+                 aliases: Mapping[str, str | Sequence[str]]):
         self.path = path
         self.buffers = buffers
         self.aliases = dict(aliases)
@@ -208,6 +228,34 @@ class HFWeights:
                 _local(flat[k]).copy_(_local(first[fqn]))
         if self.buffers is not None and targets.buffers:
             self.buffers.fill(Targets({}, targets.buffers, targets.device))
+
+
+class PartedWeights:
+    """Several sources, each filling the targets its names select, in order; the last part's
+    names may be None: every target left. A PEFT model's base weights from the base model's
+    checkpoint, its adapters from an adapter file or their recorded init, its buffers from the
+    init (runtime/construction.py).
+
+    Every part's `fill` runs on every rank, even with nothing to fill there (an InitReplay
+    broadcasts its generator state: a collective).
+
+    Attributes:
+        bytes_read: bytes this rank read from checkpoint files (after `fill`).
+    """
+
+    def __init__(self, parts: Sequence[tuple[Collection[str] | None, WeightSource]]):
+        self.parts = list(parts)
+        self.bytes_read = 0
+
+    def fill(self, targets: Targets) -> None:
+        left = targets
+        for names, source in self.parts:
+            mine, left = left.split(names)
+            source.fill(mine)
+        if left.names():
+            raise ValueError(f"no weight source for {len(left.names())} tensors: "
+                             f"{sorted(left.names())[:8]}")
+        self.bytes_read = sum(getattr(s, "bytes_read", 0) for _, s in self.parts)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
