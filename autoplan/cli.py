@@ -306,7 +306,7 @@ def _plan(args, num_layers: int | None) -> _Planned:
 
     from autoplan.capture import capture_preset
     from autoplan.models import model_config
-    from autoplan.models.adapters import Trainable
+    from autoplan.models.trainable import Trainable
     from autoplan.solver import plan
     from autoplan.solver.search import ReplicatedWeightsWarning
     from autoplan.spec import TrainingSpec
@@ -494,7 +494,7 @@ def _cache_request(args):
 
     from autoplan.cache import PlanCache
     from autoplan.models import model_config
-    from autoplan.models.adapters import Trainable
+    from autoplan.models.trainable import Trainable
     from autoplan.spec import TrainingSpec
 
     # in `_plan`'s order, so that the first mistake is the one named: model, cluster, spec,

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from autoplan.cli import _plan, build_parser, main
-from autoplan.models.adapters import Trainable
+from autoplan.models.trainable import Trainable
 from autoplan.report import render_html, render_summary
 from autoplan.report.facts import model_num_params
 from autoplan.report.markdown import render_markdown

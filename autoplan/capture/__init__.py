@@ -168,7 +168,7 @@ def capture_preset(name: str, *, batch: int, seq_len: int, num_layers: int | Non
                    dtype: torch.dtype | None = None, trainable=None) -> CapturedGraph:
     """Build preset `name` on meta with at most `num_layers` blocks and capture it on
     (batch, seq_len) inputs; `total_layers` is the preset's real depth (see autoplan.models).
-    `trainable` (autoplan.models.adapters.Trainable): the adapters to add before capture,
+    `trainable` (autoplan.models.trainable.Trainable): the adapters to add before capture,
     the base frozen (None: full training). Raises ValueError from Trainable.apply."""
     from autoplan.models import build_model, example_inputs, model_depth
 
