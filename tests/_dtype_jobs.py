@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from _jobs import SEQ, adamw, batches, cross_entropy_loss, logits, preset, vocab_of
+from _jobs import SEQ, adamw, batches, preset, vocab_of
 
 # llama-tiny's frozen part: the token embedding and the first block's attention and MLP
 FROZEN = ("model.embed_tokens.weight", "model.layers.0.self_attn.", "model.layers.0.mlp.")
@@ -43,37 +43,6 @@ def _hf_load(path: str, dtype: torch.dtype | None):
 def hf_loader(path: str, dtype: torch.dtype | None = None):
     """Factory: the HF model in `path`, loaded whole on this process (in `dtype` if given)."""
     return functools.partial(_hf_load, path, dtype)
-
-
-def reference_frozen_mixed(factory, steps: int, batch: int, dtype: str, *, seq: int = SEQ):
-    """One process, the recipe of [Note: precision recipe] with frozen parameters held in
-    `dtype`: every parameter in `dtype` for forward and backward, fp32 masters stepped by
-    AdamW for the trainable ones only, the frozen ones left as their `dtype` cast. Returns
-    (losses, parameters after the last step: fp32 masters, frozen ones in `dtype`)."""
-    low = getattr(torch, dtype)
-    model = factory()
-    masters = {k: v.detach().clone().float().requires_grad_(True)
-               for k, v in model.named_parameters() if v.requires_grad}
-    for p in model.parameters():
-        p.data = p.data.to(low)
-    opt = adamw(list(masters.values()))
-    params = dict(model.named_parameters())
-    x, y = batches(vocab_of(model), steps, batch, seq)
-    losses = []
-    for i in range(steps):
-        model.zero_grad()
-        loss = cross_entropy_loss(logits(model, x[i]), y[i])
-        loss.backward()
-        for k, m in masters.items():
-            m.grad = params[k].grad.float()
-        opt.step()
-        with torch.no_grad():
-            for k, m in masters.items():
-                params[k].copy_(m)
-        losses.append(loss.item())
-    out = {k: v.detach().clone() for k, v in model.named_parameters()}
-    out.update({k: v.detach().clone() for k, v in masters.items()})
-    return losses, out
 
 
 def train_from_checkpoint(path: str, steps: int, batch: int, overrides: dict, *,

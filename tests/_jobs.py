@@ -223,11 +223,13 @@ def build_tracked(factory_name: str, seed: int, overrides: dict, batch: int, con
 def reference_mixed(factory, steps: int, batch: int, dtype: str, *, seq: int = SEQ):
     """Single-process mixed precision, the recipe of [Note: precision recipe]: the model's
     parameters in `dtype` for forward and backward, fp32 master weights stepped by AdamW (fp32
-    states), gradients cast to fp32. Returns (losses, fp32 master parameters)."""
+    states) for the trainable ones, gradients cast to fp32; frozen parameters are left as
+    their `dtype` cast. Returns (losses, parameters after the last step: fp32 masters, frozen
+    ones in `dtype`)."""
     low = getattr(torch, dtype)
     model = factory()
     masters = {k: v.detach().clone().float().requires_grad_(True)
-               for k, v in model.named_parameters()}
+               for k, v in model.named_parameters() if v.requires_grad}
     for p in model.parameters():
         p.data = p.data.to(low)
     opt = adamw(list(masters.values()))
@@ -245,7 +247,9 @@ def reference_mixed(factory, steps: int, batch: int, dtype: str, *, seq: int = S
             for k, m in masters.items():
                 params[k].copy_(m)
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in masters.items()}
+    out = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out.update({k: v.detach().clone() for k, v in masters.items()})
+    return losses, out
 
 
 class _DtypeLog(torch.utils._python_dispatch.TorchDispatchMode):

@@ -143,7 +143,7 @@ def test_frozen_parameters_held_in_bf16(clusters, mesh):
     frozen values bit-identical to their start cast to bf16, held in 2 bytes per element
     instead of 4; with frozen_dtype="" (fp32-held) the losses are the same to the bit."""
     factory = _dtype_jobs.partly_frozen()
-    ref_losses, ref_params = _dtype_jobs.reference_frozen_mixed(factory, STEPS, BATCH,
+    ref_losses, ref_params = _jobs.reference_mixed(factory, STEPS, BATCH,
                                                                 "bfloat16")
     start = {k: v.detach().to(torch.bfloat16) for k, v in factory().named_parameters()}
     cluster = clusters.get(2)
