@@ -31,6 +31,12 @@ class NodeInfo:
         layer_id: index of the repeated block (transformer layer) the op belongs to, or None.
         fused_bytes: bytes the op moves when chains of memory-bound ops run as fused kernels
             (capture/fusion.py, [Note: pointwise fusion]); None for ops that do not fuse.
+        backward_share: fraction of the op's backward that runs, in [0, 1] (dimensionless;
+            [Note: backward share] in autoplan/capture/facts.py). A matmul-like op: (operand
+            a needs a gradient + operand b needs one) / 2, so 0.5 for a matmul whose weight
+            is a frozen parameter (only the input gradient). Any other op: 0.0 when all its
+            tensor inputs derive from frozen parameters only, else 1.0. 1.0 everywhere in a
+            model without frozen parameters.
     """
 
     name: str
@@ -43,6 +49,7 @@ class NodeInfo:
     module_path: str
     layer_id: int | None
     fused_bytes: int | None = None
+    backward_share: float = 1.0
 
 
 @dataclass(frozen=True)

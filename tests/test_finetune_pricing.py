@@ -15,6 +15,7 @@ import torch
 
 from autoplan.capture import capture
 from autoplan.cost_model.comm import collective_time_s
+from autoplan.cost_model.compute import MATMUL_OPS, backward_time_s, op_name, op_time_s
 from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes
 from autoplan.models import build_model, example_inputs
 from autoplan.models.mlp import MLP
@@ -233,3 +234,63 @@ def test_memory_constrained_ilp_equals_exhaustive_search_with_frozen_parameters(
     best = min(t for t, m in priced if m <= budget)
     ties = len(prob.nodes) * 1e-9  # the ILP's tie-breaks ([Note: step form])
     assert got.fits and got.step_time_s == pytest.approx(best, rel=1e-9, abs=ties)
+
+
+# --- backward compute ([Note: backward share] in autoplan/capture/facts.py) --------------------
+
+class _FrozenThenTrainable(torch.nn.Module):
+    """x (4, 16) -> frozen Linear(16, 32), its weight cast to bf16 and transposed in the graph
+    -> trainable Linear(32, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(16, 32, bias=False)
+        self.head = torch.nn.Linear(32, 8)
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        w = self.base.weight.to(torch.bfloat16).t()  # (16, 32), frozen-only
+        h = torch.mm(x.to(torch.bfloat16), w).float()
+        return self.head(h)
+
+
+def _shares(graph) -> dict[str, tuple[str, float]]:
+    return {n: (op_name(i.target), i.backward_share) for n, i in graph.nodes.items()}
+
+
+def test_backward_share_follows_the_frozen_weight():
+    """The frozen matmul computes only its input gradient (share 0.5); the cast and transpose
+    of the frozen weight have no backward (0); everything downstream of the input is 1."""
+    with torch.device("meta"):
+        model = _FrozenThenTrainable()
+    graph = capture(model, (torch.zeros(4, 16, device="meta"),), model_name="frozen-then")
+    shares = _shares(graph)
+    weight_side = {n for n, (op, _) in shares.items() if op in ("_to_copy", "t", "to")}
+    by_op = {op: s for op, s in shares.values()}
+    assert by_op["mm"] == 0.5 and by_op["linear"] == 1.0
+    frozen_only = {n for n, (_, s) in shares.items() if s == 0.0}
+    assert frozen_only and frozen_only <= weight_side
+    assert {op for n, (op, _) in shares.items() if n in frozen_only} >= {"t"}
+    assert all(s == 1.0 for n, (op, s) in shares.items() if op not in ("mm",)
+               and n not in frozen_only)
+    # no frozen parameter: share 1 everywhere
+    model.base.requires_grad_(True)
+    full = capture(model, (torch.zeros(4, 16, device="meta"),), model_name="all-trainable")
+    assert all(s == 1.0 for _, s in _shares(full).values())
+
+
+def test_backward_time_scales_with_the_share(mlps):
+    """A matmul at share 0.5 costs half its backward at 1 (one of its two gradient matmuls);
+    an op at share 0 has none; the forward does not change."""
+    device = preset("dgx-h100").device
+    frozen = [i for i in mlps[True].nodes.values() if i.backward_share != 1.0]
+    assert frozen and all(op_name(i.target) in MATMUL_OPS and i.backward_share == 0.5
+                          or i.backward_share == 0.0 for i in frozen)
+    mm = next(i for i in frozen if i.backward_share == 0.5)
+    whole = dataclasses.replace(mm, backward_share=1.0)
+    assert backward_time_s(mm, device, "bfloat16") == pytest.approx(
+        0.5 * backward_time_s(whole, device, "bfloat16"), rel=1e-12)
+    assert op_time_s(mm, device, "bfloat16") == op_time_s(whole, device, "bfloat16")
+    add = dataclasses.replace(whole, target="aten.add.Tensor", backward_share=0.0)
+    assert backward_time_s(add, device, "bfloat16") == 0.0
+    assert all(i.backward_share == 1.0 for i in mlps[False].nodes.values())

@@ -72,8 +72,8 @@ class CaptureError(ValueError):
 # The steps raise CaptureError: they are imported once it exists (importing one of them runs
 # this module first).
 from autoplan.capture.clean import _clean_graph  # noqa: E402
-from autoplan.capture.facts import (_check_layers_align, _dtype_name, _find_layers,  # noqa: E402
-                                    _node_info, _param_infos)
+from autoplan.capture.facts import (_backward_shares, _check_layers_align,  # noqa: E402
+                                    _dtype_name, _find_layers, _node_info, _param_infos)
 from autoplan.capture.trace import _check_inputs, _export, _input_names  # noqa: E402
 from autoplan.capture.moe import experts_as_op  # noqa: E402
 from autoplan.capture.fusion import fused_bytes  # noqa: E402
@@ -147,13 +147,17 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
                 nodes[node.name] = _node_info(node, counter, module_names, prefix, model_name)
     for name, nbytes in fused_bytes(gm).items():
         nodes[name] = dataclasses.replace(nodes[name], fused_bytes=nbytes)
+    params = _param_infos(model, prefix)
+    for name, share in _backward_shares(gm, params).items():
+        if share != 1.0:  # frozen parameters only ([Note: backward share])
+            nodes[name] = dataclasses.replace(nodes[name], backward_share=share)
     layer_nodes: dict[int, list[str]] = {k: [] for k in range(num_layers)}
     for info in nodes.values():
         if info.layer_id is not None:
             layer_nodes.setdefault(info.layer_id, []).append(info.name)
     _check_layers_align(nodes, layer_nodes, prefix, model_name)
     return CapturedGraph(
-        gm=gm, nodes=nodes, params=_param_infos(model, prefix),
+        gm=gm, nodes=nodes, params=params,
         input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")),
         input_shapes=tuple(tuple(t.shape) for t in inputs),
         input_dtypes=tuple(_dtype_name(t.dtype) for t in inputs),

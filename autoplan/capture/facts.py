@@ -1,5 +1,6 @@
 """Steps 4 and 5 of capture: the facts of each call_function node (shapes, dtypes, bytes,
-forward FLOPs, module FQN, layer id), the container of repeated blocks, and the parameters.
+forward FLOPs, module FQN, layer id, backward share), the container of repeated blocks, and the
+parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from autoplan.capture import CaptureError
 from autoplan.capture.clean import _WRAPPED, _canonical_tensors, _strip
+from autoplan.cost_model.compute import MATMUL_OPERANDS, op_name
 from autoplan.graph import NodeInfo, ParamInfo
 
 
@@ -126,6 +128,51 @@ def _node_info(node: torch.fx.Node, counter: flop_counter.FlopCounterMode,
         dtypes=tuple(_dtype_name(t.dtype) for t in outs),
         out_bytes=_nbytes(val), in_bytes=in_bytes, flops=int(flops),
         module_path=path, layer_id=_layer_of(path, prefix))
+
+
+# --- which inputs carry a gradient -------------------------------------------------------------
+
+def _backward_shares(gm: torch.fx.GraphModule, params: dict[str, ParamInfo]) -> dict[str, float]:
+    """`NodeInfo.backward_share` per call_function node name ([Note: backward share]).
+
+    [Note: backward share]
+    Autograd computes a gradient for a tensor only when something upstream of it requires one
+    (torch/csrc/autograd: a node's `needs_input_grad`). A value is *frozen-only* when it derives
+    from frozen parameters alone: a get_attr of a parameter with `trainable` False, or a node
+    with at least one input node, all of them frozen-only. Everything else carries a gradient,
+    conservatively: placeholders (graph inputs), buffers, lifted constants, get_attrs that are
+    not parameters, and nodes without input nodes (arange, full), so that a model without
+    frozen parameters has share 1.0 on every node and is priced exactly as before.
+    A matmul-like op (MATMUL_OPERANDS names its operands a and b) computes grad a = grad out
+    @ b^T and grad b = a^T @ grad out, each a matmul of the forward's size (Narayanan et al.,
+    SC'21): share = (a carries a gradient + b carries one) / 2, 0.5 for a frozen weight. Any
+    other op: 0.0 when frozen-only, else 1.0.
+    """
+    frozen_fqns = {name for p in params.values() if not p.trainable and not p.is_buffer
+                   for name in (p.fqn, *p.aliases)}
+    frozen: set[torch.fx.Node] = set()
+    shares: dict[str, float] = {}
+
+    def carries(arg: object) -> bool:
+        return not (isinstance(arg, torch.fx.Node) and arg in frozen)
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in frozen_fqns:
+            frozen.add(node)
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(n in frozen for n in inputs):
+            frozen.add(node)
+        operands = MATMUL_OPERANDS.get(op_name(_target_name(node.target)))
+        if operands is None:
+            shares[node.name] = 0.0 if node in frozen else 1.0
+            continue
+        # an operand passed by keyword is not looked up: it counts as carrying a gradient
+        a, b = (any(carries(node.args[i] if i < len(node.args) else None) for i in side)
+                for side in operands)
+        shares[node.name] = (a + b) / 2
+    return shares
 
 
 # --- repeated blocks and parameters ------------------------------------------------------------

@@ -45,6 +45,12 @@ memory-bound op's backward reads the output gradient and the saved tensor and wr
 gradient: about 1.5x the forward's bytes (three tensors against two; assumption,
 BACKWARD_BYTES_FACTOR). View-like ops are free both ways; creation and comparison
 ops have no backward.
+
+Frozen parameters (fine-tuning) scale the backward by `NodeInfo.backward_share` ([Note:
+backward share] in autoplan/capture/facts.py): a matmul whose weight is frozen computes only
+the input gradient (2 x share = 1x forward), and an op whose inputs derive from frozen
+parameters only (a cast or transpose of a frozen weight) has no backward. Model FLOPs (MFU's
+3x forward convention) do not change; only the time does.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ from autoplan.graph import NodeInfo
 from autoplan.topology import DeviceSpec
 
 __all__ = [
-    "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "ATTENTION_OPS",
+    "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "MATMUL_OPERANDS",
+    "ATTENTION_OPS",
     "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
     "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "is_noop_cast", "matmul_dims", "matmul_efficiency",
     "at_tokens",
@@ -95,6 +102,18 @@ MATMUL_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "convolution",
     "experts",  # autoplan.experts: three matmuls per routed token ([Note: experts op])
 })
+MATMUL_OPERANDS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "mm": ((0,), (1,)), "bmm": ((0,), (1,)), "matmul": ((0,), (1,)),
+    "addmm": ((1,), (2,)), "baddbmm": ((1,), (2,)), "addbmm": ((1,), (2,)),
+    "linear": ((0,), (1,)), "_scaled_mm": ((0,), (1,)), "convolution": ((0,), (1,)),
+    "experts": ((0,), (3, 4)),  # hidden; gate_up_proj and down_proj (autoplan.experts)
+}
+"""Positional args of each MATMUL_OPS op that are its two operands a and b (the ones whose
+gradients the backward computes; a bias's is a reduction and is not counted), from the aten
+schemas (native_functions.yaml: `addmm(self, mat1, mat2)`, `linear(input, weight, bias)`,
+`convolution(input, weight, bias, ...)`) and `autoplan.experts.experts`. Read by capture for
+`NodeInfo.backward_share` ([Note: backward share] in autoplan/capture/facts.py)."""
+assert set(MATMUL_OPERANDS) == MATMUL_OPS, "every matmul-like op names its two operands"
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -276,13 +295,16 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
                     shard_factor: float = 1.0) -> float:
     """Backward time of one op on one rank, seconds (module docstring, "Backward").
 
-    Matmul-like: 2x forward FLOPs and bytes, two kernels. Fused attention: 2.5x forward FLOPs.
-    Memory-bound: BACKWARD_BYTES_FACTOR x forward bytes. Views and ops without a gradient: 0.
+    Matmul-like: 2 x `node.backward_share` x the forward (two kernels of the forward's FLOPs
+    and bytes, one of which a frozen operand skips). Fused attention: 2.5x forward FLOPs.
+    Memory-bound: BACKWARD_BYTES_FACTOR x forward bytes. Views, ops without a gradient and ops
+    whose inputs derive from frozen parameters only (backward_share 0): 0.
     Same arguments and errors as `op_time_s`.
     """
     _check_shard(node, shard_factor)
     name = op_name(node.target)
-    if name in VIEW_OPS or name in NO_GRAD_OPS or is_noop_cast(node):
+    if (name in VIEW_OPS or name in NO_GRAD_OPS or is_noop_cast(node)
+            or node.backward_share == 0.0):
         return 0.0
     moved = _moved_bytes(node, device)
     if moved == 0 and node.fused_bytes is not None and device.fuses_pointwise:
@@ -291,7 +313,7 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     flops = node.flops / shard_factor
     efficiency = _efficiency(node, device, shard_factor)
     if name in MATMUL_OPS:
-        return 2.0 * _roofline_s(flops, nbytes, efficiency, device, dtype)
+        return 2.0 * node.backward_share * _roofline_s(flops, nbytes, efficiency, device, dtype)
     if name in ATTENTION_OPS:
         return _roofline_s(2.5 * flops, 2.0 * nbytes, efficiency, device, dtype)
     again = _elementwise_s(node, device, shard_factor) if name in BACKWARD_TRANSCENDENTAL else 0.0
