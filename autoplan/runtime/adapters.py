@@ -31,12 +31,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-__all__ = ["ADAPTER_FILE", "ADAPTER_CONFIG", "is_peft_model", "adapter_fqns", "base_keys",
+__all__ = ["ADAPTER_FILE", "is_peft_model", "adapter_fqns", "base_keys",
            "adapter_file_keys", "adapter_aliases", "adapter_file", "init_peft_model",
            "adapter_config_writer", "save_adapters"]
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
-ADAPTER_CONFIG = "adapter_config.json"      # peft.utils.constants.CONFIG_NAME
 _PREFIX = "base_model.model."  # PeftModel -> its tuner (base_model) -> the wrapped model
 
 
