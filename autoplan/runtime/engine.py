@@ -117,8 +117,9 @@ class DistributedModel:
         state: the full model (nn.Module) or its weights by FQN, identical on every rank;
             a mapping must include non-persistent buffers (e.g. rotary inv_freq).
         optimizer: `named_params -> torch.optim.Optimizer`, given this rank's trainable
-            (FQN, parameter) pairs ([Note: frozen parameters]; the model's own names; torch optimizers take them as they take parameters,
-            and groups can be built by name); default AdamW(lr=1e-3), with `kernels` the
+            (FQN, parameter) pairs ([Note: frozen parameters]; the model's own names; torch
+            optimizers take them as they take parameters, and groups can be built by name);
+            default AdamW(lr=1e-3), with `kernels` the
             fused one (runtime/optim.py FusedAdamW, [Note: fused AdamW]).
         loss_fn: `(output, labels) -> scalar mean loss` of one microbatch (default: token
             cross-entropy weighted by the global batch's trained tokens, see `_token_loss`).

@@ -31,8 +31,9 @@ Constraints
                   for every pipeline rank r, when memory limits are given: a_r is the bytes per
                   parameter element of rank r (model states under the ZeRO stage and dp, plus
                   ZeRO transients; for a frozen g, Problem.frozen, those without gradient and
-                  optimizer state: RankMemory.frozen_coef), b_r the microbatches in flight times the share of the node's
-                  part on the rank, M = max_memory_fraction * device memory
+                  optimizer state: RankMemory.frozen_coef), b_r the microbatches in flight
+                  times the share of the node's part on the rank, M = max_memory_fraction *
+                  device memory
                   -- implemented in add_memory_constraint()
 
 Objective ([Note: step form]): the step time of one configuration (pipeline.py), which is
