@@ -8,7 +8,6 @@ and byte-identical plan JSON, checked against the previous commit when this was 
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -23,9 +22,10 @@ from autoplan.solver import plan
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.ilp_types import Solution
 from autoplan.solver.pipeline import Config, assess
-from autoplan.solver.search import Overrides, Search, enumerate_configs
+from autoplan.solver.search import Search
 from autoplan.spec import TrainingSpec
 from autoplan.topology import preset
+from test_planner_scale import _random_placements
 
 FIXED = dict(tp=1, pp=1, dp=4, num_microbatches=1, checkpointing="none")
 
@@ -140,24 +140,15 @@ def test_ilp_forms_equal_assess_with_frozen_parameters(frozen_llama):
     with frozen parameters: the ILP optimises and constrains what the plan is priced at."""
     topo = preset("dgx-h100")
     spec = TrainingSpec(global_batch=8, seq_len=16, dtype="bfloat16", frozen_dtype="bfloat16")
-    search, rng = Search(frozen_llama, topo, spec, 1.0), random.Random(5)
-    configs = enumerate_configs(frozen_llama, topo, spec, Overrides(), search.policies())
     checked = 0
-    for cfg in rng.sample(configs, 25):
-        prob = search.problem(cfg.tp)
+    for search, cfg, prob, costs, choice, sol in _random_placements(
+            5, 25, (frozen_llama, topo, spec)):
         assert prob.frozen  # the embedding and attention weights
-        costs = search.cost(*cfg.costs_key)
-        for _ in range(5):
-            choice = {n: rng.randrange(len(prob.cands[n])) for n in prob.nodes}
-            try:
-                sol = evaluate(prob, costs, choice)
-            except KeyError:  # a pair that is not offered
-                continue
-            a = search.assess(cfg, sol)
-            assert search.step_form(cfg).value(sol) == pytest.approx(a.step_time_s, rel=1e-9)
-            memories = [_form_memory(prob, costs, rank, choice) for rank in search.ranks(cfg)]
-            assert max(memories) == pytest.approx(a.memory_bytes, rel=1e-9), cfg
-            checked += 1
+        a = search.assess(cfg, sol)
+        assert search.step_form(cfg).value(sol) == pytest.approx(a.step_time_s, rel=1e-9)
+        memories = [_form_memory(prob, costs, rank, choice) for rank in search.ranks(cfg)]
+        assert max(memories) == pytest.approx(a.memory_bytes, rel=1e-9), cfg
+        checked += 1
     assert checked >= 10
 
 

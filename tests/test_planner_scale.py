@@ -204,16 +204,17 @@ def test_solver_equals_exhaustive_search(seed):
         f"exhaustive: {best_cfg}; planner: {got}")
 
 
-def _random_placements(seed: int, count: int = 40):
+def _random_placements(seed: int, count: int = 40, problem: tuple | None = None):
     """(search, cfg, prob, costs, choice, solution) for random valid placements of random
-    configurations (pp up to 4, interleaving, ZeRO stages, checkpointing)."""
+    configurations (pp up to 4, interleaving, ZeRO stages, checkpointing) of `problem`
+    ((graph, topology, spec); default: `_random_problem(3)`'s)."""
     rng = random.Random(seed)
-    graph, topology, spec, _rng = _random_problem(3)
+    graph, topology, spec = problem or _random_problem(3)[:3]
     search = Search(graph, topology, spec, 1.0)
     configs = enumerate_configs(graph, topology, spec, Overrides(), search.policies())
     for cfg in rng.sample(configs, min(count, len(configs))):
         prob = search.problem(cfg.tp)
-        costs = search.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing)
+        costs = search.cost(*cfg.costs_key)
         for _ in range(5):
             choice = {n: rng.randrange(len(prob.cands[n])) for n in prob.nodes}
             try:
