@@ -77,21 +77,3 @@ def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=Non
     frozen_grads = sorted(n for _, m in engine.stages for n, p in m.named_parameters()
                           if not p.requires_grad and p.grad is not None)
     return losses, ap.state_dict(), ap.plan.to_json(), norms, with_state, frozen_grads
-
-
-def resume(factory, batch: int, first: dict, second: dict, path: str):
-    """On every rank: 2 steps under plan `first`, save; a new model under plan `second` loads
-    the checkpoint (over garbage weights) and takes 1 more. Returns (losses, params)."""
-    from autoplan.api import autoparallel
-
-    x, y = batches(vocab_of(factory()), 3, batch)
-    a = autoparallel(factory(), global_batch=batch, seq_len=SEQ, optimizer=adamw, **first)
-    losses = [a.step(x[i], y[i]) for i in range(2)]
-    a.save(path)
-    b = autoparallel(factory(), global_batch=batch, seq_len=SEQ, optimizer=adamw, **second)
-    with torch.no_grad():
-        for p in b.module.parameters():
-            p.normal_()
-    b.load(path)
-    losses.append(b.step(x[2], y[2]))
-    return losses, b.state_dict()
