@@ -6,8 +6,8 @@ Hardware is always an argument (a `Topology` or `DeviceSpec`); nothing here read
 """
 
 from autoplan.cost_model.comm import (
-    COLLECTIVES, backward_redistribution, collective_time_s, group_layout, p2p_time_s,
-    redistribute_time_s,
+    COLLECTIVES, backward_redistribution, collective_time_s, group_layout, hop_crosses_nodes,
+    p2p_time_s, pipeline_hop_time_s, redistribute_time_s,
 )
 from autoplan.cost_model.compute import (
     backward_time_s, graph_backward_time_s, graph_forward_time_s, matmul_efficiency, op_name,
@@ -21,8 +21,8 @@ from autoplan.cost_model.memory import (
 from autoplan.cost_model.symbolic import FORMULAS, evaluate, latex
 
 __all__ = [
-    "COLLECTIVES", "collective_time_s", "group_layout", "p2p_time_s", "redistribute_time_s",
-    "backward_redistribution",
+    "COLLECTIVES", "collective_time_s", "group_layout", "hop_crosses_nodes", "p2p_time_s",
+    "pipeline_hop_time_s", "redistribute_time_s", "backward_redistribution",
     "op_name", "matmul_efficiency", "op_time_s", "backward_time_s", "graph_forward_time_s",
     "graph_backward_time_s",
     "model_state_bytes", "activation_bytes_per_layer_closed_form", "activation_bytes_from_graph",

@@ -41,14 +41,31 @@ step-time model charges once per step on the step's compute (solver/pipeline.py 
 time], drift), since the compute between meetings sums to it.
 
 [Note: group layout]
-Mesh axes are ("pp", "dp", "tp") with tp innermost, so a group of the tp axis has stride 1, of
-the dp axis stride tp, of the pp axis stride tp * dp. From the group size p, the stride s and the
-node size D (`topology.devices_per_node`) we get k members per node and N nodes spanned:
+Ranks sit on the mesh row-major, axes ("pp", "dp", "cp", "tp") outermost first: mesh coordinate
+(p, d, c, t) is global rank ((p dp + d) cp + c) tp + t (`MeshShape`, torch's init_device_mesh in
+runtime/engine.py, `_rank` in passes/export.py), and global rank g is on node g // D, D =
+`topology.devices_per_node` (torchrun numbers ranks node by node). So a group of the tp axis has
+stride 1, of the cp axis stride tp, of the dp axis stride cp * tp (the dp x cp gradient group:
+stride tp), of the pp axis stride tp * cp * dp, and the groups of an axis of stride s and size p
+tile the ranks in aligned blocks of p * s. From p, s and D, `group_layout` gives k members per
+node and N nodes spanned:
 - s * p <= D (and dividing D): one node, k = p, N = 1 -> `intra_node` link, flat ring.
 - s >= D: one member per node, k = 1, N = p -> `inter_node` link, flat ring.
 - otherwise k = D / s members in each of N = p / k nodes -> hierarchical (below).
 A layout whose groups straddle node boundaries unevenly (D not a multiple of s, or p not a
 multiple of D / s) raises ValueError: pick degrees that divide the node size or are multiples of it.
+
+[Note: pipeline hops]
+A pipeline hop from pp rank a to pp rank b sends from global rank a R + i to b R + i, i < R, with
+R = dp x cp x tp ranks per stage ([Note: group layout]). The size of a stage does not say whether
+the hop crosses nodes: on 8-device nodes with R = 4, pp 4, hops 0 -> 1 and 2 -> 3 stay inside a
+node while 1 -> 2 crosses. `hop_crosses_nodes` decides it from the ranks: some pair is on two
+nodes when a node boundary (a multiple of D) lies in (lo, lo + |b - a| R + R - 1], lo = min(a, b) R.
+The hops of a step are a -> a + 1 for a < pp - 1 and, with v > 1 virtual stages (interleaved
+1F1B), the wrap-around pp - 1 -> 0 that carries chunk j to chunk j + 1; the schedule runs at the
+pace of its slowest hop, so `pipeline_hop_time_s` prices a transfer at the level of the slowest
+one: across nodes when any hop crosses, the min(R, D) pairs of the crossing boundary sharing the
+node's NICs ([Note: inter-node bandwidth share]); inside a node otherwise.
 
 [Note: inter-node bandwidth share]
 `inter_node.bw_bytes_per_s` is the bus bandwidth of a collective whose group holds all D ranks of
@@ -79,8 +96,8 @@ from autoplan.plan import parse_placement
 from autoplan.topology import LinkSpec, Topology
 
 __all__ = [
-    "COLLECTIVES", "factor_steps", "collective_time_s", "group_layout", "p2p_time_s", "redistribute_time_s",
-    "backward_redistribution",
+    "COLLECTIVES", "factor_steps", "collective_time_s", "group_layout", "hop_crosses_nodes",
+    "p2p_time_s", "pipeline_hop_time_s", "redistribute_time_s", "backward_redistribution",
 ]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
@@ -128,6 +145,50 @@ def group_layout(group_size: int, stride: int, topology: Topology) -> tuple[int,
         f"a group of {p} ranks with stride {s} straddles node boundaries unevenly on "
         f"{d}-device nodes; use mesh degrees that divide devices_per_node={d} or are "
         "multiples of it")
+
+
+def hop_crosses_nodes(src: int, dst: int, stage_ranks: int, topology: Topology) -> bool:
+    """Whether the pipeline hop from pp rank `src` to pp rank `dst` (stages of `stage_ranks` =
+    dp x cp x tp ranks each) sends across a node boundary for some of its pairs ([Note:
+    pipeline hops]). Raises ValueError for a pp rank < 0 or stage_ranks < 1."""
+    if src < 0 or dst < 0 or stage_ranks < 1:
+        raise ValueError(f"hop {src} -> {dst} with stage_ranks={stage_ranks}: pp ranks must be "
+                         ">= 0 and stage_ranks >= 1")
+    d = topology.devices_per_node
+    lo = min(src, dst) * stage_ranks
+    hi = lo + abs(dst - src) * stage_ranks + stage_ranks - 1  # the last pair's receiver
+    return src != dst and hi // d > lo // d
+
+
+def _pipeline_hops(pp: int, num_virtual_stages: int) -> list[tuple[int, int]]:
+    """(src, dst) pp ranks of every hop ([Note: pipeline hops]): a -> a + 1, and pp - 1 -> 0
+    when the virtual stages wrap around."""
+    hops = [(a, a + 1) for a in range(pp - 1)]
+    return hops + [(pp - 1, 0)] if num_virtual_stages > 1 and pp > 1 else hops
+
+
+def pipeline_hop_time_s(nbytes: float, topology: Topology, *, pp: int, stage_ranks: int,
+                        num_virtual_stages: int = 1) -> float:
+    """One message of the slowest pipeline hop, seconds ([Note: pipeline hops]): `p2p_time_s`
+    across nodes, min(stage_ranks, D) pairs sharing the node's NICs, when any hop of the pp
+    ranks crosses a node boundary; inside a node otherwise, `stage_ranks` pairs at once
+    ([Note: measured collectives]). 0 for pp 1.
+
+    Args:
+        nbytes: what one rank sends (a microbatch's stage boundary on a tp rank), bytes.
+        topology: the cluster.
+        pp: pipeline ranks; stage_ranks: dp x cp x tp ranks of one stage.
+        num_virtual_stages: model chunks per pp rank (v > 1 adds the wrap-around hop).
+
+    Raises ValueError (pp > 1) for negative bytes or a bad stage size.
+    """
+    if pp == 1:
+        return 0.0
+    _check("send_recv", nbytes)
+    crosses = any(hop_crosses_nodes(a, b, stage_ranks, topology)
+                  for a, b in _pipeline_hops(pp, num_virtual_stages))
+    pairs = min(stage_ranks, topology.devices_per_node) if crosses else stage_ranks
+    return p2p_time_s(nbytes, topology, crosses_nodes=crosses, concurrent_pairs=pairs)
 
 
 def _flat_s(kind: str, nbytes: float, p: int, bw_bytes_per_s: float, latency_s: float) -> float:
@@ -181,8 +242,9 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
             share]); inside a node, the entry of a measured link to use (default
             devices_per_node / group_size, [Note: measured collectives]).
 
-    send_recv prices one message between consecutive members (a pipeline hop); it crosses
-    nodes when the group spans nodes.
+    send_recv prices one message between consecutive members (a pipeline hop, the group being
+    the pp ranks with stride dp x cp x tp) at the level of the slowest such hop: across nodes
+    when any hop crosses a node boundary ([Note: pipeline hops]).
 
     Raises ValueError for an unknown kind, negative bytes, or a bad group layout.
     """
@@ -191,7 +253,9 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
     if group_size == 1:
         return 0.0
     if kind == "send_recv":
-        return p2p_time_s(nbytes, topology, crosses_nodes=num_nodes > 1,
+        crosses = any(hop_crosses_nodes(a, b, stride, topology)
+                      for a, b in _pipeline_hops(group_size, 1))
+        return p2p_time_s(nbytes, topology, crosses_nodes=crosses,
                           concurrent_pairs=concurrent_groups)
     skew = topology.device.skew(topology.devices_per_node)  # [Note: stragglers]
     if num_nodes == 1:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-from autoplan.cost_model.comm import p2p_time_s, redistribute_time_s
+from autoplan.cost_model.comm import pipeline_hop_time_s, redistribute_time_s
 from autoplan.cost_model.fidelity import error_bands
 from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
@@ -155,11 +155,9 @@ def _stage_time_s(search, best: Assessment) -> tuple[float, float]:
         busy = min(topology.devices_per_node, cfg.dp * cfg.cp * cfg.tp)
         return (sum(sol.compute_s.values()) / topology.device.speed(busy)
                 + sum(sol.comm_s.values())), 0.0
-    stage_ranks = cfg.tp * cfg.cp * cfg.dp
-    crosses = stage_ranks >= topology.devices_per_node
     boundary = (search.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp)
                 if sol.boundary_bytes is None else sol.boundary_bytes)
-    p2p = 2 * cfg.num_virtual_stages * p2p_time_s(
-        boundary, topology, crosses_nodes=crosses,
-        concurrent_pairs=None if crosses else stage_ranks)
+    p2p = 2 * cfg.num_virtual_stages * pipeline_hop_time_s(
+        boundary, topology, pp=cfg.pp, stage_ranks=cfg.tp * cfg.cp * cfg.dp,
+        num_virtual_stages=cfg.num_virtual_stages)
     return best.bubble_s * cfg.num_virtual_stages / (cfg.pp - 1), p2p

@@ -21,9 +21,11 @@ collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
   (p - 1) / (v m) interleaved; FORMULAS.md "FLOPs and pipeline"). Ranks that share cores run
   faster while others idle in the bubble, so there a slot's compute takes t_comp speed(N) /
   speed(a_j R). `bubble_s` = pipeline - m (t_comp + t_comm).
-- p2p_r = 2 v p2p_time_s(boundary bytes) per microbatch on a pipeline rank (the activation
-  forward and its gradient backward, v times with interleaving) when pp > 1; the R pairs of a
-  stage boundary send at once.
+- p2p_r = 2 v pipeline_hop_time_s(boundary bytes) per microbatch on a pipeline rank (the
+  activation forward and its gradient backward, v times with interleaving) when pp > 1: one
+  message of the slowest hop, at the link level it crosses given where the stages' ranks sit
+  on the nodes (cost_model/comm.py [Note: pipeline hops]); the R pairs of a stage boundary
+  send at once.
 - dp_sync, over the dp group (stride tp; dp x cp ranks with context parallelism, whose ranks
   reduce and shard like data-parallel ones), G / W = the rank's gradient / parameter bytes, as the
   runtime issues it (autoplan/runtime/engine.py, step 4: one FSDP2 unit per block and one per
@@ -105,7 +107,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from autoplan.cost_model.comm import collective_time_s, p2p_time_s
+from autoplan.cost_model.comm import collective_time_s, pipeline_hop_time_s
 from autoplan.cost_model.memory import (
     STATE_BYTES_PER_PARAM, model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
 )
@@ -416,15 +418,10 @@ def _stage_times(cfg: Config, sol: Solution, topology: Topology, total_layers: i
     v = cfg.num_virtual_stages
     busy = min(topology.devices_per_node, cfg.world_size)
     speed = topology.device.speed(busy)
-    p2p = 0.0
-    if cfg.pp > 1:
-        stage_ranks = cfg.tp * cfg.cp * cfg.dp
-        crosses = stage_ranks >= topology.devices_per_node
-        pairs = None if crosses else stage_ranks
-        # what a tp rank sends: its local boundary (a tp-th under sequence parallelism)
-        sent_bytes = boundary_bytes if sol.boundary_bytes is None else sol.boundary_bytes
-        p2p = 2 * v * p2p_time_s(sent_bytes, topology, crosses_nodes=crosses,
-                                 concurrent_pairs=pairs)
+    # what a tp rank sends: its local boundary (a tp-th under sequence parallelism)
+    sent_bytes = boundary_bytes if sol.boundary_bytes is None else sol.boundary_bytes
+    p2p = 2 * v * pipeline_hop_time_s(sent_bytes, topology, pp=cfg.pp,
+                                      stage_ranks=cfg.tp * cfg.cp * cfg.dp, num_virtual_stages=v)
     per_rank = []
     ranks = _candidate_ranks(cfg, layers)
     shares = {r: _shares(r, cfg, layers, total_layers) for r in ranks}
