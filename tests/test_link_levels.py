@@ -124,3 +124,24 @@ def test_planned_pp4_dp4_reports_its_transfers_at_the_inter_node_link(cluster):
     boundary = p.microbatch_size * seq_len * 768 * 2
     inter = _message_s(boundary, cluster.inter_node, pairs=4)
     assert p.prediction.p2p_s == pytest.approx(2 * p.num_virtual_stages * inter)
+
+
+def test_an_ep_group_that_straddles_nodes_is_not_offered():
+    """A 6-expert MoE on 3 nodes x 8, dp 24: ep 3 (and 6) would put an ep group on two nodes
+    unevenly (ranks 6, 7, 8): a given ep 3 is a named error, and the search of ep leaves those
+    degrees out instead of failing inside the cost model."""
+    import torch
+
+    import _moe
+    from autoplan.capture import capture
+    from autoplan.solver import plan
+    from autoplan.solver.search import InvalidConfig
+    from autoplan.spec import TrainingSpec
+
+    graph = capture(_moe.factory("mixtral", num_local_experts=6)().to("meta"),
+                    (torch.zeros(1, 64, dtype=torch.long, device="meta"),), total_layers=8)
+    spec, topology = TrainingSpec(global_batch=48, seq_len=64), preset("dgx-h100", 3)
+    with pytest.raises(InvalidConfig, match="straddles node boundaries unevenly") as e:
+        plan(graph, topology, spec, dp=24, tp=1, zero_stage=0, ep=3)
+    assert e.type is InvalidConfig and str(e.value).startswith("ep 3: ")
+    assert plan(graph, topology, spec, dp=24, tp=1, zero_stage=0).mesh.ep in (1, 2)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoplan.cost_model.comm import collective_time_s
+from autoplan.cost_model.comm import collective_time_s, group_layout
 from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
@@ -130,8 +130,9 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
 
     Raises:
         InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
-            not divide dp or some layer's experts, or the plan has tp > 1 or ZeRO-1 (the
-            runtime's support; fix tp=1 and zero_stage to 0, 2 or 3).
+            not divide dp or some layer's experts, the plan has tp > 1 or ZeRO-1 (the
+            runtime's support; fix tp=1 and zero_stage to 0, 2 or 3), or its groups straddle
+            node boundaries unevenly (cost_model/comm.py [Note: group layout]).
     """
     layers = expert_layers(graph)
     if ep is not None and ep < 1:
@@ -139,14 +140,14 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
     if ep == 1 or (layers is None and ep is None) or plan.mesh.cp > 1:  # cp: no ep (plan())
         return plan
     if ep is not None:
-        reason = _not_applicable(layers, plan, ep)
+        reason = _not_applicable(layers, plan, ep, topology)
         if reason:
             raise InvalidConfig(f"ep {ep}: {reason}")
         return _repriced(layers, plan, spec, topology, ep)
     budget = spec.max_memory_fraction * topology.device.mem_bytes
     best = plan
     for e in range(2, plan.mesh.dp + 1):
-        if _not_applicable(layers, plan, e):
+        if _not_applicable(layers, plan, e, topology):
             continue
         cand = _repriced(layers, plan, spec, topology, e)
         if cand.prediction.memory_bytes <= budget and \
@@ -155,7 +156,8 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
     return best
 
 
-def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int) -> str:
+def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int,
+                    topology: Topology) -> str:
     mesh = plan.mesh
     if layers is None:
         return "the model has no mixture-of-experts layer"
@@ -167,6 +169,11 @@ def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int) -> str:
     if mesh.tp > 1 or plan.zero_stage == 1:
         return (f"runs with tp 1 and ZeRO 0, 2 or 3; the plan has tp {mesh.tp}, "
                 f"ZeRO-{plan.zero_stage} (fix tp=1 and zero_stage)")
+    try:  # the ep groups and the groups across them must sit evenly on the nodes
+        group_layout(ep, mesh.tp, topology)
+        group_layout(mesh.dp // ep, mesh.tp * ep, topology)
+    except ValueError as e:
+        return str(e)
     return ""
 
 
