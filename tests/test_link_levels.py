@@ -124,6 +124,11 @@ def test_planned_pp4_dp4_reports_its_transfers_at_the_inter_node_link(cluster):
     boundary = p.microbatch_size * seq_len * 768 * 2
     inter = _message_s(boundary, cluster.inter_node, pairs=4)
     assert p.prediction.p2p_s == pytest.approx(2 * p.num_virtual_stages * inter)
+    # the report's mesh table says the same of the pp axis
+    from autoplan.report.facts import mesh_axes
+
+    pp_axis = next(a for a in mesh_axes(p, cluster) if a.name == "pp")
+    assert pp_axis.level == "inter-node" and "across nodes over ethernet" in pp_axis.text
 
 
 def test_an_ep_group_that_straddles_nodes_is_not_offered():

@@ -97,7 +97,8 @@ from autoplan.topology import LinkSpec, Topology
 
 __all__ = [
     "COLLECTIVES", "factor_steps", "collective_time_s", "group_layout", "hop_crosses_nodes",
-    "p2p_time_s", "pipeline_hop_time_s", "redistribute_time_s", "backward_redistribution",
+    "p2p_time_s", "pipeline_hops", "pipeline_hop_time_s", "redistribute_time_s",
+    "backward_redistribution",
 ]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
@@ -160,7 +161,7 @@ def hop_crosses_nodes(src: int, dst: int, stage_ranks: int, topology: Topology) 
     return src != dst and hi // d > lo // d
 
 
-def _pipeline_hops(pp: int, num_virtual_stages: int) -> list[tuple[int, int]]:
+def pipeline_hops(pp: int, num_virtual_stages: int) -> list[tuple[int, int]]:
     """(src, dst) pp ranks of every hop ([Note: pipeline hops]): a -> a + 1, and pp - 1 -> 0
     when the virtual stages wrap around."""
     hops = [(a, a + 1) for a in range(pp - 1)]
@@ -186,7 +187,7 @@ def pipeline_hop_time_s(nbytes: float, topology: Topology, *, pp: int, stage_ran
         return 0.0
     _check("send_recv", nbytes)
     crosses = any(hop_crosses_nodes(a, b, stage_ranks, topology)
-                  for a, b in _pipeline_hops(pp, num_virtual_stages))
+                  for a, b in pipeline_hops(pp, num_virtual_stages))
     pairs = min(stage_ranks, topology.devices_per_node) if crosses else stage_ranks
     return p2p_time_s(nbytes, topology, crosses_nodes=crosses, concurrent_pairs=pairs)
 
@@ -254,7 +255,7 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, topology: Topol
         return 0.0
     if kind == "send_recv":
         crosses = any(hop_crosses_nodes(a, b, stride, topology)
-                      for a, b in _pipeline_hops(group_size, 1))
+                      for a, b in pipeline_hops(group_size, 1))
         return p2p_time_s(nbytes, topology, crosses_nodes=crosses,
                           concurrent_pairs=concurrent_groups)
     skew = topology.device.skew(topology.devices_per_node)  # [Note: stragglers]

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from autoplan.cost_model.comm import backward_redistribution, group_layout, redistribute_time_s
+from autoplan.cost_model.comm import (
+    backward_redistribution, group_layout, hop_crosses_nodes, pipeline_hops, redistribute_time_s,
+)
 from autoplan.cost_model.compute import (NO_GRAD_OPS, at_tokens, backward_time_s,
                                          dtensor_dispatches, module_input_bytes, op_name,
                                          op_time_s)
@@ -136,6 +138,9 @@ def mesh_axes(plan: Plan, topology: Topology | None) -> list[AxisFacts]:
             result.append(AxisFacts(name, degree, stride, 0, 0, "invalid", str(e)))
             continue
         intra, inter = topology.intra_node, topology.inter_node
+        if name == "pp":
+            result.append(_pp_axis(plan, stride, per_node, num_nodes, topology))
+            continue
         if num_nodes == 1:
             level, text = "intra-node", f"{degree} ranks inside one node over {intra.name}"
         elif per_node == 1:
@@ -146,6 +151,25 @@ def mesh_axes(plan: Plan, topology: Topology | None) -> list[AxisFacts]:
                     f"{inter.name} (hierarchical)")
         result.append(AxisFacts(name, degree, stride, per_node, num_nodes, level, text))
     return result
+
+
+def _pp_axis(plan: Plan, stage_ranks: int, per_node: int, num_nodes: int,
+             topology: Topology) -> AxisFacts:
+    """The pp row: its hops, not a collective, at the level of the slowest ([Note: pipeline
+    hops] in cost_model/comm.py, as the step time prices them)."""
+    pp, intra, inter = plan.mesh.pp, topology.intra_node, topology.inter_node
+    hops = pipeline_hops(pp, plan.num_virtual_stages)
+    across = sum(hop_crosses_nodes(a, b, stage_ranks, topology) for a, b in hops)
+    if not across:
+        level, text = "intra-node", f"{pp} stages inside one node over {intra.name}"
+    elif across == len(hops):
+        level, text = "inter-node", f"{pp} stages, every hop across nodes over {inter.name}"
+    else:
+        level = "inter-node"
+        text = (f"{pp} stages on {num_nodes} nodes: {plural(across, 'hop')} of "
+                f"{len(hops)} across nodes over {inter.name} (the pipeline's pace), the "
+                f"others over {intra.name}")
+    return AxisFacts("pp", pp, stage_ranks, per_node, num_nodes, level, text)
 
 
 def tokens_per_s(plan: Plan) -> float:
