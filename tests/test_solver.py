@@ -415,7 +415,9 @@ def test_a_plan_cut_short_skips_configurations_by_name_or_raises_a_named_error(l
     topo, spec, uncut = memory_bound
     plans = []
     for _ in range(2):
-        with pytest.warns(SolverLimitWarning, match=r"pp1 x dp2 x tp2, ZeRO-3, 2 microbatches"):
+        with pytest.warns(SolverLimitWarning, match=r"skipped, no placement found within "
+                          r"time_limit_s=0.001 deterministic seconds \(pp\d x dp\d x tp\d, "
+                          r"ZeRO-\d, \d+ microbatch"):
             plans.append(plan(llama, topo, spec, time_limit_s=1e-3).to_json())
     assert plans[0] == plans[1]
     assert Plan.from_json(plans[0]).mesh == uncut.mesh

@@ -280,6 +280,32 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
     return breakdown
 
 
+# [Note: loss working set]
+# Without a `loss` output the runtime computes the token cross-entropy itself
+# (runtime/step_inputs.py token_loss: F.cross_entropy over logits.float()). Its forward saves
+# the log-probabilities, fp32, one per logit (log_softmax saves its output, nll_loss reads it);
+# its backward holds them, the gradient of the log-probabilities (nll_loss_backward, fp32) and
+# the logits' gradient (_log_softmax_backward_data, fp32) at once: 3 x 4 B per logit, measured
+# on gloo ranks with torch's memory tracker (bench/runtime_memory.py), on top of the layers'
+# activations at moment A of [Note: peak moments]. A 16-bit logits' gradient is cast down after
+# the log-probabilities are freed, so it adds nothing to that moment. The logits themselves are
+# not held then without pipelining (the runtime drops its reference before the backward, as
+# torchtitan does); a pipeline's last stage keeps them in its output cache until the
+# microbatch's backward (solver/search.py `output_bytes`).
+
+LOSS_WORKING_LOGIT_COPIES = 3  # log-probabilities, their gradient, the logits' gradient (fp32)
+
+
+def loss_working_bytes(logits_bytes: float, dtype_bytes: float) -> float:
+    """Bytes the runtime's token cross-entropy holds at its backward ([Note: loss working
+    set]), for logits of `logits_bytes` at `dtype_bytes` bytes per element (one microbatch).
+    Raises ValueError for a negative size or a dtype width <= 0."""
+    if logits_bytes < 0 or dtype_bytes <= 0:
+        raise ValueError(f"loss_working_bytes: logits_bytes={logits_bytes} must be >= 0 and "
+                         f"dtype_bytes={dtype_bytes} > 0")
+    return LOSS_WORKING_LOGIT_COPIES * 4.0 * logits_bytes / dtype_bytes
+
+
 # --- activations from the captured graph --------------------------------------------------------
 # [Note: saved tensors]
 # The activation memory of a layer is what autograd keeps from its forward for its backward. We

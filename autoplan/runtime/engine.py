@@ -588,6 +588,10 @@ class DistributedModel:
                 module.set_requires_gradient_sync(i == m - 1)
             out = module(*self.batch.model_inputs(part))  # the hook counts microbatch i
             loss = self.batch.loss(out, self.batch.targets[i]) / m
+            # the loss saved what its backward needs: the logits go before the backward, not
+            # after it (torchtitan frees its `pred` likewise; [Note: loss working set] in
+            # cost_model/memory.py)
+            del out
             (loss * self._loss_scale() if self.scaler else loss).backward()
             total += loss.detach().float()
         return total

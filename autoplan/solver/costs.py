@@ -50,8 +50,10 @@ from autoplan.cost_model.comm import backward_redistribution, redistribute_time_
 from autoplan.cost_model.compute import (MATMUL_OPS, at_tokens, backward_time_s,
                                          dtensor_dispatches, module_input_bytes, op_name,
                                          op_time_s)
+from autoplan.cost_model.memory import loss_working_bytes
 from autoplan.solver.problem import OUTPUT, Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
+from autoplan.strategies import tensor_args
 from autoplan.topology import Topology
 
 __all__ = ["Costs", "Unit", "token_scale", "build_costs", "split_of", "out_divisor",
@@ -70,6 +72,9 @@ class Costs:
             owns, times their multiplicity), plus key None for tensors of nodes outside the ILP.
         param_elems: ILP get_attr node -> [elements per device per candidate] x multiplicity.
         output_bytes: global bytes of the graph output per microbatch (logits).
+        loss_bytes: what the runtime's token loss holds at its backward, one microbatch
+            (cost_model.memory.loss_working_bytes of the main output; 0 when the model
+            returns its own `loss`, whose saved tensors are the graph's).
         node_comm_s: ILP node -> [(forward, backward) seconds per candidate] of collectives
             that belong to the node itself rather than to an edge: the K/V all-gather and
             reduce-scatter of attention under context parallelism ([Note: context
@@ -93,6 +98,7 @@ class Costs:
     node_comm_s: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     regather_s: dict[int, dict[tuple, float]] = dataclasses.field(default_factory=dict)
     boundary_bytes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    loss_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,19 @@ def out_divisor(cand, tp: int, index: int = 0) -> float:
     return float(tp) if index < len(outs) and outs[index].startswith("S(") else 1.0
 
 
+def _token_loss_input(problem: Problem) -> str | None:
+    """The ILP node whose output the runtime's token loss reads (the graph's main output,
+    CapturedGraph.main_output_index), or None when the model returns its own `loss`."""
+    graph = problem.graph
+    if "loss" in graph.output_names:
+        return None
+    out, = (n for n in graph.gm.graph.nodes if n.op == "output")
+    args = tensor_args(out)
+    if graph.main_output_index >= len(args):
+        return None
+    return problem.rep.get(args[graph.main_output_index].name)
+
+
 def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
                 topology: Topology, cp: int = 1) -> Costs:
     """All ILP coefficients for `problem` at microbatch size `microbatch_size`, on each of
@@ -191,6 +210,7 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
     device, tp = topology.device, problem.tp
     graph = problem.graph
     fx_nodes = {node.name: node for node in graph.gm.graph.nodes}
+    loss_input = _token_loss_input(problem)
     for n in problem.nodes:
         info = graph.nodes.get(n)
         if info is None or n in problem.constants:
@@ -212,6 +232,8 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
         costs.pairs.append(pairs)
         if edge.dst == OUTPUT:
             costs.output_bytes += edge.nbytes * scale
+            if edge.src == loss_input:
+                costs.loss_bytes += loss_working_bytes(edge.nbytes * scale, spec.dtype_bytes)
     acts: dict = {}
     for owner, nbytes, mult, _part in problem.saved:
         if owner is None or owner not in problem.cands:

@@ -367,7 +367,7 @@ class Search:
         tp = cfg.tp if tp is None else tp
         costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp)
         boundary = self.boundary_bytes(tp, cfg.microbatch_size, cfg.cp)
-        ranks = rank_memories(cfg, self.spec, self.total_layers, costs.output_bytes,
+        ranks = rank_memories(cfg, self.spec, self.total_layers, output_bytes(cfg, costs),
                               offload=cfg.offload, frozen=bool(self.problem(tp).frozen))
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
                                        ckpt.block_bytes(self.problem(tp), costs,
@@ -521,7 +521,7 @@ class Search:
         tp = cfg.tp if tp is None else tp
         costs, boundary, seen, transient = self._seen(cfg, sol, tp, divide)
         result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
-                        output_bytes=costs.output_bytes, boundary_bytes=boundary / divide,
+                        output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary / divide,
                         param_tensors=self.problem(tp).param_tensors, offload=cfg.offload)
         return ckpt.with_transient(result, transient, self.budget_bytes)
 
@@ -578,6 +578,17 @@ class Search:
                 self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing, cfg.cp),
                 cfg.tp)
         return self.bounds[key]
+
+
+def output_bytes(cfg: Config, costs) -> float:
+    """What the last pipeline rank holds after its forward for the loss, one microbatch,
+    bytes: the loss's working set ([Note: loss working set] in cost_model/memory.py) and the
+    logits themselves while the runtime holds them -- a pipeline stage keeps its output until
+    the microbatch's backward; without pipelining the runtime drops them before the backward
+    unless the model computed its own loss (then `costs.loss_bytes` is 0 and the logits are
+    counted as before)."""
+    held = costs.output_bytes if cfg.pp > 1 or not costs.loss_bytes else 0.0
+    return held + costs.loss_bytes
 
 
 def _rank_shares(cfg: Config, total_layers: int) -> tuple:
