@@ -55,6 +55,7 @@ from torch.utils.flop_counter import flop_registry
 from autoplan import _torch_compat as tc
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
+from autoplan.runtime.parallel import local_tensor
 
 __all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunRecorder",
            "FakeWeights", "dry_run", "rank_coordinates"]
@@ -105,7 +106,10 @@ class RankDryRun:
         predicted_peak_bytes: `plan.prediction.memory_bytes` (the most loaded rank).
         predicted_by_category: `plan.prediction.memory_breakdown`.
         predicted_flops: `plan.prediction.model_flops / world_size` (no recomputation).
-        build_s, step_s: wall seconds of the construction and of the step.
+        local_param_bytes: this rank's parameter shards (each tensor once), bytes.
+        num_params: this rank's parameter tensors.
+        build_s, step_s: wall seconds of the construction and of the measured step.
+        counts: collectives by "op@axis".
     """
 
     rank: int
@@ -119,6 +123,8 @@ class RankDryRun:
     predicted_peak_bytes: float
     predicted_by_category: dict[str, float]
     predicted_flops: float
+    local_param_bytes: int = 0
+    num_params: int = 0
     build_s: float = 0.0
     step_s: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
@@ -408,6 +414,7 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
             del leaves
         peak, by_category = recorder.peak(start, _final_categories(engine, recorder))
         calls = tuple(_labelled(recorder.collectives, engine))
+        shards = [local_tensor(p) for p in engine._unique_params()]
     finally:
         dist.destroy_process_group()
         tc.clear_dtensor_caches()
@@ -424,7 +431,8 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
         predicted_peak_bytes=prediction.memory_bytes,
         predicted_by_category=dict(prediction.memory_breakdown),
         predicted_flops=prediction.model_flops / plan.mesh.world_size,
-        build_s=built_s - start_s, step_s=step_s, counts=dict(counts))
+        local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
+        num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts))
 
 
 def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
