@@ -65,9 +65,23 @@ def test_zero3_shards_parameters_over_dp(graphs):
     assert zero0.counts["allreduce_@dp"] >= 1
 
 
-def test_refuses_a_rank_outside_and_a_live_group(graphs):
+def test_refuses_a_rank_outside_the_plan(graphs):
     planned, graph = graphs
-    plan = _plan(planned, zero_stage=3)
     with pytest.raises(ValueError, match="rank 8 is not in the plan's 8 ranks"):
-        dry_run(graph, plan, [8], planned_graph=planned)
-    assert DryRunError.__doc__
+        dry_run(graph, _plan(planned, zero_stage=3), [8], planned_graph=planned)
+
+
+def test_a_value_the_runtime_reads_is_named():
+    """fp16's loss scaler reads whether a gradient overflowed: a fake tensor has no value,
+    and the error names the runtime line, not torch's."""
+    import torch
+
+    planned = capture_preset("llama-tiny", batch=BATCH, seq_len=SEQ, dtype=torch.float16)
+    graph = capture_preset("llama-tiny", batch=BATCH // 2, seq_len=SEQ, dtype=torch.float16)
+    plan = solve(planned, preset("local-cpu", devices_per_node=2),
+                 TrainingSpec(BATCH, SEQ, dtype="float16"), dp=2, pp=1, tp=1,
+                 num_microbatches=1)
+    with pytest.raises(DryRunError, match=r"rank 1: autoplan/runtime/precision.py:\d+ .*reads "
+                                          r"a tensor's value"):
+        dry_run(graph, plan, [1], planned_graph=planned)
+    assert not dist.is_initialized()
