@@ -36,8 +36,7 @@ and the runtime line that asked for it.
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import contextlib
 import time
 import traceback
 import weakref
@@ -479,58 +478,45 @@ def _labelled(calls, engine) -> list[Collective]:
     return out
 
 
-class _phases:
+@contextlib.contextmanager
+def _phases(recorder: DryRunRecorder):
     """Tells the recorder where the step is: "optimizer" inside any optimizer's step (torch's
-    global step hooks), else "step" (the recorder tells forward from backward itself)."""
+    global step hooks: ZeRO-1's inner optimizer too); the recorder tells forward from backward
+    itself."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
 
-    def __init__(self, recorder: DryRunRecorder):
-        self.recorder = recorder
-        self.handles = []
+    outer = {}
 
-    def __enter__(self):
-        from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                           register_optimizer_step_pre_hook)
+    def pre(optimizer, args, kwargs):
+        outer[id(optimizer)] = recorder.phase
+        recorder.phase = "optimizer"
 
-        outer = {}
+    def post(optimizer, args, kwargs):
+        recorder.phase = outer.pop(id(optimizer), "step")
 
-        def pre(optimizer, args, kwargs):
-            outer[id(optimizer)] = self.recorder.phase
-            self.recorder.phase = "optimizer"
-
-        def post(optimizer, args, kwargs):
-            self.recorder.phase = outer.pop(id(optimizer), "step")
-
-        self.handles = [register_optimizer_step_pre_hook(pre),
-                        register_optimizer_step_post_hook(post)]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
+    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
             h.remove()
-        return False
 
 
-class _named_value_reads:
-    """Turns fake tensor's "no value" errors into a DryRunError naming the runtime line that
-    read the value and the op."""
+@contextlib.contextmanager
+def _named_value_reads(rank: int):
+    """Turns a fake tensor's "no value" errors into a DryRunError naming the runtime line that
+    read the value, and the op."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
 
-    def __init__(self, rank: int):
-        self.rank = rank
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                                   DynamicOutputShapeException)
-
-        if kind is None or not issubclass(kind, (DataDependentOutputException,
-                                                 DynamicOutputShapeException)):
-            return False
-        frames = [f for f in traceback.extract_tb(tb) if "/autoplan/" in f.filename
-                  and not f.filename.endswith("dryrun.py")]
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        frames = [f for f in traceback.extract_tb(error.__traceback__)
+                  if "/autoplan/" in f.filename and not f.filename.endswith("dryrun.py")]
         where = f"{frames[-1].filename.split('/autoplan/')[-1]}:{frames[-1].lineno} " \
                 f"({frames[-1].line})" if frames else "torch"
         raise DryRunError(
-            f"rank {self.rank}: autoplan/{where} reads a tensor's value ({error}), which a dry "
-            "run on fake tensors does not have") from error
+            f"rank {rank}: autoplan/{where} reads a tensor's value ({error}), which a dry run "
+            "on fake tensors does not have") from error
