@@ -25,6 +25,10 @@ under DTensor, as torch's MemTracker sits) sees every local aten op of the rank 
   process group named by mesh axis, dtype and bytes;
 - FLOPs, with torch.utils.flop_counter's formulas (matmuls and attention) on local shapes.
 
+Known mislabel: FSDP2's replicate (ZeRO 0/1) accumulates a microbatch's gradients in unsharded
+buffers of its own until the last microbatch's all-reduce, and those count as "temporaries"
+(they are gradients, but no parameter holds them at the end of the step); the peak is right.
+
 What the dry run does not see: the weights' values (the weight source allocates its shards
 and fills nothing: the values of a fake tensor do not exist), memory below the dispatcher
 (kernel scratch, NCCL buffers, allocator fragmentation), and the Python heap. A value read
