@@ -36,7 +36,9 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "strict_redistribution", "replicate_module", "implicit_replication",
            "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents", "checkpoint_keys",
            "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
-           "cpu_claiming_fakes", "view_base", "Placement", "Partial", "Replicate", "Shard"]
+           "cpu_claiming_fakes", "outside_fake_mode", "fake_tensor_mode", "is_fake",
+           "active_fake_mode", "in_backward", "fake_store", "group_ranks", "concrete_value",
+           "vote_pipeline_mode_locally", "view_base", "Placement", "Partial", "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -813,3 +815,95 @@ def causal_lower_right_bias(q_len: int, kv_len: int):
 
 
 __all__ += ["all_gather_autograd", "flatten_mesh", "causal_lower_right_bias"]
+
+
+# --- dry run: the runtime on fake tensors (autoplan/runtime/dryrun.py) -------------------------
+def outside_fake_mode():
+    """A context in which no FakeTensorMode is active (torch's private `unset_fake_temporarily`;
+    a no-op where none is): for tensors that are the runtime's own bookkeeping, read back as
+    Python values (a DeviceMesh's rank table), never memory of a training step. Outside a dry run
+    no fake mode is active and this changes nothing."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def fake_tensor_mode():
+    """A FakeTensorMode (torch's private `torch._subclasses.FakeTensorMode`) for a dry run:
+    real tensors met inside (lifted constants, the pipeline's bookkeeping) become fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t) -> bool:
+    """Whether `t` is a fake tensor (torch's private `is_fake`; a DTensor of fake shards is)."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)
+
+
+def active_fake_mode():
+    """The FakeTensorMode active now, or None (torch's private `_guards.active_fake_mode`)."""
+    from torch._guards import active_fake_mode as _active
+
+    return _active()
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread now (torch's private
+    `_current_graph_task_id`)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def fake_store():
+    """The store of torch's `fake` process-group backend (torch.testing's FakeStore)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def group_ranks(group) -> list[int] | None:
+    """Global ranks of the process group an op argument names, or None when it names none: a
+    c10d op's ProcessGroup (boxed as a torch.ScriptObject), a functional collective's group
+    name (torch's private `_resolve_process_group`)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(group, torch.ScriptObject):
+        if not group._type().qualified_name().endswith(".ProcessGroup"):
+            return None
+        group = dist.ProcessGroup.unbox(group)
+    elif isinstance(group, str):
+        try:
+            group = _resolve_process_group(group)
+        except (RuntimeError, ValueError):
+            return None  # a reduce op's name ("sum")
+    elif not isinstance(group, dist.ProcessGroup):
+        return None
+    return dist.get_process_group_ranks(group)
+
+
+def concrete_value(t: torch.Tensor, if_fake: float) -> float:
+    """`t.item()` as a float; `if_fake` for a fake tensor, which has no value (a dry run,
+    autoplan/runtime/dryrun.py: the caller states what stands in, NaN where nothing can)."""
+    if is_fake(t):
+        return if_fake
+    return t.item()
+
+
+def vote_pipeline_mode_locally(schedule) -> None:
+    """Make `schedule`'s warm-up decide its stages' inference mode from this rank's own votes,
+    without the vote's point-to-point round (torch 2.13's private `_warmup_p2p` and
+    `InferenceMode`): for a dry run (autoplan/runtime/dryrun.py), whose fake process group
+    delivers no values. Each rank votes STATIC when its stages were given their shapes, and
+    every rank of an autoplan schedule builds its stages with static example shapes
+    (runtime/parallel.py build_schedule), so the vote's product is this rank's own."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warmup(stages, has_backward, p2p_done):
+        dynamic = any(InferenceMode.needs_dynamic(s._user_meta, has_backward) for s in stages)
+        for stage in stages:
+            stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    schedule._warmup_p2p = warmup

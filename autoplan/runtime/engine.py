@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from math import nan
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Callable
@@ -97,7 +98,8 @@ from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.weights import (ModuleWeights, Targets, WeightSource, allocate as _allocate,
                                       weights_to_meta as _weights_to_meta)
-from autoplan._torch_compat import (flatten_mesh as _flatten_mesh, implicit_replication,
+from autoplan._torch_compat import (concrete_value, flatten_mesh as _flatten_mesh,
+                                   implicit_replication, outside_fake_mode,
                                    quiet_understood_warnings)
 
 __all__ = ["DistributedModel", "cross_entropy_loss"]
@@ -191,24 +193,32 @@ class DistributedModel:
         else:
             source = ModuleWeights(weights)
         with self.memory.phase("construction"):
-            self.mesh = init_device_mesh(self.device.type, plan.mesh.shape,
-                                         mesh_dim_names=plan.mesh.axis_names)
-            self.pp_rank = self.mesh["pp"].get_local_rank()
-            self.dp_rank = self.mesh["dp"].get_local_rank()
-            self.tp_rank = self.mesh["tp"].get_local_rank()
-            self.cp_rank = self.mesh["cp"].get_local_rank() if plan.mesh.cp > 1 else 0
-            # gradients reduce and shard over dp x cp ([Note: context parallelism])
-            self.dp_mesh = self.mesh["dp"] if plan.mesh.cp == 1 else \
-                _flatten_mesh(self.mesh["dp", "cp"], "dp_cp")
-            self.batch = StepInputs(graph, self.inputs, loss_fn, global_batch=plan.global_batch,
-                                    num_microbatches=plan.num_microbatches, dp=plan.mesh.dp,
-                                    dp_rank=self.dp_rank, device=self.device,
-                                    cp=plan.mesh.cp, cp_rank=self.cp_rank)
-            # expert parallelism inside dp (runtime/moe.py): groups before the stages use them
-            check_expert_parallel(plan)
-            self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
-                if plan.mesh.ep > 1 else None
-            self.stages = self._build_stages()
+            # Up to the allocation everything is on the meta device or is bookkeeping read
+            # back as Python values (the mesh's rank tables, FSDP2's sub-meshes): built outside
+            # the fake mode of a dry run (runtime/dryrun.py), whose allocation and step make
+            # fake tensors; a no-op otherwise.
+            with outside_fake_mode():
+                self.mesh = init_device_mesh(self.device.type, plan.mesh.shape,
+                                             mesh_dim_names=plan.mesh.axis_names)
+                self.pp_rank = self.mesh["pp"].get_local_rank()
+                self.dp_rank = self.mesh["dp"].get_local_rank()
+                self.tp_rank = self.mesh["tp"].get_local_rank()
+                self.cp_rank = self.mesh["cp"].get_local_rank() if plan.mesh.cp > 1 else 0
+                # gradients reduce and shard over dp x cp ([Note: context parallelism])
+                self.dp_mesh = self.mesh["dp"] if plan.mesh.cp == 1 else \
+                    _flatten_mesh(self.mesh["dp", "cp"], "dp_cp")
+                self.batch = StepInputs(graph, self.inputs, loss_fn,
+                                        global_batch=plan.global_batch,
+                                        num_microbatches=plan.num_microbatches, dp=plan.mesh.dp,
+                                        dp_rank=self.dp_rank, device=self.device,
+                                        cp=plan.mesh.cp, cp_rank=self.cp_rank)
+                # expert parallelism inside dp (runtime/moe.py): groups before stages use them
+                check_expert_parallel(plan)
+                self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
+                    if plan.mesh.ep > 1 else None
+                self.stages = self._build_stages()
+            for _, module in self.stages:
+                _allocate(module, self.device)
             self._tied = tied_groups(self)
             source.fill(self._targets())
             self.weight_source = source
@@ -251,8 +261,9 @@ class DistributedModel:
 
     # -- construction -------------------------------------------------------------------
     def _build_stages(self) -> list[tuple[int, nn.Module]]:
-        """This rank's stages, planned and sharded on the meta device, then allocated: each
-        rank holds only its shards ([Note: sharded construction] in runtime/weights.py)."""
+        """This rank's stages, planned and sharded on the meta device (the caller allocates
+        them: each rank holds only its shards, [Note: sharded construction] in
+        runtime/weights.py)."""
         plan, graph = self.plan, self.graph
         # A fresh module hierarchy over the captured graph, its weights on meta (in the master
         # dtype): rebinding them must not touch the caller's CapturedGraph.
@@ -344,9 +355,7 @@ class DistributedModel:
                                and (r.producer, r.consumer) not in unplanned],
                               [r for r in inserted if (r.producer, r.consumer) not in unplanned])
         self.stage_graphs = {sg.index: sg for sg in mine}
-        for _, module in out:
-            _allocate(module, self.device)
-        return out
+        return out  # on meta: the caller allocates
 
     def _vocab_parallel_loss(self, gm, produced) -> set[tuple[str, str]]:
         """The token loss on vocab-sharded logits (tp > 1, pp 1): the last stage returns its
@@ -472,7 +481,10 @@ class DistributedModel:
     def _pp_loss(self, output, index):
         """The schedule's loss: its target is the microbatch index (torch.arange(m), split
         by the schedule), which picks the microbatch's target of any structure."""
-        return self.batch.loss(output, self.batch.targets[int(index)]) * self._loss_scale()
+        # a dry run's fake index has no value; the microbatches' targets are of one shape (the
+        # plan splits the batch evenly), which is all a dry run reads (runtime/dryrun.py)
+        j = int(concrete_value(index, 0))
+        return self.batch.loss(output, self.batch.targets[j]) * self._loss_scale()
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimizer step on a token-LM batch (same tensors on every rank): input_ids,
@@ -509,7 +521,8 @@ class DistributedModel:
         sync_tied_grads(self)
         if self.scaler is None or self.scaler.unscale_and_check(self._local_grads()):
             if self.max_grad_norm is not None:
-                self.grad_norm = float(self.clip_grad_norm(self.max_grad_norm))
+                # NaN in a dry run: a fake norm has no value (runtime/dryrun.py)
+                self.grad_norm = concrete_value(self.clip_grad_norm(self.max_grad_norm), nan)
             self.optimizer.step()
         else:
             self.skipped_steps += 1
@@ -518,7 +531,7 @@ class DistributedModel:
         if self.plan.mesh.dp_shard > 1:  # each cp rank holds a share of its samples' loss
             dist.all_reduce(loss, group=self.dp_mesh.get_group())
             loss = loss / self.plan.mesh.dp_shard
-        return float(loss)
+        return concrete_value(loss, nan)  # NaN in a dry run (runtime/dryrun.py)
 
     def _count_microbatches(self) -> None:
         """Before each forward of a stage (microbatch j, in increasing order on every stage

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from autoplan._torch_compat import concrete_value
+
 __all__ = ["FusedAdamW", "default_adamw"]
 
 
@@ -108,7 +110,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 flat = [t.contiguous().view(-1) for t in tensors]  # a copy only if strided
-                adamw_step(*flat, step=int(state["step"].item()), lr=group["lr"],
+                # a dry run's fake step count has no value: its one step is the first
+                count = int(concrete_value(state["step"], 1))
+                adamw_step(*flat, step=count, lr=group["lr"],
                            betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"])
                 for t, f in zip(tensors, flat):  # non-contiguous shards were updated in copies

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from autoplan._torch_compat import concrete_value
 from autoplan.graph import CapturedGraph
 from autoplan.inputs import InputSpec
 from autoplan.passes.context import chunk_positions
@@ -122,7 +123,8 @@ class StepInputs:
         ValueError when training on a token batch whose labels are all -100."""
         if self.mode == "tokens":
             labels = leaves[self._labels_index()]
-            trained = int((labels != -100).sum())
+            # a dry run's fake labels have no values: every one counts as trained
+            trained = int(concrete_value((labels != -100).sum(), labels.numel()))
             if trained == 0 and training:
                 raise ValueError(f"step: every one of the {labels.numel()} labels is -100 "
                                  "(ignored)")

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.nn as nn
 
+from autoplan._torch_compat import outside_fake_mode
 from autoplan.runtime.parallel import local_tensor
 
 __all__ = ["sync_tied_grads", "tied_groups", "untie_across_stages"]
@@ -37,7 +38,8 @@ def tied_groups(engine) -> dict:
     # Every rank creates every group, in the same order (new_group is collective).
     # the global ranks of each pp line: one row per coordinate on the other axes (dp, cp, tp)
     axis = engine.mesh.mesh_dim_names.index("pp")
-    lines = engine.mesh.mesh.movedim(axis, -1).reshape(-1, pp).tolist()
+    with outside_fake_mode():  # the rank table, also in a dry run (runtime/dryrun.py)
+        lines = engine.mesh.mesh.movedim(axis, -1).reshape(-1, pp).tolist()
     for fqn in sorted(n for n, h in holders.items() if len(h) > 1):
         pp_ranks = sorted({s % pp for s in holders[fqn]})
         mine = None

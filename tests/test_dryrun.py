@@ -1,0 +1,87 @@
+"""Dry run ([Note: dry run] in autoplan/runtime/dryrun.py): one rank of an 8-rank plan, one
+training step of the real runtime on fake tensors and the fake process group, in this
+process."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from autoplan.capture import capture_preset
+from autoplan.runtime.dryrun import CATEGORIES, DryRunError, dry_run, rank_coordinates
+from autoplan.solver import plan as solve
+from autoplan.spec import TrainingSpec
+from autoplan.topology import preset
+
+BATCH, SEQ = 8, 16
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    """(planning graph at the global batch, runtime graph at the microbatch of 2)."""
+    return capture_preset("llama-tiny", batch=BATCH, seq_len=SEQ), \
+        capture_preset("llama-tiny", batch=2, seq_len=SEQ)
+
+
+def _plan(planned, **fixed):
+    return solve(planned, preset("local-cpu", devices_per_node=8), TrainingSpec(BATCH, SEQ),
+                 tp=2, pp=2, dp=2, num_microbatches=2, **fixed)
+
+
+def test_zero3_ranks_of_pp2_dp2_tp2(graphs):
+    planned, graph = graphs
+    plan = _plan(planned, zero_stage=3)
+    first, last = dry_run(graph, plan, [0, 7], planned_graph=planned)
+    assert not dist.is_initialized()  # each rank's fake group is gone
+    assert first.coordinates == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert last.coordinates == rank_coordinates(plan, 7) == {"pp": 1, "dp": 1, "cp": 0, "tp": 1}
+    for r in (first, last):
+        assert set(r.peak_by_category) == set(CATEGORIES)
+        assert sum(r.peak_by_category.values()) == r.peak_bytes > r.resident_bytes > 0
+        # fp32 AdamW: exp_avg and exp_avg_sq per parameter, and a 4-byte step count each
+        assert r.peak_by_category["optimizer"] == 2 * r.local_param_bytes + 4 * r.num_params
+        assert r.local_param_bytes <= r.peak_by_category["params"]  # buffers too
+        assert r.peak_by_category["activations"] > 0
+        # ZeRO-3: parameters gathered and gradients reduce-scattered over dp, stage
+        # boundaries sent and received over pp
+        assert r.counts["_allgather_base_@dp"] > 0 and r.counts["_reduce_scatter_base_@dp"] > 0
+        assert r.counts["send@pp"] == r.counts["recv_@pp"] == 2  # one per microbatch
+        assert r.bytes_by_axis["dp"] > 0 and r.bytes_by_axis["pp"] > 0
+        assert r.flops > 0 and r.predicted_peak_bytes == plan.prediction.memory_bytes
+        assert 0.5 < r.peak_bytes / r.predicted_peak_bytes < 1.5
+
+
+def test_zero3_shards_parameters_over_dp(graphs):
+    """The same rank under ZeRO-0 and ZeRO-3: its parameters, gradients and optimizer states
+    are a dp-th (llama-tiny's dims divide by 2: no padding)."""
+    planned, graph = graphs
+    (zero0,) = dry_run(graph, _plan(planned, zero_stage=0), [5], planned_graph=planned)
+    (zero3,) = dry_run(graph, _plan(planned, zero_stage=3), [5], planned_graph=planned)
+    assert zero0.num_params == zero3.num_params
+    assert zero0.local_param_bytes == 2 * zero3.local_param_bytes
+    assert zero0.peak_by_category["optimizer"] - 4 * zero0.num_params == \
+        2 * (zero3.peak_by_category["optimizer"] - 4 * zero3.num_params)
+    assert "_allgather_base_@dp" not in zero0.counts  # replicated: an all-reduce of grads
+    assert zero0.counts["allreduce_@dp"] >= 1
+
+
+def test_refuses_a_rank_outside_the_plan(graphs):
+    planned, graph = graphs
+    with pytest.raises(ValueError, match="rank 8 is not in the plan's 8 ranks"):
+        dry_run(graph, _plan(planned, zero_stage=3), [8], planned_graph=planned)
+
+
+def test_a_value_the_runtime_reads_is_named():
+    """fp16's loss scaler reads whether a gradient overflowed: a fake tensor has no value,
+    and the error names the runtime line, not torch's."""
+    import torch
+
+    planned = capture_preset("llama-tiny", batch=BATCH, seq_len=SEQ, dtype=torch.float16)
+    graph = capture_preset("llama-tiny", batch=BATCH // 2, seq_len=SEQ, dtype=torch.float16)
+    plan = solve(planned, preset("local-cpu", devices_per_node=2),
+                 TrainingSpec(BATCH, SEQ, dtype="float16"), dp=2, pp=1, tp=1,
+                 num_microbatches=1)
+    with pytest.raises(DryRunError, match=r"rank 1: autoplan/runtime/precision.py:\d+ .*reads "
+                                          r"a tensor's value"):
+        dry_run(graph, plan, [1], planned_graph=planned)
+    assert not dist.is_initialized()
