@@ -229,6 +229,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(p)
     p.set_defaults(run=_cmd_export)
 
+    p = sub.add_parser("dryrun", parents=[talk],
+                       help="plan, then run one training step of chosen ranks on fake tensors "
+                            "and a fake process group of the plan's size; measured vs planned",
+                       description="Plan as `autoplan plan` does, then for each rank of "
+                                   "--ranks build the real runtime of that rank in this "
+                                   "process on torch's fake process group of the plan's world "
+                                   "size and run whole training steps on fake tensors (nothing "
+                                   "allocated): print its measured peak memory by category, "
+                                   "collective bytes per mesh axis and FLOPs beside the plan's "
+                                   "prediction ([Note: dry run] in autoplan/runtime/dryrun.py).")
+    _add_planning_args(p, capture_depth=True)
+    p.add_argument("--ranks", default="0", metavar="R,R,...",
+                   help="global ranks to dry-run (default: %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=2, metavar="N",
+                   help="training steps per rank, the last measured (default: %(default)s: "
+                        "the first creates the optimizer states)")
+    _add_json_arg(p)
+    p.set_defaults(run=_cmd_dryrun)
+
     p = sub.add_parser("demo", parents=[talk],
                        help="plan, compile and train a small GPT on local CPU ranks and "
                             "compare with one process")
@@ -563,6 +582,55 @@ def _cmd_export(args) -> int:
     print(render_summary(planned.plan, topology=planned.topology, graph=planned.graph))
     print(f"wrote {len(paths)} files into {out}")
     return 0
+
+
+def _cmd_dryrun(args) -> int:
+    import torch
+
+    from autoplan.capture import capture_preset
+    from autoplan.runtime.dryrun import dry_run
+
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        raise ValueError(f"--ranks {args.ranks!r}: give global ranks separated by commas, "
+                         "e.g. 0,7") from None
+    planned = _plan(args, args.num_layers_capture)
+    plan = planned.plan
+    mb, cp = plan.microbatch_size, plan.mesh.cp
+    with phase(f"capturing {args.model} at microbatch {mb}, {args.seq // cp} tokens per sample"):
+        graph = capture_preset(args.model, batch=mb, seq_len=args.seq // cp,
+                               dtype=getattr(torch, args.dtype))
+    with phase(f"dry-running rank(s) {ranks} of {plan.mesh} ({plan.mesh.world_size} ranks)"):
+        rows = dry_run(graph, plan, ranks, planned_graph=planned.graph, steps=args.steps)
+    if args.json:
+        _print_json({"plan": str(plan), "ranks": [_dry_row(r) for r in rows]})
+        return 0
+    from autoplan.units import fmt_bytes, fmt_flops, fmt_time
+
+    print(str(plan))
+    for r in rows:
+        error = r.predicted_peak_bytes / r.peak_bytes - 1 if r.peak_bytes else float("nan")
+        print(f"rank {r.rank} {r.coordinates}: peak {fmt_bytes(r.peak_bytes)} measured, "
+              f"{fmt_bytes(r.predicted_peak_bytes)} planned ({error:+.1%}); build "
+              f"{fmt_time(r.build_s)}, step {fmt_time(r.step_s)}")
+        for c in sorted(set(r.peak_by_category) | set(r.predicted_by_category)):
+            print(f"  {c:13s} {fmt_bytes(r.peak_by_category.get(c, 0)):>10s} measured "
+                  f"{fmt_bytes(r.predicted_by_category.get(c, 0)):>10s} planned")
+        axes = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in sorted(r.bytes_by_axis.items()))
+        print(f"  collective bytes by axis: {axes or 'none'}")
+        print(f"  FLOPs {fmt_flops(r.flops)} measured (recomputation included), "
+              f"{fmt_flops(r.predicted_flops)} planned per rank (without)")
+    return 0
+
+
+def _dry_row(r) -> dict:
+    return {"rank": r.rank, "coordinates": r.coordinates, "peak_bytes": r.peak_bytes,
+            "peak_by_category": r.peak_by_category,
+            "predicted_peak_bytes": r.predicted_peak_bytes,
+            "predicted_by_category": r.predicted_by_category,
+            "bytes_by_axis": r.bytes_by_axis, "flops": r.flops,
+            "predicted_flops": r.predicted_flops, "build_s": r.build_s, "step_s": r.step_s}
 
 
 def _export(graph, plan, out: Path, planned) -> dict:

@@ -85,3 +85,25 @@ def test_a_value_the_runtime_reads_is_named():
                                           r"a tensor's value"):
         dry_run(graph, plan, [1], planned_graph=planned)
     assert not dist.is_initialized()
+
+
+def test_cli_dryrun_prints_measured_beside_planned(capsys):
+    """`autoplan dryrun` plans as `autoplan plan` does and dry-runs the ranks it is given:
+    the JSON has each rank's measured peak, its categories and bytes per axis beside the
+    plan's; a rank list it cannot read is a one-line usage error."""
+    import json
+
+    from autoplan.cli import main
+
+    argv = ["dryrun", "-q", "--model", "gpt2-tiny", "--cluster", "local-cpu",
+            "--devices-per-node", "8", "--global-batch", "8", "--seq", "16", "--pp", "2",
+            "--dp", "2", "--tp", "2", "--zero", "3", "--ranks", "7", "--steps", "1"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    row, = out["ranks"]
+    assert row["rank"] == 7 and row["coordinates"] == {"pp": 1, "dp": 1, "cp": 0, "tp": 1}
+    assert row["peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0
+    assert {"dp", "pp", "tp"} <= set(row["bytes_by_axis"])
+    assert row["flops"] > 0
+    assert main(argv[:-4] + ["--ranks", "7,x"]) == 2
+    assert "--ranks '7,x'" in capsys.readouterr().err
