@@ -70,3 +70,20 @@ def sleep_s(seconds: float) -> int:
 
 def rank_of() -> int:
     return dist.get_rank()
+
+
+def parent_of_sleeping_ranks(pids_path: str, stack_dir_path: str) -> None:
+    """Be the parent of a LocalCluster(2) whose ranks sleep in a job for 120 s: once they are
+    up, write their pids to `pids_path` and the cluster's stack folder to `stack_dir_path`
+    (one line each) so that a test can kill this process and look for what it left behind."""
+    from autoplan.runtime.launcher import LocalCluster
+
+    with LocalCluster(2) as cluster:
+        cluster.run(rank_of, timeout_s=120)
+        with open(stack_dir_path + ".tmp", "w") as f:
+            f.write(cluster._stack_dir)
+        with open(pids_path + ".tmp", "w") as f:
+            f.write(" ".join(str(p.pid) for p in cluster._procs))
+        os.replace(stack_dir_path + ".tmp", stack_dir_path)
+        os.replace(pids_path + ".tmp", pids_path)
+        cluster.run(sleep_s, 120, timeout_s=180)

@@ -144,6 +144,27 @@ def test_no_plan_fits(capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", 5, "num_attention_heads 5 does not divide hidden_size 32 (the "
+     "width splits into the heads); set num_attention_heads to a divisor of 32, e.g. 4 or 8"),
+    ("hidden_size", -64, "hidden_size -64 must be a positive integer"),
+    ("vocab_size", "abc", "vocab_size 'abc' must be a positive integer"),
+    ("num_key_value_heads", 3, "num_key_value_heads 3 does not divide num_attention_heads 8"),
+])
+def test_bad_model_config_is_one_error_line(capsys, tmp_path, field, value, message):
+    """A config.json whose sizes cannot build a model fails before capture (no traceback from
+    transformers, no SDPA broadcast error), in one line naming the field and the fix."""
+    config = json.loads((_REPO / "autoplan/models/configs/llama-tiny.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, field: value}))
+    code, out, err = _run(capsys, "plan", "--model", str(path), "--cluster", "local-cpu",
+                          "--global-batch", "8", "--seq", "16", "--no-cache")
+    assert code == 2 and out == "", err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"autoplan: error: model config {str(path)!r}: {message}"), err
+
+
 def test_usage_errors_exit_2(capsys):
     code, _, err = _run(capsys, "plan", "--model", "gpt2-tiny", "--cluster", "local-cpu",
                         "--global-batch", "0", "--seq", "16")

@@ -162,6 +162,38 @@ def test_search_covers_cp_and_bounds_hold(long_llama, h100):
         assert assessed.cp_comm_s > 0 and sum(sol.cp_comm_s.values()) > 0
 
 
+def test_nodes_of_3_devices_skip_cp_layouts_they_cannot_place(long_llama, h100):
+    """2 nodes of 3 devices: cp 2 at tp 1 straddles the nodes and is skipped; cp 2 at tp 3
+    sits at stride 3, and its bounds price the cp group there, not at the tp = 1 problem's
+    stride 1 (which raised "straddles node boundaries unevenly" out of the search)."""
+    topo = dataclasses.replace(h100, num_nodes=2, devices_per_node=3)
+    assert plan(long_llama, topo, SPEC).mesh.world_size == 6
+    search = Search(long_llama, topo, SPEC, 10.0)
+    unplaced = []
+    configs = enumerate_configs(long_llama, topo, SPEC, Overrides(), search.policies(),
+                                unplaced)
+    assert {(c.tp, c.cp) for c in configs if c.cp > 1} == {(3, 2)}
+    straddles = "group of 2 ranks at stride 1 straddles the 3-device nodes unevenly"
+    assert unplaced == [("pp 1 x dp 3 x cp 2 x tp 1", f"its cp {straddles}"),
+                        ("pp 1 x dp 3 x tp 2", f"its tp {straddles}")]
+    cfg = next(c for c in configs if c.cp > 1)
+    assert search.pipeline_bound(cfg) <= search.lower_bound(cfg).step_time_s
+
+
+def test_unplaceable_overrides_name_the_layout_not_cp(long_llama, h100):
+    """A fixed tp 2 on nodes of 3 devices: every mesh it allows straddles the nodes. The
+    error names those meshes and why, whether or not cp is given and tp may cross nodes --
+    never "no configuration with cp > 1" (cp was not asked for)."""
+    topo = dataclasses.replace(h100, num_nodes=2, devices_per_node=3)
+    why = ("pp 1 x dp 3 x tp 2: its tp group of 2 ranks at stride 1 straddles the 3-device "
+           "nodes unevenly")  # pp 3 is more than the 2 layers
+    for kwargs in (dict(tp=2), dict(tp=2, cp=1, allow_tp_across_nodes=True)):
+        with pytest.raises(InvalidConfig) as info:
+            plan(long_llama, topo, SPEC, **kwargs)
+        assert why in str(info.value) and "cp > 1" not in str(info.value), str(info.value)
+        assert "divide devices_per_node=3" in str(info.value)
+
+
 def test_pipeline_bound_is_below_every_lower_bound(long_llama, h100):
     """[Note: lazy bounds] in solver/branch_bound.py: the pipeline term a configuration waits at
     never exceeds its lower bound, for every configuration (cp > 1 and offloads included)."""

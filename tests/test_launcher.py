@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -123,6 +126,85 @@ def test_slow_job_times_out_with_stacks():
     assert_reaped(cluster)
     with pytest.raises(RuntimeError, match="closed"):
         cluster.run(jobs.rank_of)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie waiting for init to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_die_with_their_parent(tmp_path, sig):
+    """The parent of a LocalCluster whose ranks sleep in a job is killed: its ranks are gone
+    within a few seconds ([Note: ranks die with their parent]); SIGTERM, the orderly stop,
+    also removes the cluster's files, and the parent still ends by SIGTERM."""
+    pids_path, stack_dir_path = tmp_path / "pids", tmp_path / "stack_dir"
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import "
+              f"_launcher_jobs; _launcher_jobs.parent_of_sleeping_ranks({str(pids_path)!r}, "
+              f"{str(stack_dir_path)!r})")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 180
+        while not pids_path.exists() and parent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids_path.exists(), f"the ranks did not start (parent exit {parent.poll()})"
+        pids = [int(p) for p in pids_path.read_text().split()]
+        assert all(_alive(p) for p in pids)
+        parent.send_signal(sig)
+        assert parent.wait(timeout=30) == -sig
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "ranks outlived their parent"
+        if sig == signal.SIGTERM:
+            assert not os.path.exists(stack_dir_path.read_text())
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+        for p in [int(p) for p in pids_path.read_text().split()] if pids_path.exists() else []:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_watchdog_ends_an_orphan_without_prctl(tmp_path):
+    """Where PR_SET_PDEATHSIG is not used, the watchdog thread ends a process whose parent
+    died (SIGKILL) within its poll period ([Note: ranks die with their parent])."""
+    ready = tmp_path / "ready"
+    child = ("import os, time; from autoplan.runtime.parent_death import die_with_parent; "
+             f"die_with_parent(os.getppid(), use_prctl=False, poll_s=0.1); "
+             f"open({str(ready)!r}, 'w').close(); time.sleep(120)")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; c = subprocess.Popen([sys.executable,"
+         f" '-c', {child!r}]); print(c.pid, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and _alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists() and _alive(child_pid)
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while _alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child_pid), "the orphan outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+        if _alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
 
 
 # -- the choice of the root cause and the settings, without processes ---------------------

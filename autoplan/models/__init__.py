@@ -23,6 +23,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autoplan.models.config_checks import check_config
+
 if TYPE_CHECKING:  # torch is imported by the builders: reading a config (the plan cache's key,
     import torch   # autoplan/cache.py) imports no torch
     from torch import nn
@@ -57,8 +59,9 @@ def model_config(name_or_path: str) -> dict:
     """The config of a preset or of an HF `config.json` path, as a fresh dict.
 
     Raises:
-        ValueError: unknown preset (the message lists the known ones), unreadable file, or a
-            `model_type` autoplan cannot build.
+        ValueError: unknown preset (the message lists the known ones), unreadable file, a
+            `model_type` autoplan cannot build, or sizes it cannot build (config_checks.py:
+            the field and the fix).
     """
     if name_or_path in PRESETS:
         path = _CONFIG_DIR / f"{name_or_path}.json"
@@ -77,6 +80,7 @@ def model_config(name_or_path: str) -> dict:
     if model_type not in _DEPTH_KEY:
         raise ValueError(f"model config {str(path)!r} has model_type {model_type!r}; autoplan "
                          f"builds {', '.join(_DEPTH_KEY)}")
+    check_config(config, repr(str(path)), _DEPTH_KEY[model_type])
     return config
 
 
@@ -109,13 +113,16 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
         nanogpt.GPT (forward(idx) -> logits) or mlp.MLP (forward(x) -> x).
 
     Raises:
-        ValueError: unknown preset, num_layers < 1, or an override the model does not take.
+        ValueError: unknown preset, num_layers < 1, sizes it cannot build (config_checks.py),
+            or an override the model does not take.
     """
     import torch
 
     config = {k: v for k, v in model_config(name_or_path).items() if not k.startswith("_")}
     config.update(config_overrides)
     model_type = config["model_type"]
+    check_config(config, f"{name_or_path!r} with {config_overrides}" if config_overrides
+                 else repr(name_or_path), _DEPTH_KEY[model_type])
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")

@@ -21,6 +21,9 @@ defaults; an explicit argument overrides it.
 Under `torchrun` (RANK/WORLD_SIZE/MASTER_ADDR in the environment) `init_from_env()` joins the
 job's process group instead; multi-node launching is torchrun's job.
 
+Ranks die with the parent that started them, even one killed by SIGKILL; SIGTERM of the parent
+first closes its clusters ([Note: ranks die with their parent], parent_death.py).
+
 [Note: naming the failed rank]
 When one rank faults, its peers fail too, for a secondary reason: a collective with a vanished
 peer raises "Connection reset by peer", one with a stuck peer times out. The error the user
@@ -50,14 +53,18 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
+
+from autoplan.runtime.parent_death import close_on_sigterm, die_with_parent
 
 __all__ = ["COLLECTIVE_TIMEOUT_ENV", "FAULT_GRACE_S", "LOCAL_COLLECTIVE_TIMEOUT_S",
            "LocalCluster", "RankError", "TORCHRUN_COLLECTIVE_TIMEOUT_S", "init_from_env",
@@ -147,7 +154,8 @@ def _summary(exc: BaseException) -> str:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float,
-            stack_path: str) -> None:
+            stack_path: str, parent_pid: int, use_prctl: bool) -> None:
+    die_with_parent(parent_pid, use_prctl=use_prctl, poll_s=_POLL_S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A rank that crashes or hangs cannot report on the queue: faulthandler writes its stacks
@@ -371,15 +379,24 @@ class LocalCluster:
         self._stack_paths = [os.path.join(self._stack_dir, f"rank{r}.stacks")
                              for r in range(world_size)]
         port = _free_port()
+        # PR_SET_PDEATHSIG fires when the thread that started a rank ends: only the main
+        # thread lives as long as this process ([Note: ranks die with their parent]).
+        use_prctl = threading.current_thread() is threading.main_thread()
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
                         args=(r, world_size, port, self._tasks[r], self._results,
-                              self.pg_timeout_s, self._stack_paths[r]))
+                              self.pg_timeout_s, self._stack_paths[r], os.getpid(), use_prctl))
             for r in range(world_size)]
         for p in self._procs:
             p.start()
         self._next_job = 0
         self._closed = False
+        ref = weakref.ref(self)  # the handler must not keep a dropped cluster alive
+
+        def close_now() -> None:
+            if (cluster := ref()) is not None:
+                cluster.close(kill=True)
+        self._uninstall_sigterm = close_on_sigterm(close_now)
 
     def run(self, fn: Callable, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list:
         """Run `fn(*args, **kwargs)` on every rank; per-rank results in rank order.
@@ -456,6 +473,7 @@ class LocalCluster:
         if self._closed:
             return
         self._closed = True
+        self._uninstall_sigterm()
         if not kill:
             for q in self._tasks:
                 q.put(None)

@@ -137,15 +137,19 @@ def cp_degrees(graph: CapturedGraph, seq_len: int, devices: int) -> list[int]:
     return out
 
 
-def with_context_parallel(problem: Problem, costs: Costs, cp: int,
-                          topology: Topology) -> Costs:
+def with_context_parallel(problem: Problem, costs: Costs, cp: int, topology: Topology,
+                          stride: int | None = None) -> Costs:
     """`costs` (built at the token scale divided by cp: costs.build_costs) with the K/V
     collectives of every attention node per candidate (`Costs.node_comm_s`, seconds per
     occurrence: the ILP multiplies by the node's weight) and the gathered
-    K/V saved for backward added to its activations ([Note: context parallelism])."""
+    K/V saved for backward added to its activations ([Note: context parallelism]).
+    `stride`: the cp group's rank stride in the mesh, the problem's tp unless given (the
+    search's bounds price the tp = 1 problem for a configuration of tp > 1, whose cp group
+    sits at stride tp). Raises ValueError when the cp group cannot sit on the nodes."""
     if cp == 1:
         return costs
     tp = problem.tp
+    stride = tp if stride is None else stride
     comm = dict(costs.node_comm_s)
     acts = dict(costs.act_bytes)
     for n in attention_nodes(problem.graph):
@@ -157,7 +161,7 @@ def with_context_parallel(problem: Problem, costs: Costs, cp: int,
         for i, c in enumerate(problem.cands[n]):
             split = c.shard_factor > 1 and any(p.startswith("S(") for p in c.inputs[1:3])
             per_rank = whole / min(tp, heads) if split else whole
-            row.append(kv_comm_s(per_rank, cp, tp, topology))
+            row.append(kv_comm_s(per_rank, cp, stride, topology))
             # activation rows hold every block's tensors (the weight), as build_costs does
             extra[i] += per_rank * (cp - 1) / cp * problem.weight[n]
         comm[n] = row

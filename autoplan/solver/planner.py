@@ -347,17 +347,15 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
     validate(graph, topology, spec, overrides)
     search = _new_search(graph, topology, spec, overrides, time_limit_s, shared)
     solved = search.num_solves  # ILPs of earlier searches, in the caches `shared` holds
-    configs = enumerate_configs(graph, topology, spec, overrides, search.policies())
+    unplaced: list[tuple[str, str]] = []
+    configs = enumerate_configs(graph, topology, spec, overrides, search.policies(), unplaced)
+    if not configs:  # cp > 1 or not: the overrides admit nothing, for the reasons found
+        raise _no_configuration(graph, topology, spec, overrides, unplaced)
     if context_parallel_only:
         configs = [c for c in configs if c.cp > 1]
         if not configs:
             raise InvalidConfig(f"no configuration with cp > 1 of {topology.world_size} "
                                 f"devices satisfies the overrides {_given(overrides)}")
-    if not configs:
-        raise InvalidConfig(
-            f"no configuration of {topology.world_size} devices satisfies the overrides "
-            f"{_given(overrides)} with global_batch {spec.global_batch} and "
-            f"{graph.total_layers} layers")
     # a search of these configurations under a lower ceiling found nothing: resumed from
     # where it stopped ([Note: resumed search] in branch_bound.py)
     paused = None if shared is None else shared.setdefault(
@@ -385,6 +383,24 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
              time.perf_counter() - start, len(configs), search.num_solves - solved)
     return result
+
+
+def _no_configuration(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
+                      overrides: Overrides, unplaced: list[tuple[str, str]]) -> InvalidConfig:
+    """The error of overrides that admit no configuration, naming the meshes that were
+    skipped because their groups cannot sit on the nodes ((mesh, why) of
+    search.enumerate_configs), the meshes of one reason together."""
+    text = (f"no configuration of {topology.world_size} devices satisfies the overrides "
+            f"{_given(overrides)} with global_batch {spec.global_batch} and "
+            f"{graph.total_layers} layers")
+    if unplaced:
+        meshes: dict[str, list[str]] = {}
+        for mesh, why in unplaced:
+            meshes.setdefault(why, []).append(mesh)
+        reasons = "; ".join(f"{', '.join(m)}: {why}" for why, m in meshes.items())
+        text += (f"; the meshes they allow cannot be placed: {reasons} (use degrees that "
+                 f"divide devices_per_node={topology.devices_per_node} or are multiples of it)")
+    return InvalidConfig(text)
 
 
 def _cp_may_help(graph: CapturedGraph, topology: Topology, spec: TrainingSpec) -> bool:

@@ -209,9 +209,12 @@ def _check_microbatches(spec: TrainingSpec, o: Overrides, world: int) -> None:
 
 
 def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
-                      o: Overrides, policies: tuple[str, ...] = ("none",)) -> list[PlanConfig]:
+                      o: Overrides, policies: tuple[str, ...] = ("none",),
+                      unplaced: list[tuple[str, str]] | None = None) -> list[PlanConfig]:
     """Every configuration the overrides allow ([Note: decomposition], step 1); `policies`:
-    the checkpointing policies to search (checkpointing.policies), unless overridden."""
+    the checkpointing policies to search (checkpointing.policies), unless overridden. A mesh
+    whose groups cannot sit on the nodes (`_unplaced`) is skipped; `unplaced`, when given,
+    receives (mesh, why) per mesh: ("pp 1 x dp 3 x tp 2", "its tp group of 2 ranks ...")."""
     policies = (o.checkpointing,) if o.checkpointing is not None else policies
     world, layers = topology.world_size, graph.total_layers if graph.num_layers else 0
     out = []
@@ -227,24 +230,29 @@ def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSp
                 dp = world // (tp * cp * pp)
                 if (o.pp is not None and pp != o.pp) or (o.dp is not None and dp != o.dp):
                     continue
-                if pp > max(layers, 1) or not _layout_ok(tp, dp, pp, topology, cp):
+                if pp > max(layers, 1):
                     continue
-                out += _configs_for_mesh(pp, dp, tp, layers, spec, o, policies, cp)
+                why = _unplaced(tp, dp, pp, topology, cp)
+                if why is None:
+                    out += _configs_for_mesh(pp, dp, tp, layers, spec, o, policies, cp)
+                elif unplaced is not None:
+                    cp_text = f" x cp {cp}" if cp > 1 else ""
+                    unplaced.append((f"pp {pp} x dp {dp}{cp_text} x tp {tp}", why))
     return out
 
 
-def _layout_ok(tp: int, dp: int, pp: int, topology: Topology, cp: int = 1) -> bool:
-    """Every group of the (pp, dp, cp, tp) mesh -- and the dp x cp gradient group -- sits
-    evenly on the nodes ([Note: group layout] in cost_model/comm.py)."""
-    try:
-        group_layout(tp, 1, topology)
-        group_layout(cp, tp, topology)
-        group_layout(dp, tp * cp, topology)
-        group_layout(dp * cp, tp, topology)
-        group_layout(pp, tp * cp * dp, topology)
-    except ValueError:
-        return False
-    return True
+def _unplaced(tp: int, dp: int, pp: int, topology: Topology, cp: int = 1) -> str | None:
+    """Why a group of the (pp, dp, cp, tp) mesh -- or the dp x cp gradient group -- does not
+    sit evenly on the nodes ([Note: group layout] in cost_model/comm.py), or None when every
+    one does."""
+    for axis, size, stride in (("tp", tp, 1), ("cp", cp, tp), ("dp", dp, tp * cp),
+                               ("dp x cp", dp * cp, tp), ("pp", pp, tp * cp * dp)):
+        try:
+            group_layout(size, stride, topology)
+        except ValueError:
+            return (f"its {axis} group of {size} ranks at stride {stride} straddles the "
+                    f"{topology.devices_per_node}-device nodes unevenly")
+    return None
 
 
 def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
@@ -338,11 +346,14 @@ class Search:
             self.problems[tp] = prob
         return self.problems[tp]
 
-    def cost(self, tp: int, b: int, policy: str = "none", cp: int = 1) -> Costs:
+    def cost(self, tp: int, b: int, policy: str = "none", cp: int = 1,
+             stride: int | None = None) -> Costs:
         """The ILP coefficients of (tp, b, policy, cp): build_costs at the token scale of one
         cp rank, the cp collectives ([Note: context parallelism] in solver/context.py), then
-        the recomputation of the policy."""
-        key = (tp, b, policy, cp)
+        the recomputation of the policy. `stride`: the cp group's in the mesh, tp unless given
+        (a bound's tp = 1 problem stands for a configuration of tp = stride)."""
+        stride = tp if stride is None or cp == 1 else stride
+        key = (tp, b, policy, cp) + ((stride,) if stride != tp else ())
         if key not in self.costs:
             if policy == "none":
                 prob = self.problem(tp)
@@ -355,10 +366,10 @@ class Search:
                 if scale not in self.scaled:
                     self.scaled[scale] = build_costs(prob, b, self.spec, self.topology, cp)
                 self.costs[key] = with_context_parallel(prob, self.scaled[scale], cp,
-                                                        self.topology)
+                                                        self.topology, stride)
             else:
                 self.costs[key] = ckpt.checkpointed_costs(
-                    self.problem(tp), self.cost(tp, b, "none", cp), policy, self.spec,
+                    self.problem(tp), self.cost(tp, b, "none", cp, stride), policy, self.spec,
                     self.topology)
         return self.costs[key]
 
@@ -500,10 +511,10 @@ class Search:
             self.bounds[key] = _lower_bound(self.problem(cfg.tp), self.cost(*cfg.costs_key), 1)
         return self.bounds[key]
 
-    def boundary_bytes(self, tp: int, b: int, cp: int = 1) -> float:
+    def boundary_bytes(self, tp: int, b: int, cp: int = 1, stride: int | None = None) -> float:
         """Bytes of the residual stream between blocks, one microbatch (global; on one cp
-        rank: seq_len / cp tokens)."""
-        costs = self.cost(tp, b, "none", cp)
+        rank: seq_len / cp tokens). `stride`: as `cost`'s."""
+        costs = self.cost(tp, b, "none", cp, stride)
         key = ("boundary", tp)
         if key not in self.bounds:  # the largest block-output edge of the tp problem
             prob = self.problem(tp)
@@ -529,8 +540,8 @@ class Search:
         """(costs, boundary bytes, the Solution pipeline.assess sees, transient bytes) of
         `assess`."""
         b, policy = cfg.microbatch_size, cfg.checkpointing
-        costs = self.cost(tp, b, policy, cfg.cp)
-        boundary = self.boundary_bytes(tp, b, cfg.cp)
+        costs = self.cost(tp, b, policy, cfg.cp, cfg.tp)  # cfg's cp group: at stride cfg.tp
+        boundary = self.boundary_bytes(tp, b, cfg.cp, cfg.tp)
         # core-attention at a bound (tp = 1 problem, no choice): the cores split tp ways
         one_block = ckpt.block_bytes(self.problem(tp), costs, policy, sol.choice or None) / (
             divide if policy == "core-attention" else 1)
@@ -575,7 +586,8 @@ class Search:
         key = cfg.costs_key
         if key not in self.bounds:
             self.bounds[key] = _lower_bound(
-                self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing, cfg.cp),
+                self.problem(1), self.cost(1, cfg.microbatch_size, cfg.checkpointing, cfg.cp,
+                                           cfg.tp),
                 cfg.tp)
         return self.bounds[key]
 
