@@ -369,12 +369,9 @@ class AutoParallel:
             raise
 
     def _build_engine(self):
-        from autoplan.passes.expand import plan_for_graph
         from autoplan.progress import phase
         from autoplan.runtime import job
         from autoplan.runtime.engine import DistributedModel
-        from autoplan.runtime.precision import Precision
-
         from autoplan.runtime.step_inputs import loss_mode
 
         from autoplan.runtime.checks import check_context_parallel
@@ -393,6 +390,30 @@ class AutoParallel:
             if not dist.is_initialized():
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
                 _PRIVATE_GROUP.append(dist.group.WORLD)
+        graph, plan, planned, reuse, cached = self._runtime_graph()
+        self._build_stats["capture_reused"] = reuse
+        self._build_stats["capture_runtime_cached"] = cached
+        with self._timed("build_s"), phase(f"building this rank's shards ({plan.mesh})"):
+            engine = DistributedModel(graph, plan, self._weight_source(graph),
+                                      optimizer=self.options.optimizer,
+                                      lr_scheduler=self.options.lr_scheduler,
+                                      loss_fn=self.options.loss_fn,
+                                      max_grad_norm=self.options.max_grad_norm,
+                                      device=job.device(), seed=self.options.seed,
+                                      inputs=self.inputs, kernels=self.options.kernels,
+                                      compile=self.options.compile, planned_graph=planned)
+        if self.options.weights is not None and _is_dcp(self.options.weights):
+            with self._timed("build_s"):
+                engine.load(self.options.weights)
+        return engine
+
+    def _runtime_graph(self):
+        """(graph, plan, planned graph, reused, from the capture cache): the graph a rank runs
+        and the plan extended to it (below)."""
+        from autoplan.passes.expand import plan_for_graph
+        from autoplan.progress import phase
+        from autoplan.runtime.precision import Precision
+
         plan = self.plan
         precision = Precision.of(plan.dtype)
         name = type(self.module).__name__
@@ -415,21 +436,26 @@ class AutoParallel:
                 self._capture_source(precision), plan.microbatch_size,
                 seq_len=self.spec.seq_len // cp)
             plan = plan_for_graph(plan, planned, graph)  # planned on a few blocks, run on all
-        self._build_stats["capture_reused"] = reuse
-        self._build_stats["capture_runtime_cached"] = cached
-        with self._timed("build_s"), phase(f"building this rank's shards ({plan.mesh})"):
-            engine = DistributedModel(graph, plan, self._weight_source(graph),
-                                      optimizer=self.options.optimizer,
-                                      lr_scheduler=self.options.lr_scheduler,
-                                      loss_fn=self.options.loss_fn,
-                                      max_grad_norm=self.options.max_grad_norm,
-                                      device=job.device(), seed=self.options.seed,
-                                      inputs=self.inputs, kernels=self.options.kernels,
-                                      compile=self.options.compile, planned_graph=planned)
-        if self.options.weights is not None and _is_dcp(self.options.weights):
-            with self._timed("build_s"):
-                engine.load(self.options.weights)
-        return engine
+        return graph, plan, planned, reuse, cached
+
+    def dry_run(self, ranks=None, *, steps: int = 2) -> list:
+        """One training step of each of `ranks` (global ranks; default rank 0) of this plan,
+        in this process, on torch's fake process group of the plan's world size and on fake
+        tensors: the real runtime built for that rank, nothing allocated ([Note: dry run] in
+        autoplan/runtime/dryrun.py). Returns a `RankDryRun` per rank: measured peak memory
+        by category, collectives per mesh axis, FLOPs, beside the plan's prediction.
+
+        Call it where no process group exists (a planning process, not a training job): the
+        plan may be for a cluster this machine is not (`cluster=`, `nodes=`). Raises
+        ValueError for a rank outside the plan or inside a process group; DryRunError where
+        the runtime reads a tensor's value (fp16 loss scaling)."""
+        from autoplan.runtime.dryrun import dry_run
+
+        graph, plan, planned, _reuse, _cached = self._runtime_graph()
+        return dry_run(graph, plan, ranks, planned_graph=planned, inputs=self.inputs,
+                       optimizer=self.options.optimizer, loss_fn=self.options.loss_fn,
+                       max_grad_norm=self.options.max_grad_norm,
+                       kernels=self.options.kernels, steps=steps)
 
     @contextlib.contextmanager
     def _timed(self, key: str):

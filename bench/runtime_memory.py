@@ -128,6 +128,7 @@ def check(row: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 25M-parameter model")
+    parser.add_argument("--configs", help="comma-separated names of CONFIGS to run (default: all)")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "runtime_memory.json")
     args = parser.parse_args(argv)
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     config = QUICK_MODEL if args.quick else MODEL
     num_params = model_params(config)
     runs = {}
-    for name, overrides in CONFIGS.items():
+    names = args.configs.split(",") if args.configs else list(CONFIGS)
+    for name, overrides in ((n, CONFIGS[n]) for n in names):
         with LocalCluster(4, pg_timeout_s=1800) as cluster:
             rows = cluster.run(run_config, config, overrides, timeout_s=3000)
         for row in rows:

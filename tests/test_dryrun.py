@@ -5,6 +5,7 @@ process."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from autoplan.capture import capture_preset
@@ -107,3 +108,27 @@ def test_cli_dryrun_prints_measured_beside_planned(capsys):
     assert row["flops"] > 0
     assert main(argv[:-4] + ["--ranks", "7,x"]) == 2
     assert "--ranks '7,x'" in capsys.readouterr().err
+
+
+def test_autoparallel_dry_run_of_a_plan_for_more_ranks_than_this_process():
+    """`model.dry_run(ranks=...)` on a plan for 8 ranks, from a process with no process
+    group: the ranks of both pipeline stages run a step on fake tensors, the process has no
+    group after it, and a rank outside the plan is refused by number."""
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autoplan import autoparallel
+
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        module = GPT2LMHeadModel(config)
+    model = autoparallel(module, global_batch=8, seq_len=16, cluster="local-cpu",
+                         world_size=8, pp=2, dp=2, tp=2, zero_stage=3)
+    first, last = model.dry_run(ranks=[0, 7], steps=1)
+    assert (first.coordinates["pp"], last.coordinates["pp"]) == (0, 1)
+    assert first.peak_bytes > 0 and last.peak_bytes > 0
+    assert {"dp", "pp", "tp"} <= set(last.bytes_by_axis)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="8"):
+        model.dry_run(ranks=[8])
