@@ -58,6 +58,7 @@ from torch.utils.flop_counter import flop_registry
 from autoplan import _torch_compat as tc
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
+from autoplan.runtime.live_bytes import patch_resize
 from autoplan.runtime.parallel import local_tensor
 
 __all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunRecorder",
@@ -280,19 +281,12 @@ class DryRunRecorder(TorchDispatchMode):
                         else "temporaries"
 
     def __enter__(self):
-        recorder, original = self, torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            result = original(storage, size)
-            recorder._resized(storage, "temporaries")  # FSDP2's unsharded parameters
-            return result
-
-        self._resize = original
-        torch.UntypedStorage.resize_ = resize_
+        # FSDP2's unsharded parameters, resized outside dispatch
+        self._resize = patch_resize(lambda storage: self._resized(storage, "temporaries"))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
+        self._resize()
         return super().__exit__(*exc)
 
     # -- results -----------------------------------------------------------------------------

@@ -19,13 +19,14 @@ is what the bench and the tests compare with the cost model.)
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveTensorBytes"]
+__all__ = ["LiveTensorBytes", "patch_resize"]
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -80,23 +81,36 @@ class LiveTensorBytes(TorchDispatchMode):
                 self._track(st, inputs)
         return out
 
+    def _resized(self, storage) -> None:
+        key = storage._cdata
+        if key in self.sizes:
+            self.current += storage.nbytes() - self.sizes[key]
+            self.sizes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.current)
+
     def __enter__(self):
-        tracker, original = self, torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            out = original(storage, size)
-            key = storage._cdata
-            if key in tracker.sizes:
-                tracker.current += storage.nbytes() - tracker.sizes[key]
-                tracker.sizes[key] = storage.nbytes()
-                tracker.peak = max(tracker.peak, tracker.current)
-            return out
-
-        self._resize = original
-        torch.UntypedStorage.resize_ = resize_
+        self._resize = patch_resize(self._resized)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
+        self._resize()
         return super().__exit__(*exc)
+
+
+def patch_resize(callback) -> Callable[[], None]:
+    """Make `torch.UntypedStorage.resize_` call `callback(storage)` after each resize (a
+    dispatch mode does not see it; FSDP2 frees and re-allocates unsharded parameters with it);
+    returns the function that restores the original."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        callback(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+
+    def restore() -> None:
+        torch.UntypedStorage.resize_ = original
+    return restore
 
