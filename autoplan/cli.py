@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # torch comes in with these: imported by the subcommands that
     from autoplan.plan import Plan
     from autoplan.topology import Topology
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "plan_for_dry_run"]
 
 _SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # autoplan.plan.SCHEDULES, kept import-free
 _EPILOG = """\
@@ -584,10 +584,25 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def _cmd_dryrun(args) -> int:
+def plan_for_dry_run(args) -> tuple[_Planned, CapturedGraph]:
+    """Plan for the `autoplan dryrun` arguments `args` (`build_parser().parse_args(["dryrun",
+    ...])`) as `autoplan plan` does, then capture the graph a rank runs: the whole model at
+    the plan's microbatch, seq_len / cp tokens per sample, in the compute dtype. Returns
+    (planned, graph) for `dry_run(graph, planned.plan, ranks, planned_graph=planned.graph)`;
+    bench/dryrun.py calls it too. Raises ValueError as `_plan` does."""
     import torch
 
     from autoplan.capture import capture_preset
+
+    planned = _plan(args, args.num_layers_capture)
+    mb, cp = planned.plan.microbatch_size, planned.plan.mesh.cp
+    with phase(f"capturing {args.model} at microbatch {mb}, {args.seq // cp} tokens per sample"):
+        graph = capture_preset(args.model, batch=mb, seq_len=args.seq // cp,
+                               dtype=getattr(torch, args.dtype))
+    return planned, graph
+
+
+def _cmd_dryrun(args) -> int:
     from autoplan.runtime.dryrun import dry_run
 
     try:
@@ -595,12 +610,8 @@ def _cmd_dryrun(args) -> int:
     except ValueError:
         raise ValueError(f"--ranks {args.ranks!r}: give global ranks separated by commas, "
                          "e.g. 0,7") from None
-    planned = _plan(args, args.num_layers_capture)
+    planned, graph = plan_for_dry_run(args)
     plan = planned.plan
-    mb, cp = plan.microbatch_size, plan.mesh.cp
-    with phase(f"capturing {args.model} at microbatch {mb}, {args.seq // cp} tokens per sample"):
-        graph = capture_preset(args.model, batch=mb, seq_len=args.seq // cp,
-                               dtype=getattr(torch, args.dtype))
     with phase(f"dry-running rank(s) {ranks} of {plan.mesh} ({plan.mesh.world_size} ranks)"):
         rows = dry_run(graph, plan, ranks, planned_graph=planned.graph, steps=args.steps)
     if args.json:

@@ -1,0 +1,130 @@
+"""The dry-run bench (bench/dryrun.py, issue 26): its --quick run writes the JSON schema with
+the bars computed from the numbers, its default ranks are one per kind of rank, and its case
+list is the issue's (runnable flags, or "no preset"). The full bench plans 405B models; these
+are its pieces, in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from autoplan.plan import MeshShape
+from autoplan.runtime.dryrun import CATEGORIES, rank_coordinates
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("dryrun_bench", ROOT / "bench" / "dryrun.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_every_rank_with_its_bars(tmp_path, capsys):
+    bench = _bench()
+    out = tmp_path / "dryrun.json"
+    status = bench.main(["--quick", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert status == (0 if doc["all_within_bars"] else 1)
+    assert doc["quick"] and set(doc["bars"]) == {"peak", "flops", "collective_bytes", "time"}
+    assert set(doc["cases"]) == set(bench.QUICK_CASES)
+    kinds = {name: [r["kind"] for r in case["ranks"]] for name, case in doc["cases"].items()}
+    assert kinds == {"gpt2-tiny-pp2": ["first", "last"],
+                     "gpt2-demo-pp3": ["first", "middle", "last"]}
+    ok = True
+    for case in doc["cases"].values():
+        pp = case["mesh"]["pp"]
+        assert case["status"] == "run" and case["world_size"] == \
+            pp * case["mesh"]["dp"] * case["mesh"].get("cp", 1) * case["mesh"]["tp"]
+        for r in case["ranks"]:
+            assert "error" not in r, r["error"]
+            stage = {"first": 0, "middle": pp // 2, "last": pp - 1}[r["kind"]]
+            assert r["coordinates"] == {"pp": stage, "dp": 0, "cp": 0, "tp": 0}
+            assert set(r["peak_by_category"]) == set(CATEGORIES)
+            assert sum(r["peak_by_category"].values()) == r["peak_bytes"] > 0
+            assert r["predicted_peak_bytes"] > 0 and r["flops"] > 0
+            assert {"dp", "pp", "tp"} <= set(r["bytes_by_axis"])
+            assert r["priced_bytes_by_axis"] is None and "not priced per axis" in \
+                r["collective_bytes_bar"]
+            # the bars are the numbers' (predicted / measured - 1 within the bands)
+            peak_error = r["predicted_peak_bytes"] / r["peak_bytes"] - 1
+            flops_error = r["predicted_flops"] / r["flops"] - 1
+            assert r["peak_error"] == pytest.approx(peak_error)
+            assert r["peak_ok"] == (abs(peak_error) <= 0.05)
+            assert r["flops_ok"] == (abs(flops_error) <= 0.02)
+            assert r["time_ok"] == (r["wall_s"] <= 300) and r["step_s"] < r["wall_s"]
+            assert r["ok"] == (r["peak_ok"] and r["flops_ok"] and r["time_ok"])
+            ok = ok and r["ok"]
+    assert doc["all_within_bars"] == ok
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(" rank " in line for line in lines) == 5  # one line per rank as it finishes
+    within = sum(r["ok"] for case in doc["cases"].values() for r in case["ranks"])
+    assert lines[-1].startswith(f"{within} of 5 ranks within the bars")
+    # the README table: a header, a rule and a row per rank
+    assert bench.main(["--readme", "--out", str(out)]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[0].startswith("| case | rank | measured peak | predicted | error |")
+    assert len(table) == 2 + 5 and "gpt2-demo-pp3 (pp3xdp2xtp2)" in table[-1]
+
+
+def test_bars_are_computed_from_the_numbers():
+    check = _bench().check
+    row = dict(peak_bytes=100, predicted_peak_bytes=107, flops=1000, predicted_flops=1000,
+               wall_s=10.0)
+    result = check(row)
+    assert result["peak_error"] == pytest.approx(0.07)
+    assert not result["peak_ok"] and result["flops_ok"] and not result["ok"]
+    assert check({**row, "predicted_peak_bytes": 96})["ok"]  # -4 %: within 5 %
+    assert not check({**row, "predicted_peak_bytes": 100, "predicted_flops": 1030})["flops_ok"]
+    assert not check({**row, "predicted_peak_bytes": 100, "wall_s": 301.0})["ok"]
+    nothing = check({**row, "peak_bytes": 0})  # nothing measured: no error, no bar holds
+    assert nothing["peak_error"] is None and not nothing["peak_ok"]
+
+
+def test_default_ranks_are_one_per_pipeline_stage_kind():
+    bench = _bench()
+    for mesh, expected in [
+        (MeshShape(pp=1, dp=8, tp=1), {0: "only"}),
+        (MeshShape(pp=2, dp=2, tp=2), {0: "first", 4: "last"}),
+        (MeshShape(pp=4, dp=2, tp=2), {0: "first", 8: "middle", 12: "last"}),
+        (MeshShape(pp=32, dp=16, cp=8, tp=4), {0: "first", 16 * 512: "middle",
+                                               31 * 512: "last"}),
+    ]:
+        plan = SimpleNamespace(mesh=mesh)
+        assert bench.default_ranks(plan) == expected
+        for rank in (0, mesh.world_size // 3, mesh.world_size - 1):  # the inverse
+            assert bench.rank_at(plan, rank_coordinates(plan, rank)) == rank
+
+
+def test_the_issue_s_cases_are_runnable_flags_or_no_preset(tmp_path):
+    from autoplan.cli import build_parser
+    from autoplan.models import PRESETS
+
+    bench = _bench()
+    assert set(bench.CASES) == {"llama3-8b", "llama3-70b", "llama3-405b", "llama3.1-405b-128k",
+                                "gpt3-175b", "llama3-8b-offload-h200"}
+    for flags in [*bench.CASES.values(), *bench.QUICK_CASES.values()]:
+        args = build_parser().parse_args(["dryrun", *flags])
+        assert args.model in PRESETS
+    for name in bench.GOLDEN_OF.values():  # the golden plan each case is compared with
+        assert (ROOT / "tests" / "golden" / f"{name}.plan.json").is_file()
+    assert set(bench.NO_PRESET) == {"gpt-1t", "mixtral-moe-ep"}
+    assert not any("1t" in name or "mixtral" in name for name in PRESETS)
+    # a case with no preset is a row of the JSON and of the table, and fails no bar
+    out = tmp_path / "dryrun.json"
+    assert bench.main(["--cases", "gpt-1t", "--out", str(out)]) == 0
+    # a subset of the cases is merged into the file's others
+    assert bench.main(["--cases", "mixtral-moe-ep", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {c["status"] for c in doc["cases"].values()} == {"no preset"}
+    assert doc["no_preset"] == ["gpt-1t", "mixtral-moe-ep"] and doc["all_within_bars"]
+    assert doc["cases"]["gpt-1t"]["flags"][-6:] == ["--tp", "8", "--pp", "64", "--dp", "6"]
+    assert "| gpt-1t | no preset: " in bench.markdown(doc)
+    assert bench.main(["--cases", "nope", "--out", str(out)]) == 2
