@@ -75,7 +75,9 @@ def test_what_the_pause_allocated_is_old_and_cycles_are_still_freed(collections)
         frozen = gc.get_freeze_count()
         with collector_paused():
             _Node()
-        assert gc.get_freeze_count() == frozen
+        # not unfrozen (that would empty the permanent generation); a frozen object whose last
+        # reference goes meanwhile (a finalizer of an earlier test's objects) leaves it by itself
+        assert frozen - 100 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
