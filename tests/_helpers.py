@@ -1,5 +1,5 @@
 """Helpers shared by test modules: the DTensor check of a candidate (test_strategies.py,
-test_solver.py)."""
+test_solver.py); a bench script loaded as a module (`load_bench`)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,16 @@ def check_candidate(graph, node, cand: Candidate, tp: int, mesh) -> None:
 def tc_format(value) -> str:
     from autoplan.plan import format_placement
     return format_placement(value.placements[0]) if hasattr(value, "placements") else "R"
+
+
+def load_bench(name: str):
+    """bench/<name>.py loaded as the module `<name>_bench` (the benches are scripts, not a
+    package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

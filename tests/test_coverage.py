@@ -4,8 +4,6 @@ bench itself runs for an hour; these are its pieces, in seconds."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +14,12 @@ from autoplan.runtime import RankError
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("coverage_bench", ROOT / "bench" / "coverage.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from _helpers import load_bench
+
+    return load_bench("coverage")
 
 
 def test_the_issue_s_architectures_are_all_in_the_bench():

@@ -5,7 +5,6 @@ are its pieces, in seconds."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,10 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("dryrun_bench", ROOT / "bench" / "dryrun.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from _helpers import load_bench
+
+    return load_bench("dryrun")
 
 
 def test_quick_run_writes_every_rank_with_its_bars(tmp_path, capsys):
