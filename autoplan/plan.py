@@ -204,6 +204,10 @@ class Prediction:
             (0 without offload, [Note: offload] in solver/offload.py).
         offload_s: the host <-> device transfers of offload per step, part of `comm_s`
             (0 without offload).
+        memory_by_pp_rank: per pipeline rank, its predicted peak ("peak") and the breakdown
+            of its larger moment, bytes ([Note: memory per rank] in solver/pipeline.py); what
+            a dry run of a rank at that pp coordinate is held against
+            (autoplan/runtime/dryrun.py); empty in a plan written before it existed.
     """
 
     step_time_s: float
@@ -221,6 +225,7 @@ class Prediction:
     cp_comm_s: float = 0.0
     host_memory_bytes: float = 0.0
     offload_s: float = 0.0
+    memory_by_pp_rank: tuple[dict[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -386,7 +391,8 @@ class Plan:
         d = dict(data)
         d["mesh"] = MeshShape(**d["mesh"])
         d["stages"] = tuple(Stage(**s) for s in d["stages"])
-        d["prediction"] = Prediction(**d["prediction"])
+        d["prediction"] = Prediction(**{**d["prediction"], "memory_by_pp_rank": tuple(
+            d["prediction"].get("memory_by_pp_rank", ()))})
         d["param_placements"] = tuple(tuple(p) for p in d["param_placements"])
         d["strategies"] = tuple(
             NodeStrategy(s["node"], tuple(s["inputs"]), tuple(s["outputs"]))

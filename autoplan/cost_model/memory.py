@@ -79,7 +79,9 @@ def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
         mixed_precision: 16-bit params/grads with fp32 master states; False for fp32 training.
         optimizer: "adamw" or "sgd" (see STATE_BYTES_PER_PARAM).
         recipe: "zero" (the paper's mixed-precision split, above) or "fsdp2" (what autoplan's
-            runtime holds under mixed precision: FSDP2_MIXED_STATE_BYTES); fp32 is the same.
+            runtime holds: under mixed precision FSDP2_MIXED_STATE_BYTES, and at stage 2 the
+            parameters sharded as at stage 3, FSDP2's fully_shard keeping only the shard as
+            the parameter; its gathered copy is not counted here).
         frozen_params: how many of `num_params` are frozen (0 <= frozen_params <= num_params).
         frozen_param_bytes: bytes per frozen parameter; None: the recipe's "params" bytes.
 
@@ -103,9 +105,12 @@ def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
         params, grads, states = FSDP2_MIXED_STATE_BYTES[optimizer]
     frozen_b = params if frozen_param_bytes is None else frozen_param_bytes
     trainable = max(0.0, num_params - frozen_params)  # >= 0 through float residue
+    # FSDP2 (fully_shard, the runtime's ZeRO-2 and 3) keeps every parameter sharded; ZeRO-2's
+    # whole gathered copy is a unit it holds besides (solver/pipeline.py [Note: memory per rank])
+    params_sharded = zero_stage >= 3 or (recipe == "fsdp2" and zero_stage == 2)
     return {
         "params": (trainable * params + frozen_params * frozen_b)
-        / (dp if zero_stage >= 3 else 1),
+        / (dp if params_sharded else 1),
         "grads": trainable * grads / (dp if zero_stage >= 2 else 1),
         "optimizer": trainable * states / (dp if zero_stage >= 1 else 1),
     }

@@ -62,7 +62,7 @@ from autoplan.runtime.live_bytes import patch_resize
 from autoplan.runtime.parallel import local_tensor
 
 __all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunRecorder",
-           "FakeWeights", "dry_run", "rank_coordinates"]
+           "FakeWeights", "dry_run", "predicted_rank_memory", "rank_coordinates"]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
 
@@ -107,8 +107,8 @@ class RankDryRun:
         collectives: every collective / p2p op of the step, in issue order.
         bytes_by_axis: the sum of `Collective.bytes` by axis.
         flops: FLOPs of the step on this rank (matmuls and attention; recomputation included).
-        predicted_peak_bytes: `plan.prediction.memory_bytes` (the most loaded rank).
-        predicted_by_category: `plan.prediction.memory_breakdown`.
+        predicted_peak_bytes: the plan's peak for this rank (`predicted_rank_memory`).
+        predicted_by_category: its breakdown by category.
         predicted_flops: `plan.prediction.model_flops / world_size` (no recomputation).
         local_param_bytes: this rank's parameter shards (each tensor once), bytes.
         num_params: this rank's parameter tensors.
@@ -132,6 +132,16 @@ class RankDryRun:
     build_s: float = 0.0
     step_s: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
+
+
+def predicted_rank_memory(plan: Plan, rank: int) -> dict[str, float]:
+    """The plan's predicted memory of global `rank`, bytes by category and "peak": its
+    pipeline rank's entry of `Prediction.memory_by_pp_rank` (every rank of a pipeline stage
+    holds the same), or the most loaded rank's figures for a plan written without it."""
+    by_rank = plan.prediction.memory_by_pp_rank
+    if by_rank:
+        return dict(by_rank[rank_coordinates(plan, rank)["pp"]])
+    return {**plan.prediction.memory_breakdown, "peak": plan.prediction.memory_bytes}
 
 
 def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
@@ -420,13 +430,14 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
     for c in calls:
         by_axis[c.axis] += c.bytes
         counts[f"{c.op}@{c.axis}"] += 1
+    predicted = predicted_rank_memory(plan, rank)
     prediction = plan.prediction
     return RankDryRun(
         rank=rank, coordinates=rank_coordinates(plan, rank), peak_bytes=peak,
         peak_by_category=by_category, resident_bytes=resident, collectives=calls,
         bytes_by_axis=dict(by_axis), flops=recorder.flops,
-        predicted_peak_bytes=prediction.memory_bytes,
-        predicted_by_category=dict(prediction.memory_breakdown),
+        predicted_peak_bytes=predicted["peak"],
+        predicted_by_category={k: v for k, v in predicted.items() if k != "peak"},
         predicted_flops=prediction.model_flops / plan.mesh.world_size,
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
         num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts))

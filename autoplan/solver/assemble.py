@@ -141,6 +141,7 @@ def _prediction(search, best: Assessment) -> Prediction:
         tflops_per_device=per_device / 1e12, mfu=per_device / peak if peak else 0.0,
         stage_time_s=stage_s, p2p_s=p2p_s, cp_comm_s=best.cp_comm_s,
         host_memory_bytes=best.host_memory_bytes, offload_s=best.offload_transfer_s,
+        memory_by_pp_rank=tuple(search.rank_peaks(best)),
         error_bands={k: dataclasses.asdict(b) for k, b in zip(
             ("step_time", "peak_memory"), error_bands(topology.device.name))})
 

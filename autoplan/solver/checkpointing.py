@@ -237,4 +237,4 @@ def with_transient(a: Assessment, transient_bytes: float, budget_bytes: float) -
     breakdown["temporaries"] = breakdown.get("temporaries", 0.0) + transient_bytes
     peak = a.memory_bytes + transient_bytes
     return dataclasses.replace(a, memory_bytes=peak, memory_breakdown=breakdown,
-                               fits=peak <= budget_bytes)
+                               fits=peak <= budget_bytes, transient_bytes=transient_bytes)

@@ -393,6 +393,12 @@ def _no_configuration(graph: CapturedGraph, topology: Topology, spec: TrainingSp
     text = (f"no configuration of {topology.world_size} devices satisfies the overrides "
             f"{_given(overrides)} with global_batch {spec.global_batch} and "
             f"{graph.total_layers} layers")
+    o = overrides
+    if o.pp and o.pp > 1 and o.num_microbatches and o.num_microbatches < o.pp and \
+            o.schedule in (None, "1f1b", "interleaved-1f1b"):
+        text += (f"; {o.num_microbatches} microbatches are fewer than pp {o.pp} stages, which "
+                 "torch's 1F1B and interleaved schedules refuse: give num_microbatches >= "
+                 f"{o.pp} or schedule gpipe")
     if unplaced:
         meshes: dict[str, list[str]] = {}
         for mesh, why in unplaced:

@@ -39,7 +39,7 @@ from autoplan.solver.costs import Costs, build_costs, token_scale
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
                                  relax, solve)
 from autoplan.solver.pipeline import (Assessment, Config, assess, pipeline_time_s, rank_memories,
-                                      stages_of)
+                                      rank_peaks, stages_of)
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
@@ -278,6 +278,8 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
             for sched, v in schedules:
                 if sched == "interleaved-1f1b" and m % pp:
                     continue  # the interleaved schedule runs microbatches in rounds of pp
+                if sched == "1f1b" and pp > 1 and m < pp:
+                    continue  # torch's Schedule1F1B refuses fewer microbatches than stages
                 b = spec.global_batch // (dp * m)
                 out += [PlanConfig(pp, dp, tp, zero, m, b, sched, v, cp=cp,
                                    checkpointing=policy, offload=o.offload or "none")
@@ -535,6 +537,22 @@ class Search:
                         output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary / divide,
                         param_tensors=self.problem(tp).param_tensors, offload=cfg.offload)
         return ckpt.with_transient(result, transient, self.budget_bytes)
+
+    def rank_peaks(self, a: Assessment) -> list[dict[str, float]]:
+        """pipeline.rank_peaks of the assessed configuration `a` (from `assess`: its
+        Solution as the checkpointing policy leaves it, and the policy's transient, added to
+        every rank as `assess` adds it): per pp rank, bytes by category and "peak"."""
+        cfg = a.config
+        costs = self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp, cfg.tp)
+        boundary = self.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp, cfg.tp)
+        out = []
+        for peak in rank_peaks(cfg, a.solution, self.spec, total_layers=self.total_layers,
+                               output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary,
+                               offload=cfg.offload):
+            peak["temporaries"] += a.transient_bytes
+            peak["peak"] += a.transient_bytes
+            out.append(peak)
+        return out
 
     def _seen(self, cfg: PlanConfig, sol: Solution, tp: int, divide: int) -> tuple:
         """(costs, boundary bytes, the Solution pipeline.assess sees, transient bytes) of
