@@ -20,7 +20,10 @@ under DTensor, as torch's MemTracker sits) sees every local aten op of the rank 
   FSDP2 resizes (unsharded parameters) or fills by an all-gather or reduce-scatter
   "temporaries"; any other storage counts by where it was allocated: in the optimizer step
   "optimizer", outside backward "activations" (the loss included), in backward (with its
-  recomputation), "temporaries";
+  recomputation), "temporaries"; and the moment of each allocation and free (`moment`:
+  construction, the forward or backward of microbatch j, the optimizer step, ...), so that
+  the peak, and the first allocation above the device's memory (`DryRunOutOfMemory`: the
+  rank fails as it would on the cluster), say when they happen;
 - every collective and point-to-point op (c10d and functional collectives), with its
   process group named by mesh axis, dtype and bytes;
 - FLOPs, with torch.utils.flop_counter's formulas (matmuls and attention) on local shapes.
@@ -40,6 +43,7 @@ and the runtime line that asked for it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 import traceback
@@ -57,18 +61,50 @@ from torch.utils.flop_counter import flop_registry
 
 from autoplan import _torch_compat as tc
 from autoplan.graph import CapturedGraph
-from autoplan.plan import Plan
+from autoplan.plan import DryRunRecord, Plan
 from autoplan.runtime.live_bytes import patch_resize
 from autoplan.runtime.parallel import local_tensor
 
-__all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunRecorder",
-           "FakeWeights", "dry_run", "rank_coordinates"]
+__all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunOutOfMemory",
+           "DryRunRecorder", "FakeWeights", "dry_run", "rank_coordinates"]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
 
 
 class DryRunError(RuntimeError):
     """A part of the runtime that cannot run on fake tensors (it reads a tensor's value)."""
+
+
+class DryRunOutOfMemory(DryRunError):
+    """A rank whose live tensors exceed the device's memory during its dry run: where the
+    cluster would fail with out of memory.
+
+    Attributes:
+        rank: the global rank; coordinates: its mesh coordinate by axis.
+        moment: when ("backward of microbatch 1 of 4", "optimizer step", "construction").
+        category: the category (`CATEGORIES`) of the allocation that went above.
+        alloc_bytes: that allocation's bytes.
+        live_bytes: live tensor bytes with it, > device_mem_bytes.
+        live_by_category: `live_bytes` by category.
+        device_mem_bytes: the device's memory, bytes.
+    """
+
+    def __init__(self, rank: int, coordinates: dict[str, int], moment: str, category: str,
+                 alloc_bytes: int, live_by_category: dict[str, int], device_mem_bytes: float):
+        from autoplan.units import fmt_bytes
+
+        self.rank, self.coordinates, self.moment = rank, coordinates, moment
+        self.category, self.alloc_bytes = category, alloc_bytes
+        self.live_by_category = live_by_category
+        self.live_bytes = sum(live_by_category.values())
+        self.device_mem_bytes = device_mem_bytes
+        where = " ".join(f"{k}{v}" for k, v in coordinates.items())
+        held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in
+                         sorted(live_by_category.items(), key=lambda kv: -kv[1]) if v)
+        super().__init__(
+            f"rank {rank} ({where}) runs out of memory in the {moment}: {fmt_bytes(alloc_bytes)} "
+            f"of {category} bring its live tensors to {fmt_bytes(self.live_bytes)} ({held}), "
+            f"above the device's {fmt_bytes(device_mem_bytes)}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +146,7 @@ class RankDryRun:
         predicted_peak_bytes: `plan.prediction.memory_bytes` (the most loaded rank).
         predicted_by_category: `plan.prediction.memory_breakdown`.
         predicted_flops: `plan.prediction.model_flops / world_size` (no recomputation).
+        peak_moment: when the peak occurs ("backward of microbatch 3 of 4", `DryRunRecorder`).
         local_param_bytes: this rank's parameter shards (each tensor once), bytes.
         num_params: this rank's parameter tensors.
         build_s, step_s: wall seconds of the construction and of the measured step.
@@ -132,6 +169,17 @@ class RankDryRun:
     build_s: float = 0.0
     step_s: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
+    peak_moment: str = ""
+
+    def record(self) -> DryRunRecord:
+        """What the plan records of this rank (`Plan.dry_run`, plan.json's "dry_run")."""
+        return DryRunRecord(
+            rank=self.rank, coordinates=dict(self.coordinates), peak_bytes=self.peak_bytes,
+            peak_by_category=dict(self.peak_by_category), peak_moment=self.peak_moment,
+            bytes_by_axis=dict(self.bytes_by_axis), flops=self.flops,
+            predicted_peak_bytes=self.predicted_peak_bytes,
+            predicted_by_category=dict(self.predicted_by_category),
+            predicted_flops=self.predicted_flops)
 
 
 def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
@@ -181,8 +229,16 @@ class DryRunRecorder(TorchDispatchMode):
         self._next_id = 0
         self.collectives: list[tuple[str, tuple[int, ...], str, int]] = []
         self.flops = 0
-        self.phase = "construction"  # construction | forward | optimizer (set by the caller)
+        self.phase = "construction"  # construction | step | optimizer (set by the caller)
         self._resize = None
+        # when: the part of the step ("before the forward", "forward/backward", "after the
+        # backward"), the microbatch (forward, chunk) the stages are at, and the moment of
+        # each event from its index on ([Note: dry run]; set by `_moments`)
+        self.part = "before the forward"
+        self.num_microbatches = 1
+        self.forward_microbatch = 0
+        self.chunk: tuple[str, int] | None = None  # a pipeline stage's ("backward", j)
+        self.moments: list[tuple[int, str]] = [(0, "construction")]
 
     # -- memory ------------------------------------------------------------------------------
     def _storage(self, t):
@@ -199,6 +255,32 @@ class DryRunRecorder(TorchDispatchMode):
             return "construction"
         return "temporaries" if tc.in_backward() else "activations"
 
+    def moment(self) -> str:
+        """When the rank is now: "construction", "forward of microbatch 1 of 4" (microbatches
+        counted from 1; or its backward), "optimizer step", or the part of the step outside
+        them."""
+        if self.phase == "construction":
+            return "construction"
+        if self.phase == "optimizer":
+            return "optimizer step"
+        if self.part != "forward/backward":
+            return self.part
+        kind, j = self.chunk or ("backward" if tc.in_backward() else "forward",
+                                 self.forward_microbatch)
+        return f"{kind} of microbatch {j + 1} of {self.num_microbatches}"  # 1-based in words
+
+    def _event(self, aid: int, delta: int) -> None:
+        moment = self.moment()
+        if moment != self.moments[-1][1]:
+            self.moments.append((len(self.events), moment))
+        self.events.append((aid, delta))
+
+    def moment_at(self, end: int) -> str:
+        """The moment of events[end - 1]: the event that brought the live bytes of
+        events[:end] to what they are."""
+        i = bisect.bisect_right(self.moments, max(end - 1, 0), key=lambda m: m[0]) - 1
+        return self.moments[max(i, 0)][1]
+
     def _add(self, st, site: str) -> None:
         key, nbytes = st._cdata, st.nbytes()
         aid = self._next_id
@@ -206,7 +288,7 @@ class DryRunRecorder(TorchDispatchMode):
         self.live[key] = (aid, nbytes, site)
         self.sites[aid] = site
         self.current += nbytes
-        self.events.append((aid, nbytes))
+        self._event(aid, nbytes)
         weakref.finalize(st, self._free, key, aid)
 
     def _free(self, key: int, aid: int) -> None:
@@ -215,7 +297,7 @@ class DryRunRecorder(TorchDispatchMode):
             return
         del self.live[key]
         self.current -= entry[1]
-        self.events.append((aid, -entry[1]))
+        self._event(aid, -entry[1])
 
     def _resized(self, st, site: str | None = None) -> None:
         entry = self.live.get(st._cdata)
@@ -228,7 +310,7 @@ class DryRunRecorder(TorchDispatchMode):
         if new != old:
             self.live[st._cdata] = (aid, new, site)
             self.current += new - old
-            self.events.append((aid, new - old))
+            self._event(aid, new - old)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
@@ -290,27 +372,43 @@ class DryRunRecorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
     # -- results -----------------------------------------------------------------------------
-    def peak(self, start: int, categories: dict[int, str]) -> tuple[int, dict[str, int]]:
-        """The peak of live bytes over events[start:] and its bytes by category: `categories`
-        (alloc id -> category) first, else the allocation site."""
-        live: dict[int, int] = defaultdict(int)
-        total = 0
-        for aid, delta in self.events[:start]:
-            live[aid] += delta
-            total += delta
+    def peak(self, start: int, categories: dict[int, str]) -> tuple[int, dict[str, int], int]:
+        """The peak of live bytes over events[start:], its bytes by category
+        (`live_by_category`) and `end`: the live bytes of events[:end] are the peak."""
+        total = sum(delta for _, delta in self.events[:start])
         best, best_at = total, start
         for i in range(start, len(self.events)):
             total += self.events[i][1]
             if total > best:
                 best, best_at = total, i + 1
-        for aid, delta in self.events[start:best_at]:
+        return best, self.live_by_category(best_at, categories), best_at
+
+    def first_above(self, limit_bytes: float) -> int | None:
+        """`end` of the first event after which the live bytes exceed `limit_bytes` (the
+        live bytes of events[:end] do), None when they never do."""
+        total = 0
+        for i, (_, delta) in enumerate(self.events):
+            total += delta
+            if total > limit_bytes:
+                return i + 1
+        return None
+
+    def category_of(self, aid: int, categories: dict[int, str]) -> str:
+        """An allocation's category: `categories` (alloc id -> category) first, else its
+        site; a construction-time storage that is none of them counts with the params."""
+        cat = categories.get(aid) or self.sites[aid]
+        return cat if cat in CATEGORIES else "params"
+
+    def live_by_category(self, end: int, categories: dict[int, str]) -> dict[str, int]:
+        """The live bytes of events[:end] by `CATEGORIES` (`category_of`)."""
+        live: dict[int, int] = defaultdict(int)
+        for aid, delta in self.events[:end]:
             live[aid] += delta
         by = dict.fromkeys(CATEGORIES, 0)
         for aid, nbytes in live.items():
             if nbytes:
-                cat = categories.get(aid) or self.sites[aid]
-                by[cat if cat in by else "params"] += nbytes
-        return best, by
+                by[self.category_of(aid, categories)] += nbytes
+        return by
 
     def alloc_id(self, t: torch.Tensor) -> int | None:
         st = self._storage(t)
@@ -344,7 +442,7 @@ def _packet_namespace(func) -> str:
 def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None, *,
             planned_graph: CapturedGraph | None = None, inputs=None, optimizer=None,
             loss_fn=None, max_grad_norm: float | None = 1.0, kernels: bool = True,
-            steps: int = 2) -> list[RankDryRun]:
+            steps: int = 2, device_mem_bytes: float | None = None) -> list[RankDryRun]:
     """One training step of each of `ranks` (default: rank 0) of `plan`, each in this process
     on a fake process group of the plan's world size and on fake tensors ([Note: dry run]).
 
@@ -359,10 +457,14 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
         inputs, optimizer, loss_fn, max_grad_norm, kernels: as `DistributedModel` takes them.
         steps: training steps to run; the last is measured (the first creates the optimizer
             states, so that the second is a step of the steady state the plan predicts).
+        device_mem_bytes: the memory of the device the plan is for, bytes (the topology's
+            `device.mem_bytes`); a rank whose live tensors exceed it, at any moment of its
+            construction or steps, fails as on the cluster. None: not checked.
 
     Returns a RankDryRun per rank, in the order given. Raises ValueError when a process
     group is initialised already (a dry run needs its own), or a rank is outside the plan;
-    DryRunError where the runtime reads a tensor's value.
+    DryRunError where the runtime reads a tensor's value; DryRunOutOfMemory (a DryRunError)
+    for the first rank that exceeds `device_mem_bytes`, naming the moment and the category.
     """
     from autoplan.passes.expand import plan_for_graph
 
@@ -378,10 +480,12 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
         rank_coordinates(plan, rank)  # a rank outside the plan fails before any is run
     return [_dry_run_rank(graph, plan, rank, planned_graph=planned_graph, inputs=inputs,
                           optimizer=optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
-                          kernels=kernels, steps=steps) for rank in ranks]
+                          kernels=kernels, steps=steps, device_mem_bytes=device_mem_bytes)
+            for rank in ranks]
 
 
-def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDryRun:
+def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes,
+                  **engine_args) -> RankDryRun:
     from autoplan.inputs import InputSpec
     from autoplan.runtime.engine import DistributedModel
 
@@ -400,6 +504,7 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
             built_s = time.perf_counter()
             leaves = inputs.example(plan.global_batch, "cpu")
             recorder.phase = "step"
+            _moments(recorder, engine)
             for _ in range(steps - 1):  # the first step creates the optimizer states
                 engine.step_batch(leaves)
             start, resident = len(recorder.events), recorder.current
@@ -409,7 +514,10 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
             engine.step_batch(leaves)
             step_s = time.perf_counter() - step_start_s
             del leaves
-        peak, by_category = recorder.peak(start, _final_categories(engine, recorder))
+        categories = _final_categories(engine, recorder)
+        if device_mem_bytes is not None:
+            _check_fits(recorder, categories, rank, plan, device_mem_bytes)
+        peak, by_category, peak_end = recorder.peak(start, categories)
         calls = tuple(_labelled(recorder.collectives, engine))
         shards = [local_tensor(p) for p in engine._unique_params()]
     finally:
@@ -429,7 +537,61 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
         predicted_by_category=dict(prediction.memory_breakdown),
         predicted_flops=prediction.model_flops / plan.mesh.world_size,
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
-        num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts))
+        num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts),
+        peak_moment=recorder.moment_at(peak_end))
+
+
+def _check_fits(recorder: DryRunRecorder, categories: dict[int, str], rank: int, plan: Plan,
+                device_mem_bytes: float) -> None:
+    """Raise DryRunOutOfMemory at the first event whose live bytes exceed the device's."""
+    end = recorder.first_above(device_mem_bytes)
+    if end is None:
+        return
+    aid, delta = recorder.events[end - 1]
+    raise DryRunOutOfMemory(rank, rank_coordinates(plan, rank), recorder.moment_at(end),
+                            recorder.category_of(aid, categories), delta,
+                            recorder.live_by_category(end, categories), device_mem_bytes)
+
+
+def _moments(recorder: DryRunRecorder, engine) -> None:
+    """Tell the recorder where the step is ([Note: dry run]): the forward/backward part of
+    each step (`engine._forward_backward`, whose start resets the microbatch count), the
+    forward microbatch (a pre-hook on each stage: microbatch j in increasing order, as
+    engine.py counts them), and under pp the chunk a stage runs (torch's
+    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage). The hooks live as
+    long as the engine."""
+    recorder.num_microbatches = engine.plan.num_microbatches
+    inner = engine._forward_backward
+
+    def forward_backward(local):
+        recorder.part, recorder.forward_microbatch = "forward/backward", 0
+        count.clear()
+        try:
+            return inner(local)
+        finally:
+            recorder.part = "after the backward (gradient reduction, clipping)"
+
+    engine._forward_backward = forward_backward
+    count: dict[int, int] = {}
+    for idx, module in engine.stages:
+        def pre(_module, args, idx=idx):
+            if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                recorder.forward_microbatch = count.get(idx, 0)
+                count[idx] = recorder.forward_microbatch + 1
+
+        module.register_forward_pre_hook(pre)
+    for stage in tc.pipeline_stages(engine._schedule):
+        for kind in ("forward", "backward"):
+            method = getattr(stage, f"{kind}_one_chunk")
+
+            def chunk(j, *args, method=method, kind=kind, **kwargs):
+                recorder.chunk = (kind, j)
+                try:
+                    return method(j, *args, **kwargs)
+                finally:
+                    recorder.chunk = None
+
+            setattr(stage, f"{kind}_one_chunk", chunk)
 
 
 def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
