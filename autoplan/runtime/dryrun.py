@@ -383,11 +383,15 @@ class DryRunRecorder(TorchDispatchMode):
                 best, best_at = total, i + 1
         return best, self.live_by_category(best_at, categories), best_at
 
-    def first_above(self, limit_bytes: float) -> int | None:
-        """`end` of the first event after which the live bytes exceed `limit_bytes` (the
-        live bytes of events[:end] do), None when they never do."""
+    def first_above(self, limit_bytes: float, categories: dict[int, str],
+                    left_out: frozenset[str] = frozenset()) -> int | None:
+        """`end` of the first event after which the live bytes, those of the categories
+        `left_out` aside (`category_of`), exceed `limit_bytes` (the live bytes of
+        events[:end] do); None when they never do."""
         total = 0
-        for i, (_, delta) in enumerate(self.events):
+        for i, (aid, delta) in enumerate(self.events):
+            if left_out and self.category_of(aid, categories) in left_out:
+                continue
             total += delta
             if total > limit_bytes:
                 return i + 1
@@ -459,7 +463,8 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
             states, so that the second is a step of the steady state the plan predicts).
         device_mem_bytes: the memory of the device the plan is for, bytes (the topology's
             `device.mem_bytes`); a rank whose live tensors exceed it, at any moment of its
-            construction or steps, fails as on the cluster. None: not checked.
+            construction or steps, fails as on the cluster (an offloaded plan's host-resident
+            states left aside: `_check_fits`). None: not checked.
 
     Returns a RankDryRun per rank, in the order given. Raises ValueError when a process
     group is initialised already (a dry run needs its own), or a rank is outside the plan;
@@ -543,14 +548,25 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes,
 
 def _check_fits(recorder: DryRunRecorder, categories: dict[int, str], rank: int, plan: Plan,
                 device_mem_bytes: float) -> None:
-    """Raise DryRunOutOfMemory at the first event whose live bytes exceed the device's."""
-    end = recorder.first_above(device_mem_bytes)
+    """Raise DryRunOutOfMemory at the first event whose live bytes on the device exceed its
+    memory. Offloaded states live in host memory ([Note: offload] in solver/offload.py), and
+    a dry run holds every fake tensor on one device: their categories are left out (the
+    optimizer states; with "optimizer+params" the parameter shards and gradients too)."""
+    host = _HOST_CATEGORIES[plan.offload]
+    end = recorder.first_above(device_mem_bytes, categories, host)
     if end is None:
         return
     aid, delta = recorder.events[end - 1]
+    live = {k: v for k, v in recorder.live_by_category(end, categories).items()
+            if k not in host}
     raise DryRunOutOfMemory(rank, rank_coordinates(plan, rank), recorder.moment_at(end),
-                            recorder.category_of(aid, categories), delta,
-                            recorder.live_by_category(end, categories), device_mem_bytes)
+                            recorder.category_of(aid, categories), delta, live,
+                            device_mem_bytes)
+
+
+# The categories that an offloaded plan holds in host memory, by Plan.offload
+_HOST_CATEGORIES = {"none": frozenset(), "optimizer": frozenset({"optimizer"}),
+                    "optimizer+params": frozenset({"params", "grads", "optimizer"})}
 
 
 def _moments(recorder: DryRunRecorder, engine) -> None:
