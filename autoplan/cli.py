@@ -1,4 +1,4 @@
-"""The `autoplan` command line: plan, export, demo, calibrate.
+"""The `autoplan` command line: plan, export, dryrun, demo, calibrate.
 
     autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
     autoplan plan --model llama3-70b --cluster dgx-h100 --global-batch 64 --seq 4096 \\
@@ -16,6 +16,11 @@ stderr and exit with status 2, leaving no output directory behind; warnings abou
 to stderr too (-q silences them, -v adds details), so that with `--json` stdout holds one JSON
 object and nothing else. Heavy modules (torch, the solver) are imported inside the subcommands:
 `autoplan --help` imports no torch.
+
+`autoplan dryrun` of a plan that does not fit (a rank's live tensors above the device's
+memory) or whose runtime cannot run on fake tensors fails as the cluster would, in one
+`autoplan: error:` line naming the rank, the moment and the category, with status 1 and no
+output written ([Note: dry run] in autoplan/runtime/dryrun.py).
 
 `autoplan plan` answers a request it has planned before from the plan cache
 ($AUTOPLAN_CACHE_DIR, else ~/.cache/autoplan; [Note: plan cache] in autoplan/cache.py) without
