@@ -3,9 +3,10 @@ a small converter for the subset markdown.py writes) with inline SVG charts, inl
 scripts and no URLs, so it opens offline and can be mailed as one file.
 
 Charts: step time split, memory per rank by kind vs device memory (with the runners-up), the
-dry-run ranks' measured memory by kind beside the prediction (when the plan records a dry run), the
-pipeline timeline (an illustration of the schedule's order from the predicted per-stage times,
-see timeline.py), compute/communication per part, and the alternatives' step times.
+dry-run ranks' measured memory by kind beside the prediction (when the plan records a dry
+run), the pipeline timeline (an illustration of the schedule's order from the predicted
+per-stage times, see timeline.py), compute/communication per part, and the alternatives' step
+times.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The facts of the report's "Dry run" section (markdown.py renders them): what dry runs of some of the plan's ranks measured
-(`Plan.dry_run`, written by `autoplan dryrun -o`; [Note: dry run] in
-autoplan/runtime/dryrun.py), held against the plan's prediction.
+"""The facts of the report's "Dry run" section (markdown.py renders them): what dry runs of
+some of the plan's ranks measured (`Plan.dry_run`, written by `autoplan dryrun -o`; [Note:
+dry run] in autoplan/runtime/dryrun.py), held against the plan's prediction.
 
 Per dry-run rank: its mesh coordinate; the step's measured peak memory, when it occurs, and
 each category beside the plan's (the most loaded rank's: the plan records no other, so a
