@@ -38,7 +38,8 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
            "cpu_claiming_fakes", "outside_fake_mode", "fake_tensor_mode", "is_fake",
            "active_fake_mode", "in_backward", "fake_store", "group_ranks", "concrete_value",
-           "vote_pipeline_mode_locally", "view_base", "Placement", "Partial", "Replicate", "Shard"]
+           "vote_pipeline_mode_locally", "pipeline_stages", "view_base", "Placement", "Partial",
+           "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -890,6 +891,16 @@ def concrete_value(t: torch.Tensor, if_fake: float) -> float:
     if is_fake(t):
         return if_fake
     return t.item()
+
+
+def pipeline_stages(schedule) -> list:
+    """The pipeline stages (torch.distributed.pipelining's `PipelineStage`) of this rank in
+    `schedule` (torch 2.13's private `_stages` of a multi-stage schedule, `_stage` of a
+    single-stage one); [] for None (no pp)."""
+    if schedule is None:
+        return []
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
 
 
 def vote_pipeline_mode_locally(schedule) -> None:

@@ -448,14 +448,19 @@ class AutoParallel:
         Call it where no process group exists (a planning process, not a training job): the
         plan may be for a cluster this machine is not (`cluster=`, `nodes=`). Raises
         ValueError for a rank outside the plan or inside a process group; DryRunError where
-        the runtime reads a tensor's value (fp16 loss scaling)."""
+        the runtime reads a tensor's value (fp16 loss scaling); DryRunOutOfMemory (a
+        DryRunError) for a rank whose live tensors exceed the device memory of the cluster
+        (`device_memory_bytes=` when given), naming the rank, the moment and the category,
+        as the cluster would fail. `dataclasses.replace(plan, dry_run=tuple(r.record() for r
+        in rows))` is the plan whose report has a Dry run section."""
         from autoplan.runtime.dryrun import dry_run
 
         graph, plan, planned, _reuse, _cached = self._runtime_graph()
         return dry_run(graph, plan, ranks, planned_graph=planned, inputs=self.inputs,
                        optimizer=self.options.optimizer, loss_fn=self.options.loss_fn,
                        max_grad_norm=self.options.max_grad_norm,
-                       kernels=self.options.kernels, steps=steps)
+                       kernels=self.options.kernels, steps=steps,
+                       device_mem_bytes=self.topology.device.mem_bytes)
 
     @contextlib.contextmanager
     def _timed(self, key: str):

@@ -1,4 +1,4 @@
-"""The `autoplan` command line: plan, export, demo, calibrate.
+"""The `autoplan` command line: plan, export, dryrun, demo, calibrate.
 
     autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
     autoplan plan --model llama3-70b --cluster dgx-h100 --global-batch 64 --seq 4096 \\
@@ -16,6 +16,11 @@ stderr and exit with status 2, leaving no output directory behind; warnings abou
 to stderr too (-q silences them, -v adds details), so that with `--json` stdout holds one JSON
 object and nothing else. Heavy modules (torch, the solver) are imported inside the subcommands:
 `autoplan --help` imports no torch.
+
+`autoplan dryrun` of a plan that does not fit (a rank's live tensors above the device's
+memory) or whose runtime cannot run on fake tensors fails as the cluster would, in one
+`autoplan: error:` line naming the rank, the moment and the category, with status 1 and no
+output written ([Note: dry run] in autoplan/runtime/dryrun.py).
 
 `autoplan plan` answers a request it has planned before from the plan cache
 ($AUTOPLAN_CACHE_DIR, else ~/.cache/autoplan; [Note: plan cache] in autoplan/cache.py) without
@@ -238,13 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "size and run whole training steps on fake tensors (nothing "
                                    "allocated): print its measured peak memory by category, "
                                    "collective bytes per mesh axis and FLOPs beside the plan's "
-                                   "prediction ([Note: dry run] in autoplan/runtime/dryrun.py).")
+                                   "prediction ([Note: dry run] in autoplan/runtime/dryrun.py); "
+                                   "with -o write the report with a Dry run section. A rank "
+                                   "whose live tensors exceed the device's memory fails, as on "
+                                   "the cluster, naming the moment and the category.")
     _add_planning_args(p, capture_depth=True)
     p.add_argument("--ranks", default="0", metavar="R,R,...",
                    help="global ranks to dry-run (default: %(default)s)")
     p.add_argument("--steps", type=_positive_int, default=2, metavar="N",
                    help="training steps per rank, the last measured (default: %(default)s: "
                         "the first creates the optimizer states)")
+    p.add_argument("-o", "--out", metavar="DIR",
+                   help="write plan.json (with the dry run), report.md and report.html (with "
+                        "a Dry run section) into DIR")
     _add_json_arg(p)
     p.set_defaults(run=_cmd_dryrun)
 
@@ -603,7 +614,13 @@ def plan_for_dry_run(args) -> tuple[_Planned, CapturedGraph]:
 
 
 def _cmd_dryrun(args) -> int:
-    from autoplan.runtime.dryrun import dry_run
+    """Plan, dry-run the ranks of --ranks against the device's memory, print each rank's
+    measured beside planned (or --json), and with -o write the report of the plan with its
+    dry run (`Plan.dry_run`). Nothing is written when a rank fails (DryRunOutOfMemory)."""
+    import dataclasses
+
+    from autoplan.report.measured import relative_error
+    from autoplan.runtime.dryrun import DryRunError, dry_run
 
     try:
         ranks = [int(r) for r in args.ranks.split(",")]
@@ -613,15 +630,30 @@ def _cmd_dryrun(args) -> int:
     planned, graph = plan_for_dry_run(args)
     plan = planned.plan
     with phase(f"dry-running rank(s) {ranks} of {plan.mesh} ({plan.mesh.world_size} ranks)"):
-        rows = dry_run(graph, plan, ranks, planned_graph=planned.graph, steps=args.steps)
+        try:
+            rows = dry_run(graph, plan, ranks, planned_graph=planned.graph, steps=args.steps,
+                           device_mem_bytes=planned.topology.device.mem_bytes)
+        except DryRunError as e:  # out of memory, or a value read: as the cluster would fail
+            raise _Failure(str(e)) from None
+    paths = {}
+    if args.out:
+        from autoplan.report import render_report
+        from autoplan.report.write import write_files
+
+        with phase(f"writing the report into {args.out}"):
+            paths = write_files(render_report(
+                dataclasses.replace(plan, dry_run=tuple(r.record() for r in rows)),
+                graph=planned.graph, topology=planned.topology), args.out)
     if args.json:
-        _print_json({"plan": str(plan), "ranks": [_dry_row(r) for r in rows]})
+        _print_json({"plan": str(plan), "ranks": [_dry_row(r) for r in rows],
+                     **({"files": [str(p) for p in paths.values()]} if paths else {})})
         return 0
     from autoplan.units import fmt_bytes, fmt_flops, fmt_time
 
     print(str(plan))
     for r in rows:
-        error = r.predicted_peak_bytes / r.peak_bytes - 1 if r.peak_bytes else float("nan")
+        error = relative_error(r.predicted_peak_bytes, r.peak_bytes)
+        error = float("nan") if error is None else error
         print(f"rank {r.rank} {r.coordinates}: peak {fmt_bytes(r.peak_bytes)} measured, "
               f"{fmt_bytes(r.predicted_peak_bytes)} planned ({error:+.1%}); build "
               f"{fmt_time(r.build_s)}, step {fmt_time(r.step_s)}")
@@ -632,16 +664,17 @@ def _cmd_dryrun(args) -> int:
         print(f"  collective bytes by axis: {axes or 'none'}")
         print(f"  FLOPs {fmt_flops(r.flops)} measured (recomputation included), "
               f"{fmt_flops(r.predicted_flops)} planned per rank (without)")
+    if paths:
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
 def _dry_row(r) -> dict:
-    return {"rank": r.rank, "coordinates": r.coordinates, "peak_bytes": r.peak_bytes,
-            "peak_by_category": r.peak_by_category,
-            "predicted_peak_bytes": r.predicted_peak_bytes,
-            "predicted_by_category": r.predicted_by_category,
-            "bytes_by_axis": r.bytes_by_axis, "flops": r.flops,
-            "predicted_flops": r.predicted_flops, "build_s": r.build_s, "step_s": r.step_s}
+    """A rank's row of `autoplan dryrun --json`: what the plan records of it (`record`), with
+    the build and step seconds."""
+    import dataclasses
+
+    return {**dataclasses.asdict(r.record()), "build_s": r.build_s, "step_s": r.step_s}
 
 
 def _export(graph, plan, out: Path, planned) -> dict:
@@ -751,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     except _Failure as e:
         print(f"autoplan: error: {e}", file=sys.stderr)
         return 1
+
     except BrokenPipeError:  # `autoplan plan --json | head`: the reader left; say nothing
         import os
 

@@ -26,7 +26,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage", "Prediction",
-    "Alternative", "Plan", "parse_placement", "format_placement", "SCHEDULES", "OFFLOADS",
+    "Alternative", "DryRunRecord", "Plan", "parse_placement", "format_placement", "SCHEDULES",
+    "OFFLOADS",
 ]
 
 SCHEMA_VERSION = 1
@@ -245,6 +246,40 @@ class Alternative:
 
 
 @dataclass(frozen=True)
+class DryRunRecord:
+    """What a dry run measured on one rank, beside the plan's prediction for it ([Note: dry
+    run] in autoplan/runtime/dryrun.py, `RankDryRun.record`): one training step of the real
+    runtime of that rank on fake tensors. Bytes and FLOPs per step, SI.
+
+    Attributes:
+        rank: the global rank; coordinates: its mesh coordinate by axis ("pp", "dp", "cp",
+            "tp").
+        peak_bytes: the step's peak of live tensor storage on the rank.
+        peak_by_category: `peak_bytes` by category ("params", "grads", "optimizer",
+            "activations", "temporaries", "comm_buffers") at that moment.
+        peak_moment: when the peak occurs ("backward of microbatch 3 of 4").
+        bytes_by_axis: collective and p2p bytes the rank issued, by mesh axis (nccl-tests'
+            "size" of each op, summed).
+        flops: FLOPs the rank executed (matmuls and attention, recomputation included).
+        predicted_peak_bytes, predicted_by_category: the plan's peak and its breakdown (of the
+            most loaded rank: the plan records no other).
+        predicted_flops: the plan's model FLOPs per rank (model_flops / world size, without
+            recomputation).
+    """
+
+    rank: int
+    coordinates: dict[str, int]
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    peak_moment: str
+    bytes_by_axis: dict[str, int]
+    flops: int
+    predicted_peak_bytes: float
+    predicted_by_category: dict[str, float]
+    predicted_flops: float
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything needed to rewrite and run a model; see module docstring.
 
@@ -279,6 +314,8 @@ class Plan:
             16-bit plan, the compute dtype holds the frozen base in 16-bit only -- no fp32
             copy, no gradient, no optimizer state -- as LoRA set-ups run ([Note: frozen
             parameters] in autoplan/runtime/engine.py).
+        dry_run: what dry runs of some of its ranks measured (`autoplan dryrun -o`), in the
+            order run; () when none was run (plan.json without a "dry_run" key).
         schema_version: JSON schema version.
     """
 
@@ -303,6 +340,7 @@ class Plan:
     offload: str = "none"
     compiled: bool = False
     frozen_dtype: str = ""
+    dry_run: tuple[DryRunRecord, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -359,14 +397,17 @@ class Plan:
         """The plan as JSON-ready data; a mesh without expert or context parallelism (ep 1,
         cp 1) is written without its `ep` / `cp` key, a plan or alternative without offload
         without its `offload` key (its prediction without the cp and host figures at 0), and an
-        eager plan without its `compiled` key and one without frozen parameters held apart
-        without its `frozen_dtype` key, as before they existed (readers default them),
+        eager plan without its `compiled` key, one without frozen parameters held apart
+        without its `frozen_dtype` key and one without a dry run without its `dry_run` key, as
+        before they existed (readers default them),
         so plans without them keep their JSON byte for byte: schema version 1 either way."""
         d = dataclasses.asdict(self)
         if not d["compiled"]:
             del d["compiled"]
         if not d["frozen_dtype"]:
             del d["frozen_dtype"]
+        if not d["dry_run"]:
+            del d["dry_run"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:
@@ -400,6 +441,7 @@ class Plan:
         d["redistributions"] = tuple(Redistribution(**r) for r in d["redistributions"])
         d["alternatives"] = tuple(
             Alternative(**{**a, "mesh": MeshShape(**a["mesh"])}) for a in d["alternatives"])
+        d["dry_run"] = tuple(DryRunRecord(**r) for r in d.get("dry_run", ()))
         return Plan(**d)
 
     @staticmethod

@@ -47,6 +47,7 @@ as "no preset" with their recipe, not dropped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -61,8 +62,6 @@ GOLDEN = ROOT / "tests" / "golden"
 PEAK_BAND = 0.05  # |predicted / measured - 1| of the peak (issue 26)
 FLOPS_BAND = 0.02  # |predicted / measured - 1| of the FLOPs (issue 26)
 RANK_LIMIT_S = 300.0  # wall seconds per rank (issue 26: <= 5 min per rank)
-NOT_PRICED = ("not priced per axis: the plan records the tp redistributions' global bytes and "
-              "the step's communication time, not bytes per rank per mesh axis")
 
 # name: `autoplan plan` flags. The golden cases are tests/golden/regen.py CASES' arguments
 # (the planner's own choice, no overrides); bf16 is the CLI's default dtype.
@@ -142,11 +141,6 @@ def default_ranks(plan) -> dict[int, str]:
 
 # --- one rank ----------------------------------------------------------------------------------
 
-def _error(predicted: float, measured: float) -> float | None:
-    """predicted / measured - 1; None where nothing was measured (no bar holds then)."""
-    return predicted / measured - 1 if measured else None
-
-
 def _pct(error: float | None) -> str:
     return "n/a" if error is None else f"{error:+.1%}"
 
@@ -157,8 +151,10 @@ def _within(error: float | None, band: float) -> bool:
 
 def check(row: dict) -> dict:
     """The bars of a rank's row, computed from its numbers (module docstring)."""
-    peak_error = _error(row["predicted_peak_bytes"], row["peak_bytes"])
-    flops_error = _error(row["predicted_flops"], row["flops"])
+    from autoplan.report.measured import relative_error
+
+    peak_error = relative_error(row["predicted_peak_bytes"], row["peak_bytes"])
+    flops_error = relative_error(row["predicted_flops"], row["flops"])
     out = {"peak_error": peak_error, "peak_ok": _within(peak_error, PEAK_BAND),
            "flops_error": flops_error, "flops_ok": _within(flops_error, FLOPS_BAND),
            "time_ok": row["wall_s"] <= RANK_LIMIT_S}
@@ -169,6 +165,7 @@ def check(row: dict) -> dict:
 def run_rank(graph, planned, rank: int, kind: str, steps: int) -> dict:
     """Dry-run one rank; its row with the bars. A rank that cannot run (DryRunError, or any
     other failure of the runtime) is a row with `error` and ok False, and the bench goes on."""
+    from autoplan.report.measured import NOT_PRICED
     from autoplan.runtime.dryrun import dry_run, rank_coordinates
 
     start_s = time.perf_counter()
@@ -178,16 +175,11 @@ def run_rank(graph, planned, rank: int, kind: str, steps: int) -> dict:
         return {"rank": rank, "kind": kind,
                 "coordinates": rank_coordinates(planned.plan, rank),
                 "error": _first_line(e), "wall_s": time.perf_counter() - start_s, "ok": False}
-    row = {
-        "rank": r.rank, "kind": kind, "coordinates": r.coordinates,
-        "peak_bytes": r.peak_bytes, "peak_by_category": r.peak_by_category,
-        "predicted_peak_bytes": r.predicted_peak_bytes,
-        "predicted_by_category": r.predicted_by_category,
+    row = {  # what the plan records of the rank (autoplan dryrun -o's plan.json), and more
+        **dataclasses.asdict(r.record()), "kind": kind,
         "resident_bytes": r.resident_bytes, "local_param_bytes": r.local_param_bytes,
-        "bytes_by_axis": r.bytes_by_axis, "priced_bytes_by_axis": None,
-        "collective_bytes_bar": NOT_PRICED,
+        "priced_bytes_by_axis": None, "collective_bytes_bar": NOT_PRICED,
         "collective_counts": r.counts,
-        "flops": r.flops, "predicted_flops": r.predicted_flops,
         "build_s": r.build_s, "step_s": r.step_s, "wall_s": time.perf_counter() - start_s,
     }
     row.update(check(row))
@@ -278,6 +270,8 @@ def _ok(case: dict) -> bool:
 
 
 def _document(cases: dict, args, previous: dict | None) -> dict:
+    from autoplan.report.measured import NOT_PRICED
+
     merged = dict(previous["cases"]) if previous else {}
     merged.update(cases)
     return {

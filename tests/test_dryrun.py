@@ -4,12 +4,16 @@ process."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from autoplan.capture import capture_preset
-from autoplan.runtime.dryrun import CATEGORIES, DryRunError, dry_run, rank_coordinates
+from autoplan.runtime.dryrun import (CATEGORIES, DryRunError, DryRunOutOfMemory, dry_run,
+                                     rank_coordinates)
 from autoplan.solver import plan as solve
 from autoplan.spec import TrainingSpec
 from autoplan.topology import preset
@@ -136,3 +140,90 @@ def test_autoparallel_dry_run_of_a_plan_for_more_ranks_than_this_process():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="8"):
         model.dry_run(ranks=[8])
+
+
+def _lowered(topology, mem_bytes: float):
+    """`topology` with its device's memory lowered to `mem_bytes` (after planning)."""
+    return dataclasses.replace(topology, device=dataclasses.replace(topology.device,
+                                                                    mem_bytes=mem_bytes))
+
+
+def test_a_plan_made_not_to_fit_fails_naming_rank_moment_and_category(graphs):
+    """One rank, two microbatches; the device's memory lowered after planning to half the
+    predicted peak: the dry run fails at the first allocation above it, as the cluster
+    would, naming the rank, the moment (phase and microbatch) and the category."""
+    planned, _ = graphs
+    topology = preset("local-cpu", devices_per_node=1)
+    plan = solve(planned, topology, TrainingSpec(BATCH, SEQ), num_microbatches=2)
+    graph = capture_preset("llama-tiny", batch=plan.microbatch_size, seq_len=SEQ)
+    small = _lowered(topology, plan.prediction.memory_bytes / 2)
+    with pytest.raises(DryRunOutOfMemory,
+                       match=r"^rank 0 \(pp0 dp0 cp0 tp0\) runs out of memory in the "
+                             r"(forward|backward) of microbatch [12] of 2: \S+ \S+ of "
+                             r"(activations|temporaries) bring its live tensors to .* above "
+                             r"the device's \S+ \S+$") as failed:
+        dry_run(graph, plan, [0], planned_graph=planned, steps=1,
+                device_mem_bytes=small.device.mem_bytes)
+    e = failed.value
+    assert isinstance(e, DryRunError) and not dist.is_initialized()
+    assert (e.rank, e.coordinates["pp"]) == (0, 0) and e.category in CATEGORIES
+    # the first allocation that goes above: the live bytes before it fit
+    assert e.live_bytes > small.device.mem_bytes >= e.live_bytes - e.alloc_bytes
+    assert sum(e.live_by_category.values()) == e.live_bytes
+    assert e.live_by_category[e.category] >= e.alloc_bytes > 0
+    # at the plan's own device memory the same rank fits, and its peak has a moment
+    (fits,) = dry_run(graph, plan, [0], planned_graph=planned, steps=1,
+                      device_mem_bytes=topology.device.mem_bytes)
+    assert fits.peak_bytes > small.device.mem_bytes
+    assert fits.peak_moment.endswith(" of 2") and fits.record().peak_moment == fits.peak_moment
+
+
+def test_cli_dryrun_writes_its_report_or_fails_as_the_cluster_would(tmp_path, capsys,
+                                                                    monkeypatch):
+    """`autoplan dryrun -o DIR` writes plan.json with the dry run (it reads back) and the
+    report with its Dry run section: measured beside predicted per category, collective
+    bytes per axis not priced; a peak outside the memory band names the category that
+    differs most. With the device's memory lowered after planning, it fails in one line
+    naming rank, moment and category, exit status 1, and writes nothing."""
+    from autoplan import cli
+    from autoplan.plan import Plan
+    from autoplan.report import render_markdown
+
+    argv = ["dryrun", "-q", "--model", "gpt2-tiny", "--cluster", "local-cpu",
+            "--devices-per-node", "1", "--global-batch", "4", "--seq", "16",
+            "--microbatches", "2", "--steps", "1"]
+    out = tmp_path / "out"
+    assert cli.main(argv + ["-o", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "wrote " + ", ".join(
+        str(out / name) for name in ("plan.json", "report.md", "report.html"))
+    text = (out / "plan.json").read_text()
+    plan = Plan.from_json(text)
+    assert plan.to_json() + "\n" == text
+    (record,) = plan.dry_run
+    assert record.rank == 0 and record.peak_bytes == json.loads(text)["dry_run"][0]["peak_bytes"]
+    md = (out / "report.md").read_text()
+    assert "## Dry run" in md and "### Rank 0 (pp0 dp0 cp0 tp0)" in md
+    assert f"| **peak** ({record.peak_moment}) |" in md
+    assert "| optimizer | " in md and "| FLOPs | " in md and "| not priced |" in md
+    assert '<section id="dry_run">' in (out / "report.html").read_text()
+    # measured activations at 3 x predicted: outside the band, the category named
+    grown = dict(record.peak_by_category, activations=3 * record.predicted_by_category[
+        "activations"])
+    off = dataclasses.replace(record, peak_by_category=grown, peak_bytes=sum(grown.values()))
+    md = render_markdown(dataclasses.replace(plan, dry_run=(off,)))
+    assert "is outside the plan's memory band" in md and "differs most is **activations**" in md
+
+    def lowered(args):
+        planned, graph = real(args)
+        small = _lowered(planned.topology, planned.plan.prediction.memory_bytes / 2)
+        return dataclasses.replace(planned, topology=small), graph
+
+    real = cli.plan_for_dry_run
+    monkeypatch.setattr(cli, "plan_for_dry_run", lowered)
+    failed = tmp_path / "failed"
+    assert cli.main(argv + ["-o", str(failed)]) == 1
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("autoplan: error: rank 0 (pp0 dp0 cp0 tp0) runs out of memory in "
+                           "the ") and " of 2: " in line and "above the device's" in line
+    assert captured.out == "" and not failed.exists()

@@ -5,6 +5,7 @@ test_report_charts.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from html.parser import HTMLParser
@@ -12,7 +13,7 @@ from html.parser import HTMLParser
 import pytest
 
 from autoplan.plan import (
-    Alternative, MeshShape, Plan, Prediction, Redistribution, Stage,
+    Alternative, DryRunRecord, MeshShape, Plan, Prediction, Redistribution, Stage,
 )
 from autoplan.report import render_html, render_markdown, render_summary, write_report
 from autoplan.report import facts as F
@@ -258,6 +259,49 @@ def test_html_is_self_contained_with_charts(llama):
         assert f'<section id="{key}">' in page
     assert "device memory 80 GB" in page
     assert F.fmt_time(plan.prediction.step_time_s) in page
+
+
+def test_dry_run_section_in_markdown_html_and_plan_json():
+    """A plan with a dry run of two ranks (`Plan.dry_run`): the Markdown has a section per
+    rank, measured beside predicted; a peak within the band says so, one outside names the
+    category that differs most in bytes; the HTML adds a well-formed chart; plan.json
+    round-trips; a plan without a dry run has no section and no "dry_run" key."""
+    predicted = {"params": 1e9, "grads": 1e9, "optimizer": 5e8, "activations": 4e8,
+                 "temporaries": 1e8}
+    near = DryRunRecord(
+        rank=0, coordinates={"pp": 0, "dp": 0, "cp": 0, "tp": 0}, peak_bytes=int(3e9),
+        peak_by_category={k: int(v) for k, v in predicted.items()},
+        peak_moment="backward of microbatch 4 of 4", bytes_by_axis={"pp": 4096, "tp": 10**6},
+        flops=int(2.6e14), predicted_peak_bytes=3e9, predicted_by_category=predicted,
+        predicted_flops=2.5e14)
+    far = DryRunRecord(
+        rank=3, coordinates={"pp": 1, "dp": 0, "cp": 0, "tp": 1}, peak_bytes=int(4.5e9),
+        peak_by_category={**{k: int(v) for k, v in predicted.items()}, "temporaries": int(16e8)},
+        peak_moment="optimizer step", bytes_by_axis={}, flops=0, predicted_peak_bytes=3e9,
+        predicted_by_category=predicted, predicted_flops=2.5e14)
+    band = {"low": -0.06, "high": 0.06, "rows": 10, "source": "bench/fidelity.py",
+            "covers": "local plans", "not_covered": ""}
+    plan = _hand_made(dry_run=(near, far), prediction=dataclasses.replace(
+        _hand_made().prediction, error_bands={"peak_memory": band}))
+    md = render_markdown(plan)
+    section = md[md.index("## Dry run"):md.index("## Pipeline stages")]
+    assert "### Rank 0 (pp0 dp0 cp0 tp0)" in section and "### Rank 3 (pp1 dp0 cp0 tp1)" in section
+    assert "| **peak** (backward of microbatch 4 of 4) | **3 GB** | **3 GB** | +0.0% |" in section
+    assert "| FLOPs | 260 TFLOP | 250 TFLOP | -3.8% |" in section
+    assert "is within the plan's memory band, -6% to +6%" in section
+    assert ("The peak's error -33.3% is outside the plan's memory band, -6% to +6%; the "
+            "category that differs most is **temporaries**: 1.6 GB measured, 100 MB predicted "
+            "(-93.8%).") in section
+    assert "| `tp` | 1 MB | not priced |" in section
+    assert "No collective or point-to-point op." in section
+    page = render_html(plan)
+    parser = _Tags()
+    parser.feed(page)
+    assert not parser.errors and not parser.stack, (parser.errors, parser.stack)
+    assert '<section id="dry_run">' in page and "dry run: memory per rank" in page
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "dry_run" not in _hand_made().to_dict() and "## Dry run" not in render_markdown(
+        _hand_made())
 
 
 def test_html_without_graph_still_draws_timeline():

@@ -3,8 +3,10 @@ a small converter for the subset markdown.py writes) with inline SVG charts, inl
 scripts and no URLs, so it opens offline and can be mailed as one file.
 
 Charts: step time split, memory per rank by kind vs device memory (with the runners-up), the
-pipeline timeline (an illustration of the schedule's order from the predicted per-stage times,
-see timeline.py), compute/communication per part, and the alternatives' step times.
+dry-run ranks' measured memory by kind beside the prediction (when the plan records a dry
+run), the pipeline timeline (an illustration of the schedule's order from the predicted
+per-stage times, see timeline.py), compute/communication per part, and the alternatives' step
+times.
 """
 
 from __future__ import annotations
@@ -136,6 +138,21 @@ def _memory_chart(plan: Plan, topology: Topology | None) -> str:
     return _figure(chart, caption)
 
 
+def _dry_run_chart(plan: Plan, topology: Topology | None) -> str:
+    """Measured beside predicted memory by kind, a pair of bars per dry-run rank."""
+    rows = []
+    for r in plan.dry_run:
+        rows.append((f"rank {r.rank} measured", [(k, float(r.peak_by_category.get(k, 0)))
+                                                 for k in F.MEMORY_KINDS]))
+        rows.append((f"rank {r.rank} predicted", [(k, float(r.predicted_by_category.get(k, 0)))
+                                                  for k in F.MEMORY_KINDS]))
+    markers = [("device memory", topology.device.mem_bytes)] if topology else []
+    chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="dry run: memory per rank",
+                             markers=markers, colors=_MEMORY_COLORS)
+    return _figure(chart, "Each dry-run rank's measured peak by kind beside the plan's "
+                          "prediction for its pipeline stage.")
+
+
 def _label_text(num_labelled: int, num_blocks: int) -> str:
     """What the caption says about block labels: only what the chart draws."""
     form = "`2F0` is stage 2's forward of microbatch 0, PyTorch pipelining's text form"
@@ -207,6 +224,8 @@ def render_html(plan: Plan, *, graph: CapturedGraph | None = None,
         charts["parts"] = _parts_chart(parts)
     if plan.alternatives:
         charts["alternatives"] = _alternatives_chart(plan)
+    if plan.dry_run:
+        charts["dry_run"] = _dry_run_chart(plan, topology)
     body = []
     for key, lines in markdown_sections(plan, graph, topology, parts, dtype_origin):
         body.append(f'<section id="{key}">{markdown_to_html(lines)}{charts.get(key, "")}'

@@ -1,7 +1,8 @@
 """The plan report as Markdown, and the compact summary the CLI prints.
 
 Sections, in order: summary, mesh axes and topology levels, predicted step, memory per rank,
-pipeline stages, tensor-parallel placements, redistributions, compute and communication per part,
+the dry run of some ranks (when the plan records one: report/measured.py), pipeline stages,
+tensor-parallel placements, redistributions, compute and communication per part,
 alternatives, formulas. Every number comes from `report.facts` (or the Plan itself).
 """
 
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 from autoplan.graph import CapturedGraph
 from autoplan.plan import MeshShape, Plan
 from autoplan.report import facts as F
+from autoplan.report import measured as M
 from autoplan.report.formulas import plan_formulas
 from autoplan.report.timeline import busiest_rank_s, predicted_stage_s, stage_costs
 from autoplan.spec import precision_recipe
@@ -199,6 +201,22 @@ def _memory(plan: Plan, topology, graph: CapturedGraph | None = None) -> list[st
     return lines
 
 
+def _dry_run(plan: Plan, topology) -> list[str]:
+    """The "Dry run" section (report/measured.py); [] when the plan records none."""
+    if not plan.dry_run:
+        return []
+    band = M.memory_band(plan, topology)
+    lines = ["## Dry run", "", M.intro_text(plan), ""]
+    for r in plan.dry_run:
+        axes = M.axis_rows(r)
+        lines += [f"### Rank {r.rank} ({M.where_text(r)})", "",
+                  *_table(["", "measured", "predicted", "error"], M.rank_rows(r)),
+                  M.finding(r, band), "",
+                  *(_table(["mesh axis", "collective bytes measured", "priced"], axes) if axes
+                    else ["No collective or point-to-point op.", ""])]
+    return lines
+
+
 def _stages(plan: Plan) -> list[str]:
     last = len(plan.stages) - 1
     rows = []
@@ -346,6 +364,7 @@ def markdown_sections(plan: Plan, graph: CapturedGraph | None = None,
             ("mesh", _mesh(plan, topology)),
             ("prediction", _prediction(plan, topology)),
             ("memory", _memory(plan, topology, graph)),
+            *([("dry_run", _dry_run(plan, topology))] if plan.dry_run else []),
             ("stages", _stages(plan)), ("placements", _placements(plan, graph)),
             ("redistributions", _redistributions(plan, graph)), ("parts", _parts(plan, parts)),
             ("alternatives", _alternatives(plan)), ("formulas", _formulas(plan))]

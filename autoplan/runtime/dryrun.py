@@ -8,8 +8,9 @@ construction, tp placements, FSDP2 units with the plan's mixed-precision policy,
 schedule with the plan's microbatches and virtual stages, cp, the fused kernels), with every
 tensor a fake tensor (torch's FakeTensorMode: shapes, dtypes and devices, no storage), and
 runs one whole `step`: every microbatch, backward with recomputation, gradient reduction,
-tied-weight sums, clipping and the optimizer step. A `DryRunRecorder` (a TorchDispatchMode
-under DTensor, as torch's MemTracker sits) sees every local aten op of the rank and records:
+tied-weight sums, clipping and the optimizer step. A `DryRunRecorder` (dryrun_recorder.py:
+a TorchDispatchMode under DTensor, as torch's MemTracker sits) sees every local aten op of
+the rank and records:
 
 - memory: the bytes of every fake storage from its allocation until it is freed (resizes
   included: FSDP2 frees and re-allocates unsharded parameters with `UntypedStorage.resize_`),
@@ -20,7 +21,10 @@ under DTensor, as torch's MemTracker sits) sees every local aten op of the rank 
   FSDP2 resizes (unsharded parameters) or fills by an all-gather or reduce-scatter
   "temporaries"; any other storage counts by where it was allocated: in the optimizer step
   "optimizer", outside backward "activations" (the loss included), in backward (with its
-  recomputation), "temporaries";
+  recomputation), "temporaries"; and the moment of each allocation and free (`moment`:
+  construction, the forward or backward of microbatch j, the optimizer step, ...), so that
+  the peak, and the first allocation above the device's memory (`DryRunOutOfMemory`: the
+  rank fails as it would on the cluster), say when they happen;
 - every collective and point-to-point op (c10d and functional collectives), with its
   process group named by mesh axis, dtype and bytes;
 - FLOPs, with torch.utils.flop_counter's formulas (matmuls and attention) on local shapes.
@@ -43,32 +47,58 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 from autoplan import _torch_compat as tc
 from autoplan.graph import CapturedGraph
-from autoplan.plan import Plan
-from autoplan.runtime.live_bytes import patch_resize
+from autoplan.plan import DryRunRecord, Plan
+from autoplan.runtime.dryrun_recorder import CATEGORIES, DryRunRecorder
 from autoplan.runtime.parallel import local_tensor
 
-__all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunRecorder",
-           "FakeWeights", "dry_run", "predicted_rank_memory", "rank_coordinates"]
-
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
+__all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunOutOfMemory",
+           "DryRunRecorder", "FakeWeights", "dry_run", "predicted_rank_memory",
+           "rank_coordinates"]
 
 
 class DryRunError(RuntimeError):
     """A part of the runtime that cannot run on fake tensors (it reads a tensor's value)."""
+
+
+class DryRunOutOfMemory(DryRunError):
+    """A rank whose live tensors exceed the device's memory during its dry run: where the
+    cluster would fail with out of memory.
+
+    Attributes:
+        rank: the global rank; coordinates: its mesh coordinate by axis.
+        moment: when ("backward of microbatch 1 of 4", "optimizer step", "construction").
+        category: the category (`CATEGORIES`) of the allocation that went above.
+        alloc_bytes: that allocation's bytes.
+        live_bytes: live tensor bytes with it, > device_mem_bytes.
+        live_by_category: `live_bytes` by category.
+        device_mem_bytes: the device's memory, bytes.
+    """
+
+    def __init__(self, rank: int, coordinates: dict[str, int], moment: str, category: str,
+                 alloc_bytes: int, live_by_category: dict[str, int], device_mem_bytes: float):
+        from autoplan.units import fmt_bytes
+
+        self.rank, self.coordinates, self.moment = rank, coordinates, moment
+        self.category, self.alloc_bytes = category, alloc_bytes
+        self.live_by_category = live_by_category
+        self.live_bytes = sum(live_by_category.values())
+        self.device_mem_bytes = device_mem_bytes
+        where = " ".join(f"{k}{v}" for k, v in coordinates.items())
+        held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in
+                         sorted(live_by_category.items(), key=lambda kv: -kv[1]) if v)
+        super().__init__(
+            f"rank {rank} ({where}) runs out of memory in the {moment}: {fmt_bytes(alloc_bytes)} "
+            f"of {category} bring its live tensors to {fmt_bytes(self.live_bytes)} ({held}), "
+            f"above the device's {fmt_bytes(device_mem_bytes)}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +140,7 @@ class RankDryRun:
         predicted_peak_bytes: the plan's peak for this rank (`predicted_rank_memory`).
         predicted_by_category: its breakdown by category.
         predicted_flops: `plan.prediction.model_flops / world_size` (no recomputation).
+        peak_moment: when the peak occurs ("backward of microbatch 3 of 4", `DryRunRecorder`).
         local_param_bytes: this rank's parameter shards (each tensor once), bytes.
         num_params: this rank's parameter tensors.
         build_s, step_s: wall seconds of the construction and of the measured step.
@@ -132,6 +163,17 @@ class RankDryRun:
     build_s: float = 0.0
     step_s: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
+    peak_moment: str = ""
+
+    def record(self) -> DryRunRecord:
+        """What the plan records of this rank (`Plan.dry_run`, plan.json's "dry_run")."""
+        return DryRunRecord(
+            rank=self.rank, coordinates=dict(self.coordinates), peak_bytes=self.peak_bytes,
+            peak_by_category=dict(self.peak_by_category), peak_moment=self.peak_moment,
+            bytes_by_axis=dict(self.bytes_by_axis), flops=self.flops,
+            predicted_peak_bytes=self.predicted_peak_bytes,
+            predicted_by_category=dict(self.predicted_by_category),
+            predicted_flops=self.predicted_flops)
 
 
 def predicted_rank_memory(plan: Plan, rank: int) -> dict[str, float]:
@@ -170,191 +212,10 @@ class FakeWeights:
             targets.put(fqn, torch.empty(b.shape, dtype=b.dtype, device=targets.device))
 
 
-# The c10d and functional collectives a rank issues, by op packet name (wait_tensor and the
-# coalescing bookkeeping move nothing).
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-_NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_"}
-
-
-class DryRunRecorder(TorchDispatchMode):
-    """Records, for the local ops of one rank under a FakeTensorMode (`fake_mode`): live fake
-    storage bytes with their allocation site, the collectives and the FLOPs ([Note: dry run]).
-    Use as a context manager, inside `fake_mode`."""
-
-    def __init__(self, fake_mode):
-        super().__init__()
-        self.fake_mode = fake_mode
-        self.current = 0
-        self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (alloc id, bytes, site)
-        self.events: list[tuple[int, int]] = []  # (alloc id, +-bytes) in order
-        self.sites: dict[int, str] = {}  # alloc id -> allocation site
-        self._next_id = 0
-        self.collectives: list[tuple[str, tuple[int, ...], str, int]] = []
-        self.flops = 0
-        self.phase = "construction"  # construction | forward | optimizer (set by the caller)
-        self._resize = None
-
-    # -- memory ------------------------------------------------------------------------------
-    def _storage(self, t):
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        if not tc.is_fake(t):
-            return None
-        return t.untyped_storage()
-
-    def _site(self, func) -> str:
-        if self.phase == "optimizer":
-            return "optimizer"
-        if self.phase == "construction":
-            return "construction"
-        return "temporaries" if tc.in_backward() else "activations"
-
-    def _add(self, st, site: str) -> None:
-        key, nbytes = st._cdata, st.nbytes()
-        aid = self._next_id
-        self._next_id += 1
-        self.live[key] = (aid, nbytes, site)
-        self.sites[aid] = site
-        self.current += nbytes
-        self.events.append((aid, nbytes))
-        weakref.finalize(st, self._free, key, aid)
-
-    def _free(self, key: int, aid: int) -> None:
-        entry = self.live.get(key)
-        if entry is None or entry[0] != aid:
-            return
-        del self.live[key]
-        self.current -= entry[1]
-        self.events.append((aid, -entry[1]))
-
-    def _resized(self, st, site: str | None = None) -> None:
-        entry = self.live.get(st._cdata)
-        if entry is None:
-            return
-        aid, old, was = entry
-        site = site or was
-        self.sites[aid] = site
-        new = st.nbytes()
-        if new != old:
-            self.live[st._cdata] = (aid, new, site)
-            self.current += new - old
-            self.events.append((aid, new - old))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor lowers to local ops, which come back here
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # DTensor's sharding propagation runs ops in a fake mode of its own: not the rank's
-        if tc.active_fake_mode() is not self.fake_mode:
-            return out
-        inputs = {st._cdata for leaf in tree_leaves((args, kwargs))
-                  if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None}
-        site = None
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None:
-                if st._cdata in self.live:
-                    self._resized(st)
-                elif st._cdata not in inputs:
-                    site = site or self._site(func)
-                    self._add(st, site)
-        self._record_collective(func, args, kwargs, out)
-        packet = func.overloadpacket
-        formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-        if formula is not None and self.phase != "construction":
-            self.flops += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-    def _record_collective(self, func, args, kwargs, out) -> None:
-        namespace = _packet_namespace(func)
-        if namespace not in _COLLECTIVE_NAMESPACES:
-            return
-        name = func.overloadpacket.__name__
-        if name in _NOT_COLLECTIVES:
-            return
-        # a c10d op takes its ProcessGroup, a functional one its group's name
-        ranks = next((r for a in tree_leaves((args, kwargs))
-                      if (r := tc.group_ranks(a)) is not None), ())
-        sizes, dtype = [], ""
-        for value in list(args) + list(kwargs.values()) + [out]:
-            tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-            if tensors:
-                sizes.append(sum(t.numel() * t.element_size() for t in tensors))
-                dtype = dtype or str(tensors[0].dtype).removeprefix("torch.")
-        self.collectives.append((name, tuple(ranks), dtype, max(sizes, default=0)))
-        # the buffer an in-place c10d op fills: a pipeline receive buffer, or a gathered /
-        # reduce-scattered one (FSDP2's), counted as the plan counts them
-        if namespace == "c10d" and args and name not in ("send", "allreduce_", "broadcast_"):
-            for t in tree_leaves(args[0]):
-                if isinstance(t, torch.Tensor) and (aid := self.alloc_id(t)) is not None:
-                    self.sites[aid] = "comm_buffers" if name.startswith("recv") \
-                        else "temporaries"
-
-    def __enter__(self):
-        # FSDP2's unsharded parameters, resized outside dispatch
-        self._resize = patch_resize(lambda storage: self._resized(storage, "temporaries"))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._resize()
-        return super().__exit__(*exc)
-
-    # -- results -----------------------------------------------------------------------------
-    def peak(self, start: int, categories: dict[int, str]) -> tuple[int, dict[str, int]]:
-        """The peak of live bytes over events[start:] and its bytes by category: `categories`
-        (alloc id -> category) first, else the allocation site."""
-        live: dict[int, int] = defaultdict(int)
-        total = 0
-        for aid, delta in self.events[:start]:
-            live[aid] += delta
-            total += delta
-        best, best_at = total, start
-        for i in range(start, len(self.events)):
-            total += self.events[i][1]
-            if total > best:
-                best, best_at = total, i + 1
-        for aid, delta in self.events[start:best_at]:
-            live[aid] += delta
-        by = dict.fromkeys(CATEGORIES, 0)
-        for aid, nbytes in live.items():
-            if nbytes:
-                cat = categories.get(aid) or self.sites[aid]
-                by[cat if cat in by else "params"] += nbytes
-        return best, by
-
-    def alloc_id(self, t: torch.Tensor) -> int | None:
-        st = self._storage(t)
-        entry = self.live.get(st._cdata) if st is not None else None
-        return entry[0] if entry is not None else None
-
-
-def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs):
-    from torch.utils.flop_counter import sdpa_flop
-
-    return sdpa_flop(query, key, value, out_val=out_val)
-
-
-def _sdpa_cpu_backward_flop(grad_out, query, key, value, *args, out_val=None, **kwargs):
-    from torch.utils.flop_counter import sdpa_backward_flop
-
-    return sdpa_backward_flop(grad_out, query, key, value, out_val=out_val)
-
-
-# torch's formulas cover the CUDA attention kernels; a dry run on the CPU device picks these
-_EXTRA_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
-}
-
-
-def _packet_namespace(func) -> str:
-    return getattr(func, "namespace", "")
-
-
 def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None, *,
             planned_graph: CapturedGraph | None = None, inputs=None, optimizer=None,
             loss_fn=None, max_grad_norm: float | None = 1.0, kernels: bool = True,
-            steps: int = 2) -> list[RankDryRun]:
+            steps: int = 2, device_mem_bytes: float | None = None) -> list[RankDryRun]:
     """One training step of each of `ranks` (default: rank 0) of `plan`, each in this process
     on a fake process group of the plan's world size and on fake tensors ([Note: dry run]).
 
@@ -369,10 +230,15 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
         inputs, optimizer, loss_fn, max_grad_norm, kernels: as `DistributedModel` takes them.
         steps: training steps to run; the last is measured (the first creates the optimizer
             states, so that the second is a step of the steady state the plan predicts).
+        device_mem_bytes: the memory of the device the plan is for, bytes (the topology's
+            `device.mem_bytes`); a rank whose live tensors exceed it, at any moment of its
+            construction or steps, fails as on the cluster (an offloaded plan's host-resident
+            states left aside: `_check_fits`). None: not checked.
 
     Returns a RankDryRun per rank, in the order given. Raises ValueError when a process
     group is initialised already (a dry run needs its own), or a rank is outside the plan;
-    DryRunError where the runtime reads a tensor's value.
+    DryRunError where the runtime reads a tensor's value; DryRunOutOfMemory (a DryRunError)
+    for the first rank that exceeds `device_mem_bytes`, naming the moment and the category.
     """
     from autoplan.passes.expand import plan_for_graph
 
@@ -388,10 +254,12 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
         rank_coordinates(plan, rank)  # a rank outside the plan fails before any is run
     return [_dry_run_rank(graph, plan, rank, planned_graph=planned_graph, inputs=inputs,
                           optimizer=optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
-                          kernels=kernels, steps=steps) for rank in ranks]
+                          kernels=kernels, steps=steps, device_mem_bytes=device_mem_bytes)
+            for rank in ranks]
 
 
-def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDryRun:
+def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes,
+                  **engine_args) -> RankDryRun:
     from autoplan.inputs import InputSpec
     from autoplan.runtime.engine import DistributedModel
 
@@ -410,6 +278,7 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
             built_s = time.perf_counter()
             leaves = inputs.example(plan.global_batch, "cpu")
             recorder.phase = "step"
+            _moments(recorder, engine)
             for _ in range(steps - 1):  # the first step creates the optimizer states
                 engine.step_batch(leaves)
             start, resident = len(recorder.events), recorder.current
@@ -419,7 +288,10 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
             engine.step_batch(leaves)
             step_s = time.perf_counter() - step_start_s
             del leaves
-        peak, by_category = recorder.peak(start, _final_categories(engine, recorder))
+        categories = _final_categories(engine, recorder)
+        if device_mem_bytes is not None:
+            _check_fits(recorder, categories, rank, plan, device_mem_bytes)
+        peak, by_category, peak_end = recorder.peak(start, categories)
         calls = tuple(_labelled(recorder.collectives, engine))
         shards = [local_tensor(p) for p in engine._unique_params()]
     finally:
@@ -440,7 +312,72 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, **engine_args) -> RankDry
         predicted_by_category={k: v for k, v in predicted.items() if k != "peak"},
         predicted_flops=prediction.model_flops / plan.mesh.world_size,
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
-        num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts))
+        num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts),
+        peak_moment=recorder.moment_at(peak_end))
+
+
+def _check_fits(recorder: DryRunRecorder, categories: dict[int, str], rank: int, plan: Plan,
+                device_mem_bytes: float) -> None:
+    """Raise DryRunOutOfMemory at the first event whose live bytes on the device exceed its
+    memory. Offloaded states live in host memory ([Note: offload] in solver/offload.py), and
+    a dry run holds every fake tensor on one device: their categories are left out (the
+    optimizer states; with "optimizer+params" the parameter shards and gradients too)."""
+    host = _HOST_CATEGORIES[plan.offload]
+    end = recorder.first_above(device_mem_bytes, categories, host)
+    if end is None:
+        return
+    aid, delta = recorder.events[end - 1]
+    live = {k: v for k, v in recorder.live_by_category(end, categories).items()
+            if k not in host}
+    raise DryRunOutOfMemory(rank, rank_coordinates(plan, rank), recorder.moment_at(end),
+                            recorder.category_of(aid, categories), delta, live,
+                            device_mem_bytes)
+
+
+# The categories that an offloaded plan holds in host memory, by Plan.offload
+_HOST_CATEGORIES = {"none": frozenset(), "optimizer": frozenset({"optimizer"}),
+                    "optimizer+params": frozenset({"params", "grads", "optimizer"})}
+
+
+def _moments(recorder: DryRunRecorder, engine) -> None:
+    """Tell the recorder where the step is ([Note: dry run]): the forward/backward part of
+    each step (`engine._forward_backward`, whose start resets the microbatch count), the
+    forward microbatch (a pre-hook on each stage: microbatch j in increasing order, as
+    engine.py counts them), and under pp the chunk a stage runs (torch's
+    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage). The hooks live as
+    long as the engine."""
+    recorder.num_microbatches = engine.plan.num_microbatches
+    inner = engine._forward_backward
+
+    def forward_backward(local):
+        recorder.part, recorder.forward_microbatch = "forward/backward", 0
+        count.clear()
+        try:
+            return inner(local)
+        finally:
+            recorder.part = "after the backward (gradient reduction, clipping)"
+
+    engine._forward_backward = forward_backward
+    count: dict[int, int] = {}
+    for idx, module in engine.stages:
+        def pre(_module, args, idx=idx):
+            if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                recorder.forward_microbatch = count.get(idx, 0)
+                count[idx] = recorder.forward_microbatch + 1
+
+        module.register_forward_pre_hook(pre)
+    for stage in tc.pipeline_stages(engine._schedule):
+        for kind in ("forward", "backward"):
+            method = getattr(stage, f"{kind}_one_chunk")
+
+            def chunk(j, *args, method=method, kind=kind, **kwargs):
+                recorder.chunk = (kind, j)
+                try:
+                    return method(j, *args, **kwargs)
+                finally:
+                    recorder.chunk = None
+
+            setattr(stage, f"{kind}_one_chunk", chunk)
 
 
 def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
@@ -523,7 +460,8 @@ def _named_value_reads(rank: int):
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         frames = [f for f in traceback.extract_tb(error.__traceback__)
-                  if "/autoplan/" in f.filename and not f.filename.endswith("dryrun.py")]
+                  if "/autoplan/" in f.filename
+                  and not f.filename.endswith(("dryrun.py", "dryrun_recorder.py"))]
         where = f"{frames[-1].filename.split('/autoplan/')[-1]}:{frames[-1].lineno} " \
                 f"({frames[-1].line})" if frames else "torch"
         raise DryRunError(

@@ -1,0 +1,257 @@
+"""The recorder of a dry run ([Note: dry run] in autoplan/runtime/dryrun.py): a
+TorchDispatchMode that sees every local aten op of one rank under its FakeTensorMode and
+records live fake storage bytes with their allocation site and moment, the collectives and
+the FLOPs."""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from autoplan import _torch_compat as tc
+from autoplan.runtime.live_bytes import patch_resize
+
+__all__ = ["CATEGORIES", "DryRunRecorder"]
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
+
+# The c10d and functional collectives a rank issues, by op packet name (wait_tensor and the
+# coalescing bookkeeping move nothing).
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+_NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_"}
+
+
+class DryRunRecorder(TorchDispatchMode):
+    """Records, for the local ops of one rank under a FakeTensorMode (`fake_mode`): live fake
+    storage bytes with their allocation site, the collectives and the FLOPs ([Note: dry run]).
+    Use as a context manager, inside `fake_mode`."""
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.current = 0
+        self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (alloc id, bytes, site)
+        self.events: list[tuple[int, int]] = []  # (alloc id, +-bytes) in order
+        self.sites: dict[int, str] = {}  # alloc id -> allocation site
+        self._next_id = 0
+        self.collectives: list[tuple[str, tuple[int, ...], str, int]] = []
+        self.flops = 0
+        self.phase = "construction"  # construction | step | optimizer (set by the caller)
+        self._resize = None
+        # when: the part of the step ("before the forward", "forward/backward", "after the
+        # backward"), the microbatch (forward, chunk) the stages are at, and the moment of
+        # each event from its index on ([Note: dry run]; set by `_moments`)
+        self.part = "before the forward"
+        self.num_microbatches = 1
+        self.forward_microbatch = 0
+        self.chunk: tuple[str, int] | None = None  # a pipeline stage's ("backward", j)
+        self.moments: list[tuple[int, str]] = [(0, "construction")]
+
+    # -- memory ------------------------------------------------------------------------------
+    def _storage(self, t):
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not tc.is_fake(t):
+            return None
+        return t.untyped_storage()
+
+    def _site(self, func) -> str:
+        if self.phase == "optimizer":
+            return "optimizer"
+        if self.phase == "construction":
+            return "construction"
+        return "temporaries" if tc.in_backward() else "activations"
+
+    def moment(self) -> str:
+        """When the rank is now: "construction", "forward of microbatch 1 of 4" (microbatches
+        counted from 1; or its backward), "optimizer step", or the part of the step outside
+        them."""
+        if self.phase == "construction":
+            return "construction"
+        if self.phase == "optimizer":
+            return "optimizer step"
+        if self.part != "forward/backward":
+            return self.part
+        kind, j = self.chunk or ("backward" if tc.in_backward() else "forward",
+                                 self.forward_microbatch)
+        return f"{kind} of microbatch {j + 1} of {self.num_microbatches}"  # 1-based in words
+
+    def _event(self, aid: int, delta: int) -> None:
+        moment = self.moment()
+        if moment != self.moments[-1][1]:
+            self.moments.append((len(self.events), moment))
+        self.events.append((aid, delta))
+
+    def moment_at(self, end: int) -> str:
+        """The moment of events[end - 1]: the event that brought the live bytes of
+        events[:end] to what they are."""
+        i = bisect.bisect_right(self.moments, max(end - 1, 0), key=lambda m: m[0]) - 1
+        return self.moments[max(i, 0)][1]
+
+    def _add(self, st, site: str) -> None:
+        key, nbytes = st._cdata, st.nbytes()
+        aid = self._next_id
+        self._next_id += 1
+        self.live[key] = (aid, nbytes, site)
+        self.sites[aid] = site
+        self.current += nbytes
+        self._event(aid, nbytes)
+        weakref.finalize(st, self._free, key, aid)
+
+    def _free(self, key: int, aid: int) -> None:
+        entry = self.live.get(key)
+        if entry is None or entry[0] != aid:
+            return
+        del self.live[key]
+        self.current -= entry[1]
+        self._event(aid, -entry[1])
+
+    def _resized(self, st, site: str | None = None) -> None:
+        entry = self.live.get(st._cdata)
+        if entry is None:
+            return
+        aid, old, was = entry
+        site = site or was
+        self.sites[aid] = site
+        new = st.nbytes()
+        if new != old:
+            self.live[st._cdata] = (aid, new, site)
+            self.current += new - old
+            self._event(aid, new - old)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor lowers to local ops, which come back here
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # DTensor's sharding propagation runs ops in a fake mode of its own: not the rank's
+        if tc.active_fake_mode() is not self.fake_mode:
+            return out
+        inputs = {st._cdata for leaf in tree_leaves((args, kwargs))
+                  if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None}
+        site = None
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None:
+                if st._cdata in self.live:
+                    self._resized(st)
+                elif st._cdata not in inputs:
+                    site = site or self._site(func)
+                    self._add(st, site)
+        self._record_collective(func, args, kwargs, out)
+        packet = func.overloadpacket
+        formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+        if formula is not None and self.phase != "construction":
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+    def _record_collective(self, func, args, kwargs, out) -> None:
+        namespace = _packet_namespace(func)
+        if namespace not in _COLLECTIVE_NAMESPACES:
+            return
+        name = func.overloadpacket.__name__
+        if name in _NOT_COLLECTIVES:
+            return
+        # a c10d op takes its ProcessGroup, a functional one its group's name
+        ranks = next((r for a in tree_leaves((args, kwargs))
+                      if (r := tc.group_ranks(a)) is not None), ())
+        sizes, dtype = [], ""
+        for value in list(args) + list(kwargs.values()) + [out]:
+            tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+            if tensors:
+                sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+                dtype = dtype or str(tensors[0].dtype).removeprefix("torch.")
+        self.collectives.append((name, tuple(ranks), dtype, max(sizes, default=0)))
+        # the buffer an in-place c10d op fills: a pipeline receive buffer, or a gathered /
+        # reduce-scattered one (FSDP2's), counted as the plan counts them
+        if namespace == "c10d" and args and name not in ("send", "allreduce_", "broadcast_"):
+            for t in tree_leaves(args[0]):
+                if isinstance(t, torch.Tensor) and (aid := self.alloc_id(t)) is not None:
+                    self.sites[aid] = "comm_buffers" if name.startswith("recv") \
+                        else "temporaries"
+
+    def __enter__(self):
+        # FSDP2's unsharded parameters, resized outside dispatch
+        self._resize = patch_resize(lambda storage: self._resized(storage, "temporaries"))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._resize()
+        return super().__exit__(*exc)
+
+    # -- results -----------------------------------------------------------------------------
+    def peak(self, start: int, categories: dict[int, str]) -> tuple[int, dict[str, int], int]:
+        """The peak of live bytes over events[start:], its bytes by category
+        (`live_by_category`) and `end`: the live bytes of events[:end] are the peak."""
+        total = sum(delta for _, delta in self.events[:start])
+        best, best_at = total, start
+        for i in range(start, len(self.events)):
+            total += self.events[i][1]
+            if total > best:
+                best, best_at = total, i + 1
+        return best, self.live_by_category(best_at, categories), best_at
+
+    def first_above(self, limit_bytes: float, categories: dict[int, str],
+                    left_out: frozenset[str] = frozenset()) -> int | None:
+        """`end` of the first event after which the live bytes, those of the categories
+        `left_out` aside (`category_of`), exceed `limit_bytes` (the live bytes of
+        events[:end] do); None when they never do."""
+        total = 0
+        for i, (aid, delta) in enumerate(self.events):
+            if left_out and self.category_of(aid, categories) in left_out:
+                continue
+            total += delta
+            if total > limit_bytes:
+                return i + 1
+        return None
+
+    def category_of(self, aid: int, categories: dict[int, str]) -> str:
+        """An allocation's category: `categories` (alloc id -> category) first, else its
+        site; a construction-time storage that is none of them counts with the params."""
+        cat = categories.get(aid) or self.sites[aid]
+        return cat if cat in CATEGORIES else "params"
+
+    def live_by_category(self, end: int, categories: dict[int, str]) -> dict[str, int]:
+        """The live bytes of events[:end] by `CATEGORIES` (`category_of`)."""
+        live: dict[int, int] = defaultdict(int)
+        for aid, delta in self.events[:end]:
+            live[aid] += delta
+        by = dict.fromkeys(CATEGORIES, 0)
+        for aid, nbytes in live.items():
+            if nbytes:
+                by[self.category_of(aid, categories)] += nbytes
+        return by
+
+    def alloc_id(self, t: torch.Tensor) -> int | None:
+        st = self._storage(t)
+        entry = self.live.get(st._cdata) if st is not None else None
+        return entry[0] if entry is not None else None
+
+
+def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs):
+    from torch.utils.flop_counter import sdpa_flop
+
+    return sdpa_flop(query, key, value, out_val=out_val)
+
+
+def _sdpa_cpu_backward_flop(grad_out, query, key, value, *args, out_val=None, **kwargs):
+    from torch.utils.flop_counter import sdpa_backward_flop
+
+    return sdpa_backward_flop(grad_out, query, key, value, out_val=out_val)
+
+
+# torch's formulas cover the CUDA attention kernels; a dry run on the CPU device picks these
+_EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
+}
+
+
+def _packet_namespace(func) -> str:
+    return getattr(func, "namespace", "")
