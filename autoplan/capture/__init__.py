@@ -32,7 +32,8 @@ What capture cannot do raises `CaptureError`, naming the module FQN, the source 
 original error (data-dependent control flow such as `if x.sum() > 0:`, `.item()` used as a
 shape or a condition, ops without a meta/fake kernel).
 
-Files: this package's __init__ (the API: `capture`, `capture_preset`, `CaptureError`), trace.py
+Files: this package's __init__ (the API: `capture`, `capture_preset`), errors.py
+(`CaptureError`, which every step raises), trace.py
 (step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
 weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters), moe.py
 (during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]),

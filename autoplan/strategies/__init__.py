@@ -1,6 +1,6 @@
 """Candidate placements per graph node on the tensor-parallel (tp) mesh axis.
 
-The candidates come from DTensor's own sharding rules (../shared/DESIGN.md, "Placements"): for
+The candidates come from DTensor's own sharding rules (docs/design.md, "Placements"): for
 each node we offer DTensor input placements and keep those it runs *without any implicit
 redistribution*, with the output placement DTensor itself produces. The runtime then
 redistributes a node's i-th tensor argument to `Candidate.inputs[i]` whenever the producer's
@@ -45,7 +45,8 @@ re-checked by size instead ([Note: divisor tp]). Results are cached by (op, argu
 shapes/dtypes/allowed placements, static arguments, tp), so identical layers cost one layer.
 Measured: a 2-layer llama3-8b graph for tp 2, 4, 8 in ~1 s cold, ~0.3 s with DTensor warm.
 
-Files: this package's __init__ (`Candidate`, `StrategyCache`, `node_strategies`), nodes.py (the
+Files: this package's __init__ (`node_strategies`), candidate.py (`Candidate`, `StrategyCache`:
+the types every file shares), nodes.py (the
 graph helpers: tensor arguments, shapes, constant-like and ignored nodes, batch dims, DTensor
 propagation of one node), probe.py (the candidates of one node: [Note: node kinds],
 Enumeration, [Note: divisor tp]), prune.py (`_prune`), moe.py (the experts op's rule).
