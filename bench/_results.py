@@ -3,7 +3,7 @@ it writes leaves the previous file whole), its Markdown table, and its section o
 docs/benchmarks.md.
 
 A bench imports this file as `_results` (the benches are scripts, not a package: each puts
-bench/ on sys.path first, the way a script run as `python bench/x.py` finds it anyway).
+bench/ on sys.path first, the way a script run as `python bench/<name>.py` finds it anyway).
 
 Two ways a bench owns its part of docs/benchmarks.md, as they did in README.md before:
 - a section: from its heading (`## Cost model fidelity`) up to the next heading
