@@ -3,6 +3,21 @@
 The public names are imported on first use (PEP 562 module `__getattr__`), so that
 `import autoplan` -- and the command line, `autoplan --help` -- import no torch: torch comes in
 with the first name that needs it (`autoplan.autoparallel`, `autoplan.Plan`, ...).
+
+The compiler's steps are packages, in the order a plan is made (docs/design.md, "Data flow"):
+capture/ (model -> `CapturedGraph`), strategies/ (candidate placements per node), cost_model/
+(compute, communication, memory), solver/ (the search and the placement ILP -> `Plan`),
+passes/ (plan -> per-rank graphs), runtime/ (torch.distributed training), report/ (Markdown
+and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at this level:
+- api.py: `@autoparallel`, `AutoParallel`, `from_pretrained`; cli.py: the `autoplan` command;
+  demo.py: `autoplan demo`.
+- plan.py: the `Plan` (frozen dataclasses, versioned JSON); spec.py: `TrainingSpec`;
+  topology.py: `Topology` and the cluster presets; graph.py: `CapturedGraph`; inputs.py: a
+  step's batch as a pytree, its batch dims; experts.py: the routed-experts op.
+- cache.py: the plan cache ([Note: plan cache]); collector.py: the garbage collector paused
+  around planning; progress.py: phase lines on stderr; units.py: the one number format.
+- testing.py: the correctness contract as code (one process against N ranks).
+- _torch_compat.py, _torch_fx_compat.py: every use of torch's private APIs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every use of torch's private APIs, in one place.
 
 autoplan asks DTensor's own sharding rules which placements an op accepts and what it produces
-(../shared/DESIGN.md, "Placements"). Those rules live behind private names
+(docs/design.md, "Placements"). Those rules live behind private names
 (`torch.distributed.tensor._op_schema`, `_dtensor_spec`, `DTensor._op_dispatcher`) that change
 between torch releases; this module is the only one that touches them, so a torch upgrade is
 fixed here. Written against torch 2.13.

@@ -7,7 +7,7 @@ A `Plan` is a frozen dataclass that round-trips through versioned JSON (`to_json
 
 Mesh axes are named ("pp", "dp", "cp", "tp"), outermost first, as torchtitan orders them: tp is
 innermost so that a tensor-parallel group is made of consecutive ranks and stays inside a node
-(../shared/DESIGN.md, "Topology"), cp next so that a context-parallel group stays inside a node
+(docs/design.md, "Topology"), cp next so that a context-parallel group stays inside a node
 as long as cp x tp fits there. Per-node placements (`strategies`) are on the tp axis; data
 parallelism shards the batch dim on the dp axis, context parallelism the sequence dim on the cp
 axis ([Note: context parallelism] in autoplan/solver/context.py), and the ZeRO stage says what

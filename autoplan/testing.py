@@ -1,5 +1,5 @@
 """The correctness contract as code: train a model on one process and under a plan on N ranks,
-and compare every step's loss and every parameter (DESIGN.md, "The correctness contract").
+and compare every step's loss and every parameter (docs/design.md, "The correctness contract").
 
     ref = reference(factory, batches)                          # one process, eager
     results = LocalCluster(4).run(train_planned, factory, batches, dict(dp=2, tp=2))

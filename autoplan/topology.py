@@ -1,10 +1,10 @@
 """Cluster topology: devices, nodes and the links between them.
 
 A `Topology` is an explicit input to planning; it is never read from the machine that plans
-(../shared/DESIGN.md, "Topology"). Units are SI and in the field names: 1 GB/s = 1e9 B/s.
+(docs/design.md, "Topology"). Units are SI and in the field names: 1 GB/s = 1e9 B/s.
 
 Bandwidths are *bus* bandwidths as nccl-tests defines them (busbw, see
-../shared/reference/FORMULAS.md, "Collective costs"): the time of a collective over `n` bytes is
+docs/reference/FORMULAS.md, "Collective costs"): the time of a collective over `n` bytes is
 `n * factor / busbw + latency` with factor 2(p-1)/p for all-reduce and (p-1)/p for all-gather,
 reduce-scatter and all-to-all.
 
@@ -378,7 +378,7 @@ def save_topology(topo: Topology, path: str | os.PathLike) -> None:
 
 
 # --- presets ---------------------------------------------------------------------------------
-# Figures: ../shared/reference/FORMULAS.md, "Hardware" (vendor datasheets; nccl-tests busbw).
+# Figures: docs/reference/FORMULAS.md, "Hardware" (vendor datasheets; nccl-tests busbw).
 # Latencies: NVLink ~ 5 us and InfiniBand ~ 10 us per collective step are typical nccl-tests
 # small-message figures; they are approximate and marked as such.
 #

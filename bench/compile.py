@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import write_json  # noqa: E402
 
 CONFIGS = {
     "dp2xtp2 split weights": dict(dp=2, tp=2, zero_stage=0, num_microbatches=1),
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"-> {args.out}")
     return 0
 

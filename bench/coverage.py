@@ -2,7 +2,7 @@
 
     python bench/coverage.py                    # every architecture -> bench/results/coverage.json
     python bench/coverage.py --only falcon --only gemma3_text --steps 2
-    python bench/coverage.py --markdown         # the README table, from coverage.json
+    python bench/coverage.py --markdown         # the docs/benchmarks.md table, from coverage.json
 
 For each architecture of `autoplan.models.architectures.ARCHITECTURES` (transformers 5.24,
 random weights from a config, nothing downloaded), in order:
@@ -55,6 +55,9 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import table_head, table_row, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "coverage.json"
@@ -311,11 +314,11 @@ def run(names: list[str], steps: int, timeout_s: float, results: Path) -> dict:
                 if c["status"] != "pass":
                     print(f"  {check}: {c['detail']}", flush=True)
             results.parent.mkdir(parents=True, exist_ok=True)
-            results.write_text(json.dumps(doc, indent=1) + "\n")
+            write_json(results, doc)
     doc["last_run"] = {"architectures": names, "seconds": round(time.perf_counter() - start),
                        "load_average": os.getloadavg()[0],
                        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    results.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(results, doc)
     return doc
 
 
@@ -328,15 +331,14 @@ def _cell(check: dict | None) -> str:
 
 
 def markdown(doc: dict) -> str:
-    """The README table of a coverage.json document: a row per architecture, a column per
-    check ("pass", "fail: <why>", "not run" after a worker that ended early, "n/a" for expert
-    parallelism on a dense model)."""
-    lines = ["| architecture | task | " + " | ".join(CHECKS) + " |",
-             "|---|---|" + "---|" * len(CHECKS)]
+    """The docs/benchmarks.md table of a coverage.json document: a row per architecture, a
+    column per check ("pass", "fail: <why>", "not run" after a worker that ended early, "n/a"
+    for expert parallelism on a dense model)."""
+    lines = table_head(["architecture", "task", *CHECKS])
     for name, row in doc["rows"].items():
         cells = [_cell(row["checks"].get(c)) if c != "train dp2xep2" or row.get("moe")
                  else "n/a" for c in CHECKS]
-        lines.append(f"| {name} | {row.get('task', '?')} | " + " | ".join(cells) + " |")
+        lines.append(table_row([name, row.get("task", "?"), *cells]))
     total = sum(1 for row in doc["rows"].values() for c in row["checks"].values())
     passed = sum(1 for row in doc["rows"].values() for c in row["checks"].values()
                  if c["status"] == "pass")
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds one architecture's process may take")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--markdown", action="store_true",
-                        help="print the README table from --results and run nothing")
+                        help="print the docs/benchmarks.md table from --results and run nothing")
     parser.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

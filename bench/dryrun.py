@@ -5,7 +5,8 @@ step on fake tensors and a fake process group of the plan's size, measured again
     python bench/dryrun.py                         # every case -> bench/results/dryrun.json
     python bench/dryrun.py --cases llama3-8b,gpt3-175b   # these cases, merged into the file
     python bench/dryrun.py --quick                 # tiny models on local-cpu, seconds
-    python bench/dryrun.py --readme                # print the README table of the file; run nothing
+    python bench/dryrun.py --markdown              # print the file's docs/benchmarks.md table;
+                                                   # run nothing (--readme: the same)
 
 Each case is a set of `autoplan plan` flags (`CASES`). It is planned and captured exactly as
 `autoplan dryrun` does (autoplan/cli.py `plan_for_dry_run`: plan on a 2-block capture, then
@@ -21,8 +22,8 @@ llama3-8b on 1 dgx-h100 node (batch 64, seq 8192), llama3-70b on 8 (512, 4096), 
 on 2,048 (2048, 8192; golden: cp 8), gpt3-175b on 128 dgx-a100 nodes (1536, 2048) -- planned by
 the CLI (from 2 captured blocks; `golden_mesh` beside the plan says whether it is the golden
 one); llama3.1-405b at 131,072 tokens on 2,048 dgx-h100 nodes (16,384 H100, batch 128, as
-README's long-context example: a cp plan there); llama3-8b on one H200 (h200-node, 1 device, batch
-8 x 4096 tokens) with `--offload optimizer`.
+docs/guide.md's long-context example: a cp plan there); llama3-8b on one H200 (h200-node, 1
+device, batch 8 x 4096 tokens) with `--offload optimizer`.
 
 Recorded per rank: mesh coordinates, the step's peak of live tensor bytes and its categories,
 the plan's predicted peak and categories, `peak_error` = predicted / measured - 1, collective
@@ -55,6 +56,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import table_head, table_row, write_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "dryrun.json"
 GOLDEN = ROOT / "tests" / "golden"
@@ -72,13 +76,13 @@ CASES: dict[str, list[str]] = {
                    "--global-batch", "512", "--seq", "4096"],
     "llama3-405b": ["--model", "llama3-405b", "--cluster", "dgx-h100", "--nodes", "2048",
                     "--global-batch", "2048", "--seq", "8192"],
-    # 128K tokens: 2,048 dgx-h100 nodes (16,384 H100), 128 sequences, as README's long-context
-    # example and bench/plan_speed.py's llama3.1-405b-128k (a cp > 1 plan)
+    # 128K tokens: 2,048 dgx-h100 nodes (16,384 H100), 128 sequences, as docs/guide.md's
+    # long-context example and bench/plan_speed.py's llama3.1-405b-128k (a cp > 1 plan)
     "llama3.1-405b-128k": ["--model", "llama3.1-405b", "--cluster", "dgx-h100", "--nodes",
                            "2048", "--global-batch", "128", "--seq", "131072"],
     "gpt3-175b": ["--model", "gpt3-175b", "--cluster", "dgx-a100", "--nodes", "128",
                   "--global-batch", "1536", "--seq", "2048"],
-    # issue 13's case (README, CPU offload): 16 bytes per parameter do not fit one H200
+    # issue 13's case (docs/guide.md, CPU offload): 16 bytes per parameter do not fit one H200
     "llama3-8b-offload-h200": ["--model", "llama3-8b", "--cluster", "h200-node", "--nodes", "1",
                                "--devices-per-node", "1", "--global-batch", "8", "--seq", "4096",
                                "--offload", "optimizer"],
@@ -306,28 +310,29 @@ def _previous(path: Path, quick: bool) -> dict | None:
     return doc if doc.get("quick") == quick else None
 
 
-# --- README table ------------------------------------------------------------------------------
+# --- docs/benchmarks.md table ------------------------------------------------------------------
 
 def markdown(doc: dict) -> str:
-    """The README table of a results document: a row per rank, a row per case not run."""
+    """The docs/benchmarks.md table of a results document ("Dry run at the scale of the
+    plan"): a row per rank, a row per case not run."""
     from autoplan.units import fmt_bytes
 
-    lines = ["| case | rank | measured peak | predicted | error | FLOPs error | step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = table_head(["case", "rank", "measured peak", "predicted", "error", "FLOPs error",
+                        "step"])
     for name, case in doc["cases"].items():
         if case["status"] != "run":
             reason = case.get("reason") or case.get("error", "")
-            lines.append(f"| {name} | {case['status']}: {reason} | | | | | |")
+            lines.append(table_row([name, f"{case['status']}: {reason}", "", "", "", "", ""]))
             continue
         for r in case["ranks"]:
             where = f"{r['rank']} ({r['kind']}, pp{r['coordinates']['pp']})"
             if "error" in r:
-                lines.append(f"| {name} | {where} | failed: {r['error']} | | | | |")
+                lines.append(table_row([name, where, f"failed: {r['error']}", "", "", "", ""]))
                 continue
-            lines.append(
-                f"| {name} ({case['mesh_name']}) | {where} | {fmt_bytes(r['peak_bytes'])} | "
-                f"{fmt_bytes(r['predicted_peak_bytes'])} | {_pct(r['peak_error'])} | "
-                f"{_pct(r['flops_error'])} | {r['step_s']:.1f} s |")
+            lines.append(table_row([
+                f"{name} ({case['mesh_name']})", where, fmt_bytes(r["peak_bytes"]),
+                fmt_bytes(r["predicted_peak_bytes"]), _pct(r["peak_error"]),
+                _pct(r["flops_error"]), f"{r['step_s']:.1f} s"]))
     return "\n".join(lines)
 
 
@@ -361,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=_positive_int, default=2,
                         help="training steps per rank, the last measured (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
-    parser.add_argument("--readme", action="store_true",
-                        help="print the README table of --out and run nothing")
+    parser.add_argument("--markdown", "--readme", action="store_true", dest="markdown",
+                        help="print the docs/benchmarks.md table of --out and run nothing")
     args = parser.parse_args(argv)
-    if args.readme:
+    if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
         return 0
     try:
@@ -377,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     def write(case: dict | None = None, name: str | None = None) -> None:
         if case is not None:
             cases[name] = case
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(_document(cases, args, previous), indent=1) + "\n")
+        write_json(args.out, _document(cases, args, previous))
 
     for name, flags in selected.items():
         if flags is None:

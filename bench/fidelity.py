@@ -2,7 +2,8 @@
 
     python bench/fidelity.py                 # calibrate, then every plan -> bench/results/fidelity.json
     python bench/fidelity.py --quick         # two small plans on 2 ranks (tests/test_fidelity.py)
-    python bench/fidelity.py --calibration FILE --readme   # reuse a calibration; update README
+    python bench/fidelity.py --calibration FILE --docs   # reuse a calibration; update
+                                                         # docs/benchmarks.md
 
 What runs. `autoplan calibrate` first (in this process, written next to the results and used
 through AUTOPLAN_CALIBRATION by every rank), so that prediction and measurement see the machine in
@@ -50,7 +51,7 @@ dispatcher (scratch buffers inside one kernel, gloo's transport buffers), and th
 heap (RSS noise). DTensors are counted through their local tensors (the mode returns
 NotImplemented for them, as torch's MemTracker does, so their local ops come back through it).
 
-Bands (DESIGN.md bars): step time within +-20%, peak memory within +-10% of measured.
+Bands (docs/design.md, "Bars"): step time within +-20%, peak memory within +-10% of measured.
 
 [Note: known gaps] What the model does not capture, and which plans it shows in:
 - Step time: on 2026-12-04 03:55 (`python bench/fidelity.py --readme`, load 2-4 from the bench's
@@ -83,7 +84,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -93,9 +93,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import BENCHMARKS, replace_section, table_head, table_row, write_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "bench" / "results" / "fidelity.json"
-README = ROOT / "README.md"
 SCHEMA_VERSION = 1
 TIME_BAND, MEMORY_BAND = 0.20, 0.10
 
@@ -356,14 +358,13 @@ def _with_probe_speed(cal: Path, out: Path, world: int, rate: float) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    """The Markdown table of the README section."""
-    lines = ["| plan | ranks | step time predicted | measured | error | peak memory predicted "
-             "| measured | error |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The Markdown table of the docs/benchmarks.md section."""
+    lines = table_head(["plan", "ranks", "step time predicted", "measured", "error",
+                        "peak memory predicted", "measured", "error"])
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['world_size']} | failed: {r['error'][:80]} "
-                         "| | | | | |")
+            lines.append(table_row([r["name"], str(r["world_size"]),
+                                    f"failed: {r['error'][:80]}", "", "", "", "", ""]))
             continue
         p = r["predicted"]
         lines.append(
@@ -375,13 +376,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
-    """Rewrite the "## Cost model fidelity" section of the README up to the next heading of
-    any level (its "### At cluster scale" subsection, bench/published.py's, stays)."""
+def update_docs(rows: list[dict], result: dict, path: Path = BENCHMARKS) -> None:
+    """Rewrite the "## Cost model fidelity" section of docs/benchmarks.md up to the next
+    heading of any level (its "### At cluster scale" subsection, bench/published.py's, stays)."""
     head = "## Cost model fidelity"
     dev = result["calibration"]["device"]
     body = (
-        f"{head}\n\n`python bench/fidelity.py --readme` (about {result['wall_s'] / 60:.0f} "
+        f"{head}\n\n`python bench/fidelity.py --docs` (about {result['wall_s'] / 60:.0f} "
         f"minutes on this {result['machine']['cpus']}-core machine) runs `autoplan calibrate`, "
         f"then trains each plan of a GPT-2-style model ({result['model_summary']}, global batch "
         f"{result['global_batch']} x {result['seq_len']} tokens, fp32, AdamW) on local gloo "
@@ -405,14 +406,7 @@ def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
         f"`bench/results/fidelity.json` ({result['date']}, load average "
         f"{result['machine']['loadavg'][0]:.1f}); why a plan is out of its band: [Note: known "
         f"gaps] in `bench/fidelity.py`.\n\n{table(rows)}\n")
-    text = path.read_text()
-    start = text.find(head)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        nxt = text.find("\n#", start + len(head))  # the next heading, of any level
-        text = text[:start] + body + ("" if nxt < 0 else text[nxt:])
-    path.write_text(text)
+    replace_section(head, body, until="\n#", path=path)  # up to the next heading, any level
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,8 +433,8 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--nice", type=int, default=-10,
                         help="niceness for this bench and its ranks (default %(default)s)")
     parser.add_argument("-o", "--out", type=Path, default=RESULT)
-    parser.add_argument("--readme", action="store_true",
-                        help="rewrite README.md's 'Cost model fidelity' section")
+    parser.add_argument("--docs", "--readme", action="store_true", dest="docs",
+                        help="rewrite docs/benchmarks.md's 'Cost model fidelity' section")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     priority = _raise_priority(args.nice)
@@ -497,10 +491,10 @@ def _main(argv: list[str] | None) -> int:
     }
     result["wall_s"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(table(rows))
-    if args.readme:
-        update_readme(rows, result)
+    if args.docs:
+        update_docs(rows, result)
     if scratch is not None:
         scratch.cleanup()
     # --quick checks the schema on a tiny model whose steps are all overhead: its bands say

@@ -14,7 +14,7 @@ global batch 4 x 64 tokens) in a fresh LocalCluster of 4 ranks.
 
 Measured per rank, on the third step ([Note: measured peak memory] in bench/fidelity.py):
 - `peak_bytes`: live tensor storage bytes (`LiveTensorBytes`) at their height during the step,
-  against the plan's `prediction.memory_bytes` -- the local band is +-10% (DESIGN.md bars);
+  against the plan's `prediction.memory_bytes` -- the local band is +-10% (docs/design.md, "Bars");
 - by kind, from the tensors themselves after the step: parameter bytes of trainable and frozen
   parameters (local shards), gradient bytes (`p.grad` of every parameter: frozen ones must have
   none) and optimizer state bytes (AdamW's exp_avg / exp_avg_sq / step: only for trainable
@@ -30,10 +30,12 @@ import argparse
 import datetime
 import functools
 import gc
-import json
 import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import write_json  # noqa: E402
 
 MODEL = dict(hidden_size=1024, num_hidden_layers=32, num_attention_heads=16,
              num_key_value_heads=8, intermediate_size=2816, vocab_size=50304,
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
         "band": BAND, "all_ok": ok, "runs": runs, "full_training_plans": full,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"{'all' if ok else 'NOT all'} ranks within the band, frozen base without gradients "
           f"or states -> {args.out}")
     return 0 if ok else 1

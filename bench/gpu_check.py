@@ -6,7 +6,7 @@ planned configuration and compare what ran with what the plan predicted.
 
 Needs CUDA (NCCL, bf16): without it the script exits at once with status 2 and a message on
 stderr, before it imports anything heavy or writes anything. CI never runs it; run it when a GPU
-machine is lent (README.md, "GPU check").
+machine is lent (docs/benchmarks.md, "GPU check").
 
 What runs. The model is a GPT-2-style HF GPT2LMHeadModel (width 2048, 18 layers, 16 heads,
 vocabulary 50304, learned positions at the sequence length: 1.01 B parameters; 12 L d^2 + (V +
@@ -50,6 +50,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import write_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "bench" / "results" / "gpu_check.json"
 
@@ -84,7 +87,7 @@ def _fail_without_cuda() -> None:
         reason = f"{torch.cuda.get_device_name(0)} has no bf16"
     if reason:
         print(f"gpu_check: error: this check trains on GPUs with NCCL and bf16, and {reason}. "
-              "Run it on a GPU machine (README.md, \"GPU check\"); nothing was written.",
+              "Run it on a GPU machine (docs/benchmarks.md, \"GPU check\"); nothing was written.",
               file=sys.stderr)
         sys.exit(EXIT_NO_CUDA)
 
@@ -180,7 +183,7 @@ def worker(args) -> int:
             / plan.prediction.memory_bytes,
             "tokens_per_s": statistics.median(m.tokens_per_s for m in metrics),
         }
-        Path(args.result).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(Path(args.result), result)
     return 0
 
 
@@ -269,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report)
     print(f"gpu_check: wrote {args.out}", file=sys.stderr)
     return 1 if any(v["status"] == "failed" for v in variants.values()) else 0
 

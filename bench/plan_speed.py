@@ -71,6 +71,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import write_json  # noqa: E402
+
 _START = time.perf_counter()
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
               "info": _info(results)}
     if args.case is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.out, report)
     _print_table(results, bars, report["info"])
     return 0 if all(b["ok"] for b in bars) else 1
 
@@ -292,7 +295,7 @@ def _merge(results: dict, machine: dict, runs: int, out: Path) -> int:
     for case, result in results.items():
         report["cases"][case] = {**result, "machine": machine, "runs_per_case": runs}
     report["bars"], report["info"] = _bars(report["cases"]), _info(report["cases"])
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(out, report)
     _print_table(results, [b for b in report["bars"] if b["bar"].split()[0] in results],
                  [])
     return 0 if all(b["ok"] for b in report["bars"]) else 1

@@ -2,9 +2,9 @@
 
     python bench/published.py               # every row -> bench/results/published.json
     python bench/published.py --rows 1.7B   # rows whose name contains "1.7B"
-    python bench/published.py --readme      # also rewrite the README's table
+    python bench/published.py --docs        # also rewrite the table in docs/benchmarks.md
 
-Every row of ../shared/reference/PUBLISHED.md (a copy of its figures is `ROWS` below, each with its
+Every row of docs/reference/PUBLISHED.md (a copy of its figures is `ROWS` below, each with its
 source) is planned with its published configuration fixed -- tp, pp, dp, ZeRO stage, microbatch
 size, schedule and virtual stages, activation recomputation, attention kernel -- on the cluster
 preset of its hardware, and the predicted iteration time is compared with the published one.
@@ -47,8 +47,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import replace_marked, table_head, table_row, write_json  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 RESULTS = HERE / "results" / "published.json"
 BAND = 0.15
 
@@ -325,20 +327,19 @@ def _free_plan(graph, topology, spec, fixed) -> dict:
 # --- output -----------------------------------------------------------------------------------
 
 
-def readme_table(results: list[dict]) -> str:
-    """The README table: one line per row, predicted vs published, error."""
-    lines = ["| run | GPUs | tp x pp x dp | published s | predicted s | error | peak GB | "
-             "free plan: speed-up, what it changes |",
-             "|---|---|---|---|---|---|---|---|"]
+def docs_table(results: list[dict]) -> str:
+    """The docs/benchmarks.md table: one line per row, predicted vs published, error."""
+    lines = table_head(["run", "GPUs", "tp x pp x dp", "published s", "predicted s", "error",
+                        "peak GB", "free plan: speed-up, what it changes"])
     for r in results:
         c = r["config"]
         mark = ("" if r["within_band"] else " out of scope" if r["out_of_scope"]
                 else " **out of band**")
         fit = f"{r['peak_memory_bytes'] / 1e9:.0f}" + ("" if r["fits"] else " (does not fit)")
-        lines.append(
-            f"| {r['name']} | {c['tp'] * c['pp'] * c['dp']} | {c['tp']}x{c['pp']}x{c['dp']} | "
-            f"{r['published_iteration_s']:.2f} | {r['predicted_iteration_s']:.2f} | "
-            f"{r['error'] * 100:+.1f}%{mark} | {fit} | {_free_cell(r['free_plan'])} |")
+        lines.append(table_row([
+            r["name"], str(c["tp"] * c["pp"] * c["dp"]), f"{c['tp']}x{c['pp']}x{c['dp']}",
+            f"{r['published_iteration_s']:.2f}", f"{r['predicted_iteration_s']:.2f}",
+            f"{r['error'] * 100:+.1f}%{mark}", fit, _free_cell(r["free_plan"])]))
     held = [r for r in results if not r["out_of_scope"]]
     if held:
         lines += ["", f"{sum(r['within_band'] for r in held)} of {len(held)} rows held to the "
@@ -364,21 +365,11 @@ def _free_cell(free: dict | None) -> str:
     return f"{free['speedup']:.2f}x: {what}{why}{slower}"
 
 
-def _write_readme(table: str) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    begin, end = "<!-- published:begin -->", "<!-- published:end -->"
-    if begin not in text or end not in text:
-        raise SystemExit(f"README.md lacks the {begin} ... {end} markers")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{begin}\n{table}\n{end}{tail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="", help="plan only rows whose name contains this text")
-    ap.add_argument("--readme", action="store_true", help="rewrite the README's table")
+    ap.add_argument("--docs", "--readme", action="store_true", dest="docs",
+                    help="rewrite the table in docs/benchmarks.md")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-free", action="store_true",
                     help="skip planning each row freely (faster)")
@@ -410,12 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                "free_plan_as_fast": sum(bool((r["free_plan"] or {}).get("as_fast"))
                                         for r in results)}
     if not args.rows:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"summary": summary, "results": results}, indent=1) + "\n")
-        tmp.replace(args.out)
-        if args.readme:
-            _write_readme(readme_table(results))
+        write_json(args.out, {"summary": summary, "results": results})
+        if args.docs:
+            replace_marked("published", docs_table(results))
     print(json.dumps(summary))
     return 0
 

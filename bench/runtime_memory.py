@@ -43,13 +43,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import write_json  # noqa: E402
 
 CONFIGS = {
     "dp4 zero3": dict(dp=4, zero_stage=3),
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
         "all_within_bars": ok, "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"{'all' if ok else 'NOT all'} ranks within the bars -> {args.out}")
     return 0 if ok else 1
 

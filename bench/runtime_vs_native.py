@@ -3,8 +3,8 @@
     python bench/runtime_vs_native.py            # 4 configurations -> bench/results/runtime_vs_native.json
     python bench/runtime_vs_native.py --only "dp4 ZeRO-3" --pairs 3 --first-pairs 1
                                                  # --only: the file's other rows are kept
-    python bench/runtime_vs_native.py --readme   # also rewrite the table in README.md
-    python bench/runtime_vs_native.py --readme-only   # the table from the results file
+    python bench/runtime_vs_native.py --docs   # also rewrite the table in docs/benchmarks.md
+    python bench/runtime_vs_native.py --docs-only   # the table from the results file
 
 What runs. One `LocalCluster` of 4 gloo ranks. For every configuration of `CONFIGS`, each rank
 builds the same GPT (`GPT`: nn.Linear blocks, separate q/k/v projections so that Megatron-style
@@ -63,9 +63,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
+from _results import BENCHMARKS, replace_section, table_head, table_row, write_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "bench" / "results" / "runtime_vs_native.json"
-README = ROOT / "README.md"
 SCHEMA_VERSION = 1
 WORLD = 4
 CONFIG = dict(vocab_size=256, block_size=64, n_layer=4, n_embd=128, n_head=4)
@@ -382,21 +384,21 @@ def _row(name: str, overrides: dict, per_rank: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| configuration | step time autoplan / hand-written (CPU, wall) | first step "
-             "autoplan vs hand-written (slowest rank; cold / median) | ratio | losses |",
-             "|---|---|---|---|---|"]
+    lines = table_head(["configuration", "step time autoplan / hand-written (CPU, wall)",
+                        "first step autoplan vs hand-written (slowest rank; cold / median)",
+                        "ratio", "losses"])
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | |")
+            lines.append(table_row([r["name"], f"failed: {r['error']}", "", "", ""]))
             continue
         fa, fn = r["first_step_s"]["autoplan"], r["first_step_s"]["native"]
-        lines.append(
-            f"| {r['name']} | {r['step_ratio_cpu']:.2f}, {r['step_ratio_wall']:.2f} | "
+        lines.append(table_row([
+            r["name"], f"{r['step_ratio_cpu']:.2f}, {r['step_ratio_wall']:.2f}",
             f"{fa[0]:.1f} s / {statistics.median(fa):.1f} s vs {fn[0]:.1f} s / "
-            f"{statistics.median(fn):.1f} s | {r['first_step_ratio_cold']:.1f}x / "
-            f"{r['first_step_ratio']:.1f}x | "
+            f"{statistics.median(fn):.1f} s",
+            f"{r['first_step_ratio_cold']:.1f}x / {r['first_step_ratio']:.1f}x",
             f"{'equal' if r['losses']['equal'] else 'DIFFER'} "
-            f"(max rel. {r['losses']['max_rel_diff']:.1e}) |")
+            f"(max rel. {r['losses']['max_rel_diff']:.1e})"]))
     return "\n".join(lines)
 
 
@@ -407,15 +409,15 @@ PHASES = ("record_s", "capture_for_planning_s", "plan_s", "capture_runtime_s", "
 def phase_table(rows: list[dict]) -> str:
     """autoplan's build phases on rank 0 (model.build_stats()), median over the pairs that read
     the plan from the cache, and the cold pair's total."""
-    lines = ["| configuration | " + " | ".join(p[:-2].replace("_", " ") for p in PHASES)
-             + " | cold total |", "|---" * (len(PHASES) + 2) + "|"]
+    lines = table_head(["configuration", *(p[:-2].replace("_", " ") for p in PHASES),
+                        "cold total"])
     for r in rows:
         stats = r.get("autoplan_build_stats_rank0") or []
         warm = [s for s in stats if s.get("plan_from_cache")] or stats
         if not warm:
             continue
         cells = [f"{statistics.median(s.get(p, 0.0) for s in warm):.2f}" for p in PHASES]
-        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {stats[0]['total_s']:.1f} |")
+        lines.append(table_row([r["name"], *cells, f"{stats[0]['total_s']:.1f}"]))
     return "\n".join(lines)
 
 
@@ -452,10 +454,10 @@ def verdict(rows: list[dict]) -> str:
             "process's first DTensor dispatch.")
 
 
-def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
-    """Replace the table under '## Runtime vs hand-written' (added at the end when missing)."""
+def update_docs(rows: list[dict], result: dict, path: Path = BENCHMARKS) -> None:
+    """Replace the section '## Runtime vs hand-written' of docs/benchmarks.md (added at the end
+    when missing)."""
     head = "## Runtime vs hand-written"
-    text = path.read_text()
     body = (f"{head}\n\n`python bench/runtime_vs_native.py` (see its docstring, [Note: runtime vs "
             f"native measurement]): the same GPT ({result['num_params'] / 1e6:.1f}M parameters, "
             f"{CONFIG['n_layer']} blocks of nn.Linear, width {CONFIG['n_embd']}, global batch "
@@ -473,13 +475,7 @@ def update_readme(rows: list[dict], result: dict, path: Path = README) -> None:
             f"{table(rows)}\n\nautoplan's first step by phase (`model.build_stats()`, rank 0, "
             "seconds; median over the pairs whose plan came from the cache):\n\n"
             f"{phase_table(rows)}\n\n{verdict(rows)}\n")
-    if head in text:
-        start = text.index(head)
-        nxt = text.find("\n## ", start + len(head))
-        text = text[:start] + body + (text[nxt:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    path.write_text(text)
+    replace_section(head, body, until="\n## ", path=path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,13 +486,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=9, help="interleaved step pairs (>= 7 for the bar)")
     ap.add_argument("--first-pairs", type=int, default=7, help="interleaved first-step pairs")
     ap.add_argument("--out", type=Path, default=RESULT)
-    ap.add_argument("--readme", action="store_true", help="also rewrite README's table")
-    ap.add_argument("--readme-only", action="store_true",
-                    help="rewrite README's table from the results file; run nothing")
+    ap.add_argument("--docs", "--readme", action="store_true", dest="docs",
+                    help="also rewrite the table in docs/benchmarks.md")
+    ap.add_argument("--docs-only", "--readme-only", action="store_true", dest="docs_only",
+                    help="rewrite the table in docs/benchmarks.md from the results file; "
+                         "run nothing")
     args = ap.parse_args(argv)
-    if args.readme_only:
+    if args.docs_only:
         result = json.loads(args.out.read_text())
-        update_readme(result["rows"], result)
+        update_docs(result["rows"], result)
         return 0
     configs = [c for c in CONFIGS if not args.only or c[0] in args.only]
     if not configs:
@@ -530,10 +528,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = [by_name[c[0]] for c in CONFIGS if c[0] in by_name]
         result["rows"] = rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"{table(rows)}\n{phase_table(rows)}")
-    if args.readme:
-        update_readme(rows, result)
+    if args.docs:
+        update_docs(rows, result)
     return 0
 
 

@@ -52,10 +52,12 @@ def load_bench(name: str):
     """bench/<name>.py loaded as the module `<name>_bench` (the benches are scripts, not a
     package)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module

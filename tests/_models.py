@@ -1,4 +1,4 @@
-"""Small models for the field cases of ../shared/cases/CASES.md (factories are picklable)."""
+"""Small models for the field cases of docs/reference/CASES.md (factories are picklable)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Field cases C1, C2, C3, C4 and C8 of ../shared/cases/CASES.md, on gloo ranks against one
+"""Field cases C1, C2, C3, C4 and C8 of docs/reference/CASES.md, on gloo ranks against one
 process (same seeds, same data, fp32, rtol 1e-5 / atol 1e-6)."""
 
 from __future__ import annotations

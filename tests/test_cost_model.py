@@ -1,4 +1,4 @@
-"""Cost model against the published formulas (../shared/reference/FORMULAS.md, rows cited)."""
+"""Cost model against the published formulas (docs/reference/FORMULAS.md, rows cited)."""
 
 from __future__ import annotations
 

@@ -65,8 +65,8 @@ def test_quick_run_writes_every_rank_with_its_bars(tmp_path, capsys):
     assert sum(" rank " in line for line in lines) == 5  # one line per rank as it finishes
     within = sum(r["ok"] for case in doc["cases"].values() for r in case["ranks"])
     assert lines[-1].startswith(f"{within} of 5 ranks within the bars")
-    # the README table: a header, a rule and a row per rank
-    assert bench.main(["--readme", "--out", str(out)]) == 0
+    # the docs/benchmarks.md table: a header, a rule and a row per rank
+    assert bench.main(["--markdown", "--out", str(out)]) == 0
     table = capsys.readouterr().out.strip().splitlines()
     assert table[0].startswith("| case | rank | measured peak | predicted | error |")
     assert len(table) == 2 + 5 and "gpt2-demo-pp3 (pp3xdp2xtp2)" in table[-1]

@@ -1,5 +1,6 @@
-"""Examples are tests (STYLE.md): every script in examples/ runs here in a CPU-sized mode --
-its own flags made small, the code path the same -- and must do what its docstring promises."""
+"""Examples are tests (docs/design.md, house rule 11): every script in examples/ runs here in a
+CPU-sized mode -- its own flags made small, the code path the same -- and must do what its
+docstring promises."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Cost-model fidelity: against a published large training run, and bench/fidelity.py's schema.
 
-- The published-scale check (DESIGN.md bar: within +-15% of published runs): a fixed
+- The published-scale check (docs/design.md, "Bars": within +-15% of published runs): a fixed
   configuration, the solver bypassed by overrides, planned for a preset and for an HF config
   file, with step time, TFLOP/s per GPU and MFU in plan.json.
-- bench/fidelity.py: the checked-in results have the schema the README table is made from, and a
-  quick run (calibrate quick, two small plans on 2 gloo ranks) writes the same schema. The bench
-  itself -- predicted vs measured step time and peak memory on local ranks within the DESIGN.md
-  bands -- is a benchmark (`python bench/fidelity.py`), not a test: timing on a shared machine is
-  no test.
+- bench/fidelity.py: the checked-in results have the schema the docs/benchmarks.md table is
+  made from, and a quick run (calibrate quick, two small plans on 2 gloo ranks) writes the same
+  schema. The bench itself -- predicted vs measured step time and peak memory on local ranks
+  within the docs/design.md bands -- is a benchmark (`python bench/fidelity.py`), not a test:
+  timing on a shared machine is no test.
 """
 
 from __future__ import annotations

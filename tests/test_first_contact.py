@@ -20,27 +20,35 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+# The documents whose scripts and commands a user copies: each runs as written.
+DOCS = ("README.md", "docs/guide.md")
+
+
 def readme_blocks(language: str) -> list[str]:
-    """The bodies of the README's fenced blocks of `language` ("" for plain ones)."""
-    blocks, lang, body = [], None, []
-    for line in (ROOT / "README.md").read_text().splitlines(keepends=True):
-        if line.startswith("```"):
-            if lang is None:
-                lang, body = line[3:].strip(), []
-            else:
-                if lang == language:
-                    blocks.append("".join(body))
-                lang = None
-        elif lang is not None:
-            body.append(line)
+    """The bodies of the fenced blocks of `language` ("" for plain ones) of README.md and
+    docs/guide.md, in that order."""
+    blocks = []
+    for doc in DOCS:
+        lang, body = None, []
+        for line in (ROOT / doc).read_text().splitlines(keepends=True):
+            if line.startswith("```"):
+                if lang is None:
+                    lang, body = line[3:].strip(), []
+                else:
+                    if lang == language:
+                        blocks.append("".join(body))
+                    lang = None
+            elif lang is not None:
+                body.append(line)
     return blocks
 
 
 def readme_script(name: str) -> str:
-    """The README's Python block whose first line names `name`."""
-    found = [b for b in readme_blocks("python") if b.startswith(f"# {name}")]
-    assert len(found) == 1, f"README has {len(found)} blocks starting '# {name}'"
-    return found[0]
+    """The Python block whose first line names `name`; README.md and docs/guide.md may both
+    show it, then as the same script."""
+    found = {b for b in readme_blocks("python") if b.startswith(f"# {name}")}
+    assert len(found) == 1, f"{DOCS} have {len(found)} different blocks starting '# {name}'"
+    return found.pop()
 
 
 def _env() -> dict[str, str]:
@@ -108,12 +116,12 @@ def test_readme_local_cluster_script_runs_as_written(tmp_path):
 
 
 def readme_commands() -> list[str]:
-    """The `autoplan ...` command lines of the README's plain code blocks (continuations
-    joined)."""
+    """The `autoplan ...` command lines of the plain code blocks of README.md and
+    docs/guide.md (continuations joined), each once."""
     out = []
     for block in readme_blocks(""):
         for line in block.replace("\\\n", " ").splitlines():
-            if line.startswith("autoplan "):
+            if line.startswith("autoplan ") and line not in out:
                 out.append(line)
     return out
 
@@ -133,14 +141,15 @@ def test_readme_commands_run_as_written(tmp_path):
 
 
 def test_readme_python_blocks_are_whole_scripts():
-    """Every Python block of the README is a script a test runs (nothing undefined)."""
+    """Every Python block of README.md and docs/guide.md is a script a test runs (nothing
+    undefined)."""
     names = [b.splitlines()[0] for b in readme_blocks("python")]
     assert names and all(n.startswith(("# train.py", "# local.py")) for n in names), names
 
 
 def test_readme_points_at_nothing_outside_the_repo():
-    text = (ROOT / "README.md").read_text()
-    assert "../" not in text
+    for doc in DOCS:
+        assert "../" not in (ROOT / doc).read_text(), doc
 
 
 # -- the batch, in the user's words --------------------------------------------------------

@@ -1,5 +1,10 @@
 """`autoplan calibrate`: measure this machine's CPU ranks and write a `local-cpu` topology file.
 
+Files: this package's __init__ (`measure`, `main`: the topology file it writes, [Note: calibration
+fits]), local.py (what is measured in this process: matmul rates, memory bandwidth, the per-op
+floor), ranks.py (what is measured on a `LocalCluster`: shared speed, stragglers, collectives,
+DTensor and optimizer host costs), fits.py (the least-squares fits of the cost model's curves).
+
 The `local-cpu` preset (autoplan/topology.py) reads the file this writes; every figure in it is
 fitted by calibrate on this machine, `measured: true`, and `source` says what was measured, how,
 and when. One rank is one process with one intra-op thread, as `LocalCluster` runs them

@@ -32,7 +32,8 @@ What capture cannot do raises `CaptureError`, naming the module FQN, the source 
 original error (data-dependent control flow such as `if x.sum() > 0:`, `.item()` used as a
 shape or a condition, ops without a meta/fake kernel).
 
-Files: this package's __init__ (the API: `capture`, `capture_preset`, `CaptureError`), trace.py
+Files: this package's __init__ (the API: `capture`, `capture_preset`), errors.py
+(`CaptureError`, which every step raises), trace.py
 (step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
 weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters), moe.py
 (during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]),
@@ -51,32 +52,18 @@ import torch
 import torch.utils.flop_counter as flop_counter
 from torch import nn
 
+from autoplan.capture.clean import _clean_graph
+from autoplan.capture.errors import CaptureError
+from autoplan.capture.facts import (_backward_shares, _check_layers_align, _dtype_name,
+                                    _find_layers, _node_info, _param_infos)
+from autoplan.capture.fusion import fused_bytes
+from autoplan.capture.moe import experts_as_op
+from autoplan.capture.trace import _check_inputs, _export, _input_names
 from autoplan.graph import CapturedGraph, NodeInfo
+# Re-exported: they live with the passes, which own graph rewriting.
+from autoplan.passes.device import materialize, retarget_device
 
 __all__ = ["CaptureError", "capture", "capture_preset", "materialize", "retarget_device"]
-
-# Re-exported: they live with the passes, which own graph rewriting.
-from autoplan.passes.device import materialize, retarget_device  # noqa: E402
-
-
-class CaptureError(ValueError):
-    """The model could not be captured; the message names the module FQN and the failing op.
-
-    Attributes:
-        partial_graph: what torch.export had traced before it failed (text; may be empty).
-    """
-
-    partial_graph: str = ""
-
-
-# The steps raise CaptureError: they are imported once it exists (importing one of them runs
-# this module first).
-from autoplan.capture.clean import _clean_graph  # noqa: E402
-from autoplan.capture.facts import (_backward_shares, _check_layers_align,  # noqa: E402
-                                    _dtype_name, _find_layers, _node_info, _param_infos)
-from autoplan.capture.trace import _check_inputs, _export, _input_names  # noqa: E402
-from autoplan.capture.moe import experts_as_op  # noqa: E402
-from autoplan.capture.fusion import fused_bytes  # noqa: E402
 
 
 _POSITION_FIELDS = ("n_positions", "max_position_embeddings", "block_size")

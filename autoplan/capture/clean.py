@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from autoplan.capture import CaptureError
+from autoplan.capture.errors import CaptureError
 
 _WRAPPED = "inner"  # attribute name of the model inside the export wrapper; stripped from FQNs
 

@@ -15,7 +15,7 @@ import torch.fx
 import torch.utils.flop_counter as flop_counter
 from torch import nn
 
-from autoplan.capture import CaptureError
+from autoplan.capture.errors import CaptureError
 from autoplan.capture.clean import _WRAPPED, _canonical_tensors, _strip
 from autoplan.cost_model.compute import MATMUL_OPERANDS, op_name
 from autoplan.graph import NodeInfo, ParamInfo

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from autoplan.capture import CaptureError
+from autoplan.capture.errors import CaptureError
 from autoplan.experts import ACTIVATIONS, experts
 
 __all__ = ["experts_modules", "experts_as_op"]

@@ -1,7 +1,7 @@
 """Capture for planning: a shallow copy of the model with a few of its repeated blocks.
 
 [Note: shallow planning capture]
-Planning cost must not grow with depth (../shared/DESIGN.md, "Capture"): the planner prices one
+Planning cost must not grow with depth (docs/design.md, "Capture"): the planner prices one
 representative block and scales it by the real depth (`CapturedGraph.total_layers`,
 [Note: layer sharing] in autoplan/solver/problem.py). A preset is built shallow from its config
 (`capture_preset`); a model *instance* is made shallow here, so that `@autoparallel(model)`

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autoplan.capture import CaptureError
+from autoplan.capture.errors import CaptureError
 from autoplan.capture.constants import fake_cpu
 from autoplan.inputs import path_name
 

@@ -1,7 +1,7 @@
 """The cost model's closed-form formulas, written once as sympy expressions.
 
 Reports print them (`latex`), tests check the numeric cost model against them (`evaluate`).
-Every formula cites its source; see ../shared/reference/FORMULAS.md for the rows.
+Every formula cites its source; see docs/reference/FORMULAS.md for the rows.
 
 Symbols (SYMBOL_DOCS says the same): b microbatch size, B global batch, s sequence length,
 h hidden size, a attention heads, L layers, V vocabulary, t tensor-parallel size, p pipeline

@@ -1,5 +1,10 @@
 """Model presets: named configs (JSON files in `configs/`) and the code that builds them.
 
+Files: this package's __init__ (`build_model`, `example_inputs`, the presets), config_checks.py
+(a config's sizes checked before anything is built), trainable.py (full training or LoRA on a
+frozen base, `--trainable`), architectures.py (the Hugging Face architectures of the coverage
+bench), nanogpt.py and mlp.py (plain-PyTorch families), configs/ (the preset JSON files).
+
 A model is named by a preset (`"llama3-70b"`) or by a path to a Hugging Face `config.json` whose
 `model_type` is "gpt2" or "llama". HF models are built from the config with random weights
 (nothing is downloaded); `transformers` is imported only when an HF model is built. Two

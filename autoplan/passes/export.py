@@ -3,7 +3,7 @@
 Each rank's stage graph (after `split_stages` and `apply_placements`) is interpreted under DTensor
 on a *fake* process group and traced with `make_fx` on fake tensors into a local graph: local
 shard shapes, and every collective the plan inserted as an explicit `_c10d_functional` call
-(../shared/DESIGN.md, "Passes": this is the exported artifact). Nothing is allocated, so a 70B
+(docs/design.md, "Passes": this is the exported artifact). Nothing is allocated, so a 70B
 model exports on a laptop.
 
 Ranks that differ only in their dp coordinate run the same code; one file is written per

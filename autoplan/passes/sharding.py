@@ -1,7 +1,7 @@
 """Apply a plan's tensor-parallel placements to a (stage) graph.
 
 The rewritten graph is meant to be *interpreted under DTensor* on the tp sub-mesh
-(../shared/DESIGN.md, "Passes"): parameters are DTensors with the plan's placements, and
+(docs/design.md, "Passes"): parameters are DTensors with the plan's placements, and
 before every op whose input placement differs from what its producer yields, the pass inserts an
 explicit `redistribute(x, "<dst>")` node -- one per costed `Redistribution` in the plan, no more
 and no fewer (`check_redistributions` verifies this). A value that several consumers need in one

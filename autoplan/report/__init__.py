@@ -8,8 +8,9 @@
     write_files({"report.md": str, ...}, out_dir)  -> {"report.md": Path, ...}
 
 The pieces: facts.py (the numbers, grouped per block role), formulas.py (the closed forms a plan
-uses), timeline.py (the pipeline schedule illustration), markdown.py, html.py, svg.py. Every
-number is printed by the formatters in facts.py ([Note: number format]).
+uses), timeline.py (the pipeline schedule illustration), markdown.py (the Markdown report and
+the terminal summary), html.py (the HTML page), svg.py (its charts), write.py (files written
+atomically). Every number is printed by autoplan/units.py ([Note: number format]).
 
 The names are imported on first use (PEP 562 module `__getattr__`, as in autoplan/__init__.py):
 the renderers import torch, and `autoplan plan` writes a cached report (autoplan/cache.py) with

@@ -1,5 +1,29 @@
 """The bundled runtime: `DistributedModel` (autoplan/runtime/engine.py) trains one rank's share
-of a planned model; `LocalCluster` (launcher.py) runs functions on N local gloo ranks."""
+of a planned model; `LocalCluster` (launcher.py) runs functions on N local gloo ranks.
+
+Files:
+- engine.py: the training engine, one rank's share of a planned model and its optimizer step.
+- parallel.py: the torch.distributed pieces it composes (ZeRO by stage, pipeline schedules,
+  ZeRO-1 optimizer, global gradient clipping, the forward of a tp-sharded stage).
+- step_inputs.py: a step's batch split by dp and microbatch, and the loss ([Note: step loss]).
+- batch.py: a batch checked in the user's words, and what a step measured.
+- evaluate.py: `eval_step`, a batch's loss and outputs without training.
+- construction.py, deferred_init.py, weights.py: where this rank's weights come from (a
+  recorded construction replayed on the shards, [Note: sharded construction]).
+- hf_checkpoint.py, adapters.py: Hugging Face safetensors and PEFT adapters in and out.
+- checkpoint.py: sharded checkpoints (torch.distributed.checkpoint).
+- checks.py: the build-time check that what was built is what the plan says.
+- precision.py: the precision recipe of a plan's dtype, fp16 loss scaling.
+- optim.py: the default optimizer, AdamW with the fused update ([Note: fused AdamW]).
+- offload.py: CPU offload of optimizer states at ZeRO 0 and 1.
+- moe.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
+- compiled.py: compiled stages ([Note: compiled stages]).
+- dryrun.py: one rank of a plan of any size on fake tensors ([Note: dry run]).
+- memory_stats.py, mem_categories.py, live_bytes.py: measured memory by phase, by category,
+  and live tensor bytes.
+- job.py, launcher.py, parent_death.py: torchrun jobs, the local gloo cluster that names a
+  failed rank, and ranks that die with their parent.
+"""
 
 from autoplan.runtime.launcher import LocalCluster, RankError
 

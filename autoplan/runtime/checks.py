@@ -1,7 +1,7 @@
-"""Build-time check that what the runtime built is what the plan says (STYLE rule 14): the
-tp placement of every parameter, the ZeRO stage's dp sharding (an expert slice under ep:
-Shard(0) on the ep mesh instead), the dtype each parameter is held in (trainable: the master
-dtype; frozen: `Plan.frozen_dtype` when set) and the compute dtype.
+"""Build-time check that what the runtime built is what the plan says (docs/design.md, house
+rule 14): the tp placement of every parameter, the ZeRO stage's dp sharding (an expert slice
+under ep: Shard(0) on the ep mesh instead), the dtype each parameter is held in (trainable: the
+master dtype; frozen: `Plan.frozen_dtype` when set) and the compute dtype.
 A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time.
 `check_context_parallel` refuses, before building, a cp plan the runtime cannot run."""
 

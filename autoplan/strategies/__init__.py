@@ -1,6 +1,6 @@
 """Candidate placements per graph node on the tensor-parallel (tp) mesh axis.
 
-The candidates come from DTensor's own sharding rules (../shared/DESIGN.md, "Placements"): for
+The candidates come from DTensor's own sharding rules (docs/design.md, "Placements"): for
 each node we offer DTensor input placements and keep those it runs *without any implicit
 redistribution*, with the output placement DTensor itself produces. The runtime then
 redistributes a node's i-th tensor argument to `Candidate.inputs[i]` whenever the producer's
@@ -45,7 +45,8 @@ re-checked by size instead ([Note: divisor tp]). Results are cached by (op, argu
 shapes/dtypes/allowed placements, static arguments, tp), so identical layers cost one layer.
 Measured: a 2-layer llama3-8b graph for tp 2, 4, 8 in ~1 s cold, ~0.3 s with DTensor warm.
 
-Files: this package's __init__ (`Candidate`, `StrategyCache`, `node_strategies`), nodes.py (the
+Files: this package's __init__ (`node_strategies`), candidate.py (`Candidate`, `StrategyCache`:
+the types every file shares), nodes.py (the
 graph helpers: tensor arguments, shapes, constant-like and ignored nodes, batch dims, DTensor
 propagation of one node), probe.py (the candidates of one node: [Note: node kinds],
 Enumeration, [Note: divisor tp]), prune.py (`_prune`), moe.py (the experts op's rule).
@@ -53,47 +54,18 @@ Enumeration, [Note: divisor tp]), prune.py (`_prune`), moe.py (the experts op's 
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
 from autoplan.graph import CapturedGraph
-
-__all__ = ["Candidate", "node_strategies", "tensor_args", "constant_like_nodes",
-           "ignored_nodes", "batch_dims", "node_tensor_meta", "StrategyCache"]
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to run a node on the tp axis.
-
-    Attributes:
-        inputs: placement ("R", "P", "S(d)") of each tensor argument, [Note: argument order].
-        outputs: placement of each tensor output (one entry for single-output ops).
-        shard_factor: tp when the op's work is split across the tp ranks (an input or an
-            output is sharded), else 1. Partial-only candidates do full-size work per rank.
-    """
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    shard_factor: float
-
-
-class StrategyCache(dict):
-    """Cache of candidate lists keyed by node signature; pass one to `node_strategies` to
-    share work between calls (e.g. several tp degrees of one planning run)."""
-
-
-# The parts build Candidates and log to `log`: they are imported once those exist (importing one
-# of them runs this module first).
-from autoplan.strategies.nodes import (  # noqa: E402
+from autoplan.strategies.candidate import Candidate, StrategyCache
+from autoplan.strategies.nodes import (
     batch_dims, constant_like_nodes, ignored_nodes, node_tensor_meta, tensor_args,
 )
 # _propagate_node: re-exported, the tests import it from here.
-from autoplan.strategies.nodes import _propagate_node  # noqa: E402, F401
-from autoplan.strategies.probe import _Context  # noqa: E402
-from autoplan.strategies.prune import _prune  # noqa: E402
+from autoplan.strategies.nodes import _propagate_node  # noqa: F401
+from autoplan.strategies.probe import _Context
+from autoplan.strategies.prune import _prune
+
+__all__ = ["Candidate", "node_strategies", "tensor_args", "constant_like_nodes",
+           "ignored_nodes", "batch_dims", "node_tensor_meta", "StrategyCache"]
 
 
 # --- candidates ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from autoplan.strategies import Candidate
+from autoplan.strategies.candidate import Candidate
 
 __all__ = ["experts_candidates"]
 

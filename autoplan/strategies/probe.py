@@ -7,6 +7,7 @@ tp]).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import operator
 
@@ -17,12 +18,14 @@ from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import format_placement, parse_placement
-from autoplan.strategies import Candidate, StrategyCache, log
+from autoplan.strategies.candidate import Candidate, StrategyCache
 from autoplan.strategies.moe import experts_candidates
 from autoplan.strategies.nodes import (_arg_specs, _propagate_node, _static_repr, batch_dims,
                                        constant_like_nodes, ignored_nodes, node_tensor_meta,
                                        tensor_args)
 
+# The package's logger: messages name the package, whichever of its files logs them.
+log = logging.getLogger("autoplan.strategies")
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _MAX_PARTIAL_INPUTS = 2

@@ -9,7 +9,7 @@ import math
 import torch
 
 from autoplan.graph import CapturedGraph
-from autoplan.strategies import Candidate
+from autoplan.strategies.candidate import Candidate
 from autoplan.strategies.nodes import tensor_args
 
 aten = torch.ops.aten

@@ -1,0 +1,245 @@
+"""The house a newcomer reads (issue 25, docs/design.md "House rules"): the package's modules
+import each other without a cycle, and every reference to a file of the repository names a
+file that is there."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "autoplan"
+
+
+# -- no import cycles -----------------------------------------------------------------------
+def module_name(path: Path, root: Path) -> str:
+    """`root/autoplan/capture/__init__.py` -> "autoplan.capture", `root/autoplan/plan.py` ->
+    "autoplan.plan"."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_imports(name: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of `known` that module `name` imports when it is imported: the import
+    statements of its body, also under a module-level `if` or `try` (a `TYPE_CHECKING` block
+    too, which errs on the safe side), not those inside functions or classes, which run later.
+    `from A import x` is an import of the module A.x when x is one, else of A. Relative forms
+    are resolved against `name` (its own package when `is_package`). An import of A.B also runs
+    A's `__init__` first, but that is not an edge: A's `__init__` may import its parts as long
+    as they do not import it back."""
+    found: set[str] = set()
+    statements = []
+    for top in ast.parse(source).body:
+        if isinstance(top, (ast.If, ast.Try)):
+            statements += [n for n in ast.walk(top)
+                           if isinstance(n, (ast.Import, ast.ImportFrom))]
+        else:
+            statements.append(top)
+    for node in statements:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                if f"{target}.{alias.name}" in known:
+                    found.add(f"{target}.{alias.name}")
+                elif target in known:
+                    found.add(target)
+    found.discard(name)
+    return found
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module name -> the package's modules it imports at import time, for every .py file
+    under the directory `package`."""
+    paths = {module_name(p, package.parent): p for p in sorted(package.rglob("*.py"))}
+    known = set(paths)
+    return {name: module_imports(name, path.read_text(), path.name == "__init__.py", known)
+            for name, path in paths.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of `graph`: one list per strongly connected component of more than one
+    module (or a module that imports itself), its modules sorted (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_package_imports_without_a_cycle():
+    cycles = import_cycles(import_graph(PACKAGE))
+    assert not cycles, "import cycles (module-level imports):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_an_init_that_imports_its_parts_halfway_down_is_a_cycle(tmp_path):
+    """The check finds the pattern it is for: a package whose part imports a name from the
+    package's `__init__`, which imports the part below that name."""
+    pkg = tmp_path / "autoplan" / "pkg"
+    pkg.mkdir(parents=True)
+    (tmp_path / "autoplan" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("class Shared:\n    pass\n\n\n"
+                                     "from autoplan.pkg.part import helper  # noqa: E402\n")
+    (pkg / "part.py").write_text("from autoplan.pkg import Shared\n\n\ndef helper():\n"
+                                 "    from autoplan.pkg import other  # at call time: no edge\n")
+    (pkg / "leaf.py").write_text("from . import part\nfrom .part import helper\n")
+    graph = import_graph(tmp_path / "autoplan")
+    assert graph["autoplan.pkg.leaf"] == {"autoplan.pkg.part"}
+    assert import_cycles(graph) == [["autoplan.pkg", "autoplan.pkg.part"]]
+
+
+# -- every reference resolves ---------------------------------------------------------------
+SCANNED = ("autoplan", "bench", "tests", "docs", "examples")
+# A path from the repository root: a top-level directory, then the file.
+IN_REPO = re.compile(r"(?<![\w/.-])((?:autoplan|bench|tests|docs|examples|kernels)/[\w./-]*"
+                     r"\.(?:md|py|json|yaml))\b")
+# A path that leaves the repository: what a reader of a clone cannot open.
+OUTSIDE = re.compile(r"(?<![\w/.-])((?:\.\./)+[\w./-]+\.(?:md|py|json|yaml))\b")
+# A document named without its directory (`FORMULAS.md`): some file of the repository must
+# have that name. Documents of other projects, named as theirs:
+DOC_NAME = re.compile(r"(?<![\w/.-])([A-Z][A-Z_]+\.md)\b")
+OTHER_PROJECTS_DOCS = {"PERFORMANCE.md"}  # nccl-tests' doc/PERFORMANCE.md (busbw)
+
+
+# Files a bench writes when it runs: named before they exist (bench/gpu_check.py has not run).
+BENCH_OUTPUTS = "bench/results/"
+
+
+def scanned_files(root: Path) -> list[Path]:
+    """README.md and the text files under SCANNED (not the JSON results: data, not prose), but
+    this file, whose made-up references are the point of a test."""
+    files = [root / "README.md"] if (root / "README.md").is_file() else []
+    for top in SCANNED:
+        files += sorted(p for p in (root / top).rglob("*")
+                        if p.suffix in (".py", ".md", ".yaml") and p.is_file()
+                        and p != Path(__file__).resolve())
+    return files
+
+
+def broken_references(root: Path) -> list[str]:
+    """`file:line: reference` for every reference under `root` to a repository file that is
+    not there, to a file outside the repository, or to a document name no file has."""
+    names = {p.name for p in root.rglob("*") if p.is_file()}
+    broken = []
+    for path in scanned_files(root):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(root)}:{number}"
+            broken += [f"{where}: {m} (not in the repository)" for m in IN_REPO.findall(line)
+                       if not (root / m).exists() and not m.startswith(BENCH_OUTPUTS)]
+            broken += [f"{where}: {m} (outside the repository)" for m in OUTSIDE.findall(line)]
+            broken += [f"{where}: {m} (no file of that name)" for m in DOC_NAME.findall(line)
+                       if m not in names and m not in OTHER_PROJECTS_DOCS]
+    return broken
+
+
+def test_every_reference_names_a_file_of_the_repository():
+    broken = broken_references(ROOT)
+    assert not broken, "references that do not resolve:\n" + "\n".join(broken)
+
+
+def test_a_made_up_reference_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text("See docs/design.md and NOTES.md.\n")
+    (tmp_path / "autoplan").mkdir()
+    (tmp_path / "autoplan" / "x.py").write_text(
+        '"""As docs/design.md says; see docs/missing.md, ../shared/DESIGN.md, STYLE.md."""\n'
+        "# a message, not a reference: [../gloo/transport/tcp/pair.cc:534]\n")
+    assert broken_references(tmp_path) == [
+        "autoplan/x.py:1: docs/missing.md (not in the repository)",
+        "autoplan/x.py:1: ../shared/DESIGN.md (outside the repository)",
+        "autoplan/x.py:1: STYLE.md (no file of that name)",
+        "docs/design.md:1: NOTES.md (no file of that name)",
+    ]
+
+
+# -- the notes index ------------------------------------------------------------------------
+NOTE = re.compile(r"\[Note: ([^\]\[]+?)\]")
+
+
+def note_names(source: str) -> set[str]:
+    """The names of the `[Note: ...]` of `source`, a name wrapped over lines (in a comment or
+    in adjacent string literals) joined again."""
+    names = set()
+    for name in NOTE.findall(source):
+        name = re.sub(r"\s*\n\s*(?:#\s*)?", " ", name)  # a comment's next line
+        names.add(re.sub(r'"\s*f?"', "", name))  # "... " "..." string literals
+    return names
+
+
+def test_the_notes_index_lists_every_note_with_its_file():
+    """docs/design.md's "Notes index" names every `[Note: ...]` of the source, each with a file
+    that holds it."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    index = text[text.index("## Notes index"):]
+    rows = dict(re.findall(r"^\| ([^|]+?) \| `([^`]+)` \|$", index, flags=re.MULTILINE))
+    source = [p for top in ("autoplan", "bench", "tests", "examples", "kernels")
+              for p in (ROOT / top).rglob("*.py") if p != Path(__file__).resolve()]
+    notes = {name for p in source for name in note_names(p.read_text())}
+    assert sorted(notes - set(rows)) == [], "notes missing from docs/design.md's index"
+    assert sorted(set(rows) - notes) == [], "index rows for notes the source no longer has"
+    wrong = [f"{name}: {file}" for name, file in rows.items()
+             if f"[Note: {name}]" not in (ROOT / file).read_text()]
+    assert not wrong, wrong
+
+
+# -- the benchmark tables -------------------------------------------------------------------
+@pytest.mark.parametrize("bench, render", [
+    ("coverage", lambda m, doc: m.markdown(doc)),
+    ("dryrun", lambda m, doc: m.markdown(doc)),
+    ("fidelity", lambda m, doc: m.table(doc["plans"])),
+    ("published", lambda m, doc: m.docs_table(doc["results"])),
+    ("runtime_vs_native", lambda m, doc: m.table(doc["rows"]) + "\n" + m.phase_table(doc["rows"])),
+])
+def test_docs_benchmarks_holds_each_benchs_table_of_its_results(bench, render):
+    """docs/benchmarks.md shows what each bench renders from its checked-in
+    bench/results/<bench>.json (rerun a bench with --docs, or paste its --markdown, with its
+    results)."""
+    import json
+
+    from _helpers import load_bench
+
+    module = load_bench(bench)
+    doc = json.loads((ROOT / "bench" / "results" / f"{bench}.json").read_text())
+    tables = render(module, doc).split("\n")
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    for table in "\n".join(tables).split("\n\n"):
+        assert table.split("\n", 2)[0] in text and all(
+            line in text for line in table.split("\n")), (bench, table[:300])
