@@ -14,11 +14,12 @@ global batch 4 x 64 tokens) in a fresh LocalCluster of 4 ranks.
 
 Measured per rank, on the third step ([Note: measured peak memory] in bench/fidelity.py):
 - `peak_bytes`: live tensor storage bytes (`LiveTensorBytes`) at their height during the step,
-  against the plan's `prediction.memory_bytes` -- the local band is +-10% (docs/design.md, "Bars");
+  against the plan's prediction for the rank's pipeline stage (`Prediction.memory_by_pp_rank`,
+  autoplan.runtime.dryrun.predicted_rank_memory) -- the local band is +-10% (docs/design.md, "Bars");
 - by kind, from the tensors themselves after the step: parameter bytes of trainable and frozen
   parameters (local shards), gradient bytes (`p.grad` of every parameter: frozen ones must have
   none) and optimizer state bytes (AdamW's exp_avg / exp_avg_sq / step: only for trainable
-  parameters), against the plan's `memory_breakdown`;
+  parameters), against that prediction's breakdown;
 - `rss_step_peak_bytes`: the resident set's high-water mark of the step (memory_stats), an upper
   bound that holds the interpreter and allocator slack too.
 The full-training plan of the same model and cluster is planned (not run) for contrast.
@@ -75,6 +76,7 @@ def run_config(config: dict, overrides: dict) -> dict:
 
     from autoplan import autoparallel
     from autoplan.runtime.live_bytes import LiveTensorBytes
+    from autoplan.runtime.dryrun import predicted_rank_memory
 
     make = autoparallel(functools.partial(lora_llama, config), global_batch=GLOBAL_BATCH,
                         seq_len=SEQ, **overrides)
@@ -109,8 +111,10 @@ def run_config(config: dict, overrides: dict) -> dict:
         "frozen_grads": [n for n, p in params if not p.requires_grad and p.grad is not None],
         "optimizer_state_bytes": state_bytes, "frozen_with_state": frozen_with_state,
         "peak_bytes": tracker.peak,
-        "predicted_peak_bytes": plan.prediction.memory_bytes,
-        "predicted_breakdown": plan.prediction.memory_breakdown,
+        # this rank's pipeline stage's prediction (Prediction.memory_by_pp_rank)
+        "predicted_peak_bytes": predicted_rank_memory(plan, dist.get_rank())["peak"],
+        "predicted_breakdown": {k: v for k, v in predicted_rank_memory(plan, dist.get_rank()).items()
+                                if k != "peak"},
         "rss_step_peak_bytes": stats.get("step_peak_bytes"),
         "rss_baseline_bytes": stats.get("baseline_bytes"),
         "losses": losses,

@@ -17,7 +17,8 @@ Measured per rank, two ways:
   `tensor_peak_bytes`, when it occurred (`tensor_peak_phase`: forward, backward or optimizer)
   and by category (`tensor_peak_by_category`: params, grads, optimizer, activations,
   temporaries, ... as the tracker assigns them). This is what the cost model predicts
-  (`predicted_peak_bytes`, `predicted_breakdown`); `tensor_error` = predicted / measured - 1.
+  (`predicted_peak_bytes`, `predicted_breakdown`: the prediction for the rank's pipeline
+  stage, `Prediction.memory_by_pp_rank`); `tensor_error` = predicted / measured - 1.
 - the resident set (`model.memory_stats()`, autoplan/runtime/memory_stats.py): its high-water
   mark (VmHWM, reset through /proc/self/clear_refs at the start of each phase) during
   construction (`construction_peak_bytes`) and during the steps (`step_peak_bytes`, the larger
@@ -84,6 +85,7 @@ def run_config(config: dict, overrides: dict) -> dict:
 
     from autoplan import autoparallel
     from autoplan.runtime.mem_categories import StepMemory
+    from autoplan.runtime.dryrun import predicted_rank_memory
 
     t0 = time.perf_counter()
     make = autoparallel(functools.partial(_factory, config), global_batch=GLOBAL_BATCH,
@@ -114,8 +116,10 @@ def run_config(config: dict, overrides: dict) -> dict:
         "tensor_peak_bytes": tracker.peak_bytes(),
         "tensor_peak_phase": tracker.peak_phase,
         "tensor_peak_by_category": tracker.peak_by_category(),
-        "predicted_peak_bytes": plan.prediction.memory_bytes,
-        "predicted_breakdown": plan.prediction.memory_breakdown,
+        # this rank's pipeline stage's prediction (Prediction.memory_by_pp_rank)
+        "predicted_peak_bytes": predicted_rank_memory(plan, torch.distributed.get_rank())["peak"],
+        "predicted_breakdown": {k: v for k, v in predicted_rank_memory(plan, torch.distributed.get_rank()).items()
+                                if k != "peak"},
         "baseline_bytes": stats["baseline_bytes"],
         "construction_peak_bytes": stats["construction_peak_bytes"],
         "step_peak_bytes": max(peaks),

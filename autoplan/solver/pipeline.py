@@ -114,7 +114,7 @@ dp > 1 (`_deferred_reduction`) a rank therefore holds, in place of the above:
   forward reshards a ZeRO-3 block after it);
 - moment B, the last backward of the rank's first chunk (stage r, the chunk that finishes last:
   backward runs from the last stage to the first), holds that chunk gathered whole (a block
-  gathered for a backward stays gathered), its gradients unsharded, the other chunks reduced
+  gathered for a backward stays gathered; its unsharded parameters at compute precision), its gradients unsharded, the other chunks reduced
   (their gradients sharded, their parameters resharded), and -- when its REDUCE_GRAD starts,
   one microbatch's last activations and receive buffer aside, counted at B to keep one form
   per moment -- the reduce-scatter input FSDP2 copies the first unit's gradients into (the
@@ -447,20 +447,23 @@ def _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit, hel
     first = _first_reduced(cfg, r, layers, total_layers)
     grads_a = rb if grads_a else 0.0
 
-    def frozen_coef(gathered):
-        return {p: (kept_frozen + unit * gathered[p]) * sh
+    def frozen_coef(gathered, width):
+        return {p: (kept_frozen + width * gathered[p]) * sh
                 for p, sh in shares.items()} if frozen else None
 
-    late = {p: states["grads"] * (1 - last[p]) + (rb + unit) * last[p] for p in shares}
+    # the last chunk gathered whole: its unsharded parameters at compute precision (the
+    # all-gather input of one unit at a time is transient)
+    late = {p: states["grads"] * (1 - last[p]) + (rb + spec.dtype_bytes) * last[p]
+            for p in shares}
     moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
                            for p, sh in shares.items()},
                           {p: in_flight * sh for p, sh in shares.items()},
                           output_bytes if r == cfg.pp - 1 else 0.0, sent + recv,
-                          frozen_coef(held))
+                          frozen_coef(held, unit))
     moment_b = RankMemory({p: (kept + late[p]) * sh + rb * first.get(p, 0.0)
                            for p, sh in shares.items()},
                           _late_coef(r, layers, shares, total_layers), 0.0, recv,
-                          frozen_coef(last))
+                          frozen_coef(last, spec.dtype_bytes))
     return [moment_a, moment_b]
 
 
@@ -699,7 +702,7 @@ def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, ga
          "activations": acts * in_flight, "temporaries": gathered * unit + output_bytes,
          "comm_buffers": recv},
         {**base, "grads": late_grads + first_trainable * rb, "activations": late,
-         "temporaries": last_elems * unit, "comm_buffers": recv},
+         "temporaries": last_elems * spec.dtype_bytes, "comm_buffers": recv},
     ]
     breakdown = max(moments, key=lambda m: sum(m.values()))
     breakdown = {k: float(breakdown[k]) for k in ("params", "grads", "optimizer", "activations",
