@@ -120,9 +120,13 @@ def _frontier(prob, costs) -> list[Solution]:
     held = np.zeros(size)  # the boundary as a tp rank holds it (Costs.boundary_bytes)
     for n, row in costs.boundary_bytes.items():
         held = np.asarray(row)[at(n)] if n in prob.nodes else np.full(size, row[0])
+    loss = np.zeros(size)  # the token loss's working set at pp 1 (Costs.loss_rows)
+    for n, row in costs.loss_rows.items():
+        loss = np.asarray(row)[at(n)] if n in prob.nodes else np.full(size, row[0])
     cols = [(k, p) for k in tot for p in _PARTS]
-    rows = np.unique(np.stack([tot[k][p] for k, p in cols] + [held], axis=1)[valid], axis=0)
-    kept = np.empty((0, len(cols) + 1))
+    rows = np.unique(np.stack([tot[k][p] for k, p in cols] + [held, loss], axis=1)[valid],
+                     axis=0)
+    kept = np.empty((0, len(cols) + 2))
     for row in rows[np.argsort(rows.sum(axis=1))]:
         if not len(kept) or not np.any(np.all(kept <= row, axis=1)):
             kept = np.vstack([kept, row])
@@ -133,7 +137,8 @@ def _frontier(prob, costs) -> list[Solution]:
             if value:
                 totals[k][p] = float(value)
         sols.append(Solution({}, **totals,
-                             boundary_bytes=float(row[-1]) if costs.boundary_bytes else None))
+                             boundary_bytes=float(row[-2]) if costs.boundary_bytes else None,
+                             loss_bytes=float(row[-1]) if costs.loss_rows else None))
     return sols
 
 
@@ -250,6 +255,8 @@ def _form_memory(prob, costs, rank, choice) -> float:
         total += rank.act_coef.get(part, 0.0) * (row[choice[n]] if n in choice else row[0])
     for n, row in costs.boundary_bytes.items():  # stage outputs, receive buffers
         total += rank.boundary_coef * (row[choice[n]] if n in choice else row[0])
+    for n, row in costs.loss_rows.items():  # the token loss at pp 1, per candidate
+        total += rank.loss_coef * (row[choice[n]] if n in choice else row[0])
     return total
 
 

@@ -297,6 +297,22 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
 # not held then without pipelining (the runtime drops its reference before the backward, as
 # torchtitan does); a pipeline's last stage keeps them in its output cache until the
 # microbatch's backward (solver/search.py `output_bytes`).
+#
+# With tp > 1 and no pipelining, logits whose placement splits the vocabulary (Shard of their
+# last dim) go to the vocab-parallel cross-entropy instead (passes/kernels.py
+# keep_logits_sharded, kernels/cross_entropy.py; Shoeybi et al. 2019, sec. 3), which holds
+# only this tp rank's shard, V / tp of each row (`vocab_parallel_loss_bytes`): it saves the
+# local logits (their dtype, w bytes) and per-row statistics; its backward computes the
+# gradient of the shard. The Triton kernel (devices that fuse, `DeviceSpec.fuses_pointwise`)
+# writes it at once, w bytes per logit: 2 w per local logit. The torch reference (CPU,
+# cross_entropy_grad_reference) holds with the saved logits an fp32 copy of 16-bit ones, three
+# fp32 temporaries of the softmax and its gradient at once and the bool mask of the target
+# column: w + (4 if w != 4) + 13 bytes per local logit -- measured with LiveTensorBytes on
+# (4096, 16384) logits through the head's matmul and back (2026-12-05): 4.25 x the logits'
+# bytes in fp32 (17 B per logit), 9.5 x in bf16 (19 B); the plain loss measured 3.0 x and 6.0 x
+# there (12 B per logit, as above). The planner
+# prices this per candidate of the logits' producer (Costs.loss_rows), so that a placement
+# that splits the vocabulary is credited with the smaller loss.
 
 LOSS_WORKING_LOGIT_COPIES = 3  # log-probabilities, their gradient, the logits' gradient (fp32)
 
@@ -309,6 +325,20 @@ def loss_working_bytes(logits_bytes: float, dtype_bytes: float) -> float:
         raise ValueError(f"loss_working_bytes: logits_bytes={logits_bytes} must be >= 0 and "
                          f"dtype_bytes={dtype_bytes} > 0")
     return LOSS_WORKING_LOGIT_COPIES * 4.0 * logits_bytes / dtype_bytes
+
+
+def vocab_parallel_loss_bytes(local_logits_bytes: float, dtype_bytes: float,
+                              fused: bool) -> float:
+    """Bytes the vocab-parallel cross-entropy holds at its backward ([Note: loss working
+    set]), for a tp rank's shard of the logits of `local_logits_bytes` at `dtype_bytes` bytes
+    per element (one microbatch): 2 w per logit with the fused kernel (`fused`), else
+    w + (4 if w != 4) + 13 (the torch reference, measured). Raises ValueError as loss_working_bytes."""
+    if local_logits_bytes < 0 or dtype_bytes <= 0:
+        raise ValueError(f"vocab_parallel_loss_bytes: local_logits_bytes={local_logits_bytes} "
+                         f"must be >= 0 and dtype_bytes={dtype_bytes} > 0")
+    per_logit = 2.0 * dtype_bytes if fused else (
+        dtype_bytes + (4.0 if dtype_bytes != 4 else 0.0) + 13.0)
+    return per_logit * local_logits_bytes / dtype_bytes
 
 
 # --- activations from the captured graph --------------------------------------------------------

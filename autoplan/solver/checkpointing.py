@@ -209,8 +209,8 @@ def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
             const += held * input_bytes
         else:  # selective, core-attention: the rows are what the blocks keep already
             const += one_block_bytes if held else 0.0
-        out.append(RankMemory(dict(rank.param_coef), act, const, rank.boundary_coef,
-                              rank.frozen_coef))
+        out.append(dataclasses.replace(rank, param_coef=dict(rank.param_coef), act_coef=act,
+                                       const_bytes=const))
     return out
 
 

@@ -50,7 +50,7 @@ from autoplan.cost_model.comm import backward_redistribution, redistribute_time_
 from autoplan.cost_model.compute import (MATMUL_OPS, at_tokens, backward_time_s,
                                          dtensor_dispatches, module_input_bytes, op_name,
                                          op_time_s)
-from autoplan.cost_model.memory import loss_working_bytes
+from autoplan.cost_model.memory import loss_working_bytes, vocab_parallel_loss_bytes
 from autoplan.solver.problem import OUTPUT, Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import tensor_args
@@ -75,6 +75,13 @@ class Costs:
         loss_bytes: what the runtime's token loss holds at its backward, one microbatch
             (cost_model.memory.loss_working_bytes of the main output; 0 when the model
             returns its own `loss`, whose saved tensors are the graph's).
+        loss_rows: {the logits' producer (ILP node): [bytes per candidate]}: the token loss's
+            working set without pipelining, where the runtime runs the vocab-parallel
+            cross-entropy on logits a candidate splits on the vocabulary (tp > 1,
+            `vocab_parallel_loss_bytes`) and `loss_bytes` for the others ([Note: loss
+            working set] in cost_model/memory.py; at tp 1 every entry is `loss_bytes`, and
+            its least / tp bounds any tp's from below); empty when the model returns its own
+            loss. With pipelining `loss_bytes` holds (the runtime runs the plain loss).
         node_comm_s: ILP node -> [(forward, backward) seconds per candidate] of collectives
             that belong to the node itself rather than to an edge: the K/V all-gather and
             reduce-scatter of attention under context parallelism ([Note: context
@@ -99,6 +106,7 @@ class Costs:
     regather_s: dict[int, dict[tuple, float]] = dataclasses.field(default_factory=dict)
     boundary_bytes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     loss_bytes: float = 0.0
+    loss_rows: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,22 @@ def _token_loss_input(problem: Problem) -> str | None:
     return problem.rep.get(args[graph.main_output_index].name)
 
 
+def _loss_row(problem: Problem, edge, logits_bytes: float, dtype_bytes: float,
+              fused: bool) -> list[float]:
+    """Costs.loss_rows' row of the logits' producer: per candidate, the vocab-parallel
+    cross-entropy's working set on a tp rank's shard where the candidate splits the logits'
+    last dim (the vocabulary, passes/kernels.py keep_logits_sharded), else the plain loss's."""
+    tp = problem.tp
+    if tp == 1:
+        return [loss_working_bytes(logits_bytes, dtype_bytes)] * len(problem.cands[edge.src])
+    shape = problem.graph.nodes[edge.src].shapes[edge.out_index]
+    vocab = {f"S({len(shape) - 1})", "S(-1)"}
+    plain = loss_working_bytes(logits_bytes, dtype_bytes)
+    return [vocab_parallel_loss_bytes(logits_bytes / tp, dtype_bytes, fused)
+            if c.outputs[edge.out_index] in vocab else plain
+            for c in problem.cands[edge.src]]
+
+
 def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
                 topology: Topology, cp: int = 1) -> Costs:
     """All ILP coefficients for `problem` at microbatch size `microbatch_size`, on each of
@@ -234,6 +258,9 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
             costs.output_bytes += edge.nbytes * scale
             if edge.src == loss_input:
                 costs.loss_bytes += loss_working_bytes(edge.nbytes * scale, spec.dtype_bytes)
+                costs.loss_rows[edge.src] = _loss_row(
+                    problem, edge, edge.nbytes * scale, spec.dtype_bytes,
+                    device.fuses_pointwise)
     acts: dict = {}
     for owner, nbytes, mult, _part in problem.saved:
         if owner is None or owner not in problem.cands:

@@ -321,5 +321,7 @@ def evaluate(problem: Problem, costs: Costs, choice: dict[str, int]) -> Solution
         add(sol.act_bytes, part, row[choice[n]] if n is not None and n in choice else row[0])
     for n, row in costs.boundary_bytes.items():
         sol.boundary_bytes = row[choice[n]] if n in choice else row[0]
+    for n, row in costs.loss_rows.items():
+        sol.loss_bytes = row[choice[n]] if n in choice else row[0]
     sol.objective_s = sum(sol.compute_s.values()) + sum(sol.comm_s.values())
     return sol

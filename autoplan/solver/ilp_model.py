@@ -344,6 +344,15 @@ class _Model:
                     const += coef * b / _KB
                 else:
                     terms[v] += coef * b / _KB
+        for n, row in self.c.loss_rows.items() if rank.loss_coef else ():
+            if n not in self.x:
+                const += rank.loss_coef * row[0] / _KB
+                continue
+            for v, b in zip(self.x[n], row):
+                if v is None:
+                    const += rank.loss_coef * b / _KB
+                else:
+                    terms[v] += rank.loss_coef * b / _KB
         for n, row in self.c.boundary_bytes.items() if rank.boundary_coef else ():
             coef = rank.boundary_coef
             if n not in self.x:
@@ -561,11 +570,12 @@ def _undominated(ranks: list[RankMemory]) -> list[tuple[int, RankMemory]]:
     def vec(r: RankMemory) -> tuple:
         parts = sorted(set(r.param_coef) | set(r.act_coef))
         return tuple((r.param_coef.get(p, 0.0), r.act_coef.get(p, 0.0), frozen(r).get(p, 0.0))
-                     for p in parts) + (r.boundary_coef,)
+                     for p in parts) + (r.boundary_coef, r.loss_coef)
 
     def leq(a: RankMemory, b: RankMemory) -> bool:
         parts = set(a.param_coef) | set(a.act_coef) | set(b.param_coef) | set(b.act_coef)
-        return a.const_bytes <= b.const_bytes and a.boundary_coef <= b.boundary_coef and all(
+        return a.const_bytes <= b.const_bytes and a.boundary_coef <= b.boundary_coef and \
+            a.loss_coef <= b.loss_coef and all(
             a.param_coef.get(p, 0.0) <= b.param_coef.get(p, 0.0)
             and frozen(a).get(p, 0.0) <= frozen(b).get(p, 0.0)
             and a.act_coef.get(p, 0.0) <= b.act_coef.get(p, 0.0) for p in parts)

@@ -47,6 +47,9 @@ class RankMemory:
         frozen_coef: part -> bytes per element of a frozen parameter (Problem.frozen: no
             gradient, no optimizer state, [Note: frozen pricing] in cost_model/memory.py);
             None: priced as `param_coef`.
+        loss_coef: how many token-loss working sets the rank holds at the placement of the
+            logits' producer (Costs.loss_rows: 1 at moment A of the last rank without
+            pipelining, else 0; [Note: loss working set] in cost_model/memory.py).
     """
 
     param_coef: dict[str, float]
@@ -54,6 +57,7 @@ class RankMemory:
     const_bytes: float = 0.0
     boundary_coef: float = 0.0
     frozen_coef: dict[str, float] | None = None
+    loss_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,9 @@ class Solution:
         boundary_bytes: the residual stream between blocks, one microbatch, on a tp rank at
             the chosen placement (Costs.boundary_bytes); None: not known (its global size is
             assumed).
+        loss_bytes: the token loss's working set without pipelining at the chosen placement
+            of the logits' producer (Costs.loss_rows); None: none priced per candidate
+            (Costs.loss_bytes holds).
     """
 
     choice: dict[str, int]
@@ -152,6 +159,7 @@ class Solution:
     integer_solver: bool = False
     cp_comm_s: dict[str, float] = field(default_factory=dict)
     boundary_bytes: float | None = None
+    loss_bytes: float | None = None
     frozen_elems: dict[str, float] = field(default_factory=dict)
     shared_frozen_elems: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
 

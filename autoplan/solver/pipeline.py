@@ -386,7 +386,7 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
                                for p, sh in shares.items()},
                               {p: in_flight * sh for p, sh in shares.items()},
                               output_bytes if r == cfg.pp - 1 else 0.0, sent + recv,
-                              frozen_coef)
+                              frozen_coef, _loss_coef(cfg))
         if _deferred_reduction(cfg):
             out += _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit,
                                    held, grads_a, in_flight, output_bytes, sent, recv,
@@ -399,6 +399,12 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
                               frozen_coef)
         out += [moment_a, moment_b]
     return out
+
+
+def _loss_coef(cfg: Config) -> float:
+    """RankMemory.loss_coef of moment A on the last rank: the loss priced per candidate of
+    the logits' producer (Costs.loss_rows) without pipelining; with it, in `output_bytes`."""
+    return 1.0 if cfg.pp == 1 else 0.0
 
 
 def _deferred_reduction(cfg: Config) -> bool:
@@ -661,6 +667,8 @@ def _rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     # they and the receive buffers are the producer's local tensor (1/tp of it when split)
     if sol.boundary_bytes is not None:
         boundary_bytes = sol.boundary_bytes
+    if cfg.pp == 1 and sol.loss_bytes is not None:  # the placement's loss (Costs.loss_rows)
+        output_bytes += sol.loss_bytes
     sent = _sent_output_bytes(cfg, r, boundary_bytes)
     if _deferred_reduction(cfg):
         return _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states,

@@ -616,9 +616,12 @@ def output_bytes(cfg: Config, costs) -> float:
     logits themselves while the runtime holds them -- a pipeline stage keeps its output until
     the microbatch's backward; without pipelining the runtime drops them before the backward
     unless the model computed its own loss (then `costs.loss_bytes` is 0 and the logits are
-    counted as before)."""
+    counted as before). Without pipelining a loss priced per candidate (`costs.loss_rows`:
+    the vocab-parallel cross-entropy) is the placement's, not this constant: RankMemory.
+    loss_coef and Solution.loss_bytes carry it."""
     held = costs.output_bytes if cfg.pp > 1 or not costs.loss_bytes else 0.0
-    return held + costs.loss_bytes
+    per_candidate = cfg.pp == 1 and costs.loss_rows
+    return held + (0.0 if per_candidate else costs.loss_bytes)
 
 
 def _rank_shares(cfg: Config, total_layers: int) -> tuple:
@@ -663,7 +666,7 @@ def _signature(ranks) -> tuple:
     r6 = lambda v: float(f"{v:.6g}")  # noqa: E731
     return tuple((tuple(sorted((k, r6(v)) for k, v in r.param_coef.items())),
                   tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes),
-                  r6(r.boundary_coef),
+                  r6(r.boundary_coef), r6(r.loss_coef),
                   r.frozen_coef and tuple(sorted((k, r6(v)) for k, v in r.frozen_coef.items())))
                  for r in ranks)
 
@@ -682,4 +685,6 @@ def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
         add(sol.act_bytes, prob.part.get(n, "pre") if n is not None else "pre", min(row) / tp)
     for row in costs.boundary_bytes.values():
         sol.boundary_bytes = min(row) / tp
+    for row in costs.loss_rows.values():
+        sol.loss_bytes = min(row) / tp
     return sol
