@@ -1,7 +1,8 @@
 """The recorder of a dry run ([Note: dry run] in autoplan/runtime/dryrun.py): a
 TorchDispatchMode that sees every local aten op of one rank under its FakeTensorMode and
 records live fake storage bytes with their allocation site and moment, the collectives and
-the FLOPs."""
+the FLOPs; with `record_ops`, the op sequence of the step too ([Note: whole-step export] in
+autoplan/runtime/step_export.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoplan import _torch_compat as tc
 from autoplan.runtime.live_bytes import patch_resize
+from autoplan.runtime.step_ops import OpLog
 
 __all__ = ["CATEGORIES", "DryRunRecorder"]
 
@@ -31,11 +33,16 @@ _NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_"}
 class DryRunRecorder(TorchDispatchMode):
     """Records, for the local ops of one rank under a FakeTensorMode (`fake_mode`): live fake
     storage bytes with their allocation site, the collectives and the FLOPs ([Note: dry run]).
-    Use as a context manager, inside `fake_mode`."""
+    Use as a context manager, inside `fake_mode`. With `record_ops`, `ops` (an `OpLog`) gets
+    every op outside construction, in order (the caller clears it before the step it keeps);
+    otherwise `ops` is None."""
 
-    def __init__(self, fake_mode):
+    def __init__(self, fake_mode, record_ops: bool = False):
         super().__init__()
         self.fake_mode = fake_mode
+        self.ops: OpLog | None = OpLog() if record_ops else None
+        # under pp, the schedule's actions as the rank runs them ("0F1", "0SEND_F1", ...)
+        self.actions: list[str] = []
         self.current = 0
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (alloc id, bytes, site)
         self.events: list[tuple[int, int]] = []  # (alloc id, +-bytes) in order
@@ -53,6 +60,13 @@ class DryRunRecorder(TorchDispatchMode):
         self.forward_microbatch = 0
         self.chunk: tuple[str, int] | None = None  # a pipeline stage's ("backward", j)
         self.moments: list[tuple[int, str]] = [(0, "construction")]
+
+    def action(self, text: str) -> None:
+        """The pipeline schedule's action `text` ("0F1": stage 0's forward of microbatch 1,
+        torch's `_Action` notation) starts now: appended to `actions`, and marked in `ops`."""
+        self.actions.append(text)
+        if self.ops is not None:
+            self.ops.mark(text)
 
     # -- memory ------------------------------------------------------------------------------
     def _storage(self, t):
@@ -144,20 +158,28 @@ class DryRunRecorder(TorchDispatchMode):
                 elif st._cdata not in inputs:
                     site = site or self._site(func)
                     self._add(st, site)
-        self._record_collective(func, args, kwargs, out)
+        collective = self._record_collective(func, args, kwargs, out)
+        namespace = _packet_namespace(func)  # prim: metadata queries (prim.device), no op
+        if self.ops is not None and self.phase != "construction" and namespace != "prim":
+            moment = self.moment()
+            if tc.in_recomputation():
+                moment += " (recomputation)"
+            self.ops.add(moment, func, args, kwargs, out,
+                         len(self.collectives) - 1 if collective else None)
         packet = func.overloadpacket
         formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
         if formula is not None and self.phase != "construction":
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out
 
-    def _record_collective(self, func, args, kwargs, out) -> None:
+    def _record_collective(self, func, args, kwargs, out) -> bool:
+        """Record `func` when it is a collective or p2p op; whether it was."""
         namespace = _packet_namespace(func)
         if namespace not in _COLLECTIVE_NAMESPACES:
-            return
+            return False
         name = func.overloadpacket.__name__
         if name in _NOT_COLLECTIVES:
-            return
+            return False
         # a c10d op takes its ProcessGroup, a functional one its group's name
         ranks = next((r for a in tree_leaves((args, kwargs))
                       if (r := tc.group_ranks(a)) is not None), ())
@@ -175,6 +197,7 @@ class DryRunRecorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and (aid := self.alloc_id(t)) is not None:
                     self.sites[aid] = "comm_buffers" if name.startswith("recv") \
                         else "temporaries"
+        return True
 
     def __enter__(self):
         # FSDP2's unsharded parameters, resized outside dispatch
