@@ -108,7 +108,8 @@ class Collective:
 
     Attributes:
         op: the op's name (`all_gather_into_tensor`, `_reduce_scatter_base_`, `send`, ...).
-        axis: the mesh axis of its process group (`tp`, `dp`, `pp`, `cp`, `dp_cp`, `world`;
+        axis: the mesh axis of its process group (`tp`, `dp`, `pp`, `cp`, `dp_cp`; `world`
+            for all ranks when no one axis spans them;
             `pp[2]`: 2 ranks of a pp line, as the tied-weight groups are; `ranks[k]`: a group
             of k ranks on no axis).
         group_size: ranks in the group.
@@ -465,7 +466,8 @@ def _labelled(calls, engine) -> list[Collective]:
             axes[tuple(sorted(engine.mesh[name].mesh.flatten().tolist()))] = name
         if engine.plan.mesh.cp > 1:
             axes[tuple(sorted(engine.dp_mesh.mesh.flatten().tolist()))] = "dp_cp"
-    axes[tuple(range(engine.plan.mesh.world_size))] = "world"
+    # all ranks: named by the axis that spans them when one does (pp2 x dp1 x tp1's pp)
+    axes.setdefault(tuple(range(engine.plan.mesh.world_size)), "world")
     out = []
     for op, ranks, dtype, nbytes in calls:
         key = tuple(sorted(ranks))

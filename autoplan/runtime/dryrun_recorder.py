@@ -159,8 +159,9 @@ class DryRunRecorder(TorchDispatchMode):
                     site = site or self._site(func)
                     self._add(st, site)
         collective = self._record_collective(func, args, kwargs, out)
-        namespace = _packet_namespace(func)  # prim: metadata queries (prim.device), no op
-        if self.ops is not None and self.phase != "construction" and namespace != "prim":
+        # prim: metadata queries (prim.device); profiler: record_function's markers
+        if self.ops is not None and self.phase != "construction" \
+                and _packet_namespace(func) not in ("prim", "profiler"):
             moment = self.moment()
             if tc.in_recomputation():
                 moment += " (recomputation)"
