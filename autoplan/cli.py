@@ -244,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "allocated): print its measured peak memory by category, "
                                    "collective bytes per mesh axis and FLOPs beside the plan's "
                                    "prediction ([Note: dry run] in autoplan/runtime/dryrun.py); "
-                                   "with -o write the report with a Dry run section. A rank "
+                                   "with -o write the report with a Dry run section; with "
+                                   "--export each rank's whole step (every op and collective, "
+                                   "the pipeline actions) as Python, Graphviz and JSON "
+                                   "([Note: whole-step export] in "
+                                   "autoplan/runtime/step_export.py). A rank "
                                    "whose live tensors exceed the device's memory fails, as on "
                                    "the cluster, naming the moment and the category.")
     _add_planning_args(p, capture_depth=True)

@@ -156,3 +156,33 @@ def test_traffic_rows_sum_by_axis_and_op():
     assert traffic_rows(row) == [
         {"axis": "dp", "op": "_reduce_scatter_base_", "count": 1, "bytes": 40},
         {"axis": "pp", "op": "send", "count": 2, "bytes": 20}]
+
+
+def test_model_dry_run_exports_the_actions_of_an_interleaved_pipeline(tmp_path):
+    """`model.dry_run(export=DIR)` of an interleaved 1F1B plan (pp2, 2 virtual stages: rank
+    0 holds stages 0 and 2, rank 1 stages 1 and 3), run by torch's action runtime: each
+    rank's actions cover both its stages, every microbatch's forward before its backward,
+    each stage's gradient reduction after its last backward; the files are written."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autoplan import autoparallel
+
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        module = GPT2LMHeadModel(config)
+    model = autoparallel(module, global_batch=8, seq_len=16, cluster="local-cpu",
+                         world_size=2, pp=2, dp=1, tp=1, schedule="interleaved-1f1b",
+                         num_virtual_stages=2, num_microbatches=2)
+    rows = model.dry_run(ranks=[0, 1], steps=1, export=tmp_path)
+    for row, stages in zip(rows, ((0, 2), (1, 3))):
+        assert row.ops is not None and len(row.ops) > 0
+        actions = list(row.actions)
+        assert {int(a[0]) for a in actions} == set(stages)
+        for s in stages:
+            assert actions.index(f"{s}REDUCE_GRAD") > actions.index(f"{s}B1")
+            for j in range(2):
+                assert actions.index(f"{s}F{j}") < actions.index(f"{s}B{j}")
+        assert json.loads((tmp_path / f"rank{row.rank}_step.json").read_text())["actions"] \
+            == actions
+    assert "    # action 2F0" in (tmp_path / "rank0_step.py").read_text()
