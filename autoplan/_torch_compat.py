@@ -37,9 +37,9 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents", "checkpoint_keys",
            "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
            "cpu_claiming_fakes", "outside_fake_mode", "fake_tensor_mode", "is_fake",
-           "active_fake_mode", "in_backward", "in_recomputation", "fake_store", "group_ranks", "concrete_value",
-           "vote_pipeline_mode_locally", "pipeline_stages", "view_base", "Placement", "Partial",
-           "Replicate", "Shard"]
+           "active_fake_mode", "in_backward", "in_recomputation", "fake_store", "group_ranks",
+           "concrete_value", "vote_pipeline_mode_locally", "pipeline_stages", "view_base",
+           "Placement", "Partial", "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)

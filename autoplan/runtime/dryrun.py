@@ -150,7 +150,8 @@ class RankDryRun:
         actions: under pp, this rank's pipeline actions in the measured step, in the order it
             ran them, in the notation of torch's schedule IR (`_Action`: "0F1" stage 0's
             forward of microbatch 1, "0B1" its backward, "0SEND_F1" / "1RECV_F1" / "1SEND_B1"
-            / "0RECV_B1" the p2p, "0REDUCE_GRAD" the stage's gradient reduction; `_actions`).
+            / "0RECV_B1" the p2p, "0REDUCE_GRAD" the stage's gradient reduction;
+            `DryRunRecorder.follow_actions`).
         ops: with `dry_run(record_ops=True)`, every op of the measured step in order (an
             `OpLog` of `StepOp`s, [Note: whole-step export] in runtime/step_export.py); None
             otherwise.
@@ -363,8 +364,8 @@ def _moments(recorder: DryRunRecorder, engine) -> None:
     each step (`engine._forward_backward`, whose start resets the microbatch count), the
     forward microbatch (a pre-hook on each stage: microbatch j in increasing order, as
     engine.py counts them), and under pp the chunk a stage runs (torch's
-    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage). The hooks live as
-    long as the engine."""
+    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage) and the schedule's
+    actions (`DryRunRecorder.follow_actions`). The hooks live as long as the engine."""
     recorder.num_microbatches = engine.plan.num_microbatches
     inner = engine._forward_backward
 
@@ -397,41 +398,7 @@ def _moments(recorder: DryRunRecorder, engine) -> None:
                     recorder.chunk = None
 
             setattr(stage, f"{kind}_one_chunk", chunk)
-        _actions(recorder, stage)
-
-
-# a pipeline stage's methods that run (or post) one of torch's schedule actions, and the
-# action's name in torch's IR (`_ComputationType`); a p2p method counts when it posts any op
-_STAGE_ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B",
-                  "backward_weight_one_chunk": "W", "get_fwd_recv_ops": "RECV_F",
-                  "get_fwd_send_ops": "SEND_F", "get_bwd_recv_ops": "RECV_B",
-                  "get_bwd_send_ops": "SEND_B", "perform_reduce_grad": "REDUCE_GRAD"}
-
-
-def _actions(recorder: DryRunRecorder, stage) -> None:
-    """Tell the recorder each schedule action of pipeline `stage` as it runs
-    (`DryRunRecorder.action`): whichever schedule drives the stage (GPipe, 1F1B, the
-    interleaved action runtime), these are the stage methods it calls. A backward that
-    computes only the input gradients is torch's "I"."""
-    for method_name, kind in _STAGE_ACTIONS.items():
-        method = getattr(stage, method_name)
-
-        def run(*args, method=method, kind=kind, **kwargs):
-            if kind == "REDUCE_GRAD":
-                recorder.action(f"{stage.stage_index}REDUCE_GRAD")
-                return method(*args, **kwargs)
-            j = args[0] if args else next(iter(kwargs.values()))
-            if kind == "B" and not kwargs.get("full_backward", True):
-                kind = "I"
-            if kind in ("F", "B", "W", "I"):
-                recorder.action(f"{stage.stage_index}{kind}{j}")
-                return method(*args, **kwargs)
-            ops = method(*args, **kwargs)
-            if ops:  # the first stage receives nothing, the last sends nothing
-                recorder.action(f"{stage.stage_index}{kind}{j}")
-            return ops
-
-        setattr(stage, method_name, run)
+        recorder.follow_actions(stage)
 
 
 def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:

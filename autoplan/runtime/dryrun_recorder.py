@@ -29,6 +29,13 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "com
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 _NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_"}
 
+# a pipeline stage's methods that run (or post) one of torch's schedule actions, and the
+# action's name in torch's IR (`_ComputationType`)
+_STAGE_ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B",
+                  "backward_weight_one_chunk": "W", "get_fwd_recv_ops": "RECV_F",
+                  "get_fwd_send_ops": "SEND_F", "get_bwd_recv_ops": "RECV_B",
+                  "get_bwd_send_ops": "SEND_B", "perform_reduce_grad": "REDUCE_GRAD"}
+
 
 class DryRunRecorder(TorchDispatchMode):
     """Records, for the local ops of one rank under a FakeTensorMode (`fake_mode`): live fake
@@ -67,6 +74,32 @@ class DryRunRecorder(TorchDispatchMode):
         self.actions.append(text)
         if self.ops is not None:
             self.ops.mark(text)
+
+    def follow_actions(self, stage) -> None:
+        """Call `action` as each schedule action of pipeline `stage` (torch's PipelineStage)
+        starts: whichever schedule drives the stage (GPipe, 1F1B, the interleaved action
+        runtime), these are the stage methods it calls (`_STAGE_ACTIONS`); a p2p action
+        counts when it posts any op (the first stage receives no activations, the last
+        sends none), and a backward of the input gradients only is torch's "I"."""
+        for method_name, kind in _STAGE_ACTIONS.items():
+            method = getattr(stage, method_name)
+
+            def run(*args, method=method, kind=kind, **kwargs):
+                if kind == "REDUCE_GRAD":
+                    self.action(f"{stage.stage_index}REDUCE_GRAD")
+                    return method(*args, **kwargs)
+                j = args[0] if args else next(iter(kwargs.values()))
+                if kind == "B" and not kwargs.get("full_backward", True):
+                    kind = "I"
+                if kind in ("F", "B", "W", "I"):
+                    self.action(f"{stage.stage_index}{kind}{j}")
+                    return method(*args, **kwargs)
+                ops = method(*args, **kwargs)
+                if ops:
+                    self.action(f"{stage.stage_index}{kind}{j}")
+                return ops
+
+            setattr(stage, method_name, run)
 
     # -- memory ------------------------------------------------------------------------------
     def _storage(self, t):
