@@ -37,9 +37,9 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents", "checkpoint_keys",
            "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
            "cpu_claiming_fakes", "outside_fake_mode", "fake_tensor_mode", "is_fake",
-           "active_fake_mode", "in_backward", "fake_store", "group_ranks", "concrete_value",
-           "vote_pipeline_mode_locally", "pipeline_stages", "view_base", "Placement", "Partial",
-           "Replicate", "Shard"]
+           "active_fake_mode", "in_backward", "in_recomputation", "fake_store", "group_ranks",
+           "concrete_value", "vote_pipeline_mode_locally", "pipeline_stages", "view_base",
+           "Placement", "Partial", "Replicate", "Shard"]
 
 
 @dataclass(frozen=True)
@@ -855,6 +855,15 @@ def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread now (torch's private
     `_current_graph_task_id`)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def in_recomputation() -> bool:
+    """Whether torch.utils.checkpoint is recomputing a checkpointed region on this thread now:
+    its private `_recomputation_hook` is the innermost saved-tensors hook (torch 2.13's
+    `_top_saved_tensors_default_hooks`)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and \
+        getattr(hooks[1], "__qualname__", "").startswith("_recomputation_hook.")
 
 
 def fake_store():

@@ -438,7 +438,7 @@ class AutoParallel:
             plan = plan_for_graph(plan, planned, graph)  # planned on a few blocks, run on all
         return graph, plan, planned, reuse, cached
 
-    def dry_run(self, ranks=None, *, steps: int = 2) -> list:
+    def dry_run(self, ranks=None, *, steps: int = 2, export=None) -> list:
         """One training step of each of `ranks` (global ranks; default rank 0) of this plan,
         in this process, on torch's fake process group of the plan's world size and on fake
         tensors: the real runtime built for that rank, nothing allocated ([Note: dry run] in
@@ -452,15 +452,26 @@ class AutoParallel:
         DryRunError) for a rank whose live tensors exceed the device memory of the cluster
         (`device_memory_bytes=` when given), naming the rank, the moment and the category,
         as the cluster would fail. `dataclasses.replace(plan, dry_run=tuple(r.record() for r
-        in rows))` is the plan whose report has a Dry run section."""
+        in rows))` is the plan whose report has a Dry run section.
+
+        `export`: a directory to write each rank's whole step into (every op and collective
+        in order, the pipeline actions, the traffic per mesh axis: [Note: whole-step export]
+        in autoplan/runtime/step_export.py), once every rank has run; each row's `ops` then
+        holds its op sequence. OSError when it cannot be written."""
         from autoplan.runtime.dryrun import dry_run
 
         graph, plan, planned, _reuse, _cached = self._runtime_graph()
-        return dry_run(graph, plan, ranks, planned_graph=planned, inputs=self.inputs,
+        rows = dry_run(graph, plan, ranks, planned_graph=planned, inputs=self.inputs,
                        optimizer=self.options.optimizer, loss_fn=self.options.loss_fn,
                        max_grad_norm=self.options.max_grad_norm,
                        kernels=self.options.kernels, steps=steps,
-                       device_mem_bytes=self.topology.device.mem_bytes)
+                       device_mem_bytes=self.topology.device.mem_bytes,
+                       record_ops=export is not None)
+        if export is not None:
+            from autoplan.runtime.step_export import step_files, write_step_files
+
+            write_step_files(step_files(rows, plan), export)
+        return rows
 
     @contextlib.contextmanager
     def _timed(self, key: str):

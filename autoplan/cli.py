@@ -244,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "allocated): print its measured peak memory by category, "
                                    "collective bytes per mesh axis and FLOPs beside the plan's "
                                    "prediction ([Note: dry run] in autoplan/runtime/dryrun.py); "
-                                   "with -o write the report with a Dry run section. A rank "
+                                   "with -o write the report with a Dry run section; with "
+                                   "--export each rank's whole step (every op and collective, "
+                                   "the pipeline actions) as Python, Graphviz and JSON "
+                                   "([Note: whole-step export] in "
+                                   "autoplan/runtime/step_export.py). A rank "
                                    "whose live tensors exceed the device's memory fails, as on "
                                    "the cluster, naming the moment and the category.")
     _add_planning_args(p, capture_depth=True)
@@ -256,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", metavar="DIR",
                    help="write plan.json (with the dry run), report.md and report.html (with "
                         "a Dry run section) into DIR")
+    p.add_argument("--export", metavar="DIR",
+                   help="write each rank's whole measured step into DIR: rankR_step.py (every "
+                        "aten op and collective in order, local shapes, dtypes, moment; "
+                        "collectives with mesh axis, dtype and bytes; the pipeline actions), "
+                        ".dot, .json, and traffic.md (bytes and count per mesh axis and op)")
     _add_json_arg(p)
     p.set_defaults(run=_cmd_dryrun)
 
@@ -615,8 +624,10 @@ def plan_for_dry_run(args) -> tuple[_Planned, CapturedGraph]:
 
 def _cmd_dryrun(args) -> int:
     """Plan, dry-run the ranks of --ranks against the device's memory, print each rank's
-    measured beside planned (or --json), and with -o write the report of the plan with its
-    dry run (`Plan.dry_run`). Nothing is written when a rank fails (DryRunOutOfMemory)."""
+    measured beside planned (or --json), with -o write the report of the plan with its
+    dry run (`Plan.dry_run`), with --export each rank's whole step ([Note: whole-step
+    export] in autoplan/runtime/step_export.py). Nothing is written when a rank fails
+    (DryRunOutOfMemory)."""
     import dataclasses
 
     from autoplan.report.measured import relative_error
@@ -632,10 +643,16 @@ def _cmd_dryrun(args) -> int:
     with phase(f"dry-running rank(s) {ranks} of {plan.mesh} ({plan.mesh.world_size} ranks)"):
         try:
             rows = dry_run(graph, plan, ranks, planned_graph=planned.graph, steps=args.steps,
-                           device_mem_bytes=planned.topology.device.mem_bytes)
+                           device_mem_bytes=planned.topology.device.mem_bytes,
+                           record_ops=bool(args.export))
         except DryRunError as e:  # out of memory, or a value read: as the cluster would fail
             raise _Failure(str(e)) from None
-    paths = {}
+    paths, exported = {}, {}
+    if args.export:
+        from autoplan.runtime.step_export import step_files, write_step_files
+
+        with phase(f"writing each rank's whole step into {args.export}"):
+            exported = write_step_files(step_files(rows, plan), args.export)
     if args.out:
         from autoplan.report import render_report
         from autoplan.report.write import write_files
@@ -646,7 +663,8 @@ def _cmd_dryrun(args) -> int:
                 graph=planned.graph, topology=planned.topology), args.out)
     if args.json:
         _print_json({"plan": str(plan), "ranks": [_dry_row(r) for r in rows],
-                     **({"files": [str(p) for p in paths.values()]} if paths else {})})
+                     **({"files": [str(p) for p in [*exported.values(), *paths.values()]]}
+                        if paths or exported else {})})
         return 0
     from autoplan.units import fmt_bytes, fmt_flops, fmt_time
 
@@ -664,6 +682,8 @@ def _cmd_dryrun(args) -> int:
         print(f"  collective bytes by axis: {axes or 'none'}")
         print(f"  FLOPs {fmt_flops(r.flops)} measured (recomputation included), "
               f"{fmt_flops(r.predicted_flops)} planned per rank (without)")
+    if exported:
+        print(f"wrote each rank's whole step ({len(exported)} files) into {args.export}")
     if paths:
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
@@ -718,22 +738,22 @@ def _cmd_calibrate(args) -> int:
     return run(**_given(out_path=args.out, max_ranks=args.max_ranks)) or 0
 
 
-def _check_out(out: str | None, command: str) -> None:
+def _check_out(out: str | None, command: str, flag: str = "-o") -> None:
     """Refuse an output path that cannot be written, before any work: for `calibrate` a file
     (its directory may be missing), for the others a directory. The nearest existing
     directory on the path must let this process create entries (os.access, then a probe that
     creates and removes a directory there: access() says yes to root even where nothing can be
-    created, as in /proc). Raises ValueError naming the path at fault."""
+    created, as in /proc). Raises ValueError naming `flag` and the path at fault."""
     if not out:
         return
     path = Path(out).expanduser().absolute()
     if command == "calibrate" and path.is_dir():
-        raise ValueError(f"-o {out}: is a directory; calibrate writes a topology YAML file")
+        raise ValueError(f"{flag} {out}: is a directory; calibrate writes a topology YAML file")
     # what must be directories: the parents, and the path itself except for calibrate's file
     dirs = [*path.parents] if command == "calibrate" else [path, *path.parents]
     blocked = next((p for p in dirs if p.exists() and not p.is_dir()), None)
     if blocked is not None:
-        raise ValueError(f"-o {out}: {blocked} is a file, not a directory")
+        raise ValueError(f"{flag} {out}: {blocked} is a file, not a directory")
     anchor = next(p for p in dirs if p.exists())  # the root at the latest
     reason = None
     if not os.access(anchor, os.W_OK | os.X_OK):
@@ -745,7 +765,7 @@ def _check_out(out: str | None, command: str) -> None:
             reason = e.strerror or str(e)
     if reason is not None:
         what = "" if anchor == path else f"{path.relative_to(anchor)} "
-        raise ValueError(f"-o {out}: cannot create {what}in {anchor}: {reason}")
+        raise ValueError(f"{flag} {out}: cannot create {what}in {anchor}: {reason}")
 
 
 def _in_cli_words(e: Exception) -> str:
@@ -777,6 +797,7 @@ def main(argv: list[str] | None = None) -> int:
         set_verbosity(args.verbosity)
     try:
         _check_out(getattr(args, "out", None), args.command)
+        _check_out(getattr(args, "export", None), args.command, flag="--export")
         return int(args.run(args))
     except ValueError as e:  # user mistakes from every layer: NoFeasiblePlan, InvalidConfig, ...
         print(f"autoplan: error: {_in_cli_words(e)}", file=sys.stderr)

@@ -18,7 +18,9 @@ Files:
 - offload.py: CPU offload of optimizer states at ZeRO 0 and 1.
 - moe.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
 - compiled.py: compiled stages ([Note: compiled stages]).
-- dryrun.py: one rank of a plan of any size on fake tensors ([Note: dry run]).
+- dryrun.py, dryrun_recorder.py: one rank of a plan of any size on fake tensors ([Note: dry
+  run]); step_ops.py, step_export.py: its whole step's op sequence, written as Python,
+  Graphviz and JSON ([Note: whole-step export]).
 - memory_stats.py, mem_categories.py, live_bytes.py: measured memory by phase, by category,
   and live tensor bytes.
 - job.py, launcher.py, parent_death.py: torchrun jobs, the local gloo cluster that names a

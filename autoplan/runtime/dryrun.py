@@ -59,6 +59,7 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import DryRunRecord, Plan
 from autoplan.runtime.dryrun_recorder import CATEGORIES, DryRunRecorder
 from autoplan.runtime.parallel import local_tensor
+from autoplan.runtime.step_ops import OpLog
 
 __all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunOutOfMemory",
            "DryRunRecorder", "FakeWeights", "dry_run", "predicted_rank_memory",
@@ -107,7 +108,8 @@ class Collective:
 
     Attributes:
         op: the op's name (`all_gather_into_tensor`, `_reduce_scatter_base_`, `send`, ...).
-        axis: the mesh axis of its process group (`tp`, `dp`, `pp`, `cp`, `dp_cp`, `world`;
+        axis: the mesh axis of its process group (`tp`, `dp`, `pp`, `cp`, `dp_cp`; `world`
+            for all ranks when no one axis spans them;
             `pp[2]`: 2 ranks of a pp line, as the tied-weight groups are; `ranks[k]`: a group
             of k ranks on no axis).
         group_size: ranks in the group.
@@ -145,6 +147,14 @@ class RankDryRun:
         num_params: this rank's parameter tensors.
         build_s, step_s: wall seconds of the construction and of the measured step.
         counts: collectives by "op@axis".
+        actions: under pp, this rank's pipeline actions in the measured step, in the order it
+            ran them, in the notation of torch's schedule IR (`_Action`: "0F1" stage 0's
+            forward of microbatch 1, "0B1" its backward, "0SEND_F1" / "1RECV_F1" / "1SEND_B1"
+            / "0RECV_B1" the p2p, "0REDUCE_GRAD" the stage's gradient reduction;
+            `DryRunRecorder.follow_actions`).
+        ops: with `dry_run(record_ops=True)`, every op of the measured step in order (an
+            `OpLog` of `StepOp`s, [Note: whole-step export] in runtime/step_export.py); None
+            otherwise.
     """
 
     rank: int
@@ -164,6 +174,8 @@ class RankDryRun:
     step_s: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
     peak_moment: str = ""
+    actions: tuple[str, ...] = ()
+    ops: OpLog | None = None
 
     def record(self) -> DryRunRecord:
         """What the plan records of this rank (`Plan.dry_run`, plan.json's "dry_run")."""
@@ -215,7 +227,8 @@ class FakeWeights:
 def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None, *,
             planned_graph: CapturedGraph | None = None, inputs=None, optimizer=None,
             loss_fn=None, max_grad_norm: float | None = 1.0, kernels: bool = True,
-            steps: int = 2, device_mem_bytes: float | None = None) -> list[RankDryRun]:
+            steps: int = 2, device_mem_bytes: float | None = None,
+            record_ops: bool = False) -> list[RankDryRun]:
     """One training step of each of `ranks` (default: rank 0) of `plan`, each in this process
     on a fake process group of the plan's world size and on fake tensors ([Note: dry run]).
 
@@ -234,6 +247,8 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
             `device.mem_bytes`); a rank whose live tensors exceed it, at any moment of its
             construction or steps, fails as on the cluster (an offloaded plan's host-resident
             states left aside: `_check_fits`). None: not checked.
+        record_ops: keep every op of the measured step in `RankDryRun.ops` (for
+            `export_step`, runtime/step_export.py).
 
     Returns a RankDryRun per rank, in the order given. Raises ValueError when a process
     group is initialised already (a dry run needs its own), or a rank is outside the plan;
@@ -254,11 +269,12 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
         rank_coordinates(plan, rank)  # a rank outside the plan fails before any is run
     return [_dry_run_rank(graph, plan, rank, planned_graph=planned_graph, inputs=inputs,
                           optimizer=optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
-                          kernels=kernels, steps=steps, device_mem_bytes=device_mem_bytes)
+                          kernels=kernels, steps=steps, device_mem_bytes=device_mem_bytes,
+                          record_ops=record_ops)
             for rank in ranks]
 
 
-def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes,
+def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_ops,
                   **engine_args) -> RankDryRun:
     from autoplan.inputs import InputSpec
     from autoplan.runtime.engine import DistributedModel
@@ -267,7 +283,7 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes,
     dist.init_process_group("fake", store=tc.fake_store(), rank=rank,
                             world_size=plan.mesh.world_size)
     fake = tc.fake_tensor_mode()
-    recorder = DryRunRecorder(fake)
+    recorder = DryRunRecorder(fake, record_ops=record_ops)
     try:
         with fake, recorder, _named_value_reads(rank), _phases(recorder):
             start_s = time.perf_counter()
@@ -282,7 +298,10 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes,
             for _ in range(steps - 1):  # the first step creates the optimizer states
                 engine.step_batch(leaves)
             start, resident = len(recorder.events), recorder.current
-            del recorder.collectives[:]  # the measured step's only
+            del recorder.collectives[:], recorder.actions[:]  # the measured step's only
+            if recorder.ops is not None:
+                recorder.ops.clear()
+            recorder.part = "before the forward"
             recorder.flops = 0
             step_start_s = time.perf_counter()
             engine.step_batch(leaves)
@@ -313,7 +332,8 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes,
         predicted_flops=prediction.model_flops / plan.mesh.world_size,
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
         num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts),
-        peak_moment=recorder.moment_at(peak_end))
+        peak_moment=recorder.moment_at(peak_end), actions=tuple(recorder.actions),
+        ops=recorder.ops)
 
 
 def _check_fits(recorder: DryRunRecorder, categories: dict[int, str], rank: int, plan: Plan,
@@ -344,8 +364,8 @@ def _moments(recorder: DryRunRecorder, engine) -> None:
     each step (`engine._forward_backward`, whose start resets the microbatch count), the
     forward microbatch (a pre-hook on each stage: microbatch j in increasing order, as
     engine.py counts them), and under pp the chunk a stage runs (torch's
-    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage). The hooks live as
-    long as the engine."""
+    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage) and the schedule's
+    actions (`DryRunRecorder.follow_actions`). The hooks live as long as the engine."""
     recorder.num_microbatches = engine.plan.num_microbatches
     inner = engine._forward_backward
 
@@ -378,6 +398,7 @@ def _moments(recorder: DryRunRecorder, engine) -> None:
                     recorder.chunk = None
 
             setattr(stage, f"{kind}_one_chunk", chunk)
+        recorder.follow_actions(stage)
 
 
 def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
@@ -412,7 +433,8 @@ def _labelled(calls, engine) -> list[Collective]:
             axes[tuple(sorted(engine.mesh[name].mesh.flatten().tolist()))] = name
         if engine.plan.mesh.cp > 1:
             axes[tuple(sorted(engine.dp_mesh.mesh.flatten().tolist()))] = "dp_cp"
-    axes[tuple(range(engine.plan.mesh.world_size))] = "world"
+    # all ranks: named by the axis that spans them when one does (pp2 x dp1 x tp1's pp)
+    axes.setdefault(tuple(range(engine.plan.mesh.world_size)), "world")
     out = []
     for op, ranks, dtype, nbytes in calls:
         key = tuple(sorted(ranks))

@@ -1,7 +1,8 @@
 """The recorder of a dry run ([Note: dry run] in autoplan/runtime/dryrun.py): a
 TorchDispatchMode that sees every local aten op of one rank under its FakeTensorMode and
 records live fake storage bytes with their allocation site and moment, the collectives and
-the FLOPs."""
+the FLOPs; with `record_ops`, the op sequence of the step too ([Note: whole-step export] in
+autoplan/runtime/step_export.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoplan import _torch_compat as tc
 from autoplan.runtime.live_bytes import patch_resize
+from autoplan.runtime.step_ops import OpLog
 
 __all__ = ["CATEGORIES", "DryRunRecorder"]
 
@@ -27,15 +29,27 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "com
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 _NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_"}
 
+# a pipeline stage's methods that run (or post) one of torch's schedule actions, and the
+# action's name in torch's IR (`_ComputationType`)
+_STAGE_ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B",
+                  "backward_weight_one_chunk": "W", "get_fwd_recv_ops": "RECV_F",
+                  "get_fwd_send_ops": "SEND_F", "get_bwd_recv_ops": "RECV_B",
+                  "get_bwd_send_ops": "SEND_B", "perform_reduce_grad": "REDUCE_GRAD"}
+
 
 class DryRunRecorder(TorchDispatchMode):
     """Records, for the local ops of one rank under a FakeTensorMode (`fake_mode`): live fake
     storage bytes with their allocation site, the collectives and the FLOPs ([Note: dry run]).
-    Use as a context manager, inside `fake_mode`."""
+    Use as a context manager, inside `fake_mode`. With `record_ops`, `ops` (an `OpLog`) gets
+    every op outside construction, in order (the caller clears it before the step it keeps);
+    otherwise `ops` is None."""
 
-    def __init__(self, fake_mode):
+    def __init__(self, fake_mode, record_ops: bool = False):
         super().__init__()
         self.fake_mode = fake_mode
+        self.ops: OpLog | None = OpLog() if record_ops else None
+        # under pp, the schedule's actions as the rank runs them ("0F1", "0SEND_F1", ...)
+        self.actions: list[str] = []
         self.current = 0
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (alloc id, bytes, site)
         self.events: list[tuple[int, int]] = []  # (alloc id, +-bytes) in order
@@ -53,6 +67,39 @@ class DryRunRecorder(TorchDispatchMode):
         self.forward_microbatch = 0
         self.chunk: tuple[str, int] | None = None  # a pipeline stage's ("backward", j)
         self.moments: list[tuple[int, str]] = [(0, "construction")]
+
+    def action(self, text: str) -> None:
+        """The pipeline schedule's action `text` ("0F1": stage 0's forward of microbatch 1,
+        torch's `_Action` notation) starts now: appended to `actions`, and marked in `ops`."""
+        self.actions.append(text)
+        if self.ops is not None:
+            self.ops.mark(text)
+
+    def follow_actions(self, stage) -> None:
+        """Call `action` as each schedule action of pipeline `stage` (torch's PipelineStage)
+        starts: whichever schedule drives the stage (GPipe, 1F1B, the interleaved action
+        runtime), these are the stage methods it calls (`_STAGE_ACTIONS`); a p2p action
+        counts when it posts any op (the first stage receives no activations, the last
+        sends none), and a backward of the input gradients only is torch's "I"."""
+        for method_name, kind in _STAGE_ACTIONS.items():
+            method = getattr(stage, method_name)
+
+            def run(*args, method=method, kind=kind, **kwargs):
+                if kind == "REDUCE_GRAD":
+                    self.action(f"{stage.stage_index}REDUCE_GRAD")
+                    return method(*args, **kwargs)
+                j = args[0] if args else next(iter(kwargs.values()))
+                if kind == "B" and not kwargs.get("full_backward", True):
+                    kind = "I"
+                if kind in ("F", "B", "W", "I"):
+                    self.action(f"{stage.stage_index}{kind}{j}")
+                    return method(*args, **kwargs)
+                ops = method(*args, **kwargs)
+                if ops:
+                    self.action(f"{stage.stage_index}{kind}{j}")
+                return ops
+
+            setattr(stage, method_name, run)
 
     # -- memory ------------------------------------------------------------------------------
     def _storage(self, t):
@@ -144,20 +191,29 @@ class DryRunRecorder(TorchDispatchMode):
                 elif st._cdata not in inputs:
                     site = site or self._site(func)
                     self._add(st, site)
-        self._record_collective(func, args, kwargs, out)
+        collective = self._record_collective(func, args, kwargs, out)
+        # prim: metadata queries (prim.device); profiler: record_function's markers
+        if self.ops is not None and self.phase != "construction" \
+                and _packet_namespace(func) not in ("prim", "profiler"):
+            moment = self.moment()
+            if tc.in_recomputation():
+                moment += " (recomputation)"
+            self.ops.add(moment, func, args, kwargs, out,
+                         len(self.collectives) - 1 if collective else None)
         packet = func.overloadpacket
         formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
         if formula is not None and self.phase != "construction":
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out
 
-    def _record_collective(self, func, args, kwargs, out) -> None:
+    def _record_collective(self, func, args, kwargs, out) -> bool:
+        """Record `func` when it is a collective or p2p op; whether it was."""
         namespace = _packet_namespace(func)
         if namespace not in _COLLECTIVE_NAMESPACES:
-            return
+            return False
         name = func.overloadpacket.__name__
         if name in _NOT_COLLECTIVES:
-            return
+            return False
         # a c10d op takes its ProcessGroup, a functional one its group's name
         ranks = next((r for a in tree_leaves((args, kwargs))
                       if (r := tc.group_ranks(a)) is not None), ())
@@ -175,6 +231,7 @@ class DryRunRecorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and (aid := self.alloc_id(t)) is not None:
                     self.sites[aid] = "comm_buffers" if name.startswith("recv") \
                         else "temporaries"
+        return True
 
     def __enter__(self):
         # FSDP2's unsharded parameters, resized outside dispatch
