@@ -18,7 +18,10 @@ Files:
 - offload.py: CPU offload of optimizer states at ZeRO 0 and 1.
 - moe.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
 - compiled.py: compiled stages ([Note: compiled stages]).
-- dryrun.py: one rank of a plan of any size on fake tensors ([Note: dry run]).
+- dryrun.py, dryrun_recorder.py: one rank of a plan of any size on fake tensors, and what
+  its recorder sees ([Note: dry run]).
+- collective_log.py: the collectives a rank issues by mesh axis, dtype and bytes (the dry
+  run's and a real rank's, one recording).
 - memory_stats.py, mem_categories.py, live_bytes.py: measured memory by phase, by category,
   and live tensor bytes.
 - job.py, launcher.py, parent_death.py: torchrun jobs, the local gloo cluster that names a
