@@ -29,6 +29,11 @@ the rank and records:
   process group named by mesh axis, dtype and bytes;
 - FLOPs, with torch.utils.flop_counter's formulas (matmuls and attention) on local shapes.
 
+Checked against real runs: tests/test_dryrun_vs_real.py runs the same plans on 4 gloo ranks,
+their collectives recorded by the same code (collective_log.py) and their tensors counted by
+`LiveTensorBytes`: bytes per axis are equal, and so is the peak, up to scalars and the buffers
+of a collective still in flight (the test's docstring says by how much).
+
 Known mislabel: FSDP2's replicate (ZeRO 0/1) accumulates a microbatch's gradients in unsharded
 buffers of its own until the last microbatch's all-reduce, and those count as "temporaries"
 (they are gradients, but no parameter holds them at the end of the step); the peak is right.
