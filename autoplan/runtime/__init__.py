@@ -21,6 +21,8 @@ Files:
 - dryrun.py, dryrun_recorder.py: one rank of a plan of any size on fake tensors ([Note: dry
   run]); step_ops.py, step_export.py: its whole step's op sequence, written as Python,
   Graphviz and JSON ([Note: whole-step export]).
+- collective_log.py: the collectives a rank issues by mesh axis, dtype and bytes (the dry
+  run's and a real rank's, one recording).
 - memory_stats.py, mem_categories.py, live_bytes.py: measured memory by phase, by category,
   and live tensor bytes.
 - job.py, launcher.py, parent_death.py: torchrun jobs, the local gloo cluster that names a

@@ -29,6 +29,11 @@ the rank and records:
   process group named by mesh axis, dtype and bytes;
 - FLOPs, with torch.utils.flop_counter's formulas (matmuls and attention) on local shapes.
 
+Checked against real runs: tests/test_dryrun_vs_real.py runs the same plans on 4 gloo ranks,
+their collectives recorded by the same code (collective_log.py) and their tensors counted by
+`LiveTensorBytes`: bytes per axis are equal, and so is the peak, up to scalars and the buffers
+of a collective still in flight (the test's docstring says by how much).
+
 Known mislabel: FSDP2's replicate (ZeRO 0/1) accumulates a microbatch's gradients in unsharded
 buffers of its own until the last microbatch's all-reduce, and those count as "temporaries"
 (they are gradients, but no parameter holds them at the end of the step); the peak is right.
@@ -47,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +61,7 @@ import torch.distributed as dist
 from autoplan import _torch_compat as tc
 from autoplan.graph import CapturedGraph
 from autoplan.plan import DryRunRecord, Plan
+from autoplan.runtime.collective_log import Collective, bytes_by_axis, label_collectives
 from autoplan.runtime.dryrun_recorder import CATEGORIES, DryRunRecorder
 from autoplan.runtime.parallel import local_tensor
 from autoplan.runtime.step_ops import OpLog
@@ -100,30 +105,6 @@ class DryRunOutOfMemory(DryRunError):
             f"rank {rank} ({where}) runs out of memory in the {moment}: {fmt_bytes(alloc_bytes)} "
             f"of {category} bring its live tensors to {fmt_bytes(self.live_bytes)} ({held}), "
             f"above the device's {fmt_bytes(device_mem_bytes)}")
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective or point-to-point op a rank issued.
-
-    Attributes:
-        op: the op's name (`all_gather_into_tensor`, `_reduce_scatter_base_`, `send`, ...).
-        axis: the mesh axis of its process group (`tp`, `dp`, `pp`, `cp`, `dp_cp`; `world`
-            for all ranks when no one axis spans them;
-            `pp[2]`: 2 ranks of a pp line, as the tied-weight groups are; `ranks[k]`: a group
-            of k ranks on no axis).
-        group_size: ranks in the group.
-        dtype: dtype of the data moved (`bfloat16`).
-        bytes: the op's largest buffer: the gathered output of an all-gather, the input of a
-            reduce-scatter, the tensor of an all-reduce, send, recv or broadcast (nccl-tests'
-            "size").
-    """
-
-    op: str
-    axis: str
-    group_size: int
-    dtype: str
-    bytes: int
 
 
 @dataclass(frozen=True)
@@ -311,27 +292,23 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         if device_mem_bytes is not None:
             _check_fits(recorder, categories, rank, plan, device_mem_bytes)
         peak, by_category, peak_end = recorder.peak(start, categories)
-        calls = tuple(_labelled(recorder.collectives, engine))
+        calls = tuple(label_collectives(recorder.collectives, engine))
         shards = [local_tensor(p) for p in engine._unique_params()]
     finally:
         dist.destroy_process_group()
         tc.clear_dtensor_caches()
-    by_axis: dict[str, int] = defaultdict(int)
-    counts: dict[str, int] = defaultdict(int)
-    for c in calls:
-        by_axis[c.axis] += c.bytes
-        counts[f"{c.op}@{c.axis}"] += 1
+    by_axis, counts = bytes_by_axis(calls)
     predicted = predicted_rank_memory(plan, rank)
     prediction = plan.prediction
     return RankDryRun(
         rank=rank, coordinates=rank_coordinates(plan, rank), peak_bytes=peak,
         peak_by_category=by_category, resident_bytes=resident, collectives=calls,
-        bytes_by_axis=dict(by_axis), flops=recorder.flops,
+        bytes_by_axis=by_axis, flops=recorder.flops,
         predicted_peak_bytes=predicted["peak"],
         predicted_by_category={k: v for k, v in predicted.items() if k != "peak"},
         predicted_flops=prediction.model_flops / plan.mesh.world_size,
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
-        num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=dict(counts),
+        num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=counts,
         peak_moment=recorder.moment_at(peak_end), actions=tuple(recorder.actions),
         ops=recorder.ops)
 
@@ -422,27 +399,6 @@ def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
     for state in optimizer.state.values():
         for t in state.values():
             put(t, "optimizer")
-    return out
-
-
-def _labelled(calls, engine) -> list[Collective]:
-    """The recorded collectives with their groups named by mesh axis."""
-    axes: dict[tuple[int, ...], str] = {}
-    with tc.outside_fake_mode():
-        for name in engine.mesh.mesh_dim_names:
-            axes[tuple(sorted(engine.mesh[name].mesh.flatten().tolist()))] = name
-        if engine.plan.mesh.cp > 1:
-            axes[tuple(sorted(engine.dp_mesh.mesh.flatten().tolist()))] = "dp_cp"
-    # all ranks: named by the axis that spans them when one does (pp2 x dp1 x tp1's pp)
-    axes.setdefault(tuple(range(engine.plan.mesh.world_size)), "world")
-    out = []
-    for op, ranks, dtype, nbytes in calls:
-        key = tuple(sorted(ranks))
-        axis = axes.get(key)
-        if axis is None:  # a subset of an axis's group (tied weights: 2 ranks of a pp line)
-            axis = next((f"{name}[{len(key)}]" for members, name in axes.items()
-                         if set(key) <= set(members)), f"ranks[{len(key)}]")
-        out.append(Collective(op, axis, len(key), dtype, nbytes))
     return out
 
 

@@ -17,17 +17,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from autoplan import _torch_compat as tc
+from autoplan.runtime.collective_log import Call, collective_call
 from autoplan.runtime.live_bytes import patch_resize
 from autoplan.runtime.step_ops import OpLog
 
 __all__ = ["CATEGORIES", "DryRunRecorder"]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
-
-# The c10d and functional collectives a rank issues, by op packet name (wait_tensor and the
-# coalescing bookkeeping move nothing).
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-_NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_"}
 
 # a pipeline stage's methods that run (or post) one of torch's schedule actions, and the
 # action's name in torch's IR (`_ComputationType`)
@@ -55,7 +51,7 @@ class DryRunRecorder(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []  # (alloc id, +-bytes) in order
         self.sites: dict[int, str] = {}  # alloc id -> allocation site
         self._next_id = 0
-        self.collectives: list[tuple[str, tuple[int, ...], str, int]] = []
+        self.collectives: list[Call] = []  # collective_log.collective_call's, in order
         self.flops = 0
         self.phase = "construction"  # construction | step | optimizer (set by the caller)
         self._resize = None
@@ -194,7 +190,7 @@ class DryRunRecorder(TorchDispatchMode):
         collective = self._record_collective(func, args, kwargs, out)
         # prim: metadata queries (prim.device); profiler: record_function's markers
         if self.ops is not None and self.phase != "construction" \
-                and _packet_namespace(func) not in ("prim", "profiler"):
+                and getattr(func, "namespace", "") not in ("prim", "profiler"):
             moment = self.moment()
             if tc.in_recomputation():
                 moment += " (recomputation)"
@@ -208,25 +204,14 @@ class DryRunRecorder(TorchDispatchMode):
 
     def _record_collective(self, func, args, kwargs, out) -> bool:
         """Record `func` when it is a collective or p2p op; whether it was."""
-        namespace = _packet_namespace(func)
-        if namespace not in _COLLECTIVE_NAMESPACES:
+        call = collective_call(func, args, kwargs, out)
+        if call is None:
             return False
-        name = func.overloadpacket.__name__
-        if name in _NOT_COLLECTIVES:
-            return False
-        # a c10d op takes its ProcessGroup, a functional one its group's name
-        ranks = next((r for a in tree_leaves((args, kwargs))
-                      if (r := tc.group_ranks(a)) is not None), ())
-        sizes, dtype = [], ""
-        for value in list(args) + list(kwargs.values()) + [out]:
-            tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-            if tensors:
-                sizes.append(sum(t.numel() * t.element_size() for t in tensors))
-                dtype = dtype or str(tensors[0].dtype).removeprefix("torch.")
-        self.collectives.append((name, tuple(ranks), dtype, max(sizes, default=0)))
+        self.collectives.append(call)
+        name = call[0]
         # the buffer an in-place c10d op fills: a pipeline receive buffer, or a gathered /
         # reduce-scattered one (FSDP2's), counted as the plan counts them
-        if namespace == "c10d" and args and name not in ("send", "allreduce_", "broadcast_"):
+        if func.namespace == "c10d" and args and name not in ("send", "allreduce_", "broadcast_"):
             for t in tree_leaves(args[0]):
                 if isinstance(t, torch.Tensor) and (aid := self.alloc_id(t)) is not None:
                     self.sites[aid] = "comm_buffers" if name.startswith("recv") \
@@ -308,7 +293,3 @@ _EXTRA_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
 }
-
-
-def _packet_namespace(func) -> str:
-    return getattr(func, "namespace", "")
