@@ -29,6 +29,7 @@ __all__ = [
     "activation_bytes_from_graph", "saved_tensors", "node_producers", "SavedTensor",
     "pipeline_in_flight_microbatches", "peak_memory_bytes", "RECOMPUTE_POLICIES", "PARAM_PREFIX",
     "SELECTIVE_SAVED_OPS", "selective_saves", "core_attention_regions",
+    "loss_working_bytes", "vocab_parallel_loss_bytes", "attention_dropout_scores",
 ]
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -359,6 +360,8 @@ def vocab_parallel_loss_bytes(local_logits_bytes: float, dtype_bytes: float,
 # | masked_fill, where                         | the boolean mask/condition: in - out bytes     |
 # | mul, div of two activations                | both operands (in_bytes)                       |
 # | fused attention (sdpa, flash, efficient)   | q, k, v, output, fp32 log-sum-exp per row      |
+# |   with dropout (dropout_p > 0)             | and a 1-byte keep mask per score (the runtime's|
+# |                                            | keyed attention dropout, passes/rng.py)        |
 # | embedding                                  | int64 indices                                  |
 # | cross_entropy_loss                         | log-probabilities (in_bytes)                   |
 # | views, add/sub, casts, clone, cat, sum,    | nothing                                        |
@@ -599,9 +602,27 @@ def core_attention_regions(graph) -> list[tuple[str, ...]]:
     return regions
 
 
+def attention_dropout_scores(gm: torch.fx.GraphModule | torch.fx.Graph) -> dict[str, float]:
+    """{attention node: score elements, B x H x T x S} of the graph's attention ops that drop
+    probabilities (scaled_dot_product_attention with dropout_p > 0): the runtime keeps a
+    1-byte mask per score for their backward ([Note: saved tensors])."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    out = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or op_name(str(node.target)) not in ATTENTION_OPS:
+            continue
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        q, k = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+                for a in node.args[:2])
+        if isinstance(p, (int, float)) and p > 0 and q is not None and k is not None:
+            out[node.name] = float(math.prod(q.shape[:-1]) * k.shape[-2])
+    return out
+
+
 def saved_tensors(nodes: Sequence[NodeInfo], *,
                   producers: Mapping[str, Sequence[str | None]] | None = None,
-                  dtype_bytes: int | None = None) -> list[SavedTensor]:
+                  dtype_bytes: int | None = None,
+                  attention_dropout: Mapping[str, float] | None = None) -> list[SavedTensor]:
     """The tensors autograd saves for the backward of `nodes` (one layer, graph order), by the
     rules of [Note: saved tensors], unsharded and not deduplicated.
 
@@ -610,15 +631,22 @@ def saved_tensors(nodes: Sequence[NodeInfo], *,
         producers: `node_producers(gm)` for exact attribution (parameters excluded, a tensor
             saved by several ops counted once by `activation_bytes_from_graph`).
         dtype_bytes: width of floating activations (2 for bf16 training); default: as captured.
+        attention_dropout: `attention_dropout_scores(gm)`: the attention ops that drop
+            probabilities, whose 1-byte masks count as attention scores (selective
+            recomputation drops them).
 
     Raises ValueError for a matmul without FLOPs (see compute.matmul_dims).
     """
     result: list[SavedTensor] = []
     in_scores = False
+    dropping = attention_dropout or {}
     for node in nodes:
         node_prod = None if producers is None else producers.get(node.name, ())
         rules = _Rules(node, node_prod, dtype_bytes)
         rules.apply()
+        if node.name in dropping:
+            result.append(SavedTensor(node.name, "dropout_mask", node.name,
+                                      dropping[node.name], "attention_dropout_mask", True))
         is_matmul = op_name(node.target) in MATMUL_OPS
         starts = is_matmul and _is_score_matmul(node, node_prod)
         for index, (owner, slot, nbytes, kind) in enumerate(rules.items):

@@ -56,8 +56,11 @@ solver prices (solver/checkpointing.py) and this policy runs."""
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
-    # ops as dispatched: a captured aten.linear arrives here as its mm / addmm (and a view)
-    return (CheckpointPolicy.MUST_SAVE if memory.selective_saves(op)
+    # ops as dispatched: a captured aten.linear arrives here as its mm / addmm (and a view).
+    # An op run without grad (inside an autograd.Function's forward: passes/rng.py's dropped
+    # attention, which saves its own inputs and recomputes) records nothing for the backward:
+    # keeping its output would hold what the Function chose not to (its scores).
+    return (CheckpointPolicy.MUST_SAVE if memory.selective_saves(op) and torch.is_grad_enabled()
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 

@@ -188,6 +188,24 @@ def _check_p(p: float, name: str, op: str) -> None:
         raise ValueError(f"{op}: {name}={p!r} must be a number in [0, 1]")
 
 
+class _Dropped(torch.autograd.Function):
+    """x * keep / (1 - p) in x's dtype (aten's CPU dropout arithmetic), saving the bool
+    `keep` (1 byte per element, as aten's native_dropout does) instead of the scaled mask in
+    x's dtype that autograd's mul would save ([Note: saved tensors] in cost_model/memory.py
+    prices 1 byte). The gradient is grad * (keep / (1 - p)), mul's own."""
+
+    @staticmethod
+    def forward(ctx, x, keep, p):
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        return x * keep.to(x.dtype).div_(1 - p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * keep.to(grad.dtype).div_(1 - ctx.p), None, None
+
+
 def _keep(state: RandomState, x: torch.Tensor, q: float, k: int, op: str, rows: int):
     """(local tensor, bool mask `u < q` of the local block: True with probability q)."""
     local, shape, offset = _split(x, op)
@@ -216,7 +234,7 @@ def keyed_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool,
     if p == 1:
         return x * 0  # what aten's dropout returns for p == 1 (no draws)
     local, keep = _keep(state, x, 1 - p, k, "dropout", rows_per_sample)
-    return _like(local * keep.to(local.dtype).div_(1 - p), x)
+    return _like(_Dropped.apply(local, keep, p), x)
 
 
 def keyed_native_dropout(state: RandomState, x: torch.Tensor, p: float, train: bool | None,
@@ -229,7 +247,7 @@ def keyed_native_dropout(state: RandomState, x: torch.Tensor, p: float, train: b
     if train is False or p in (0, 1) or not state.drawing:
         return aten.native_dropout.default(x, p, train and state.drawing)
     local, keep = _keep(state, x, 1 - p, k, "native_dropout", rows_per_sample)
-    return (_like(local * keep.to(local.dtype).div_(1 - p), x),
+    return (_like(_Dropped.apply(local, keep, p), x),
             _like(keep, x, stride=x.stride()))
 
 
@@ -304,6 +322,44 @@ def _attention_probs(q, k, mask, is_causal: bool, scale, enable_gqa: bool) -> to
     return probs.to(q.dtype)
 
 
+def _dropped_attention(q, k, v, mask, keep, p: float, is_causal: bool, scale,
+                       enable_gqa: bool) -> torch.Tensor:
+    """(softmax(q k^T * scale + mask) * keep / (1 - p)) @ v as torch's math SDPA computes it
+    (`_attention_probs`), `keep` the bool mask of the kept probabilities."""
+    probs = _attention_probs(q, k, mask, is_causal, scale, enable_gqa)
+    probs = probs * keep.to(probs.dtype).div_(1 - p)
+    if enable_gqa:
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    return probs @ v
+
+
+class _DroppedAttention(torch.autograd.Function):
+    """`_dropped_attention` saving q, k, v, the mask and the bool `keep` (1 byte per
+    score), and recomputing the probabilities in its backward, as fused attention does
+    (FlashAttention recomputes them from q, k and its dropout seed): autograd through the math
+    path would save the fp32 probabilities, the scaled mask and the dropped probabilities,
+    4 + 2 w bytes per score, which [Note: saved tensors] in cost_model/memory.py does not
+    price. The gradients are the math path's own (the same ops, run again under autograd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, keep, p, is_causal, scale, enable_gqa):
+        ctx.save_for_backward(q, k, v, mask, keep)
+        ctx.args = (p, is_causal, scale, enable_gqa)
+        return _dropped_attention(q, k, v, mask, keep, p, is_causal, scale, enable_gqa)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, keep = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+        with torch.enable_grad():
+            out = _dropped_attention(*inputs, mask, keep, *ctx.args)
+        wanted = [t for t, n in zip(inputs, needs) if n]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if n else None for n in needs),
+                None, None, None, None, None, None)
+
+
 def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p: float = 0.0,
                is_causal: bool = False, k: int = 0, *, scale: float | None = None,
                enable_gqa: bool = False, rows_per_sample: int = 1) -> torch.Tensor:
@@ -341,16 +397,13 @@ def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p:
                 "placement, Replicate or Shard of a batch or head dim")
     q, shape, offset = _split(query, op)
     kl, vl = (key.to_local(), value.to_local()) if isinstance(key, DTensor) else (key, value)
-    probs = _attention_probs(q, kl, _local_mask(attn_mask, query, q.shape, offset), is_causal,
-                             scale, enable_gqa)  # (b, h, T, S) local
     S = key.shape[-2]
     u = _draw(state, k, (*shape[:-1], S), (*offset[:-1], 0), (*q.shape[:-1], S),
               rows_per_sample=rows_per_sample)
-    keep = (u < 1 - dropout_p).to(device=probs.device, dtype=probs.dtype)
-    probs = probs * keep.div_(1 - dropout_p)
-    if enable_gqa:
-        vl = vl.repeat_interleave(q.size(-3) // vl.size(-3), -3)
-    out = probs @ vl  # (b, h, T, Ev)
+    keep = (u < 1 - dropout_p).to(q.device)  # (b, h, T, S) local, bool
+    del u
+    out = _DroppedAttention.apply(q, kl, vl, _local_mask(attn_mask, query, q.shape, offset),
+                                  keep, dropout_p, is_causal, scale, enable_gqa)  # (b, h, T, Ev)
     global_shape = torch.Size((*shape[:-1], value.shape[-1]))
     stride = torch.empty(global_shape, device="meta").stride()  # contiguous, like `out`
     return _like(out, query, shape=global_shape, stride=stride)

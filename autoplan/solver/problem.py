@@ -41,7 +41,8 @@ import torch.fx
 
 from autoplan.cost_model.compute import VIEW_OPS, op_name
 from autoplan.cost_model.memory import (
-    core_attention_regions, node_producers, saved_tensors, selective_saves,
+    attention_dropout_scores, core_attention_regions, node_producers, saved_tensors,
+    selective_saves,
 )
 from autoplan.graph import CapturedGraph
 from autoplan.strategies import (
@@ -405,7 +406,8 @@ def _saved(graph: CapturedGraph, prob: Problem, layer_of,
     input that no op saves is held by the core's checkpoint."""
     infos = [info for name, info in graph.nodes.items()
              if name in prob.cands and name not in prob.constants]
-    items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes)
+    items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes,
+                          attention_dropout=attention_dropout_scores(graph.gm))
     items, prob.regathered = _through_flat_views(graph, prob, items)
     seen: dict[tuple, float] = {}
     outside: set[tuple] = set()  # saved by an op outside the cores, or owned outside them

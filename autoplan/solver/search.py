@@ -614,12 +614,16 @@ def output_bytes(cfg: Config, costs) -> float:
     """What the last pipeline rank holds after its forward for the loss, one microbatch,
     bytes: the loss's working set ([Note: loss working set] in cost_model/memory.py) and the
     logits themselves while the runtime holds them -- a pipeline stage keeps its output until
-    the microbatch's backward; without pipelining the runtime drops them before the backward
+    the microbatch's backward (GPipe's last stage all m microbatches'); without pipelining the runtime drops them before the backward
     unless the model computed its own loss (then `costs.loss_bytes` is 0 and the logits are
     counted as before). Without pipelining a loss priced per candidate (`costs.loss_rows`:
     the vocab-parallel cross-entropy) is the placement's, not this constant: RankMemory.
     loss_coef and Solution.loss_bytes carry it."""
     held = costs.output_bytes if cfg.pp > 1 or not costs.loss_bytes else 0.0
+    if cfg.pp > 1 and cfg.schedule == "gpipe":
+        # every microbatch's logits at once: GPipe's last stage runs all m forwards before
+        # the first backward (the 1F1B schedules, interleaved too, hold one at their peak)
+        held *= cfg.num_microbatches
     per_candidate = cfg.pp == 1 and costs.loss_rows
     return held + (0.0 if per_candidate else costs.loss_bytes)
 
