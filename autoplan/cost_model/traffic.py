@@ -374,7 +374,7 @@ def _tensor_parallel(ctx: _Context, t: RankTraffic, stages: list[int]) -> None:
             continue
         for u, q in zip(tensor_args(v), wanted):
             p = produced.get(u.name)
-            if p is None:
+            if p is None or "," in p:  # a multi-output node: its getitems carry the values
                 continue
             groups[(u.name, v.name if v.op != "output" else "output")].add((p, q, split))
     seen_fwd: set = set()
@@ -397,7 +397,10 @@ def _tensor_parallel(ctx: _Context, t: RankTraffic, stages: list[int]) -> None:
                     t.add(_FUNCTIONAL[kind], "tp", size, times * ctx.m * (again + regather))
     # backward: per value, one collective per (p, q, split) its consumers' gradients take
     back: dict[tuple, int] = {}
+    no_grad = _no_gradient(ctx)
     for (u, consumer), keys in groups.items():
+        if u in no_grad:
+            continue
         times = ctx.times_on(consumer if consumer != "output" else u, stages)
         for p, q, split in keys:
             if q == "P":
@@ -411,6 +414,20 @@ def _tensor_parallel(ctx: _Context, t: RankTraffic, stages: list[int]) -> None:
             nbytes = ctx.value_bytes(ctx.nodes[u])
             t.add(_FUNCTIONAL[kind], "tp", nbytes / tp if kind == "all_to_all" else nbytes,
                   times * ctx.m)
+
+
+def _no_gradient(ctx: _Context) -> set[str]:
+    """Values autograd gives no gradient: integer and boolean ones, and the constant-like
+    ones (no graph input, no parameter upstream: masks, rotary tables; passes/pipeline.py)."""
+    from autoplan.passes.pipeline import constant_like_nodes
+
+    g = ctx.graph
+    out = set(constant_like_nodes(g.gm, {f for f, i in g.params.items() if i.is_buffer}))
+    for n in g.gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.dtype.is_floating_point:
+            out.add(n.name)
+    return out
 
 
 def _collective(src: str, dst: str, tp: int) -> str:
