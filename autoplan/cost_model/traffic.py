@@ -69,8 +69,10 @@ __all__ = ["RankTraffic", "rank_traffic"]
 
 # collective name (Redistribution.collective / redistribute_time_s) -> the functional op
 # DTensor dispatches, as the recorder names it
+# (S(i) -> S(j): DTensor of torch 2.13 all-gathers the whole tensor and keeps its chunk, as
+# the dry run records it)
 _FUNCTIONAL = {"all_gather": "all_gather_into_tensor", "all_reduce": "all_reduce",
-               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
+               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_gather_into_tensor"}
 _MATMULS = ("mm", "addmm", "bmm", "matmul", "linear", "baddbmm")
 _VIEWS = ("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand",
           "unsqueeze", "squeeze", "alias", "clone", "contiguous")
@@ -228,6 +230,9 @@ class _Context:
                    if self.plan.stages[s].layer_start <= j < self.plan.stages[s].layer_end)
 
     def value_bytes(self, node, index: int | None = None) -> float:
+        if node.op == "get_attr":  # a parameter: its compute-dtype copy, whole on tp
+            info = self.graph.params.get(str(node.target))
+            return float(info.numel * self.e) if info is not None else 0.0
         val = node.meta.get("val")
         if isinstance(val, (tuple, list)):
             val = val[index or 0]
@@ -373,7 +378,8 @@ def _tensor_parallel(ctx: _Context, t: RankTraffic, stages: list[int]) -> None:
         else:
             continue
         for u, q in zip(tensor_args(v), wanted):
-            p = produced.get(u.name)
+            p = ctx.plan.placement_of(str(u.target)) if u.op == "get_attr" \
+                else produced.get(u.name)
             if p is None or "," in p:  # a multi-output node: its getitems carry the values
                 continue
             groups[(u.name, v.name if v.op != "output" else "output")].add((p, q, split))
@@ -391,7 +397,7 @@ def _tensor_parallel(ctx: _Context, t: RankTraffic, stages: list[int]) -> None:
                 seen_fwd.add((u, q))
                 kind = _collective(p, q, tp)
                 if kind in _FUNCTIONAL:
-                    size = nbytes / tp if kind == "all_to_all" else nbytes
+                    size = nbytes
                     again = 1 + (recompute and block)
                     regather = kind == "all_gather" and u in saved and not (recompute and block)
                     t.add(_FUNCTIONAL[kind], "tp", size, times * ctx.m * (again + regather))
@@ -412,8 +418,7 @@ def _tensor_parallel(ctx: _Context, t: RankTraffic, stages: list[int]) -> None:
         kind = _collective(gd, gs, tp)
         if kind in _FUNCTIONAL and times:
             nbytes = ctx.value_bytes(ctx.nodes[u])
-            t.add(_FUNCTIONAL[kind], "tp", nbytes / tp if kind == "all_to_all" else nbytes,
-                  times * ctx.m)
+            t.add(_FUNCTIONAL[kind], "tp", nbytes, times * ctx.m)
 
 
 def _no_gradient(ctx: _Context) -> set[str]:
