@@ -49,8 +49,12 @@ def test_quick_run_writes_every_rank_with_its_bars(tmp_path, capsys):
             assert sum(r["peak_by_category"].values()) == r["peak_bytes"] > 0
             assert r["predicted_peak_bytes"] > 0 and r["flops"] > 0
             assert {"dp", "pp", "tp"} <= set(r["bytes_by_axis"])
-            assert r["priced_bytes_by_axis"] is None and "not priced per axis" in \
-                r["collective_bytes_bar"]
+            # priced per axis; the bar is the numbers' (priced / measured - 1 on each axis)
+            priced, measured = r["priced_bytes_by_axis"], r["bytes_by_axis"]
+            assert {"dp", "pp", "tp"} <= set(priced)
+            errors = {a: priced.get(a, 0) / b - 1 for a, b in measured.items()}
+            assert r["collective_bytes_ok"] == (set(priced) <= set(measured) and all(
+                abs(e) <= 0.05 for e in errors.values()))
             # the bars are the numbers' (predicted / measured - 1 within the bands)
             peak_error = r["predicted_peak_bytes"] / r["peak_bytes"] - 1
             flops_error = r["predicted_flops"] / r["flops"] - 1
