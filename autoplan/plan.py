@@ -209,6 +209,11 @@ class Prediction:
             of its larger moment, bytes ([Note: memory per rank] in solver/pipeline.py); what
             a dry run of a rank at that pp coordinate is held against
             (autoplan/runtime/dryrun.py); empty in a plan written before it existed.
+        bytes_by_axis_by_pp_rank: per pipeline rank, the bytes its collectives and p2p move
+            in one step by mesh axis ("dp", "dp_cp", "tp", "cp", "pp", "pp[k]"), each op's
+            largest buffer summed as the dry run records it ([Note: traffic per axis] in
+            autoplan/cost_model/traffic.py); what a dry run's bytes per axis are held
+            against; empty in a plan written before it existed.
     """
 
     step_time_s: float
@@ -227,6 +232,7 @@ class Prediction:
     host_memory_bytes: float = 0.0
     offload_s: float = 0.0
     memory_by_pp_rank: tuple[dict[str, float], ...] = ()
+    bytes_by_axis_by_pp_rank: tuple[dict[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -265,6 +271,9 @@ class DryRunRecord:
             most loaded rank: the plan records no other).
         predicted_flops: the plan's model FLOPs per rank (model_flops / world size, without
             recomputation).
+        priced_bytes_by_axis: the plan's bytes per mesh axis for the rank's pipeline rank
+            (`Prediction.bytes_by_axis_by_pp_rank`); empty when the plan prices none (a plan
+            written before it existed).
     """
 
     rank: int
@@ -277,6 +286,7 @@ class DryRunRecord:
     predicted_peak_bytes: float
     predicted_by_category: dict[str, float]
     predicted_flops: float
+    priced_bytes_by_axis: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -432,8 +442,9 @@ class Plan:
         d = dict(data)
         d["mesh"] = MeshShape(**d["mesh"])
         d["stages"] = tuple(Stage(**s) for s in d["stages"])
-        d["prediction"] = Prediction(**{**d["prediction"], "memory_by_pp_rank": tuple(
-            d["prediction"].get("memory_by_pp_rank", ()))})
+        d["prediction"] = Prediction(**{
+            **d["prediction"], **{key: tuple(d["prediction"].get(key, ())) for key in (
+                "memory_by_pp_rank", "bytes_by_axis_by_pp_rank")}})
         d["param_placements"] = tuple(tuple(p) for p in d["param_placements"])
         d["strategies"] = tuple(
             NodeStrategy(s["node"], tuple(s["inputs"]), tuple(s["outputs"]))

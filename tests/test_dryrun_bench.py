@@ -49,8 +49,12 @@ def test_quick_run_writes_every_rank_with_its_bars(tmp_path, capsys):
             assert sum(r["peak_by_category"].values()) == r["peak_bytes"] > 0
             assert r["predicted_peak_bytes"] > 0 and r["flops"] > 0
             assert {"dp", "pp", "tp"} <= set(r["bytes_by_axis"])
-            assert r["priced_bytes_by_axis"] is None and "not priced per axis" in \
-                r["collective_bytes_bar"]
+            # priced per axis; the bar is the numbers' (priced / measured - 1 on each axis)
+            priced, measured = r["priced_bytes_by_axis"], r["bytes_by_axis"]
+            assert {"dp", "pp", "tp"} <= set(priced)
+            errors = {a: priced.get(a, 0) / b - 1 for a, b in measured.items()}
+            assert r["collective_bytes_ok"] == (set(priced) <= set(measured) and all(
+                abs(e) <= 0.05 for e in errors.values()))
             # the bars are the numbers' (predicted / measured - 1 within the bands)
             peak_error = r["predicted_peak_bytes"] / r["peak_bytes"] - 1
             flops_error = r["predicted_flops"] / r["flops"] - 1
@@ -75,13 +79,20 @@ def test_quick_run_writes_every_rank_with_its_bars(tmp_path, capsys):
 def test_bars_are_computed_from_the_numbers():
     check = _bench().check
     row = dict(peak_bytes=100, predicted_peak_bytes=107, flops=1000, predicted_flops=1000,
-               wall_s=10.0)
+               wall_s=10.0, bytes_by_axis={"dp": 1000, "tp": 100},
+               priced_bytes_by_axis={"dp": 1000.0, "tp": 104.0})
     result = check(row)
     assert result["peak_error"] == pytest.approx(0.07)
     assert not result["peak_ok"] and result["flops_ok"] and not result["ok"]
     assert check({**row, "predicted_peak_bytes": 96})["ok"]  # -4 %: within 5 %
     assert not check({**row, "predicted_peak_bytes": 100, "predicted_flops": 1030})["flops_ok"]
     assert not check({**row, "predicted_peak_bytes": 100, "wall_s": 301.0})["ok"]
+    # bytes per axis: each within 5 %; the farthest axis is named, an unpriced plan fails
+    assert result["collective_bytes_ok"] and result["axis_differs_most"] is None
+    off = check({**row, "priced_bytes_by_axis": {"dp": 1000.0, "tp": 90.0, "pp": 8.0}})
+    assert not off["collective_bytes_ok"] and off["axis_differs_most"] == "pp"
+    assert off["axis_errors"]["tp"] == pytest.approx(-0.1)
+    assert not check({**row, "priced_bytes_by_axis": {}})["collective_bytes_ok"]
     nothing = check({**row, "peak_bytes": 0})  # nothing measured: no error, no bar holds
     assert nothing["peak_error"] is None and not nothing["peak_ok"]
 

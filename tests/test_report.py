@@ -273,7 +273,7 @@ def test_dry_run_section_in_markdown_html_and_plan_json():
         peak_by_category={k: int(v) for k, v in predicted.items()},
         peak_moment="backward of microbatch 4 of 4", bytes_by_axis={"pp": 4096, "tp": 10**6},
         flops=int(2.6e14), predicted_peak_bytes=3e9, predicted_by_category=predicted,
-        predicted_flops=2.5e14)
+        predicted_flops=2.5e14, priced_bytes_by_axis={"pp": 4096.0, "tp": 8e5})
     far = DryRunRecord(
         rank=3, coordinates={"pp": 1, "dp": 0, "cp": 0, "tp": 1}, peak_bytes=int(4.5e9),
         peak_by_category={**{k: int(v) for k, v in predicted.items()}, "temporaries": int(16e8)},
@@ -292,7 +292,10 @@ def test_dry_run_section_in_markdown_html_and_plan_json():
     assert ("The peak's error -33.3% is outside the plan's memory band, -6% to +6%; the "
             "category that differs most is **temporaries**: 1.6 GB measured, 100 MB predicted "
             "(-93.8%).") in section
-    assert "| `tp` | 1 MB | not priced |" in section
+    assert "| `pp` | 4.1 kB | 4.1 kB | +0.0% |" in section
+    assert "| `tp` | 1 MB | 800 kB | -20.0% |" in section
+    assert ("Collective bytes differ beyond +-5%; the axis that differs most is **tp**: 1 MB "
+            "measured, 800 kB priced (-20.0%).") in section
     assert "No collective or point-to-point op." in section
     page = render_html(plan)
     parser = _Tags()

@@ -212,7 +212,8 @@ def _dry_run(plan: Plan, topology) -> list[str]:
         lines += [f"### Rank {r.rank} ({M.where_text(r)})", "",
                   *_table(["", "measured", "predicted", "error"], M.rank_rows(r)),
                   M.finding(r, band), "",
-                  *(_table(["mesh axis", "collective bytes measured", "priced"], axes) if axes
+                  *(_table(["mesh axis", "collective bytes measured", "priced", "error"], axes)
+                    + [M.traffic_finding(r), ""] if axes
                     else ["No collective or point-to-point op.", ""])]
     return lines
 

@@ -4,11 +4,15 @@ dry run] in autoplan/runtime/dryrun.py), held against the plan's prediction.
 
 Per dry-run rank: its mesh coordinate; the step's measured peak memory, when it occurs, and
 each category beside the plan's for that rank (its pipeline rank's entry of
-`Prediction.memory_by_pp_rank`); collective bytes per mesh axis (measured only: the plan
-prices no bytes per rank per axis, `NOT_PRICED`); FLOPs beside the plan's per-rank share.
+`Prediction.memory_by_pp_rank`); collective bytes per mesh axis beside the plan's for its
+pipeline rank (`Prediction.bytes_by_axis_by_pp_rank`, [Note: traffic per axis] in
+autoplan/cost_model/traffic.py; `NOT_PRICED` for a plan written without them); FLOPs beside
+the plan's per-rank share.
 Every error is `relative_error`: predicted / measured - 1, as the error bands count ([Note:
 error bands] in autoplan/cost_model/fidelity.py). Where the peak's error is outside the plan's
-memory band, the section names the category that differs most in bytes (`differs_most`).
+memory band, the section names the category that differs most in bytes (`differs_most`);
+where an axis's bytes are outside +-`TRAFFIC_BAND` (issue 26's bar), the axis that differs
+most (`traffic_finding`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ from autoplan.plan import DryRunRecord, Plan
 from autoplan.report import facts as F
 from autoplan.topology import Topology
 
-__all__ = ["NOT_PRICED", "relative_error", "memory_band", "differs_most", "finding",
+__all__ = ["NOT_PRICED", "TRAFFIC_BAND", "relative_error", "axis_differs_most",
+           "traffic_finding", "memory_band", "differs_most", "finding",
            "rank_rows", "axis_rows", "where_text", "intro_text"]
 
-NOT_PRICED = ("not priced per axis: the plan records the tp redistributions' global bytes and "
-              "the step's communication time, not bytes per rank per mesh axis")
+NOT_PRICED = ("not priced per axis: the plan was written before it recorded bytes per rank "
+              "per mesh axis (Prediction.bytes_by_axis_by_pp_rank)")
+
+TRAFFIC_BAND = 0.05
+"""|priced / measured - 1| of a rank's collective bytes on each mesh axis that the dry run
+holds the plan to (issue 26: "collective bytes per axis within +-5%")."""
 
 
 def relative_error(predicted: float, measured: float) -> float | None:
@@ -91,10 +100,57 @@ def rank_rows(record: DryRunRecord) -> list[list[str]]:
     return rows
 
 
+def _axes(record: DryRunRecord) -> list[str]:
+    return sorted(set(record.bytes_by_axis) | set(record.priced_bytes_by_axis))
+
+
 def axis_rows(record: DryRunRecord) -> list[list[str]]:
-    """[mesh axis, measured bytes, priced] per axis the rank's collectives used."""
-    return [[f"`{axis}`", F.fmt_bytes(nbytes), "not priced"]
-            for axis, nbytes in sorted(record.bytes_by_axis.items())]
+    """[mesh axis, measured bytes, priced bytes, error] per axis the rank's collectives used
+    or the plan priced ("not priced" for a plan without bytes per axis)."""
+    if not record.priced_bytes_by_axis:
+        return [[f"`{axis}`", F.fmt_bytes(nbytes), "not priced", "n/a"]
+                for axis, nbytes in sorted(record.bytes_by_axis.items())]
+    rows = []
+    for axis in _axes(record):
+        measured = record.bytes_by_axis.get(axis, 0)
+        priced = record.priced_bytes_by_axis.get(axis, 0.0)
+        rows.append([f"`{axis}`", F.fmt_bytes(measured), F.fmt_bytes(priced),
+                     _pct(relative_error(priced, measured))])
+    return rows
+
+
+def axis_differs_most(record: DryRunRecord) -> tuple[str, int, float] | None:
+    """(axis, measured bytes, priced bytes) of the mesh axis whose priced bytes are
+    farthest from the measured ones in relative terms (an axis measured at 0 but priced
+    counts as farthest); None when the plan prices no axis or every axis is within
+    +-`TRAFFIC_BAND`."""
+    if not record.priced_bytes_by_axis:
+        return None
+
+    def off(axis: str) -> float:
+        error = relative_error(record.priced_bytes_by_axis.get(axis, 0.0),
+                               record.bytes_by_axis.get(axis, 0))
+        return float("inf") if error is None else abs(error)
+
+    axis = max(_axes(record), key=off, default=None)
+    if axis is None or off(axis) <= TRAFFIC_BAND:
+        return None
+    return axis, record.bytes_by_axis.get(axis, 0), record.priced_bytes_by_axis.get(axis, 0.0)
+
+
+def traffic_finding(record: DryRunRecord) -> str:
+    """The sentence under a rank's axis table: every axis within +-`TRAFFIC_BAND`, or the
+    axis that differs most (`axis_differs_most`)."""
+    if not record.priced_bytes_by_axis:
+        return f"Collective bytes are {NOT_PRICED}."
+    worst = axis_differs_most(record)
+    if worst is None:
+        return (f"Every axis's collective bytes are within +-{TRAFFIC_BAND:.0%} of the "
+                "plan's.")
+    axis, measured, priced = worst
+    return (f"Collective bytes differ beyond +-{TRAFFIC_BAND:.0%}; the axis that differs most "
+            f"is **{axis}**: {F.fmt_bytes(measured)} measured, {F.fmt_bytes(priced)} priced "
+            f"({_pct(relative_error(priced, measured))}).")
 
 
 def where_text(record: DryRunRecord) -> str:
@@ -112,4 +168,5 @@ def intro_text(plan: Plan) -> str:
             "the rank's pipeline stage ([Note: memory per rank] in solver/pipeline.py). "
             "FLOPs: matmuls and attention, recomputation included, against the plan's model "
             "FLOPs per rank (without). Error: predicted / measured - 1. Collective bytes per "
-            f"mesh axis are {NOT_PRICED}.")
+            "mesh axis (each op's largest buffer, summed) against the plan's for the rank's "
+            "pipeline stage ([Note: traffic per axis] in autoplan/cost_model/traffic.py).")

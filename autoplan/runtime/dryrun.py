@@ -68,6 +68,7 @@ from autoplan.runtime.step_ops import OpLog
 
 __all__ = ["CATEGORIES", "Collective", "RankDryRun", "DryRunError", "DryRunOutOfMemory",
            "DryRunRecorder", "FakeWeights", "dry_run", "predicted_rank_memory",
+           "priced_rank_traffic",
            "rank_coordinates"]
 
 
@@ -123,6 +124,8 @@ class RankDryRun:
         predicted_peak_bytes: the plan's peak for this rank (`predicted_rank_memory`).
         predicted_by_category: its breakdown by category.
         predicted_flops: `plan.prediction.model_flops / world_size` (no recomputation).
+        priced_bytes_by_axis: the plan's bytes per mesh axis for this rank's pipeline rank
+            (`priced_rank_traffic`), what `bytes_by_axis` is held against.
         peak_moment: when the peak occurs ("backward of microbatch 3 of 4", `DryRunRecorder`).
         local_param_bytes: this rank's parameter shards (each tensor once), bytes.
         num_params: this rank's parameter tensors.
@@ -157,6 +160,7 @@ class RankDryRun:
     peak_moment: str = ""
     actions: tuple[str, ...] = ()
     ops: OpLog | None = None
+    priced_bytes_by_axis: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> DryRunRecord:
         """What the plan records of this rank (`Plan.dry_run`, plan.json's "dry_run")."""
@@ -166,7 +170,8 @@ class RankDryRun:
             bytes_by_axis=dict(self.bytes_by_axis), flops=self.flops,
             predicted_peak_bytes=self.predicted_peak_bytes,
             predicted_by_category=dict(self.predicted_by_category),
-            predicted_flops=self.predicted_flops)
+            predicted_flops=self.predicted_flops,
+            priced_bytes_by_axis=dict(self.priced_bytes_by_axis))
 
 
 def predicted_rank_memory(plan: Plan, rank: int) -> dict[str, float]:
@@ -177,6 +182,20 @@ def predicted_rank_memory(plan: Plan, rank: int) -> dict[str, float]:
     if by_rank:
         return dict(by_rank[rank_coordinates(plan, rank)["pp"]])
     return {**plan.prediction.memory_breakdown, "peak": plan.prediction.memory_bytes}
+
+
+def priced_rank_traffic(plan: Plan, rank: int, graph: CapturedGraph) -> dict[str, float]:
+    """The plan's bytes per mesh axis for global `rank`, one step: its pipeline rank's entry
+    of `Prediction.bytes_by_axis_by_pp_rank` ([Note: traffic per axis] in
+    autoplan/cost_model/traffic.py), or, for a plan written without it, priced here on
+    `graph` (the graph the plan names)."""
+    from autoplan.cost_model.traffic import rank_traffic
+
+    pp = rank_coordinates(plan, rank)["pp"]
+    by_rank = plan.prediction.bytes_by_axis_by_pp_rank
+    if by_rank:
+        return dict(by_rank[pp])
+    return dict(rank_traffic(plan, graph)[pp].bytes_by_axis)
 
 
 def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
@@ -310,7 +329,7 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
         num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=counts,
         peak_moment=recorder.moment_at(peak_end), actions=tuple(recorder.actions),
-        ops=recorder.ops)
+        ops=recorder.ops, priced_bytes_by_axis=priced_rank_traffic(plan, rank, graph))
 
 
 def _check_fits(recorder: DryRunRecorder, categories: dict[int, str], rank: int, plan: Plan,

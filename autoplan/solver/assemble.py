@@ -16,6 +16,7 @@ import operator
 
 from autoplan.cost_model.comm import pipeline_hop_time_s, redistribute_time_s
 from autoplan.cost_model.fidelity import error_bands
+from autoplan.cost_model.traffic import rank_traffic
 from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
 )
@@ -47,7 +48,7 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
     strategies = tuple(NodeStrategy(n.name, chosen[n.name].inputs, chosen[n.name].outputs)
                        for n in graph.gm.graph.nodes
                        if n.op == "call_function" and n.name in chosen)
-    return Plan(
+    plan = Plan(
         model=graph.model_name, topology=topology.name,
         mesh=MeshShape(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp), zero_stage=cfg.zero_stage,
         global_batch=spec.global_batch, num_microbatches=cfg.num_microbatches,
@@ -68,6 +69,10 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
             for a, reason in alternatives),
         dtype=spec.dtype, offload=cfg.offload,
         frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "")
+    # bytes per rank per mesh axis, read off the plan itself ([Note: traffic per axis])
+    traffic = tuple(dict(t.bytes_by_axis) for t in rank_traffic(plan, graph))
+    return dataclasses.replace(plan, prediction=dataclasses.replace(
+        plan.prediction, bytes_by_axis_by_pp_rank=traffic))
 
 
 def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
