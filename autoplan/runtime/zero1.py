@@ -17,7 +17,10 @@ pipeline rank at tp 4 holds a 525M-element embedding among 3.78G elements, so at
 128 its owner kept 4.2 GB of AdamW states against 0.24 GB for an even share (the dry run of
 the golden plan, issue 26) -- and the packed all-gather of the owners' parameters was padded
 to the largest owner's: a receive buffer of 128 x 2.1 GB = 269 GB on that rank, which made
-the golden plan's dry run measure 305 GB for a 67 GB prediction.
+the golden plan's dry run measure 305 GB for a 67 GB prediction (activations 271 GB: the
+buffer is allocated after the backward, outside it). With the partition, the same dry run
+(rank 0, 128 microbatches) measures 68.3 GB against 67.2 GB predicted: activations 28.85 vs
+28.89 GB, optimizer states 0.23 vs 0.23; rank 8192 (pp 16, 64 microbatches) 53.1 vs 52.2.
 
 The update is the one the optimizer makes on whole tensors when it is elementwise (AdamW,
 Adam, SGD: the runtime's default `FusedAdamW` and every optimizer the tests use), as under
