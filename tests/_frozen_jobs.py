@@ -73,7 +73,8 @@ def train(factory, steps: int, batch: int, overrides: dict, *, max_grad_norm=Non
     engine = ap._engine
     opt = getattr(engine.optimizer, "inner", engine.optimizer)
     names = {id(p): n for n, p in engine._unique_named_params()}
-    with_state = sorted(names[id(p)] for p, s in opt.state.items() if s)
+    param_of = getattr(engine.optimizer, "param_of", {})  # ZeRO-1: its rows' shards
+    with_state = sorted(names[id(param_of.get(id(p), p))] for p, s in opt.state.items() if s)
     frozen_grads = sorted(n for _, m in engine.stages for n, p in m.named_parameters()
                           if not p.requires_grad and p.grad is not None)
     return losses, ap.state_dict(), ap.plan.to_json(), norms, with_state, frozen_grads

@@ -23,8 +23,8 @@ def _local4(**device):
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_each_unit_pays_its_own_latency_and_straggler_wait(zero_stage):
     """FSDP2 reduces (and gathers) per unit: the same bytes in `units` collectives cost the
-    bandwidth term once and the latency + skew of a collective once per unit; ZeRO-1's packed
-    all-gather of the updated parameters stays one collective."""
+    bandwidth term once and the latency + skew of a collective once per unit; ZeRO-1's
+    all-gathers of the updated parameters are one per parameter tensor, whatever the units."""
     topo = _local4(sync_skew_s={4: 2e-3})
     cfg = Config(pp=1, dp=4, tp=1, zero_stage=zero_stage, num_microbatches=2,
                  microbatch_size=1, schedule="1f1b", num_virtual_stages=1)
@@ -75,3 +75,18 @@ def test_ranks_that_meet_at_collectives_wait_for_drift_in_proportion_to_compute(
     want = 0.1 * plain.compute_s if drifts else 0.0
     assert drifted.step_time_s - plain.step_time_s == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert drifted.comm_s - plain.comm_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_zero1_gathers_each_tensors_fp32_master_once():
+    """ZeRO-1 (runtime/zero1.py, [Note: ZeRO-1 partition]): after the all-reduce of the
+    gradients, one all-gather per parameter tensor of its fp32 master under mixed precision."""
+    topo = _local4(sync_skew_s={4: 2e-3})
+    cfg = Config(pp=1, dp=4, tp=1, zero_stage=1, num_microbatches=2,
+                 microbatch_size=1, schedule="1f1b", num_virtual_stages=1)
+    spec = TrainingSpec(global_batch=8, seq_len=16, dtype="bfloat16")
+    elems = 3.0e6
+    grads = collective_time_s("all_reduce", elems * 2, 4, topo)  # priced at ZeRO's 2 B
+    for tensors in (1, 7):
+        gathers = tensors * collective_time_s("all_gather", elems * 4 / tensors, 4, topo)
+        assert _dp_sync_s(cfg, spec, topo, elems, tensors=tensors) == pytest.approx(
+            grads + gathers, rel=1e-12)

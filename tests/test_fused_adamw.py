@@ -1,6 +1,6 @@
 """The runtime's fused AdamW ([Note: fused AdamW] in autoplan/runtime/optim.py): torch's AdamW
 update, state and checkpoints; the engine's default where kernels are on; on gloo ranks, over
-ZeRO-1's flat shards and FSDP2/tp DTensor shards, equal to one process with torch.optim.AdamW."""
+ZeRO-1's row shards and FSDP2/tp DTensor shards, equal to one process with torch.optim.AdamW."""
 
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ def test_default_optimizer_is_fused_where_kernels_are_on():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [dict(dp=2, zero_stage=1), dict(dp=2, tp=2, zero_stage=3)],
-                         ids=["dp2-zero1-flat-shards", "dp2xtp2-zero3-dtensor-shards"])
+                         ids=["dp2-zero1-row-shards", "dp2xtp2-zero3-dtensor-shards"])
 def test_fused_adamw_on_ranks_matches_one_process(clusters, overrides):
-    """The fused update on ZeRO-1's flat shards and on FSDP2/tp DTensors' local shards: 3 steps
+    """The fused update on ZeRO-1's row shards and on FSDP2/tp DTensors' local shards: 3 steps
     on 4 gloo ranks equal one process with torch.optim.AdamW (fp32, rtol 1e-5 / atol 1e-6)."""
     factory = _jobs.preset("llama-tiny")
     results = clusters.get(4).run(_jobs.train, factory, STEPS, BATCH, overrides,

@@ -4,7 +4,8 @@ of a planned model; `LocalCluster` (launcher.py) runs functions on N local gloo 
 Files:
 - engine.py: the training engine, one rank's share of a planned model and its optimizer step.
 - parallel.py: the torch.distributed pieces it composes (ZeRO by stage, pipeline schedules,
-  ZeRO-1 optimizer, global gradient clipping, the forward of a tp-sharded stage).
+  global gradient clipping, the forward of a tp-sharded stage).
+- zero1.py: the ZeRO-1 optimizer, states in equal parts ([Note: ZeRO-1 partition]).
 - step_inputs.py: a step's batch split by dp and microbatch, and the loss ([Note: step loss]).
 - batch.py: a batch checked in the user's words, and what a step measured.
 - evaluate.py: `eval_step`, a batch's loss and outputs without training.

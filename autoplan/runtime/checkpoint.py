@@ -40,8 +40,17 @@ def _no_offload(model, what: str) -> None:
             f"optimizer states are not supported yet; plan with offload='none' to checkpoint")
 
 
-def _state_dict(model) -> tuple[dict, dict[str, list]]:
-    """The DCP state dict of this rank, and the extra local copies of tied weights."""
+def _whole_states(model) -> dict[int, dict] | None:
+    """ZeRO-1's states as on one process, for the parameters this rank writes (collective:
+    `ShardedOptimizer.full_states`, [Note: ZeRO-1 partition] in runtime/zero1.py); None for
+    any other optimizer, whose state is keyed by the parameters themselves."""
+    full_states = getattr(model.optimizer, "full_states", None)
+    return full_states() if full_states is not None else None
+
+
+def _state_dict(model, whole: dict[int, dict] | None = None) -> tuple[dict, dict[str, list]]:
+    """The DCP state dict of this rank, and the extra local copies of tied weights;
+    `whole`: ZeRO-1's states by parameter (`_whole_states`)."""
     _no_offload(model, "checkpoint")
     opt = _optimizer(model)
     sd: dict[str, object] = {}
@@ -52,7 +61,10 @@ def _state_dict(model) -> tuple[dict, dict[str, list]]:
                 copies.setdefault(fqn, []).append(p)
                 continue
             sd[f"model.{fqn}"] = p
-            state = opt.state.get(p, {}) if opt is not None else {}
+            if whole is not None:
+                state = whole.get(id(p), {})
+            else:
+                state = opt.state.get(p, {}) if opt is not None else {}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     sd[f"optim.{fqn}.{key}"] = value
@@ -61,7 +73,7 @@ def _state_dict(model) -> tuple[dict, dict[str, list]]:
 
 def save(model, path: str | os.PathLike) -> None:
     """Write `model` (a DistributedModel) to the DCP directory `path` (collective)."""
-    sd, _ = _state_dict(model)
+    sd, _ = _state_dict(model, _whole_states(model))
     if getattr(model, "lr_scheduler", None) is not None:
         sd["lr_scheduler"] = model.lr_scheduler.state_dict()
     dcp.save(sd, checkpoint_id=str(path))
@@ -134,7 +146,8 @@ def load(model, path: str | os.PathLike) -> None:
     _no_offload(model, "load")  # before the optimizer's zero step changes anything
     check_files(path)
     _initialise_optimizer_state(model)
-    sd, copies = _state_dict(model)
+    whole = _whole_states(model)
+    sd, copies = _state_dict(model, whole)
     scheduler = getattr(model, "lr_scheduler", None)
     if scheduler is not None and any(k.startswith("lr_scheduler.") for k in
                                      checkpoint_keys(path)):
@@ -149,7 +162,10 @@ def load(model, path: str | os.PathLike) -> None:
         first = sd[f"model.{fqn}"]
         for p in others:
             p.copy_(first)
-            if opt is not None:
-                for key, value in opt.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        value.copy_(sd[f"optim.{fqn}.{key}"])
+            state = whole.get(id(p), {}) if whole is not None else \
+                opt.state.get(p, {}) if opt is not None else {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    value.copy_(sd[f"optim.{fqn}.{key}"])
+    if whole is not None:  # back into every rank's rows
+        model.optimizer.scatter_states(whole)

@@ -23,8 +23,8 @@ Build order (each step needs the previous one), all on the meta device until ste
    2 -> `fully_shard(reshard_after_forward=False)`, 3 -> `fully_shard(reshard_after_forward=
    True)`; a 16-bit plan adds FSDP2's MixedPrecisionPolicy ([Note: precision recipe]). ZeRO-1
    (optimizer states only) is not expressible in FSDP2: it runs `replicate` for the gradients
-   and a sharded optimizer (`ShardedOptimizer`): each dp rank steps the parameters it owns,
-   then all-gathers them.
+   and a sharded optimizer (`ShardedOptimizer`, runtime/zero1.py): each dp rank steps its
+   rows of every parameter, then all-gathers them ([Note: ZeRO-1 partition]).
 6. Pipeline parallelism: `torch.distributed.pipelining` stages and schedules (GPipe, 1F1B,
    interleaved 1F1B) with static shapes; without pp, microbatches are plain gradient
    accumulation (replicated gradients, ZeRO 0/1, are reduced once, after the last microbatch).

@@ -3,9 +3,9 @@
 [Note: fused AdamW]
 Without an `optimizer=` of the user's, the engine steps with `FusedAdamW` where the kernel pass is
 on (`kernels=True`, the default) and the parameters it steps are float32 (`default_adamw`; the
-fp32 masters of every mixed-precision recipe): per parameter, one `kernels.adamw_step` on the rank's local
-shard -- the flat shards of ZeRO-1 (`ShardedOptimizer`'s owned slices), the local tensors of
-FSDP2's and tensor parallelism's DTensor parameters, plain tensors otherwise. On CUDA that is one
+fp32 masters of every mixed-precision recipe): per parameter, one `kernels.adamw_step` on the
+rank's local shard -- ZeRO-1's rows of each parameter (`ShardedOptimizer`, runtime/zero1.py),
+the local tensors of FSDP2's and tensor parallelism's DTensor parameters, plain tensors otherwise. On CUDA that is one
 Triton kernel reading param, grad and both moments once and writing param and moments once (the
 unfused update makes about ten passes); elsewhere the kernel's torch reference, which is the body
 of torch.optim.AdamW's single-tensor path op for op, so a CPU run computes what torch's AdamW

@@ -4,8 +4,8 @@ tp-sharded stage (local tensors in and out, DTensor inside).
 
 Library first: ZeRO-0/2/3 are FSDP2's `replicate` / `fully_shard`; schedules are
 `torch.distributed.pipelining`'s. ZeRO-1 has no FSDP2 spelling, so `ShardedOptimizer` is ours
-(the same partition-by-parameter scheme as torch's ZeroRedundancyOptimizer, which does not take
-DTensor parameters).
+(runtime/zero1.py: states partitioned in equal parts, [Note: ZeRO-1 partition]; torch's
+ZeroRedundancyOptimizer owns whole parameters and does not take DTensor parameters).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from autoplan._torch_compat import (chunk_spec, implicit_replication,
                                    replicate_module)
 from autoplan.passes.regather import held_sharded
 from autoplan.plan import parse_placement
-from autoplan.runtime.offload import HostOptimizer, zero_grads
+from autoplan.runtime.zero1 import ShardedOptimizer
 
 __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
            "pipeline_eval", "local_tensor", "owning_outputs", "tp_stage_forward"]
@@ -60,94 +60,6 @@ def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-class ShardedOptimizer:
-    """ZeRO-1: each dp rank keeps optimizer states for the parameters it owns only.
-
-    Parameters are assigned to owners greedily by size (largest first, to the least loaded
-    rank). `step` runs the inner optimizer on owned parameters, then all-gathers the updated
-    parameters over the dp group (packed flat per dtype), so all replicas stay equal.
-
-    `make_optimizer` receives every trainable (FQN, parameter) of the model (the engine
-    leaves frozen ones out: [Note: frozen parameters] in runtime/engine.py), as on one
-    process, so
-    that groups built by name come out alike on every rank; the parameters this rank does
-    not own are then dropped from its groups (a group may end up empty here: it still
-    steps nothing, and its hyperparameters stay).
-
-    `offload`: the owned parameters' states and step on the host (`HostOptimizer`,
-    runtime/offload.py), before the same all-gather; `host` is then that HostOptimizer.
-    """
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], make_optimizer: Callable,
-                 dp_mesh, *, offload: bool = False):
-        named_params = list(named_params)
-        # frozen parameters (a rank with nothing to train is given its frozen ones) are
-        # neither owned nor gathered: they never change
-        self.params = [p for _, p in named_params if p.requires_grad]
-        self.group = dp_mesh.get_group()
-        self.ranks = dist.get_process_group_ranks(self.group)
-        loads = [0] * len(self.ranks)
-        self.owner: list[int] = [0] * len(self.params)
-        order = sorted(range(len(self.params)), key=lambda i: -self.params[i].numel())
-        for i in order:
-            r = min(range(len(loads)), key=loads.__getitem__)
-            self.owner[i] = r
-            loads[r] += self.params[i].numel()
-        me = dp_mesh.get_local_rank()
-        owned = {id(p) for p, o in zip(self.params, self.owner) if o == me}
-        self.host = None
-        if offload:  # the host optimizer drops what this rank does not own itself
-            self.host = HostOptimizer(named_params, make_optimizer, stepped=owned)
-            self.inner = self.host.inner
-            return
-        self.inner = make_optimizer(named_params)
-        for group in self.inner.param_groups:
-            keep = [i for i, p in enumerate(group["params"]) if id(p) in owned]
-            group["params"] = [group["params"][i] for i in keep]
-            if "param_names" in group:
-                group["param_names"] = [group["param_names"][i] for i in keep]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        zero_grads(self.params, set_to_none)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Step the owned parameters, then one all-gather per dtype of every rank's owned
-        parameters packed flat (DeepSpeed ZeRO-1's gather of the updated partitions; one
-        collective, not one broadcast per parameter)."""
-        if self.host is not None:
-            self.host.step()
-        elif self.inner is not None:
-            self.inner.step()
-        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
-        for p, o in zip(self.params, self.owner):
-            t = local_tensor(p)
-            by_dtype.setdefault(t.dtype, []).append((t, o))
-        me = self.ranks.index(dist.get_rank())
-        for dtype, items in by_dtype.items():
-            # dp peers hold the same local shapes (one tp coordinate), so every rank knows
-            # every rank's packed length.
-            lengths = [sum(t.numel() for t, o in items if o == r) for r in range(len(self.ranks))]
-            width = max(lengths)
-            if width == 0:
-                continue
-            send = torch.zeros(width, dtype=dtype, device=items[0][0].device)
-            mine = [t.reshape(-1) for t, o in items if o == me]
-            if mine:
-                torch.cat(mine, out=send[:lengths[me]])
-            recv = torch.empty(width * len(self.ranks), dtype=dtype, device=send.device)
-            dist.all_gather_into_tensor(recv, send, group=self.group)
-            offsets = [r * width for r in range(len(self.ranks))]
-            for t, o in items:
-                n = t.numel()
-                if o != me:
-                    t.copy_(recv[offsets[o]:offsets[o] + n].view_as(t))
-                offsets[o] += n
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict() if self.inner is not None else {}
 
 
 def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,

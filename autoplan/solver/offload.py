@@ -151,8 +151,8 @@ def offload_time_s(*, offload: str, zero_stage: int, dp: int, elems: float, tens
     else:
         moved = stepped * (gathers * p + reductions * g) + _stepped(
             frozen, zero_stage, dp, offload) * gathers * p_frozen
-    # ZeRO-1 steps whole tensors of its owner (a dp-th of them); FSDP2 a shard of every one
-    stepped_tensors = tensors / dp if zero_stage == 1 else tensors
+    # ZeRO-1 (its rows of every tensor, runtime/zero1.py) and FSDP2 step a shard of each one
+    stepped_tensors = tensors
     host_bw = topology.host_optimizer_bw_bytes_per_s / max(1, ranks_on_node)
     host = (stepped * optimizer_bytes_per_param / host_bw
             + stepped_tensors * optimizer_ops_per_tensor * d.optimizer_op_s)

@@ -31,8 +31,11 @@ collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
   runtime issues it (autoplan/runtime/engine.py, step 4: one FSDP2 unit per block and one per
   stage root, `_dp_units`; each collective below is issued per unit on the unit's share of
   the bytes, so the latency and straggler terms are paid per unit):
-    ZeRO 0: all_reduce(G) (FSDP2 replicate)          ZeRO 1: all_reduce(G) + all_gather(W)
+    ZeRO 0: all_reduce(G) (FSDP2 replicate)          ZeRO 1: all_reduce(G) + all_gather(M)
     ZeRO 2: reduce_scatter(G) + all_gather(W)       ZeRO 3: reduce_scatter(G) + 2 all_gather(W)
+  (ZeRO-1's M: the parameters it steps at the master precision they are held in, fp32 under
+  mixed precision, gathered with one all-gather per parameter tensor: runtime/zero1.py [Note:
+  ZeRO-1 partition])
   (ZeRO-3 gathers the parameters for the forward and again for the backward: 1.5x the traffic of
   ZeRO 0-2, ZeRO section 7, FORMULAS.md). Without pipelining the engine accumulates microbatches
   by calling backward m times: replicated gradients (ZeRO 0, 1) are reduced once, after the
@@ -578,10 +581,10 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
                               boundary_bytes, offload, shares[r]) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])
     elems, frozen = _most_elems(cfg, sol, spec, topology, [shares[r] for r in ranks], speed)
-    dp_sync = _dp_sync_s(cfg, spec, topology, elems, _dp_units(cfg, layers), frozen)
+    tensors = max(on(r, param_tensors) for r in ranks)  # trainable ones (Problem.param_tensors)
+    dp_sync = _dp_sync_s(cfg, spec, topology, elems, _dp_units(cfg, layers), frozen, tensors)
     exposed = (1 - DP_SYNC_OVERLAP) * dp_sync + _dp_local_s(
         cfg, spec, topology, elems, frozen) / speed
-    tensors = max(on(r, param_tensors) for r in ranks)  # trainable ones (Problem.param_tensors)
     if offload == "none":
         transfers, optimizer = 0.0, _optimizer_s(cfg, spec, topology, elems - frozen, tensors,
                                                  speed)
@@ -635,15 +638,15 @@ def _optimizer_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: flo
                  tensors: float, speed: float) -> float:
     """Optimizer step of one rank ([Note: step time], optimizer): a memory-bound pass over the
     states it steps plus the host time of the per-tensor ops."""
-    # ZeRO >= 1 shards the states: a dp-th of the elements; ZeRO-1 (whole tensors per owner)
-    # a dp-th of the tensors, FSDP2 (ZeRO 2, 3) a shard of every tensor
+    # ZeRO >= 1 shards the states: a dp-th of the elements, a shard of every tensor (ZeRO-1:
+    # plain tensors, views of its rows, runtime/zero1.py; FSDP2's ZeRO 2, 3: DTensors)
     shard, device = cfg.dp_shard, topology.device
     per_param, ops = optimizer_pass(spec, device)
     nbytes = elems / (shard if cfg.zero_stage >= 1 else 1) * per_param
-    dtensor = cfg.tp > 1 or (shard > 1 and cfg.zero_stage != 1)
+    zero1 = cfg.zero_stage == 1 and shard > 1
+    dtensor = not zero1 and (cfg.tp > 1 or shard > 1)
     op_s = device.dtensor_optimizer_op_s if dtensor else device.optimizer_op_s
-    stepped = tensors / (shard if cfg.zero_stage == 1 else 1)
-    host = stepped * ops * op_s
+    host = tensors * ops * op_s
     return (nbytes / device.mem_bw_bytes_per_s + host) / speed
 
 
@@ -782,9 +785,10 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     FSDP2 packs the gradients into a flat buffer, divides them by dp in place and unpacks the
     result into the gradient tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
     foreach_reduce): 3 passes reading and writing G, per reduction; ZeRO-1's optimizer
-    (runtime/parallel.py ShardedOptimizer) packs the owned parameters (W / dp) and copies all
-    of them out of the received buffer (W); every FSDP2 parameter all-gather of ZeRO 2/3
-    copies the shards in (foreach_all_gather: W / dp read and written) and the gathered buffer
+    (runtime/zero1.py ShardedOptimizer) copies its rows of each parameter into the all-gather's
+    input (M / dp) and, where a tensor's rows do not divide by dp, every rank's rows out of the
+    gathered buffer (at most M; priced in full), M at master precision; every FSDP2
+    parameter all-gather of ZeRO 2/3 copies the shards in (foreach_all_gather: W / dp read and written) and the gathered buffer
     out into the unsharded parameters (foreach_all_gather_copy_out, split_with_sizes_copy: W
     read and written). `frozen` of the `elems` have no gradient, and ZeRO-1 leaves them out
     ([Note: frozen parameters] in autoplan/runtime/engine.py)."""
@@ -794,20 +798,28 @@ def _dp_local_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: floa
     device = topology.device
     passes = _reductions(cfg) * 3 * 2 * grads
     if cfg.zero_stage == 1:
-        stepped = _grad_weight_bytes(spec, elems - frozen)[1]
+        stepped = (elems - frozen) * _master_bytes(spec)
         passes += 2 * stepped / cfg.dp_shard + 2 * stepped
     passes += _gathers(cfg) * (2 * weights / cfg.dp_shard + 2 * weights)
     return passes / device.mem_bw_bytes_per_s
 
 
+def _master_bytes(spec: TrainingSpec) -> float:
+    """Bytes per element of a parameter as the runtime holds it: its fp32 master under mixed
+    precision (FSDP2's recipe, cost_model/memory.py FSDP2_MIXED_STATE_BYTES)."""
+    return model_state_bytes(1.0, 0, 1, mixed_precision=spec.mixed_precision,
+                             optimizer=spec.optimizer, recipe="fsdp2")["params"]
+
+
 def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float,
-               units: int = 1, frozen: float = 0.0) -> float:
+               units: int = 1, frozen: float = 0.0, tensors: float = 1.0) -> float:
     """The dp group's collectives per step ([Note: step time], dp_sync); with context
     parallelism the group is dp x cp ranks (the dp and cp axes are adjacent, so stride tp).
     FSDP2 issues each reduction and gather once per unit (`units`, `_dp_units`), each on that
     unit's share of the bytes: the bandwidth terms sum to the whole, the latency and straggler
-    terms are paid per unit. ZeRO-1's gather of the updated parameters is one packed
-    all-gather (runtime/parallel.py ShardedOptimizer). `frozen` of the `elems` have no
+    terms are paid per unit. ZeRO-1's gather of the updated parameters is one all-gather per
+    parameter tensor (`tensors`, at least one) of their fp32 masters under mixed precision
+    (runtime/zero1.py ShardedOptimizer, [Note: ZeRO-1 partition]). `frozen` of the `elems` have no
     gradient to reduce and ZeRO-1 does not gather them; ZeRO-2/3 gather them as any
     parameter ([Note: frozen parameters] in autoplan/runtime/engine.py)."""
     if cfg.dp_shard == 1:
@@ -821,8 +833,9 @@ def _dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float
     if cfg.zero_stage == 0:
         return reductions * t("all_reduce", grads)
     if cfg.zero_stage == 1:
-        stepped = _grad_weight_bytes(spec, elems - frozen)[1]
-        return reductions * t("all_reduce", grads) + t("all_gather", stepped, 1)
+        stepped = (elems - frozen) * _master_bytes(spec)
+        return reductions * t("all_reduce", grads) + t("all_gather", stepped,
+                                                        max(1, round(tensors)))
     return reductions * t("reduce_scatter", grads) + _gathers(cfg) * t("all_gather", weights)
 
 
