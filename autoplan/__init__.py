@@ -17,7 +17,8 @@ and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at th
 - cache.py: the plan cache ([Note: plan cache]); collector.py: the garbage collector paused
   around planning; progress.py: phase lines on stderr; units.py: the one number format.
 - testing.py: the correctness contract as code (one process against N ranks).
-- _torch_compat.py, _torch_fx_compat.py: every use of torch's private APIs.
+- _torch_compat/ (one module per concern), _torch_fx_compat.py: every use of torch's private
+  APIs.
 """
 
 from __future__ import annotations

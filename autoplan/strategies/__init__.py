@@ -37,9 +37,9 @@ through DTensor's rules, `batch_dims`).
 Enumeration: an op with a direct DTensor rule is probed with the all-R combination, every
 single-argument change from it and the "all arguments alike" combinations; whenever DTensor
 would redistribute, its suggestion (a valid combination) is probed too. A composite op
-(aten.linear, [Note: composite ops] in _torch_compat.py) gives no suggestion, so it is probed
-with every combination up to 64 (else every one- and two-argument change). At most two Partial
-inputs. A split that a view refuses, or a parameter split no consumer computes with, is then
+(aten.linear, [Note: composite ops] in _torch_compat/sharding_rules.py) gives no suggestion, so it
+is probed with every combination up to 64 (else every one- and two-argument change). At most two
+Partial inputs. A split that a view refuses, or a parameter split no consumer computes with, is then
 pruned (`_prune`). For a tp with a divisor already planned, the divisor's candidates are
 re-checked by size instead ([Note: divisor tp]). Results are cached by (op, argument
 shapes/dtypes/allowed placements, static arguments, tp), so identical layers cost one layer.
