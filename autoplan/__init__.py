@@ -9,8 +9,10 @@ capture/ (model -> `CapturedGraph`), strategies/ (candidate placements per node)
 (compute, communication, memory), solver/ (the search and the placement ILP -> `Plan`),
 passes/ (plan -> per-rank graphs), runtime/ (torch.distributed training), report/ (Markdown
 and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at this level:
-- api.py: `@autoparallel`, `AutoParallel`, `from_pretrained`; cli.py: the `autoplan` command;
-  demo.py: `autoplan demo`.
+- api.py: `@autoparallel` and `from_pretrained`; auto_parallel.py: `AutoParallel`, the model
+  they return (build, step, save, report, export); session.py: its planning half (cluster,
+  capture, cp trial, plan cache, solve, broadcast); options.py: `PlanOptions`; cli.py: the
+  `autoplan` command; demo.py: `autoplan demo`.
 - plan.py: the `Plan` (frozen dataclasses, versioned JSON); spec.py: `TrainingSpec`;
   topology.py: `Topology` and the cluster presets; graph.py: `CapturedGraph`; inputs.py: a
   step's batch as a pytree, its batch dims; experts.py: the routed-experts op.
