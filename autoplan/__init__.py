@@ -12,7 +12,8 @@ and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at th
 - api.py: `@autoparallel` and `from_pretrained`; auto_parallel.py: `AutoParallel`, the model
   they return (build, step, save, report, export); session.py: its planning half (cluster,
   capture, cp trial, plan cache, solve, broadcast); options.py: `PlanOptions`; cli.py: the
-  `autoplan` command; demo.py: `autoplan demo`.
+  `autoplan` command (its parser and subcommands), cli_args.py: its arguments, cli_output.py:
+  what it prints and caches; demo.py: `autoplan demo`.
 - plan.py: the `Plan` (frozen dataclasses, versioned JSON); spec.py: `TrainingSpec`;
   topology.py: `Topology` and the cluster presets; graph.py: `CapturedGraph`; inputs.py: a
   step's batch as a pytree, its batch dims; experts.py: the routed-experts op.
