@@ -3,6 +3,8 @@ of a planned model; `LocalCluster` (launcher.py) runs functions on N local gloo 
 
 Files:
 - engine.py: the training engine, one rank's share of a planned model and its optimizer step.
+- rank_stages.py: the engine's base class, this rank's stages built on meta (split, placements,
+  cp, kernels, experts, random ops, blocks, checkpointing, compile, tp parameters, FSDP2).
 - parallel.py: the torch.distributed pieces it composes (ZeRO by stage, pipeline schedules,
   ZeRO-1 optimizer, global gradient clipping, the forward of a tp-sharded stage).
 - step_inputs.py: a step's batch split by dp and microbatch, and the loss ([Note: step loss]).
