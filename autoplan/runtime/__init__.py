@@ -12,7 +12,8 @@ Files:
 - evaluate.py: `eval_step`, a batch's loss and outputs without training.
 - construction.py, deferred_init.py, weights.py: where this rank's weights come from (a
   recorded construction replayed on the shards, [Note: sharded construction]).
-- hf_checkpoint.py, adapters.py: Hugging Face safetensors and PEFT adapters in and out.
+- hf_checkpoint.py, hf_load.py, adapters.py: Hugging Face safetensors out and in (a consolidated
+  checkpoint written tensor by tensor; each rank reading only its slices), PEFT adapters.
 - checkpoint.py: sharded checkpoints (torch.distributed.checkpoint).
 - checks.py: the build-time check that what was built is what the plan says.
 - precision.py: the precision recipe of a plan's dtype, fp16 loss scaling.
