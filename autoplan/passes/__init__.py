@@ -10,7 +10,8 @@ Files:
 - context.py: context parallelism in a stage graph, the runtime's half of [Note: context
   parallelism].
 - moe.py: the routed-experts op under DTensor on the tp axis.
-- rng.py: layout-invariant random ops ([Note: RNG contract]).
+- rng.py: layout-invariant random ops ([Note: RNG contract]): the graph pass, the eager mode;
+  keyed_random.py: the keyed ops they call and their state.
 - kernels.py: fuse the patterns the Triton kernels implement ([Note: kernel fusion],
   [Note: vocab-parallel loss]).
 - blocks.py: each repeated block of a stage graph as a module of its own.
