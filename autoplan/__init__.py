@@ -15,8 +15,9 @@ and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at th
   `autoplan` command (its parser and subcommands), cli_args.py: its arguments, cli_output.py:
   what it prints and caches; demo.py: `autoplan demo`.
 - plan.py: the `Plan` (frozen dataclasses, versioned JSON); spec.py: `TrainingSpec`;
-  topology.py: `Topology` and the cluster presets; graph.py: `CapturedGraph`; inputs.py: a
-  step's batch as a pytree, its batch dims; experts.py: the routed-experts op.
+  topology.py: `Topology` and the cluster presets; hardware.py: `DeviceSpec`, `LinkSpec`;
+  graph.py: `CapturedGraph`; inputs.py: a step's batch as a pytree, its batch dims; experts.py:
+  the routed-experts op.
 - cache.py: the plan cache ([Note: plan cache]); collector.py: the garbage collector paused
   around planning; progress.py: phase lines on stderr; units.py: the one number format.
 - testing.py: the correctness contract as code (one process against N ranks).
