@@ -28,8 +28,8 @@ Files:
   run's and a real rank's, one recording).
 - memory_stats.py, mem_categories.py, live_bytes.py: measured memory by phase, by category,
   and live tensor bytes.
-- job.py, launcher.py, parent_death.py: torchrun jobs, the local gloo cluster that names a
-  failed rank, and ranks that die with their parent.
+- job.py, launcher.py, rank_faults.py, parent_death.py: torchrun jobs, the local gloo cluster,
+  the rank at fault named when a job fails, and ranks that die with their parent.
 """
 
 from autoplan.runtime.launcher import LocalCluster, RankError
