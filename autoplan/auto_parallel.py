@@ -124,7 +124,7 @@ class AutoParallel(PlanningSession):
         # `capture` on the same source would be made again.
         # Under context parallelism (cp > 1) the runtime graph is captured at a cp rank's own
         # tokens, seq_len / cp per sample: every view shape is then local, and
-        # passes/context.py gives it global positions and attention over the cp group.
+        # passes/context_parallel.py gives it global positions and attention over the cp group.
         planned = self._graph
         cp = plan.mesh.cp
         reuse = planned.num_layers == planned.total_layers and cp == 1 and \

@@ -278,7 +278,7 @@ class PlanningSession:
     def _cp_refusal(self, graph, topo: Topology) -> str | None:
         """Why the runtime could not run a cp > 1 plan of this model, batch and loss, or None:
         runtime/checks.py context_parallel_refusal, then the graph rewrite itself
-        (passes/context.py: its attentions, masks and position source) tried on a copy of
+        (passes/context_parallel.py: its attentions, masks and position source) tried on a copy of
         the planning graph; a mask too large to evaluate here is checked at build. None
         without a trial where the search has no cp > 1 for this sequence and world
         (solver/context.py cp_degrees)."""
@@ -286,7 +286,7 @@ class PlanningSession:
 
         import torch.fx
 
-        from autoplan.passes.context import apply_context_parallel
+        from autoplan.passes.context_parallel import apply_context_parallel
         from autoplan.runtime.checks import context_parallel_refusal
         from autoplan.solver.context import cp_degrees
 

@@ -19,7 +19,7 @@ Files:
 - precision.py: the precision recipe of a plan's dtype, fp16 loss scaling.
 - optim.py: the default optimizer, AdamW with the fused update ([Note: fused AdamW]).
 - offload.py: CPU offload of optimizer states at ZeRO 0 and 1.
-- moe.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
+- expert_parallel.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
 - compiled.py: compiled stages ([Note: compiled stages]).
 - dryrun.py, dryrun_recorder.py: one rank of a plan of any size on fake tensors ([Note: dry
   run]); step_ops.py, step_export.py: its whole step's op sequence, written as Python,

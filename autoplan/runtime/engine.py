@@ -13,7 +13,7 @@ Build order (each step needs the previous one), all on the meta device until ste
    layout-invariant (`passes.rng`, [Note: RNG contract]). The RMSNorm and SwiGLU patterns
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
    Under cp (the graph captured at seq_len / cp tokens per sample), attention gathers K and V
-   over the cp axis and positions become the rank's global ones (`passes.context`, [Note:
+   over the cp axis and positions become the rank's global ones (`passes.context_parallel`, [Note:
    context parallelism] in solver/context.py).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
    plan says so (`passes.checkpointing`); with `compile`, each block's forward goes through
@@ -86,7 +86,7 @@ from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan, check_context_parallel
 from autoplan.runtime.offload import HostOptimizer
 from autoplan.runtime.memory_stats import PhasePeaks
-from autoplan.runtime.moe import ExpertParallel, check_expert_parallel
+from autoplan.runtime.expert_parallel import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.rank_stages import RankStages
 from autoplan.runtime.weights import ModuleWeights, WeightSource, allocate as _allocate
@@ -132,7 +132,7 @@ class DistributedModel(RankStages):
             autoplan/runtime/compiled.py; None: as the plan assumed (`plan.compiled`).
         planned_graph: under cp, the graph the plan was made on (at the whole sequence): an
             aten.arange that is seq_len / cp long in `graph` is taken as a position index
-            only if its namesake there is seq_len long (passes/context.py).
+            only if its namesake there is seq_len long (passes/context_parallel.py).
 
     The loss ([Note: step loss]): `loss_fn(output, target)` when given (the token-LM form:
     `(logits, labels)`; any other: the model's output and the batch as given to `step`, one
@@ -204,7 +204,8 @@ class DistributedModel(RankStages):
                                         num_microbatches=plan.num_microbatches, dp=plan.mesh.dp,
                                         dp_rank=self.dp_rank, device=self.device,
                                         cp=plan.mesh.cp, cp_rank=self.cp_rank)
-                # expert parallelism inside dp (runtime/moe.py): groups before stages use them
+                # expert parallelism inside dp (runtime/expert_parallel.py): groups before stages
+                # use them
                 check_expert_parallel(plan)
                 self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
                     if plan.mesh.ep > 1 else None

@@ -36,7 +36,7 @@ __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "cl
 def replicate(module: nn.Module, dp_mesh, *, mp_policy=None, ignored_params=None) -> nn.Module:
     """ZeRO-0: parameters replicated on the dp axis, gradients all-reduced (averaged);
     `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters left
-    alone (expert weights under expert parallelism, runtime/moe.py)."""
+    alone (expert weights under expert parallelism, runtime/expert_parallel.py)."""
     return replicate_module(module, dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
 
 

@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
-from autoplan.passes.context import apply_context_parallel, check_whole_graph
+from autoplan.passes.context_parallel import apply_context_parallel, check_whole_graph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
-from autoplan.passes.pipeline import split_stages
+from autoplan.passes.stages import split_stages
 from autoplan.passes.rng import RandomState, make_random_ops_layout_invariant, random_op_indices
 from autoplan.passes.sharding import apply_placements, check_redistributions, value_placements
 from autoplan.plan import parse_placement
@@ -193,7 +193,7 @@ class RankStages:
         if not list(gm.parameters()) or (plan.mesh.dp_shard == 1 and mp is None):
             return gm
         dp_mesh = self.dp_mesh  # dp, or dp x cp flattened
-        # expert weights under ep are reduced by runtime/moe.py, not by FSDP2
+        # expert weights under ep are reduced by runtime/expert_parallel.py, not by FSDP2
         ignored = set(self.expert_parallel.params) if self.expert_parallel else None
         gm.forward = _compat.owning_outputs(gm.forward)
         for module in [gm.get_submodule(path) for path in blocks] + [gm]:
