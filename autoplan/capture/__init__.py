@@ -35,7 +35,8 @@ shape or a condition, ops without a meta/fake kernel).
 Files: this package's __init__ (the API: `capture`, `capture_preset`), errors.py
 (`CaptureError`, which every step raises), trace.py
 (step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
-weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters), hf_experts.py
+weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters; with fusion.py, the
+bytes of memory-bound ops run as fused chains, [Note: pointwise fusion]), hf_experts.py
 (during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]),
 constants.py (constants the model's code creates while traced on meta), planning.py
 (`capture_for_planning`: a few identical blocks scaled to the real depth, [Note: shallow
