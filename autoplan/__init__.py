@@ -9,15 +9,20 @@ capture/ (model -> `CapturedGraph`), strategies/ (candidate placements per node)
 (compute, communication, memory), solver/ (the search and the placement ILP -> `Plan`),
 passes/ (plan -> per-rank graphs), runtime/ (torch.distributed training), report/ (Markdown
 and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at this level:
-- api.py: `@autoparallel`, `AutoParallel`, `from_pretrained`; cli.py: the `autoplan` command;
-  demo.py: `autoplan demo`.
+- api.py: `@autoparallel` and `from_pretrained`; auto_parallel.py: `AutoParallel`, the model
+  they return (build, step, save, report, export); session.py: its planning half (cluster,
+  capture, cp trial, plan cache, solve, broadcast); options.py: `PlanOptions`; cli.py: the
+  `autoplan` command (its parser and subcommands), cli_args.py: its arguments, cli_output.py:
+  what it prints and caches; demo.py: `autoplan demo`.
 - plan.py: the `Plan` (frozen dataclasses, versioned JSON); spec.py: `TrainingSpec`;
-  topology.py: `Topology` and the cluster presets; graph.py: `CapturedGraph`; inputs.py: a
-  step's batch as a pytree, its batch dims; experts.py: the routed-experts op.
+  topology.py: `Topology` and the cluster presets; hardware.py: `DeviceSpec`, `LinkSpec`;
+  graph.py: `CapturedGraph`; inputs.py: a step's batch as a pytree, its batch dims; experts.py:
+  the routed-experts op.
 - cache.py: the plan cache ([Note: plan cache]); collector.py: the garbage collector paused
   around planning; progress.py: phase lines on stderr; units.py: the one number format.
 - testing.py: the correctness contract as code (one process against N ranks).
-- _torch_compat.py, _torch_fx_compat.py: every use of torch's private APIs.
+- _torch_compat/ (one module per concern), _torch_fx_compat.py: every use of torch's private
+  APIs.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ computation is captured as.
 [Note: experts op] A Hugging Face MoE block (Mixtral, Qwen3-MoE, DeepSeek-V3) routes each token to
 its top-k experts; which tokens reach which expert depends on the data, so tracing the experts'
 loop gives data-dependent shapes (`nonzero`, `where`, per-expert slices). Capture instead calls
-this op (autoplan/capture/moe.py swaps the HF experts' forward for it), whose inputs and output
-have static shapes:
+this op (autoplan/capture/hf_experts.py swaps the HF experts' forward for it), whose inputs and
+output have static shapes:
 
     experts(hidden (T, H), top_k_index (T, k) int64, top_k_weights (T, k),
             gate_up_proj (E, 2I, H), down_proj (E, H, I), act, expert_offset) -> (T, H)

@@ -70,14 +70,15 @@ def fake_world():
 
 @pytest.fixture
 def no_private_group():
-    """A one-process build keeps the one-rank group it made (api._PRIVATE_GROUP) for the
+    """A one-process build keeps the one-rank group it made (session._PRIVATE_GROUP) for the
     process's life; a test module that builds one in the test process takes it down after each
     test (`pytestmark = pytest.mark.usefixtures("no_private_group")`), so that later test files
     (the fake 4-rank worlds of export, strategies and solver tests) start without a process
     group."""
     yield
-    from autoplan import api
+    from autoplan import session
 
-    if api._PRIVATE_GROUP and dist.is_initialized() and dist.group.WORLD is api._PRIVATE_GROUP[-1]:
+    if session._PRIVATE_GROUP and dist.is_initialized() and \
+            dist.group.WORLD is session._PRIVATE_GROUP[-1]:
         dist.destroy_process_group()
-        api._PRIVATE_GROUP.pop()
+        session._PRIVATE_GROUP.pop()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autoplan.cli import _Planned, main
+from autoplan.cli import main
+from autoplan.cli_output import Planned as _Planned
 from autoplan.plan import Alternative, MeshShape, Plan, Prediction, Stage
 from autoplan.topology import load_topology, preset
 
@@ -42,7 +43,8 @@ def test_help_examples_are_valid(capsys, tmp_path):
     solver is bypassed) and reports TFLOP/s and MFU."""
     import shlex
 
-    from autoplan.cli import _EPILOG, build_parser
+    from autoplan.cli import build_parser
+    from autoplan.cli_args import EPILOG as _EPILOG
 
     commands = [shlex.split(c.replace("\\\n", " "))
                 for c in _EPILOG.split("\n  autoplan ")[1:]]

@@ -1,8 +1,8 @@
 """Context parallelism ([Note: context parallelism] in autoplan/solver/context.py): in the
 planner, the cp mesh axis and its JSON, the costs per cp rank and the K/V collectives against
 the alpha-beta formula by hand, the search over cp, the report; in the runtime, the cp
-attention against full attention, the graph rewrite (passes/context.py), the refusals of what
-it does not run, and training under cp2 and cp2 x dp2 against one process (gloo ranks)."""
+attention against full attention, the graph rewrite (passes/context_parallel.py), the refusals of
+what it does not run, and training under cp2 and cp2 x dp2 against one process (gloo ranks)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from autoplan.inputs import InputSpec
 from autoplan.models import build_model, example_inputs, model_config
 from autoplan.passes.device import retarget_device
 from autoplan.passes.expand import counterparts
-from autoplan.passes.context import (apply_context_parallel, chunk_positions,
+from autoplan.passes.context_parallel import (apply_context_parallel, chunk_positions,
                                      context_parallel_attention, load_balanced_attention)
 from autoplan.plan import MeshShape, Plan
 from autoplan.report import render_markdown

@@ -97,7 +97,7 @@ _GRAPH, _PRE = [None], [set()]
 
 @pytest.fixture(autouse=True, scope="module")
 def _graph_facts():
-    from autoplan.passes.pipeline import assign_stages
+    from autoplan.passes.stages import assign_stages
     from autoplan.plan import Stage
 
     graph = capture_preset("llama-tiny", batch=2, seq_len=16)

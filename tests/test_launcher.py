@@ -19,7 +19,8 @@ import pytest
 
 import _launcher_jobs as jobs
 from autoplan.runtime import launcher
-from autoplan.runtime.launcher import LocalCluster, RankError, _Outcome
+from autoplan.runtime.launcher import LocalCluster, RankError
+from autoplan.runtime.rank_faults import Outcome as _Outcome, root_rank
 
 
 def assert_reaped(cluster: LocalCluster) -> None:
@@ -238,7 +239,7 @@ RESET = "RuntimeError: Connection reset by peer"
       2: _Outcome("hung", 2, 9.0, detail=OWN_CODE)}, 2),
 ])
 def test_root_rank_order(faults, root):
-    assert launcher._root_rank(faults) == root
+    assert root_rank(faults) == root
 
 
 def test_collective_timeout_setting(monkeypatch):

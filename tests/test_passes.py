@@ -11,7 +11,7 @@ import _jobs
 from autoplan.capture import capture
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.device import materialize
-from autoplan.passes.pipeline import split_stages
+from autoplan.passes.stages import split_stages
 from autoplan.plan import Stage
 
 

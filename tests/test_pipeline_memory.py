@@ -4,11 +4,11 @@ torch.distributed.pipelining 2.13 allocates a forward receive buffer for every m
 gradient receive buffer for every microbatch up front, live for the whole step, so a pipeline
 rank's memory grew with m; its interleaved runtime also kept every send until the end of the
 step. The runtime's stages and interleaved schedule ([Note: in-flight receive buffers] in
-autoplan/_torch_compat.py) hold a buffer only while its microbatch is in flight, as Megatron-LM
-does. Measured here: each rank's peak live tensor bytes (`LiveTensorBytes`) over two training
-steps of a pp2 plan at few and many microbatches of the same size (1F1B: m = 4 and 16); they
-differ by less than one microbatch's boundary activations (microbatch x seq x hidden x 4 bytes,
-fp32). Before the change, 1F1B at m = 4 / 16: rank 0 1,282,304 / 1,380,608 B, rank 1
+autoplan/_torch_compat/pipelining.py) hold a buffer only while its microbatch is in flight, as
+Megatron-LM does. Measured here: each rank's peak live tensor bytes (`LiveTensorBytes`) over two
+training steps of a pp2 plan at few and many microbatches of the same size (1F1B: m = 4 and 16);
+they differ by less than one microbatch's boundary activations (microbatch x seq x hidden x 4
+bytes, fp32). Before the change, 1F1B at m = 4 / 16: rank 0 1,282,304 / 1,380,608 B, rank 1
 1,030,708 / 1,129,156 B (2 layers; +12 boundaries of 8,192 B each).
 """
 

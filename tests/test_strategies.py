@@ -244,8 +244,8 @@ def test_identical_layers_cost_nothing_and_warm_planning_is_fast():
 
 def test_strided_shard_sizes_by_formula_equal_dtensors():
     """The closed form the planner's sharding propagation uses for `_StridedShard` local sizes
-    and first offsets (autoplan/_torch_compat.py) equals what DTensor computes by splitting an
-    arange, on even and uneven sizes, including empty shards."""
+    and first offsets (autoplan/_torch_compat/sharding_rules.py) equals what DTensor computes
+    by splitting an arange, on even and uneven sizes, including empty shards."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from autoplan import _torch_compat as compat

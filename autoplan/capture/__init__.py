@@ -35,7 +35,8 @@ shape or a condition, ops without a meta/fake kernel).
 Files: this package's __init__ (the API: `capture`, `capture_preset`), errors.py
 (`CaptureError`, which every step raises), trace.py
 (step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
-weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters), moe.py
+weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters; with fusion.py, the
+bytes of memory-bound ops run as fused chains, [Note: pointwise fusion]), hf_experts.py
 (during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]),
 constants.py (constants the model's code creates while traced on meta), planning.py
 (`capture_for_planning`: a few identical blocks scaled to the real depth, [Note: shallow
@@ -57,7 +58,7 @@ from autoplan.capture.errors import CaptureError
 from autoplan.capture.facts import (_backward_shares, _check_layers_align, _dtype_name,
                                     _find_layers, _node_info, _param_infos)
 from autoplan.capture.fusion import fused_bytes
-from autoplan.capture.moe import experts_as_op
+from autoplan.capture.hf_experts import experts_as_op
 from autoplan.capture.trace import _check_inputs, _export, _input_names
 from autoplan.graph import CapturedGraph, NodeInfo
 # Re-exported: they live with the passes, which own graph rewriting.
@@ -120,7 +121,7 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
     _check_positions(model, inputs, model_name)
     if total_layers is not None and total_layers < 1:
         raise ValueError(f"total_layers must be >= 1, got {total_layers}")
-    with experts_as_op(model):  # MoE experts as one static-shape op (capture/moe.py)
+    with experts_as_op(model):  # MoE experts as one static-shape op (capture/hf_experts.py)
         ep, root = _export(model, inputs, in_spec, model_name)
     gm = _clean_graph(ep.module(), model, _input_names(model, in_spec))
     retarget_device(gm, torch.device("meta"))

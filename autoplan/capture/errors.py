@@ -1,5 +1,5 @@
 """`CaptureError`, the error every step of capture raises. A leaf module, so that the package's
-modules form a DAG (docs/design.md, house rule 12): trace.py, clean.py, facts.py and moe.py
+modules form a DAG (docs/design.md, house rule 12): trace.py, clean.py, facts.py and hf_experts.py
 import it, and the package's `__init__` re-exports it."""
 
 from __future__ import annotations

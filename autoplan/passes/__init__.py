@@ -2,15 +2,17 @@
 per-rank modules the runtime trains (docs/design.md, "Passes").
 
 Files:
-- pipeline.py: split a captured graph into pipeline stages (the stage boundaries of the plan).
+- stages.py: split a captured graph into pipeline stages (the stage boundaries of the plan).
+  pipeline.py: its old name, kept for the imports of cost_model/traffic.py.
 - sharding.py: apply the plan's tensor-parallel placements, every redistribution explicit
   ([Note: view under DTensor]).
 - regather.py: gathered inputs held for the backward as their shards, gathered again there
   ([Note: gathered inputs saved sharded]).
-- context.py: context parallelism in a stage graph, the runtime's half of [Note: context
+- context_parallel.py: context parallelism in a stage graph, the runtime's half of [Note: context
   parallelism].
-- moe.py: the routed-experts op under DTensor on the tp axis.
-- rng.py: layout-invariant random ops ([Note: RNG contract]).
+- experts_local.py: the routed-experts op under DTensor on the tp axis.
+- rng.py: layout-invariant random ops ([Note: RNG contract]): the graph pass, the eager mode;
+  keyed_random.py: the keyed ops they call and their state.
 - kernels.py: fuse the patterns the Triton kernels implement ([Note: kernel fusion],
   [Note: vocab-parallel loss]).
 - blocks.py: each repeated block of a stage graph as a module of its own.

@@ -11,7 +11,7 @@ Ranks that differ only in their dp coordinate run the same code; one file is wri
 the collectives outside the forward graph: pipeline send/recv and the dp (x cp) gradient
 synchronisation of the plan's ZeRO stage. Under context parallelism the graph is the one
 captured at seq / cp tokens per sample and rewritten as the runtime rewrites it
-(autoplan/passes/context.py): each attention's K/V all-gather over the cp group is in the
+(autoplan/passes/context_parallel.py): each attention's K/V all-gather over the cp group is in the
 graph, and the rank's global positions are its `_cp_positions` input.
 """
 
@@ -37,7 +37,7 @@ from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
 from autoplan.graph import CapturedGraph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.kernels import fuse_kernels
-from autoplan.passes.pipeline import split_stages
+from autoplan.passes.stages import split_stages
 from autoplan.passes.sharding import apply_placements, value_placements
 from autoplan.plan import Plan, parse_placement
 
@@ -90,12 +90,12 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
     with the fused kernels' ops in place of their patterns as the runtime runs them
     (`kernels`, see autoplan/passes/kernels.py). Under cp > 1 `graph` is the model captured at
     plan.seq_len / cp tokens per sample, rewritten for cp rank `cp_rank` as the runtime does
-    (passes/context.py; `planned`: the graph captured at the whole sequence, to tell position
-    indexes apart).
+    (passes/context_parallel.py; `planned`: the graph captured at the whole sequence, to tell
+    position indexes apart).
 
     Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
-    Raises ValueError where the cp rewrite does (passes/context.py).
+    Raises ValueError where the cp rewrite does (passes/context_parallel.py).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -105,7 +105,7 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
     gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
     retarget_device(gm, "cpu")
     if cp > 1:
-        from autoplan.passes.context import apply_context_parallel, check_whole_graph
+        from autoplan.passes.context_parallel import apply_context_parallel, check_whole_graph
         from autoplan.passes.expand import counterparts
 
         check_whole_graph(gm, plan.seq_len, cp)

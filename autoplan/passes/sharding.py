@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autoplan._torch_compat import has_direct_rule, is_aten_op, is_composite
 from autoplan.experts import EXPERTS_OP
-from autoplan.passes.moe import experts_local
+from autoplan.passes.experts_local import experts_local
 from autoplan.passes.regather import tag_gathered
 from autoplan.plan import Plan, Redistribution, parse_placement
 
@@ -187,7 +187,7 @@ def value_placements(plan: Plan) -> dict[str, str]:
 def swap_dtensor_op(node: torch.fx.Node) -> None:
     """Point a call of an op that DTensor cannot run as captured at our version of it, in place:
     scaled_dot_product_attention -> `sdpa_local`, autoplan.experts -> `experts_local`
-    (passes/moe.py), view / reshape -> `reshape`."""
+    (passes/experts_local.py), view / reshape -> `reshape`."""
     if node.target is aten.scaled_dot_product_attention.default:
         node.target = sdpa_local
     elif node.target is EXPERTS_OP:

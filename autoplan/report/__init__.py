@@ -7,10 +7,11 @@
     write_report(plan, out_dir, ...)               -> {"plan.json": Path, ...}
     write_files({"report.md": str, ...}, out_dir)  -> {"report.md": Path, ...}
 
-The pieces: facts.py (the numbers, grouped per block role), formulas.py (the closed forms a plan
-uses), timeline.py (the pipeline schedule illustration), markdown.py (the Markdown report and
-the terminal summary), html.py (the HTML page), svg.py (its charts), write.py (files written
-atomically). Every number is printed by autoplan/units.py ([Note: number format]).
+The pieces: facts.py (the numbers), roles.py (parameters and redistributions grouped per block
+role), part_costs.py (compute and communication per part of the model), formulas.py (the closed
+forms a plan uses), timeline.py (the pipeline schedule illustration), markdown.py (the Markdown
+report and the terminal summary), html.py (the HTML page), svg.py (its charts), measured.py
+(the Dry run section: what dry-run ranks measured beside the plan), write.py (files written atomically). Every number is printed by autoplan/units.py ([Note: number format]).
 
 The names are imported on first use (PEP 562 module `__getattr__`, as in autoplan/__init__.py):
 the renderers import torch, and `autoplan plan` writes a cached report (autoplan/cache.py) with

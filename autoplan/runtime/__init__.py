@@ -3,6 +3,8 @@ of a planned model; `LocalCluster` (launcher.py) runs functions on N local gloo 
 
 Files:
 - engine.py: the training engine, one rank's share of a planned model and its optimizer step.
+- rank_stages.py: the engine's base class, this rank's stages built on meta (split, placements,
+  cp, kernels, experts, random ops, blocks, checkpointing, compile, tp parameters, FSDP2).
 - parallel.py: the torch.distributed pieces it composes (ZeRO by stage, pipeline schedules,
   global gradient clipping, the forward of a tp-sharded stage).
 - zero1.py: the ZeRO-1 optimizer, states in equal parts ([Note: ZeRO-1 partition]).
@@ -11,13 +13,14 @@ Files:
 - evaluate.py: `eval_step`, a batch's loss and outputs without training.
 - construction.py, deferred_init.py, weights.py: where this rank's weights come from (a
   recorded construction replayed on the shards, [Note: sharded construction]).
-- hf_checkpoint.py, adapters.py: Hugging Face safetensors and PEFT adapters in and out.
+- hf_checkpoint.py, hf_load.py, adapters.py: Hugging Face safetensors out and in (a consolidated
+  checkpoint written tensor by tensor; each rank reading only its slices), PEFT adapters.
 - checkpoint.py: sharded checkpoints (torch.distributed.checkpoint).
 - checks.py: the build-time check that what was built is what the plan says.
 - precision.py: the precision recipe of a plan's dtype, fp16 loss scaling.
 - optim.py: the default optimizer, AdamW with the fused update ([Note: fused AdamW]).
 - offload.py: CPU offload of optimizer states at ZeRO 0 and 1.
-- moe.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
+- expert_parallel.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
 - compiled.py: compiled stages ([Note: compiled stages]).
 - dryrun.py, dryrun_recorder.py: one rank of a plan of any size on fake tensors ([Note: dry
   run]); step_ops.py, step_export.py: its whole step's op sequence, written as Python,
@@ -26,8 +29,8 @@ Files:
   run's and a real rank's, one recording).
 - memory_stats.py, mem_categories.py, live_bytes.py: measured memory by phase, by category,
   and live tensor bytes.
-- job.py, launcher.py, parent_death.py: torchrun jobs, the local gloo cluster that names a
-  failed rank, and ranks that die with their parent.
+- job.py, launcher.py, rank_faults.py, parent_death.py: torchrun jobs, the local gloo cluster,
+  the rank at fault named when a job fails, and ranks that die with their parent.
 """
 
 from autoplan.runtime.launcher import LocalCluster, RankError

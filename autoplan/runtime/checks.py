@@ -36,8 +36,8 @@ def _axis_placement(p: torch.Tensor, axis: str):
 def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
     """Refuse, before anything is set up, a cp > 1 plan this runtime cannot run as planned
     ([Note: context parallelism] in autoplan/solver/context.py; the graph's attention and
-    positions are checked where they are rewritten, passes/context.py). `graph`: the captured
-    graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
+    positions are checked where they are rewritten, passes/context_parallel.py). `graph`: the
+    captured graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
 
     Raises what `context_parallel_refusal` returns: NotImplementedError for compile with cp,
     ValueError for a batch or loss that cannot be cut along the sequence and for a model with
@@ -116,7 +116,7 @@ def check_against_plan(model) -> None:
                 if got != want:
                     problems.append(f"{fqn}: tp placement {got}, the plan says {want}")
             if _axis_placement(p, "ep") is not None:
-                # an expert slice under ep: whole, outside ZeRO (runtime/moe.py)
+                # an expert slice under ep: whole, outside ZeRO (runtime/expert_parallel.py)
                 if _axis_placement(p, "ep") != Shard(0):
                     problems.append(f"{fqn}: ep placement {_axis_placement(p, 'ep')}, expert "
                                     "parallelism splits the experts Shard(0)")

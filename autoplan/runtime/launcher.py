@@ -4,8 +4,9 @@
 alive, so many jobs (tests, benchmarks) share one set of processes instead of paying process and
 import start-up each time. `LocalCluster.run(fn, *args, timeout_s=...)` runs `fn(*args)` on every
 rank and returns the per-rank results in rank order. A failed job raises `RankError` naming the
-rank that caused it ([Note: naming the failed rank]) and closes the cluster; a job that does not
-finish within `timeout_s` raises TimeoutError (no hangs: every multi-rank path has a timeout).
+rank that caused it ([Note: naming the failed rank] in rank_faults.py) and closes the cluster; a
+job that does not finish within `timeout_s` raises TimeoutError (no hangs: every multi-rank path
+has a timeout).
 
 Collective timeout: a rank waits at most `pg_timeout_s` in one collective for its peers, then
 raises. `LocalCluster` defaults to LOCAL_COLLECTIVE_TIMEOUT_S (300 s): a dead peer is found by
@@ -23,21 +24,6 @@ job's process group instead; multi-node launching is torchrun's job.
 
 Ranks die with the parent that started them, even one killed by SIGKILL; SIGTERM of the parent
 first closes its clusters ([Note: ranks die with their parent], parent_death.py).
-
-[Note: naming the failed rank]
-When one rank faults, its peers fail too, for a secondary reason: a collective with a vanished
-peer raises "Connection reset by peer", one with a stuck peer times out. The error the user
-sees names the root cause, chosen in this order:
-  1. a rank whose process died (exit code or signal; `run` polls every process's exit code
-     while it waits for results, so a death is seen within _POLL_S);
-  2. a rank that raised, other than for a lost or timed-out peer (the first to report);
-  3. a rank that gave no result and is not inside torch.distributed (it hangs in its own code);
-  4. a rank that gave no result, waiting in a collective;
-  5. a rank that raised for a lost or timed-out peer (the first to report).
-After the first fault the other ranks get FAULT_GRACE_S to report; those that do not are
-"hung": each worker registers faulthandler on SIGUSR1 (and on fatal signals) to write all its
-threads' stacks to a file, so a hung or crashed rank's stack is shown although it cannot report.
-The other failed ranks are folded below the root cause, a few lines each.
 """
 
 from __future__ import annotations
@@ -57,14 +43,15 @@ import threading
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from autoplan.runtime.parent_death import close_on_sigterm, die_with_parent
+from autoplan.runtime.rank_faults import (Outcome, RankError, death_stack, dump_stacks, exit_text,
+                                          fold, frame_text, main_stack, rank_error)
 
 __all__ = ["COLLECTIVE_TIMEOUT_ENV", "FAULT_GRACE_S", "LOCAL_COLLECTIVE_TIMEOUT_S",
            "LocalCluster", "RankError", "TORCHRUN_COLLECTIVE_TIMEOUT_S", "init_from_env",
@@ -81,37 +68,6 @@ whole collective timeout, so its stack is taken instead."""
 _POLL_S = 0.5  # how often `run` checks that every rank's process is alive
 _START_TIMEOUT_S = 300.0  # the ranks' rendezvous: torch imports on a loaded machine are slow
 _STARTUP_JOB = -1  # job id of a rank's report that it failed to start
-_FOLD_FRAMES = 3  # innermost frames shown for each rank that is not the root cause
-# What a rank raises when a peer vanished or stopped answering, in gloo's words ("Read error
-# [addr]: Connection reset by peer", "Timed out waiting 3000ms for recv operation to complete",
-# "Application timeout caused pair closure") and NCCL's watchdog's.
-_PEER_LOSS = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Timed out waiting \d+ms|"
-                        r"pair closure|Socket Timeout|Watchdog caught collective operation timeout")
-
-
-class RankError(RuntimeError):
-    """A job failed; `rank` is the rank that caused it ([Note: naming the failed rank]).
-
-    Attributes:
-        rank: the root-cause rank.
-        cause: what happened to it, short text: "died: killed by signal SIGKILL, 12 s in",
-            "raised ValueError: ...", "hung: no result after 50 s, stack: ...".
-        others: the other ranks that failed, rank -> short text ("RuntimeError: Connection
-            reset by peer", "no result after 9 s, waiting in all_reduce (...)").
-    The message adds the root rank's traceback or stack and a few lines per other rank.
-    Picklable (rebuilt from these attributes and the message).
-    """
-
-    def __init__(self, rank: int, cause: str, others: dict[int, str] | None = None,
-                 message: str | None = None):
-        self.rank = rank
-        self.cause = cause
-        self.others = dict(others or {})
-        lines = [f"rank {rank} {cause}"] + [f"rank {r}: {t}" for r, t in self.others.items()]
-        super().__init__(message if message is not None else "\n".join(lines))
-
-    def __reduce__(self):
-        return type(self), (self.rank, self.cause, self.others, str(self))
 
 
 def _collective_timeout_s(timeout_s: float | None, default_s: float) -> float:
@@ -190,168 +146,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
     dist.destroy_process_group()
 
 
-@dataclass
-class _Outcome:
-    """What one rank did in one job, as the parent learnt it."""
-    kind: Literal["ok", "raised", "died", "hung"]
-    seq: int             # order in which the parent learnt it
-    elapsed_s: float     # since the job was sent
-    value: Any = None    # the result, when ok
-    summary: str = ""    # one line: the exception, the exit, the wait
-    detail: str = ""     # the traceback (raised) or stack dump (died, hung)
-
-
-def _reported(ok: bool, data, seq: int, elapsed_s: float) -> _Outcome:
+def _reported(ok: bool, data, seq: int, elapsed_s: float) -> Outcome:
     """The outcome a rank reported: its pickled result, or (summary, traceback)."""
     if not ok:
         summary, tb = data
-        return _Outcome("raised", seq, elapsed_s, summary=summary, detail=tb)
+        return Outcome("raised", seq, elapsed_s, summary=summary, detail=tb)
     try:
-        return _Outcome("ok", seq, elapsed_s, value=pickle.loads(data))
+        return Outcome("ok", seq, elapsed_s, value=pickle.loads(data))
     except Exception as e:  # noqa: BLE001 - e.g. a class that only the ranks can import
-        return _Outcome("raised", seq, elapsed_s, summary=f"result not unpickled: {_summary(e)}",
+        return Outcome("raised", seq, elapsed_s, summary=f"result not unpickled: {_summary(e)}",
                         detail=traceback.format_exc())
-
-
-# -- stacks and tracebacks ------------------------------------------------------------------------
-_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+),? in (\S+)')
-
-
-def _frame_text(line: str) -> str:
-    path, lineno, func = _FRAME.match(line).groups()
-    return f"{func} ({os.path.basename(path)}:{lineno})"
-
-
-def _job_frames(frames: list[str]) -> list[str]:
-    """Innermost-first frame lines cut below the job: `_worker` and the process start-up go."""
-    cut = next((i for i, f in enumerate(frames) if " in _worker" in f), len(frames))
-    return frames[:cut]
-
-
-def _main_stack(dump: str) -> list[str]:
-    """Frame lines of the thread running the job (the one whose stack holds `_worker`) in a
-    faulthandler dump, innermost first, down to the job function; the last such thread block
-    when there are several."""
-    blocks: list[list[str]] = []
-    for line in dump.splitlines():
-        if re.match(r"^(Current thread|Thread) 0x", line):
-            blocks.append([])
-        elif blocks and _FRAME.match(line):
-            blocks[-1].append(line.strip())
-    main = [b for b in blocks if any(" in _worker" in f for f in b)]
-    return _job_frames(main[-1] if main else (blocks[-1] if blocks else []))
-
-
-def _traceback_frames(tb: str) -> list[str]:
-    """Frame lines of a formatted traceback, innermost first, down to the job function."""
-    return _job_frames([line.strip() for line in reversed(tb.splitlines()) if _FRAME.match(line)])
-
-
-def _in_collective(o: _Outcome) -> bool:
-    frames = _main_stack(o.detail)
-    return bool(frames) and "torch/distributed" in frames[0]
-
-
-def _dump_stacks(procs: dict[int, tuple[int, str]]) -> dict[int, str]:
-    """Ask live ranks for their stacks (SIGUSR1, [Note: naming the failed rank]): rank ->
-    (pid, stack file) in, rank -> the dump out ("" for one that wrote none within 2 s, or is
-    still starting: its file is opened before faulthandler is registered)."""
-    procs = {r: pp for r, pp in procs.items() if os.path.exists(pp[1])}
-    before = {r: os.path.getsize(path) for r, (_, path) in procs.items()}
-    for pid, _ in procs.values():
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    size, deadline = dict(before), time.monotonic() + 2.0
-    waiting = set(procs)
-    while waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
-        for r in list(waiting):
-            now = os.path.getsize(procs[r][1])
-            if before[r] < now == size[r]:  # written and no longer growing
-                waiting.discard(r)
-            size[r] = now
-    dumps = {}
-    for r, (_, path) in procs.items():
-        with open(path, errors="replace") as f:
-            f.seek(before[r])
-            dumps[r] = f.read()
-    return dumps
-
-
-def _death_stack(path: str) -> str:
-    """The stack faulthandler wrote when a fatal signal killed the rank, or ""."""
-    if not os.path.exists(path):
-        return ""
-    with open(path, errors="replace") as f:
-        text = f.read()
-    at = text.rfind("Fatal Python error")
-    return text[at:] if at >= 0 else ""
-
-
-def _exit_text(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
-# -- choosing and telling the root cause --------------------------------------------------------
-def _root_rank(faults: dict[int, _Outcome]) -> int:
-    """The rank that caused the failure, by [Note: naming the failed rank]'s order."""
-    def order(r: int) -> tuple[int, int]:
-        o = faults[r]
-        if o.kind == "died":
-            return 0, o.seq
-        if o.kind == "raised":
-            return (4 if _PEER_LOSS.search(o.summary) else 1), o.seq
-        return (3 if _in_collective(o) else 2), o.seq
-    return min(faults, key=order)
-
-
-def _cause(o: _Outcome) -> str:
-    """The root rank's short cause."""
-    if o.kind == "raised":
-        return f"raised {o.summary}"
-    frames = [_frame_text(f) for f in _main_stack(o.detail)[:2]]
-    if o.kind == "died":
-        at = f" at {frames[0]}" if frames else ""
-        return f"died: {o.summary}{at}, {o.elapsed_s:.1f} s in"
-    stack = " <- ".join(frames) if frames else "not available"
-    return f"hung: no result after {o.elapsed_s:.0f} s, stack: {stack}"
-
-
-def _fold(o: _Outcome) -> list[str]:
-    """A few frames of a rank that is not the root cause: the innermost one, then the
-    innermost ones outside torch (where the job called in)."""
-    frames = _traceback_frames(o.detail) if o.kind == "raised" else _main_stack(o.detail)
-    torch_dir = os.path.dirname(torch.__file__)
-    shown = frames[:1] + [f for f in frames[1:] if torch_dir not in f][:_FOLD_FRAMES - 1]
-    texts = [_frame_text(f) for f in shown]
-    return [f"    in {t}" for t in texts if t not in o.summary]  # a hung rank's is there
-
-
-def _root_detail(r: int, o: _Outcome) -> list[str]:
-    if o.kind == "raised":
-        return [f"rank {r}'s traceback:", o.detail.rstrip()]
-    frames = _main_stack(o.detail)
-    if not frames:
-        return []
-    return [f"rank {r}'s stack (most recent call first):"] + [f"  {f}" for f in frames]
-
-
-def _rank_error(faults: dict[int, _Outcome], job: str) -> RankError:
-    root = _root_rank(faults)
-    cause = _cause(faults[root])
-    others = {r: faults[r].summary for r in sorted(faults) if r != root}
-    lines = [f"rank {root} {cause} (job {job})"]
-    for r, text in others.items():
-        lines += [f"rank {r}: {text}"] + _fold(faults[r])
-    lines += _root_detail(root, faults[root])
-    return RankError(root, cause, others, "\n".join(lines))
 
 
 class LocalCluster:
@@ -422,14 +226,14 @@ class LocalCluster:
         job = getattr(fn, "__name__", repr(fn))
         if all(o.kind == "hung" for o in faults.values()):
             raise TimeoutError(self._timeout_message(job, timeout_s, faults))
-        raise _rank_error(faults, job)
+        raise rank_error(faults, job)
 
-    def _collect(self, job_id: int, timeout_s: float) -> dict[int, _Outcome]:
+    def _collect(self, job_id: int, timeout_s: float) -> dict[int, Outcome]:
         """Every rank's outcome: results as they come, deaths as `_POLL_S` polls see them; after
         the first fault the others get FAULT_GRACE_S. Ranks without one by then are hung."""
         start = time.monotonic()
         deadline = start + timeout_s
-        outcomes: dict[int, _Outcome] = {}
+        outcomes: dict[int, Outcome] = {}
         while len(outcomes) < self.world_size and time.monotonic() < deadline:
             try:
                 jid, rank, ok, data = self._results.get(
@@ -441,30 +245,30 @@ class LocalCluster:
                     outcomes[rank] = _reported(ok, data, len(outcomes), time.monotonic() - start)
             for r, p in enumerate(self._procs):
                 if r not in outcomes and p.exitcode is not None:
-                    outcomes[r] = _Outcome("died", len(outcomes), time.monotonic() - start,
-                                           summary=_exit_text(p.exitcode),
-                                           detail=_death_stack(self._stack_paths[r]))
+                    outcomes[r] = Outcome("died", len(outcomes), time.monotonic() - start,
+                                           summary=exit_text(p.exitcode),
+                                           detail=death_stack(self._stack_paths[r]))
             if any(o.kind != "ok" for o in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + FAULT_GRACE_S)
         return self._hung(outcomes, time.monotonic() - start)
 
-    def _hung(self, outcomes: dict[int, _Outcome], elapsed_s: float) -> dict[int, _Outcome]:
+    def _hung(self, outcomes: dict[int, Outcome], elapsed_s: float) -> dict[int, Outcome]:
         """`outcomes` with a "hung" outcome, stack included, for every rank that has none."""
         missing = [r for r in range(self.world_size) if r not in outcomes]
-        dumps = _dump_stacks({r: (self._procs[r].pid, self._stack_paths[r]) for r in missing})
+        dumps = dump_stacks({r: (self._procs[r].pid, self._stack_paths[r]) for r in missing})
         for r in missing:
-            o = _Outcome("hung", len(outcomes), elapsed_s, detail=dumps.get(r, ""))
-            frames = _main_stack(o.detail)
-            where = f", waiting in {_frame_text(frames[0])}" if frames else ""
+            o = Outcome("hung", len(outcomes), elapsed_s, detail=dumps.get(r, ""))
+            frames = main_stack(o.detail)
+            where = f", waiting in {frame_text(frames[0])}" if frames else ""
             o.summary = f"no result after {elapsed_s:.0f} s" + where
             outcomes[r] = o
         return outcomes
 
-    def _timeout_message(self, job: str, timeout_s: float, hung: dict[int, _Outcome]) -> str:
+    def _timeout_message(self, job: str, timeout_s: float, hung: dict[int, Outcome]) -> str:
         lines = [f"job {job} did not finish on ranks {sorted(hung)} of {self.world_size} "
                  f"within {timeout_s:g} s (no rank failed)"]
         for r, o in sorted(hung.items()):
-            lines += [f"rank {r}: {o.summary}"] + _fold(o)
+            lines += [f"rank {r}: {o.summary}"] + fold(o)
         return "\n".join(lines)
 
     def close(self, kill: bool = False) -> None:

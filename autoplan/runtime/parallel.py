@@ -36,7 +36,7 @@ __all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "cl
 def replicate(module: nn.Module, dp_mesh, *, mp_policy=None, ignored_params=None) -> nn.Module:
     """ZeRO-0: parameters replicated on the dp axis, gradients all-reduced (averaged);
     `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters left
-    alone (expert weights under expert parallelism, runtime/moe.py)."""
+    alone (expert weights under expert parallelism, runtime/expert_parallel.py)."""
     return replicate_module(module, dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
 
 
@@ -77,8 +77,8 @@ def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
 
     The stages hold a receive buffer only while its microbatch is in flight, and the
     interleaved schedule lets go of a send once it completed ([Note: in-flight receive
-    buffers] in autoplan/_torch_compat.py), so a rank's memory does not grow with the number
-    of microbatches beyond what its schedule keeps in flight."""
+    buffers] in autoplan/_torch_compat/pipelining.py), so a rank's memory does not grow with
+    the number of microbatches beyond what its schedule keeps in flight."""
     stage_cls = in_flight_pipeline_stage_class()
     pipeline_stages = [stage_cls(m, idx, num_stages, device, group=pp_group,
                                  input_args=examples[idx][0], output_args=examples[idx][1])

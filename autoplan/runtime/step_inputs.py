@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from autoplan._torch_compat import concrete_value
 from autoplan.graph import CapturedGraph
 from autoplan.inputs import InputSpec
-from autoplan.passes.context import chunk_positions
+from autoplan.passes.context_parallel import chunk_positions
 
 __all__ = ["StepInputs", "loss_mode"]
 

@@ -23,7 +23,7 @@ the collectives the runtime inserts, no more, no fewer).
   all S(0) (batch) or all S(1) (heads, only when both the query and the key/value head counts
   divide by tp, so no rank ever holds less than one KV head -- case C3); the mask follows.
 - `autoplan.experts` (mixture-of-experts, [Note: experts op]): explicit rule, all R or the
-  experts split S(0) with a partial output (strategies/moe.py).
+  experts split S(0) with a partial output (strategies/experts_candidates.py).
 - any other op (no DTensor rule): only all-R, with a logged note naming the op.
 - no tensor output (`aten._assert_tensor_metadata`): "ignored" -- no candidates, the runtime
   runs it on whatever it gets (see `ignored_nodes`).
@@ -37,9 +37,9 @@ through DTensor's rules, `batch_dims`).
 Enumeration: an op with a direct DTensor rule is probed with the all-R combination, every
 single-argument change from it and the "all arguments alike" combinations; whenever DTensor
 would redistribute, its suggestion (a valid combination) is probed too. A composite op
-(aten.linear, [Note: composite ops] in _torch_compat.py) gives no suggestion, so it is probed
-with every combination up to 64 (else every one- and two-argument change). At most two Partial
-inputs. A split that a view refuses, or a parameter split no consumer computes with, is then
+(aten.linear, [Note: composite ops] in _torch_compat/sharding_rules.py) gives no suggestion, so it
+is probed with every combination up to 64 (else every one- and two-argument change). At most two
+Partial inputs. A split that a view refuses, or a parameter split no consumer computes with, is then
 pruned (`_prune`). For a tp with a divisor already planned, the divisor's candidates are
 re-checked by size instead ([Note: divisor tp]). Results are cached by (op, argument
 shapes/dtypes/allowed placements, static arguments, tp), so identical layers cost one layer.
@@ -49,7 +49,8 @@ Files: this package's __init__ (`node_strategies`), candidate.py (`Candidate`, `
 the types every file shares), nodes.py (the
 graph helpers: tensor arguments, shapes, constant-like and ignored nodes, batch dims, DTensor
 propagation of one node), probe.py (the candidates of one node: [Note: node kinds],
-Enumeration, [Note: divisor tp]), prune.py (`_prune`), moe.py (the experts op's rule).
+Enumeration, [Note: divisor tp]), prune.py (`_prune`), experts_candidates.py (the experts op's
+rule).
 """
 
 from __future__ import annotations

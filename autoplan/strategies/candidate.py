@@ -1,7 +1,7 @@
 """The types every file of `autoplan.strategies` shares: `Candidate` (one way to run a node on
 the tp axis) and `StrategyCache`. A leaf module, so that the package's modules form a DAG
-(docs/design.md, house rule 12): probe.py, prune.py and moe.py import it, and the package's
-`__init__` re-exports it."""
+(docs/design.md, house rule 12): probe.py, prune.py and experts_candidates.py import it, and the
+package's `__init__` re-exports it."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def _propagate_node(graph, node, placements, mesh, cache=None) -> tc.Propagation
     op = node.target
     if tc.has_direct_rule(op) or not tc.is_composite(op):
         return tc.propagate(op, tuple(args), dict(kwargs), mesh)
-    # [Note: composite ops] in autoplan/_torch_compat.py
+    # [Note: composite ops] in autoplan/_torch_compat/sharding_rules.py
     key = ("trace", str(op), tuple(specs), _static_repr(node))
     trace = cache.get(key) if cache is not None else None
     if trace is None:

@@ -19,7 +19,7 @@ from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import format_placement, parse_placement
 from autoplan.strategies.candidate import Candidate, StrategyCache
-from autoplan.strategies.moe import experts_candidates
+from autoplan.strategies.experts_candidates import experts_candidates
 from autoplan.strategies.nodes import (_arg_specs, _propagate_node, _static_repr, batch_dims,
                                        constant_like_nodes, ignored_nodes, node_tensor_meta,
                                        tensor_args)

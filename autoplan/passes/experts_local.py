@@ -2,7 +2,7 @@
 
 DTensor has no rule for `autoplan.experts`; `apply_placements` points its nodes at
 `experts_local` (as it does fused attention at `sdpa_local`), which runs the op on the local
-shards in the placements the plan chose (strategies/moe.py):
+shards in the placements the plan chose (strategies/experts_candidates.py):
 
 - all Replicate: every rank runs the whole op; the output is Replicate.
 - experts Shard(0): rank r holds the experts [r E/tp, (r+1) E/tp) and runs the op with that
@@ -53,7 +53,8 @@ def experts_local(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a
     idx = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
     local_gate_up, local_down = gate_up_proj.to_local(), down_proj.to_local()
     if split:
-        # Shard(0) of E divisible by the mesh size (strategies/moe.py): equal contiguous chunks
+        # Shard(0) of E divisible by the mesh size (strategies/experts_candidates.py): equal
+        # contiguous chunks
         expert_offset += mesh.get_local_rank() * local_gate_up.shape[0]
     out = EXPERTS_OP(x, idx, w, local_gate_up, local_down, act, expert_offset)
     placement = (Partial(),) if split else (Replicate(),)

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from autoplan.experts import EXPERTS_OP
-from autoplan.passes.moe import experts_local
+from autoplan.passes.experts_local import experts_local
 
 __all__ = ["ExpertParallel", "experts_all_to_all", "check_expert_parallel"]
 

@@ -1,0 +1,85 @@
+"""Process groups and collectives (torch.distributed's private c10d names): dropping a process's
+groups without a shutdown, the default and the fake stores, the ranks an op's group argument
+names, flattening a sub-mesh, a differentiable all-gather along any dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DeviceMesh
+
+__all__ = ["forget_process_groups", "default_store", "fake_store", "group_ranks", "flatten_mesh",
+           "all_gather_autograd"]
+
+
+def forget_process_groups() -> None:
+    """Drop every process group this process knows, without talking to its peers (no
+    shutdown, no barrier): for a forked child that must set up its own (fake) group while
+    the parent keeps training on the real one. Mirrors what torch 2.13's
+    `destroy_process_group()` clears (c10d's registries, partly module globals behind
+    `_World`, and the C++ group-name registry), minus the backends' shutdown."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._world
+    c10d._update_default_pg(None)
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks,
+                     world.pg_backend_config, world.pg_to_tag, world.tags_to_pg,
+                     world.pg_coalesce_state, world.comms):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+def default_store():
+    """The key-value store of the default process group (torchrun's TCPStore, or the one
+    `init_process_group` was given); torch 2.13's `_get_default_store`."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def fake_store():
+    """The store of torch's `fake` process-group backend (torch.testing's FakeStore)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def group_ranks(group) -> list[int] | None:
+    """Global ranks of the process group an op argument names, or None when it names none: a
+    c10d op's ProcessGroup (boxed as a torch.ScriptObject), a functional collective's group
+    name (torch's private `_resolve_process_group`)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(group, torch.ScriptObject):
+        if not group._type().qualified_name().endswith(".ProcessGroup"):
+            return None
+        group = dist.ProcessGroup.unbox(group)
+    elif isinstance(group, str):
+        try:
+            group = _resolve_process_group(group)
+        except (RuntimeError, ValueError):
+            return None  # a reduce op's name ("sum")
+    elif not isinstance(group, dist.ProcessGroup):
+        return None
+    return dist.get_process_group_ranks(group)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1-D mesh of all ranks of `mesh` (a sub-mesh of several axes, e.g. ("dp", "cp")),
+    row-major, named `name`: torchtitan's `mesh["dp_shard", "cp"]._flatten("dp_shard_cp")`
+    (DeviceMesh._flatten, private in torch 2.13)."""
+    return mesh._flatten(name)
+
+
+def all_gather_autograd(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """`t` all-gathered along tensor dim `dim` over `group` (a ProcessGroup or its name), in
+    group-rank order, differentiable: its backward reduce-scatters (sums) the gradient along
+    `dim` (torch.distributed._functional_collectives.all_gather_single_autograd, private in
+    torch 2.13, which replaced all_gather_tensor_autograd: it gathers on dim 0 and cuts and
+    concatenates for another dim). What context parallelism gathers K and V with ([Note:
+    context parallelism] in autoplan/solver/context.py)."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    return all_gather_single_autograd(t.contiguous(), dim, group)

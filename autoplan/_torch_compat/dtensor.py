@@ -1,0 +1,140 @@
+"""DTensor at run time (the runtime and the export pass): FSDP2-based replication
+(`replicate_module`), a re-entrant implicit replication switch (`implicit_replication`), the
+reset of DTensor's plan caches (`clear_dtensor_caches`), a rank's block of a sharded tensor
+(`local_shard_slices`), the autograd base of a view, and the two torch warnings autoplan
+understands (`quiet_understood_warnings`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Shard
+
+__all__ = ["replicate_module", "view_base", "implicit_replication", "clear_dtensor_caches",
+           "local_shard_offset", "local_shard_slices", "quiet_understood_warnings"]
+
+
+def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
+                     ignored_params=None) -> torch.nn.Module:
+    """DDP on FSDP2's machinery (`torch.distributed._composable.replicate_with_fsdp`), which
+    composes with DTensor tensor parallelism and torch.distributed.pipelining; `mp_policy` is
+    FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters it leaves alone."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if ignored_params:
+        kwargs["ignored_params"] = set(ignored_params)
+    return replicate(module, mesh=dp_mesh, **kwargs)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is an autograd view of (`Tensor._base`), None when it is not a view.
+    DTensor views made by aten view ops (linear's flatten of its input) keep it too."""
+    return t._base
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """Like torch.distributed.tensor.experimental.implicit_replication, but re-entrant: it
+    restores the previous setting on exit instead of switching it off, so a stage forward
+    nested inside a step's forward+backward does not end the step's replication early."""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
+
+
+def clear_dtensor_caches() -> None:
+    """DTensor caches sharding and redistribution plans by mesh *shape*; the cached ones name
+    the process groups of the rank traced last, which are gone once it is destroyed."""
+    from torch.distributed.tensor import _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+def local_shard_offset(global_shape, mesh: DeviceMesh,
+                       placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard of a DTensor of `global_shape` at
+    `placements` on `mesh` (a rank of the mesh): the shard is
+    `global[offset[d] : offset[d] + local_shape[d]]` along every tensor dim d; see
+    `local_shard_slices` (defined below) for what it accepts."""
+    slices = local_shard_slices(global_shape, mesh, placements)
+    return tuple(s.stop - s.start for s in slices), tuple(s.start for s in slices)
+
+
+def local_shard_slices(global_shape, mesh: DeviceMesh, placements) -> tuple[slice, ...] | None:
+    """The block of a tensor of `global_shape` that this rank holds as a DTensor with
+    `placements` on `mesh`: one slice per tensor dim; None when this rank is not in `mesh`.
+
+    torch's `compute_local_shape_and_global_offset` (what DCP uses) gives the local shape and the
+    *first* global index along each dim, which describes the shard only when it is one
+    contiguous block. That holds for `Shard` and `Replicate`, and for FSDP2 over tp:
+    `_StridedShard(d, split_factor=k)` followed by `Shard(d)` on later mesh axes of total size k
+    (the dp shard of the tp shard; tests/test_hf_checkpoint.py checks it against
+    `full_tensor()`, uneven sizes included).
+
+    Raises:
+        ValueError: a `Partial` placement, or a `_StridedShard` whose split factor is not the
+            size of the later mesh axes sharding the same dim (a non-contiguous shard).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise ValueError(f"placements {tuple(placements)}: a Partial placement on mesh "
+                             f"axis {axis} has no slice of the full tensor")
+        if isinstance(p, _StridedShard):
+            later = 1
+            for j in range(axis + 1, len(placements)):
+                q = placements[j]
+                if isinstance(q, Shard) and not isinstance(q, _StridedShard) and q.dim == p.dim:
+                    later *= mesh.size(j)
+            if later != p.split_factor:
+                raise ValueError(
+                    f"placements {tuple(placements)} on mesh {tuple(mesh.shape)}: "
+                    f"{p} on mesh axis {axis} is not FSDP-over-tp nesting (later Shard({p.dim}) "
+                    f"axes have size {later}, split factor {p.split_factor}): not a contiguous "
+                    f"block")
+    if mesh.get_coordinate() is None:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+_QUIETED = []
+
+def quiet_understood_warnings() -> None:
+    """Silence two torch 2.13 messages that say nothing to an autoplan user, once per process
+    (the runtime and the export pass call this; nothing else is filtered):
+
+    - "DTensor random operators may not have complete support on cpu device mesh": DTensor's
+      own RNG is never relied on -- random ops are rewritten to be layout-invariant
+      ([Note: RNG contract] in autoplan/passes/rng.py), under which CPU meshes are exact.
+    - "CPU process group does not support alltoall yet, falling back with allgather + chunk!"
+      (a log record): gloo has no all_to_all; the fallback is what the cost model prices for
+      a CPU mesh, and the result is the same.
+    """
+    if _QUIETED:
+        return
+    import logging
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message="DTensor random operators may not have complete support on cpu")
+
+    class _NoAlltoallFallbackNotice(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "does not support alltoall yet" not in record.getMessage()
+
+    logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
+        _NoAlltoallFallbackNotice())
+    _QUIETED.append(True)

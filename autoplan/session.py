@@ -1,0 +1,320 @@
+"""The planning half of `AutoParallel` (autoplan/auto_parallel.py): the cluster to plan for,
+the training spec and the planned batch, the capture for planning, the cp trial, the plan cache,
+the solve, and rank 0's plan broadcast to every rank of a job.
+
+`PlanningSession` is `AutoParallel`'s base class: it reads the wrapper's `module`, `options`
+(`PlanOptions`), `dtype`, and the state `AutoParallel.__init__` sets (`_plan`, `_graph`,
+`_inputs`, `_build_stats`). Also here: whether this process is a rank of a real job
+(`_in_job`), against the one-rank group a lone process sets up to train (`_PRIVATE_GROUP`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoplan.plan import Plan
+from autoplan.runtime.construction import (meta_skeleton, on_meta as _on_meta,
+                                           frozen_weights_dtype)
+from autoplan.spec import TrainingSpec
+from autoplan.topology import Topology, load_topology, preset
+
+__all__ = ["PlanningSession"]
+
+
+# The world of one this process set up to train alone: not a job (a later model may still be
+# planned for world_size= ranks without training).
+_PRIVATE_GROUP: list = []
+
+
+def _in_job() -> bool:
+    """Whether this process is a rank of a real job (torchrun, LocalCluster, a user's own
+    init_process_group), not alone in the world of one autoplan set up to train."""
+    return dist.is_initialized() and not (_PRIVATE_GROUP and dist.group.WORLD is _PRIVATE_GROUP[-1])
+
+
+class PlanningSession:
+    """Cluster, spec, capture and plan of an `AutoParallel` (its base class; see the module
+    docstring for the state it reads)."""
+
+    @property
+    def topology(self) -> Topology:
+        topo = self._cluster()
+        if self.options.device_memory_bytes is not None:
+            device = dataclasses.replace(topo.device, mem_bytes=self.options.device_memory_bytes)
+            topo = dataclasses.replace(topo, device=device)
+        return topo
+
+    def _cluster(self) -> Topology:
+        """The cluster to plan for. Under torchrun the job's process group is joined first
+        (runtime/job.py): the world size is the job's and the node count torchrun's, so a
+        launch never plans a single rank per process."""
+        from autoplan.runtime import job
+
+        o = self.options
+        job.join()
+        world = dist.get_world_size() if _in_job() else (o.world_size or 1)
+        nodes = job.num_nodes(o.num_nodes, world)
+        if o.cluster.endswith((".yaml", ".yml", ".json")):
+            topo = load_topology(o.cluster)
+            return topo.with_nodes(nodes) if nodes else topo
+        if o.cluster == "local-cpu":
+            nodes = nodes or 1
+            if world % nodes:
+                raise ValueError(f"world size {world} does not divide into {nodes} nodes")
+            return preset("local-cpu", num_nodes=nodes, devices_per_node=world // nodes)
+        return preset(o.cluster, num_nodes=nodes or 1)
+
+    @property
+    def spec(self) -> TrainingSpec:
+        return TrainingSpec(global_batch=self.options.global_batch, seq_len=self._seq_len(),
+                            dtype=self.dtype)
+
+    @property
+    def inputs(self):
+        """The batch the plan is made for (autoplan.inputs.InputSpec): from `example_batch=`,
+        else the first batch given to `step`, else the token-LM form of seq_len."""
+        from autoplan.inputs import InputSpec
+
+        if self._inputs is None:
+            if self.options.seq_len is None:
+                raise ValueError("autoparallel: no seq_len= and no example_batch=: give one, "
+                                 "or call step(batch) before asking for the plan")
+            self._inputs = InputSpec.tokens(self.options.global_batch, self.options.seq_len)
+        return self._inputs
+
+    def _spec_of(self, batch):
+        from autoplan.inputs import InputSpec
+
+        return InputSpec.of(batch, self.module, self.options.global_batch,
+                            dict(self.options.batch_dims))
+
+    def _seq_len(self) -> int:
+        """seq_len=, else tokens per sample of the batch: dim 1 of `input_ids` (or of the first
+        integer input of two dims), else 1 (tokens/s are then samples/s)."""
+        if self.options.seq_len is not None:
+            return self.options.seq_len
+        leaves = self.inputs.model_leaves
+        ids = [leaf for leaf in leaves if leaf.name == "input_ids"] or [
+            leaf for leaf in leaves if len(leaf.shape) == 2 and "int" in leaf.dtype]
+        if ids and ids[0].batch_dim is not None:
+            return ids[0].shape[1 - ids[0].batch_dim]
+        return 1
+
+    @property
+    def plan(self) -> Plan:
+        """The plan (made on first access)."""
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    @property
+    def graph(self):
+        """The captured graph (autoplan.graph.CapturedGraph) the plan was made for; capturing
+        and planning on first access, as `plan` does."""
+        _ = self.plan
+        return self._graph
+
+    def _capture(self, source: nn.Module, batch_size: int, planning: bool = False,
+                 seq_len: int | None = None):
+        """The graph of `source` called on the planned batch at `batch_size` samples (planning:
+        a few identical blocks scaled to the real depth, [Note: shallow planning capture]);
+        `seq_len`: tokens per sample of the token-LM batch instead of the planned ones (a cp
+        rank's seq_len / cp). Returns (graph, whether it was read from the capture cache)."""
+        from autoplan.capture.cache import cached_capture
+        from autoplan.inputs import InputSpec
+
+        spec = self.inputs
+        if seq_len is not None and seq_len != self.spec.seq_len:
+            spec = InputSpec.tokens(spec.global_batch, seq_len)  # cp: the token form only
+        example = spec.example(batch_size, "meta" if _on_meta(source) else "cpu")
+        args, kwargs = spec.call([t if leaf.to_model else None
+                                  for leaf, t in zip(spec.leaves, example)])
+        name = type(self.module).__name__
+        # read back from the capture cache when this capture was made before, by an earlier
+        # job or another rank of this machine ([Note: capture cache] in capture/cache.py)
+        graph, how = cached_capture(source, args, example_kwargs=kwargs, model_name=name,
+                                    planning=planning)
+        graph.batch_size, graph.seq_len = batch_size, seq_len or self.spec.seq_len
+        return graph, how == "hit"
+
+    def _capture_source(self, precision) -> nn.Module:
+        """What planning and the runtime capture (the same, so that their graphs match node for
+        node): the model itself when it has real fp32 weights and trains in fp32 (constants
+        torch.export lifts out of forward keep their values), else a meta copy with its
+        floating parameters in the compute dtype (a bf16 model trained in fp32 is captured
+        in fp32: [Note: dtype of the weights])."""
+        if not _on_meta(self.module) and not precision.mixed and all(
+                p.dtype == torch.float32 for p in self.module.parameters()
+                if p.is_floating_point()):
+            return self.module
+        return meta_skeleton(self.module, precision.compute_dtype)
+
+    def _make_plan(self) -> Plan:
+        from autoplan.progress import phase
+        from autoplan.runtime.precision import Precision
+        from autoplan.units import plural
+
+        topo = self.topology
+        if _in_job() and dist.get_world_size() != topo.world_size:
+            raise ValueError(
+                f"cluster {topo.name!r} has {topo.world_size} devices "
+                f"({plural(topo.num_nodes, 'node')} x {topo.devices_per_node}) but this job has "
+                f"{dist.get_world_size()} ranks: "
+                f"start {topo.world_size} ranks (torchrun --nnodes {topo.num_nodes} "
+                f"--nproc_per_node {topo.devices_per_node}), or plan for this job's size "
+                "(cluster=\"local-cpu\" takes the job's, a preset takes num_nodes=)")
+        name = type(self.module).__name__
+        # Planned on the graph the runtime will run: a meta copy in the compute dtype (a 16-bit
+        # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
+        with self._timed("capture_for_planning_s"), phase(f"capturing {name}"):
+            source = self._capture_source(Precision.of(self.dtype))
+            graph, cached = self._capture(source, self.options.global_batch, planning=True)
+        self._build_stats["capture_for_planning_cached"] = cached
+        with self._timed("plan_s"):
+            # cp searched where the runtime can run it for this model, batch and loss
+            why_not = None if "cp" in dict(self.options.overrides) else \
+                self._cp_refusal(graph, topo)
+            request = self._cache_request(graph, topo, cp_searched=why_not is None)
+            plan = self._cached_plan(request, topo)
+            from_cache = plan is not None
+            if plan is None:
+                with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
+                    plan = self._solve(graph, topo, request, why_not)
+            if _in_job() and dist.get_world_size() > 1:
+                box = [plan.to_json() if dist.get_rank() == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+                plan = Plan.from_json(box[0])
+        self._build_stats["plan_from_cache"] = from_cache
+        self._graph = graph
+        return plan
+
+    def _cache_request(self, graph, topo: Topology, cp_searched: bool) -> dict | None:
+        """The plan cache's request for this model ([Note: plan cache] in autoplan/cache.py):
+        the captured graph's fingerprint, the cluster, the training spec, the overrides and
+        whether cp is searched (`_cp_refusal`); None when the cache is off
+        (AUTOPLAN_PLAN_CACHE=0) or an override is not JSON data."""
+        from autoplan.cache import graph_fingerprint
+
+        if os.environ.get("AUTOPLAN_PLAN_CACHE", "1") == "0":
+            return None
+        overrides = dict(self.options.overrides)
+        if not all(v is None or isinstance(v, (bool, int, float, str))
+                   for v in overrides.values()):
+            return None
+        return {"command": "autoparallel", "graph": graph_fingerprint(graph),
+                "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),
+                "overrides": overrides, "compiled": self.options.compile,
+                "cp_searched": cp_searched,
+                "frozen_weights_dtype": self._frozen_weights_dtype()}
+
+    def _cached_plan(self, request: dict | None, topo: Topology) -> Plan | None:
+        """The cache's plan for `request`, its warnings said again; None on a miss."""
+        import warnings
+
+        from autoplan.cache import PlanCache
+        from autoplan.progress import note
+        from autoplan.solver.search import ReplicatedWeightsWarning
+
+        entry = PlanCache().get(request) if request is not None else None
+        if entry is None:
+            return None
+        note(f"plan of {type(self.module).__name__} for {topo.world_size} x "
+             f"{topo.device.name} read from the plan cache ({PlanCache().path(request)}; "
+             "AUTOPLAN_PLAN_CACHE=0 plans anew)")
+        for message in entry["warnings"]:
+            warnings.warn(message, ReplicatedWeightsWarning, stacklevel=2)
+        return Plan.from_dict(entry["plan"])
+
+    def _solve(self, graph, topo: Topology, request: dict | None, why_not: str | None) -> Plan:
+        """Solve, and store the plan with the solver's warnings about it (rank 0 of a job
+        writes; a cache that cannot be written is a detail line, not a failure). `why_not`:
+        why cp is not searched (cp 1 then, unless given), None to search it."""
+        import warnings
+
+        from autoplan.cache import PlanCache
+        from autoplan.progress import detail
+        from autoplan.solver import InvalidConfig
+        from autoplan.solver import plan as solve
+        from autoplan.solver.search import ReplicatedWeightsWarning
+
+        with warnings.catch_warnings(record=True) as caught:
+            # cp searched as `autoplan plan` searches it (where nothing fits without it, or
+            # faster beyond the error band) when the runtime can run it for this model, batch
+            # and loss (runtime/checks.py); cp 1 otherwise, unless given
+            overrides = dict(self.options.overrides)
+            try:
+                plan = solve(graph, topo, self.spec, compiled=self.options.compile,
+                             frozen_weights_dtype=self._frozen_weights_dtype(),
+                             **({} if why_not is None else {"cp": 1}), **overrides)
+            except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
+                if why_not is None or not ("does not fit world size" in e.reason or
+                                           "no configuration of" in e.reason):
+                    raise
+                raise InvalidConfig(f"{e.reason} (planned with cp 1: {why_not})",
+                                    option=e.option) from None
+        for w in caught:  # shown as they would have been
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if request is not None and (not _in_job() or dist.get_rank() == 0):
+            said = [str(w.message) for w in caught
+                    if issubclass(w.category, ReplicatedWeightsWarning)]
+            try:
+                PlanCache().put(request, {"plan": plan.to_dict(), "warnings": said})
+            except OSError as e:
+                detail(f"plan cache not written: {e}")
+        return plan
+
+    def _frozen_weights_dtype(self) -> str | None:
+        """The dtype the frozen parameters' weights come in (runtime/construction.py
+        frozen_weights_dtype): where it is the 16-bit compute dtype, the planner holds them in
+        it ([Note: frozen dtype] in solver/frozen.py)."""
+        return frozen_weights_dtype(self.module, self.options.weights)
+
+    def _cp_refusal(self, graph, topo: Topology) -> str | None:
+        """Why the runtime could not run a cp > 1 plan of this model, batch and loss, or None:
+        runtime/checks.py context_parallel_refusal, then the graph rewrite itself
+        (passes/context_parallel.py: its attentions, masks and position source) tried on a copy of
+        the planning graph; a mask too large to evaluate here is checked at build. None
+        without a trial where the search has no cp > 1 for this sequence and world
+        (solver/context.py cp_degrees)."""
+        import copy
+
+        import torch.fx
+
+        from autoplan.passes.context_parallel import apply_context_parallel
+        from autoplan.runtime.checks import context_parallel_refusal
+        from autoplan.solver.context import cp_degrees
+
+        if not any(cp > 1 for cp in cp_degrees(graph, self.spec.seq_len, topo.world_size)):
+            return None  # the search has no cp > 1 to try
+
+        refusal = context_parallel_refusal(graph, self.inputs, self.options.loss_fn,
+                                           self.options.compile)
+        if refusal is not None:
+            return str(refusal)
+        trial = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+        try:  # cp 1: the same checks at the planned length; the copy is dropped. Masks of
+            # over 4M entries (b s^2: past 1K tokens at batch 4) are left to the build, which
+            # evaluates them at seq / cp per microbatch (a 128K mask would be 17 GB here)
+            apply_context_parallel(trial, seq_len=self.spec.seq_len, cp=1, rank=0,
+                                   group_name="trial", check_masks_up_to=1 << 22)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    @contextlib.contextmanager
+    def _timed(self, key: str):
+        """Add the block's wall time to build_stats()[key] (seconds)."""
+        import time
+
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - start
+            self._build_stats[key] = self._build_stats.get(key, 0.0) + took
