@@ -22,9 +22,9 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   (`_gathers`: ZeRO-2 gathers in the forward and keeps them to the end of the backward;
   ZeRO-3 reshards after each forward; without pp it reshards after each backward, with pp
   torch keeps them gathered after the first backward, `set_reshard_after_backward(False)`);
-  ZeRO-1 adds one `_allgather_base_` per step of every rank's owned parameters packed flat
-  (runtime/parallel.py `ShardedOptimizer.step`: width = the most elements a rank owns, its
-  greedy partition, times D, in the master dtype);
+  ZeRO-1 adds, per step, one `_allgather_base_` per trainable parameter of its rows padded to
+  dp x cp equal pieces (a `broadcast_` for one of fewer rows), in the master dtype
+  (runtime/zero1.py `ShardedOptimizer.step`);
 - pp: a `send` and a `recv_` of each stage-boundary tensor per microbatch and chunk, the
   activations forward and their gradients backward (torch.distributed.pipelining), at the
   tensor a tp rank holds (a tp-th under sequence parallelism); the stage loss's `allreduce_`
@@ -291,19 +291,22 @@ def _gathers(plan: Plan, stage: int) -> int:
 
 
 def _sharded_optimizer(ctx: _Context, t: RankTraffic, stages: list[int]) -> None:
-    """ZeRO-1's packed all-gather of the owned parameters (runtime/parallel.py
-    ShardedOptimizer: greedy by size, largest first, to the least loaded rank)."""
-    params = []
+    """ZeRO-1's gather of the updated parameters (runtime/zero1.py ShardedOptimizer.step,
+    [Note: ZeRO-1 partition]): per trainable parameter of at least D rows one
+    `_allgather_base_` of its rows padded to D equal pieces (ceil(rows / D) each), per smaller
+    one a `broadcast_` of it whole from its owner; fp32 masters under mixed precision."""
+    master = 4 if ctx.mixed else ctx.e
     for s in stages:
         for unit in ctx.units(s):
-            params += [ctx.numel(p, False) for p in unit if p.trainable]
-    loads = [0] * ctx.D
-    for n in sorted(params, reverse=True):
-        i = min(range(ctx.D), key=loads.__getitem__)
-        loads[i] += n
-    if max(loads, default=0):
-        master = 4 if ctx.mixed else ctx.e
-        t.add("_allgather_base_", ctx.dp_axis, max(loads) * ctx.D * master)
+            for p in unit:
+                if not p.trainable:
+                    continue
+                shape = ctx.local_shape(p)
+                rows = shape[0] if shape else 1
+                if rows >= ctx.D:
+                    t.add("_allgather_base_", ctx.dp_axis, ctx.numel(p, True) * master)
+                else:
+                    t.add("broadcast_", ctx.dp_axis, ctx.numel(p, False) * master)
 
 
 def _pipeline(ctx: _Context, t: RankTraffic, r: int, stages: list[int], clip: bool) -> None:
