@@ -27,12 +27,24 @@ from torch.distributed.tensor.placement_types import Placement
 __all__ = [
     "SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage", "Prediction",
     "Alternative", "DryRunRecord", "Plan", "parse_placement", "format_placement", "SCHEDULES",
-    "OFFLOADS",
+    "OFFLOADS", "optimizer_pieces",
 ]
 
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
+
+
+def optimizer_pieces(zero_stage: int, dp: int, cp: int, tp: int, offload: str) -> str | None:
+    """What of a configuration hands the optimizer pieces of each tensor as plain tensors
+    ([Note: elementwise optimizer] in runtime/optim.py), or None: ZeRO-1's rows over dp x cp
+    > 1 ranks (runtime/zero1.py), the host offload of a tp rank's local shards at ZeRO 0/1
+    (runtime/offload.py)."""
+    if zero_stage == 1 and dp * cp > 1:
+        return f"ZeRO-1 over dp x cp = {dp * cp} ranks steps each rank's rows of a parameter"
+    if offload == "optimizer" and tp > 1:
+        return f"offload 'optimizer' at tp {tp} steps each tp rank's shard on the host"
+    return None
 
 
 def parse_placement(text: str) -> Placement:

@@ -211,6 +211,7 @@ class PlanningSession:
                 "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),
                 "overrides": overrides, "compiled": self.options.compile,
                 "cp_searched": cp_searched,
+                "elementwise_optimizer": self._optimizer_reads_whole_tensors() is None,
                 "frozen_weights_dtype": self._frozen_weights_dtype()}
 
     def _cached_plan(self, request: dict | None, topo: Topology) -> Plan | None:
@@ -248,11 +249,15 @@ class PlanningSession:
             # faster beyond the error band) when the runtime can run it for this model, batch
             # and loss (runtime/checks.py); cp 1 otherwise, unless given
             overrides = dict(self.options.overrides)
+            whole = self._optimizer_reads_whole_tensors()
             try:
                 plan = solve(graph, topo, self.spec, compiled=self.options.compile,
                              frozen_weights_dtype=self._frozen_weights_dtype(),
+                             elementwise_optimizer=whole is None,
                              **({} if why_not is None else {"cp": 1}), **overrides)
             except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
+                if whole is not None and "reads whole tensors" in e.reason:
+                    raise InvalidConfig(f"{e.reason}. The probe: {whole}") from None
                 if why_not is None or not ("does not fit world size" in e.reason or
                                            "no configuration of" in e.reason):
                     raise
@@ -268,6 +273,18 @@ class PlanningSession:
             except OSError as e:
                 detail(f"plan cache not written: {e}")
         return plan
+
+    def _optimizer_reads_whole_tensors(self) -> str | None:
+        """Why the user's `optimizer=` must be handed whole tensors, or None (no optimizer
+        given: the default AdamW; or an elementwise one): runtime/optim.py
+        whole_tensor_reason, [Note: elementwise optimizer]. Probed once per session."""
+        if not hasattr(self, "_whole_tensor_reason"):
+            from autoplan.runtime.optim import whole_tensor_reason
+
+            opt = self.options.optimizer
+            self._whole_tensor_reason = None if opt is None else whole_tensor_reason(
+                opt, self.module.named_parameters())
+        return self._whole_tensor_reason
 
     def _frozen_weights_dtype(self) -> str | None:
         """The dtype the frozen parameters' weights come in (runtime/construction.py

@@ -532,7 +532,25 @@ def _variant(name: str) -> dict:
         return dict(lr_scheduler=warmup)
     if name == "user_loss":
         return dict(loss_fn=smoothed_loss)
+    if name == "whole_tensor":  # a per-tensor norm: not elementwise (runtime/optim.py)
+        return dict(optimizer=Lamb, named=True)
     raise ValueError(name)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB's trust ratio (You et al. 2020, Algorithm 2) on SGD: each tensor's step scaled by
+    ||w|| / ||g||, norms of the whole tensor (DTensor ops: FSDP2's shards reduce them)."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / p.grad.norm().clamp_min(1e-12)
+                    p.sub_(p.grad * ratio * group["lr"])
 
 
 def reference_variant(name: str, factory, steps: int, batch: int, *, seq: int = SEQ):

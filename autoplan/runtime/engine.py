@@ -79,9 +79,9 @@ from autoplan.runtime.evaluate import eval_batch
 from autoplan.runtime.step_inputs import StepInputs, loss_mode
 from autoplan.runtime.tied import sync_tied_grads, tied_groups
 from autoplan.passes.expand import counterparts
-from autoplan.runtime.optim import default_adamw
+from autoplan.runtime.optim import default_adamw, whole_tensor_reason
 from autoplan.passes.sharding import value_placements
-from autoplan.plan import Plan, parse_placement
+from autoplan.plan import Plan, optimizer_pieces, parse_placement
 from autoplan.runtime import parallel as _compat
 from autoplan.runtime.checks import check_against_plan, check_context_parallel
 from autoplan.runtime.offload import HostOptimizer
@@ -230,6 +230,7 @@ class DistributedModel(RankStages):
             # default: AdamW(lr=1e-3), its update the fused kernel where kernels are on
             # ([Note: fused AdamW] in runtime/optim.py)
             make_opt = optimizer or functools.partial(default_adamw, fused=self.kernels)
+            self._check_elementwise(optimizer, params)
             # CPU offload ([Note: offload] in solver/offload.py): ZeRO 0/1 step on the host
             # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
             host = plan.offload == "optimizer"
@@ -247,6 +248,24 @@ class DistributedModel(RankStages):
                 else None
             self._schedule = self._build_schedule() if plan.mesh.pp > 1 else None
             self._count_microbatches()
+
+    def _check_elementwise(self, optimizer, params) -> None:
+        """ValueError, at build, when this plan hands the user's `optimizer` pieces of each
+        tensor (ZeRO-1's rows, offloaded tp shards) and it reads whole tensors ([Note:
+        elementwise optimizer] in runtime/optim.py): its update would silently differ from
+        one process's. The planner leaves such plans out; this catches one given by hand or
+        read from a file."""
+        plan = self.plan
+        why = optimizer_pieces(plan.zero_stage, plan.mesh.dp, plan.mesh.cp, plan.mesh.tp,
+                               plan.offload)
+        if optimizer is None or why is None:
+            return
+        reason = whole_tensor_reason(optimizer, params)
+        if reason is not None:
+            raise ValueError(
+                f"plan: {why}, but {reason}. Plan with this optimizer given (@autoparallel("
+                f"optimizer=...) leaves such plans out), or fix zero_stage 0, 2 or 3 and no "
+                f"'optimizer' offload at tp > 1")
 
     # -- training -----------------------------------------------------------------------
     def _build_schedule(self):

@@ -27,7 +27,7 @@ import torch
 
 from autoplan._torch_compat import concrete_value
 
-__all__ = ["FusedAdamW", "default_adamw"]
+__all__ = ["FusedAdamW", "default_adamw", "whole_tensor_reason"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,87 @@ def default_adamw(params, *, fused: bool, lr: float = 1e-3) -> torch.optim.Optim
     if fused and all(t.dtype == torch.float32 for t in tensors):
         return FusedAdamW(params, lr=lr)
     return torch.optim.AdamW(params, lr=lr)
+
+
+# [Note: elementwise optimizer]
+# ZeRO-1 (runtime/zero1.py) hands the optimizer a rank's rows of each parameter, and the host
+# offload at ZeRO 0/1 (runtime/offload.py) a tp rank's local shard, as plain tensors. The update
+# is then the one on whole tensors only when the optimizer is elementwise (AdamW, Adam, SGD,
+# Adagrad, RMSprop, ...). One that reads a whole tensor -- a per-tensor norm (LAMB, LARS), the
+# factored moments of Adafactor, Muon's orthogonalised matrix -- or a whole group (a norm over
+# all its parameters) would compute a different update on the pieces, with no error. FSDP2's
+# ZeRO-2/3 and tensor parallelism without offload hand it DTensors, whose norms and means are
+# the whole tensor's, so they do not depend on this.
+#
+# `whole_tensor_reason` tells the two apart by running the user's optimizer factory: each
+# parameter's name with a probe of its ndim (4 rows of 3), stepped twice with fixed random
+# gradients whole and, in a second and third optimizer, as its top and bottom halves. An
+# elementwise update gives the same numbers on the halves (up to the rounding of vectorised
+# tails, PROBE_RTOL); LAMB's trust ratio, Adafactor's column means and Muon's Newton-Schulz
+# iteration differ by far more. The planner leaves out what hands such an optimizer pieces
+# (search.Overrides.elementwise_optimizer), and the engine refuses such a plan at build.
+PROBE_ROWS, PROBE_COLS, PROBE_RTOL = 4, 3, 1e-5
+
+
+def whole_tensor_reason(make_optimizer, named_params) -> str | None:
+    """None when the optimizer `make_optimizer` builds steps each element of a parameter on
+    its own ([Note: elementwise optimizer]); else why not, naming the optimizer and the first
+    parameter whose update differed (or the error the probe raised).
+
+    Args:
+        make_optimizer: `[(fqn, nn.Parameter)] -> torch.optim.Optimizer`, the `optimizer=` a
+            user gives `@autoparallel`.
+        named_params: the model's (fqn, parameter) pairs: their names and ndims are probed
+            (meta parameters do); frozen ones are left out as the engine leaves them out.
+    """
+    import torch.nn as nn
+
+    from autoplan._torch_compat import outside_fake_mode
+
+    named = [(n, p) for n, p in named_params if p.requires_grad and p.dim() > 0]
+    if not named:
+        return None
+    with outside_fake_mode():  # a dry run's engine: the probe is real numbers
+        return _probe(make_optimizer, named)
+
+
+def _probe(make_optimizer, named) -> str | None:
+    import torch.nn as nn
+
+    gen = torch.Generator().manual_seed(0)
+
+    def shape(p):
+        return (PROBE_ROWS,) + (PROBE_COLS,) * (p.dim() - 1)
+
+    start = {n: torch.randn(shape(p), generator=gen) for n, p in named}
+    grads = [{n: torch.randn(shape(p), generator=gen) for n, p in named} for _ in range(2)]
+    half = PROBE_ROWS // 2
+    pieces = {"whole": (0, PROBE_ROWS), "top": (0, half), "bottom": (half, PROBE_ROWS)}
+    after, name = {}, None
+    try:
+        for key, (a, b) in pieces.items():
+            params = {n: nn.Parameter(t[a:b].clone()) for n, t in start.items()}
+            opt = make_optimizer(list(params.items()))
+            name = type(opt).__name__
+            for g in grads:
+                for n, prm in params.items():
+                    prm.grad = g[n][a:b].clone()
+                opt.step()
+            after[key] = {n: prm.detach() for n, prm in params.items()}
+    except Exception as e:  # noqa: BLE001 -- any failure means it cannot be vouched for
+        return (f"the optimizer could not be probed on pieces of its parameters "
+                f"({type(e).__name__}: {e})")
+    for n, _ in named:
+        whole = after["whole"][n] - start[n]
+        split = torch.cat([after["top"][n], after["bottom"][n]]) - start[n]
+        scale = whole.abs().max().item()
+        err = (whole - split).abs().max().item()
+        if err > PROBE_RTOL * scale + 1e-12:
+            return (f"{name}'s update of {n!r} stepped as two halves of its rows differs from "
+                    f"its update of the whole tensor (by {err / max(scale, 1e-30):.2g} of "
+                    f"the update): it reads whole tensors (a per-tensor norm, factored "
+                    f"moments or an orthogonalised matrix), so it must not be handed pieces")
+    return None
 
 
 _TORCH_ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,

@@ -23,9 +23,10 @@ buffer is allocated after the backward, outside it). With the partition, the sam
 28.89 GB, optimizer states 0.23 vs 0.23; rank 8192 (pp 16, 64 microbatches) 53.1 vs 52.2.
 
 The update is the one the optimizer makes on whole tensors when it is elementwise (AdamW,
-Adam, SGD: the runtime's default `FusedAdamW` and every optimizer the tests use), as under
-FSDP2's ZeRO-2/3, which also hand the optimizer shards. An optimizer that reads a whole
-tensor (a per-tensor norm: LAMB, LARS, Adafactor's factored moments) sees the rows instead.
+Adam, SGD: the runtime's default `FusedAdamW` and every optimizer the tests use). One that
+reads a whole tensor (a per-tensor norm: LAMB, LARS; Adafactor's factored moments; Muon)
+would see the rows instead: the planner does not choose ZeRO-1 for it, and the engine refuses
+such a plan at build ([Note: elementwise optimizer] in runtime/optim.py).
 
 Checkpoints keep the format of whole-tensor states (runtime/checkpoint.py): `full_states`
 gathers each parameter's states onto one rank (the same greedy owners), and `scatter_states`

@@ -46,7 +46,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
          sequence_parallel: bool | None = None, cp: int | None = None,
          offload: str | None = None, compiled: bool = False,
-         frozen_weights_dtype: str | None = None) -> Plan:
+         frozen_weights_dtype: str | None = None,
+         elementwise_optimizer: bool = True) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -95,6 +96,11 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             masters of them fit nowhere on the devices; `spec.frozen_dtype` set fixes it
             ([Note: frozen dtype] in solver/frozen.py). A model without frozen parameters
             is planned as it is.
+        elementwise_optimizer: False when the optimizer reads whole tensors (a per-tensor
+            norm: LAMB, LARS; Adafactor; Muon; runtime/optim.py whole_tensor_reason): ZeRO-1
+            with dp x cp > 1 and the host offload of the optimizer at tp > 1, which hand it
+            pieces of each tensor ([Note: elementwise optimizer]), are not searched, and a
+            fixed zero_stage that needs them raises InvalidConfig.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -134,7 +140,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     with collector_paused():
         overrides = Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload)
+            allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload,
+            elementwise_optimizer)
 
         def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
             fixed = overrides if search_offload or offload is not None else \
@@ -152,7 +159,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                     others.append(_plan(graph, topology, spec, Overrides(
                         tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
                         allow_tp_across_nodes, checkpointing, sequence_parallel, cp,
-                                  offload),
+                        offload, elementwise_optimizer),
                         time_limit_s, top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from autoplan.cost_model.comm import group_layout
 from autoplan.graph import CapturedGraph
-from autoplan.plan import SCHEDULES
+from autoplan.plan import SCHEDULES, optimizer_pieces
 from autoplan.solver import checkpointing as ckpt
 from autoplan.solver import offload, sequence
 from autoplan.solver.context import attention_nodes, cp_degrees, with_context_parallel
@@ -99,6 +99,10 @@ class Overrides:
     sequence_parallel: bool | None = None
     cp: int | None = None
     offload: str | None = None
+    # False: the optimizer reads whole tensors ([Note: elementwise optimizer] in
+    # runtime/optim.py): what hands it pieces of a tensor is not searched
+    # (plan.py optimizer_pieces)
+    elementwise_optimizer: bool = True
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,15 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
             offload.check_offload(o.offload, o.zero_stage, o.dp or 2)
         except ValueError as e:
             raise InvalidConfig(str(e)) from None
+    if not o.elementwise_optimizer and o.zero_stage is not None:
+        why = optimizer_pieces(o.zero_stage, o.dp or 2, o.cp or 1, o.tp or 1,
+                               o.offload or "none")
+        if why is not None:
+            raise InvalidConfig(
+                f"zero_stage {o.zero_stage}: {why}, and the optimizer reads whole tensors "
+                "([Note: elementwise optimizer] in runtime/optim.py): its update would not be "
+                "the one on whole tensors; use zero_stage 0, 2 or 3 (FSDP2 hands it DTensors) "
+                "or an elementwise optimizer (AdamW, Adam, SGD)")
     if o.num_microbatches is not None:
         _check_microbatches(spec, o, world)
     elif o.dp is not None and spec.global_batch % o.dp:
@@ -286,6 +299,9 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
                         for policy in policies]
     if o.offload not in (None, "none"):  # a fixed offload: the stages that run it
         out = [c for c in out if o.offload in offload.offloads_for(c.zero_stage, c.dp)]
+    if not o.elementwise_optimizer:
+        out = [c for c in out
+               if optimizer_pieces(c.zero_stage, c.dp, c.cp, c.tp, c.offload) is None]
     return out
 
 
@@ -295,7 +311,9 @@ def offload_variants(cfg: PlanConfig, o: Overrides) -> list[PlanConfig]:
     when the offload is fixed (enumerate_configs made those)."""
     if o.offload is not None or cfg.offload != "none":
         return []
-    return [replace(cfg, offload=k) for k in offload.offloads_for(cfg.zero_stage, cfg.dp)]
+    return [replace(cfg, offload=k) for k in offload.offloads_for(cfg.zero_stage, cfg.dp)
+            if o.elementwise_optimizer
+            or optimizer_pieces(cfg.zero_stage, cfg.dp, cfg.cp, cfg.tp, k) is None]
 
 
 @dataclass
