@@ -161,7 +161,9 @@ class AutoParallel(PlanningSession):
         from autoplan.runtime.dryrun import dry_run
 
         graph, plan, planned, _reuse, _cached = self._runtime_graph()
-        rows = dry_run(graph, plan, ranks, planned_graph=planned, inputs=self.inputs,
+        # dry_run retargets the plan made on `planned` itself: given `plan` (already named
+        # after `graph`'s nodes) it would map the names a second time, onto other nodes
+        rows = dry_run(graph, self.plan, ranks, planned_graph=planned, inputs=self.inputs,
                        optimizer=self.options.optimizer, loss_fn=self.options.loss_fn,
                        max_grad_norm=self.options.max_grad_norm,
                        kernels=self.options.kernels, steps=steps,

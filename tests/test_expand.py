@@ -42,6 +42,10 @@ def test_a_shallow_plan_restated_for_the_full_graph_is_the_full_graphs_plan():
         runtime = capture(model, (torch.zeros(batch, 16, dtype=torch.long),), model_name="m")
         named = {s.node for s in plan_for_graph(by_shallow, shallow, runtime).strategies}
         assert all(n in named for names in runtime.layer_nodes.values() for n in names)
+    # restated twice, the names would be mapped onto other nodes (AutoParallel.dry_run did
+    # so: the head of a 4-layer model ran row-parallel against a column-parallel plan)
+    with pytest.raises(ValueError, match="retargeted already"):
+        plan_for_graph(restated, shallow, full)
 
 
 def test_a_plan_for_another_model_is_refused():

@@ -46,7 +46,8 @@ def plan_for_graph(plan: Plan, planned: CapturedGraph, graph: CapturedGraph) -> 
 
     Raises:
         ValueError: the graphs are not of one model (their real depths differ, or a parameter
-            of `graph` has no placement in the plan).
+            of `graph` has no placement in the plan), or `plan` names nodes `planned` does
+            not have (a plan retargeted already).
     """
     if graph is planned:
         return plan
@@ -59,6 +60,13 @@ def plan_for_graph(plan: Plan, planned: CapturedGraph, graph: CapturedGraph) -> 
     if missing:
         raise ValueError(f"plan for {planned.model_name!r} has no placement for parameters of "
                          f"{graph.model_name!r}: {missing[:3]}")
+    names = {n.name for n in planned.gm.graph.nodes}
+    foreign = [s.node for s in plan.strategies if s.node not in names]
+    if foreign:  # a plan retargeted already: its names would be mapped onto other nodes
+        raise ValueError(
+            f"plan has strategies for nodes {planned.model_name!r}'s planning graph does not "
+            f"have ({foreign[:3]}): it is not the plan made on that graph (retargeted "
+            "already?); retarget the plan as made on it")
     match = _match(planned, graph)
     strategies = {s.node: s for s in plan.strategies}
     by_consumer: dict[str, list[Redistribution]] = {}
