@@ -30,6 +30,7 @@ __all__ = [
     "pipeline_in_flight_microbatches", "peak_memory_bytes", "RECOMPUTE_POLICIES", "PARAM_PREFIX",
     "SELECTIVE_SAVED_OPS", "selective_saves", "core_attention_regions",
     "loss_working_bytes", "vocab_parallel_loss_bytes", "attention_dropout_scores",
+    "grad_carriers",
 ]
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -358,7 +359,7 @@ def vocab_parallel_loss_bytes(local_logits_bytes: float, dtype_bytes: float,
 # | exp, rsqrt, sqrt                           |                                                |
 # | dropout, native_dropout                    | a 1-byte mask per element (training, p > 0)    |
 # | masked_fill, where                         | the boolean mask/condition: in - out bytes     |
-# | mul, div of two activations                | both operands (in_bytes)                       |
+# | mul, div of two activations                | both operands (each for the other's gradient)  |
 # | fused attention (sdpa, flash, efficient)   | q, k, v, output, fp32 log-sum-exp per row      |
 # |   with dropout (dropout_p > 0)             | and a 1-byte keep mask per score (the runtime's|
 # |                                            | keyed attention dropout, passes/rng.py)        |
@@ -374,6 +375,18 @@ def vocab_parallel_loss_bytes(local_logits_bytes: float, dtype_bytes: float,
 # A tensor saved by two ops is counted once when `producers` (from `node_producers`) says where
 # each argument comes from; without it each consumer's copy counts (an over-estimate when, e.g.,
 # separate q/k/v projections read the same normed input).
+# Only what a gradient needs: autograd records an op only when an input requires a gradient,
+# and keeps an operand only for a gradient that needs it (derivatives.yaml's saved inputs are
+# those of the formulas it evaluates, per `needs_input_grad`). With `grads` (`grad_carriers`:
+# what descends from a trainable parameter; buffers, frozen parameters and graph inputs do not)
+# an op none of whose inputs requires one saves nothing (the rotary tables computed from
+# `inv_freq`); a matmul keeps a only when b requires a gradient and b only when a does (the
+# input of a frozen weight's linear is not kept for it); mul keeps each operand for the
+# other's gradient (q * cos keeps cos, not q; a frozen norm weight's product keeps nothing),
+# div its divisor always and its dividend for the divisor's. Each operand is then its
+# producer's value, so the input a norm's pow and its mul both keep counts once. Measured
+# (LoRA r=16 on a 0.48B Llama at tp4, bench/finetune_memory.py, the dry run's activations at
+# the end of the forward): 161.5 MB; priced 230.1 MB before this rule.
 # Selective recompute (Korthikanti et al. 2022, "selective activation recomputation") drops the
 # attention scores: the saved tensors of the ops between a score matmul (a batched matmul whose
 # contraction dim is smaller than both output dims, q @ k^T) and the next matmul (scores @ v),
@@ -477,16 +490,57 @@ def _producer(arg) -> str | None:
     return PARAM_PREFIX + str(root.target) if root.op == "get_attr" else arg.name
 
 
+def grad_carriers(graph: torch.fx.Graph | torch.fx.GraphModule, params) -> frozenset[str]:
+    """The values that require a gradient in a training step ([Note: saved tensors], "only
+    what a gradient needs"): PARAM_PREFIX + FQN of every trainable parameter (each alias of
+    a tied one), and the name of every call_function node with an input among them.
+    Buffers, frozen parameters, graph inputs and constants require none.
+
+    Args:
+        graph: the captured graph; params: `CapturedGraph.params` (FQN -> ParamInfo).
+    """
+    graph = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
+    trainable = {name for p in params.values() if p.trainable and not p.is_buffer
+                 for name in (p.fqn, *p.aliases)}
+    out = {PARAM_PREFIX + name for name in trainable}
+    carrying: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in trainable:
+            carrying.add(node)
+        elif node.op == "call_function" and any(a in carrying for a in node.all_input_nodes):
+            carrying.add(node)
+            out.add(node.name)
+    return frozenset(out)
+
+
 class _Rules:
     """Saved tensors of one node ([Note: saved tensors]); `items` collects them."""
 
     def __init__(self, node: NodeInfo, producers: Sequence[str | None] | None,
-                 dtype_bytes: int | None):
+                 dtype_bytes: int | None, grads: frozenset[str] | None = None,
+                 value_numel: Mapping[str, int] | None = None):
         self.node, self.producers, self.items = node, producers, []
         out_width = DTYPE_BYTES.get(node.dtypes[0], 4) if node.dtypes else 4
         self.width = dtype_bytes or out_width
         self.scale = self.width / out_width
         self.numel0 = math.prod(node.shapes[0]) if node.shapes else 0
+        # [Note: saved tensors], "only what a gradient needs": None without producers
+        self.grads = grads if producers is not None else None
+        self.value_numel = value_numel or {}
+
+    def carries(self, i: int) -> bool:
+        """Whether argument i requires a gradient (`grad_carriers`; True when unknown)."""
+        if self.grads is None:
+            return True
+        p = self.producers
+        return i < len(p) and p[i] is not None and p[i] in self.grads
+
+    def arg_bytes(self, i: int) -> float:
+        """Bytes of argument i at the activation width: its producer's first output, or
+        the op's output size where the producer is not known."""
+        numel = self.value_numel.get(self.producers[i]) if self.producers is not None and \
+            i < len(self.producers) else None
+        return (self.numel0 if numel is None else numel) * self.width
 
     def is_param(self, i: int) -> bool:
         p = self.producers
@@ -515,6 +569,8 @@ class _Rules:
         floating = not node.dtypes or node.dtypes[0] in _FLOATING
         if name in VIEW_OPS or name in NO_GRAD_OPS or name in _NO_SAVE or not floating:
             return
+        if self.grads is not None and node.name not in self.grads:
+            return  # nothing upstream requires a gradient: autograd records no backward
         if name in MATMUL_OPS and name != "convolution":
             self.matmul(name)
         elif name in ATTENTION_OPS:
@@ -546,9 +602,12 @@ class _Rules:
     def matmul(self, name: str) -> None:
         batch, m, n, k = matmul_dims(self.node)
         first = {"addmm": 1, "baddbmm": 1}.get(name, 0)
-        self.arg(first, batch * m * k * self.width, "matmul_operand")
+        # a's gradient needs b and b's needs a: each is kept when the other requires one
+        if self.carries(first + 1):
+            self.arg(first, batch * m * k * self.width, "matmul_operand")
         # The second operand of linear/mm/addmm is a weight unless producers say otherwise.
-        if name in _BATCHED or (name != "linear" and self.known_activation(first + 1)):
+        if (name in _BATCHED or (name != "linear" and self.known_activation(first + 1))) \
+                and self.carries(first):
             self.arg(first + 1, batch * k * n * self.width, "matmul_operand")
 
     def product(self) -> None:
@@ -557,10 +616,17 @@ class _Rules:
                 self.own("operands", self.node.in_bytes * self.scale, "product_operands")
             return
         acts = [i for i in (0, 1) if self.known_activation(i)]
-        if len(acts) == 2:
+        if len(acts) == 2 and self.grads is None:
             self.own("operands", self.node.in_bytes * self.scale, "product_operands")
+        elif len(acts) == 2:
+            # mul: a's gradient needs b, b's needs a; div (a / b): a's needs b, b's both
+            div = op_name(self.node.target) == "div"
+            for i in (0, 1):
+                if self.carries(1 - i) or (div and i == 1 and self.carries(0)):
+                    self.arg(i, self.arg_bytes(i), "product_operands")
         elif len(acts) == 1 and self.producers[1 - acts[0]] is not None:
-            self.arg(acts[0], self.numel0 * self.width, "product_operands")  # other: a param
+            if self.carries(1 - acts[0]):  # other: a parameter, kept for its gradient
+                self.arg(acts[0], self.numel0 * self.width, "product_operands")
 
 
 def _is_score_matmul(node: NodeInfo, producers: Sequence[str | None] | None) -> bool:
@@ -622,7 +688,9 @@ def attention_dropout_scores(gm: torch.fx.GraphModule | torch.fx.Graph) -> dict[
 def saved_tensors(nodes: Sequence[NodeInfo], *,
                   producers: Mapping[str, Sequence[str | None]] | None = None,
                   dtype_bytes: int | None = None,
-                  attention_dropout: Mapping[str, float] | None = None) -> list[SavedTensor]:
+                  attention_dropout: Mapping[str, float] | None = None,
+                  grads: frozenset[str] | None = None,
+                  value_numel: Mapping[str, int] | None = None) -> list[SavedTensor]:
     """The tensors autograd saves for the backward of `nodes` (one layer, graph order), by the
     rules of [Note: saved tensors], unsharded and not deduplicated.
 
@@ -634,6 +702,10 @@ def saved_tensors(nodes: Sequence[NodeInfo], *,
         attention_dropout: `attention_dropout_scores(gm)`: the attention ops that drop
             probabilities, whose 1-byte masks count as attention scores (selective
             recomputation drops them).
+        grads: `grad_carriers(gm, params)`: with `producers`, only what a gradient needs is
+            saved ([Note: saved tensors]); None: every value requires one.
+        value_numel: node name -> elements of its first output (global), for the operands
+            of a product saved one by one; default: the product's output size.
 
     Raises ValueError for a matmul without FLOPs (see compute.matmul_dims).
     """
@@ -642,7 +714,7 @@ def saved_tensors(nodes: Sequence[NodeInfo], *,
     dropping = attention_dropout or {}
     for node in nodes:
         node_prod = None if producers is None else producers.get(node.name, ())
-        rules = _Rules(node, node_prod, dtype_bytes)
+        rules = _Rules(node, node_prod, dtype_bytes, grads, value_numel)
         rules.apply()
         if node.name in dropping:
             result.append(SavedTensor(node.name, "dropout_mask", node.name,
@@ -662,7 +734,9 @@ def activation_bytes_from_graph(nodes: Sequence[NodeInfo],
                                 shard_factor: Mapping[str, float] | None = None, *,
                                 policy: str = "none", dtype_bytes: int | None = None,
                                 producers: Mapping[str, Sequence[str | None]] | None = None,
-                                layer_input_bytes: float | None = None) -> float:
+                                layer_input_bytes: float | None = None,
+                                grads: frozenset[str] | None = None,
+                                value_numel: Mapping[str, int] | None = None) -> float:
     """Bytes one rank keeps from the forward of `nodes` (one layer, one microbatch at the
     captured shapes) for the backward ([Note: saved tensors]).
 
@@ -678,6 +752,7 @@ def activation_bytes_from_graph(nodes: Sequence[NodeInfo],
         layer_input_bytes: global bytes of the layer input for "full"; default: the first
             node's first output (a pre-norm layer starts with a shape-preserving norm), at the
             activation width, divided by that node's shard factor.
+        grads, value_numel: see `saved_tensors` (what requires a gradient).
 
     Raises ValueError for an unknown policy, an empty layer, or a shard factor < 1.
     """
@@ -696,7 +771,8 @@ def activation_bytes_from_graph(nodes: Sequence[NodeInfo],
             layer_input_bytes = rules.numel0 * rules.width
         return layer_input_bytes / factors.get(first.name, 1.0)
     seen: dict[tuple[str, str], float] = {}
-    for item in saved_tensors(nodes, producers=producers, dtype_bytes=dtype_bytes):
+    for item in saved_tensors(nodes, producers=producers, dtype_bytes=dtype_bytes,
+                              grads=grads, value_numel=value_numel):
         if policy == "selective" and item.attention_scores:
             continue
         seen[(item.owner, item.slot)] = item.nbytes / factors.get(item.owner, 1.0)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,8 +42,8 @@ import torch.fx
 
 from autoplan.cost_model.compute import VIEW_OPS, op_name
 from autoplan.cost_model.memory import (
-    attention_dropout_scores, core_attention_regions, node_producers, saved_tensors,
-    selective_saves,
+    attention_dropout_scores, core_attention_regions, grad_carriers, node_producers,
+    saved_tensors, selective_saves,
 )
 from autoplan.graph import CapturedGraph
 from autoplan.strategies import (
@@ -406,8 +407,11 @@ def _saved(graph: CapturedGraph, prob: Problem, layer_of,
     input that no op saves is held by the core's checkpoint."""
     infos = [info for name, info in graph.nodes.items()
              if name in prob.cands and name not in prob.constants]
+    value_numel = {name: math.prod(info.shapes[0]) for name, info in graph.nodes.items()
+                   if info.shapes}
     items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes,
-                          attention_dropout=attention_dropout_scores(graph.gm))
+                          attention_dropout=attention_dropout_scores(graph.gm),
+                          grads=grad_carriers(graph.gm, graph.params), value_numel=value_numel)
     items, prob.regathered = _through_flat_views(graph, prob, items)
     seen: dict[tuple, float] = {}
     outside: set[tuple] = set()  # saved by an op outside the cores, or owned outside them
