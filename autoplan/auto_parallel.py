@@ -168,7 +168,8 @@ class AutoParallel(PlanningSession):
                        max_grad_norm=self.options.max_grad_norm,
                        kernels=self.options.kernels, steps=steps,
                        device_mem_bytes=self.topology.device.mem_bytes,
-                       record_ops=export is not None)
+                       record_ops=export is not None,
+                       device_kernels=self.topology.device.fuses_pointwise)
         if export is not None:
             from autoplan.runtime.step_export import step_files, write_step_files
 

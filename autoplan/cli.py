@@ -341,7 +341,8 @@ def _cmd_dryrun(args) -> int:
         try:
             rows = dry_run(graph, plan, ranks, planned_graph=planned.graph, steps=args.steps,
                            device_mem_bytes=planned.topology.device.mem_bytes,
-                           record_ops=bool(args.export))
+                           record_ops=bool(args.export),
+                           device_kernels=planned.topology.device.fuses_pointwise)
         except DryRunError as e:  # out of memory, or a value read: as the cluster would fail
             raise _Failure(str(e)) from None
     paths, exported = {}, {}

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import pick_triton
+from kernels._dispatch import launches, pick_triton
 
 __all__ = ["adamw_step", "adamw_step_reference"]
 
@@ -120,7 +120,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay)
         return
     numel = param.numel()
-    if numel == 0:
+    if numel == 0 or not launches():
         return
     beta1, beta2 = betas
     # The host scalars in float64, as torch forms them; Triton rounds float arguments to float32.

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels._dispatch import pick_triton
+from kernels._dispatch import launches, pick_triton
 
 __all__ = [
     "cross_entropy_stats",
@@ -167,7 +167,7 @@ def cross_entropy_stats(local_logits: torch.Tensor, targets: torch.Tensor, vocab
     acc = _acc_dtype(logits.dtype)
     row_max, sumexp, target_logit = (torch.empty(num_rows, dtype=acc, device=logits.device)
                                      for _ in range(3))
-    if num_rows:
+    if num_rows and launches():
         block_v = min(_BLOCK_V, triton.next_power_of_2(vocab_local))
         _stats_kernel[(num_rows,)](logits, targets.contiguous(), row_max, sumexp, target_logit,
                                    logits.stride(0), vocab_local, vocab_start, BLOCK_V=block_v)
@@ -227,7 +227,7 @@ def cross_entropy_grad(local_logits: torch.Tensor, targets: torch.Tensor, vocab_
     num_rows, vocab_local = local_logits.shape
     logits = local_logits if local_logits.stride(1) == 1 else local_logits.contiguous()
     grad_logits = torch.empty_like(logits)
-    if num_rows:
+    if num_rows and launches():
         acc = _acc_dtype(logits.dtype)
         _grad_kernel[(num_rows,)](
             logits, targets.contiguous(), row_max.to(acc).contiguous(), sumexp.to(acc).contiguous(),

@@ -492,3 +492,38 @@ def test_triton_paths_in_a_fresh_process():
                       {"TRITON_INTERPRET": "1"}, timeout_s=300)
     summary = out.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, out[-6000:]
+
+
+def test_device_allocations_are_the_triton_paths():
+    """kernels/_dispatch.py device_allocations (a dry run of a GPU plan): the loss and AdamW
+    allocate what their Triton path allocates -- the loss's three fp32 statistics per row
+    and the logits' gradient at their dtype, AdamW nothing -- and launch nothing; outside
+    it, the CPU reference allocates its fp32 upcast and temporaries on top."""
+    from autoplan.runtime.live_bytes import LiveTensorBytes
+    from kernels._dispatch import device_allocations
+
+    n, v = 64, 1000
+    logits = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    param, grad, m1, m2 = (torch.zeros(4096) for _ in range(4))
+
+    def peak(fn):
+        with LiveTensorBytes() as live:
+            fn()
+        return live.peak
+
+    def step():
+        loss = kernels.vocab_parallel_cross_entropy(logits, targets, reduction="sum")
+        loss.backward()
+        logits.grad = None
+        kernels.adamw_step(param, grad, m1, m2, step=1, lr=1e-3)
+
+    reference = peak(step)
+    with device_allocations():
+        device = peak(step)
+        before = param.clone()
+        kernels.adamw_step(param, torch.ones(4096), m1, m2, step=1, lr=1e-3)
+        assert torch.equal(param, before)  # launched nothing
+    stats, grad_bytes = 3 * n * 4, n * v * 2
+    assert stats + grad_bytes <= device <= stats + grad_bytes + 64 * n  # + per-row scalars
+    assert reference > device + n * v * 4  # the reference's fp32 upcast at least

@@ -228,7 +228,7 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
             planned_graph: CapturedGraph | None = None, inputs=None, optimizer=None,
             loss_fn=None, max_grad_norm: float | None = 1.0, kernels: bool = True,
             steps: int = 2, device_mem_bytes: float | None = None,
-            record_ops: bool = False) -> list[RankDryRun]:
+            record_ops: bool = False, device_kernels: bool = False) -> list[RankDryRun]:
     """One training step of each of `ranks` (default: rank 0) of `plan`, each in this process
     on a fake process group of the plan's world size and on fake tensors ([Note: dry run]).
 
@@ -247,6 +247,11 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
             `device.mem_bytes`); a rank whose live tensors exceed it, at any moment of its
             construction or steps, fails as on the cluster (an offloaded plan's host-resident
             states left aside: `_check_fits`). None: not checked.
+        device_kernels: the plan's devices run the Triton kernels (`DeviceSpec.fuses_pointwise`:
+            the GPU presets, as the cost model prices them): the kernels called outside the
+            custom ops (the vocab-parallel loss, the fused AdamW) allocate what their Triton
+            path allocates and launch nothing (kernels/_dispatch.py device_allocations); False:
+            they run the torch reference a CPU rank runs.
         record_ops: keep every op of the measured step in `RankDryRun.ops` (for
             `export_step`, runtime/step_export.py).
 
@@ -270,12 +275,16 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
     return [_dry_run_rank(graph, plan, rank, planned_graph=planned_graph, inputs=inputs,
                           optimizer=optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
                           kernels=kernels, steps=steps, device_mem_bytes=device_mem_bytes,
-                          record_ops=record_ops)
+                          record_ops=record_ops, device_kernels=device_kernels)
             for rank in ranks]
 
 
 def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_ops,
-                  **engine_args) -> RankDryRun:
+                  device_kernels=False, **engine_args) -> RankDryRun:
+    import contextlib
+
+    from kernels._dispatch import device_allocations
+
     from autoplan.inputs import InputSpec
     from autoplan.runtime.engine import DistributedModel
 
@@ -285,7 +294,8 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
     fake = tc.fake_tensor_mode()
     recorder = DryRunRecorder(fake, record_ops=record_ops)
     try:
-        with fake, recorder, _named_value_reads(rank), _phases(recorder):
+        kernel_path = device_allocations() if device_kernels else contextlib.nullcontext()
+        with fake, recorder, _named_value_reads(rank), _phases(recorder), kernel_path:
             start_s = time.perf_counter()
             engine = DistributedModel(graph, plan, FakeWeights(), seed=0, device="cpu",
                                       inputs=inputs, **engine_args)
