@@ -43,8 +43,9 @@ Bars (each rank; `all_within_bars` is their conjunction, the exit status 1 when 
   `axis_differs_most` names the farthest axis when the bar fails;
 - time: wall seconds per rank (build and all steps) <= 300 s on the machine of the run.
 
-Cases of the issue with no model preset (GPT 1T, a Mixtral-class MoE) are written to the JSON
-as "no preset" with their recipe, not dropped.
+GPT 1T runs the SC'21 recipe fixed (tp8 x pp64 x dp6 on 384 dgx-a100 nodes, the `gpt-1t`
+preset of its Table 1); Mixtral 8x7B (`mixtral-8x7b`) runs with its 8 experts over 8 dp ranks
+(ep 8), the rest planned.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ CASES: dict[str, list[str]] = {
                            "2048", "--global-batch", "128", "--seq", "131072"],
     "gpt3-175b": ["--model", "gpt3-175b", "--cluster", "dgx-a100", "--nodes", "128",
                   "--global-batch", "1536", "--seq", "2048"],
+    # Narayanan et al., SC'21 (Megatron-LM), Table 1: the 1T-parameter GPT at tp8 x pp64 x
+    # dp6 on 384 dgx-a100 nodes (3,072 A100), batch 3072, seq 2048
+    "gpt-1t": ["--model", "gpt-1t", "--cluster", "dgx-a100", "--nodes", "384",
+               "--global-batch", "3072", "--seq", "2048", "--tp", "8", "--pp", "64",
+               "--dp", "6"],
+    # a Mixtral-class mixture of experts with expert parallelism: Mixtral 8x7B on 8 dgx-h100
+    # nodes, its 8 experts over the 8 dp ranks of a node (ep 8)
+    "mixtral-8x7b-ep8": ["--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "8",
+                         "--global-batch", "256", "--seq", "4096", "--dp", "8", "--ep", "8"],
     # issue 13's case (docs/guide.md, CPU offload): 16 bytes per parameter do not fit one H200
     "llama3-8b-offload-h200": ["--model", "llama3-8b", "--cluster", "h200-node", "--nodes", "1",
                                "--devices-per-node", "1", "--global-batch", "8", "--seq", "4096",
@@ -91,21 +101,6 @@ CASES: dict[str, list[str]] = {
 }
 GOLDEN_OF = {"llama3-8b": "llama3-8b_dgx-h100-1", "llama3-70b": "llama3-70b_dgx-h100-8",
              "llama3-405b": "llama3-405b_dgx-h100-2048", "gpt3-175b": "gpt3-175b_dgx-a100-128"}
-
-# The issue's cases that no preset of autoplan/models can run, recorded as such.
-NO_PRESET: dict[str, dict] = {
-    "gpt-1t": {
-        "recipe": "Narayanan et al., SC'21 (Megatron-LM), Table 1: the 1T-parameter GPT at "
-                  "tp8 x pp64 x dp6 on 384 dgx-a100 nodes (3,072 A100), batch 3072, seq 2048",
-        "flags": ["--cluster", "dgx-a100", "--nodes", "384", "--global-batch", "3072", "--seq",
-                  "2048", "--tp", "8", "--pp", "64", "--dp", "6"],
-        "reason": "no GPT 1T preset in autoplan/models (PRESETS)"},
-    "mixtral-moe-ep": {
-        "recipe": "a Mixtral-class mixture-of-experts plan with ep > 1",
-        "reason": "no MoE preset in autoplan/models (PRESETS): `--model` builds gpt2 and llama "
-                  "configs; the mixtral architecture of autoplan/models/architectures.py "
-                  "(bench/coverage.py) is not a `--model` preset"},
-}
 
 # --quick: tiny models on local-cpu ranks; gpt2-demo has 6 blocks, so pp3 has a middle stage
 QUICK_CASES: dict[str, list[str]] = {
@@ -278,10 +273,7 @@ def run_case(name: str, flags: list[str], steps: int, write) -> dict:
 # --- the results file --------------------------------------------------------------------------
 
 def _ok(case: dict) -> bool:
-    """A case holds its bars: it was run (or has no preset, which is not a failure of the
-    planner) and every rank is within them."""
-    if case["status"] == "no preset":
-        return True
+    """A case holds its bars: it was run and every rank is within them."""
     return case["status"] == "run" and all(r["ok"] for r in case["ranks"])
 
 
@@ -308,7 +300,6 @@ def _document(cases: dict, args, previous: dict | None) -> dict:
                                 "pipeline rank)",
             "time": f"wall seconds per rank <= {RANK_LIMIT_S:.0f}"},
         "all_within_bars": all(_ok(c) for c in merged.values()),
-        "no_preset": [n for n, c in merged.items() if c["status"] == "no preset"],
         "cases": merged,
     }
 
@@ -353,8 +344,8 @@ def markdown(doc: dict) -> str:
 # --- main --------------------------------------------------------------------------------------
 
 def _selected(args) -> dict[str, list[str] | None]:
-    """The cases to run by name (None: no preset). Raises SystemExit 2 for an unknown name."""
-    known = QUICK_CASES if args.quick else {**CASES, **dict.fromkeys(NO_PRESET)}
+    """The cases to run by name. Raises SystemExit 2 for an unknown name."""
+    known = QUICK_CASES if args.quick else CASES
     names = args.cases.split(",") if args.cases else list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -399,17 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, _document(cases, args, previous))
 
     for name, flags in selected.items():
-        if flags is None:
-            cases[name] = {"status": "no preset", **NO_PRESET[name], "ranks": []}
-            print(f"{name}: no preset ({NO_PRESET[name]['reason']})", flush=True)
-            write()
-            continue
         run_case(name, flags, args.steps, lambda case, n=name: write(case, n))
     doc = _document(cases, args, previous)
     rows = [r for case in doc["cases"].values() for r in case["ranks"]]
-    missing = [n for n, case in doc["cases"].items() if case["status"] == "no preset"]
-    print(f"{sum(r['ok'] for r in rows)} of {len(rows)} ranks within the bars"
-          + (f"; no preset: {', '.join(missing)}" if missing else "") + f" -> {args.out}")
+    print(f"{sum(r['ok'] for r in rows)} of {len(rows)} ranks within the bars -> {args.out}")
     return 0 if doc["all_within_bars"] else 1
 
 

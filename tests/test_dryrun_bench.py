@@ -1,6 +1,6 @@
 """The dry-run bench (bench/dryrun.py, issue 26): its --quick run writes the JSON schema with
 the bars computed from the numbers, its default ranks are one per kind of rank, and its case
-list is the issue's (runnable flags, or "no preset"). The full bench plans 405B models; these
+list is the issue's (runnable flags). The full bench plans 405B models; these
 are its pieces, in seconds."""
 
 from __future__ import annotations
@@ -112,28 +112,21 @@ def test_default_ranks_are_one_per_pipeline_stage_kind():
             assert bench.rank_at(plan, rank_coordinates(plan, rank)) == rank
 
 
-def test_the_issue_s_cases_are_runnable_flags_or_no_preset(tmp_path):
+def test_the_issue_s_cases_are_runnable_flags(tmp_path):
     from autoplan.cli import build_parser
     from autoplan.models import PRESETS
 
     bench = _bench()
     assert set(bench.CASES) == {"llama3-8b", "llama3-70b", "llama3-405b", "llama3.1-405b-128k",
-                                "gpt3-175b", "llama3-8b-offload-h200"}
+                                "gpt3-175b", "gpt-1t", "mixtral-8x7b-ep8",
+                                "llama3-8b-offload-h200"}
     for flags in [*bench.CASES.values(), *bench.QUICK_CASES.values()]:
         args = build_parser().parse_args(["dryrun", *flags])
         assert args.model in PRESETS
     for name in bench.GOLDEN_OF.values():  # the golden plan each case is compared with
         assert (ROOT / "tests" / "golden" / f"{name}.plan.json").is_file()
-    assert set(bench.NO_PRESET) == {"gpt-1t", "mixtral-moe-ep"}
-    assert not any("1t" in name or "mixtral" in name for name in PRESETS)
-    # a case with no preset is a row of the JSON and of the table, and fails no bar
+    # the SC'21 recipe, fixed; the MoE with expert parallelism
+    assert bench.CASES["gpt-1t"][-6:] == ["--tp", "8", "--pp", "64", "--dp", "6"]
+    assert bench.CASES["mixtral-8x7b-ep8"][-2:] == ["--ep", "8"]
     out = tmp_path / "dryrun.json"
-    assert bench.main(["--cases", "gpt-1t", "--out", str(out)]) == 0
-    # a subset of the cases is merged into the file's others
-    assert bench.main(["--cases", "mixtral-moe-ep", "--out", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    assert {c["status"] for c in doc["cases"].values()} == {"no preset"}
-    assert doc["no_preset"] == ["gpt-1t", "mixtral-moe-ep"] and doc["all_within_bars"]
-    assert doc["cases"]["gpt-1t"]["flags"][-6:] == ["--tp", "8", "--pp", "64", "--dp", "6"]
-    assert "| gpt-1t | no preset: " in bench.markdown(doc)
     assert bench.main(["--cases", "nope", "--out", str(out)]) == 2

@@ -6,8 +6,8 @@ frozen base, `--trainable`), architectures.py (the Hugging Face architectures of
 bench), nanogpt.py and mlp.py (plain-PyTorch families), configs/ (the preset JSON files).
 
 A model is named by a preset (`"llama3-70b"`) or by a path to a Hugging Face `config.json` whose
-`model_type` is "gpt2" or "llama". HF models are built from the config with random weights
-(nothing is downloaded); `transformers` is imported only when an HF model is built. Two
+`model_type` is "gpt2", "llama" or "mixtral". HF models are built from the config with random
+weights (nothing is downloaded); `transformers` is imported only when an HF model is built. Two
 plain-PyTorch families need no `transformers`: `nanogpt` (autoplan.models.nanogpt) and `mlp`
 (autoplan.models.mlp); their presets use the same JSON format with their own `model_type`.
 
@@ -45,18 +45,21 @@ PRESETS: dict[str, str] = {
     "gpt2-demo": "GPT-2 style, 10.8M, byte-level vocab 256 (HF GPT2LMHeadModel)",
     "gpt2-tiny": "GPT-2 style, 2 layers, width 32 (HF GPT2LMHeadModel; tests)",
     "gpt3-175b": "GPT-3 175B, dense attention (HF GPT2LMHeadModel)",
+    "gpt-1t": "GPT 1T of Megatron-LM SC'21 Table 1, 1008B (HF GPT2LMHeadModel)",
     "llama3-8b": "Llama 3 8B (HF LlamaForCausalLM)",
     "llama3-70b": "Llama 3 70B (HF LlamaForCausalLM)",
     "llama3-405b": "Llama 3 405B (HF LlamaForCausalLM)",
     "llama3.1-405b": "Llama 3.1 405B, 128K context (llama3 RoPE scaling; HF LlamaForCausalLM)",
+    "mixtral-8x7b": "Mixtral 8x7B, 8 experts top-2 (HF MixtralForCausalLM)",
     "llama-tiny": "Llama style with GQA, 2 layers, width 32, 8 query / 2 kv heads (tests)",
     "nanogpt-tiny": "nanoGPT GPT, 2 layers, width 32, tied head (plain PyTorch; tests)",
     "mlp-tiny": "2 Linear-GELU-Linear blocks, width 32 (plain PyTorch; tests)",
 }
 
-_HF_TYPES = ("gpt2", "llama")
+_HF_TYPES = ("gpt2", "llama", "mixtral")
 # model_type -> the config key that holds the number of repeated blocks
-_DEPTH_KEY = {"gpt2": "n_layer", "llama": "num_hidden_layers", "nanogpt": "n_layer",
+_DEPTH_KEY = {"gpt2": "n_layer", "llama": "num_hidden_layers", "mixtral": "num_hidden_layers",
+              "nanogpt": "n_layer",
               "mlp": "num_blocks"}
 
 
@@ -106,7 +109,7 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
     """Build a preset (or HF config.json) with random weights.
 
     Args:
-        name_or_path: a key of PRESETS or a path to an HF config.json (gpt2 or llama).
+        name_or_path: a key of PRESETS or a path to an HF config.json (gpt2, llama or mixtral).
         device: where parameters live; "meta" (default) allocates nothing. Seed torch's RNG
             before building on a real device for reproducible weights.
         num_layers: build at most this many blocks (a shallow copy for planning).
@@ -114,7 +117,7 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
         **config_overrides: config keys to replace (e.g. `vocab_size=256`).
 
     Returns:
-        GPT2LMHeadModel / LlamaForCausalLM (forward(input_ids, use_cache=...) -> ModelOutput),
+        GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM (forward(input_ids, use_cache=...) -> ModelOutput),
         nanogpt.GPT (forward(idx) -> logits) or mlp.MLP (forward(x) -> x).
 
     Raises:
@@ -181,6 +184,8 @@ def _build_hf(model_type: str, config: dict) -> nn.Module:
                          "pip install 'autoplan[hf]'") from e
     if model_type == "gpt2":
         config_cls, model_cls = transformers.GPT2Config, transformers.GPT2LMHeadModel
+    elif model_type == "mixtral":
+        config_cls, model_cls = transformers.MixtralConfig, transformers.MixtralForCausalLM
     else:
         config_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
     config.pop("model_type")

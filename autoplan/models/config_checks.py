@@ -15,6 +15,9 @@ __all__ = ["check_config"]
 _SIZES = {
     "llama": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"),
+    "mixtral": ("hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                "max_position_embeddings", "num_local_experts", "num_experts_per_tok"),
     "gpt2": ("n_embd", "n_inner", "n_layer", "n_head", "n_positions", "vocab_size"),
     "nanogpt": ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"),
     "mlp": ("dim", "hidden_dim", "num_blocks"),
@@ -25,6 +28,10 @@ _DIVIDES = {
               ("num_key_value_heads", "num_attention_heads",
                "grouped-query attention shares each key/value head among the same number of "
                "query heads")),
+    "mixtral": (("num_attention_heads", "hidden_size", "the width splits into the heads"),
+                ("num_key_value_heads", "num_attention_heads",
+                 "grouped-query attention shares each key/value head among the same number "
+                 "of query heads")),
     "gpt2": (("n_head", "n_embd", "the width splits into the heads"),),
     "nanogpt": (("n_head", "n_embd", "the width splits into the heads"),),
 }
