@@ -117,7 +117,8 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
         **config_overrides: config keys to replace (e.g. `vocab_size=256`).
 
     Returns:
-        GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM (forward(input_ids, use_cache=...) -> ModelOutput),
+        GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM (forward(input_ids,
+        use_cache=...) -> ModelOutput),
         nanogpt.GPT (forward(idx) -> logits) or mlp.MLP (forward(x) -> x).
 
     Raises:
