@@ -379,7 +379,7 @@ def _cmd_dryrun(args) -> int:
         axes = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in sorted(r.bytes_by_axis.items()))
         print(f"  collective bytes by axis: {axes or 'none'}")
         print(f"  FLOPs {fmt_flops(r.flops)} measured (recomputation included), "
-              f"{fmt_flops(r.predicted_flops)} planned per rank (without)")
+              f"{fmt_flops(r.predicted_flops)} planned")
     if exported:
         print(f"wrote each rank's whole step ({len(exported)} files) into {args.export}")
     if paths:

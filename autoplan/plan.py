@@ -226,6 +226,10 @@ class Prediction:
             largest buffer summed as the dry run records it ([Note: traffic per axis] in
             autoplan/cost_model/traffic.py); what a dry run's bytes per axis are held
             against; empty in a plan written before it existed.
+        flops_by_pp_rank: per pipeline rank, the matmul and attention FLOPs one of its ranks
+            executes in a step ([Note: FLOPs per rank] in solver/assemble.py): its own stages'
+            forward, backward and recomputation, split over its dp x cp x tp ranks; what a
+            dry run's FLOPs are held against; empty in a plan written before it existed.
     """
 
     step_time_s: float
@@ -245,6 +249,7 @@ class Prediction:
     offload_s: float = 0.0
     memory_by_pp_rank: tuple[dict[str, float], ...] = ()
     bytes_by_axis_by_pp_rank: tuple[dict[str, float], ...] = ()
+    flops_by_pp_rank: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -279,10 +284,11 @@ class DryRunRecord:
         bytes_by_axis: collective and p2p bytes the rank issued, by mesh axis (nccl-tests'
             "size" of each op, summed).
         flops: FLOPs the rank executed (matmuls and attention, recomputation included).
-        predicted_peak_bytes, predicted_by_category: the plan's peak and its breakdown (of the
-            most loaded rank: the plan records no other).
-        predicted_flops: the plan's model FLOPs per rank (model_flops / world size, without
-            recomputation).
+        predicted_peak_bytes, predicted_by_category: the plan's peak and its breakdown for
+            the rank's pipeline rank (`Prediction.memory_by_pp_rank`).
+        predicted_flops: the plan's FLOPs for the rank's pipeline rank, recomputation
+            included (`Prediction.flops_by_pp_rank`; model_flops / world size for a plan
+            written without it).
         priced_bytes_by_axis: the plan's bytes per mesh axis for the rank's pipeline rank
             (`Prediction.bytes_by_axis_by_pp_rank`); empty when the plan prices none (a plan
             written before it existed).
@@ -456,7 +462,7 @@ class Plan:
         d["stages"] = tuple(Stage(**s) for s in d["stages"])
         d["prediction"] = Prediction(**{
             **d["prediction"], **{key: tuple(d["prediction"].get(key, ())) for key in (
-                "memory_by_pp_rank", "bytes_by_axis_by_pp_rank")}})
+                "memory_by_pp_rank", "bytes_by_axis_by_pp_rank", "flops_by_pp_rank")}})
         d["param_placements"] = tuple(tuple(p) for p in d["param_placements"])
         d["strategies"] = tuple(
             NodeStrategy(s["node"], tuple(s["inputs"]), tuple(s["outputs"]))

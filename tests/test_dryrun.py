@@ -227,3 +227,30 @@ def test_cli_dryrun_writes_its_report_or_fails_as_the_cluster_would(tmp_path, ca
     assert line.startswith("autoplan: error: rank 0 (pp0 dp0 cp0 tp0) runs out of memory in "
                            "the ") and " of 2: " in line and "above the device's" in line
     assert captured.out == "" and not failed.exists()
+
+
+@pytest.mark.parametrize("model, checkpointing", [
+    ("llama-tiny", "none"), ("llama-tiny", "full"), ("gpt2-tiny", "core-attention")])
+def test_flops_per_rank_are_what_the_rank_executes(model, checkpointing):
+    """[Note: FLOPs per rank] in solver/assemble.py: 5 blocks on pp 2 (3 and 2 of them, the
+    embedding on the first stage, the head on the last) at tp 2 x dp 2: the first and the
+    last rank execute, in their dry run, the FLOPs the plan prices for their pipeline rank --
+    recomputation included (torch's checkpoint stops at the last saving op, whose own
+    kernel a DTensor op does not run), attention's backward at 2.5 times its forward.
+    `model_flops / world_size` was 30-66% off here."""
+    from autoplan.capture import capture
+    from autoplan.models import build_model
+
+    kw = dict(num_hidden_layers=5) if model == "llama-tiny" else dict(
+        n_layer=5, attn_implementation="eager")
+    m = build_model(model, device="meta", **kw)
+    planned = capture(m, (torch.zeros(8, 16, dtype=torch.long),), model_name=model)
+    graph = capture(m, (torch.zeros(2, 16, dtype=torch.long),), model_name=model)
+    plan = solve(planned, preset("local-cpu", devices_per_node=8), TrainingSpec(8, 16),
+                 tp=2, pp=2, dp=2, num_microbatches=2, checkpointing=checkpointing)
+    first, last = dry_run(graph, plan, [0, 7], planned_graph=planned)
+    by_rank = plan.prediction.flops_by_pp_rank
+    assert len(by_rank) == 2 and by_rank[0] > by_rank[1]  # 3 blocks against 2 and the head
+    assert (first.predicted_flops, last.predicted_flops) == by_rank
+    assert first.flops == pytest.approx(by_rank[0], rel=1e-9)
+    assert last.flops == pytest.approx(by_rank[1], rel=1e-9)

@@ -62,7 +62,8 @@ def test_quick_run_writes_every_rank_with_its_bars(tmp_path, capsys):
             assert r["peak_ok"] == (abs(peak_error) <= 0.05)
             assert r["flops_ok"] == (abs(flops_error) <= 0.02)
             assert r["time_ok"] == (r["wall_s"] <= 300) and r["step_s"] < r["wall_s"]
-            assert r["ok"] == (r["peak_ok"] and r["flops_ok"] and r["time_ok"])
+            assert r["ok"] == (r["peak_ok"] and r["flops_ok"] and r["collective_bytes_ok"]
+                               and r["time_ok"])
             ok = ok and r["ok"]
     assert doc["all_within_bars"] == ok
     lines = capsys.readouterr().out.splitlines()

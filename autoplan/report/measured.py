@@ -7,7 +7,7 @@ each category beside the plan's for that rank (its pipeline rank's entry of
 `Prediction.memory_by_pp_rank`); collective bytes per mesh axis beside the plan's for its
 pipeline rank (`Prediction.bytes_by_axis_by_pp_rank`, [Note: traffic per axis] in
 autoplan/cost_model/traffic.py; `NOT_PRICED` for a plan written without them); FLOPs beside
-the plan's per-rank share.
+the plan's for its pipeline rank (`Prediction.flops_by_pp_rank`).
 Every error is `relative_error`: predicted / measured - 1, as the error bands count ([Note:
 error bands] in autoplan/cost_model/fidelity.py). Where the peak's error is outside the plan's
 memory band, the section names the category that differs most in bytes (`differs_most`);
@@ -166,7 +166,7 @@ def intro_text(plan: Plan) -> str:
             "([Note: dry run] in autoplan/runtime/dryrun.py); the last step measured. Memory "
             "is the peak of live tensor storage by category; predicted is the plan's figure for "
             "the rank's pipeline stage ([Note: memory per rank] in solver/pipeline.py). "
-            "FLOPs: matmuls and attention, recomputation included, against the plan's model "
-            "FLOPs per rank (without). Error: predicted / measured - 1. Collective bytes per "
+            "FLOPs: matmuls and attention, recomputation included, against the plan's for "
+            "the rank's pipeline stage ([Note: FLOPs per rank] in solver/assemble.py). Error: predicted / measured - 1. Collective bytes per "
             "mesh axis (each op's largest buffer, summed) against the plan's for the rank's "
             "pipeline stage ([Note: traffic per axis] in autoplan/cost_model/traffic.py).")

@@ -123,7 +123,9 @@ class RankDryRun:
         flops: FLOPs of the step on this rank (matmuls and attention; recomputation included).
         predicted_peak_bytes: the plan's peak for this rank (`predicted_rank_memory`).
         predicted_by_category: its breakdown by category.
-        predicted_flops: `plan.prediction.model_flops / world_size` (no recomputation).
+        predicted_flops: the FLOPs the plan prices for a rank at this pp coordinate
+            (`Prediction.flops_by_pp_rank`, recomputation included; `model_flops /
+            world_size` for a plan written without it).
         priced_bytes_by_axis: the plan's bytes per mesh axis for this rank's pipeline rank
             (`priced_rank_traffic`), what `bytes_by_axis` is held against.
         peak_moment: when the peak occurs ("backward of microbatch 3 of 4", `DryRunRecorder`).
@@ -335,7 +337,9 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         bytes_by_axis=by_axis, flops=recorder.flops,
         predicted_peak_bytes=predicted["peak"],
         predicted_by_category={k: v for k, v in predicted.items() if k != "peak"},
-        predicted_flops=prediction.model_flops / plan.mesh.world_size,
+        predicted_flops=(prediction.flops_by_pp_rank[rank_coordinates(plan, rank)["pp"]]
+                         if prediction.flops_by_pp_rank
+                         else prediction.model_flops / plan.mesh.world_size),
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
         num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=counts,
         peak_moment=recorder.moment_at(peak_end), actions=tuple(recorder.actions),

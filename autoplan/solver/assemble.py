@@ -71,8 +71,104 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "")
     # bytes per rank per mesh axis, read off the plan itself ([Note: traffic per axis])
     traffic = tuple(dict(t.bytes_by_axis) for t in rank_traffic(plan, graph))
+    flops = flops_by_pp_rank(graph, plan, chosen,
+                             token_scale(problem, 1, spec.seq_len) * spec.global_batch)
     return dataclasses.replace(plan, prediction=dataclasses.replace(
-        plan.prediction, bytes_by_axis_by_pp_rank=traffic))
+        plan.prediction, bytes_by_axis_by_pp_rank=traffic, flops_by_pp_rank=flops))
+
+
+def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
+                     tokens_scale: float) -> tuple[float, ...]:
+    """The matmul and attention FLOPs one rank of each pipeline rank executes per step.
+
+    [Note: FLOPs per rank] A rank runs its own stages (`plan.stages`, k % pp == its pp
+    coordinate): its blocks, the ops before the first block on stage 0 (the embedding), those
+    after the last on the last stage (the head). Each op's forward FLOPs are the captured
+    ones (torch.utils.flop_counter: matmuls, attention) scaled to the step's tokens; its
+    backward twice that times its `backward_share` ([Note: backward share] in
+    capture/facts.py: a frozen weight's matmul computes only the input gradient); the
+    recomputation of activation checkpointing adds the forward of what it drops ("full": each
+    block's ops up to the last one that saves a tensor for the backward -- torch's checkpoint
+    stops recomputing once every saved tensor is packed again (`set_checkpoint_early_stop`),
+    and under tp the DTensor op packs its inputs before its local kernel runs, so that last
+    op's own FLOPs are not recomputed at tp > 1; "core-attention": the unfused attention
+    cores, cost_model.memory.core_attention_regions, none with fused attention; "selective"
+    keeps every matmul and attention output). Attention's backward is 2.5 times its forward
+    (torch.utils.flop_counter's sdpa_backward_flop_count: the scores recomputed and four
+    gradient matmuls), any other op's twice. An op split over tp by its chosen strategy (`split_of`) runs a tp-th of its FLOPs
+    on each tp rank, a replicated one all of them; the tokens are split over dp x cp. This
+    is what a dry run counts on the rank (autoplan/runtime/dryrun.py), where
+    `model_flops / world_size` assumes stages of equal work and every op split.
+
+    Args:
+        graph: the planning graph (N captured blocks stand for `graph.total_layers`);
+        plan: its plan; chosen: each node's Candidate; tokens_scale: the step's tokens over
+            the captured ones (all dp and cp ranks).
+    Returns one figure per pipeline rank, FLOPs.
+    """
+    from autoplan.cost_model.context import attention_nodes
+    from autoplan.cost_model.memory import (
+        core_attention_regions, grad_carriers, node_producers, saved_tensors)
+    from autoplan.solver.costs import split_of
+
+    mesh = plan.mesh
+    n_cap = max(graph.num_layers, 1)
+    layer_of = {name for names in graph.layer_nodes.values() for name in names}
+    attention = set(attention_nodes(graph))
+    producers, grads = node_producers(graph.gm), grad_carriers(graph.gm, graph.params)
+
+    def fwd_flops(name: str) -> float:
+        info, cand = graph.nodes[name], chosen.get(name)
+        split = cand is not None and mesh.tp > 1 and split_of(cand)
+        return info.flops / (mesh.tp if split else 1)
+
+    def work(name: str) -> float:
+        info = graph.nodes[name]
+        bwd = 2.5 if name in attention else 2.0
+        return fwd_flops(name) * (1 + bwd * info.backward_share)
+
+    def recomputed(names) -> float:
+        """Forward FLOPs of recomputing the checkpointed ops `names` (graph order): up to
+        the last that saves a tensor, that one's own only at tp 1 (the Note above)."""
+        infos = [graph.nodes[n] for n in names if n in graph.nodes]
+        savers = {it.consumer for it in saved_tensors(infos, producers=producers, grads=grads)}
+        last = max((i for i, n in enumerate(names) if n in savers), default=-1)
+        return sum(fwd_flops(n) for i, n in enumerate(names)
+                   if n in graph.nodes and graph.nodes[n].flops
+                   and (i < last or (i == last and mesh.tp == 1)))
+
+    # per block (the captured blocks' mean): forward and backward, and what recomputation
+    # adds under the plan's checkpointing; outside the blocks: before the first and after
+    block_work = sum(work(n) for names in graph.layer_nodes.values() for n in names
+                     if n in graph.nodes and graph.nodes[n].flops) / n_cap
+    if plan.checkpointing == "full":
+        redo = sum(recomputed(names) for names in graph.layer_nodes.values()) / n_cap
+    elif plan.checkpointing == "core-attention":
+        redo = sum(recomputed(region) for region in core_attention_regions(graph)) / n_cap
+    else:
+        redo = 0.0
+    pre = post = 0.0
+    seen_block = False
+    for node in graph.gm.graph.nodes:
+        seen_block |= node.name in layer_of
+        if node.name in layer_of or node.name not in graph.nodes \
+                or not graph.nodes[node.name].flops:
+            continue
+        if seen_block:
+            post += work(node.name)
+        else:
+            pre += work(node.name)
+    last = len(plan.stages) - 1
+    share = tokens_scale / (mesh.dp * mesh.cp)
+    out = []
+    for r in range(mesh.pp):
+        total = 0.0
+        for st in plan.stages:
+            if st.index % mesh.pp == r:
+                total += (st.layer_end - st.layer_start) * (block_work + redo)
+                total += (pre if st.index == 0 else 0.0) + (post if st.index == last else 0.0)
+        out.append(total * share)
+    return tuple(out)
 
 
 def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
