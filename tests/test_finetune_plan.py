@@ -79,7 +79,10 @@ def test_llama3_70b_lora_backward_skips_the_frozen_weight_gradients(lora_70b):
                    offload=plan.offload, frozen_weights_dtype=plan.frozen_dtype)
     got, was = plan.prediction, before.prediction
     assert got.step_time_s < 0.9 * was.step_time_s and got.compute_s < was.compute_s
-    assert got.model_flops == was.model_flops and got.comm_s == pytest.approx(was.comm_s)
+    # the same configuration: its communication within 1% (the placement ILP weighs it
+    # against the compute it prices, which differs)
+    assert got.model_flops == was.model_flops and got.comm_s == pytest.approx(was.comm_s,
+                                                                             rel=0.01)
 
 
 def test_llama3_70b_full_training_does_not_fit_one_node():
