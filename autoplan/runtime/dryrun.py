@@ -63,6 +63,7 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import DryRunRecord, Plan
 from autoplan.runtime.collective_log import Collective, bytes_by_axis, label_collectives
 from autoplan.runtime.dryrun_recorder import CATEGORIES, DryRunRecorder
+from autoplan.runtime.offload import HostOptimizer
 from autoplan.runtime.parallel import local_tensor
 from autoplan.runtime.step_ops import OpLog
 
@@ -115,7 +116,8 @@ class RankDryRun:
     Attributes:
         rank: the global rank.
         coordinates: its mesh coordinate by axis, {"pp", "dp", "cp", "tp"} (cp 0 without cp).
-        peak_bytes: the step's peak of live tensor storage on the rank, bytes.
+        peak_bytes: the step's peak of live tensor storage on the rank's device, bytes (an
+            offloaded plan's host-resident states and host copies left out).
         peak_by_category: `peak_bytes` by `CATEGORIES` at that moment, bytes.
         resident_bytes: live storage when the step began (parameters and buffers), bytes.
         collectives: every collective / p2p op of the step, in issue order.
@@ -322,7 +324,9 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         categories = _final_categories(engine, recorder)
         if device_mem_bytes is not None:
             _check_fits(recorder, categories, rank, plan, device_mem_bytes)
-        peak, by_category, peak_end = recorder.peak(start, categories)
+        # the device's peak: an offloaded plan's host-resident states left out
+        peak, by_category, peak_end = recorder.peak(start, categories,
+                                                    _HOST_CATEGORIES[plan.offload])
         calls = tuple(label_collectives(recorder.collectives, engine))
         shards = [local_tensor(p) for p in engine._unique_params()]
     finally:
@@ -432,6 +436,12 @@ def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
     for state in optimizer.state.values():
         for t in state.values():
             put(t, "optimizer")
+    # the host optimizer's fp32 copies of the parameters it steps, in host memory with its
+    # states (runtime/offload.py HostOptimizer; ZeRO-1's `host`)
+    host = engine.optimizer if isinstance(engine.optimizer, HostOptimizer) else getattr(
+        engine.optimizer, "host", None)
+    for _, copy in getattr(host, "pairs", ()):
+        put(copy, "optimizer")
     return out
 
 

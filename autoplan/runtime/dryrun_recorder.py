@@ -228,16 +228,25 @@ class DryRunRecorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
     # -- results -----------------------------------------------------------------------------
-    def peak(self, start: int, categories: dict[int, str]) -> tuple[int, dict[str, int], int]:
+    def peak(self, start: int, categories: dict[int, str],
+             left_out: frozenset[str] = frozenset()) -> tuple[int, dict[str, int], int]:
         """The peak of live bytes over events[start:], its bytes by category
-        (`live_by_category`) and `end`: the live bytes of events[:end] are the peak."""
-        total = sum(delta for _, delta in self.events[:start])
+        (`live_by_category`) and `end`: the live bytes of events[:end] are the peak. The
+        categories `left_out` (`category_of`: an offloaded plan's host-resident states) count
+        in neither, their bytes by category 0."""
+        def counted(aid: int) -> bool:
+            return not left_out or self.category_of(aid, categories) not in left_out
+
+        total = sum(delta for aid, delta in self.events[:start] if counted(aid))
         best, best_at = total, start
         for i in range(start, len(self.events)):
-            total += self.events[i][1]
-            if total > best:
-                best, best_at = total, i + 1
-        return best, self.live_by_category(best_at, categories), best_at
+            aid, delta = self.events[i]
+            if counted(aid):
+                total += delta
+                if total > best:
+                    best, best_at = total, i + 1
+        by = self.live_by_category(best_at, categories)
+        return best, {k: (0 if k in left_out else v) for k, v in by.items()}, best_at
 
     def first_above(self, limit_bytes: float, categories: dict[int, str],
                     left_out: frozenset[str] = frozenset()) -> int | None:
