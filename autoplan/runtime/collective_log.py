@@ -107,10 +107,15 @@ def label_collectives(calls: list[Call], engine) -> list[Collective]:
 
 
 def bytes_by_axis(collectives) -> tuple[dict[str, int], dict[str, int]]:
-    """(the sum of `Collective.bytes` by axis, the number of collectives by "op@axis")."""
+    """(the sum of `Collective.bytes` by axis, the number of collectives by "op@axis"). A
+    collective over a group of one rank crosses no link and is left out (FSDP2's `replicate`
+    at dp 1, which a 16-bit plan keeps for its mixed-precision casts, all-reduces each unit's
+    gradients over the rank alone)."""
     by_axis: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
     for c in collectives:
+        if c.group_size == 1:
+            continue
         by_axis[c.axis] += c.bytes
         counts[f"{c.op}@{c.axis}"] += 1
     return dict(by_axis), dict(counts)
