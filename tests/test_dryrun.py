@@ -277,3 +277,23 @@ def test_an_offloaded_plan_s_host_states_are_not_device_memory():
     assert on.peak_by_category["optimizer"] > 0 and off.peak_by_category["optimizer"] == 0
     states = on.peak_by_category["optimizer"]  # AdamW's two moments, fp32
     assert off.peak_bytes < on.peak_bytes - states / 2
+
+
+def test_an_expert_parallel_plan_dry_runs_with_balanced_routing():
+    """[Note: dry run routing] in runtime/expert_parallel.py: a tiny Mixtral at dp 4 with
+    ep 2 dry-runs (before, `bincount` of the routing failed on fake tensors): every rank
+    sends an equal share of its token-expert pairs to each rank of its ep group, so its
+    all-to-alls over dp move what the balanced routing the cost model prices moves."""
+    import _moe
+    from autoplan import autoparallel
+
+    with torch.device("meta"):
+        module = _moe.factory("mixtral")()
+    model = autoparallel(module, global_batch=8, seq_len=16, cluster="local-cpu",
+                         world_size=4, dp=4, ep=2, tp=1, pp=1)
+    assert model.plan.mesh.ep == 2
+    (row,) = model.dry_run(ranks=[1], steps=1)
+    # 2 MoE layers: hidden states, weights, ids and the combine forward, 3 of them again
+    # backward (the ids need no gradient), per layer: 14 over the ep group of 2
+    assert row.counts["alltoall_base_@dp[2]"] == 14
+    assert row.flops > 0 and row.peak_bytes > 0

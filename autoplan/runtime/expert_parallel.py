@@ -23,6 +23,12 @@ global mean loss, as on one process. The router's weights are ordinary replicate
 Gradient clipping needs nothing more: an expert gradient is a Shard(0) DTensor on the ep mesh,
 whose norm DTensor reduces over the slices (runtime/parallel.py clip_grad_norm).
 
+[Note: dry run routing] A dry run (runtime/dryrun.py) has fake tensors: no router values to
+count pairs by (`bincount`'s output shape is data-dependent). Each rank then sends an equal
+share of its T k pairs to every rank of its group (torch.chunk's sizes) and receives as many:
+the balanced routing the cost model prices ([Note: expert parallelism]); a real run's
+imbalance is not in it.
+
 Under ZeRO 2 and 3 the other weights are sharded over dp by FSDP2 as usual and the expert
 slices stay whole (replicated over their dp / ep ranks). Supported: tp 1 and ZeRO 0, 2 or 3
 with ep > 1 (`check_expert_parallel`); ZeRO-1 (its optimizer would all-gather the slices over
@@ -37,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
 from autoplan.passes.experts_local import experts_local
 
@@ -95,10 +102,15 @@ def experts_all_to_all(hidden, top_k_index, top_k_weights, gate_up_proj, down_pr
     dest = torch.div(flat, num_local, rounding_mode="floor")        # (T k,) owning ep rank
     order = torch.argsort(dest, stable=True)                        # pairs grouped by owner
     token_of = torch.div(order, top_k, rounding_mode="floor")       # (T k,) token of each pair
-    in_splits = torch.bincount(dest, minlength=size)                # pairs sent to each rank
-    out_splits = torch.empty_like(in_splits)
-    dist.all_to_all_single(out_splits, in_splits, group=group)      # pairs received from each
-    sends, recvs = in_splits.tolist(), out_splits.tolist()
+    if tc.is_fake(dest):  # a dry run: no values to route by ([Note: dry run routing])
+        sends = [len(r) for r in torch.empty(num_tokens * top_k, device="meta").chunk(size)]
+        sends += [0] * (size - len(sends))
+        recvs = list(sends)
+    else:
+        in_splits = torch.bincount(dest, minlength=size)            # pairs sent to each rank
+        out_splits = torch.empty_like(in_splits)
+        dist.all_to_all_single(out_splits, in_splits, group=group)  # pairs received from each
+        sends, recvs = in_splits.tolist(), out_splits.tolist()
     x = _AllToAll.apply(hidden[token_of], recvs, sends, group)                  # (R, H)
     w = _AllToAll.apply(top_k_weights.reshape(-1)[order, None], recvs, sends, group)  # (R, 1)
     ids = flat[order, None].contiguous()
