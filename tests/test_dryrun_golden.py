@@ -63,4 +63,9 @@ def test_one_rank_of_the_golden_llama3_8b_plan_at_two_microbatches():
     axes = {name for name, size in zip(plan.mesh.axis_names, plan.mesh.shape) if size > 1}
     assert axes >= {"dp", "tp"}
     assert all(rank.bytes_by_axis.get(axis, 0) > 0 for axis in axes), rank.bytes_by_axis
+    # and as much as the plan prices, byte for byte ([Note: traffic per axis]), though it was
+    # planned on two blocks at the global batch: tp's sequence-parallel gathers and
+    # reduce-scatters, the vocab-parallel loss's all-reduces, ZeRO-1's on dp
+    assert {a: float(b) for a, b in rank.bytes_by_axis.items()} == \
+        small.prediction.bytes_by_axis_by_pp_rank[last], (rank.bytes_by_axis, rank.counts)
     assert rank.flops > 0

@@ -63,8 +63,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autoplan.passes.sharding import redistribute, tensor_args
 
-__all__ = ["fuse_kernels", "keep_logits_sharded", "rms_norm_local", "swiglu_local",
-           "FUSED_OPS"]
+__all__ = ["fuse_kernels", "kernel_patterns", "keep_logits_sharded", "rms_norm_local",
+           "swiglu_local", "FUSED_OPS"]
 
 aten = torch.ops.aten
 
@@ -201,6 +201,34 @@ def _replace(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], fn, args) -> 
     out.replace_all_uses_with(fused)
     for node in reversed(nodes):
         gm.graph.erase_node(node)
+
+
+def kernel_patterns(gm: torch.fx.GraphModule | torch.fx.Graph
+                    ) -> list[tuple[str, tuple, list[torch.fx.Node]]]:
+    """The RMSNorm and SwiGLU patterns of `gm` ([Note: kernel fusion]), in graph order: (op
+    of FUSED_OPS, the fused op's arguments, the pattern's nodes, its output last). Matched on a
+    captured graph, they are what `fuse_kernels` fuses once no redistribution cuts them (the
+    cost model's traffic.py asks which)."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    out, taken = [], set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node in taken:
+            continue
+        match = None
+        if node.target is aten.rsqrt.default:
+            match = _match_rms_norm(node)
+            if match is not None:
+                x, weight, eps, nodes = match
+                match = ("rms_norm", (x, weight, eps), nodes)
+        elif node.target is aten.silu.default:
+            match = _match_swiglu(node)
+            if match is not None:
+                gate, up, nodes = match
+                match = ("swiglu", (gate, up), nodes)
+        if match is not None:
+            out.append(match)
+            taken.update(match[2])
+    return out
 
 
 def fuse_kernels(gm: torch.fx.GraphModule) -> dict[str, int]:
