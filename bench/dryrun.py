@@ -162,7 +162,8 @@ def check(row: dict) -> dict:
     out = {"peak_error": peak_error, "peak_ok": _within(peak_error, PEAK_BAND),
            "flops_error": flops_error, "flops_ok": _within(flops_error, FLOPS_BAND),
            "axis_errors": axis_errors,
-           "collective_bytes_ok": bool(priced) and all(
+           # a rank that moves nothing (one device) holds it by pricing nothing
+           "collective_bytes_ok": (bool(priced) or not measured) and all(
                _within(e, TRAFFIC_BAND) for e in axis_errors.values()),
            "time_ok": row["wall_s"] <= RANK_LIMIT_S}
     far = [a for a, e in axis_errors.items() if not _within(e, TRAFFIC_BAND)]

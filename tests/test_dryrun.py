@@ -297,3 +297,21 @@ def test_an_expert_parallel_plan_dry_runs_with_balanced_routing():
     # backward (the ids need no gradient), per layer: 14 over the ep group of 2
     assert row.counts["alltoall_base_@dp[2]"] == 14
     assert row.flops > 0 and row.peak_bytes > 0
+
+
+def test_flops_per_rank_under_context_parallelism():
+    """[Note: FLOPs per rank] under cp 2 (pp 2 x cp 2 x tp 2): each rank's causal attention
+    runs its two query chunks against the key chunks up to their own, (2 cp + 1) / (4 cp) of
+    the full rows, and the dry run of its first and last ranks counts what the plan prices."""
+    from autoplan.capture import capture
+    from autoplan.models import build_model
+
+    m = build_model("llama-tiny", device="meta", num_hidden_layers=5)
+    planned = capture(m, (torch.zeros(8, 16, dtype=torch.long),), model_name="llama-tiny")
+    plan = solve(planned, preset("local-cpu", devices_per_node=8), TrainingSpec(8, 16),
+                 tp=2, pp=2, dp=1, cp=2, num_microbatches=2)
+    graph = capture(m, (torch.zeros(plan.microbatch_size, 8, dtype=torch.long),),
+                    model_name="llama-tiny")
+    first, last = dry_run(graph, plan, [0, 7], planned_graph=planned)
+    assert first.flops == pytest.approx(plan.prediction.flops_by_pp_rank[0], rel=1e-9)
+    assert last.flops == pytest.approx(plan.prediction.flops_by_pp_rank[1], rel=1e-9)

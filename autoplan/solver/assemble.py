@@ -95,7 +95,9 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     cores, cost_model.memory.core_attention_regions, none with fused attention; "selective"
     keeps every matmul and attention output). Attention's backward is 2.5 times its forward
     (torch.utils.flop_counter's sdpa_backward_flop_count: the scores recomputed and four
-    gradient matmuls), any other op's twice. An op split over tp by its chosen strategy (`split_of`) runs a tp-th of its FLOPs
+    gradient matmuls), any other op's twice; under cp > 1 a causal attention runs (2 cp + 1) /
+    (4 cp) of its full rows (each query chunk against the key chunks up to its own, which the
+    flop counter counts, where at cp 1 it counts the masked half too). An op split over tp by its chosen strategy (`split_of`) runs a tp-th of its FLOPs
     on each tp rank, a replicated one all of them; the tokens are split over dp x cp. This
     is what a dry run counts on the rank (autoplan/runtime/dryrun.py), where
     `model_flops / world_size` assumes stages of equal work and every op split.
@@ -117,10 +119,23 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     attention = set(attention_nodes(graph))
     producers, grads = node_producers(graph.gm), grad_carriers(graph.gm, graph.params)
 
+    def causal(name: str) -> bool:
+        node = fx_nodes[name]
+        given = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"),
+                         node.args)) | dict(node.kwargs)
+        return bool(given.get("is_causal")) or given.get("attn_mask") is not None
+
+    # under cp a causal attention's query chunk j attends to key chunks 0..j only: rank i
+    # runs (i + 1) + (2 cp - i) of the (2 cp)^2 / cp chunk pairs the full rows would be
+    # (passes/context_parallel.py load_balanced_attention; solver/context.py)
+    cp_share = (2 * mesh.cp + 1) / (4 * mesh.cp) if mesh.cp > 1 else 1.0
+    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+
     def fwd_flops(name: str) -> float:
         info, cand = graph.nodes[name], chosen.get(name)
         split = cand is not None and mesh.tp > 1 and split_of(cand)
-        return info.flops / (mesh.tp if split else 1)
+        f = info.flops / (mesh.tp if split else 1)
+        return f * cp_share if name in attention and cp_share != 1.0 and causal(name) else f
 
     def work(name: str) -> float:
         info = graph.nodes[name]
