@@ -97,8 +97,9 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     (torch.utils.flop_counter's sdpa_backward_flop_count: the scores recomputed and four
     gradient matmuls), any other op's twice; under cp > 1 a causal attention runs (2 cp + 1) /
     (4 cp) of its full rows (each query chunk against the key chunks up to its own, which the
-    flop counter counts, where at cp 1 it counts the masked half too). An op split over tp by its chosen strategy (`split_of`) runs a tp-th of its FLOPs
-    on each tp rank, a replicated one all of them; the tokens are split over dp x cp. This
+    flop counter counts, where at cp 1 it counts the masked half too). An op split over tp
+    by its chosen strategy (`split_of`) runs a tp-th of its FLOPs on each tp rank, a
+    replicated one all of them; the tokens are split over dp x cp. This
     is what a dry run counts on the rank (autoplan/runtime/dryrun.py), where
     `model_flops / world_size` assumes stages of equal work and every op split.
 
@@ -118,6 +119,7 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     layer_of = {name for names in graph.layer_nodes.values() for name in names}
     attention = set(attention_nodes(graph))
     producers, grads = node_producers(graph.gm), grad_carriers(graph.gm, graph.params)
+    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
 
     def causal(name: str) -> bool:
         node = fx_nodes[name]
@@ -129,7 +131,6 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     # runs (i + 1) + (2 cp - i) of the (2 cp)^2 / cp chunk pairs the full rows would be
     # (passes/context_parallel.py load_balanced_attention; solver/context.py)
     cp_share = (2 * mesh.cp + 1) / (4 * mesh.cp) if mesh.cp > 1 else 1.0
-    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
 
     def fwd_flops(name: str) -> float:
         info, cand = graph.nodes[name], chosen.get(name)
