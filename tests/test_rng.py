@@ -89,16 +89,23 @@ def test_keyed_sdpa_equals_eager_sdpa_under_the_mode(kind):
               "additive": dict(attn_mask=torch.randn(5, 7, generator=g))}.get(kind, {})
     if kind == "causal":
         k, v = k[:, :, :5], v[:, :, :5]
+    # an additive mask that is a parameter's function (T5's relative position bias) gets its
+    # gradient, broadcast back to the mask's shape
+    mask = kwargs.pop("attn_mask", None)
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_mask = mask if kind != "additive" else mask.clone().requires_grad_()
     with keyed_random_ops(seed=9, step=4, sample_offset=2):
-        want = F.scaled_dot_product_attention(*ins, dropout_p=0.4, **kwargs)
-    want_grads = torch.autograd.grad(want.sum(), ins)
+        want = F.scaled_dot_product_attention(*ins, attn_mask=want_mask, dropout_p=0.4, **kwargs)
+    want_grads = torch.autograd.grad(want.sum(), ins + [want_mask] * (kind == "additive"))
     got_ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = keyed_sdpa(_state(9, 4, 2), *got_ins, kwargs.get("attn_mask"), 0.4,
+    got_mask = mask if kind != "additive" else mask.clone().requires_grad_()
+    got = keyed_sdpa(_state(9, 4, 2), *got_ins, got_mask, 0.4,
                      kwargs.get("is_causal", False), 0, scale=kwargs.get("scale"),
                      enable_gqa=kwargs.get("enable_gqa", False))
     torch.testing.assert_close(got, want)
-    for a, b in zip(torch.autograd.grad(got.sum(), got_ins), want_grads):
+    got_grads = torch.autograd.grad(got.sum(), got_ins + [got_mask] * (kind == "additive"))
+    assert len(got_grads) == len(want_grads)
+    for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b)
     assert not torch.isnan(got).any()  # fully masked rows (bool case) give 0, as torch does
 

@@ -308,14 +308,16 @@ class _DroppedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, keep = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+        # an additive mask is differentiable (T5's relative position bias trains through it)
+        needs = ctx.needs_input_grad[:4]
+        inputs = [None if t is None else t.detach().requires_grad_(n)
+                  for t, n in zip((q, k, v, mask), needs)]
         with torch.enable_grad():
-            out = _dropped_attention(*inputs, mask, keep, *ctx.args)
+            out = _dropped_attention(*inputs, keep, *ctx.args)
         wanted = [t for t, n in zip(inputs, needs) if n]
         grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
         return (*(next(grads) if n else None for n in needs),
-                None, None, None, None, None, None)
+                None, None, None, None, None)
 
 
 def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p: float = 0.0,
@@ -331,7 +333,8 @@ def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p:
         dropout_p: in [0, 1]; outside (0, 1) nothing is drawn and `sdpa_local` runs.
         k: the op's index; rows_per_sample: R of [Note: RNG contract] (B * R rows in q's
             dim 0). scale, enable_gqa, is_causal: as in torch.
-    Returns (B, H, T, Ev) of q's kind and placements; differentiable in q, k, v.
+    Returns (B, H, T, Ev) of q's kind and placements; differentiable in q, k, v and an
+        additive mask.
 
     Raises:
         ValueError: dropout_p outside [0, 1]; q, k, v placements that differ, are Partial or

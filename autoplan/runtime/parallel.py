@@ -37,7 +37,65 @@ def replicate(module: nn.Module, dp_mesh, *, mp_policy=None, ignored_params=None
     """ZeRO-0: parameters replicated on the dp axis, gradients all-reduced (averaged);
     `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters left
     alone (expert weights under expert parallelism, runtime/expert_parallel.py)."""
-    return replicate_module(module, dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
+    module = replicate_module(module, dp_mesh, mp_policy=mp_policy,
+                              ignored_params=ignored_params)
+    return guard_unit_input_grads(module)
+
+
+class _UnitInputGrads(torch.autograd.Function):
+    """Identity on a unit's DTensor inputs; in backward a plain-tensor gradient of one of them
+    (FSDP2's materialized zeros, [Note: unit inputs without a gradient]) becomes None."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = []
+        for g in grads:
+            if g is not None and not isinstance(g, DTensor):
+                if bool(g.any()):
+                    raise RuntimeError(
+                        f"a DTensor input of an FSDP2 unit received a plain-tensor gradient "
+                        f"{tuple(g.shape)} that is not zero: it would be accumulated without "
+                        "its placement; report this model to autoplan")
+                g = None
+            out.append(g)
+        return tuple(out)
+
+
+def guard_unit_input_grads(module: nn.Module) -> nn.Module:
+    """`module` (an FSDP2 unit: `replicate` / `fully_shard` applied) with its DTensor inputs
+    passed through `_UnitInputGrads` before FSDP2's pre-forward hook sees them.
+
+    [Note: unit inputs without a gradient]
+    FSDP2 passes a unit's inputs through one autograd Function (`RegisterPostBackwardFunction`,
+    which runs the unit's post-backward). For an input the unit gives no gradient (unused
+    there, or used only where no gradient flows) autograd materializes the missing gradient
+    as zeros of a *plain* tensor, whatever the input's type. Where all of a DTensor's
+    gradients are such zeros (a tensor handed to every block and used by none; T5's position
+    bias in each decoder block while the attention dropout dropped the mask's gradient), the
+    sum is a plain tensor, and a DTensor parameter upstream receives a plain gradient: FSDP2
+    fails ("Expected DTensor"). The identity in front of FSDP2's (the hook is prepended after
+    FSDP2's own) turns such a gradient back into None -- what the unit produced, as one
+    process would have it -- and refuses one that is not zero, which no path of ours makes.
+    tests/test_fsdp_units.py.
+    """
+    def pre_forward(_module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, DTensor) and t.requires_grad]
+        if not at:
+            return None
+        for i, t in zip(at, _UnitInputGrads.apply(*(flat[i] for i in at))):
+            flat[i] = t
+        return torch.utils._pytree.tree_unflatten(flat, spec)
+
+    module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+    return module
 
 
 def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
@@ -53,8 +111,9 @@ def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
     if ignored_params:
         kwargs["ignored_params"] = set(ignored_params)
-    return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                        **kwargs)
+    module = _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                          **kwargs)
+    return guard_unit_input_grads(module)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
