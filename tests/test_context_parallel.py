@@ -629,3 +629,49 @@ def test_eval_outputs_under_cp_are_refused_by_name_and_the_loss_is_not(clusters)
     for _, raised, _ in results:
         assert raised.startswith("NotImplementedError: eval_step(return_outputs=True) under "
                                  "context parallelism (cp 2)"), raised
+
+
+def test_rewrite_after_placements_gathers_kv_before_gqa_expansion(monkeypatch):
+    """The runtime rewrites a graph apply_placements has already run on (its `reshape` in
+    place of aten's): K and V are still taken before GQA's repeat_kv where tp divides the
+    h_kv heads -- 4 of 8 at tp 4 here -- and the traffic model prices that gather (it priced,
+    and the runtime moved, h / h_kv = 2 times the bytes before)."""
+    from autoplan.cost_model.traffic import RankTraffic, rank_traffic
+    from autoplan.passes.expand import plan_for_graph
+    from autoplan.passes.sharding import apply_placements
+
+    kw = dict(max_position_embeddings=64, num_key_value_heads=4)
+    planned = capture(build_model("llama-tiny", **kw), example_inputs("llama-tiny", batch=1,
+                                                                     seq_len=64),
+                      model_name="llama-tiny")
+    p = plan(planned, preset("dgx-h100"), TrainingSpec(global_batch=2, seq_len=64), cp=2,
+             tp=4, dp=1, pp=1)
+    graph = capture(build_model("llama-tiny", **kw),
+                    example_inputs("llama-tiny", batch=p.microbatch_size, seq_len=32),
+                    model_name="llama-tiny")
+    run = plan_for_graph(p, planned, graph)
+    gm = retarget_device(graph.gm, "cpu")
+    apply_placements(gm, run)
+    apply_context_parallel(gm, seq_len=64, cp=2, rank=0, group_name="cp", tp=4)
+    cp_nodes = [n for n in gm.graph.nodes if n.target is context_parallel_attention]
+    assert len(cp_nodes) == 2
+    for n in cp_nodes:
+        q, k, v, *_, gqa = n.args
+        assert gqa and k.meta["val"].shape[1] == v.meta["val"].shape[1] == 4
+    gathers = []
+    add = RankTraffic.add
+
+    def record(self, op, axis, nbytes, times=1):
+        if op == "all_gather_into_tensor":
+            gathers.append((nbytes, times))
+        return add(self, op, axis, nbytes, times)
+
+    monkeypatch.setattr(RankTraffic, "add", record)
+    rank_traffic(p, planned)
+    # K and V of 2 layers, each (b, 4 heads -- a tp-th where the attention splits them --,
+    # 64 tokens, 4) in the plan's dtype
+    (attention,) = {p.strategy_of(n).inputs[1] for n in attention_nodes(planned)}
+    heads = 4 // 4 if attention.startswith("S(") else 4
+    e = torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
+    one = p.microbatch_size * heads * 64 * 4 * e
+    assert len(gathers) == 4 and all(g == (one, p.num_microbatches) for g in gathers), gathers

@@ -64,9 +64,8 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   vocab-parallel loss] in passes/kernels.py);
 - cp: per attention op and microbatch, an all-gather of K and of V as they reach the fused
   attention (the whole sequence; the rank's heads, a tp-th where the attention splits them;
-  GQA's expansion included: the rewrite's match of `repeat_kv`, passes/context_parallel.py
-  `_before_repeat_kv`, does not see through the `reshape` that apply_placements puts in
-  place of aten's, so h / h_kv times the bytes of the K and V it means to gather move)
+  the h_kv heads before GQA's expansion where the rewrite takes them,
+  passes/context_parallel.py `gathered_kv`)
   forward and a reduce-scatter of each gradient backward, and the gathers again in
   recomputation ([Note: context parallelism] in solver/context.py); axis "cp", or "dp_cp" at
   dp 1, where the recorder names the one group so;
@@ -835,16 +834,21 @@ def _context_parallel(ctx: _Context, t: RankTraffic, stages: set[int]) -> None:
     """cp's gathers of K and V and reduce-scatters of their gradients ([Note: traffic per
     axis]): K and V as the attention reads them, the whole sequence, a tp-th where the
     attention splits them."""
+    from autoplan.passes.context_parallel import gathered_kv
+
     plan = ctx.plan
     cp, tp = plan.mesh.cp, plan.mesh.tp
     if cp == 1:
         return
     for name in attention_nodes(ctx.graph):
         node, s = ctx.nodes[name], ctx.strategies.get(name)
+        given = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal",
+                          "scale", "enable_gqa"), node.args)) | dict(node.kwargs)
+        kv = gathered_kv(given["key"], given["value"], bool(given.get("enable_gqa", False)), tp)
         for where in ctx.instances(name, stages):
-            for i in (1, 2):  # K, V
+            for i in (1, 2):  # K, V, at the attention's placement (the query's)
                 split = tp > 1 and s is not None and s.inputs[i].startswith("S(")
-                one = ctx.value_bytes(node.args[i]) * cp / (tp if split else 1)
+                one = ctx.value_bytes(kv[i - 1]) * cp / (tp if split else 1)
                 t.add("all_gather_into_tensor", ctx.cp_axis, one,
                       ctx.m * (1 + ctx.recomputed(name, where)))
                 t.add("reduce_scatter_tensor", ctx.cp_axis, one, ctx.m)

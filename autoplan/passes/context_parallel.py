@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan._torch_compat import all_gather_autograd, causal_lower_right_bias
 from autoplan.cost_model.compute import ATTENTION_OPS, op_name
+from autoplan.passes.sharding import reshape as placed_reshape
 from autoplan.passes.sharding import run_replicated, sdpa_local
 
 __all__ = ["check_whole_graph", "position_sources", "chunk_positions",
@@ -45,7 +46,8 @@ _FUSED = (_SDPA, sdpa_local)  # apply_placements swaps the aten op for sdpa_loca
 _ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start,
             torch.ops.aten.arange.start_step)
 _RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default,
-             torch.ops.aten._unsafe_view.default)
+             torch.ops.aten._unsafe_view.default, placed_reshape)  # the last: apply_placements'
+
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -102,8 +104,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Under tensor parallelism q, k, v are DTensors on the tp mesh with one placement (heads
     Shard(1), batch Shard(0) or Replicate, as sharding.sdpa_local takes them): attention runs
     on the local shards and returns a DTensor with q's placement. Raises ValueError when their
-    placements differ."""
+    placements differ after K and V were moved to q's (h_kv heads taken before GQA's
+    expansion may be planned at another placement than the expanded ones)."""
     if isinstance(q, DTensor):
+        if not any(p.is_partial() for p in (*k.placements, *v.placements)):
+            k = k.redistribute(k.device_mesh, q.placements)  # no-op where they agree
+            v = v.redistribute(v.device_mesh, q.placements)
         local_q, local_k = q.to_local().shape[1], k.to_local().shape[1]
         if k.placements != q.placements or v.placements != q.placements or \
                 any(p.is_partial() for p in q.placements) or \
@@ -178,7 +184,8 @@ def _on_cpu(x: object) -> object:
 
 def _before_repeat_kv(t: torch.fx.Node) -> tuple[torch.fx.Node, int]:
     """(the tensor before GQA's head expansion, repeats): reshape(expand(unsqueeze(x, 2),
-    (B, H_kv, n, S, D)), (B, H_kv n, S, D)) gives (x, n); anything else (t, 1)."""
+    (B, H_kv, n, S, D)), (B, H_kv n, S, D)) gives (x, n) -- aten's reshape as captured or
+    apply_placements' `sharding.reshape` in its place; anything else (t, 1)."""
     if t.target in _RESHAPES and isinstance(t.args[0], torch.fx.Node):
         e = t.args[0]
         if e.target is torch.ops.aten.expand.default and isinstance(e.args[0], torch.fx.Node):
@@ -189,6 +196,20 @@ def _before_repeat_kv(t: torch.fx.Node) -> tuple[torch.fx.Node, int]:
                 if len(xs) == 4 and len(es) == 5 and es[1] == xs[1] and es[3:] == xs[2:]:
                     return x, int(es[2])
     return t, 1
+
+
+def gathered_kv(key: torch.fx.Node, value: torch.fx.Node, enable_gqa: bool, tp: int
+                ) -> tuple[torch.fx.Node, torch.fx.Node, bool]:
+    """(K, V, enable_gqa) as cp attention gathers them for an attention reading `key` and
+    `value`: the h_kv heads from before GQA's expansion (`_before_repeat_kv`), expanded inside
+    the attention, where the tp degree `tp` divides them (each tp rank then holds whole
+    groups); else `key` and `value` themselves (correct, h / h_kv times the bytes). The
+    rewrite and the traffic model (cost_model/traffic.py) both take this."""
+    k0, nk = _before_repeat_kv(key)
+    v0, nv = _before_repeat_kv(value)
+    if nk > 1 and nk == nv and not enable_gqa and k0.meta["val"].shape[1] % tp == 0:
+        return k0, v0, True
+    return key, value, enable_gqa
 
 
 def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name: str,
@@ -208,13 +229,8 @@ def _replace_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name
             raise ValueError(f"context parallelism: attention {node.name} has both a mask and "
                              "is_causal")
         causal = _mask_kind(node, mask, s_local, evaluate_up_to)
-    k, v, gqa = given["key"], given["value"], bool(given.get("enable_gqa", False))
-    k0, nk = _before_repeat_kv(k)
-    v0, nv = _before_repeat_kv(v)
-    # gather the h_kv heads and expand inside attention, where each tp rank holds whole
-    # groups of them (else the expanded K and V: correct, h / h_kv times the bytes)
-    if nk > 1 and nk == nv and not gqa and k0.meta["val"].shape[1] % tp == 0:
-        k, v, gqa = k0, v0, True
+    k, v, gqa = gathered_kv(given["key"], given["value"], bool(given.get("enable_gqa", False)),
+                            tp)
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(
             context_parallel_attention,
