@@ -85,9 +85,10 @@ priced above:
   flattened dp x cp mesh (FSDP2 / replicate, or ZeRO-1's sharded optimizer over it).
 
 - under tp, attention runs on the rank's heads (q, k, v one placement, as sharding.sdpa_local):
-  the gather moves the rank's h_kv / t' heads, as priced. Where the plan's redistributions
-  sit inside repeat_kv's chain, the gather takes the expanded K and V (h / h_kv times the
-  priced bytes).
+  the gather moves the rank's h_kv / t' heads, as priced, K and V taken before repeat_kv
+  and moved to the query's placement inside the cp attention (passes/context_parallel.py
+  `gathered_kv`). Where tp does not divide h_kv, the gather takes the expanded K and V
+  (h / h_kv times the priced bytes; the traffic model prices what moves).
 
 So the planner can produce cp plans the runtime does not run yet: a model with dropout, a
 batch other than (input_ids, labels), compile=True.
