@@ -13,7 +13,8 @@ and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at th
   they return (build, step, save, report, export); session.py: its planning half (cluster,
   capture, cp trial, plan cache, solve, broadcast); options.py: `PlanOptions`; cli.py: the
   `autoplan` command (its parser and subcommands), cli_args.py: its arguments, cli_output.py:
-  what it prints and caches; demo.py: `autoplan demo`.
+  what it prints and caches, cli_compare.py: `autoplan explain` and `autoplan diff`; demo.py:
+  `autoplan demo`.
 - plan.py: the `Plan` (frozen dataclasses, versioned JSON); spec.py: `TrainingSpec`;
   topology.py: `Topology` and the cluster presets; hardware.py: `DeviceSpec`, `LinkSpec`;
   graph.py: `CapturedGraph`; inputs.py: a step's batch as a pytree, its batch dims; experts.py:

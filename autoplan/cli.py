@@ -1,10 +1,13 @@
-"""The `autoplan` command line: plan, export, dryrun, demo, calibrate.
+"""The `autoplan` command line: plan, explain, diff, export, dryrun, demo, calibrate.
 
     autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
     autoplan plan --model llama3-70b --cluster dgx-h100 --global-batch 64 --seq 4096 \\
         --trainable lora:r=16
     autoplan plan --model gpt2-tiny --cluster local-cpu --devices-per-node 4 \\
         --global-batch 8 --seq 16 -o out/tiny
+    autoplan explain --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 \\
+        --seq 4096 --tp 4 --pp 8
+    autoplan diff out/a/plan.json out/b/plan.json
     autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/x
     autoplan demo --steps 20 --world-size 4 -o out/demo
     autoplan calibrate -o ~/.cache/autoplan/local-cpu.yaml
@@ -36,7 +39,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autoplan import __version__
+from autoplan import __version__, cli_compare
 from autoplan.cli_args import (EPILOG, add_json_arg, add_planning_args, check_out,
                                cluster_topology, in_cli_words, positive_int)
 from autoplan.cli_output import (Planned, cache_entry, cache_request, dry_row, json_summary,
@@ -88,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "flags, autoplan source and library versions)")
     add_json_arg(p)
     p.set_defaults(run=_cmd_plan)
+
+    cli_compare.add_parsers(sub, talk, _plan)
 
     p = sub.add_parser("export", parents=[talk],
                        help="plan, then write the per-rank graphs as Python, Graphviz and JSON",

@@ -25,6 +25,9 @@ examples:
       -o out/gpt3
   autoplan plan --model gpt2-tiny --cluster local-cpu --devices-per-node 4 --global-batch 8 \\
       --seq 16 -o out/tiny
+  autoplan explain --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 \\
+      --seq 4096 --tp 8 --pp 4
+  autoplan diff out/gpt3/plan.json out/tiny/plan.json
   autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/export
 """
 
@@ -135,13 +138,14 @@ def add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool,
                         help="runners-up kept for the report (default: %(default)s)")
 
 
-def add_json_arg(p: argparse.ArgumentParser) -> None:
+def add_json_arg(p: argparse.ArgumentParser, what: str | None = None) -> None:
+    """--json: print `what` (default: the plan's summary) as one JSON object on stdout."""
+    what = what or ("the plan's summary (mesh, ZeRO stage, microbatches, schedule, "
+                    "checkpointing, predicted step time in s, memory per device in bytes, MFU, "
+                    "tokens/s, runners-up, files written, warnings)")
     p.add_argument("--json", action="store_true",
-                   help="print the plan's summary as one JSON object on stdout (mesh, ZeRO "
-                        "stage, microbatches, schedule, checkpointing, predicted step time "
-                        "in s, memory per device in bytes, MFU, tokens/s, runners-up, files "
-                        "written, warnings) and nothing else; progress and warnings go to "
-                        "stderr")
+                   help=f"print {what} as one JSON object on stdout and nothing else; "
+                        "progress and warnings go to stderr")
 
 
 def cluster_topology(args):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -32,7 +33,7 @@ def _run(capsys, *argv):
 def test_help_lists_the_subcommands(capsys):
     code, out, _ = _run(capsys, "--help")
     assert code == 0
-    for word in ("plan", "export", "demo", "calibrate", "--global-batch"):
+    for word in ("plan", "explain", "diff", "export", "demo", "calibrate", "--global-batch"):
         assert word in out
     code, out, _ = _run(capsys, "plan", "--help")
     assert code == 0 and "--num-layers-capture" in out and "--allow-tp-across-nodes" in out
@@ -48,7 +49,7 @@ def test_help_examples_are_valid(capsys, tmp_path):
 
     commands = [shlex.split(c.replace("\\\n", " "))
                 for c in _EPILOG.split("\n  autoplan ")[1:]]
-    assert len(commands) == 5
+    assert len(commands) == 7
     for argv in commands:
         build_parser().parse_args(argv)  # SystemExit on a bad example
     fixed = next(a for a in commands if "--tp" in a)
@@ -559,3 +560,55 @@ def test_example_topology_plans(capsys):
     summary = json.loads(out)
     assert summary["topology"] == "example-2x8-h100" and summary["world_size"] == 16
     assert summary["device"] == "H100-SXM-80GB"
+
+
+def test_diff_of_two_plans(capsys, tmp_path):
+    """`autoplan diff`: the configuration, stages, time and memory terms and the placements
+    that differ between two plans of gpt2-tiny on 4 local ranks (dp4 against tp2 x pp2), as
+    text and as JSON whose numbers are the plans' own."""
+    dirs = {}
+    for name, flags in (("dp", ["--dp", "4"]), ("tp", ["--tp", "2", "--pp", "2"])):
+        dirs[name] = tmp_path / name
+        code, _, err = _run(capsys, "plan", *_TINY, "--devices-per-node", "4", *flags,
+                            "-o", str(dirs[name]))
+        assert code == 0, err
+    a, b = (Plan.from_json((dirs[n] / "plan.json").read_text()) for n in ("dp", "tp"))
+    code, out, err = _run(capsys, "diff", str(dirs["dp"]), str(dirs["tp"] / "plan.json"))
+    assert code == 0, err
+    assert re.search(rf"mesh +{a.mesh} -> {b.mesh}\n", out), out
+    assert "step time" in out and "stages (blocks)" in out
+    code, out, err = _run(capsys, "diff", "--json", str(dirs["dp"]), str(dirs["tp"]))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["same_request"] and doc["config"]["mesh"] == [str(a.mesh), str(b.mesh)]
+    step = doc["time_s"]["step_time_s"]
+    assert step[:2] == pytest.approx([a.prediction.step_time_s, b.prediction.step_time_s],
+                                     rel=1e-5)
+    assert doc["memory_bytes"]["peak"][1] == pytest.approx(b.prediction.memory_bytes, rel=1e-5)
+    split = {fqn for fqn, p in b.param_placements if p != "R"}
+    assert sum(g["params"] for g in doc["placements"]) == len(split)  # a: all R at tp 1
+    assert all("*" in g["role"] for g in doc["placements"] if ".h." in g["role"])
+    code, _, err = _run(capsys, "diff", str(tmp_path / "none"), str(dirs["tp"]))
+    assert code == 2 and "autoplan: error: diff:" in err and "does not exist" in err
+
+
+def test_explain_a_configuration(capsys):
+    """`autoplan explain`: the user's configuration planned beside the chosen plan, the
+    difference printed term by term; one that cannot be planned names the reason; no
+    override at all is a usage error."""
+    code, out, err = _run(capsys, "explain", "-q", *_TINY, "--devices-per-node", "4",
+                          "--tp", "4", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["overrides"] == {"tp": 4} and "tp4" in doc["yours"]
+    assert doc["diff"]["time_s"]["step_time_s"][2] >= 0  # the chosen plan is the fastest
+    code, out, err = _run(capsys, "explain", "-q", *_TINY, "--devices-per-node", "4",
+                          "--tp", "4")
+    assert code == 0, err
+    assert out.startswith("chosen: Plan(") and "\nyours: Plan(" in out and "step time" in out
+    code, out, err = _run(capsys, "explain", "-q", *_TINY, "--devices-per-node", "4",
+                          "--tp", "3")
+    assert code == 0, err
+    assert "yours (--tp 3): cannot be planned:" in out
+    code, _, err = _run(capsys, "explain", "-q", *_TINY)
+    assert code == 2 and "give the configuration to explain" in err
