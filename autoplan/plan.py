@@ -398,6 +398,15 @@ class Plan:
                 f"{self.microbatch_size} = {dp_batch}")
 
     # -- views ------------------------------------------------------------------------------
+    def explain(self, other: "Plan") -> str:
+        """What differs in `other` from this plan, term by term (as `autoplan diff`: the
+        configuration, stages, step time by part, memory by category, bytes per mesh axis,
+        tp placements grouped by role; autoplan/report/diff.py). Every number is one of the
+        two plans' own."""
+        from autoplan.report.diff import plan_diff, render_diff
+
+        return render_diff(plan_diff(self, other), a="this", b="other")
+
     def placement_of(self, fqn: str) -> str:
         """Placement of parameter `fqn` on the tp axis ("R" when the plan does not list it)."""
         return dict(self.param_placements).get(fqn, "R")

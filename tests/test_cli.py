@@ -588,6 +588,9 @@ def test_diff_of_two_plans(capsys, tmp_path):
     split = {fqn for fqn, p in b.param_placements if p != "R"}
     assert sum(g["params"] for g in doc["placements"]) == len(split)  # a: all R at tp 1
     assert all("*" in g["role"] for g in doc["placements"] if ".h." in g["role"])
+    text = a.explain(b)  # the same comparison from Python
+    assert text.startswith(f"this: {a}\nother: {b}\n")
+    assert re.search(rf"mesh +{a.mesh} -> {b.mesh}\n", text)
     code, _, err = _run(capsys, "diff", str(tmp_path / "none"), str(dirs["tp"]))
     assert code == 2 and "autoplan: error: diff:" in err and "does not exist" in err
 
