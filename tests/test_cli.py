@@ -615,3 +615,14 @@ def test_explain_a_configuration(capsys):
     assert "yours (--tp 3): cannot be planned:" in out
     code, _, err = _run(capsys, "explain", "-q", *_TINY)
     assert code == 2 and "give the configuration to explain" in err
+
+
+def test_an_override_that_cannot_work_names_only_the_users_overrides(capsys):
+    """3 devices per node, --tp 2: no mesh places; the error names the override given and the
+    constraint that binds, not the planner's own switches (elementwise_optimizer)."""
+    code, _, err = _run(capsys, "plan", "-q", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                        "--nodes", "2", "--devices-per-node", "3", "--global-batch", "48",
+                        "--seq", "2048", "--tp", "2")
+    assert code == 2
+    assert "satisfies the overrides {'tp': 2} " in err and "elementwise" not in err
+    assert "straddles the 3-device nodes unevenly" in err

@@ -484,7 +484,12 @@ def _unsplit_ops(graph: CapturedGraph, problem: Problem, names) -> list[str]:
 
 
 def _given(o: Overrides) -> dict:
-    return {k: v for k, v in vars(o).items() if v is not None and k != "allow_tp_across_nodes"}
+    """The overrides the user gave: fields set and not at their default (the switches
+    `allow_tp_across_nodes` and `elementwise_optimizer` are not choices fixed)."""
+    defaults = Overrides()
+    return {k: v for k, v in vars(o).items()
+            if v is not None and v != getattr(defaults, k)
+            and k not in ("allow_tp_across_nodes", "elementwise_optimizer")}
 
 
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
