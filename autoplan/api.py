@@ -190,14 +190,17 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             given where a cp 1 plan cannot be made; a given cp the runtime cannot run raises
             when built, naming why).
             offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
-            offload] in autoplan/solver/offload.py).
+            offload] in autoplan/solver/offload.py),
+            placements ({FQN glob: "R" | "S(d)"}: parameters pinned on the tp axis, hard
+            constraints of the placement ILP, [Note: pinned placements] in
+            autoplan/solver/pins.py; e.g. {"lm_head.weight": "S(0)"}).
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
                "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
-               "ep", "sequence_parallel", "cp", "offload"}
+               "ep", "sequence_parallel", "cp", "offload", "placements"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib
@@ -218,6 +221,10 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
     for name, value in (("kernels", kernels), ("compile", compile)):
         if not isinstance(value, bool):
             raise ValueError(f"autoparallel: {name}={value!r}; expected True or False")
+    if "placements" in overrides:  # checked now, held as sorted pairs (hashable, JSON)
+        from autoplan.solver.pins import parse_pins
+
+        overrides["placements"] = parse_pins(overrides["placements"])
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,

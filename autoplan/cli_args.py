@@ -117,6 +117,11 @@ def add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool,
                      help="CPU offload: optimizer states in host memory and the optimizer "
                           "step on the host (ZeRO 0/1), or with ZeRO-3 the parameter shards "
                           "too; default: searched where nothing fits on the device")
+    fix.add_argument("--place", action="append", metavar="PATTERN=PLACEMENT",
+                     help="pin the tp placement of the parameters matching PATTERN (an FQN "
+                          "or a glob: model.layers.*.mlp.down_proj.weight) to R or S(d), a "
+                          "hard constraint of the search (repeatable; a split pinned searches "
+                          "tp > 1 only), e.g. --place lm_head.weight=S(0)")
     fix.add_argument("--allow-tp-across-nodes", action="store_true",
                      help="let tp groups span nodes (default: tp stays inside a node)")
     fix.add_argument("--compile", action="store_true",

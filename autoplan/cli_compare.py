@@ -23,8 +23,9 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
                                    "overrides (the chosen plan), and with the overrides given "
                                    "(your configuration: any of --tp, --pp, --dp, --cp, --ep, "
                                    "--zero, --microbatches, --schedule, --virtual-stages, "
-                                   "--checkpointing, --sequence-parallel, --offload). Print "
-                                   "both and what differs, term by term (as `autoplan diff`): "
+                                   "--checkpointing, --sequence-parallel, --offload, "
+                                   "--place). Print both and what differs, term by term (as "
+                                   "`autoplan diff`): "
                                    "step time by part, memory by category, bytes per mesh "
                                    "axis, placements; or, where your configuration cannot be "
                                    "planned, the constraint that refuses it.")
@@ -50,7 +51,7 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
 
 # the planning flags that fix a choice (dest names), as `autoplan explain` takes them
 OVERRIDES = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule",
-              "virtual_stages", "checkpointing", "sequence_parallel", "offload")
+             "virtual_stages", "checkpointing", "sequence_parallel", "offload", "place")
 
 
 def explain(args, plan_fn: Callable) -> int:
@@ -70,7 +71,8 @@ def explain(args, plan_fn: Callable) -> int:
     for k in OVERRIDES:
         setattr(free, k, None)
     chosen = plan_fn(free, args.num_layers_capture).plan
-    words = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+    words = " ".join(f"--{k.replace('_', '-')} {w}" for k, v in given.items()
+                     for w in (v if isinstance(v, list) else [v]))
     try:
         yours = plan_fn(args, args.num_layers_capture).plan
     except ValueError as e:

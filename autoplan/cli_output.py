@@ -160,7 +160,7 @@ def cache_request(args):
 # the `plan` flags a plan depends on besides the model, cluster and training spec
 PLAN_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
                "checkpointing", "sequence_parallel", "allow_tp_across_nodes", "offload",
-               "compile",
+               "compile", "place",
                "num_layers_capture", "time_limit", "top_k")
 
 

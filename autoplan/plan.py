@@ -344,6 +344,8 @@ class Plan:
             parameters] in autoplan/runtime/engine.py).
         dry_run: what dry runs of some of its ranks measured (`autoplan dryrun -o`), in the
             order run; () when none was run (plan.json without a "dry_run" key).
+        pinned: the (pattern, placement) pins the user gave, sorted ([Note: pinned
+            placements] in autoplan/solver/pins.py); () when none (no "pinned" key).
         schema_version: JSON schema version.
     """
 
@@ -369,6 +371,7 @@ class Plan:
     compiled: bool = False
     frozen_dtype: str = ""
     dry_run: tuple[DryRunRecord, ...] = ()
+    pinned: tuple[tuple[str, str], ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -435,7 +438,8 @@ class Plan:
         cp 1) is written without its `ep` / `cp` key, a plan or alternative without offload
         without its `offload` key (its prediction without the cp and host figures at 0), and an
         eager plan without its `compiled` key, one without frozen parameters held apart
-        without its `frozen_dtype` key and one without a dry run without its `dry_run` key, as
+        without its `frozen_dtype` key, one without a dry run without its `dry_run` key and
+        one without pins without its `pinned` key, as
         before they existed (readers default them),
         so plans without them keep their JSON byte for byte: schema version 1 either way."""
         d = dataclasses.asdict(self)
@@ -445,6 +449,8 @@ class Plan:
             del d["frozen_dtype"]
         if not d["dry_run"]:
             del d["dry_run"]
+        if not d["pinned"]:
+            del d["pinned"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:
@@ -480,6 +486,7 @@ class Plan:
         d["alternatives"] = tuple(
             Alternative(**{**a, "mesh": MeshShape(**a["mesh"])}) for a in d["alternatives"])
         d["dry_run"] = tuple(DryRunRecord(**r) for r in d.get("dry_run", ()))
+        d["pinned"] = tuple(tuple(p) for p in d.get("pinned", ()))
         return Plan(**d)
 
     @staticmethod

@@ -204,8 +204,10 @@ class PlanningSession:
         if os.environ.get("AUTOPLAN_PLAN_CACHE", "1") == "0":
             return None
         overrides = dict(self.options.overrides)
+        if "placements" in overrides:  # parse_pins' sorted (pattern, placement) pairs
+            overrides["placements"] = [list(p) for p in overrides["placements"]]
         if not all(v is None or isinstance(v, (bool, int, float, str))
-                   for v in overrides.values()):
+                   for k, v in overrides.items() if k != "placements"):
             return None
         return {"command": "autoparallel", "graph": graph_fingerprint(graph),
                 "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),

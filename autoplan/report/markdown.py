@@ -238,7 +238,16 @@ def _placements(plan: Plan, graph) -> list[str]:
     return ["## Tensor-parallel placements", "",
             f"Placement of each parameter on the tp axis (tp = {plan.mesh.tp}); one row per "
             f"role in the repeated block. {_sharded_text(plan, graph)}.", "",
-            *_table(["parameter", "shape", "placement", "count"], rows), *_region(plan, graph)]
+            *_table(["parameter", "shape", "placement", "count"], rows), *_region(plan, graph),
+            *_pinned(plan)]
+
+
+def _pinned(plan: Plan) -> list[str]:
+    """The user's pins, one line ([Note: pinned placements] in solver/pins.py)."""
+    if not plan.pinned:
+        return []
+    return ["", "Pinned by the user (hard constraints of the search): "
+            + ", ".join(f"`{p}` `{q}`" for p, q in plan.pinned) + "."]
 
 
 def _region(plan: Plan, graph) -> list[str]:
@@ -406,6 +415,8 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
         + ("; compiled (torch.compile)" if plan.compiled else ""),
         f"params      {_sharded_text(plan, graph)}; "
         f"{F.plural(len(plan.redistributions), 'redistribution')}",
+        *(["pinned      " + ", ".join(f"{p}={q}" for p, q in plan.pinned)]
+          if plan.pinned else []),
         *([f"trains      {tt}"] if (tt := F.trainable_text(plan, graph, short=True)) else []),
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
         f"communication {F.fmt_time(p.comm_s)}, bubble {F.fmt_time(p.bubble_s)})",

@@ -11,6 +11,7 @@ The pipeline, in files:
     ilp_types.py      its inputs (per-rank memory, step form) and its Solution
     pipeline.py       step time and memory of a configuration (bubble, dp sync, per-rank peak)
     search.py         configurations, bounds, step forms, errors ([Note: decomposition])
+    pins.py           pinned parameter placements: the user's hard constraints on the ILP
     branch_bound.py   the branch and bound over configurations (lazy, resumable bounds)
     planner.py        plan(): that search driven to the best plan and runners-up (cp first
                       under a bound, offload where nothing fits, errors); reprice(): a fixed

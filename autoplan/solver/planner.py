@@ -24,6 +24,7 @@ from autoplan.units import fmt_bytes
 from autoplan.solver.experts import expert_parallel
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
+from autoplan.solver.pins import parse_pins, pinned_params
 from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
@@ -47,7 +48,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          sequence_parallel: bool | None = None, cp: int | None = None,
          offload: str | None = None, compiled: bool = False,
          frozen_weights_dtype: str | None = None,
-         elementwise_optimizer: bool = True) -> Plan:
+         elementwise_optimizer: bool = True, placements=None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -101,6 +102,11 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             with dp x cp > 1 and the host offload of the optimizer at tp > 1, which hand it
             pieces of each tensor ([Note: elementwise optimizer]), are not searched, and a
             fixed zero_stage that needs them raises InvalidConfig.
+        placements: pinned parameter placements on the tp axis, {FQN glob: "R" | "S(d)"}
+            (or "PATTERN=PLACEMENT" strings): hard constraints of the placement ILP, recorded
+            in `Plan.pinned` ([Note: pinned placements] in solver/pins.py). A split pinned
+            searches meshes with tp > 1 only; a pin that cannot hold raises ValueError
+            naming it.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -137,11 +143,12 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         raise ValueError(f"compiled={compiled!r}; expected True or False")
     if compiled:
         topology = compiled_topology(topology)
+    pinned = parse_pins(placements)
     with collector_paused():
         overrides = Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
             allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload,
-            elementwise_optimizer)
+            elementwise_optimizer, pinned)
 
         def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
             fixed = overrides if search_offload or offload is not None else \
@@ -159,7 +166,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                     others.append(_plan(graph, topology, spec, Overrides(
                         tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
                         allow_tp_across_nodes, checkpointing, sequence_parallel, cp,
-                        offload, elementwise_optimizer),
+                        offload, elementwise_optimizer, pinned),
                         time_limit_s, top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue
@@ -168,6 +175,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                                     "with ZeRO-1)")
             result = min(others, key=lambda p: p.prediction.step_time_s)
     result = expert_parallel(graph, result, spec, topology, ep)
+    if pinned:
+        result = dataclasses.replace(result, pinned=pinned)
     return dataclasses.replace(result, compiled=True) if compiled else result
 
 
@@ -329,7 +338,8 @@ def _new_search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
                 overrides: Overrides, time_limit_s: float, shared: dict | None) -> Search:
     """A Search with the caches in `shared` (filled with its own, when given)."""
     caches = {k: v for k, v in (shared or {}).items() if k != "paused"}
-    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel, **caches)
+    search = Search(graph, topology, spec, time_limit_s, overrides.sequence_parallel,
+                    pinned=pinned_params(graph, overrides.placements), **caches)
     if shared is not None:
         shared.update(cache=search.cache, problems=search.problems, costs=search.costs,
                       scaled=search.scaled, solutions=search.solutions,

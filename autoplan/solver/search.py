@@ -33,7 +33,7 @@ from autoplan.cost_model.comm import group_layout
 from autoplan.graph import CapturedGraph
 from autoplan.plan import SCHEDULES, optimizer_pieces
 from autoplan.solver import checkpointing as ckpt
-from autoplan.solver import offload, sequence
+from autoplan.solver import offload, pins, sequence
 from autoplan.solver.context import attention_nodes, cp_degrees, with_context_parallel
 from autoplan.solver.costs import Costs, build_costs, token_scale
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
@@ -103,6 +103,9 @@ class Overrides:
     # runtime/optim.py): what hands it pieces of a tensor is not searched
     # (plan.py optimizer_pieces)
     elementwise_optimizer: bool = True
+    # (pattern, placement) pins of parameters on the tp axis ([Note: pinned placements] in
+    # solver/pins.py)
+    placements: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -231,9 +234,19 @@ def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSp
     policies = (o.checkpointing,) if o.checkpointing is not None else policies
     world, layers = topology.world_size, graph.total_layers if graph.num_layers else 0
     out = []
+    pinned = pins.pinned_params(graph, o.placements)
     for tp in _divisors(world):
         if (o.tp is not None and tp != o.tp) or (
                 tp > topology.devices_per_node and not o.allow_tp_across_nodes):
+            continue
+        if tp == 1 and pins.needs_tp(o.placements):
+            continue  # a split pinned: meshes with tp > 1 only
+        why = pins.why_not(graph, pinned, tp)
+        if why is not None:
+            if o.tp is not None:
+                raise InvalidConfig(why)
+            if unplaced is not None:
+                unplaced.append((f"tp {tp}", why))
             continue
         cps = [o.cp] if o.cp is not None else cp_degrees(graph, spec.seq_len, world // tp)
         for cp in cps:
@@ -338,6 +351,8 @@ class Search:
     time_limit_s: float
     sequence_parallel: bool | None = None
     cache: StrategyCache = field(default_factory=StrategyCache)
+    # canonical FQN -> (placement, pattern) of the pinned parameters (solver/pins.py)
+    pinned: dict = field(default_factory=dict)
     problems: dict[int, Problem] = field(default_factory=dict)
     costs: dict[tuple, Costs] = field(default_factory=dict)
     scaled: dict[tuple, Costs] = field(default_factory=dict)
@@ -363,6 +378,7 @@ class Search:
             prob = build_problem(self.graph, tp, self.spec.dtype_bytes, cache=self.cache)
             if self.sequence_parallel is not None:
                 sequence.restrict(prob, self.sequence_parallel)
+            pins.restrict(prob, self.pinned)
             self.problems[tp] = prob
         return self.problems[tp]
 

@@ -1,0 +1,132 @@
+"""Pinned placements ([Note: pinned placements] in autoplan/solver/pins.py): parameters the
+user fixes on the tp axis are hard constraints of the plan, recorded in it, refused by name
+where they cannot hold, and trained as one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import _jobs
+
+from autoplan.capture import capture
+from autoplan.models import build_model, example_inputs
+from autoplan.plan import Plan
+from autoplan.solver import InvalidConfig, plan
+from autoplan.solver.pins import parse_pins
+from autoplan.spec import TrainingSpec
+from autoplan.testing import compare
+from autoplan.topology import preset
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return capture(build_model("llama-tiny"), example_inputs("llama-tiny", batch=8, seq_len=16),
+                   model_name="llama-tiny")
+
+
+@pytest.fixture(scope="module")
+def local4():
+    return preset("local-cpu", devices_per_node=4)
+
+
+def test_a_pinned_head_and_blocks_are_planned_so_and_recorded(llama, local4):
+    """lm_head pinned S(0) (vocabulary-parallel) with tp left to the planner: a mesh with
+    tp > 1 whose head is S(0); a glob over every block's down_proj pins all of them; the plan
+    records the pins and keeps them through JSON."""
+    p = plan(llama, local4, TrainingSpec(8, 16), placements={"lm_head.weight": "S(0)"})
+    assert p.mesh.tp > 1 and p.placement_of("lm_head.weight") == "S(0)"
+    assert p.pinned == (("lm_head.weight", "S(0)"),)
+    assert Plan.from_json(p.to_json()) == p and '"pinned"' in p.to_json()
+    pins = ["model.layers.*.mlp.down_proj.weight=S(1)", "model.embed_tokens.weight=S(1)"]
+    p = plan(llama, local4, TrainingSpec(8, 16), tp=2, placements=pins)
+    placed = dict(p.param_placements)
+    assert [placed[f"model.layers.{k}.mlp.down_proj.weight"] for k in range(2)] == ["S(1)"] * 2
+    assert placed["model.embed_tokens.weight"] == "S(1)"
+    free = plan(llama, local4, TrainingSpec(8, 16), tp=2)
+    assert free.pinned == () and '"pinned"' not in free.to_json()  # plan.json as before
+
+
+@pytest.mark.parametrize("pins, tp, message", [
+    ({"model.layers.0.mlp.down_proj.weight": "S(1)"}, 2,
+     "not the same parameter in every block (1 of 2); blocks share their placements, so pin "
+     "it in all of them, e.g. model.layers.*.mlp.down_proj.weight"),
+    ({"model.layers.*.nothing": "R"}, 2, "matches no parameter of llama-tiny"),
+    ({"lm_head.weight": "P"}, 2, "is R or S(d)"),
+    ({"lm_head.weight": "S(2)"}, 2, "the parameter has 2 dims"),
+    # 8 rows of 2 key/value heads over 4 ranks would cut a head: no strategy offers it
+    ({"model.layers.*.self_attn.k_proj.weight": "S(0)"}, 4,
+     "k_proj.weight (8, 32) at tp 4: no strategy of its node places it so"),
+])
+def test_a_pin_that_cannot_hold_is_refused_by_name(llama, local4, pins, tp, message):
+    with pytest.raises(ValueError) as e:
+        plan(llama, local4, TrainingSpec(8, 16), tp=tp, placements=pins)
+    assert str(e.value).startswith("placements: ") and message in str(e.value)
+
+
+def test_a_tp_that_does_not_divide_a_pinned_dim(llama):
+    """3 ranks: tp 3 fixed cannot split the 64-row embedding (InvalidConfig naming the
+    numbers); with tp searched, tp 3 is skipped and tp 1 cannot hold a split either."""
+    local3 = preset("local-cpu", devices_per_node=3)
+    pins = {"model.embed_tokens.weight": "S(0)"}
+    with pytest.raises(InvalidConfig, match=r"embed_tokens\.weight \(64, 32\) at tp 3: dim 0 "
+                                            r"of size 64 does not split over 3 ranks"):
+        plan(llama, local3, TrainingSpec(6, 16), tp=3, placements=pins)
+    with pytest.raises(InvalidConfig, match="tp 3: placements: "):
+        plan(llama, local3, TrainingSpec(6, 16), placements=pins)
+
+
+def test_a_tied_weight_pinned_where_one_reader_cannot_take_it():
+    """GPT-2's head is its token embedding: pinning lm_head.weight S(0) pins the embedding's
+    table, which the embedding lookup reads at R or S(1) only (a split parameter is used as
+    it is stored): refused naming the tie and the reader, where an ILP without a solution
+    once reported "no plan fits in memory"."""
+    g = capture(build_model("gpt2-tiny"), example_inputs("gpt2-tiny", batch=8, seq_len=16),
+                model_name="gpt2-tiny")
+    with pytest.raises(ValueError, match=r"transformer\.wte\.weight \(the tensor of "
+                                         r"lm_head\.weight\) at tp \d: embedding "):
+        plan(g, preset("local-cpu", devices_per_node=4), TrainingSpec(8, 16),
+             placements={"lm_head.weight": "S(0)"})
+
+
+def test_parse_pins_forms():
+    assert parse_pins(None) == () and parse_pins({}) == ()
+    assert parse_pins(["b=S(0)", ("a", "R")]) == (("a", "R"), ("b", "S(0)"))
+    with pytest.raises(ValueError, match="expected PATTERN=PLACEMENT"):
+        parse_pins(["lm_head.weight"])
+
+
+def test_autoparallel_and_the_cli_take_pins(tmp_path, capsys):
+    from autoplan.api import autoparallel
+    from autoplan.cli import main
+
+    ap = autoparallel(build_model("llama-tiny", device="meta"), global_batch=8, seq_len=16,
+                      world_size=4, placements={"lm_head.weight": "S(0)"})
+    assert ap.plan.placement_of("lm_head.weight") == "S(0)"
+    code = main(["plan", "-q", "--model", "llama-tiny", "--cluster", "local-cpu",
+                 "--devices-per-node", "4", "--global-batch", "8", "--seq", "16",
+                 "--place", "lm_head.weight=S(0)", "--json", "-o", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert json.loads(out)["mesh"]["tp"] > 1
+    written = Plan.from_json((tmp_path / "plan.json").read_text())
+    assert written.pinned == (("lm_head.weight", "S(0)"),)
+    assert "Pinned by the user (hard constraints of the search): `lm_head.weight` `S(0)`." in \
+        (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_pinned_plan_trains_as_one_process(clusters):
+    """llama-tiny at dp2 x tp2 with its head pinned vocabulary-parallel (S(0)) and its token
+    embedding pinned whole (R): every rank's losses and parameters equal one process after
+    3 AdamW steps (fp32, rtol 1e-5)."""
+    overrides = dict(dp=2, tp=2, placements={"lm_head.weight": "S(0)",
+                                            "model.embed_tokens.weight": "R"})
+    results = clusters.get(4).run(_jobs.train, _jobs.preset("llama-tiny"), 3, 4, overrides,
+                                  timeout_s=180)
+    ref = _jobs.preset_reference("llama-tiny", 3, 4)
+    for rank, result in enumerate(results):
+        assert compare(result, ref) == [], f"rank {rank}"
+        placed = dict(json.loads(result[2])["param_placements"])
+        assert placed["lm_head.weight"] == "S(0)"
+        assert placed["model.embed_tokens.weight"] == "R"
