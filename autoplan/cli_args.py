@@ -55,9 +55,12 @@ def fraction(text: str) -> float:
 def add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool,
                        trainable: bool = False) -> None:
     what = p.add_argument_group("model, cluster and training step")
+    from autoplan.models import CAUSAL_LM_TYPES, PRESETS  # config files only: no torch
+
     what.add_argument("--model", required=True, metavar="NAME|config.json",
-                      help="model preset (e.g. llama3-70b, gpt-1t, mixtral-8x7b, gpt2-tiny) "
-                           "or a Hugging Face config.json of a gpt2/llama/mixtral model")
+                      help=f"model preset ({', '.join(PRESETS)}) or a Hugging Face "
+                           f"config.json of a causal LM (model_type "
+                           f"{', '.join(CAUSAL_LM_TYPES)})")
     what.add_argument("--cluster", required=True, metavar="PRESET|topology.yaml",
                       help="cluster preset (dgx-a100, dgx-h100, h200-node, local-cpu) or a "
                            "topology YAML file (see examples/topology.yaml)")

@@ -626,3 +626,25 @@ def test_an_override_that_cannot_work_names_only_the_users_overrides(capsys):
     assert code == 2
     assert "satisfies the overrides {'tp': 2} " in err and "elementwise" not in err
     assert "straddles the 3-device nodes unevenly" in err
+
+
+def test_an_hf_config_of_any_covered_causal_lm_plans(capsys, tmp_path):
+    """The CLI builds any causal LM of the coverage bench from its config.json (a Mistral
+    here, refused before as "autoplan builds gpt2, llama, mixtral ..."); the list the CLI
+    takes is the coverage bench's causal LMs."""
+    from autoplan.models import CAUSAL_LM_TYPES
+    from autoplan.models.architectures import ARCHITECTURES
+
+    assert set(CAUSAL_LM_TYPES) == {a for a, arch in ARCHITECTURES.items()
+                                    if arch.task == "causal-lm"}
+    config = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 128, "max_position_embeddings": 64, "sliding_window": 32}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = _run(capsys, "plan", "-q", "--model", str(path), "--cluster", "local-cpu",
+                          "--devices-per-node", "2", "--global-batch", "4", "--seq", "16")
+    assert code == 0, err
+    assert "pp1x" in out
+    code, out, _ = _run(capsys, "plan", "--help")  # the presets and types are listed there
+    assert code == 0 and "mistral" in out and "llama3.1-405b" in out

@@ -6,7 +6,8 @@ frozen base, `--trainable`), architectures.py (the Hugging Face architectures of
 bench), nanogpt.py and mlp.py (plain-PyTorch families), configs/ (the preset JSON files).
 
 A model is named by a preset (`"llama3-70b"`) or by a path to a Hugging Face `config.json` whose
-`model_type` is "gpt2", "llama" or "mixtral". HF models are built from the config with random
+`model_type` is a causal LM of the coverage bench (`CAUSAL_LM_TYPES`: gpt2, llama, mistral,
+mixtral, qwen2, ..., built with transformers' AutoModelForCausalLM). HF models are built from the config with random
 weights (nothing is downloaded); `transformers` is imported only when an HF model is built. Two
 plain-PyTorch families need no `transformers`: `nanogpt` (autoplan.models.nanogpt) and `mlp`
 (autoplan.models.mlp); their presets use the same JSON format with their own `model_type`.
@@ -35,7 +36,8 @@ if TYPE_CHECKING:  # torch is imported by the builders: reading a config (the pl
     from torch import nn
 
 __all__ = [
-    "PRESETS", "build_model", "model_config", "is_hf", "model_depth", "example_inputs",
+    "PRESETS", "CAUSAL_LM_TYPES", "build_model", "model_config", "is_hf", "model_depth",
+    "example_inputs",
 ]
 
 _CONFIG_DIR = Path(__file__).parent / "configs"
@@ -56,11 +58,19 @@ PRESETS: dict[str, str] = {
     "mlp-tiny": "2 Linear-GELU-Linear blocks, width 32 (plain PyTorch; tests)",
 }
 
-_HF_TYPES = ("gpt2", "llama", "mixtral")
-# model_type -> the config key that holds the number of repeated blocks
-_DEPTH_KEY = {"gpt2": "n_layer", "llama": "num_hidden_layers", "mixtral": "num_hidden_layers",
-              "nanogpt": "n_layer",
-              "mlp": "num_blocks"}
+# the causal-LM model types of architectures.py's ARCHITECTURES (a test holds them equal):
+# an HF config.json of any of them is built with transformers' AutoModelForCausalLM, named
+# here so that reading a config (the plan cache's key) imports neither torch nor transformers
+CAUSAL_LM_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                   "gemma", "gemma2", "gemma3_text", "phi3", "phi", "falcon", "gpt_neox",
+                   "gptj", "opt", "bloom", "stablelm", "olmo2", "starcoder2", "granite",
+                   "deepseek_v3")
+_HF_TYPES = CAUSAL_LM_TYPES
+# model_type -> the config key that holds the number of repeated blocks (HF configs not named
+# here: num_hidden_layers)
+_DEPTH_KEY = {**{t: "num_hidden_layers" for t in CAUSAL_LM_TYPES},
+              "gpt2": "n_layer", "gptj": "n_layer", "bloom": "n_layer",
+              "nanogpt": "n_layer", "mlp": "num_blocks"}
 
 
 def model_config(name_or_path: str) -> dict:
@@ -109,7 +119,8 @@ def build_model(name_or_path: str, *, device: str | torch.device = "meta",
     """Build a preset (or HF config.json) with random weights.
 
     Args:
-        name_or_path: a key of PRESETS or a path to an HF config.json (gpt2, llama or mixtral).
+        name_or_path: a key of PRESETS or a path to an HF config.json (a model_type of
+            CAUSAL_LM_TYPES).
         device: where parameters live; "meta" (default) allocates nothing. Seed torch's RNG
             before building on a real device for reproducible weights.
         num_layers: build at most this many blocks (a shallow copy for planning).
@@ -183,12 +194,6 @@ def _build_hf(model_type: str, config: dict) -> nn.Module:
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ValueError(f"model_type {model_type!r} needs transformers: "
                          "pip install 'autoplan[hf]'") from e
-    if model_type == "gpt2":
-        config_cls, model_cls = transformers.GPT2Config, transformers.GPT2LMHeadModel
-    elif model_type == "mixtral":
-        config_cls, model_cls = transformers.MixtralConfig, transformers.MixtralForCausalLM
-    else:
-        config_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
     config.pop("model_type")
     # sdpa unless the config names another: the captured graph then has one
     # aten.scaled_dot_product_attention per layer whatever transformers' default is. "eager"
@@ -197,8 +202,9 @@ def _build_hf(model_type: str, config: dict) -> nn.Module:
     attention = config.pop("attn_implementation", "sdpa")
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attention!r}")
-    hf_config = config_cls(**config, attn_implementation=attention)
-    return model_cls(hf_config)
+    hf_config = transformers.AutoConfig.for_model(model_type, **config,
+                                                  attn_implementation=attention)
+    return transformers.AutoModelForCausalLM.from_config(hf_config)
 
 
 def _build_plain(model_type: str, config: dict, name: str) -> nn.Module:

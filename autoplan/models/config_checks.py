@@ -22,7 +22,11 @@ _SIZES = {
     "nanogpt": ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"),
     "mlp": ("dim", "hidden_dim", "num_blocks"),
 }
-# model_type -> (part, whole, why): `part` must divide `whole` where both are given
+# any other HF model_type: the size fields most configs share (those it has are checked)
+_GENERIC_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+# model_type -> (part, whole, why): `part` must divide `whole` where both are given (another
+# HF model_type: llama's)
 _DIVIDES = {
     "llama": (("num_attention_heads", "hidden_size", "the width splits into the heads"),
               ("num_key_value_heads", "num_attention_heads",
@@ -55,13 +59,13 @@ def check_config(config: dict, where: str, depth_key: str) -> None:
     if config.get(depth_key) is None:
         raise ValueError(f"model config {where}: {depth_key} (the number of blocks) is missing; "
                          "set it to a positive integer")
-    for field in _SIZES.get(model_type, ()):
+    for field in _SIZES.get(model_type, _GENERIC_SIZES):
         value = config.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"model config {where}: {field} {value!r} must be a positive "
                              "integer")
-    for part, whole, why in _DIVIDES.get(model_type, ()):
+    for part, whole, why in _DIVIDES.get(model_type, _DIVIDES["llama"]):
         p, w = config.get(part), config.get(whole)
         if p is not None and w is not None and w % p:
             raise ValueError(f"model config {where}: {part} {p} does not divide {whole} {w} "
