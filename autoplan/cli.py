@@ -140,7 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[talk],
                        help="plan, compile and train a small GPT on local CPU ranks and "
-                            "compare with one process")
+                            "compare with one process",
+                       description="Plan a 10.8M-parameter GPT-2-style model for --world-size "
+                                   "local gloo ranks, train it there for --steps steps and "
+                                   "beside it in one process, print both loss curves and "
+                                   "write the report (about a minute on 2 cores).")
     p.add_argument("--steps", type=positive_int, metavar="N",
                    help="training steps (default: the demo's)")
     p.add_argument("--world-size", type=positive_int, default=4, metavar="N",
@@ -150,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", parents=[talk],
                        help="measure this machine's CPU ranks and write a local-cpu topology "
-                            "file")
+                            "file",
+                       description="Measure this machine for the local-cpu preset -- matmul "
+                                   "throughput by shape, memory bandwidth, the per-op and "
+                                   "DTensor overheads, gloo collectives on 2 to --max-ranks "
+                                   "ranks -- and write the topology YAML that `--cluster "
+                                   "local-cpu` then reads (about 80 s on 2 cores).")
     p.add_argument("-o", "--out", metavar="FILE",
                    help="topology YAML to write (default: ~/.cache/autoplan/local-cpu.yaml)")
     p.add_argument("--max-ranks", type=positive_int, metavar="N",
@@ -455,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autoplan: error: {e}", file=sys.stderr)
         return 1
 
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, nothing half-written
+        print("autoplan: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `autoplan plan --json | head`: the reader left; say nothing
         import os
 

@@ -29,6 +29,14 @@ examples:
       --seq 4096 --tp 8 --pp 4
   autoplan diff out/gpt3/plan.json out/tiny/plan.json
   autoplan export --model gpt2-tiny --cluster local-cpu --global-batch 8 --seq 16 -o out/export
+
+environment:
+  AUTOPLAN_VERBOSITY=0|1|2      progress lines on stderr, as -q / default / -v
+  AUTOPLAN_CACHE_DIR=DIR        the plan and capture caches (default ~/.cache/autoplan)
+  AUTOPLAN_PLAN_CACHE=0         plan anew instead of reading the plan cache (@autoparallel)
+  AUTOPLAN_CAPTURE_CACHE=0      capture anew instead of reading the capture cache
+  AUTOPLAN_CALIBRATION=FILE     the local-cpu topology `autoplan calibrate` wrote
+  AUTOPLAN_COLLECTIVE_TIMEOUT_S=S  seconds a rank waits in a collective before failing
 """
 
 

@@ -33,7 +33,8 @@ def _run(capsys, *argv):
 def test_help_lists_the_subcommands(capsys):
     code, out, _ = _run(capsys, "--help")
     assert code == 0
-    for word in ("plan", "explain", "diff", "export", "demo", "calibrate", "--global-batch"):
+    for word in ("plan", "explain", "diff", "export", "demo", "calibrate", "--global-batch",
+                 "AUTOPLAN_VERBOSITY", "AUTOPLAN_COLLECTIVE_TIMEOUT_S"):
         assert word in out
     code, out, _ = _run(capsys, "plan", "--help")
     assert code == 0 and "--num-layers-capture" in out and "--allow-tp-across-nodes" in out
@@ -47,8 +48,9 @@ def test_help_examples_are_valid(capsys, tmp_path):
     from autoplan.cli import build_parser
     from autoplan.cli_args import EPILOG as _EPILOG
 
+    examples = _EPILOG.split("\n\nenvironment:")[0]
     commands = [shlex.split(c.replace("\\\n", " "))
-                for c in _EPILOG.split("\n  autoplan ")[1:]]
+                for c in examples.split("\n  autoplan ")[1:]]
     assert len(commands) == 7
     for argv in commands:
         build_parser().parse_args(argv)  # SystemExit on a bad example
@@ -648,3 +650,15 @@ def test_an_hf_config_of_any_covered_causal_lm_plans(capsys, tmp_path):
     assert "pp1x" in out
     code, out, _ = _run(capsys, "plan", "--help")  # the presets and types are listed there
     assert code == 0 and "mistral" in out and "llama3.1-405b" in out
+
+
+def test_ctrl_c_is_one_line(capsys, monkeypatch):
+    """Ctrl-C during a command: `autoplan: interrupted` and status 130, no traceback."""
+    import autoplan.cli as cli
+
+    def interrupted(args, num_layers):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_plan", interrupted)
+    code, out, err = _run(capsys, "plan", "-q", "--no-cache", *_TINY)
+    assert code == 130 and err == "autoplan: interrupted\n" and out == ""

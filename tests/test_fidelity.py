@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -234,7 +235,7 @@ def test_plans_state_their_error_band_in_plan_json_the_report_and_the_summary(tm
     graph = capture_preset("gpt2-tiny", batch=4, seq_len=16, num_layers=2)
     spec = TrainingSpec(global_batch=4, seq_len=16)
     for topology, step in ((preset("local-cpu", devices_per_node=2), fid.LOCAL_STEP_TIME),
-                           (preset("dgx-h100"), fid.CLUSTER_STEP_TIME)):
+                           (preset("dgx-a100"), fid.CLUSTER_STEP_TIME)):
         p = plan(graph, topology, spec, top_k=0)
         again = Plan.from_json(p.to_json())
         assert again.prediction.error_bands["step_time"]["low"] == step.low
@@ -242,7 +243,19 @@ def test_plans_state_their_error_band_in_plan_json_the_report_and_the_summary(tm
         report = render_markdown(again, graph=graph, topology=topology)
         assert f"expected error {step.low * 100:+.0f}% to {step.high * 100:+.0f}%" in report
         assert step.source in report
-        assert "error       step time" in render_summary(again, topology=topology)
+        assert "band        step time" in render_summary(again, topology=topology)
+    # a kind no bench measured says so instead of quoting a band: H100 step times (the
+    # published runs are A100 runs), a bf16 plan on CPU ranks (the local benches are fp32)
+    h100 = preset("dgx-h100")
+    summary = render_summary(plan(graph, h100, spec, top_k=0), topology=h100)
+    assert "step time: no measured band (H100-SXM-80GB runs; the published runs are A100 " \
+        "runs), memory -" in summary
+    local = preset("local-cpu", devices_per_node=2)
+    bf16 = plan(graph, local, dataclasses.replace(spec, dtype="bfloat16"), top_k=0)
+    assert "memory: no measured band (bfloat16 plans on CPU ranks)" in \
+        render_summary(bf16, topology=local)
+    assert "no measured band (bfloat16 plans on CPU ranks not measured by bench/fidelity.py)" \
+        in render_markdown(bf16, graph=graph, topology=local)
 
 
 def test_gpt_1t_plans_as_megatron_trained_it_on_80gb_a100s(tmp_path):

@@ -23,6 +23,10 @@ of the plan and counts its live tensors through a whole step (autoplan/runtime/d
 checked against real gloo runs (tests/test_dryrun_vs_real.py): what it cannot see -- allocator
 fragmentation, the CUDA and NCCL context -- the band says it does not cover.
 
+A band is quoted only for plans of the kinds its rows are: for another kind (`uncovered`: a
+bf16 plan on CPU ranks, an H100 step time against the A100 published runs, cp or ep where no
+row has them) the summary and the report print "no measured band" and why, not a number.
+
 These are constants, not read from bench/ at run time (the package does not ship bench/);
 tests/test_fidelity.py checks that they equal what the results files give, so a bench re-run
 that moves them fails until they are updated here.
@@ -33,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ErrorBand", "LOCAL_STEP_TIME", "LOCAL_PEAK_MEMORY", "CLUSTER_STEP_TIME",
-           "CLUSTER_PEAK_MEMORY", "band_of", "error_bands"]
+           "CLUSTER_PEAK_MEMORY", "band_of", "error_bands", "uncovered"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +94,39 @@ def error_bands(device_name: str) -> tuple[ErrorBand, ErrorBand]:
     if device_name.lower().startswith("cpu"):
         return LOCAL_STEP_TIME, LOCAL_PEAK_MEMORY
     return CLUSTER_STEP_TIME, CLUSTER_PEAK_MEMORY
+
+
+def uncovered(plan, device_name: str | None = None) -> dict[str, str]:
+    """Why a band does not hold for `plan` (a Plan) on devices named `device_name`, by kind
+    ("step_time" | "peak_memory"), for the kinds whose bench measured no plan like it; {}
+    where both are covered. A band is printed only for plans of the kinds its rows are
+    ([Note: error bands]): the local benches train fp32 eager plans (dp, ZeRO 0-3, tp, pp,
+    checkpointing), the published runs are A100 runs without context or expert parallelism,
+    the dry-run bench's cluster rows are dense plans. `device_name` None (a plan read from a
+    file): the device-dependent check is left out, the plan's recorded band stands."""
+    bands = plan.prediction.error_bands
+    local = any(b.get("source") == LOCAL_STEP_TIME.source for b in bands.values())
+    if device_name is not None:
+        local = device_name.lower().startswith("cpu")
+    kinds: list[str] = []
+    if local:
+        if plan.dtype != "float32":
+            kinds.append(f"{plan.dtype} plans on CPU ranks")
+        for on, what in ((plan.mesh.cp > 1, "context parallelism"),
+                         (plan.mesh.ep > 1, "expert parallelism"),
+                         (plan.offload != "none", "offload"),
+                         (plan.compiled, "compiled stages")):
+            if on:
+                kinds.append(what)
+        reason = ", ".join(kinds)
+        return {"step_time": reason, "peak_memory": reason} if reason else {}
+    out = {}
+    time_kinds = [w for on, w in ((plan.mesh.cp > 1, "context parallelism"),
+                                  (plan.mesh.ep > 1, "expert parallelism")) if on]
+    if device_name is not None and "a100" not in device_name.lower():
+        time_kinds.insert(0, f"{device_name} runs; the published runs are A100 runs")
+    if time_kinds:
+        out["step_time"] = ", ".join(time_kinds)
+    if plan.mesh.ep > 1:
+        out["peak_memory"] = "expert parallelism (its expert memory is not priced as it runs)"
+    return out

@@ -188,13 +188,19 @@ def memory_rows(plan: Plan) -> list[tuple[str, float]]:
     return [(k, float(breakdown[k])) for k in kinds]
 
 
-def error_band_text(plan: Plan, kind: str) -> str:
+def error_band_text(plan: Plan, kind: str, topology: Topology | None = None) -> str:
     """"expected error -17% to +1% (10 plans on ..., bench/fidelity.py)" for `kind`
-    ("step_time" | "peak_memory") of the plan's [Note: error bands]; "" when the plan has none
-    (written before they existed)."""
+    ("step_time" | "peak_memory") of the plan's [Note: error bands]; "no measured band (...)"
+    where the bench measured no plan of its kind (`fidelity.uncovered`); "" when the plan has
+    none (written before they existed)."""
+    from autoplan.cost_model.fidelity import uncovered
+
     band = plan.prediction.error_bands.get(kind)
     if not band:
         return ""
+    why = uncovered(plan, topology.device.name if topology is not None else None).get(kind)
+    if why:
+        return f"no measured band ({why} not measured by {band['source']})"
     text = (f"expected error {band['low'] * 100:+.0f}% to {band['high'] * 100:+.0f}% "
             f"(predicted vs measured over {band['rows']} {band['covers']}, {band['source']})")
     return text + (f"; not covered: {band['not_covered']}" if band.get("not_covered") else "")

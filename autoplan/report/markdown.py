@@ -154,7 +154,8 @@ def _prediction(plan: Plan, topology) -> list[str]:
     p = plan.prediction
     step = p.step_time_s or 1.0
     rows = [
-        ["step time", F.fmt_time(p.step_time_s), F.error_band_text(plan, "step_time")],
+        ["step time", F.fmt_time(p.step_time_s),
+         F.error_band_text(plan, "step_time", topology)],
         ["compute", F.fmt_time(p.compute_s), F.fmt_pct(p.compute_s / step)],
         ["communication (exposed)", F.fmt_time(p.comm_s), F.fmt_pct(p.comm_s / step)],
         *([["of which cp K/V all-gather + reduce-scatter", F.fmt_time(p.cp_comm_s),
@@ -173,7 +174,8 @@ def _memory(plan: Plan, topology, graph: CapturedGraph | None = None) -> list[st
     peak = plan.prediction.memory_bytes
     rows = [[k, F.fmt_bytes(v), F.fmt_pct(v / peak) if peak else ""]
             for k, v in F.memory_rows(plan)]
-    rows.append(["**peak**", f"**{F.fmt_bytes(peak)}**", F.error_band_text(plan, "peak_memory")])
+    rows.append(["**peak**", f"**{F.fmt_bytes(peak)}**",
+                 F.error_band_text(plan, "peak_memory", topology)])
     lines = ["## Memory per rank", "",
              "The most loaded rank at its peak (the backward of its last layer for the oldest "
              "microbatch in flight)."
@@ -427,14 +429,19 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
     if topology is not None:
         mem += (f" of {F.fmt_bytes(topology.device.mem_bytes)} on {topology.device.name} "
                 f"({F.fmt_pct(p.memory_bytes / topology.device.mem_bytes)})")
-    bands = [f"{what} {b['low'] * 100:+.0f}% to {b['high'] * 100:+.0f}%"
-             for what, b in (("step time", p.error_bands.get("step_time")),
-                             ("memory", p.error_bands.get("peak_memory"))) if b]
+    from autoplan.cost_model.fidelity import uncovered
+
+    why = uncovered(plan, topology.device.name if topology is not None else None)
+    bands = [f"{what} {b['low'] * 100:+.0f}% to {b['high'] * 100:+.0f}%" if kind not in why
+             else f"{what}: no measured band ({why[kind]})"
+             for what, kind, b in (("step time", "step_time", p.error_bands.get("step_time")),
+                                   ("memory", "peak_memory", p.error_bands.get("peak_memory")))
+             if b]
     if p.host_memory_bytes:
         share = F.host_share_bytes(plan, topology)
         mem += (f"\nhost memory {F.fmt_bytes(p.host_memory_bytes)} per rank (offloaded "
                 f"{plan.offload})" + (f" of {F.fmt_bytes(share)}" if share else "")
                 + f"; transfers {F.fmt_time(p.offload_s)} per step")
     if bands:
-        mem += "\nerror       " + ", ".join(bands) + " (predicted vs measured; see the report)"
+        mem += "\nband        " + ", ".join(bands) + " (predicted vs measured; see the report)"
     return "\n".join(lines + [mem])
