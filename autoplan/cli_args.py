@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -164,6 +165,9 @@ def add_json_arg(p: argparse.ArgumentParser, what: str | None = None) -> None:
                         "progress and warnings go to stderr")
 
 
+_SAID: set[str] = set()  # topology warnings printed by this process (each once)
+
+
 def cluster_topology(args):
     """The cluster of --cluster, with --nodes / --devices-per-node applied."""
     import dataclasses
@@ -177,7 +181,20 @@ def cluster_topology(args):
     elif args.cluster in PRESETS:
         topo = preset(args.cluster, num_nodes=args.nodes or 1)
     elif Path(args.cluster).is_file():
-        topo = load_topology(args.cluster)
+        import warnings
+
+        from autoplan.topology import TopologyWarning
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TopologyWarning)
+            topo = load_topology(args.cluster)
+        for w in caught:  # the file's implausible values, as the CLI says warnings, once
+            if issubclass(w.category, TopologyWarning):
+                if str(w.message) not in _SAID:
+                    _SAID.add(str(w.message))
+                    print(f"autoplan: warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     elif args.cluster.endswith((".yaml", ".yml", ".json")):
         raise ValueError(f"topology file {args.cluster!r} not found")
     else:

@@ -92,6 +92,44 @@ class Topology:
         return _from_dict(Topology, data, where)
 
 
+class TopologyWarning(UserWarning):
+    """A topology value outside the range of any real device or link (a unit slip:
+    `mem_bytes: 80` for 80 GB, `latency_s: 10` for 10 us): planned with as given."""
+
+
+# [Note: plausible ranges] field -> (low, high, what): the range real hardware spans, wide
+# enough for a CPU rank of `autoplan calibrate` and the largest GPU node; outside it a value
+# is more likely a unit slip than a device (TopologyWarning). 0 stays allowed where the field
+# means "not given" (the host figures).
+_PLAUSIBLE = {
+    "mem_bytes": (1e8, 1e13, "device memory, bytes (80 GB is 80e9)"),
+    "mem_bw_bytes_per_s": (1e9, 1e14, "memory bandwidth, B/s (3.35 TB/s is 3.35e12)"),
+    "peak_flops_per_s": (1e9, 1e17, "dense peak, FLOP/s (989 TFLOP/s is 989e12)"),
+    "bw_bytes_per_s": (1e6, 1e13, "link bandwidth per device and direction, B/s (a 400 Gb/s "
+                                  "NIC is 50e9)"),
+    "latency_s": (0.0, 1e-2, "latency of one collective step, seconds (5 us is 5e-6)"),
+    "launch_latency_s": (0.0, 1e-2, "floor per op, seconds (5 us is 5e-6)"),
+    "matmul_efficiency": (0.0, 1.0, "fraction of the peak a large matmul reaches"),
+    "host_mem_bytes": (1e8, 1e15, "host memory per node, bytes (2 TB is 2e12)"),
+    "host_bw_bytes_per_s": (1e8, 1e13, "host <-> device bandwidth per direction, B/s"),
+}
+
+
+def _check_plausible(name: str, value: float, where: str) -> None:
+    """Warn (TopologyWarning) naming the field, the value and the range when `value` of field
+    `name` is outside [Note: plausible ranges]; 0 for an optional host figure is "not
+    given"."""
+    import warnings
+
+    if name not in _PLAUSIBLE or (value == 0 and name in _OPTIONAL_HOST_FIELDS):
+        return
+    low, high, what = _PLAUSIBLE[name]
+    if not low <= value <= high:
+        warnings.warn(f"{where}: {value:g} is outside {low:g} .. {high:g}, the range of real "
+                      f"hardware for {name} ({what}); planned with it as given -- check the "
+                      "unit", TopologyWarning, stacklevel=4)
+
+
 def _from_dict(cls, data, where: str):
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
@@ -113,6 +151,8 @@ def _from_dict(cls, data, where: str):
             if not isinstance(value, dict) or not value:
                 raise ValueError(f"{where}.{name}: expected a mapping dtype -> FLOP/s")
             value = {str(k): _positive(v, f"{where}.{name}[{k}]") for k, v in value.items()}
+            for k, v in value.items():
+                _check_plausible(name, v, f"{where}.{name}[{k}]")
         elif name == "shared_speed":
             value = _int_keyed(value, f"{where}.{name}", lambda v, w: _positive(v, w))
         elif name in ("sync_skew_s", "sync_skew_slope"):
@@ -129,6 +169,7 @@ def _from_dict(cls, data, where: str):
             check = _non_negative if (name.endswith("_s") and not name.endswith("_per_s")) \
                 or name in _OPTIONAL_HOST_FIELDS else _positive
             value = check(value, f"{where}.{name}")
+            _check_plausible(name, value, f"{where}.{name}")
         elif f.type in ("bool", bool):
             if not isinstance(value, bool):
                 raise ValueError(f"{where}.{name}: expected true or false, got {value!r}")

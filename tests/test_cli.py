@@ -662,3 +662,23 @@ def test_ctrl_c_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_plan", interrupted)
     code, out, err = _run(capsys, "plan", "-q", "--no-cache", *_TINY)
     assert code == 130 and err == "autoplan: interrupted\n" and out == ""
+
+
+def test_implausible_topology_values_warn_with_the_field_and_the_range(capsys, tmp_path):
+    """`mem_bytes: 80` (80 B, meant 80 GB) and `latency_s: 10` (10 s, meant 10 us) in a
+    topology file: one `autoplan: warning:` line each, naming the field and the range of real
+    hardware; the example file itself gives none."""
+    text = (_REPO / "examples" / "topology.yaml").read_text()
+    code, _, err = _run(capsys, "plan", "-q", "--model", "gpt2-tiny", "--cluster",
+                        str(_REPO / "examples" / "topology.yaml"), "--global-batch", "16",
+                        "--seq", "16")
+    assert code == 0 and "warning" not in err
+    bad = tmp_path / "t.yaml"
+    bad.write_text(text.replace("mem_bytes: 80.0e+9 ", "mem_bytes: 80 ")
+                   .replace("latency_s: 10.0e-6 ", "latency_s: 10 "))
+    code, _, err = _run(capsys, "plan", "-q", "--model", "gpt2-tiny", "--cluster", str(bad),
+                        "--global-batch", "16", "--seq", "16")
+    lines = [ln for ln in err.splitlines() if ln.startswith("autoplan: warning:")]
+    assert len(lines) == 2, err
+    assert "device.mem_bytes: 80 is outside 1e+08 .. 1e+13" in lines[0]
+    assert "inter_node.latency_s: 10 is outside 0 .. 0.01" in lines[1]
