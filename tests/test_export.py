@@ -259,3 +259,26 @@ def test_a_context_parallel_plan_exports_its_kv_gathers_per_cp_rank(tmp_path):
                                          r"256"):
         export_plan(planned, plan, tmp_path / "never")
     assert not (tmp_path / "never").exists()
+
+
+def test_exported_files_have_the_reports_permissions(tmp_path):
+    """The per-rank graphs are written as the reports are (report/write.py: all or nothing,
+    a plain open()'s permissions under the umask), not 0600 temporary files."""
+    import os
+
+    from autoplan.passes.export import export_plan
+
+    from autoplan.capture import capture
+    from autoplan.models import build_model, example_inputs
+    from autoplan.solver import plan
+    from autoplan.spec import TrainingSpec
+    from autoplan.topology import preset
+
+    graph = capture(build_model("gpt2-tiny"), example_inputs("gpt2-tiny", batch=4, seq_len=16),
+                    model_name="gpt2-tiny")
+    p = plan(graph, preset("local-cpu", devices_per_node=2), TrainingSpec(4, 16), tp=2)
+    umask = os.umask(0)
+    os.umask(umask)
+    paths = export_plan(graph, p, tmp_path / "x")
+    assert paths and {os.stat(path).st_mode & 0o777 for path in paths.values()} == \
+        {0o666 & ~umask}

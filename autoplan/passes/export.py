@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -321,14 +320,10 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
             files[f"{stem}.py"] = header + gm.code
             files[f"{stem}.dot"] = _dot(gm, stem)
             files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
-    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed trace leaves nothing
-    written = {}
-    for name, text in files.items():
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out_dir / name)
-        written[name] = out_dir / name
+    # only now: a failed trace leaves nothing; all or nothing, with a report's permissions
+    from autoplan.report.write import write_files
+
+    written = write_files(files, out_dir)
     # a previous export's graphs of ranks or stages this plan does not have would read as
     # this plan's: remove them (only files of the export's own naming)
     for old in out_dir.glob("rank*_stage*.*"):
