@@ -191,7 +191,7 @@ def test_plan_and_report_show_the_region(graphs):
     assert "reduce_scatter" in {r.collective for r in on.redistributions}
     text = render_markdown(on, graph=graph, topology=topo)
     assert f"| sequence parallelism | on: all {n} norm, dropout and residual-add" in text
-    assert "`layer_norm` `S(1)`" in text
+    assert "`ln_1` (layer_norm) `S(1)`" in text  # module roles, not aten node names
     assert "| sequence parallelism | off" in render_markdown(off, graph=graph, topology=topo)
 
 

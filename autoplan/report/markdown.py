@@ -29,6 +29,15 @@ ZERO_TEXT = {
 }
 
 
+def zero_text(plan: Plan) -> str:
+    """ZERO_TEXT of the plan's stage; at dp x cp 1 there is no dp axis to replicate or shard
+    over, and the text says so."""
+    if plan.mesh.dp * plan.mesh.cp == 1:
+        return (f"stage {plan.zero_stage}: no data parallelism (dp 1): every rank holds its "
+                "parameters, gradients and optimizer states whole")
+    return ZERO_TEXT[plan.zero_stage]
+
+
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     def cell(x: object) -> str:
         return str(x).replace("|", "\\|").replace("\n", " ")
@@ -70,7 +79,7 @@ def _summary(plan: Plan, graph, topology, dtype_origin: str = "") -> list[str]:
             f"disjoint experts (1/{m.ep} each) and exchange tokens by all-to-all"
             if m.ep > 1 else "")],
         *([["context parallelism", _context_text(plan)]] if m.cp > 1 else []),
-        ["ZeRO", ZERO_TEXT[plan.zero_stage]],
+        ["ZeRO", zero_text(plan)],
         ["batch", f"global {plan.global_batch} = dp {m.dp} x "
                   f"{F.plural(plan.num_microbatches, 'microbatch')} x "
                   f"{F.plural(plan.microbatch_size, 'sample')}; seq {plan.seq_len}; "
@@ -259,9 +268,24 @@ def _region(plan: Plan, graph) -> list[str]:
         return []
     from autoplan.solver.sequence import region_nodes
 
-    first = set(graph.layer_nodes[min(graph.layer_nodes)])
+    first_block = min(graph.layer_nodes)
+    first = set(graph.layer_nodes[first_block])
     outs = {st.node: st.outputs[0] for st in plan.strategies if st.outputs}
-    cells = [f"`{n}` `{outs[n]}`" for n in region_nodes(graph) if n in first and n in outs]
+    prefix = f"{graph.layer_prefix}.{first_block}."
+    roles: dict[tuple[str, str], list[str]] = {}  # (module in the block, placement) -> ops
+    for n in region_nodes(graph):
+        if n not in first or n not in outs:
+            continue
+        info = graph.nodes.get(n)
+        path = (info.module_path if info is not None else "").removeprefix(prefix)
+        path = "" if path == prefix[:-1] else path  # the block's own ops: its residual adds
+        op = (info.target if info is not None else n).split(".")[1] \
+            if info is not None and info.target.startswith("aten.") else n
+        ops = roles.setdefault((path or "the block (residual adds)", outs[n]), [])
+        if op not in ops:
+            ops.append(op)
+    cells = [f"`{path}` ({', '.join(ops)}) `{placement}`"
+             for (path, placement), ops in roles.items()]
     if not cells:
         return []
     return ["", "Norm, dropout and residual-add outputs of the first block (the sequence-"
@@ -294,7 +318,9 @@ def _redistributions(plan: Plan, graph) -> list[str]:
         f"Every placement change the solver costed and the passes insert, grouped per block "
         f"role. Times are forward, per occurrence, for one microbatch of "
         f"{F.plural(plan.microbatch_size, 'sample')}; the last column sums count x "
-        f"{F.plural(m, 'microbatch')} over all stages ({F.fmt_time(total)} in all).", "",
+        f"{F.plural(m, 'microbatch')} over all stages ({F.fmt_time(total)} in all: forward "
+        f"only and every stage's together, so not the step's exposed communication, which is "
+        f"{F.fmt_time(plan.prediction.comm_s)} on the busiest pp rank).", "",
         *_table(["consumer", "edge (first occurrence)", "placements", "collective",
                  "bytes each", "time each", "count", "per step"], rows)]
 
@@ -406,7 +432,7 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
     for a in F.mesh_axes(plan, topology):
         lines.append(f"  {a.name} {a.degree:>4}  {a.text}")
     lines += [
-        f"ZeRO        {ZERO_TEXT[plan.zero_stage]}",
+        f"ZeRO        {zero_text(plan)}",
         f"schedule    {plan.schedule}"
         + (f" ({plan.num_virtual_stages} chunks per pp rank)" if plan.num_virtual_stages > 1
            else "")
