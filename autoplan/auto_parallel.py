@@ -328,7 +328,8 @@ class AutoParallel(PlanningSession):
                         selected_adapters: list[str] | None = None,
                         save_embedding_layers: bool | str = "auto") -> None:
         """A consolidated Hugging Face checkpoint of the trained weights (safetensors, plus the
-        model's `config.json` when it has an HF config) that
+        model's `config.json` when it has an HF config, and its `generation_config.json` when
+        it generates, as transformers' `save_pretrained` writes them) that
         `AutoModelForCausalLM.from_pretrained(path)` loads; every rank calls it. Gathered tensor
         by tensor: no rank holds more than its shards plus one full tensor.
 
@@ -346,7 +347,8 @@ class AutoParallel(PlanningSession):
                           save_embedding_layers=save_embedding_layers)
             return
         engine.save_pretrained(path, config=getattr(self.module, "config", None),
-                               max_shard_bytes=max_shard_bytes)
+                               max_shard_bytes=max_shard_bytes,
+                               extra_files=_generation_config(self.module))
 
     def bytes_read(self) -> int | None:
         """Bytes this rank read from the HF checkpoint given as `weights=` (None otherwise)."""
@@ -395,3 +397,13 @@ class AutoParallel(PlanningSession):
             if not dist.is_initialized():
                 return export_plan(graph, plan, out_dir, kernels)
             return run_isolated(export_plan, graph, plan, out_dir, kernels, timeout_s=timeout_s)
+
+
+def _generation_config(module) -> dict[str, str]:
+    """{"generation_config.json": text} for an HF model that generates and has a generation
+    config (what transformers' `save_pretrained` writes beside config.json), else {}."""
+    gen = getattr(module, "generation_config", None)
+    can = getattr(module, "can_generate", None)
+    if gen is None or not callable(can) or not can() or not hasattr(gen, "to_json_string"):
+        return {}
+    return {"generation_config.json": gen.to_json_string(use_diff=True)}

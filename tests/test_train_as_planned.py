@@ -15,6 +15,8 @@ precision as the plan states it, layout-invariant dropout, memory by phase.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -198,6 +200,9 @@ def test_hf_checkpoint_round_trip(clusters, tmp_path, name, mesh):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     for fqn, value in loaded.named_parameters():
         assert torch.equal(value.detach(), trained[fqn]), f"{fqn} differs after save"
+    # the generation config travels as transformers' own save_pretrained writes it
+    assert json.loads((out / "generation_config.json").read_text()) == \
+        json.loads((src / "generation_config.json").read_text())
 
 
 @pytest.mark.slow

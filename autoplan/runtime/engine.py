@@ -446,12 +446,14 @@ class DistributedModel(RankStages):
 
         load(self, path)
 
-    def save_pretrained(self, path, *, config=None, max_shard_bytes: int = 5_000_000_000) -> None:
+    def save_pretrained(self, path, *, config=None, max_shard_bytes: int = 5_000_000_000,
+                        extra_files=None) -> None:
         """A consolidated Hugging Face checkpoint of the trained weights (collective); see
         autoplan.runtime.hf_checkpoint.save_pretrained."""
         from autoplan.runtime.hf_checkpoint import save_pretrained
 
-        save_pretrained(self, path, config=config, max_shard_bytes=max_shard_bytes)
+        save_pretrained(self, path, config=config, max_shard_bytes=max_shard_bytes,
+                        extra_files=extra_files)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters held by this rank, by FQN (collective over tp/dp)."""

@@ -185,9 +185,11 @@ def _check_save(entries: Sequence[HFTensor], local: Mapping[str, torch.Tensor], 
     return errors
 
 
-def _write_meta(tmp: Path, files, config) -> None:
-    """Rank 0's share: config.json and, for several files, the index."""
+def _write_meta(tmp: Path, files, config, extra_files: Mapping[str, str]) -> None:
+    """Rank 0's share: config.json, the extra files and, for several files, the index."""
     tmp.mkdir(parents=True, exist_ok=True)
+    for name, text in extra_files.items():
+        (tmp / name).write_text(text)
     if isinstance(config, Mapping):
         (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True))
     elif config is not None:
@@ -281,7 +283,8 @@ def _replace(tmp: Path, path: Path, token: str) -> None:
 def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
                     local: Mapping[str, torch.Tensor], *, config=None,
                     max_shard_bytes: int = 5_000_000_000, group=None,
-                    file_name: str = SINGLE_FILE) -> None:
+                    file_name: str = SINGLE_FILE,
+                    extra_files: Mapping[str, str] | None = None) -> None:
     """Write a consolidated HF safetensors checkpoint of a sharded model to directory `path`
     (collective over `group`; see [Note: atomic HF save]).
 
@@ -295,6 +298,8 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
             `entries` are ignored.
         config: written as `config.json` by the group's first rank: a dict, or a transformers
             PretrainedConfig (`save_pretrained`).
+        extra_files: file name -> text the group's first rank writes beside them (the
+            model's `generation_config.json`).
         max_shard_bytes: most tensor bytes per file (`plan_hf_files`), bytes.
         file_name: the name of a checkpoint that fits one file (PEFT's adapter:
             `adapter_model.safetensors`).
@@ -333,7 +338,7 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
     error = None
     if ranks.is_first:
         try:
-            _write_meta(tmp, files, config)
+            _write_meta(tmp, files, config, extra_files or {})
         except OSError as e:
             error = f"writing config/index: {e}"
     error = _write_files(tmp, files, local, ranks.rank, error)
@@ -354,7 +359,8 @@ def save_hf_weights(path: str | os.PathLike, entries: Sequence[HFTensor],
 
 def save_pretrained(engine, path, *, config=None, max_shard_bytes: int = 5_000_000_000,
                     keys: Mapping[str, str] | None = None, writer_rank: int | None = None,
-                    file_name: str = SINGLE_FILE) -> None:
+                    file_name: str = SINGLE_FILE,
+                    extra_files: Mapping[str, str] | None = None) -> None:
     """A consolidated Hugging Face checkpoint (safetensors, sharded files + index above
     `max_shard_bytes`, `config.json` from `config`) that `from_pretrained` loads; gathered
     tensor by tensor, so no rank holds more than its shards plus one full tensor
@@ -366,7 +372,8 @@ def save_pretrained(engine, path, *, config=None, max_shard_bytes: int = 5_000_0
     every file, the others sending it what they hold (default: each tensor written by the first
     rank of the first pp stage that holds it); `file_name`: the name of one file
     (`save_hf_weights`). A PEFT adapter is all three ([Note: PEFT names] in
-    runtime/adapters.py)."""
+    runtime/adapters.py). `extra_files`: name -> text written beside them (the model's
+    `generation_config.json`)."""
     pp = engine.plan.mesh.pp
     # the global ranks of each pp stage: one row per pp rank (the other axes flattened)
     mesh = engine.mesh.mesh.movedim(engine.mesh.mesh_dim_names.index("pp"), 0).reshape(pp, -1)
@@ -401,4 +408,4 @@ def save_pretrained(engine, path, *, config=None, max_shard_bytes: int = 5_000_0
                 for key in files_of.get(fqn, ()):
                     local[key] = p
     save_hf_weights(path, entries, local, config=config, max_shard_bytes=max_shard_bytes,
-                    file_name=file_name)
+                    file_name=file_name, extra_files=extra_files)
