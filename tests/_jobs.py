@@ -722,3 +722,46 @@ def eval_outputs_refusal(factory, batch: int, overrides: dict, *, seq: int = SEQ
     except NotImplementedError as e:
         raised = f"NotImplementedError: {e}"
     return float(loss), raised, float(ap.eval_step(x[0], y[0]))
+
+
+class PooledHead(torch.nn.Module):
+    """Linear(8, 64) -> Linear(64, 32) -> AdaptiveAvgPool1d(1) over the sequence (of the
+    transposed activations) -> Linear(32, 10), its own cross-entropy loss: Swin's pooler."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 64), torch.nn.Linear(64, 32)
+        self.pool, self.c = torch.nn.AdaptiveAvgPool1d(1), torch.nn.Linear(32, 10)
+
+    def forward(self, x, labels):
+        h = self.b(torch.relu(self.a(x)))  # (B, T, 32)
+        h = self.pool(h.transpose(1, 2)).squeeze(-1)  # (B, 32)
+        return torch.nn.functional.cross_entropy(self.c(h), labels)
+
+
+def pooled_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(1 + step)
+    return {"x": torch.randn(4, 6, 8, generator=g),
+            "labels": torch.randint(0, 10, (4,), generator=g)}
+
+
+def pooled_losses(overrides: dict | None, steps: int = 2) -> list[float]:
+    """PooledHead's losses over `steps` AdamW steps (lr 1e-3): planned with `overrides` on
+    this job's ranks, or on one process (None)."""
+    torch.manual_seed(0)
+    model = PooledHead()
+    if overrides is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = []
+        for s in range(steps):
+            opt.zero_grad()
+            loss = model(**pooled_batch(s))
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+    from autoplan.api import autoparallel
+
+    ap = autoparallel(model, global_batch=4, example_batch=pooled_batch(0),
+                      loss_fn=lambda out, batch: out, **overrides)
+    return [ap.step(pooled_batch(s)) for s in range(steps)]

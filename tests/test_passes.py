@@ -240,3 +240,18 @@ def test_core_attention_is_not_offered_for_fused_attention():
     assert not prob.core_saved and "core-attention" not in ckpt.policies(prob)
     _model, graph, _gm = _captured("llama-tiny", attn_implementation="eager")
     assert "core-attention" in ckpt.policies(build_problem(graph, 1, 4))
+
+
+@pytest.mark.slow
+def test_a_composite_op_dtensor_cannot_run_runs_replicated(clusters):
+    """aten.adaptive_avg_pool1d of a transposed activation decomposes into `as_strided_`,
+    which DTensor has no rule for ("Operator aten.as_strided_.default does not have a
+    sharding strategy registered" at the first tp2 step): planned all-R, it runs on the
+    local replicated values (passes/sharding.py `_replicated_only`) and trains as one
+    process at tp2 and dp2."""
+    import _jobs
+
+    want = _jobs.pooled_losses(None)
+    for overrides in (dict(tp=2), dict(dp=2)):
+        for losses in clusters.get(2).run(_jobs.pooled_losses, overrides, timeout_s=120):
+            assert losses == pytest.approx(want, rel=1e-5, abs=1e-6), overrides

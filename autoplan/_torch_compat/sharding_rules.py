@@ -28,11 +28,15 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
 
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor argument of an op, described by its global shape, dtype and placement."""
+    """A tensor argument of an op, described by its global shape, dtype and placement;
+    `stride`: its strides where they matter (a composite op decomposes differently for a
+    strided input: aten.adaptive_avg_pool1d of a transposed tensor calls `as_strided_`),
+    None: contiguous."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     placement: Placement
+    stride: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,9 @@ def decompose(op: Any, args: tuple, kwargs: dict) -> Trace:
 
     def to_meta(a):
         if isinstance(a, TensorArg):
-            inputs.append(torch.empty(a.shape, dtype=a.dtype, device="meta"))
+            inputs.append(torch.empty(a.shape, dtype=a.dtype, device="meta") if a.stride is None
+                          else torch.empty_strided(a.shape, a.stride, dtype=a.dtype,
+                                                   device="meta"))
             return inputs[-1]
         return a
 

@@ -66,11 +66,48 @@ def _contiguous_local(t):
 
 
 def _replicated_only(node: torch.fx.Node, strategy) -> bool:
-    """An aten op without a direct DTensor rule (not composite either), planned all-R."""
+    """An aten op planned all-R that DTensor cannot run: one without a direct rule that is
+    not composite, or a composite one (the dispatcher decomposes it before DTensor sees it)
+    with a piece that has no rule even on Replicate inputs (aten.adaptive_avg_pool1d of a
+    transposed input: its decomposition's `as_strided_`)."""
     op = node.target
-    if not is_aten_op(op) or has_direct_rule(op) or is_composite(op):
+    if not is_aten_op(op):
         return False
-    return strategy is None or set(strategy.inputs) | set(strategy.outputs) <= {"R"}
+    if strategy is not None and not set(strategy.inputs) | set(strategy.outputs) <= {"R"}:
+        return False
+    if is_composite(op):  # decomposed before DTensor sees it, whatever rule it registers
+        return _composite_without_rule(node)
+    return not has_direct_rule(op)
+
+
+_NO_RULE: dict[tuple, bool] = {}  # (op, argument shapes and dtypes, static args) -> answer
+
+
+def _composite_without_rule(node: torch.fx.Node) -> bool:
+    """Whether DTensor's rules cannot carry composite `node` through its decomposition with
+    every tensor argument Replicate (the planner then offered it all-R only, strategies/
+    probe.py); False when an argument's shape is not known."""
+    from autoplan._torch_compat import TensorArg, decompose, propagate_trace, tp_mesh
+
+    vals = [a.meta.get("val") for a in tensor_args(node)]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    strides = [None if v.is_contiguous() else tuple(v.stride()) for v in vals]
+    key = (str(node.target), tuple((tuple(v.shape), v.dtype) for v in vals), tuple(strides),
+           repr(torch.fx.node.map_arg((node.args, node.kwargs), lambda _n: "<T>")))
+    if key not in _NO_RULE:
+        it = iter(zip(vals, strides))
+        args, kwargs = torch.fx.node.map_arg(
+            (node.args, node.kwargs),
+            lambda _n: (lambda v, st: TensorArg(tuple(v.shape), v.dtype, Replicate(), st))(
+                *next(it)))
+        try:
+            propagate_trace(decompose(node.target, tuple(args), dict(kwargs)),
+                            [Replicate()] * len(vals), tp_mesh(2))
+            _NO_RULE[key] = False
+        except Exception:  # a piece without a rule (or DTensor refuses it)
+            _NO_RULE[key] = True
+    return _NO_RULE[key]
 
 
 def run_replicated(op, *args, **kwargs):

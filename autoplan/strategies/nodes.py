@@ -119,20 +119,34 @@ def _arg_specs(graph, node) -> list[tuple]:
     return [node_tensor_meta(graph, a)[0] for a in tensor_args(node)]
 
 
+def arg_strides(node: torch.fx.Node) -> tuple:
+    """The strides of each tensor argument of `node` where it is not contiguous (None where
+    it is, or where the captured value is not known): a composite op's decomposition can
+    depend on them ([Note: composite ops] in autoplan/_torch_compat/sharding_rules.py)."""
+    out = []
+    for a in tensor_args(node):
+        v = a.meta.get("val")
+        out.append(tuple(v.stride()) if isinstance(v, torch.Tensor) and v.layout == torch.strided
+                   and not v.is_contiguous() else None)
+    return tuple(out)
+
+
 def _propagate_node(graph, node, placements, mesh, cache=None) -> tc.Propagation:
     specs = _arg_specs(graph, node)
+    op = node.target
+    composite = not (tc.has_direct_rule(op) or not tc.is_composite(op))
+    strides = arg_strides(node) if composite else (None,) * len(specs)
     it = iter(range(len(specs)))
 
     def to_arg(_n):
         i = next(it)
-        return tc.TensorArg(specs[i][0], specs[i][1], placements[i])
+        return tc.TensorArg(specs[i][0], specs[i][1], placements[i], strides[i])
 
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), to_arg)
-    op = node.target
-    if tc.has_direct_rule(op) or not tc.is_composite(op):
+    if not composite:
         return tc.propagate(op, tuple(args), dict(kwargs), mesh)
     # [Note: composite ops] in autoplan/_torch_compat/sharding_rules.py
-    key = ("trace", str(op), tuple(specs), _static_repr(node))
+    key = ("trace", str(op), tuple(specs), strides, _static_repr(node))
     trace = cache.get(key) if cache is not None else None
     if trace is None:
         trace = tc.decompose(op, tuple(args), dict(kwargs))

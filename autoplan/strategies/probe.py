@@ -20,9 +20,9 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import format_placement, parse_placement
 from autoplan.strategies.candidate import Candidate, StrategyCache
 from autoplan.strategies.experts_candidates import experts_candidates
-from autoplan.strategies.nodes import (_arg_specs, _propagate_node, _static_repr, batch_dims,
-                                       constant_like_nodes, ignored_nodes, node_tensor_meta,
-                                       tensor_args)
+from autoplan.strategies.nodes import (_arg_specs, _propagate_node, _static_repr, arg_strides,
+                                       batch_dims, constant_like_nodes, ignored_nodes,
+                                       node_tensor_meta, tensor_args)
 
 # The package's logger: messages name the package, whichever of its files logs them.
 log = logging.getLogger("autoplan.strategies")
@@ -104,7 +104,8 @@ class _Context:
         specs = _arg_specs(self.graph, node)
         arg_keys = tuple((s, str(d), self._bdim_of(a), _arg_kind(a, self.consts))
                          for a, (s, d) in zip(tensor_args(node), specs))
-        return (str(node.target), arg_keys, _static_repr(node), self.bdims.get(node.name), self.tp)
+        return (str(node.target), arg_keys, _static_repr(node), self.bdims.get(node.name), self.tp,
+                arg_strides(node) if tc.is_composite(node.target) else ())
 
     def _probe(self, node) -> list[Candidate]:
         """Verified candidates of an aten op, see the module docstring (Enumeration)."""
