@@ -445,7 +445,8 @@ def _cmd_calibrate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 failure, 2 user error)."""
-    parser = build_parser()
+    with collector_paused():  # the parser imports the preset list ([Note: collector paused])
+        parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version (0) or a usage error (2), printed by argparse
