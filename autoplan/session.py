@@ -133,8 +133,11 @@ class PlanningSession:
         if seq_len is not None and seq_len != self.spec.seq_len:
             spec = InputSpec.tokens(spec.global_batch, seq_len)  # cp: the token form only
         example = spec.example(batch_size, "meta" if _on_meta(source) else "cpu")
-        args, kwargs = spec.call([t if leaf.to_model else None
-                                  for leaf, t in zip(spec.leaves, example)])
+        compute = _compute_dtype(source)
+        args, kwargs = spec.call([
+            None if not leaf.to_model else
+            t.to(compute) if compute is not None and t.is_floating_point() else t
+            for leaf, t in zip(spec.leaves, example)])
         name = type(self.module).__name__
         # read back from the capture cache when this capture was made before, by an earlier
         # job or another rank of this machine ([Note: capture cache] in capture/cache.py)
@@ -337,3 +340,11 @@ class PlanningSession:
         finally:
             took = time.perf_counter() - start
             self._build_stats[key] = self._build_stats.get(key, 0.0) + took
+
+
+def _compute_dtype(source: nn.Module) -> torch.dtype | None:
+    """The 16-bit dtype of `source`'s floating parameters (a compute copy of a mixed-precision
+    plan), else None: [Note: floating inputs] in autoplan/runtime/step_inputs.py."""
+    dtypes = {p.dtype for p in source.parameters() if p.is_floating_point()}
+    return next(iter(dtypes)) if len(dtypes) == 1 and \
+        next(iter(dtypes)) in (torch.bfloat16, torch.float16) else None

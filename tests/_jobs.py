@@ -765,3 +765,58 @@ def pooled_losses(overrides: dict | None, steps: int = 2) -> list[float]:
     ap = autoparallel(model, global_batch=4, example_batch=pooled_batch(0),
                       loss_fn=lambda out, batch: out, **overrides)
     return [ap.step(pooled_batch(s)) for s in range(steps)]
+
+
+class TinyConv(torch.nn.Module):
+    """Conv2d(3, 8, 3) -> ReLU -> mean over the image -> Linear(8, 4): an image classifier
+    whose input is float pixels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Linear(8, 4)
+
+    def forward(self, pixel_values):
+        return self.head(torch.relu(self.conv(pixel_values)).mean((2, 3)))
+
+
+def conv_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(1 + step)
+    return {"pixel_values": torch.randn(4, 3, 8, 8, generator=g),
+            "labels": torch.randint(0, 4, (4,), generator=g)}
+
+
+def _conv_loss(out, batch):
+    return torch.nn.functional.cross_entropy(out.float(), batch["labels"])
+
+
+def conv_losses(overrides: dict | None, dtype: str, steps: int = 3) -> list[float]:
+    """TinyConv's losses over `steps` AdamW steps under `dtype`: planned with `overrides` on
+    this job's ranks, or one process running the same recipe (None: [Note: precision
+    recipe], fp32 masters, the pixels cast to the compute dtype as they enter the model)."""
+    torch.manual_seed(0)
+    model = TinyConv()
+    if overrides is not None:
+        from autoplan.api import autoparallel
+
+        ap = autoparallel(model, global_batch=4, example_batch=conv_batch(0), dtype=dtype,
+                          loss_fn=_conv_loss, optimizer=adamw, **overrides)
+        return [ap.step(conv_batch(s)) for s in range(steps)]
+    low = getattr(torch, dtype)
+    masters = {k: v.detach().clone().float().requires_grad_(True)
+               for k, v in model.named_parameters()}
+    for p in model.parameters():
+        p.data = p.data.to(low)
+    opt, params, losses = adamw(list(masters.values())), dict(model.named_parameters()), []
+    for s in range(steps):
+        model.zero_grad()
+        batch = conv_batch(s)
+        loss = _conv_loss(model(batch["pixel_values"].to(low)), batch)
+        loss.backward()
+        for k, m in masters.items():
+            m.grad = params[k].grad.float()
+        opt.step()
+        with torch.no_grad():
+            for k, m in masters.items():
+                params[k].copy_(m)
+        losses.append(loss.item())
+    return losses

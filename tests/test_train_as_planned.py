@@ -230,3 +230,16 @@ def test_a_build_that_differs_from_its_plan_is_a_named_error(clusters):
         assert zero and "ZeRO-0 replicates it" in zero and "transformer.wte.weight" in zero
         assert dtype and "held in torch.float32" not in dtype
         assert "captured with parameters not in float32" in dtype
+
+
+@pytest.mark.slow
+def test_float_inputs_enter_a_bf16_plan_in_bf16(clusters):
+    """[Note: floating inputs]: an image model's fp32 pixels under a bf16 plan are cast to
+    bf16 where they enter the model (capture failed before: "Input type (float) and bias type
+    (c10::BFloat16) should be the same"), and dp2 tracks one process running the same recipe
+    (atol 1e-3 on losses near 1.4, as test_bf16_runs_the_planned_recipe states why)."""
+    want = _jobs.conv_losses(None, "bfloat16")
+    for losses in clusters.get(2).run(_jobs.conv_losses, dict(dp=2), "bfloat16",
+                                      timeout_s=180):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=0,
+                                   atol=1e-3)

@@ -134,8 +134,23 @@ class StepInputs:
         return parts
 
     def model_inputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The leaves the model takes, in the graph's input order."""
-        return [t for leaf, t in zip(self.inputs.leaves, leaves) if leaf.to_model]
+        """The leaves the model takes, in the graph's input order; a floating one in the
+        dtype the graph was captured with ([Note: floating inputs]).
+
+        [Note: floating inputs] Under a 16-bit plan the model runs on its 16-bit compute
+        copy, so a floating input (an image's pixel values, audio features) is cast to the
+        compute dtype where it enters the model, as autocast or FSDP2's
+        `cast_forward_inputs` would: a bf16 convolution does not take fp32 pixels. Capture
+        casts the example the same way (session.py `_capture`), so the graph's input dtypes
+        say what the runtime feeds; integer inputs (token ids) and what the loss reads of the
+        batch (the labels, a user loss_fn's batch) are left as given."""
+        out = [t for leaf, t in zip(self.inputs.leaves, leaves) if leaf.to_model]
+        dtypes = self.graph.input_dtypes
+        if len(dtypes) != len(out):
+            return out
+        return [t.to(getattr(torch, d)) if t.is_floating_point() and str(t.dtype) !=
+                f"torch.{d}" and getattr(torch, d).is_floating_point else t
+                for t, d in zip(out, dtypes)]
 
     @property
     def batch_dims(self) -> list[int | None]:
