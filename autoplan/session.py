@@ -179,6 +179,7 @@ class PlanningSession:
             source = self._capture_source(Precision.of(self.dtype))
             graph, cached = self._capture(source, self.options.global_batch, planning=True)
         self._build_stats["capture_for_planning_cached"] = cached
+        _refuse_unkeyed_random_ops(graph, name)
         with self._timed("plan_s"):
             # cp searched where the runtime can run it for this model, batch and loss
             why_not = None if "cp" in dict(self.options.overrides) else \
@@ -348,3 +349,18 @@ def _compute_dtype(source: nn.Module) -> torch.dtype | None:
     dtypes = {p.dtype for p in source.parameters() if p.is_floating_point()}
     return next(iter(dtypes)) if len(dtypes) == 1 and \
         next(iter(dtypes)) in (torch.bfloat16, torch.float16) else None
+
+
+def _refuse_unkeyed_random_ops(graph, name: str) -> None:
+    """Refuse at planning, before any rank starts, a model whose random ops the runtime cannot
+    key by sample ([Note: RNG contract] in autoplan/passes/rng.py: `torch.rand` for
+    stochastic depth, a seeded op without a layout-invariant version), naming the node, its
+    module and source line; the build would refuse it at the first step otherwise."""
+    from autoplan.passes.rng import random_op_indices
+
+    try:
+        random_op_indices(graph.gm)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}. Every random op must be keyed by sample to train as one "
+                         "process would on any plan; set its probability to 0 (e.g. "
+                         "drop_path_rate=0) or replace it with dropout") from None

@@ -330,3 +330,29 @@ def test_flattened_dropout_trains_as_one_process(clusters, overrides):
     plan = json.loads(results[0][2])
     assert plan["mesh"]["dp"] == 2
     assert plan["num_microbatches"] == overrides.get("num_microbatches", 1)
+
+
+class _DropPath(torch.nn.Module):
+    """Stochastic depth as Swin and timm write it: one `torch.rand` per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        keep = torch.rand(x.shape[0], 1, device=x.device) < 0.9
+        return (self.proj(x) * keep).sum()
+
+
+def test_an_unkeyed_random_op_is_refused_at_planning():
+    """A random op without a layout-invariant version is refused when the plan is made,
+    before any rank starts (it failed at the first step), naming the node, its module and
+    its source line, and what to do."""
+    from autoplan.api import autoparallel
+
+    model = autoparallel(_DropPath(), global_batch=4, example_batch=torch.randn(4, 8),
+                         loss_fn=lambda out, batch: out, world_size=2)
+    with pytest.raises(ValueError, match=r"_DropPath: node rand \(aten.rand.default\) at "
+                                         r"test_rng.py:\d+ `keep = torch.rand.*no "
+                                         r"layout-invariant version.*drop_path_rate=0"):
+        _ = model.plan

@@ -38,6 +38,7 @@ here); this module is the pass that puts them in a graph, and the eager mode.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -108,8 +109,32 @@ def _random_nodes(gm: torch.fx.GraphModule):
         if not is_aten_op(op) or torch.Tag.nondeterministic_seeded not in op.tags:
             continue
         named = _named(op, node.args, node.kwargs)
-        if _draws(op, named, f"node {node.name} ({node.target})", _GRAPH_OPS):
+        if _draws(op, named, _where(node), _GRAPH_OPS):
             yield node, op, named
+
+
+def _where(node: torch.fx.Node) -> str:
+    """"node rand (aten.rand.default) in module encoder.layers.0.drop_path at
+    modeling_swin.py:123 `random_tensor = ...`": the node, the module that called the op and
+    the source line, as torch.export recorded them (what it has of them)."""
+    text = f"node {node.name} ({node.target})"
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path = re.sub(r"@\d+$", "", list(stack.values())[-1][0])  # "@n": a repeated call
+        path = re.sub(r"^(L__self__\.)?(inner\.)?", "", path)  # capture's wrapper
+        text += f" in module {path}" if path and path != "inner" else ""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    files = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
+    if files:
+        last = files[-1]  # File "/.../modeling_swin.py", line 123, in drop_path
+        try:
+            file = last.split('"')[1].rsplit("/", 1)[-1]
+            line = last.split(", line ")[1].split(",")[0]
+            code = trace[-1].strip()
+            text += f" at {file}:{line} `{code}`"
+        except IndexError:
+            pass
+    return text
 
 
 def random_op_indices(gm: torch.fx.GraphModule) -> dict[str, RandomOp]:
