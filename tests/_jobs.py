@@ -220,6 +220,20 @@ def build_tracked(factory_name: str, seed: int, overrides: dict, batch: int, con
     return ap.state_dict(), live.peak, local, largest, buffers
 
 
+def step_mixed(loss, masters: dict, params: dict, opt) -> float:
+    """One mixed-precision step of [Note: precision recipe] on one process: backward through
+    the 16-bit `params`, their gradients cast to fp32 onto the `masters` the AdamW `opt`
+    steps, the masters copied back into the 16-bit parameters. Returns the loss."""
+    loss.backward()
+    for k, m in masters.items():
+        m.grad = params[k].grad.float()
+    opt.step()
+    with torch.no_grad():
+        for k, m in masters.items():
+            params[k].copy_(m)
+    return loss.item()
+
+
 def reference_mixed(factory, steps: int, batch: int, dtype: str, *, seq: int = SEQ):
     """Single-process mixed precision, the recipe of [Note: precision recipe]: the model's
     parameters in `dtype` for forward and backward, fp32 master weights stepped by AdamW (fp32
@@ -238,15 +252,8 @@ def reference_mixed(factory, steps: int, batch: int, dtype: str, *, seq: int = S
     losses = []
     for i in range(steps):
         model.zero_grad()
-        loss = cross_entropy_loss(logits(model, x[i]), y[i])
-        loss.backward()
-        for k, m in masters.items():
-            m.grad = params[k].grad.float()
-        opt.step()
-        with torch.no_grad():
-            for k, m in masters.items():
-                params[k].copy_(m)
-        losses.append(loss.item())
+        losses.append(step_mixed(cross_entropy_loss(logits(model, x[i]), y[i]), masters,
+                                 params, opt))
     out = {k: v.detach().clone() for k, v in model.named_parameters()}
     out.update({k: v.detach().clone() for k, v in masters.items()})
     return losses, out
@@ -810,13 +817,6 @@ def conv_losses(overrides: dict | None, dtype: str, steps: int = 3) -> list[floa
     for s in range(steps):
         model.zero_grad()
         batch = conv_batch(s)
-        loss = _conv_loss(model(batch["pixel_values"].to(low)), batch)
-        loss.backward()
-        for k, m in masters.items():
-            m.grad = params[k].grad.float()
-        opt.step()
-        with torch.no_grad():
-            for k, m in masters.items():
-                params[k].copy_(m)
-        losses.append(loss.item())
+        losses.append(step_mixed(_conv_loss(model(batch["pixel_values"].to(low)), batch),
+                                 masters, params, opt))
     return losses
