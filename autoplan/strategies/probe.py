@@ -104,8 +104,9 @@ class _Context:
         specs = _arg_specs(self.graph, node)
         arg_keys = tuple((s, str(d), self._bdim_of(a), _arg_kind(a, self.consts))
                          for a, (s, d) in zip(tensor_args(node), specs))
-        return (str(node.target), arg_keys, _static_repr(node), self.bdims.get(node.name), self.tp,
-                arg_strides(node) if tc.is_composite(node.target) else ())
+        # tp last: `candidates` looks up the base tp's entry by replacing it
+        return (str(node.target), arg_keys, _static_repr(node), self.bdims.get(node.name),
+                arg_strides(node) if tc.is_composite(node.target) else (), self.tp)
 
     def _probe(self, node) -> list[Candidate]:
         """Verified candidates of an aten op, see the module docstring (Enumeration)."""
