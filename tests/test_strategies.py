@@ -228,6 +228,22 @@ def test_divisor_tp_gives_the_same_candidates_as_probing(llama, gpt2):
         assert {k: set(v) for k, v in direct.items()} == {k: set(v) for k, v in derived.items()}
 
 
+def test_a_divisor_tp_probes_nothing_its_base_tp_probed(llama, monkeypatch):
+    """With the base tp's candidates in the cache, a multiple of it verifies them instead of
+    probing DTensor again: no op probed at tp 2 is probed at tp 4 (a key whose tp was not
+    last once made every tp > 2 probe anew, 3x the work of planning llama3-405b)."""
+    from autoplan.strategies import probe
+
+    cache = StrategyCache()
+    node_strategies(llama, 2, cache=cache)
+    probed = []
+    real = probe._Context._probe
+    monkeypatch.setattr(probe._Context, "_probe",
+                        lambda self, node: probed.append(node.name) or real(self, node))
+    node_strategies(llama, 4, cache=cache, base_tp=2)
+    assert probed == []
+
+
 def test_identical_layers_cost_nothing_and_warm_planning_is_fast():
     graph = capture_preset("llama3-8b", batch=1, seq_len=128, num_layers=2)
     cache = StrategyCache()
