@@ -133,7 +133,10 @@ class PlanningSession:
         if seq_len is not None and seq_len != self.spec.seq_len:
             spec = InputSpec.tokens(spec.global_batch, seq_len)  # cp: the token form only
         example = spec.example(batch_size, "meta" if _on_meta(source) else "cpu")
-        compute = _compute_dtype(source)
+        from autoplan.runtime.precision import Precision
+
+        precision = Precision.of(self.dtype)  # floating inputs in its compute dtype
+        compute = precision.compute_dtype if precision.mixed else None
         args, kwargs = spec.call([
             None if not leaf.to_model else
             t.to(compute) if compute is not None and t.is_floating_point() else t
@@ -341,14 +344,6 @@ class PlanningSession:
         finally:
             took = time.perf_counter() - start
             self._build_stats[key] = self._build_stats.get(key, 0.0) + took
-
-
-def _compute_dtype(source: nn.Module) -> torch.dtype | None:
-    """The 16-bit dtype of `source`'s floating parameters (a compute copy of a mixed-precision
-    plan), else None: [Note: floating inputs] in autoplan/runtime/step_inputs.py."""
-    dtypes = {p.dtype for p in source.parameters() if p.is_floating_point()}
-    return next(iter(dtypes)) if len(dtypes) == 1 and \
-        next(iter(dtypes)) in (torch.bfloat16, torch.float16) else None
 
 
 def _refuse_unkeyed_random_ops(graph, name: str) -> None:

@@ -148,9 +148,8 @@ class StepInputs:
         dtypes = self.graph.input_dtypes
         if len(dtypes) != len(out):
             return out
-        return [t.to(getattr(torch, d)) if t.is_floating_point() and str(t.dtype) !=
-                f"torch.{d}" and getattr(torch, d).is_floating_point else t
-                for t, d in zip(out, dtypes)]
+        return [t.to(getattr(torch, d)) if t.is_floating_point() and
+                getattr(torch, d).is_floating_point else t for t, d in zip(out, dtypes)]
 
     @property
     def batch_dims(self) -> list[int | None]:
