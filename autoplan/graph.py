@@ -149,6 +149,17 @@ class CapturedGraph:
         return self.output_names.index(name) if name in self.output_names else None
 
     @property
+    def vocab_size(self) -> int | None:
+        """The last dim of the main output (the vocabulary of a language model's logits, the
+        classes of a classifier) when that output has at least 2 dims, else None. It is the one
+        dim a plan may split unevenly ([Note: uneven vocabulary])."""
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        flat = [a for a in pytree.tree_leaves(out.args) if isinstance(a, torch.fx.Node)]
+        i = self.main_output_index
+        val = flat[i].meta.get("val") if i < len(flat) else None
+        return int(val.shape[-1]) if getattr(val, "ndim", 0) >= 2 else None
+
+    @property
     def main_output_index(self) -> int:
         """The output the default loss reads: `logits` when the output has it, else the
         first tensor that is not a `loss`."""

@@ -820,3 +820,17 @@ def conv_losses(overrides: dict | None, dtype: str, steps: int = 3) -> list[floa
         losses.append(step_mixed(_conv_loss(model(batch["pixel_values"].to(low)), batch),
                                  masters, params, opt))
     return losses
+
+
+def train_vocab_shard(factory, steps: int, batch: int, overrides: dict):
+    """`train`, and this rank's vocabulary shard of the vocabulary-parallel loss: (first row,
+    vocabulary size), or None where the loss runs on gathered logits."""
+    from autoplan.api import autoparallel
+
+    model = factory()
+    ap = autoparallel(model, global_batch=batch, seq_len=SEQ, optimizer=adamw, **overrides)
+    x, y = batches(vocab_of(model), steps, batch, SEQ)
+    losses = [ap.step(x[i], y[i]) for i in range(steps)]
+    shard = ap._engine.batch.vocab_parallel
+    return (losses, ap.state_dict(), ap.plan.to_json(), [],
+            None if shard is None else tuple(shard[1:]))

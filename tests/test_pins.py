@@ -76,6 +76,24 @@ def test_a_tp_that_does_not_divide_a_pinned_dim(llama):
         plan(llama, local3, TrainingSpec(6, 16), placements=pins)
 
 
+def test_a_vocabulary_tp_does_not_divide_is_split_unevenly():
+    """[Note: uneven vocabulary]: a head of 11 rows pinned S(0) at tp 2 (6 and 5 rows) and at
+    tp 3 (4, 4, 3); its width of 32, which tp 3 does not divide, stays refused by its
+    numbers."""
+    g = capture(build_model("llama-tiny", vocab_size=11),
+                tuple(t % 11 for t in example_inputs("llama-tiny", batch=6, seq_len=16)),
+                model_name="llama-tiny")
+    assert g.vocab_size == 11
+    for tp in (2, 3):
+        p = plan(g, preset("local-cpu", devices_per_node=tp), TrainingSpec(6, 16), tp=tp,
+                 placements={"lm_head.weight": "S(0)"})
+        assert p.placement_of("lm_head.weight") == "S(0)"
+    with pytest.raises(InvalidConfig, match=r"lm_head\.weight \(11, 32\) at tp 3: dim 1 of "
+                                            r"size 32 does not split over 3 ranks"):
+        plan(g, preset("local-cpu", devices_per_node=3), TrainingSpec(6, 16), tp=3,
+             placements={"lm_head.weight": "S(1)"})
+
+
 def test_a_tied_weight_pinned_where_one_reader_cannot_take_it():
     """GPT-2's head is its token embedding: pinning lm_head.weight S(0) pins the embedding's
     table, which the embedding lookup reads at R or S(1) only (a split parameter is used as
@@ -130,3 +148,19 @@ def test_a_pinned_plan_trains_as_one_process(clusters):
         placed = dict(json.loads(result[2])["param_placements"])
         assert placed["lm_head.weight"] == "S(0)"
         assert placed["model.embed_tokens.weight"] == "R"
+
+
+@pytest.mark.slow
+def test_an_uneven_vocabulary_head_trains_as_one_process(clusters):
+    """A vocabulary of 11 pinned S(0) at dp2 x tp2: the tp ranks hold rows 0-5 and 6-10 and
+    run the vocabulary-parallel cross-entropy on them ([Note: uneven vocabulary]); losses and
+    parameters equal one process after 3 AdamW steps (fp32, rtol 1e-5) -- no padded rows
+    that would add to the softmax's denominator (log 2 per token at tp 2)."""
+    factory = _jobs.preset("llama-tiny", vocab_size=11)
+    overrides = dict(dp=2, tp=2, placements={"lm_head.weight": "S(0)"})
+    results = clusters.get(4).run(_jobs.train_vocab_shard, factory, 3, 4, overrides,
+                                  timeout_s=180)
+    ref = _jobs.reference(factory, 3, 4)
+    for rank, result in enumerate(results):
+        assert compare(result[:4], ref) == [], f"rank {rank}"
+        assert result[4] == ((0, 11), (6, 11))[rank % 2], f"rank {rank}"

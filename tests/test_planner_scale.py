@@ -230,10 +230,20 @@ def _random_placements(seed: int, count: int = 40, problem: tuple | None = None)
 
 
 def test_step_form_equals_assess():
-    """The ILP's objective ([Note: step form]) is the step time pipeline.assess gives."""
+    """The ILP's objective ([Note: step form]) is the step time pipeline.assess gives where
+    the placement sends the smallest stage boundary any placement can send, and a lower bound
+    of it elsewhere (the form prices the pipeline's transfers at that smallest boundary)."""
+    exact = 0
     for search, cfg, _prob, _costs, _choice, sol in _random_placements(7):
         want = search.assess(cfg, sol).step_time_s
-        assert search.step_form(cfg).value(sol) == pytest.approx(want, rel=1e-9), cfg
+        got = search.step_form(cfg).value(sol)
+        rows = search.cost(*cfg.costs_key).boundary_bytes.values()
+        if cfg.pp == 1 or sol.boundary_bytes == min((min(r) for r in rows), default=None):
+            assert got == pytest.approx(want, rel=1e-9), cfg
+            exact += 1
+        else:
+            assert got <= want * (1 + 1e-9), cfg
+    assert exact >= 20
 
 
 def test_memory_forms_equal_assess():

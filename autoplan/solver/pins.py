@@ -26,6 +26,7 @@ import fnmatch
 import re
 
 from autoplan.graph import CapturedGraph
+from autoplan.strategies.nodes import vocab_nodes
 
 __all__ = ["parse_pins", "pinned_params", "restrict", "needs_tp", "why_not"]
 
@@ -117,15 +118,26 @@ def pinned_params(graph: CapturedGraph, pins: tuple[tuple[str, str], ...]) -> di
     return out
 
 
-def _split_reason(shape: tuple, placement: str, tp: int) -> str | None:
-    """Why `placement` cannot split a parameter of `shape` over `tp` ranks, or None."""
+def _vocab_of(graph: CapturedGraph, fqn: str) -> int | None:
+    """The vocabulary size when parameter `fqn` carries the vocabulary (`vocab_nodes`), else
+    None."""
+    carry = vocab_nodes(graph)
+    read = any(n.op == "get_attr" and n.target == fqn and n.name in carry
+               for n in graph.gm.graph.nodes)
+    return graph.vocab_size if read else None
+
+
+def _split_reason(shape: tuple, placement: str, tp: int, vocab: int | None) -> str | None:
+    """Why `placement` cannot split a parameter of `shape` over `tp` ranks, or None. A dim of
+    `vocab` rows (the parameter holds the vocabulary, else None) splits unevenly ([Note:
+    uneven vocabulary] in strategies/probe.py)."""
     m = re.match(r"S\((-?\d+)\)", placement)
     if not m or tp == 1:
         return None
     d = int(m.group(1))
     if not -len(shape) <= d < len(shape):
         return f"the parameter has {len(shape)} dims"
-    if shape[d] % tp:
+    if shape[d] < tp or (shape[d] % tp and shape[d] != vocab):
         return f"dim {d % len(shape)} of size {shape[d]} does not split over {tp} ranks"
     return None
 
@@ -135,7 +147,7 @@ def why_not(graph: CapturedGraph, pinned: dict[str, tuple], tp: int) -> str | No
     its parameter, shape and reason), or None when they can."""
     for fqn, (placement, pattern) in pinned.items():
         shape = tuple(graph.params[fqn].shape)
-        why = _split_reason(shape, placement, tp)
+        why = _split_reason(shape, placement, tp, _vocab_of(graph, fqn))
         if why:
             return f"placements: {pattern}={placement} cannot hold for {fqn} {shape} at tp " \
                    f"{tp}: {why}"
@@ -157,7 +169,7 @@ def restrict(problem, pinned: dict[str, tuple]) -> None:
         keep = [c for c in problem.cands[node] if c.outputs[0] == placement]
         if not keep:
             shape = tuple(graph.params[fqn].shape)
-            why = _split_reason(shape, placement, problem.tp)
+            why = _split_reason(shape, placement, problem.tp, _vocab_of(graph, fqn))
             raise ValueError(f"placements: {pattern}={placement} cannot hold for {fqn} "
                              f"{shape} at tp {problem.tp}"
                              + (f": {why}" if why else ": no strategy of its node places it so")

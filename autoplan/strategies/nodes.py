@@ -97,6 +97,28 @@ def batch_dims(graph: CapturedGraph, *, cache: dict | None = None) -> dict[str, 
     return out
 
 
+def vocab_nodes(graph: CapturedGraph) -> frozenset[str]:
+    """The nodes that carry the vocabulary ([Note: uneven vocabulary] in probe.py): from the
+    main output back through every node with a dim of `graph.vocab_size` -- the logits, their
+    views, the head's matmul, the transposed weight and the weight's get_attr. Empty when the
+    main output has fewer than 2 dims."""
+    vocab = graph.vocab_size
+    if vocab is None:
+        return frozenset()
+    out = next(n for n in graph.gm.graph.nodes if n.op == "output")
+    flat = tensor_args(out)
+    seen: set[str] = set()
+    pending = [flat[graph.main_output_index]]
+    while pending:
+        node = pending.pop()
+        val = node.meta.get("val")
+        if node.name in seen or not isinstance(val, torch.Tensor) or vocab not in val.shape:
+            continue
+        seen.add(node.name)
+        pending += tensor_args(node)
+    return frozenset(seen)
+
+
 def _batch_dims_of_op(graph, node, known, mesh, cache) -> tuple:
     dims = [known.get(a.name, (None,))[0] for a in tensor_args(node)]
     none = tuple(None for _ in node_tensor_meta(graph, node))

@@ -22,7 +22,7 @@ from autoplan.strategies.candidate import Candidate, StrategyCache
 from autoplan.strategies.experts_candidates import experts_candidates
 from autoplan.strategies.nodes import (_arg_specs, _propagate_node, _static_repr, arg_strides,
                                        batch_dims, constant_like_nodes, ignored_nodes,
-                                       node_tensor_meta, tensor_args)
+                                       node_tensor_meta, tensor_args, vocab_nodes)
 
 # The package's logger: messages name the package, whichever of its files logs them.
 log = logging.getLogger("autoplan.strategies")
@@ -50,6 +50,10 @@ class _Context:
         if key not in cache:
             cache[key] = batch_dims(graph, cache=cache)
         self.bdims = cache[key]
+        key = ("vocab_nodes", graph.gm)
+        if key not in cache:
+            cache[key] = vocab_nodes(graph)
+        self.vocab, self.vocab_nodes = graph.vocab_size, cache[key]
 
     def candidates(self, node: torch.fx.Node, known: dict) -> list[Candidate]:
         metas = node_tensor_meta(self.graph, node)
@@ -59,7 +63,7 @@ class _Context:
         if node.op == "get_attr":
             shape = metas[0][0]
             return [all_r] + [Candidate((), (f"S({d})",), float(self.tp))
-                              for d in range(len(shape)) if self._splittable(shape[d])]
+                              for d in range(len(shape)) if self._splittable(shape[d], node)]
         if node.target is operator.getitem:
             idx = node.args[1]
             seen = dict.fromkeys(c.outputs[idx] for c in known[node.args[0].name])
@@ -80,8 +84,23 @@ class _Context:
             self.cache[key] = found
         return self.cache[key]
 
-    def _splittable(self, size: int) -> bool:
-        return size >= self.tp and size % self.tp == 0
+    def _splittable(self, size: int, node: torch.fx.Node) -> bool:
+        # [Note: uneven vocabulary]
+        # A dim splits over tp ranks when tp divides it -- and the vocabulary (the last dim
+        # of the main output, `CapturedGraph.vocab_size`) whatever its size. Megatron pads
+        # the vocabulary to a multiple of tp (--make-vocab-size-divisible-by); here the
+        # split is torch.chunk's, ceil(V / tp) rows on the first ranks and the rest on the
+        # last (11 over 2: 6 and 5), which DTensor's rules and collectives take as they are
+        # and the vocabulary-parallel cross-entropy reads by each rank's first row
+        # (runtime/rank_stages.py `_vocab_parallel_loss`): no padded rows, so nothing is
+        # added to the softmax's denominator, and a pin or a memory cap can split a
+        # vocabulary of 50,257 at tp 8. Only that dim, and only on the nodes that carry it
+        # (`vocab_nodes`: from the main output back while a dim of V lasts, so a width that
+        # happens to equal V is not split unevenly): another uneven split would meet views
+        # whose rules need an even one. The cost model prices V / tp rows per rank; the
+        # largest shard has ceil(V / tp).
+        return size >= self.tp and (size % self.tp == 0 or (
+            size == self.vocab and node.name in self.vocab_nodes))
 
     def _arg_options(self, node) -> list[list]:
         """Allowed placements of each tensor argument (R first)."""
@@ -92,7 +111,7 @@ class _Context:
             if dtype.is_floating_point and _arg_kind(a, self.consts) == "data":
                 opts.append(tc.Partial())
             opts += [tc.Shard(d) for d in range(len(shape))
-                     if d != bdim and self._splittable(shape[d])]
+                     if d != bdim and self._splittable(shape[d], a)]
             options.append(opts)
         return options
 
@@ -106,7 +125,8 @@ class _Context:
                          for a, (s, d) in zip(tensor_args(node), specs))
         # tp last: `candidates` looks up the base tp's entry by replacing it
         return (str(node.target), arg_keys, _static_repr(node), self.bdims.get(node.name),
-                arg_strides(node) if tc.is_composite(node.target) else (), self.tp)
+                arg_strides(node) if tc.is_composite(node.target) else (),
+                node.name in self.vocab_nodes, self.tp)
 
     def _probe(self, node) -> list[Candidate]:
         """Verified candidates of an aten op, see the module docstring (Enumeration)."""
@@ -180,7 +200,7 @@ class _Context:
             if isinstance(p, tc.Shard):
                 size = metas[i][0][p.dim] if metas[i] is not None else 0
                 bdim = bdims[i] if i < len(bdims) else None
-                if p.dim == bdim or not self._splittable(size):
+                if p.dim == bdim or not self._splittable(size, node):
                     return None
         out = tuple(format_placement(p) if p is not None else "R" for p in outputs)
         ins = tuple(format_placement(p) for p in inputs)
@@ -194,8 +214,9 @@ class _Context:
         (q, _), (k, _) = specs[0], specs[1]
         mask = specs[3][0] if len(specs) > 3 else None
         cands = [Candidate(("R",) * len(specs), ("R",), 1.0)]
-        for dim, ok in ((1, self._splittable(q[1]) and self._splittable(k[1])),
-                        (0, self._splittable(q[0]) and self._bdim_of(tensor_args(node)[0]) != 0)):
+        q_node = tensor_args(node)[0]
+        for dim, ok in ((1, self._splittable(q[1], q_node) and self._splittable(k[1], q_node)),
+                        (0, self._splittable(q[0], q_node) and self._bdim_of(q_node) != 0)):
             if not ok:
                 continue
             s = f"S({dim})"
