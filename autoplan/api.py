@@ -193,14 +193,16 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             offload] in autoplan/solver/offload.py),
             placements ({FQN glob: "R" | "S(d)"}: parameters pinned on the tp axis, hard
             constraints of the placement ILP, [Note: pinned placements] in
-            autoplan/solver/pins.py; e.g. {"lm_head.weight": "S(0)"}).
+            autoplan/solver/pins.py; e.g. {"lm_head.weight": "S(0)"}),
+            stages (blocks per pipeline stage in stage order, e.g. [3, 5, 5, 3]; fixes
+            pp = len(stages) / num_virtual_stages; default the even split).
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names.
     """
     allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
                "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
-               "ep", "sequence_parallel", "cp", "offload", "placements"}
+               "ep", "sequence_parallel", "cp", "offload", "placements", "stages"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib
@@ -225,6 +227,8 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         from autoplan.solver.pins import parse_pins
 
         overrides["placements"] = parse_pins(overrides["placements"])
+    if overrides.get("stages") is not None:  # held as a tuple (hashable, JSON)
+        overrides["stages"] = tuple(overrides["stages"])
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,

@@ -216,7 +216,7 @@ def _plan(args, num_layers: int | None) -> Planned:
                       allow_tp_across_nodes=args.allow_tp_across_nodes,
                       time_limit_s=args.time_limit, top_k=args.top_k, offload=args.offload,
                       compiled=args.compile, frozen_weights_dtype=_weights_dtype(config),
-                      placements=args.place)
+                      placements=args.place, stages=args.stages)
     said = []
     for w in caught:
         if issubclass(w.category, ReplicatedWeightsWarning):  # about the plan: for the user

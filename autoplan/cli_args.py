@@ -51,6 +51,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _stage_blocks(text: str) -> tuple[int, ...]:
+    """--stages: "3,5,5,3" -> (3, 5, 5, 3), each >= 1."""
+    return tuple(positive_int(part) for part in text.split(","))
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)
@@ -134,6 +139,10 @@ def add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool,
                           "or a glob: model.layers.*.mlp.down_proj.weight) to R or S(d), a "
                           "hard constraint of the search (repeatable; a split pinned searches "
                           "tp > 1 only), e.g. --place lm_head.weight=S(0)")
+    fix.add_argument("--stages", type=_stage_blocks, metavar="N,N,...",
+                     help="blocks per pipeline stage in stage order, e.g. 3,5,5,3 (fixes pp; "
+                          "with --virtual-stages V, pp is their count / V); default: the even "
+                          "split")
     fix.add_argument("--allow-tp-across-nodes", action="store_true",
                      help="let tp groups span nodes (default: tp stays inside a node)")
     fix.add_argument("--compile", action="store_true",

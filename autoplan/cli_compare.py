@@ -24,8 +24,8 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
                                    "(your configuration: any of --tp, --pp, --dp, --cp, --ep, "
                                    "--zero, --microbatches, --schedule, --virtual-stages, "
                                    "--checkpointing, --sequence-parallel, --offload, "
-                                   "--place). Print both and what differs, term by term (as "
-                                   "`autoplan diff`): "
+                                   "--place, --stages). Print both and what differs, term by "
+                                   "term (as `autoplan diff`): "
                                    "step time by part, memory by category, bytes per mesh "
                                    "axis, placements; or, where your configuration cannot be "
                                    "planned, the constraint that refuses it.")
@@ -51,7 +51,8 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
 
 # the planning flags that fix a choice (dest names), as `autoplan explain` takes them
 OVERRIDES = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule",
-             "virtual_stages", "checkpointing", "sequence_parallel", "offload", "place")
+             "virtual_stages", "checkpointing", "sequence_parallel", "offload", "place",
+             "stages")
 
 
 def explain(args, plan_fn: Callable) -> int:

@@ -53,6 +53,9 @@ def json_summary(planned: Planned, files) -> dict:
         "schedule": plan.schedule, "num_virtual_stages": plan.num_virtual_stages,
         "checkpointing": plan.checkpointing, "dtype": plan.dtype, "offload": plan.offload,
         **({"frozen_dtype": plan.frozen_dtype} if plan.frozen_dtype else {}),
+        **({"pinned": as_json["pinned"]} if plan.pinned else {}),
+        **({"stage_blocks": [st.num_layers for st in plan.stages], "pinned_stages": True}
+           if plan.pinned_stages else {}),
         **_trainable_counts(planned.graph),
         "prediction": prediction,
         "alternatives": as_json["alternatives"],
@@ -160,7 +163,7 @@ def cache_request(args):
 # the `plan` flags a plan depends on besides the model, cluster and training spec
 PLAN_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
                "checkpointing", "sequence_parallel", "allow_tp_across_nodes", "offload",
-               "compile", "place",
+               "compile", "place", "stages",
                "num_layers_capture", "time_limit", "top_k")
 
 

@@ -346,6 +346,8 @@ class Plan:
             order run; () when none was run (plan.json without a "dry_run" key).
         pinned: the (pattern, placement) pins the user gave, sorted ([Note: pinned
             placements] in autoplan/solver/pins.py); () when none (no "pinned" key).
+        pinned_stages: the user fixed the blocks of each stage (`stages=` of `plan()`);
+            False when the search split them evenly (no "pinned_stages" key).
         schema_version: JSON schema version.
     """
 
@@ -372,6 +374,7 @@ class Plan:
     frozen_dtype: str = ""
     dry_run: tuple[DryRunRecord, ...] = ()
     pinned: tuple[tuple[str, str], ...] = ()
+    pinned_stages: bool = False
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -439,7 +442,7 @@ class Plan:
         without its `offload` key (its prediction without the cp and host figures at 0), and an
         eager plan without its `compiled` key, one without frozen parameters held apart
         without its `frozen_dtype` key, one without a dry run without its `dry_run` key and
-        one without pins without its `pinned` key, as
+        one without pins without its `pinned` and `pinned_stages` keys, as
         before they existed (readers default them),
         so plans without them keep their JSON byte for byte: schema version 1 either way."""
         d = dataclasses.asdict(self)
@@ -451,6 +454,8 @@ class Plan:
             del d["dry_run"]
         if not d["pinned"]:
             del d["pinned"]
+        if not d["pinned_stages"]:
+            del d["pinned_stages"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:

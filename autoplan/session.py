@@ -213,8 +213,10 @@ class PlanningSession:
         overrides = dict(self.options.overrides)
         if "placements" in overrides:  # parse_pins' sorted (pattern, placement) pairs
             overrides["placements"] = [list(p) for p in overrides["placements"]]
+        if overrides.get("stages") is not None:
+            overrides["stages"] = list(overrides["stages"])
         if not all(v is None or isinstance(v, (bool, int, float, str))
-                   for k, v in overrides.items() if k != "placements"):
+                   for k, v in overrides.items() if k not in ("placements", "stages")):
             return None
         return {"command": "autoparallel", "graph": graph_fingerprint(graph),
                 "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),

@@ -131,6 +131,12 @@ def test_autoparallel_and_the_cli_take_pins(tmp_path, capsys):
     assert written.pinned == (("lm_head.weight", "S(0)"),)
     assert "Pinned by the user (hard constraints of the search): `lm_head.weight` `S(0)`." in \
         (tmp_path / "report.md").read_text()
+    code = main(["plan", "-q", "--model", "llama-tiny", "--cluster", "local-cpu",
+                 "--devices-per-node", "4", "--global-batch", "8", "--seq", "16",
+                 "--stages", "1,1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["mesh"]["pp"] == 2 and out["pinned_stages"] is True
+    assert out["stage_blocks"] == [1, 1]
 
 
 @pytest.mark.slow
@@ -164,3 +170,49 @@ def test_an_uneven_vocabulary_head_trains_as_one_process(clusters):
     for rank, result in enumerate(results):
         assert compare(result[:4], ref) == [], f"rank {rank}"
         assert result[4] == ((0, 11), (6, 11))[rank % 2], f"rank {rank}"
+
+
+@pytest.fixture(scope="module")
+def llama4():
+    return capture(build_model("llama-tiny", num_hidden_layers=4),
+                   example_inputs("llama-tiny", batch=8, seq_len=16), model_name="llama-tiny")
+
+
+def test_pinned_stages_are_planned_priced_and_recorded(llama4, local4):
+    """stages=[3, 1]: pp 2 with 3 blocks on the first stage and 1 on the last, priced so (the
+    first rank holds more: a slower step than the even split at the same configuration),
+    recorded in plan.json and the report; stages that cannot hold are refused naming the
+    numbers."""
+    from autoplan.report.markdown import render_markdown, render_summary
+
+    p = plan(llama4, local4, TrainingSpec(8, 16), stages=[3, 1], dp=2, schedule="1f1b")
+    assert (p.mesh.pp, [(s.layer_start, s.layer_end) for s in p.stages]) == (2, [(0, 3), (3, 4)])
+    even = plan(llama4, local4, TrainingSpec(8, 16), pp=2, dp=2, schedule="1f1b")
+    assert [s.num_layers for s in even.stages] == [2, 2] and not even.pinned_stages
+    assert (p.mesh, p.zero_stage, p.num_microbatches) == (even.mesh, even.zero_stage,
+                                                          even.num_microbatches)
+    assert p.prediction.step_time_s > even.prediction.step_time_s
+    assert p.pinned_stages and Plan.from_json(p.to_json()) == p
+    assert '"pinned_stages"' not in even.to_json()
+    assert "stages=3/1" in render_summary(p, graph=llama4)
+    assert "stages of 3/1 blocks" in render_markdown(p, graph=llama4)
+    for stages, message in (([2, 1], r"stages \[2, 1\] hold 3 blocks; the model has 4"),
+                            ([4, 0], "every stage needs at least one block"),
+                            ([1, 1, 2], r"3 stages for pp 2 x num_virtual_stages 1 = 2")):
+        with pytest.raises(InvalidConfig, match=message):
+            plan(llama4, local4, TrainingSpec(8, 16), stages=stages,
+                 pp=2 if len(stages) == 3 else None)
+
+
+@pytest.mark.slow
+def test_pinned_stages_train_as_one_process(clusters):
+    """A 4-block llama-tiny at pp2 x dp2 with stages of 3 and 1 blocks: every rank's losses
+    and parameters equal one process after 3 AdamW steps (fp32, rtol 1e-5)."""
+    factory = _jobs.preset("llama-tiny", num_hidden_layers=4)
+    results = clusters.get(4).run(_jobs.train, factory, 3, 4, dict(stages=[3, 1], dp=2),
+                                  timeout_s=180)
+    ref = _jobs.reference(factory, 3, 4)
+    for rank, result in enumerate(results):
+        assert compare(result, ref) == [], f"rank {rank}"
+        stages = [(s["layer_start"], s["layer_end"]) for s in json.loads(result[2])["stages"]]
+        assert stages == [(0, 3), (3, 4)]

@@ -255,10 +255,17 @@ def _placements(plan: Plan, graph) -> list[str]:
 
 def _pinned(plan: Plan) -> list[str]:
     """The user's pins, one line ([Note: pinned placements] in solver/pins.py)."""
-    if not plan.pinned:
+    if not plan.pinned and not plan.pinned_stages:
         return []
     return ["", "Pinned by the user (hard constraints of the search): "
-            + ", ".join(f"`{p}` `{q}`" for p, q in plan.pinned) + "."]
+            + ", ".join([f"`{p}` `{q}`" for p, q in plan.pinned]
+                        + ([f"stages of {_stage_blocks(plan)} blocks"]
+                           if plan.pinned_stages else [])) + "."]
+
+
+def _stage_blocks(plan: Plan) -> str:
+    """Blocks per stage in stage order, "3/1"."""
+    return "/".join(str(s.num_layers) for s in plan.stages)
 
 
 def _region(plan: Plan, graph) -> list[str]:
@@ -443,8 +450,10 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
         + ("; compiled (torch.compile)" if plan.compiled else ""),
         f"params      {_sharded_text(plan, graph)}; "
         f"{F.plural(len(plan.redistributions), 'redistribution')}",
-        *(["pinned      " + ", ".join(f"{p}={q}" for p, q in plan.pinned)]
-          if plan.pinned else []),
+        *(["pinned      " + ", ".join([f"{p}={q}" for p, q in plan.pinned]
+                                      + ([f"stages={_stage_blocks(plan)}"]
+                                         if plan.pinned_stages else []))]
+          if plan.pinned or plan.pinned_stages else []),
         *([f"trains      {tt}"] if (tt := F.trainable_text(plan, graph, short=True)) else []),
         f"step time   {F.fmt_time(p.step_time_s)} (compute {F.fmt_time(p.compute_s)}, "
         f"communication {F.fmt_time(p.comm_s)}, bubble {F.fmt_time(p.bubble_s)})",

@@ -22,7 +22,7 @@ from autoplan.plan import (
 )
 from autoplan.solver.costs import token_scale
 from autoplan.solver.frozen import has_frozen
-from autoplan.solver.pipeline import Assessment, stages_of
+from autoplan.solver.pipeline import Assessment, config_stages
 from autoplan.solver.problem import Problem, _tensor_bytes, share_key
 from autoplan.strategies import Candidate, tensor_args
 
@@ -53,7 +53,7 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         mesh=MeshShape(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp), zero_stage=cfg.zero_stage,
         global_batch=spec.global_batch, num_microbatches=cfg.num_microbatches,
         microbatch_size=cfg.microbatch_size, seq_len=spec.seq_len, schedule=cfg.schedule,
-        stages=stages_of(search.total_layers, cfg.pp * cfg.num_virtual_stages),
+        stages=config_stages(cfg, search.total_layers),
         prediction=_prediction(search, best),
         num_virtual_stages=cfg.num_virtual_stages,
         checkpointing=cfg.checkpointing,

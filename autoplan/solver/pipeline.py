@@ -148,7 +148,7 @@ from autoplan.topology import Topology
 
 __all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR",
            "optimizer_pass", "frozen_param_bytes", "Config",
-           "Assessment", "stages_of",
+           "Assessment", "stages_of", "config_stages",
            "assess", "pipeline_time_s", "rank_memories", "rank_peaks"]
 
 DP_SYNC_OVERLAP = 0.0
@@ -207,6 +207,9 @@ class Config:
     schedule: str
     num_virtual_stages: int = 1
     cp: int = 1
+    stage_layers: tuple[int, ...] = ()
+    """Blocks per pipeline stage, in stage order, as the user pinned them (`stages=` of
+    `plan()`); () for the even split of `stages_of`."""
 
     @property
     def dp_shard(self) -> int:
@@ -221,9 +224,11 @@ class Config:
     def __str__(self) -> str:
         v = f" v{self.num_virtual_stages}" if self.num_virtual_stages > 1 else ""
         cp = f" x cp{self.cp}" if self.cp > 1 else ""
+        stages = (f" (stages of {'/'.join(map(str, self.stage_layers))} blocks)"
+                  if self.stage_layers else "")
         return (f"pp{self.pp} x dp{self.dp}{cp} x tp{self.tp}, ZeRO-{self.zero_stage}, "
                 f"{self.num_microbatches} microbatches of {self.microbatch_size}, "
-                f"{self.schedule}{v}")
+                f"{self.schedule}{v}{stages}")
 
 
 @dataclass
@@ -262,15 +267,31 @@ def stages_of(total_layers: int, num_stages: int) -> tuple[Stage, ...]:
     return tuple(out)
 
 
+def config_stages(cfg: Config, total_layers: int) -> tuple[Stage, ...]:
+    """The pipeline stages of `cfg`: its pinned `stage_layers`, else `stages_of`'s even
+    split of `total_layers` into pp x v stages."""
+    return _stages(cfg.pp * cfg.num_virtual_stages, cfg.stage_layers, total_layers)
+
+
 def _rank_layers(cfg: Config, total_layers: int) -> tuple[int, ...]:
     """Layers per pipeline rank (its v chunks together)."""
-    return _layers_per_rank(cfg.pp, cfg.num_virtual_stages, total_layers)
+    return _layers_per_rank(cfg.pp, cfg.num_virtual_stages, total_layers, cfg.stage_layers)
 
 
 @functools.lru_cache(maxsize=4096)
-def _layers_per_rank(pp: int, v: int, total_layers: int) -> tuple[int, ...]:
+def _stages(num_stages: int, stage_layers: tuple[int, ...],
+            total_layers: int) -> tuple[Stage, ...]:
+    if not stage_layers:
+        return stages_of(total_layers, num_stages)
+    starts = [sum(stage_layers[:i]) for i in range(len(stage_layers) + 1)]
+    return tuple(Stage(i, starts[i], starts[i + 1]) for i in range(len(stage_layers)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layers_per_rank(pp: int, v: int, total_layers: int,
+                     stage_layers: tuple[int, ...] = ()) -> tuple[int, ...]:
     per_rank = [0] * pp
-    for st in stages_of(total_layers, pp * v):
+    for st in _stages(pp * v, stage_layers, total_layers):
         per_rank[st.index % pp] += st.num_layers
     return tuple(per_rank)
 
@@ -448,8 +469,7 @@ def _last_chunk_fraction(cfg: Config, r: int, layers) -> dict[str, float]:
     v = cfg.num_virtual_stages
     layer = 1.0
     if v > 1 and layers[r]:
-        total = sum(layers)
-        layer = stages_of(total, cfg.pp * v)[r].num_layers / layers[r]
+        layer = config_stages(cfg, sum(layers))[r].num_layers / layers[r]
     return {"pre": 1.0, "layer": layer, "post": 1.0 if v == 1 else 0.0}
 
 

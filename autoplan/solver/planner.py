@@ -48,7 +48,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
          sequence_parallel: bool | None = None, cp: int | None = None,
          offload: str | None = None, compiled: bool = False,
          frozen_weights_dtype: str | None = None,
-         elementwise_optimizer: bool = True, placements=None) -> Plan:
+         elementwise_optimizer: bool = True, placements=None, stages=None) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -107,6 +107,11 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             in `Plan.pinned` ([Note: pinned placements] in solver/pins.py). A split pinned
             searches meshes with tp > 1 only; a pin that cannot hold raises ValueError
             naming it.
+        stages: blocks per pipeline stage, in stage order (e.g. [3, 5, 5, 3]: the stages
+            holding the embedding and the head carry fewer blocks, as Llama 3 split its
+            stages); fixes pp = len(stages) / num_virtual_stages. None: the even split
+            (`pipeline.stages_of`). Recorded as `Plan.pinned_stages`; stages that do not
+            hold the model's blocks, one at least each, raise InvalidConfig.
 
     Returns:
         A Plan with every field filled (see autoplan.plan.Plan).
@@ -144,11 +149,16 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     if compiled:
         topology = compiled_topology(topology)
     pinned = parse_pins(placements)
+    if stages is not None:
+        stages = tuple(stages)
+        num_virtual_stages = num_virtual_stages or 1
+        if pp is None and len(stages) % num_virtual_stages == 0:
+            pp = len(stages) // num_virtual_stages
     with collector_paused():
         overrides = Overrides(
             tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
             allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload,
-            elementwise_optimizer, pinned)
+            elementwise_optimizer, pinned, stages)
 
         def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
             fixed = overrides if search_offload or offload is not None else \
@@ -166,7 +176,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                     others.append(_plan(graph, topology, spec, Overrides(
                         tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
                         allow_tp_across_nodes, checkpointing, sequence_parallel, cp,
-                        offload, elementwise_optimizer, pinned),
+                        offload, elementwise_optimizer, pinned, stages),
                         time_limit_s, top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue
@@ -177,6 +187,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
     result = expert_parallel(graph, result, spec, topology, ep)
     if pinned:
         result = dataclasses.replace(result, pinned=pinned)
+    if stages is not None:
+        result = dataclasses.replace(result, pinned_stages=True)
     return dataclasses.replace(result, compiled=True) if compiled else result
 
 

@@ -39,7 +39,7 @@ from autoplan.solver.costs import Costs, build_costs, token_scale
 from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
                                  relax, solve)
 from autoplan.solver.pipeline import (Assessment, Config, assess, pipeline_time_s, rank_memories,
-                                      rank_peaks, stages_of)
+                                      rank_peaks, config_stages)
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
@@ -106,6 +106,8 @@ class Overrides:
     # (pattern, placement) pins of parameters on the tp axis ([Note: pinned placements] in
     # solver/pins.py)
     placements: tuple[tuple[str, str], ...] = ()
+    # blocks per pipeline stage, in stage order (pipeline.Config.stage_layers); fixes pp x v
+    stages: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
     if o.pp is not None and o.pp * v > max(layers, 1):
         raise InvalidConfig(f"pp {o.pp} x num_virtual_stages {v} = {o.pp * v} stages is more "
                             f"than the model's {layers} layers")
+    if o.stages is not None:
+        _check_stages(o, layers)
     if o.checkpointing is not None and o.checkpointing not in ckpt.POLICIES:
         raise InvalidConfig(f"checkpointing {o.checkpointing!r} is not one of {ckpt.POLICIES}")
     if o.checkpointing not in (None, "none") and not layers:
@@ -194,6 +198,20 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
         _check_microbatches(spec, o, world)
     elif o.dp is not None and spec.global_batch % o.dp:
         raise InvalidConfig(f"global_batch {spec.global_batch} is not divisible by dp {o.dp}")
+
+
+def _check_stages(o: Overrides, layers: int) -> None:
+    """Pinned stages: pp x v of them, at least one block each, the model's blocks in all."""
+    v = o.num_virtual_stages or 1
+    if o.pp is not None and len(o.stages) != o.pp * v:
+        raise InvalidConfig(f"stages {list(o.stages)}: {len(o.stages)} stages for pp {o.pp} x "
+                            f"num_virtual_stages {v} = {o.pp * v}")
+    if any(not isinstance(n, int) or n < 1 for n in o.stages):
+        raise InvalidConfig(f"stages {list(o.stages)}: every stage needs at least one block "
+                            "(a count of blocks per stage)")
+    if sum(o.stages) != layers:
+        raise InvalidConfig(f"stages {list(o.stages)} hold {sum(o.stages)} blocks; the model "
+                            f"has {layers}")
 
 
 def _check_cp(graph: CapturedGraph, spec: TrainingSpec, cp: int) -> None:
@@ -308,6 +326,7 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
                     continue  # torch's Schedule1F1B refuses fewer microbatches than stages
                 b = spec.global_batch // (dp * m)
                 out += [PlanConfig(pp, dp, tp, zero, m, b, sched, v, cp=cp,
+                                   stage_layers=o.stages or (),
                                    checkpointing=policy, offload=o.offload or "none")
                         for policy in policies]
     if o.offload not in (None, "none"):  # a fixed offload: the stages that run it
@@ -503,7 +522,7 @@ class Search:
 
     def step_form(self, cfg: PlanConfig) -> StepForm:
         """[Note: step form] of cfg (ilp.py): pipeline.assess as an affine function of the
-        per-part totals. The shares follow pipeline.py's stages (`stages_of`, stage i on rank
+        per-part totals. The shares follow pipeline.py's stages (`config_stages`, stage i on rank
         i % pp); the factors and the constant are read off pipeline.assess itself, from a zero
         placement and unit totals on the first rank, so they follow its formulas
         (tests/test_planner_scale.py checks the form against assess on random placements)."""
@@ -666,7 +685,7 @@ def _rank_shares(cfg: Config, total_layers: int) -> tuple:
     """Each pipeline rank's share of the parts (pipeline.py's stages), ranks that another
     rank bounds part by part left out: ((part, share), ...) per rank."""
     layers = [0] * cfg.pp
-    for st in stages_of(total_layers, cfg.pp * cfg.num_virtual_stages):
+    for st in config_stages(cfg, total_layers):
         layers[st.index % cfg.pp] += st.num_layers
     ranks = [{"pre": float(r == 0), "layer": layers[r] / total_layers if total_layers else 1.0,
               "post": float(r == cfg.pp - 1)} for r in range(cfg.pp)]
