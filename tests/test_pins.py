@@ -193,6 +193,10 @@ def test_pinned_stages_are_planned_priced_and_recorded(llama4, local4):
                                                           even.num_microbatches)
     assert p.prediction.step_time_s > even.prediction.step_time_s
     assert p.pinned_stages and Plan.from_json(p.to_json()) == p
+    from autoplan.solver.planner import reprice
+
+    again = reprice(llama4, p, local4, TrainingSpec(8, 16)).prediction.step_time_s
+    assert again == pytest.approx(p.prediction.step_time_s, rel=1e-9)
     assert '"pinned_stages"' not in even.to_json()
     assert "stages=3/1" in render_summary(p, graph=llama4)
     assert "stages of 3/1 blocks" in render_markdown(p, graph=llama4)

@@ -223,6 +223,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
                          plan.num_microbatches, plan.microbatch_size, plan.schedule,
                          plan.num_virtual_stages, cp=plan.mesh.cp,
+                         stage_layers=tuple(st.num_layers for st in plan.stages)
+                         if plan.pinned_stages else (),
                          checkpointing=plan.checkpointing, offload=plan.offload)
         problem = search.problem(cfg.tp)
         wanted = {st.node: (st.inputs, st.outputs) for st in plan.strategies}
