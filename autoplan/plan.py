@@ -348,6 +348,8 @@ class Plan:
             placements] in autoplan/solver/pins.py); () when none (no "pinned" key).
         pinned_stages: the user fixed the blocks of each stage (`stages=` of `plan()`);
             False when the search split them evenly (no "pinned_stages" key).
+        max_memory_fraction: the fraction of each device's memory the plan may use
+            (`TrainingSpec.max_memory_fraction`; no key at its default, 0.9).
         schema_version: JSON schema version.
     """
 
@@ -375,6 +377,7 @@ class Plan:
     dry_run: tuple[DryRunRecord, ...] = ()
     pinned: tuple[tuple[str, str], ...] = ()
     pinned_stages: bool = False
+    max_memory_fraction: float = 0.9
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -442,7 +445,8 @@ class Plan:
         without its `offload` key (its prediction without the cp and host figures at 0), and an
         eager plan without its `compiled` key, one without frozen parameters held apart
         without its `frozen_dtype` key, one without a dry run without its `dry_run` key and
-        one without pins without its `pinned` and `pinned_stages` keys, as
+        one without pins without its `pinned` and `pinned_stages` keys, one at the default
+        memory fraction without `max_memory_fraction`, as
         before they existed (readers default them),
         so plans without them keep their JSON byte for byte: schema version 1 either way."""
         d = dataclasses.asdict(self)
@@ -456,6 +460,8 @@ class Plan:
             del d["pinned"]
         if not d["pinned_stages"]:
             del d["pinned_stages"]
+        if d["max_memory_fraction"] == 0.9:
+            del d["max_memory_fraction"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:

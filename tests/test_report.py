@@ -258,7 +258,13 @@ def test_html_is_self_contained_with_charts(llama):
     for key in ("summary", "memory", "stages", "parts", "alternatives", "formulas"):
         assert f'<section id="{key}">' in page
     assert "device memory 80 GB" in page
+    assert "usable (90%) 72 GB" in page  # the budget the search held every rank to
     assert F.fmt_time(plan.prediction.step_time_s) in page
+    at_80 = dataclasses.replace(plan, max_memory_fraction=0.8)
+    assert "usable (80%) 64 GB" in render_html(at_80, graph=graph, topology=topology)
+    assert '"max_memory_fraction": 0.8' in at_80.to_json()
+    assert "max_memory_fraction" not in plan.to_json()  # the default: plan.json as before
+    assert Plan.from_json(at_80.to_json()) == at_80
 
 
 def test_dry_run_section_in_markdown_html_and_plan_json():

@@ -119,12 +119,13 @@ def _memory_chart(plan: Plan, topology: Topology | None) -> str:
     rows = [(f"chosen plan ({str(plan.mesh).replace('x', ' ')})", F.memory_rows(plan))]
     for a in plan.alternatives:
         rows.append((_alt_label(a), [("total (runner-up)", a.memory_bytes)]))
-    markers = [("device memory", topology.device.mem_bytes)] if topology else []
+    markers = _memory_markers(plan, topology)
     colors = {**_MEMORY_COLORS, "total (runner-up)": "#bab0ac"}
     chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="memory per rank", markers=markers,
                              colors=colors)
     caption = ("Peak memory of the most loaded rank by kind (the plan records that rank's "
-               "breakdown) and the runners-up's totals, against the device memory.")
+               "breakdown) and the runners-up's totals, against the device memory and the "
+               f"{plan.max_memory_fraction:.0%} of it the plan may use.")
     host = plan.prediction.host_memory_bytes
     if host:  # offloaded states: host memory, a bar of its own against the host's share
         share = F.host_share_bytes(plan, topology)
@@ -138,6 +139,16 @@ def _memory_chart(plan: Plan, topology: Topology | None) -> str:
     return _figure(chart, caption)
 
 
+def _memory_markers(plan: Plan, topology: Topology | None) -> list[tuple[str, float]]:
+    """The device's memory and the usable part of it (`Plan.max_memory_fraction`), the
+    budget the search held every rank to; none without a topology."""
+    if topology is None:
+        return []
+    mem = topology.device.mem_bytes
+    return [("device memory", mem),
+            (f"usable ({plan.max_memory_fraction:.0%})", plan.max_memory_fraction * mem)]
+
+
 def _dry_run_chart(plan: Plan, topology: Topology | None) -> str:
     """Measured beside predicted memory by kind, a pair of bars per dry-run rank."""
     rows = []
@@ -146,7 +157,7 @@ def _dry_run_chart(plan: Plan, topology: Topology | None) -> str:
                                                  for k in F.MEMORY_KINDS]))
         rows.append((f"rank {r.rank} predicted", [(k, float(r.predicted_by_category.get(k, 0)))
                                                   for k in F.MEMORY_KINDS]))
-    markers = [("device memory", topology.device.mem_bytes)] if topology else []
+    markers = _memory_markers(plan, topology)
     chart = svg.stacked_bars(rows, fmt=F.fmt_bytes, title="dry run: memory per rank",
                              markers=markers, colors=_MEMORY_COLORS)
     return _figure(chart, "Each dry-run rank's measured peak by kind beside the plan's "

@@ -54,6 +54,7 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         global_batch=spec.global_batch, num_microbatches=cfg.num_microbatches,
         microbatch_size=cfg.microbatch_size, seq_len=spec.seq_len, schedule=cfg.schedule,
         stages=config_stages(cfg, search.total_layers),
+        max_memory_fraction=spec.max_memory_fraction,
         prediction=_prediction(search, best),
         num_virtual_stages=cfg.num_virtual_stages,
         checkpointing=cfg.checkpointing,
