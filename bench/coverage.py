@@ -28,8 +28,15 @@ checks: "llama+lora" is Llama with LoRA of rank 8 on every linear layer (QLoRA's
 7B plan is Llama-2-7B's with the adapters, and its training check compares the frozen base and
 the adapters with one process running the same PEFT model.
 
+Refusal rows (`REFUSED`): an architecture with config keys the runtime cannot run exactly,
+e.g. "wav2vec2+layerdrop" (LayerDrop 0.1: whole layers skipped by a Python draw per step).
+Each check passes when the model is refused with a reason naming the cause (`REFUSED`'s text)
+before any rank starts -- in planning, in the calling process -- and fails when it plans or
+fails otherwise.
+
 Causal LMs train on autoplan's token batch, `step(input_ids, labels)`; the masked LM (BERT),
-seq2seq (T5) and image (ViT) models on a dict batch, `step({"input_ids": ..., "labels": ...})`
+seq2seq (T5), image (ViT, Swin, ConvNeXt) and audio (Whisper's encoder, wav2vec2) models on a
+dict batch, `step({"input_ids": ..., "labels": ...})`
 (architectures.example_batch says what each holds). A check that fails gives the exception's
 type and first line (a failed rank: its own cause), truncated to `DETAIL_CHARS`.
 
@@ -69,6 +76,8 @@ SEQ = 16  # tokens per sample of the tiny runs
 LARGE = dict(cluster="dgx-h100", num_nodes=2, dtype="bfloat16", global_batch=64, seq_len=4096)
 TRAIN = {"train dp2xtp2": dict(dp=2, tp=2), "train dp2xep2": dict(dp=4, ep=2)}
 FINE_TUNING = {"llama+lora": ("llama", "lora")}  # row -> (architecture, PEFT adapter)
+# row -> (architecture, config keys, text the refusal must contain)
+REFUSED = {"wav2vec2+layerdrop": ("wav2vec2", {"layerdrop": 0.1}, "layerdrop")}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -96,8 +105,13 @@ def _check(fn) -> dict:
 
 
 def _architecture(name: str) -> str:
-    """The architecture of row `name` (a fine-tuning row's base model's)."""
-    return FINE_TUNING.get(name, (name,))[0]
+    """The architecture of row `name` (a fine-tuning or refusal row's base model's)."""
+    return {**FINE_TUNING, **REFUSED}.get(name, (name,))[0]
+
+
+def _config(name: str) -> dict:
+    """The config keys row `name` sets on its architecture's."""
+    return REFUSED[name][1] if name in REFUSED else {}
 
 
 def _build(name: str, size: str):
@@ -106,7 +120,7 @@ def _build(name: str, size: str):
 
     if name in FINE_TUNING:
         return build_fine_tuning(*FINE_TUNING[name], size)
-    return build_architecture(name, size)
+    return build_architecture(_architecture(name), size, **_config(name))
 
 
 def _factory(name: str):
@@ -115,7 +129,20 @@ def _factory(name: str):
 
     if name in FINE_TUNING:
         return fine_tuning_factory(*FINE_TUNING[name])
-    return architecture_factory(name)
+    return architecture_factory(_architecture(name), **_config(name))
+
+
+def _refused(fn, name: str) -> str:
+    """Check `fn` of refusal row `name`: the refusal's first line where it names the cause;
+    AssertionError where `fn` plans, and its own error where it fails for another reason."""
+    text = REFUSED[name][2]
+    try:
+        fn()
+    except Exception as e:
+        if text not in str(e):
+            raise
+        return "refused before any rank starts: " + _first_line(e)
+    raise AssertionError(f"planned, where a refusal naming {text!r} was expected")
 
 
 def _batch_options(name: str, size: str, batch: int, seq_len: int) -> dict:
@@ -219,6 +246,8 @@ def _train(name: str, overrides: dict, steps: int, state: dict) -> str:
     budget = testing.split_weights_budget(_build(name, "tiny"), overrides,
                                           batches[0], global_batch=BATCH, seq_len=SEQ,
                                           world_size=4)
+    if name in REFUSED:  # planned: no rank may start
+        raise AssertionError(f"planned for {overrides} in the calling process")
     if "reference" not in state:
         state["reference"] = _reference(factory, batches)
     if state.get("cluster") is None or state["cluster"]._closed:  # a failed job closes it
@@ -254,6 +283,9 @@ def run_worker(name: str, steps: int, out: Path) -> None:
     for check, overrides in TRAIN.items():
         if arch.moe or "ep" not in overrides:
             todo[check] = lambda o=overrides: _train(name, o, steps, state)
+    if name in REFUSED:
+        row["refusal"] = REFUSED[name][2]
+        todo = {check: lambda fn=fn: _refused(fn, name) for check, fn in todo.items()}
     try:
         for check, fn in todo.items():
             print(f"--- {name}: {check}", file=sys.stderr, flush=True)
@@ -371,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from autoplan.models.architectures import ARCHITECTURES
 
-    known = [*ARCHITECTURES, *FINE_TUNING]
+    known = [*ARCHITECTURES, *FINE_TUNING, *REFUSED]
     names = args.only or known
     unknown = [n for n in names if n not in known]
     if unknown:

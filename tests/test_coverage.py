@@ -25,10 +25,12 @@ def _bench():
 def test_the_issue_s_architectures_are_all_in_the_bench():
     wanted = {"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma",
               "gemma2", "gemma3_text", "phi3", "falcon", "gpt_neox", "opt", "bloom", "stablelm",
-              "olmo2", "starcoder2", "bert", "t5", "vit"}
+              "olmo2", "starcoder2", "bert", "t5", "vit", "swin", "convnext", "whisper",
+              "wav2vec2"}
     assert wanted <= set(ARCHITECTURES), sorted(wanted - set(ARCHITECTURES))
     assert {a.task for a in ARCHITECTURES.values()} == {
-        "causal-lm", "masked-lm", "seq2seq-lm", "image-classification"}
+        "causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "audio-classification"}
+    assert "wav2vec2+layerdrop" in _bench().REFUSED
 
 
 def test_markdown_names_each_check_and_why_it_failed():
@@ -66,8 +68,9 @@ def test_tiny_config_splits_for_tp2_and_its_batch_fits(name):
     config = architecture_config(name, "tiny")
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
                 "num_local_experts", "num_experts", "n_routed_experts", "d_ff", "n_inner"):
-        value = getattr(config, key, None)
-        assert value is None or value % 2 == 0, (key, value)
+        value = getattr(config, key, None)  # Swin: one head count per stage
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            assert v is None or v % 2 == 0, (key, value)
     batch = example_batch(name, batch=4, seq_len=16)
     if "input_ids" in batch:
         assert 0 <= int(batch["input_ids"].min()) and int(batch["input_ids"].max()) < \
@@ -78,12 +81,44 @@ def test_tiny_config_splits_for_tp2_and_its_batch_fits(name):
 
 
 def test_large_configs_are_7b_class_on_meta():
-    for name in ("llama", "mixtral", "vit"):
+    for name in ("llama", "mixtral", "vit", "swin", "convnext", "whisper", "wav2vec2"):
         model = build_architecture(name, "7b")
         n = sum(p.numel() for p in model.parameters())
         assert 5e9 < n < 9e9, (name, n)
         assert all(p.is_meta for p in model.parameters())
     assert torch.get_default_device().type == "cpu"
+
+
+def test_audio_models_take_float_features_and_one_class_per_clip():
+    """The Whisper encoder reads (batch, mel bins, 2 x positions) log-mel features, wav2vec2
+    seq_len frames' worth of samples; both float32, labels one class per clip."""
+    for name, key, shape in (("whisper", "input_features", (4, 8, 32)),
+                             ("wav2vec2", "input_values", (4, 16 * 8))):
+        batch = example_batch(name, batch=4, seq_len=16)
+        assert (tuple(batch[key].shape), batch[key].dtype) == (shape, torch.float32)
+        assert tuple(batch["labels"].shape) == (4,)
+        out = build_architecture(name, device="cpu")(**batch)
+        assert tuple(out.logits.shape) == (4, 10) and out.loss.isfinite()
+
+
+def test_a_refusal_row_passes_only_on_a_refusal_that_names_its_cause():
+    bench = _bench()
+    assert bench._architecture("wav2vec2+layerdrop") == "wav2vec2"
+    assert bench._build("wav2vec2+layerdrop", "tiny").config.layerdrop == 0.1
+    assert bench._build("wav2vec2", "tiny").config.layerdrop == 0.0
+
+    def refused():
+        raise ValueError("capture: a Python branch on a random draw (config.layerdrop = 0)")
+
+    def other():
+        raise ValueError("something else")
+
+    assert bench._refused(refused, "wav2vec2+layerdrop").startswith(
+        "refused before any rank starts: ValueError: capture: a Python branch")
+    with pytest.raises(ValueError, match="something else"):
+        bench._refused(other, "wav2vec2+layerdrop")
+    with pytest.raises(AssertionError, match="planned, where a refusal naming 'layerdrop'"):
+        bench._refused(lambda: "Plan(...)", "wav2vec2+layerdrop")
 
 
 def test_the_fine_tuning_row_trains_lora_on_a_frozen_base():

@@ -7,9 +7,11 @@
 
 `ARCHITECTURES` names each architecture by its transformers `model_type` and says which head it
 is built with (`task`): causal LM (labels: the next tokens), masked LM (labels: -100 except at
-the masked positions), seq2seq LM (T5: encoder ids, decoder ids, labels) or image
-classification (ViT: pixel values, one class per image). Only the first takes autoplan's token
-batch `(input_ids, labels)`; the others need a batch of named inputs (`example_batch` gives one).
+the masked positions), seq2seq LM (T5: encoder ids, decoder ids, labels), image classification
+(ViT, Swin, ConvNeXt: pixel values, one class per image) or audio classification (the Whisper
+encoder on log-mel features, wav2vec2 on the waveform: float features, one class per clip).
+Only the first takes autoplan's token batch `(input_ids, labels)`; the others need a batch of
+named inputs (`example_batch` gives one).
 
 Sizes. The tiny configs keep every dimension that must divide a tp of 2 (heads, key/value heads,
 FFN width, experts) even, with the model's own ratios where it has a fixed one. The 7B class
@@ -19,7 +21,14 @@ architecture has grouped-query attention and positions enough for 4096 tokens. M
 experts models keep 8 experts, 2 per token, with an expert FFN of 1792 (8 x 3 x 4096 x 1792 x 32
 = 5.6e9 expert weights; ~7e9 with attention and embeddings), so that they too are 7B-class in
 total parameters. ViT at 7B takes 1024 x 1024 images in 16 x 16 patches: 4096 patches, the
-same tokens per sample as the language models.
+same tokens per sample as the language models. The vision and audio models whose configs do
+not follow the shared keys (`shared=False`) give their own: Swin at 7B is Swin-B's layout
+(Liu et al. 2021, Table 1: depths 2/2/18/2, heads of 32) widened to 832 and deepened to 42
+blocks in its third stage (6.9B, 384 x 384 images, windows of 12); ConvNeXt at 7B is
+ConvNeXt-XXL's stage widths doubled (768/1536/3072/6144) with 75 blocks in the third stage
+(6.9B, 512 x 512 images); the Whisper encoder at 7B has Llama-2-7B's width and depth with
+128 mel bins over 3,000 frames (Whisper large-v3's input); wav2vec2 at 7B the same width and
+depth over 4,096 frames of its 320-sample stride (82 s of 16 kHz audio).
 
 Nothing is downloaded: every model is built from its config with random weights.
 """
@@ -29,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 
 import torch
 from torch import nn
@@ -37,7 +47,7 @@ __all__ = ["Architecture", "ARCHITECTURES", "TASKS", "SIZES", "ADAPTERS", "archi
            "build_architecture", "example_batch", "architecture_factory", "adapter_config",
            "build_fine_tuning", "fine_tuning_factory"]
 
-TASKS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification")
+TASKS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "audio-classification")
 SIZES = ("tiny", "7b")
 
 # Shared by (almost) every architecture; `Architecture.tiny` / `.large` add or replace keys.
@@ -65,11 +75,14 @@ class Architecture:
     """Config keys on top of the shared 7B-class ones (hidden 4096, 32 layers, 32 heads)."""
     moe: bool = False
     """A mixture-of-experts model (expert parallelism is its parallel axis)."""
+    shared: bool = True
+    """The shared keys apply (False: `tiny` and `large` are the whole configs, for models
+    whose configs name their sizes otherwise: stage widths, mel bins, convolutions)."""
 
     def config_dict(self, size: str) -> dict:
         if size not in SIZES:
             raise ValueError(f"size {size!r}: expected one of {SIZES}")
-        shared = _TINY if size == "tiny" else _LARGE
+        shared = {} if not self.shared else _TINY if size == "tiny" else _LARGE
         return {**shared, **(self.tiny if size == "tiny" else self.large)}
 
 
@@ -129,6 +142,41 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in [
     Architecture("vit", "image-classification",
                  dict(intermediate_size=128, image_size=16, patch_size=4, num_labels=10),
                  dict(intermediate_size=16384, image_size=1024, patch_size=16, num_labels=1000)),
+    # stochastic depth at Swin's default rate (0.1): a draw per sample in training
+    Architecture("swin", "image-classification",
+                 dict(embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=2,
+                      image_size=16, patch_size=2, mlp_ratio=2.0, num_labels=10),
+                 dict(embed_dim=832, depths=[2, 2, 42, 2], num_heads=[26, 52, 104, 208],
+                      window_size=12, image_size=384, patch_size=4, num_labels=1000),
+                 shared=False),
+    Architecture("convnext", "image-classification",
+                 dict(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], image_size=16,
+                      num_labels=10),
+                 dict(hidden_sizes=[768, 1536, 3072, 6144], depths=[3, 3, 75, 3],
+                      image_size=512, num_labels=1000),
+                 shared=False),
+    Architecture("whisper", "audio-classification",
+                 dict(d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                      encoder_ffn_dim=64, decoder_layers=1, decoder_attention_heads=4,
+                      decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+                      vocab_size=96, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                      decoder_start_token_id=0, num_labels=10),
+                 dict(d_model=4096, encoder_layers=32, encoder_attention_heads=32,
+                      encoder_ffn_dim=16384, decoder_layers=1, num_mel_bins=128,
+                      max_source_positions=1500, num_labels=1000),
+                 shared=False),
+    # LayerDrop off (its default 0.1 skips whole layers by a Python draw: refused, see
+    # bench/coverage.py) and no SpecAugment masking (numpy's generator, not torch's)
+    Architecture("wav2vec2", "audio-classification",
+                 dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2),
+                      conv_kernel=(8, 4), num_conv_pos_embeddings=4,
+                      num_conv_pos_embedding_groups=2, layerdrop=0.0, mask_time_prob=0.0,
+                      vocab_size=96, num_labels=10),
+                 dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      intermediate_size=16384, layerdrop=0.0, mask_time_prob=0.0,
+                      num_labels=1000),
+                 shared=False),
 ]}
 
 
@@ -138,14 +186,15 @@ def _architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def architecture_config(name: str, size: str = "tiny"):
-    """The transformers config (a PretrainedConfig) of architecture `name` at `size`.
+def architecture_config(name: str, size: str = "tiny", **overrides):
+    """The transformers config (a PretrainedConfig) of architecture `name` at `size`, with
+    `overrides` (config keys) on top.
 
     Raises ValueError for an unknown name or size."""
     from transformers import CONFIG_MAPPING
 
     arch = _architecture(name)
-    return CONFIG_MAPPING[arch.model_type](**arch.config_dict(size))
+    return CONFIG_MAPPING[arch.model_type](**{**arch.config_dict(size), **overrides})
 
 
 def _model_class(task: str):
@@ -154,20 +203,21 @@ def _model_class(task: str):
     return {"causal-lm": transformers.AutoModelForCausalLM,
             "masked-lm": transformers.AutoModelForMaskedLM,
             "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
-            "image-classification": transformers.AutoModelForImageClassification}[task]
+            "image-classification": transformers.AutoModelForImageClassification,
+            "audio-classification": transformers.AutoModelForAudioClassification}[task]
 
 
 def build_architecture(name: str, size: str = "tiny", *,
                        device: str | torch.device | None = "meta",
-                       dtype: torch.dtype | None = None) -> nn.Module:
+                       dtype: torch.dtype | None = None, **overrides) -> nn.Module:
     """Architecture `name` at `size` with random weights (torch's generator: seed it first for
     reproducible weights), on `device` ("meta": nothing allocated; None: torch's default
     device, which `@autoparallel` sets to meta while it records a factory), parameters in
-    `dtype` (default float32).
+    `dtype` (default float32); `overrides`: config keys (e.g. `layerdrop=0.1`).
 
     Raises ValueError for an unknown name or size; transformers' own errors for a config it
     refuses."""
-    config = architecture_config(name, size)
+    config = architecture_config(name, size, **overrides)
     # sdpa: one fused attention op per layer, as autoplan.models builds its presets; eager for
     # an architecture whose attention has no sdpa path in transformers (it refuses sdpa).
     with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -182,13 +232,14 @@ def build_architecture(name: str, size: str = "tiny", *,
     return model if dtype is None else model.to(dtype)
 
 
-def architecture_factory(name: str, size: str = "tiny"):
+def architecture_factory(name: str, size: str = "tiny", **overrides):
     """A picklable factory (for gloo ranks and autoplan.testing) building architecture `name`
-    on torch's default device with torch's generator: seed it before the call. Called, it builds
-    on the CPU; decorated by `@autoparallel`, its construction is recorded on meta and each
-    rank's replay on its shards gives the weights a plain call would."""
+    (config `overrides` on top) on torch's default device with torch's generator: seed it
+    before the call. Called, it builds on the CPU; decorated by `@autoparallel`, its
+    construction is recorded on meta and each rank's replay on its shards gives the weights a
+    plain call would."""
     _architecture(name)
-    return functools.partial(build_architecture, name, size, device=None)
+    return functools.partial(build_architecture, name, size, device=None, **overrides)
 
 
 ADAPTERS = ("lora",)
@@ -228,8 +279,23 @@ def _batch_shapes(task: str, config, batch: int, seq_len: int) -> dict[str, tupl
     if task == "image-classification":
         side = config.image_size
         return {"pixel_values": (batch, config.num_channels, side, side), "labels": (batch,)}
+    if task == "audio-classification":
+        return {_audio_input(config): (batch, *_audio_shape(config, seq_len)), "labels": (batch,)}
     names = ["input_ids", "labels"] + (["decoder_input_ids"] if task == "seq2seq-lm" else [])
     return {k: (batch, seq_len) for k in names}
+
+
+def _audio_input(config) -> str:
+    """The float input of an audio model: log-mel features (Whisper) or samples."""
+    return "input_features" if hasattr(config, "num_mel_bins") else "input_values"
+
+
+def _audio_shape(config, seq_len: int) -> tuple[int, ...]:
+    """A sample's feature shape: Whisper's encoder takes exactly 2 max_source_positions mel
+    frames; wav2vec2 seq_len frames' worth of samples (its convolutions' strides)."""
+    if hasattr(config, "num_mel_bins"):
+        return (config.num_mel_bins, 2 * config.max_source_positions)
+    return (seq_len * math.prod(config.conv_stride),)
 
 
 def example_batch(name: str, size: str = "tiny", *, batch: int, seq_len: int,
@@ -243,7 +309,11 @@ def example_batch(name: str, size: str = "tiny", *, batch: int, seq_len: int,
     - seq2seq-lm: input_ids (batch, seq_len), decoder_input_ids (batch, seq_len) (the labels
       shifted right behind the start token), labels (batch, seq_len);
     - image-classification: pixel_values (batch, channels, image_size, image_size) float32 in
-      [-1, 1), labels (batch,) class ids.
+      [-1, 1), labels (batch,) class ids;
+    - audio-classification: float32 standard-normal features -- input_features (batch,
+      num_mel_bins, 2 max_source_positions) for Whisper's encoder, input_values (batch,
+      seq_len x the feature encoder's stride) waveform samples for wav2vec2 (about seq_len
+      frames) -- and labels (batch,) class ids.
     """
     arch = _architecture(name)
     config = architecture_config(name, size)
@@ -256,6 +326,10 @@ def example_batch(name: str, size: str = "tiny", *, batch: int, seq_len: int,
         side = config.image_size
         out = {"pixel_values": torch.rand(batch, config.num_channels, side, side, generator=g)
                * 2 - 1,
+               "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
+    elif arch.task == "audio-classification":
+        out = {_audio_input(config): torch.randn(batch, *_audio_shape(config, seq_len),
+                                                 generator=g),
                "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
     else:
         tokens = torch.randint(2, config.vocab_size, (batch, seq_len + 1), generator=g)
