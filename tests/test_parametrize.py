@@ -11,11 +11,17 @@ capture naming the module, the line and the config field to set to 0.
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
+from torch import nn
 
 import _parametrize_jobs as jobs
-from autoplan.capture import capture
+from autoplan import testing
+from autoplan.capture import CaptureError, capture
 
+aten = torch.ops.aten
 ORIGINALS = {"conv.parametrizations.weight.original0", "conv.parametrizations.weight.original1"}
 
 
@@ -26,3 +32,55 @@ def test_a_parametrization_list_is_not_the_repeated_blocks():
     assert (graph.layer_prefix, graph.num_layers) == ("", 0)
     assert ORIGINALS <= set(graph.params)
     assert graph.params["conv.parametrizations.weight.original0"].shape == (1, 1, 3)
+
+
+def test_weight_norm_is_offered_replicated_only():
+    """DTensor runs aten._weight_norm's piece `_weight_norm_interface` forward only (by its
+    decomposition strategy); the trace names the backward op it has no rule for, and
+    propagation refuses every placement, so the op is planned all-R and run on local values."""
+    from autoplan._torch_compat import Replicate, TensorArg, decompose, propagate_trace, tp_mesh
+
+    v = TensorArg((32, 32, 3), torch.float32, Replicate())
+    g = TensorArg((1, 1, 3), torch.float32, Replicate())
+    trace = decompose(aten._weight_norm.default, (v, g, 2), {})
+    assert trace.backward_without_rule == ("aten._weight_norm_interface_backward.default",)
+    with pytest.raises(NotImplementedError, match="_weight_norm_interface_backward"):
+        propagate_trace(trace, [Replicate(), Replicate()], tp_mesh(2))
+    linear = decompose(aten.linear.default, (TensorArg((4, 8), torch.float32, Replicate()),
+                                             TensorArg((6, 8), torch.float32, Replicate())), {})
+    assert linear.backward_without_rule == ()
+
+
+def _check(results, ref, overrides):
+    mesh = json.loads(results[0][2])["mesh"]
+    assert {axis: mesh[axis] for axis in overrides} == overrides
+    for rank, result in enumerate(results):
+        assert set(result[1]) == set(ref[1]), rank  # the originals, at their FQNs
+        problems = testing.compare(result, ref)
+        assert not problems, (rank, problems[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, overrides", [(1, {}), (2, dict(dp=2)), (2, dict(tp=2))],
+                         ids=["1-rank", "dp2", "tp2"])
+def test_weight_norm_trains_as_one_process(clusters, world_size, overrides):
+    batches = jobs.conv_batches(2)
+    ref = testing.reference(jobs.WeightNormConv, batches)
+    results = clusters.get(world_size).run(
+        testing.train_planned, jobs.WeightNormConv, batches, overrides, global_batch=4,
+        seq_len=8, timeout_s=300)
+    _check(results, ref, overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [dict(dp=2), dict(tp=2)], ids=["dp2", "tp2"])
+def test_wav2vec2_without_layerdrop_trains_as_one_process(clusters, overrides):
+    """Its positional convolution is weight-normalised over dim 2 (filling its g, made as a
+    (K,) norm and kept as (1, 1, K), failed); layerdrop 0, dropout 0.1 keyed by sample."""
+    pytest.importorskip("transformers")
+    batches = jobs.audio_batches(2)
+    ref = testing.reference(jobs.wav2vec2(0.0), batches)
+    results = clusters.get(2).run(testing.train_planned, jobs.wav2vec2(0.0), batches,
+                                  overrides, global_batch=4, seq_len=jobs.AUDIO_FRAMES,
+                                  timeout_s=600)
+    _check(results, ref, overrides)
