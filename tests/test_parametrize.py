@@ -84,3 +84,32 @@ def test_wav2vec2_without_layerdrop_trains_as_one_process(clusters, overrides):
                                   overrides, global_batch=4, seq_len=jobs.AUDIO_FRAMES,
                                   timeout_s=600)
     _check(results, ref, overrides)
+
+
+class _OldSpectralNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.spectral_norm(nn.Conv1d(32, 32, 3))
+        self.head = nn.Linear(32, jobs.CLASSES)
+
+    def forward(self, x):
+        return self.head(self.conv(x).transpose(1, 2))
+
+
+def _spectral() -> nn.Module:
+    model = jobs.WeightNormConv()
+    nn.utils.parametrize.remove_parametrizations(model.conv, "weight")
+    nn.utils.parametrizations.spectral_norm(model.conv)
+    return model
+
+
+@pytest.mark.parametrize("factory", [_spectral, _OldSpectralNorm], ids=["parametrization",
+                                                                        "hook"])
+def test_spectral_norm_is_refused_at_planning_by_name(factory):
+    from autoplan import autoparallel
+
+    model = autoparallel(factory(), global_batch=4, example_batch=jobs.conv_batches(1)[0],
+                         world_size=2)
+    with pytest.raises(ValueError, match=r"conv\.weight is spectral-normalised .* \(_u, _v\) "
+                                         r".*use weight_norm"):
+        _ = model.plan
