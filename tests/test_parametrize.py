@@ -86,6 +86,39 @@ def test_wav2vec2_without_layerdrop_trains_as_one_process(clusters, overrides):
     _check(results, ref, overrides)
 
 
+def test_layerdrop_is_refused_at_planning_naming_module_line_and_knob():
+    pytest.importorskip("transformers")
+    from autoplan import autoparallel
+
+    batch = jobs.audio_batches(1)[0]
+    model = autoparallel(jobs.wav2vec2(0.1), global_batch=4, example_batch=batch,
+                         world_size=2)()
+    with pytest.raises(CaptureError, match=(
+            r"model\.wav2vec2\.encoder \(Wav2Vec2Encoder\) at `if not skip_the_layer.*"
+            r"modeling_wav2vec2\.py:\d+\).* random draw \(`dropout_probability = torch\.rand"
+            r".*layerdrop = 0\.1.*set `config\.layerdrop = 0`")):
+        _ = model.plan
+
+
+class _CoinFlip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if torch.rand([]) < 0.5:  # a random decision in Python
+            return x
+        return self.proj(x)
+
+
+def test_a_branch_on_a_random_draw_says_what_to_do():
+    with pytest.raises(CaptureError, match=(
+            r"in module <root> \(_CoinFlip\) at `if torch.rand\(\[\]\) < 0.5:.*"
+            r"test_parametrize.py:\d+\).*random draw.*set the probability of that random "
+            r"decision to 0")):
+        capture(_CoinFlip(), (torch.randn(4, 8),))
+
+
 class _OldSpectralNorm(nn.Module):
     def __init__(self):
         super().__init__()
