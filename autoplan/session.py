@@ -176,6 +176,7 @@ class PlanningSession:
                 f"--nproc_per_node {topo.devices_per_node}), or plan for this job's size "
                 "(cluster=\"local-cpu\" takes the job's, a preset takes num_nodes=)")
         name = type(self.module).__name__
+        _refuse_stateful_parametrizations(self.module, name)
         # Planned on the graph the runtime will run: a meta copy in the compute dtype (a 16-bit
         # graph has the model's own upcasts as nodes; see [Note: precision recipe]).
         with self._timed("capture_for_planning_s"), phase(f"capturing {name}"):
@@ -361,3 +362,26 @@ def _refuse_unkeyed_random_ops(graph, name: str) -> None:
         raise ValueError(f"{name}: {e}. Every random op must be keyed by sample to train as one "
                          "process would on any plan; set its probability to 0 (e.g. "
                          "drop_path_rate=0) or replace it with dropout") from None
+
+
+def _refuse_stateful_parametrizations(module: nn.Module, name: str) -> None:
+    """Refuse at planning a model with spectral normalisation (torch.nn.utils.parametrizations.
+    spectral_norm, or the older hook of torch.nn.utils.spectral_norm), naming the weight. Its
+    forward in training runs a power-iteration step that writes the buffers `_u`, `_v`
+    (`weight_u`, `weight_v`) in place, so the weight one step uses depends on how many forwards
+    ran before it: a plan with several microbatches or recomputed activations runs more of them
+    per step than one process, and `eval_step` runs them where one process in eval mode does
+    not. weight_norm (stateless) trains as one process does."""
+    from autoplan._torch_compat import spectral_normalised
+
+    found = spectral_normalised(module)
+    if found:
+        raise ValueError(
+            f"{name}: {', '.join(found)} {'is' if len(found) == 1 else 'are'} spectral-normalised "
+            "(torch.nn.utils.parametrizations.spectral_norm), whose every forward in training "
+            "writes its power-iteration buffers (_u, _v) in place: a plan that runs more "
+            "forwards per step than one process (microbatches, recomputed activations), or "
+            "eval_step, changes them as one process does not. Remove it "
+            "(torch.nn.utils.parametrize.remove_parametrizations(module, 'weight'); the older "
+            "hook: torch.nn.utils.remove_spectral_norm(module)) or use weight_norm, which "
+            "keeps no state")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autoplan.runtime.deferred_init import module_tensors, record, replay
+from autoplan.runtime.deferred_init import module_tensors, module_views, record, replay
 
 SEED = 11
 
@@ -22,7 +22,8 @@ def _replayed(factory) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
     torch.manual_seed(SEED)
     model, trace = record(factory)
     got: dict[str, torch.Tensor] = {}
-    replay(trace, module_tensors(model), lambda name, t: got.__setitem__(name, t.clone()))
+    replay(trace, module_tensors(model), lambda name, t: got.__setitem__(name, t.clone()),
+           views=module_views(model))
     return want, got
 
 
@@ -88,3 +89,20 @@ def test_hf_init_weights_overwriting_init_tensors_replays_as_one_process(name):
     _assert_equal(want, got)
     token = next(v for k, v in got.items() if k.endswith("embeddings.cls_token"))
     assert token.std() < 0.05, "cls_token kept its construction value (std 1)"
+
+
+class _Views(nn.Module):
+    """weight_norm's g (`conv.parametrizations.weight.original0`, (1, 1, 3)) is made as a norm
+    of shape (3,) and viewed; `t` is the transpose of a tensor made (3, 5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 8, 3), dim=2)
+        self.t = nn.Parameter(torch.randn(3, 5).t())
+
+
+def test_a_tensor_made_in_another_view_replays_as_its_module_views_it():
+    want, got = _replayed(_Views)
+    _assert_equal(want, got)
+    assert got["conv.parametrizations.weight.original0"].shape == (1, 1, 3)
+    assert got["t"].shape == (5, 3)

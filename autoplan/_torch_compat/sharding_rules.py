@@ -205,6 +205,12 @@ def propagate(op: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagati
 # (DecompShardingStrategy) is not what runs and, in torch 2.13, fails on negative dims
 # (aten.t -> Shard(-1)). We therefore record the pieces once on meta tensors with a dispatch
 # mode (which sits where DTensor sits) and chain `propagate` through them.
+# A piece that DTensor runs by that decomposition strategy alone (no rule of its own) is run
+# forward only: autograd records the piece itself and calls its derivative, which DTensor may
+# have no rule for (aten._weight_norm -> aten._weight_norm_interface, whose backward
+# aten._weight_norm_interface_backward has none). `decompose` records such a piece's backward
+# too, and `propagate_trace` refuses a trace whose backward DTensor cannot run: the planner
+# then offers the op all-R and the sharding pass runs it on local values (`run_replicated`).
 
 
 @dataclass(frozen=True)
@@ -217,11 +223,15 @@ class Trace:
             a tensor created inside the decomposition.
         metas: shape/dtype of every reference.
         outputs: references of the op's outputs (an input reference for a pure alias).
+        backward_without_rule: the aten ops of the pieces' backward that DTensor has no rule
+            for (recorded for the pieces it has no rule of their own for, [Note: composite
+            ops]); () when it can run the backward.
     """
 
     steps: tuple
     metas: dict
     outputs: tuple
+    backward_without_rule: tuple[str, ...] = ()
 
 
 class _Recorder(TorchDispatchMode):
@@ -274,7 +284,35 @@ def decompose(op: Any, args: tuple, kwargs: dict) -> Trace:
             out_refs.append(ref)
         steps.append((func, a_ref, kw_ref, tuple(out_refs)))
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    return Trace(tuple(steps), metas, tuple(to_ref(t) for t in outs))
+    missing = {str(f) for func, a, kw, _ in recorder.calls
+               if has_sharding_rule(func) and not has_direct_rule(func)
+               for f in _backward_ops(func, a, kw) if not has_sharding_rule(f)}
+    return Trace(tuple(steps), metas, tuple(to_ref(t) for t in outs), tuple(sorted(missing)))
+
+
+def _backward_ops(func: Any, args: tuple, kwargs: dict) -> list:
+    """The aten ops autograd runs for the backward of `func(*args, **kwargs)`, on fresh meta
+    leaves shaped like its floating tensor arguments (requiring a gradient), every
+    differentiable output's gradient given."""
+    def leaf(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype,
+                                       device="meta").requires_grad_()
+        return a
+
+    args, kwargs = pytree.tree_map(leaf, (args, kwargs))
+    leaves = [t for t in pytree.tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    with torch.enable_grad():
+        out = func(*args, **kwargs)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs or not leaves:
+        return []
+    grads = [torch.ones_like(t) for t in outs]
+    recorder = _Recorder()
+    with recorder:
+        torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+    return [f for f, *_ in recorder.calls]
 
 
 def propagate_trace(trace: Trace, placements: list, mesh: DeviceMesh) -> Propagation:
@@ -283,8 +321,13 @@ def propagate_trace(trace: Trace, placements: list, mesh: DeviceMesh) -> Propaga
     suggestion of a piece is not a suggestion for the composite, so `inputs` stay as given).
 
     Raises:
+        NotImplementedError: DTensor has no rule for an op of the backward
+            (`Trace.backward_without_rule`), whatever the placements.
         Exception: whatever DTensor raises for a piece.
     """
+    if trace.backward_without_rule:
+        raise NotImplementedError(f"DTensor has no sharding rule for the backward op(s) "
+                                  f"{', '.join(trace.backward_without_rule)}")
     env: dict = {("in", i): p for i, p in enumerate(placements)}
     is_ref = lambda a: isinstance(a, tuple) and len(a) in (2, 3) and a[0] in ("in", "t")  # noqa
     moved = False

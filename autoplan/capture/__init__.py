@@ -19,9 +19,9 @@ The steps, in order:
    export's fake tensors (global shapes, on the capture device).
 4. Per call_function node: shapes, dtypes, bytes, forward FLOPs (torch.utils.flop_counter run on
    meta tensors, see `_node_flops`), innermost module FQN and layer id.
-5. Repeated blocks: the nn.ModuleList / nn.ModuleDict (digit keys) with the most children of one
-   class holds the layers (`layer_prefix` overrides); ops under `{layer_prefix}.{k}` get
-   layer id k.
+5. Repeated blocks: the nn.ModuleList / nn.ModuleDict (digit keys; not a parametrization's
+   list, `conv.parametrizations.weight`) with the most children of one class holds the layers
+   (`layer_prefix` overrides); ops under `{layer_prefix}.{k}` get layer id k.
 
 [Note: tied weights] Export may read a tied tensor under either name (GPT-2's embedding reads
 `lm_head.weight`). Every name is mapped by tensor identity to its canonical FQN, the first name

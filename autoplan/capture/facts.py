@@ -14,6 +14,7 @@ import torch
 import torch.fx
 import torch.utils.flop_counter as flop_counter
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from autoplan.capture.errors import CaptureError
 from autoplan.capture.clean import _WRAPPED, _canonical_tensors, _strip
@@ -178,10 +179,13 @@ def _backward_shares(gm: torch.fx.GraphModule, params: dict[str, ParamInfo]) -> 
 # --- repeated blocks and parameters ------------------------------------------------------------
 
 def _find_layers(model: nn.Module, layer_prefix: str | None) -> tuple[str, int]:
-    """(FQN of the container of repeated blocks, number of blocks); ("", 0) when none."""
+    """(FQN of the container of repeated blocks, number of blocks); ("", 0) when none. A
+    parametrization's list (`conv.parametrizations.weight`, torch.nn.utils.parametrize) is a
+    ModuleList with digit keys but holds the functions that compute one weight, not blocks."""
     containers = {
         name: mod for name, mod in model.named_modules()
         if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) > 0
+        and not isinstance(mod, ParametrizationList)
         and all(key.isdigit() for key, _ in mod.named_children())}
     if layer_prefix is not None:
         if layer_prefix == "":

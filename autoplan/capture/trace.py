@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import io
 import linecache
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -167,12 +168,12 @@ def _capture_error(err: BaseException, model: nn.Module, module_fqn: str | None,
     while e is not None and e not in chain:
         chain.append(e)
         e = e.__cause__ or e.__context__
-    site = None
+    site, code = None, None
     for exc in chain:
         for frame, lineno in traceback.walk_tb(exc.__traceback__):
             filename = frame.f_code.co_filename
             if not filename.startswith(_TORCH_DIR) and filename != __file__:
-                site = (filename, lineno)
+                site, code = (filename, lineno), frame.f_code
         if site:
             break
     cause = chain[-1]
@@ -187,7 +188,68 @@ def _capture_error(err: BaseException, model: nn.Module, module_fqn: str | None,
         where += f" at `{src}` ({site[0]}:{site[1]})" if src else f" at {site[0]}:{site[1]}"
     hint = ""
     if "data-dependent" in str(cause) or "data dependent" in str(cause):
-        hint = (" -- Python control flow or a shape depends on tensor values; use torch.cond / "
-                "torch.where, or move the decision out of forward")
+        hint = _data_dependent_hint(model, module_fqn, code, site[1] if site else None)
     return CaptureError(f"cannot capture {model_name!r}: {where}: "
                         f"{type(cause).__name__}: {lines[0]}{hint}")
+
+
+# A random draw on the host: torch's samplers, Python's `random`, numpy's `np.random`.
+_RANDOM_DRAW = re.compile(r"\b(torch\.(rand|randn|randint|rand_like|randn_like|bernoulli|"
+                          r"multinomial|normal)\b|\brandom\.)")
+
+
+def _data_dependent_hint(model: nn.Module, module_fqn: str | None, code, lineno: int | None
+                         ) -> str:
+    """What to do about Python control flow (or a shape) that depends on a tensor value: a
+    captured graph is one program for every step. A branch on a random draw decides anew at
+    every step (HF LayerDrop: `if self.training and torch.rand([]) < config.layerdrop: skip the
+    layer`); its probability set to 0 makes the decision static. The draw is named when the
+    failing function draws before the failing line; then the config knob too, when a module on
+    the running path has a `*layerdrop` above 0 in its config."""
+    draw = _random_draw_before(code, lineno)
+    knobs = _layerdrop_knobs(model, module_fqn) if draw is not None else []
+    if draw is None:
+        return (" -- Python control flow or a shape depends on tensor values (data-dependent), "
+                "which one captured graph cannot hold; decide it from Python values (the "
+                "model's config), or use torch.where / torch.cond")
+    what = (f" -- a Python branch on a random draw (`{draw[1]}`, line {draw[0]}), decided "
+            "anew at every step, which one captured graph cannot hold")
+    if knobs:
+        settings = ", ".join(f"{name} = {value}" for name, value in knobs)
+        zeros = " and ".join(f"`config.{name} = 0`" for name, _ in knobs)
+        return (f"{what}: the model's LayerDrop ({settings}) skips layers at random; set "
+                f"{zeros} to capture it (dropout within the layers stays as it is)")
+    return (f"{what}; set the probability of that random decision to 0 in the model's "
+            "config, or make it a dropout (which the runtime keys by sample)")
+
+
+def _random_draw_before(code, lineno: int | None) -> tuple[int, str] | None:
+    """(line number, source) of the last random draw in the function of `code` before
+    `lineno`, or None (no source, or no draw)."""
+    if code is None or lineno is None:
+        return None
+    try:
+        lines, first = inspect.getsourcelines(code)
+    except (OSError, TypeError):
+        return None
+    found = None
+    for i, line in enumerate(lines, start=first):
+        if i > lineno:
+            break
+        if _RANDOM_DRAW.search(line.split("#")[0]):
+            found = (i, line.strip())
+    return found
+
+
+def _layerdrop_knobs(model: nn.Module, module_fqn: str | None) -> list[tuple[str, float]]:
+    """(config field, value) of every `*layerdrop` above 0 (HF: `layerdrop`,
+    `encoder_layerdrop`, `decoder_layerdrop`) in the configs of the modules on the path from
+    the root to the module that was running, each field once."""
+    parts = module_fqn.split(".") if module_fqn else []
+    knobs: dict[str, float] = {}
+    for fqn in (".".join(parts[:i]) for i in range(len(parts) + 1)):
+        config = getattr(model.get_submodule(fqn), "config", None)
+        for name, value in getattr(config, "__dict__", {}).items():
+            if name.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
+                knobs.setdefault(name, value)
+    return sorted(knobs.items())

@@ -55,7 +55,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["DeferredInitError", "InitTrace", "record", "replay", "storage_key", "module_tensors"]
+__all__ = ["DeferredInitError", "InitTrace", "record", "replay", "storage_key", "module_tensors",
+           "module_views"]
 
 aten = torch.ops.aten
 
@@ -355,7 +356,8 @@ def _schedule(trace: InitTrace, wanted: set[int]) -> _Schedule:
 
 def replay(trace: InitTrace, wanted: Mapping[int, Iterable[str]],
            consume: Callable[[str, torch.Tensor], None], *,
-           device: str | torch.device = "cpu") -> int:
+           device: str | torch.device = "cpu",
+           views: Mapping[str, tuple] | None = None) -> int:
     """Replay `trace` on `device`, calling `consume(name, full_tensor)` once per wanted name as
     soon as its storage holds its final value; returns the peak bytes of real tensors the
     replay held at once (full tensors and scratch; what `consume` keeps is the caller's).
@@ -365,6 +367,10 @@ def replay(trace: InitTrace, wanted: Mapping[int, Iterable[str]],
             names (FQNs) it is known by; every name is consumed with the same tensor.
         consume: receives a full tensor on `device`; it must not keep it beyond its shard
             (buffers may be kept whole).
+        views: name -> (shape, stride, storage offset) of the view of its storage the module
+            holds (`module_views`): the trace may know several views of one storage, and the
+            one it made last need not be the module's (weight_norm's `original0` is made as
+            a norm of shape (C,) and kept as (1, 1, C)). None: a whole contiguous view.
 
     Ops that feed no wanted value are skipped (random ones still run while a later random op
     feeds one). The CPU generator is set to the recorded state for the replay and restored
@@ -422,7 +428,7 @@ def replay(trace: InitTrace, wanted: Mapping[int, Iterable[str]],
                 for k in sched.ready_after.get(i, ()):
                     full = fetch(_Ref(_whole_index(by_storage.get(k, []), trace, k, key_of)))
                     for name in wanted[k]:
-                        consume(name, full)
+                        consume(name, _viewed(full, (views or {}).get(name)))
                     del full  # the replay's last reference: the storage goes now
                     drop(k)
                 for k in sched.free_after.get(i, ()):
@@ -444,6 +450,16 @@ def _run(op: _Op, fetch, bind, real, device) -> None:
             bind(r.index, o)
 
 
+def _viewed(full: torch.Tensor, view: tuple | None) -> torch.Tensor:
+    """The view (shape, stride, storage offset) of `full`'s storage; `full` when None."""
+    if view is None:
+        return full
+    shape, stride, offset = view
+    if (tuple(full.shape), tuple(full.stride()), full.storage_offset()) == view:
+        return full
+    return full.as_strided(shape, stride, offset)
+
+
 def _whole_index(indices: list[int], trace: InitTrace, k: int, key_of: list[int]) -> int:
     """Index of a tensor viewing storage k whole (contiguous from offset 0)."""
     candidates = indices or [i for i, key in enumerate(key_of) if key == k]
@@ -455,10 +471,21 @@ def _whole_index(indices: list[int], trace: InitTrace, k: int, key_of: list[int]
     return candidates[0]
 
 
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False))
+
+
 def module_tensors(module: nn.Module) -> dict[int, list[str]]:
     """Storage key -> the FQNs (parameters and buffers, tied names included) of `module`."""
     out: dict[int, list[str]] = defaultdict(list)
-    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(
-            module.named_buffers(remove_duplicate=False)):
+    for name, t in _named_tensors(module):
         out[storage_key(t)].append(name)
     return dict(out)
+
+
+def module_views(module: nn.Module) -> dict[str, tuple]:
+    """FQN -> (shape, stride, storage offset) of every parameter and buffer of `module` (tied
+    names included): how each views its storage."""
+    return {name: (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            for name, t in _named_tensors(module)}

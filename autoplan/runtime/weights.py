@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan._torch_compat import local_shard_slices
 
-from autoplan.runtime.deferred_init import InitTrace, module_tensors, replay
+from autoplan.runtime.deferred_init import InitTrace, module_tensors, module_views, replay
 
 __all__ = ["WeightSource", "Targets", "ModuleWeights", "InitReplay", "HFWeights",
            "PartedWeights", "fill_shard", "weights_to_meta", "allocate", "LostConstantError"]
@@ -176,6 +176,7 @@ class InitReplay:
     def __init__(self, trace: InitTrace, module: nn.Module, *, params: bool = True):
         self.trace = trace
         self.names = module_tensors(module)
+        self.views = module_views(module)
         self.buffer_names = {n for n, _ in module.named_buffers(remove_duplicate=False)}
         self.params = params
         self.peak_bytes = 0
@@ -188,7 +189,8 @@ class InitReplay:
         want = targets.names() if self.params else set(targets.buffers)
         wanted = {k: [n for n in names if n in want] for k, names in self.names.items()}
         wanted = {k: v for k, v in wanted.items() if v}
-        self.peak_bytes = replay(self.trace, wanted, targets.put, device=targets.device)
+        self.peak_bytes = replay(self.trace, wanted, targets.put, device=targets.device,
+                                 views=self.views)
 
 
 class HFWeights:
