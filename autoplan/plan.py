@@ -440,26 +440,15 @@ class Plan:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The plan as JSON-ready data; a mesh without expert or context parallelism (ep 1,
-        cp 1) is written without its `ep` / `cp` key, a plan or alternative without offload
-        without its `offload` key (its prediction without the cp and host figures at 0), and an
-        eager plan without its `compiled` key, one without frozen parameters held apart
-        without its `frozen_dtype` key, one without a dry run without its `dry_run` key and
-        one without pins without its `pinned` and `pinned_stages` keys, one at the default
-        memory fraction without `max_memory_fraction`, as
-        before they existed (readers default them),
-        so plans without them keep their JSON byte for byte: schema version 1 either way."""
+        """The plan as JSON-ready data. What a plan may lack is written as before it existed,
+        without its key (readers default them), so plans without it keep their JSON byte for
+        byte, schema version 1 either way: a mesh's `ep` / `cp` at 1, `offload` at "none" (a
+        prediction's cp and host figures at 0 too), `compiled`, `frozen_dtype`, `dry_run`,
+        `pinned` and `pinned_stages` when unset, `max_memory_fraction` at its default."""
         d = dataclasses.asdict(self)
-        if not d["compiled"]:
-            del d["compiled"]
-        if not d["frozen_dtype"]:
-            del d["frozen_dtype"]
-        if not d["dry_run"]:
-            del d["dry_run"]
-        if not d["pinned"]:
-            del d["pinned"]
-        if not d["pinned_stages"]:
-            del d["pinned_stages"]
+        for key in ("compiled", "frozen_dtype", "dry_run", "pinned", "pinned_stages"):
+            if not d[key]:
+                del d[key]
         if d["max_memory_fraction"] == 0.9:
             del d["max_memory_fraction"]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:

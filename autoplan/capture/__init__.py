@@ -34,7 +34,8 @@ shape or a condition, ops without a meta/fake kernel).
 
 Files: this package's __init__ (the API: `capture`, `capture_preset`), errors.py
 (`CaptureError`, which every step raises), trace.py
-(step 1 and the mapping of trace failures to `CaptureError`), clean.py (step 2, [Note: tied
+(step 1 and the mapping of trace failures to `CaptureError`; host_random.py refuses random
+draws on the host, [Note: host random draws]), clean.py (step 2, [Note: tied
 weights]), facts.py (steps 4 and 5: per-node facts, repeated blocks, parameters; with fusion.py, the
 bytes of memory-bound ops run as fused chains, [Note: pointwise fusion]), hf_experts.py
 (during step 1, mixture-of-experts layers run as one static-shape op, [Note: experts op]),

@@ -20,6 +20,8 @@ from torch import nn
 
 from autoplan.capture.errors import CaptureError
 from autoplan.capture.constants import fake_cpu
+from autoplan.capture.host_random import host_random_draws
+from autoplan.capture.host_random import refusal as host_random_refusal
 from autoplan.inputs import path_name
 
 
@@ -95,7 +97,7 @@ def _export(model: nn.Module, inputs: list[torch.Tensor], in_spec,
     wrapper, which recorded the output's structure."""
     use_cache = "use_cache" in inspect.signature(model.forward).parameters
     printed = io.StringIO()
-    with _running_modules(model) as running:
+    with _running_modules(model) as running, host_random_draws(running) as draws:
         try:
             # a meta model traces on CPU-claiming fakes, so that constants its code creates
             # keep their values ([Note: lifted constants on meta] in capture/constants.py)
@@ -109,6 +111,8 @@ def _export(model: nn.Module, inputs: list[torch.Tensor], in_spec,
             error = _capture_error(e, model, fqn, model_name)
             error.partial_graph = printed.getvalue()
             raise error from e
+    if draws:  # [Note: host random draws]
+        raise host_random_refusal(draws, model, model_name)
     sys.stderr.write(printed.getvalue())
     return ep, root
 
