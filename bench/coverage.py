@@ -139,9 +139,14 @@ def _refused(fn, name: str) -> str:
     try:
         fn()
     except Exception as e:
-        if text not in str(e):
+        message = " ".join(str(e).split())
+        at = message.rfind(text)
+        if at < 0:
             raise
-        return "refused before any rank starts: " + _first_line(e)
+        # the clause that names the cause (its last mention: what to do), where the first
+        # line would be cut before it
+        return (f"refused before any rank starts ({type(e).__name__}): ..."
+                f"{message[max(at - 90, 0):at + 40]}...")
     raise AssertionError(f"planned, where a refusal naming {text!r} was expected")
 
 
