@@ -13,6 +13,9 @@ synchronisation of the plan's ZeRO stage. Under context parallelism the graph is
 captured at seq / cp tokens per sample and rewritten as the runtime rewrites it
 (autoplan/passes/context_parallel.py): each attention's K/V all-gather over the cp group is in the
 graph, and the rank's global positions are its `_cp_positions` input.
+
+The placed stage graphs are made once per export and copied for each traced rank
+(`shared_stages`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,11 +40,12 @@ from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
 from autoplan.graph import CapturedGraph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.kernels import fuse_kernels
-from autoplan.passes.stages import split_stages
+from autoplan.passes.stages import StageGraph, split_stages
 from autoplan.passes.sharding import apply_placements, value_placements
 from autoplan.plan import Plan, parse_placement
 
-__all__ = ["export_plan", "trace_rank", "COLLECTIVE_OPS", "count_collectives", "count_kernels"]
+__all__ = ["export_plan", "shared_stages", "trace_rank", "SharedStages", "COLLECTIVE_OPS",
+           "count_collectives", "count_kernels"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "all_to_all_single", "broadcast")
@@ -69,6 +74,17 @@ def count_kernels(gm: torch.fx.GraphModule) -> dict[str, int]:
     return out
 
 
+class SharedStages(NamedTuple):
+    """The part of an export's lowering that every rank shares (`shared_stages`)."""
+
+    stages: list[StageGraph]
+    """The plan's stage graphs, placements applied (kernels fused under cp 1)."""
+    planned_nodes: dict[str, torch.fx.Node] | None
+    """cp > 1: each node's counterpart in the graph captured at the whole sequence."""
+    kernels: bool
+    """Whether the fused kernels replace their patterns (`trace_rank`'s `kernels`)."""
+
+
 def _local_shape(shape, placement: str, tp: int) -> tuple[int, ...]:
     p = parse_placement(placement)
     shape = list(shape)
@@ -82,15 +98,50 @@ def _val(node: torch.fx.Node):
     return v if isinstance(v, torch.Tensor) else None
 
 
+def shared_stages(graph: CapturedGraph, plan: Plan, kernels: bool = True,
+                  planned: CapturedGraph | None = None) -> SharedStages:
+    """What every rank's trace of `plan` shares: the stage graphs with the plan's placements
+    applied and, under cp 1, the fused kernels (`kernels`); under cp > 1 the cp rewrite is the
+    rank's own (its cp rank and group), so `trace_rank` fuses after it, as runtime/engine.py
+    orders them. Made once per export: for llama3-70b at pp8 x dp2 x tp4, copying, splitting
+    and rewriting the whole 80-layer graph again for each of the 32 traced ranks was most of
+    the export's time. Raises ValueError where `check_whole_graph` does (cp > 1)."""
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    retarget_device(gm, "cpu")
+    nodes = None
+    if plan.mesh.cp > 1:
+        from autoplan.passes.context_parallel import check_whole_graph
+        from autoplan.passes.expand import counterparts
+
+        check_whole_graph(gm, plan.seq_len, plan.mesh.cp)
+        nodes = counterparts(planned, graph) if planned is not None else None
+    stages = split_stages(gm, graph, plan.stages)
+    for sg in stages:
+        apply_placements(sg.gm, plan)
+        if kernels and plan.mesh.cp == 1:
+            fuse_kernels(sg.gm)
+    return SharedStages(stages, nodes, kernels)
+
+
+def _copy_stage(sg: StageGraph) -> StageGraph:
+    """`sg` with a module and graph of its own (the trace rebinds the module's parameters,
+    the cp rewrite edits the graph); nodes keep their names, meta and tensors are shared."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(sg.gm.graph, {}))
+    return StageGraph(sg.index, torch.fx.GraphModule(sg.gm, g, class_name=f"Stage{sg.index}"),
+                      sg.input_names, sg.output_names)
+
+
 def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
                kernels: bool = True, cp_rank: int = 0,
-               planned: CapturedGraph | None = None):
+               planned: CapturedGraph | None = None, shared: SharedStages | None = None):
     """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, cp_rank, tp_rank),
     with the fused kernels' ops in place of their patterns as the runtime runs them
     (`kernels`, see autoplan/passes/kernels.py). Under cp > 1 `graph` is the model captured at
     plan.seq_len / cp tokens per sample, rewritten for cp rank `cp_rank` as the runtime does
     (passes/context_parallel.py; `planned`: the graph captured at the whole sequence, to tell
-    position indexes apart).
+    position indexes apart). `shared`: `shared_stages(graph, plan, kernels, planned)`, made
+    once for the ranks of an export (made here when None).
 
     Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
@@ -101,26 +152,23 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
     mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
     tp_mesh = mesh["tp"]
     tp, cp = plan.mesh.tp, plan.mesh.cp
-    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-    retarget_device(gm, "cpu")
-    if cp > 1:
-        from autoplan.passes.context_parallel import apply_context_parallel, check_whole_graph
-        from autoplan.passes.expand import counterparts
-
-        check_whole_graph(gm, plan.seq_len, cp)
-        nodes = counterparts(planned, graph) if planned is not None else None
+    if shared is None:
+        shared = shared_stages(graph, plan, kernels, planned)
+    assert shared.kernels == kernels, "shared stages made with another `kernels`"
     produced = value_placements(plan)
     out = []
-    for sg in split_stages(gm, graph, plan.stages):
-        if sg.index % plan.mesh.pp != pp_rank:
+    for placed in shared.stages:
+        if placed.index % plan.mesh.pp != pp_rank:
             continue
-        apply_placements(sg.gm, plan)
+        sg = _copy_stage(placed)
         if cp > 1:  # as runtime/engine.py: after the placements, before the kernels
+            from autoplan.passes.context_parallel import apply_context_parallel
+
             apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=cp, rank=cp_rank,
                                    group_name=mesh["cp"].get_group().group_name, tp=tp,
-                                   planned=nodes, whole=plan.mesh.pp == 1)
-        if kernels:
-            fuse_kernels(sg.gm)
+                                   planned=shared.planned_nodes, whole=plan.mesh.pp == 1)
+            if kernels:
+                fuse_kernels(sg.gm)
         attrs = [n.target for n in sg.gm.graph.nodes if n.op == "get_attr"]
         placeholders = [n for n in sg.gm.graph.nodes if n.op == "placeholder"]
         in_pl = [produced.get(n, "R") for n in sg.input_names]
@@ -302,6 +350,7 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
 
     out_dir = Path(out_dir)
     files: dict[str, str] = {"plan.json": plan.to_json()}
+    shared = shared_stages(graph, plan, kernels, planned)
     # traced in memory first: a failure writes nothing (all-or-nothing outputs)
     for pp_rank, cp_rank, tp_rank in itertools.product(range(plan.mesh.pp), range(cp),
                                                        range(plan.mesh.tp)):
@@ -309,7 +358,8 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
         dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                 world_size=plan.mesh.world_size)
         try:
-            traced = trace_rank(graph, plan, pp_rank, tp_rank, kernels, cp_rank, planned)
+            traced = trace_rank(graph, plan, pp_rank, tp_rank, kernels, cp_rank, planned,
+                                shared)
         finally:
             dist.destroy_process_group()
             clear_dtensor_caches()
