@@ -44,6 +44,40 @@ def test_files_per_rank_and_stage(exported):
     assert not list(out.glob(".*")), "temporary files left behind"
 
 
+def _ops_by_module(code: str) -> dict[str | None, list[str]]:
+    """The op lines of an exported graph's forward under each module comment above them."""
+    body = code[code.index("def forward("):].splitlines()[1:]
+    out: dict[str | None, list[str]] = {}
+    current = None
+    for line in body:
+        if line.startswith("    # "):
+            current = line[len("    # "):]
+        elif " = " in line:
+            out.setdefault(current, []).append(line)
+    return out
+
+
+def test_each_op_is_written_under_its_module_path(exported):
+    """Issue 29: each op of an exported graph sits under a comment naming the module it runs
+    for, the rank's own block index included (stage 1 holds layer 1), a redistribution under
+    the module of the op that reads it; the JSON rows carry the same path."""
+    _, out, _ = exported
+    for rank, stage in [(0, 0), (3, 1)]:
+        code = (out / f"rank{rank}_stage{stage}.py").read_text()
+        ops = _ops_by_module(code)
+        assert None not in ops, ops.get(None)  # no op before the first module comment
+        o_proj = ops[f"model.layers.{stage}.self_attn.o_proj"]
+        assert any("torch.ops.aten.mm.default(" in line for line in o_proj), o_proj
+        assert f"model.layers.{1 - stage}.self_attn.o_proj" not in ops
+        collectives = [m for m, lines in ops.items()
+                       if any("_c10d_functional.all_" in line for line in lines)]
+        assert collectives and all(m.startswith(f"model.layers.{stage}") for m in collectives)
+        rows = json.loads((out / f"rank{rank}_stage{stage}.json").read_text())
+        modules = {r["module"] for r in rows if r["op"] == "call_function"}
+        assert f"model.layers.{stage}.mlp.down_proj" in modules
+    assert "lm_head" in _ops_by_module((out / "rank3_stage1.py").read_text())
+
+
 def test_export_over_an_earlier_one_leaves_only_this_plan(tmp_path):
     """A pp1 x tp1 export into a directory holding a 4-rank one: the 4-rank graphs go, the
     user's own files stay; a failing export creates no directory."""

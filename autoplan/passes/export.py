@@ -14,8 +14,11 @@ captured at seq / cp tokens per sample and rewritten as the runtime rewrites it
 (autoplan/passes/context_parallel.py): each attention's K/V all-gather over the cp group is in the
 graph, and the rank's global positions are its `_cp_positions` input.
 
-The placed stage graphs are made once per export and copied for each traced rank
-(`shared_stages`).
+The op names are aten's (`_unsafe_view_3`), so the files say what the names do not: above
+each run of ops a comment names the module they run for (`# model.layers.0.self_attn.o_proj`,
+the captured node's module path, so a block's ops carry the rank's own block index); the JSON
+rows carry it (`module`). The placed stage graphs are made once per export and copied for
+each traced rank (`shared_stages`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
@@ -143,6 +147,10 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
     position indexes apart). `shared`: `shared_stages(graph, plan, kernels, planned)`, made
     once for the ranks of an export (made here when None).
 
+    Each traced op's `meta["module_path"]` is the path of the module it runs for (absent for
+    the views DTensor.from_local / to_local add at the stage's edges): what the exported
+    files write above the ops.
+
     Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
     Raises ValueError where the cp rewrite does (passes/context_parallel.py).
@@ -189,8 +197,10 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
             if tp > 1:
                 inputs = [DTensor.from_local(x, tp_mesh, (parse_placement(p),), run_check=False)
                           for x, p in zip(inputs, _in_pl)]
-            with implicit_replication():
-                result = _sg.gm(*inputs)
+            # an Interpreter under preserve_node_meta: each traced op records the stage node
+            # it came from (meta["from_node"]), which names its module
+            with implicit_replication(), fx_traceback.preserve_node_meta():
+                result = torch.fx.Interpreter(_sg.gm).run(*inputs)
             flat_out = result if isinstance(result, tuple) else (result,)
             return tuple(o.to_local() if isinstance(o, DTensor) else o for o in flat_out)
 
@@ -206,7 +216,29 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
                 args.append(torch.empty(_local_shape(v.shape, p, tp), dtype=v.dtype))
             traced = make_fx(run)(*args)
         _name_placeholders(traced, attrs + [n.name for n in placeholders])
+        paths = _module_paths(sg.gm, graph)
+        for node in traced.graph.nodes:
+            source = node.meta.get("from_node")
+            if source and source[0].name in paths:
+                node.meta["module_path"] = paths[source[0].name]
         out.append((sg.index, traced, sg.input_names, sg.output_names))
+    return out
+
+
+def _module_paths(gm: torch.fx.GraphModule, graph: CapturedGraph) -> dict[str, str]:
+    """The module path of each call_function node of a stage graph: its captured node's
+    (`NodeInfo.module_path`, found by `meta["orig_name"]`; a fused kernel's is its pattern's
+    output's); an inserted redistribution's, the longest module path that holds every consumer
+    (one gather shared by gate and up projections: `model.layers.0.mlp`)."""
+    out: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        info = graph.nodes.get(node.meta.get("orig_name", node.name))
+        if node.op == "call_function" and info is not None:
+            out[node.name] = info.module_path
+    for node in reversed(gm.graph.nodes):  # consumers first: a redistribution may feed one
+        if "redistribute_for" in node.meta:
+            users = [out[u.name].split(".") for u in node.users if u.name in out]
+            out[node.name] = ".".join(os.path.commonprefix(users))
     return out
 
 
@@ -290,12 +322,36 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
     return "\n".join(lines) + "\n"
 
 
+def _module(node: torch.fx.Node) -> str:
+    """The module path a traced op is written under (`trace_rank`)."""
+    path = node.meta.get("module_path")
+    if path is None:  # DTensor.from_local / to_local in `trace_rank`'s `run`
+        return "(local shards of the stage's inputs and outputs)"
+    return path or "(top-level module)"
+
+
+def _python(gm: torch.fx.GraphModule) -> str:
+    """`gm.code` with what names alone do not say: above each run of ops of one module, a
+    comment line with its path (`# model.layers.0.self_attn.o_proj`)."""
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
+    lines, current = [], None
+    for line in gm.code.splitlines(keepends=True):
+        node = by_name.get(line.strip().split(" = ", 1)[0])
+        if node is not None and _module(node) != current:
+            current = _module(node)
+            lines.append(f"    # {current}\n")
+        lines.append(line)
+    return "".join(lines)
+
+
 def _dot(gm: torch.fx.GraphModule, title: str) -> str:
     lines = [f'digraph "{title}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
     for node in gm.graph.nodes:
         label = node.name if node.op != "call_function" else f"{node.name}\\n{node.target}"
         style = ', style=filled, fillcolor="#ffd27f"' if "_c10d_functional" in str(
             node.target) else ""
+        if node.op == "call_function":
+            style += f', tooltip="{_module(node)}"'
         lines.append(f'  "{node.name}" [label="{label}"{style}];')
         for a in node.all_input_nodes:
             lines.append(f'  "{a.name}" -> "{node.name}";')
@@ -312,6 +368,7 @@ def _json(gm: torch.fx.GraphModule) -> list[dict]:
             "inputs": [a.name for a in node.all_input_nodes],
             "shape": list(v.shape) if isinstance(v, torch.Tensor) else None,
             "collective": "_c10d_functional" in str(node.target),
+            "module": node.meta.get("module_path"),
         })
     return rows
 
@@ -367,7 +424,7 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
             stem = f"rank{rank}_stage{stage}"
             header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
                              count_collectives(gm), count_kernels(gm), cp_rank)
-            files[f"{stem}.py"] = header + gm.code
+            files[f"{stem}.py"] = header + _python(gm)
             files[f"{stem}.dot"] = _dot(gm, stem)
             files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
     # only now: a failed trace leaves nothing; all or nothing, with a report's permissions
