@@ -16,9 +16,10 @@ graph, and the rank's global positions are its `_cp_positions` input.
 
 The op names are aten's (`_unsafe_view_3`), so the files say what the names do not: above
 each run of ops a comment names the module they run for (`# model.layers.0.self_attn.o_proj`,
-the captured node's module path, so a block's ops carry the rank's own block index); the JSON
-rows carry it (`module`). The placed stage graphs are made once per export and copied for
-each traced rank (`shared_stages`).
+the captured node's module path, so a block's ops carry the rank's own block index), and each
+call that names a process group ('8') ends with that group's mesh axis and global ranks, which
+the header also lists; the JSON rows carry both (`module`, `group`). The placed stage graphs
+are made once per export and copied for each traced rank (`shared_stages`).
 """
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
     once for the ranks of an export (made here when None).
 
     Each traced op's `meta["module_path"]` is the path of the module it runs for (absent for
-    the views DTensor.from_local / to_local add at the stage's edges): what the exported
-    files write above the ops.
+    the views DTensor.from_local / to_local add at the stage's edges), and the traced module's
+    `meta["process_groups"]` is {group name: (mesh axis, global ranks)} of this rank's group
+    on each mesh axis: what the exported files write beside the ops and collectives.
 
     Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
@@ -159,6 +161,7 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
 
     mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
     tp_mesh = mesh["tp"]
+    groups = _mesh_groups(mesh)
     tp, cp = plan.mesh.tp, plan.mesh.cp
     if shared is None:
         shared = shared_stages(graph, plan, kernels, planned)
@@ -221,7 +224,17 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
             source = node.meta.get("from_node")
             if source and source[0].name in paths:
                 node.meta["module_path"] = paths[source[0].name]
+        traced.meta["process_groups"] = groups
         out.append((sg.index, traced, sg.input_names, sg.output_names))
+    return out
+
+
+def _mesh_groups(mesh) -> dict[str, tuple[str, list[int]]]:
+    """{group name: (mesh axis, global ranks)} of this rank's group on each mesh axis."""
+    out = {}
+    for axis in mesh.mesh_dim_names:
+        group = mesh[axis].get_group()
+        out[group.group_name] = (axis, dist.get_process_group_ranks(group))
     return out
 
 
@@ -274,7 +287,8 @@ def _rank(plan: Plan, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0
 
 
 def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
-            collectives: dict[str, int], fused: dict[str, int], cp_rank: int = 0) -> str:
+            collectives: dict[str, int], fused: dict[str, int], cp_rank: int = 0,
+            process_groups: dict[str, tuple[str, list[int]]] | None = None) -> str:
     cp = plan.mesh.cp
     ranks = [_rank(plan, pp_rank, d, tp_rank, cp_rank) for d in range(plan.mesh.dp)]
     num_stages = len(plan.stages)
@@ -282,6 +296,13 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
     where = f"pp rank {pp_rank}, " + (f"cp rank {cp_rank}, " if cp > 1 else "") + \
         f"tp rank {tp_rank}, every dp rank"
     groups = "tp group" + (", cp group" if cp > 1 else "")
+    if process_groups:
+        named = [f"# process groups this graph names (global rank {ranks[0]}'s; each dp rank "
+                 "has its own on the same mesh axes):"]
+        named += [f"#   '{name}': {axis} axis, global ranks {members}"
+                  for name, (axis, members) in process_groups.items()]
+    else:
+        named = ["# process groups this graph names: none"]
     lines = [
         f"# autoplan export: {plan.model} on {plan.topology}, mesh {plan.mesh} "
         f"(axes {', '.join(plan.mesh.axis_names)}), ZeRO-{plan.zero_stage}, "
@@ -289,6 +310,7 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
         f"# pipeline stage {stage} of {num_stages}: layers [{st.layer_start}, {st.layer_end})",
         f"# runs on global ranks {ranks} ({where})",
         f"# forward collectives in this graph ({groups}): {collectives or 'none'}",
+        *named,
         f"# fused kernel calls (torch.ops.autoplan, autoplan/passes/kernels.py): "
         f"{fused or 'none'}",
         f"# stage inputs: {inputs}",
@@ -322,6 +344,28 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
     return "\n".join(lines) + "\n"
 
 
+def _group_name(node: torch.fx.Node) -> str | None:
+    """The process group a call names (its op's `group_name` argument: every functional
+    collective, the cp attention), else None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    names = [a.name for a in node.target._schema.arguments]
+    if "group_name" not in names:
+        return None
+    i = names.index("group_name")
+    return str(node.kwargs["group_name"] if i >= len(node.args) else node.args[i])
+
+
+def _group(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, list[int]] | None:
+    """(mesh axis, global ranks) of the process group `node` names, else None."""
+    name = _group_name(node)
+    if name is None:
+        return None
+    groups = gm.meta["process_groups"]
+    assert name in groups, f"{node.name} names process group {name!r}, no mesh axis's: {groups}"
+    return groups[name]
+
+
 def _module(node: torch.fx.Node) -> str:
     """The module path a traced op is written under (`trace_rank`)."""
     path = node.meta.get("module_path")
@@ -332,7 +376,8 @@ def _module(node: torch.fx.Node) -> str:
 
 def _python(gm: torch.fx.GraphModule) -> str:
     """`gm.code` with what names alone do not say: above each run of ops of one module, a
-    comment line with its path (`# model.layers.0.self_attn.o_proj`)."""
+    comment line with its path (`# model.layers.0.self_attn.o_proj`); after each call that
+    names a process group, the group's mesh axis and global ranks."""
     by_name = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
     lines, current = [], None
     for line in gm.code.splitlines(keepends=True):
@@ -340,6 +385,9 @@ def _python(gm: torch.fx.GraphModule) -> str:
         if node is not None and _module(node) != current:
             current = _module(node)
             lines.append(f"    # {current}\n")
+        group = None if node is None else _group(gm, node)
+        if group is not None:
+            line = f"{line.rstrip()}  # {group[0]} axis, ranks {group[1]}\n"
         lines.append(line)
     return "".join(lines)
 
@@ -350,6 +398,9 @@ def _dot(gm: torch.fx.GraphModule, title: str) -> str:
         label = node.name if node.op != "call_function" else f"{node.name}\\n{node.target}"
         style = ', style=filled, fillcolor="#ffd27f"' if "_c10d_functional" in str(
             node.target) else ""
+        group = _group(gm, node)
+        if group is not None:
+            label += f"\\n{group[0]} axis, ranks {group[1]}"
         if node.op == "call_function":
             style += f', tooltip="{_module(node)}"'
         lines.append(f'  "{node.name}" [label="{label}"{style}];')
@@ -363,12 +414,15 @@ def _json(gm: torch.fx.GraphModule) -> list[dict]:
     rows = []
     for node in gm.graph.nodes:
         v = node.meta.get("val")
+        group = _group(gm, node)
         rows.append({
             "name": node.name, "op": node.op, "target": str(node.target),
             "inputs": [a.name for a in node.all_input_nodes],
             "shape": list(v.shape) if isinstance(v, torch.Tensor) else None,
             "collective": "_c10d_functional" in str(node.target),
             "module": node.meta.get("module_path"),
+            "group": None if group is None else {"name": _group_name(node), "axis": group[0],
+                                                 "ranks": group[1]},
         })
     return rows
 
@@ -422,8 +476,10 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
             clear_dtensor_caches()
         for stage, gm, ins, outs in traced:
             stem = f"rank{rank}_stage{stage}"
+            named = {_group_name(n): _group(gm, n) for n in gm.graph.nodes
+                     if _group_name(n) is not None}  # in order of first use
             header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
-                             count_collectives(gm), count_kernels(gm), cp_rank)
+                             count_collectives(gm), count_kernels(gm), cp_rank, named)
             files[f"{stem}.py"] = header + _python(gm)
             files[f"{stem}.dot"] = _dot(gm, stem)
             files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
