@@ -44,6 +44,63 @@ def test_files_per_rank_and_stage(exported):
     assert not list(out.glob(".*")), "temporary files left behind"
 
 
+def _ops_by_module(code: str) -> dict[str | None, list[str]]:
+    """The op lines of an exported graph's forward under each module comment above them."""
+    body = code[code.index("def forward("):].splitlines()[1:]
+    out: dict[str | None, list[str]] = {}
+    current = None
+    for line in body:
+        if line.startswith("    # "):
+            current = line[len("    # "):]
+        elif " = " in line:
+            out.setdefault(current, []).append(line)
+    return out
+
+
+def test_each_op_is_written_under_its_module_path(exported):
+    """Issue 29: each op of an exported graph sits under a comment naming the module it runs
+    for, the rank's own block index included (stage 1 holds layer 1), a redistribution under
+    the module of the op that reads it; the JSON rows carry the same path."""
+    _, out, _ = exported
+    for rank, stage in [(0, 0), (3, 1)]:
+        code = (out / f"rank{rank}_stage{stage}.py").read_text()
+        ops = _ops_by_module(code)
+        assert None not in ops, ops.get(None)  # no op before the first module comment
+        o_proj = ops[f"model.layers.{stage}.self_attn.o_proj"]
+        assert any("torch.ops.aten.mm.default(" in line for line in o_proj), o_proj
+        assert f"model.layers.{1 - stage}.self_attn.o_proj" not in ops
+        collectives = [m for m, lines in ops.items()
+                       if any("_c10d_functional.all_" in line for line in lines)]
+        assert collectives and all(m.startswith(f"model.layers.{stage}") for m in collectives)
+        rows = json.loads((out / f"rank{rank}_stage{stage}.json").read_text())
+        modules = {r["module"] for r in rows if r["op"] == "call_function"}
+        assert f"model.layers.{stage}.mlp.down_proj" in modules
+    assert "lm_head" in _ops_by_module((out / "rank3_stage1.py").read_text())
+
+
+def test_collectives_name_their_mesh_axis_and_ranks(exported):
+    """Issue 29: a collective names its process group ('7'); the file says which mesh axis
+    and global ranks that group is, in the header and on the collective's line, and the JSON
+    row carries it."""
+    import re
+
+    _, out, _ = exported
+    for rank, stage in [(0, 0), (1, 0), (2, 1), (3, 1)]:
+        code = (out / f"rank{rank}_stage{stage}.py").read_text()
+        tp_group = [2 * stage, 2 * stage + 1]
+        lines = [line for line in code.splitlines()
+                 if "_c10d_functional." in line and "wait_tensor" not in line]
+        assert lines
+        for line in lines:
+            assert line.endswith(f"  # tp axis, ranks {tp_group}"), line
+            name = re.findall(r"'([^']+)'\)", line)[-1]
+            assert f"#   '{name}': tp axis, global ranks {tp_group}" in code
+        rows = json.loads((out / f"rank{rank}_stage{stage}.json").read_text())
+        groups = [r["group"] for r in rows if r["collective"] and "wait_tensor" not in r["target"]]
+        assert len(groups) == len(lines)
+        assert all(g["axis"] == "tp" and g["ranks"] == tp_group for g in groups), groups
+
+
 def test_export_over_an_earlier_one_leaves_only_this_plan(tmp_path):
     """A pp1 x tp1 export into a directory holding a 4-rank one: the 4-rank graphs go, the
     user's own files stay; a failing export creates no directory."""
@@ -255,6 +312,9 @@ def test_a_context_parallel_plan_exports_its_kv_gathers_per_cp_rank(tmp_path):
         assert f"cp rank {cp_rank}" in code and f"cp group {group}" in code
         assert f"chunks {cp_rank} and {3 - cp_rank} of 4" in code
         assert f"256 of {seq} tokens per sample" in code
+        assert all(r["group"]["axis"] == "cp" and r["group"]["ranks"] == group for r in kv), \
+            [r["group"] for r in kv]
+        assert f"'{kv[0]['group']['name']}': cp axis, global ranks {group}" in code
     with pytest.raises(ValueError, match=r"captured at 512 tokens per sample; a cp 2 rank runs "
                                          r"256"):
         export_plan(planned, plan, tmp_path / "never")

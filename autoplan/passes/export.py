@@ -13,6 +13,13 @@ synchronisation of the plan's ZeRO stage. Under context parallelism the graph is
 captured at seq / cp tokens per sample and rewritten as the runtime rewrites it
 (autoplan/passes/context_parallel.py): each attention's K/V all-gather over the cp group is in the
 graph, and the rank's global positions are its `_cp_positions` input.
+
+The op names are aten's (`_unsafe_view_3`), so the files say what the names do not: above
+each run of ops a comment names the module they run for (`# model.layers.0.self_attn.o_proj`,
+the captured node's module path, so a block's ops carry the rank's own block index), and each
+call that names a process group ('8') ends with that group's mesh axis and global ranks, which
+the header also lists; the JSON rows carry both (`module`, `group`). The placed stage graphs
+are made once per export and copied for each traced rank (`shared_stages`).
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
@@ -36,11 +45,12 @@ from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
 from autoplan.graph import CapturedGraph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.kernels import fuse_kernels
-from autoplan.passes.stages import split_stages
+from autoplan.passes.stages import StageGraph, split_stages
 from autoplan.passes.sharding import apply_placements, value_placements
 from autoplan.plan import Plan, parse_placement
 
-__all__ = ["export_plan", "trace_rank", "COLLECTIVE_OPS", "count_collectives", "count_kernels"]
+__all__ = ["export_plan", "shared_stages", "trace_rank", "SharedStages", "COLLECTIVE_OPS",
+           "count_collectives", "count_kernels"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "all_to_all_single", "broadcast")
@@ -69,6 +79,17 @@ def count_kernels(gm: torch.fx.GraphModule) -> dict[str, int]:
     return out
 
 
+class SharedStages(NamedTuple):
+    """The part of an export's lowering that every rank shares (`shared_stages`)."""
+
+    stages: list[StageGraph]
+    """The plan's stage graphs, placements applied (kernels fused under cp 1)."""
+    planned_nodes: dict[str, torch.fx.Node] | None
+    """cp > 1: each node's counterpart in the graph captured at the whole sequence."""
+    kernels: bool
+    """Whether the fused kernels replace their patterns (`trace_rank`'s `kernels`)."""
+
+
 def _local_shape(shape, placement: str, tp: int) -> tuple[int, ...]:
     p = parse_placement(placement)
     shape = list(shape)
@@ -82,15 +103,55 @@ def _val(node: torch.fx.Node):
     return v if isinstance(v, torch.Tensor) else None
 
 
+def shared_stages(graph: CapturedGraph, plan: Plan, kernels: bool = True,
+                  planned: CapturedGraph | None = None) -> SharedStages:
+    """What every rank's trace of `plan` shares: the stage graphs with the plan's placements
+    applied and, under cp 1, the fused kernels (`kernels`); under cp > 1 the cp rewrite is the
+    rank's own (its cp rank and group), so `trace_rank` fuses after it, as runtime/engine.py
+    orders them. Made once per export: for llama3-70b at pp8 x dp2 x tp4, copying, splitting
+    and rewriting the whole 80-layer graph again for each of the 32 traced ranks was most of
+    the export's time. Raises ValueError where `check_whole_graph` does (cp > 1)."""
+    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
+    retarget_device(gm, "cpu")
+    nodes = None
+    if plan.mesh.cp > 1:
+        from autoplan.passes.context_parallel import check_whole_graph
+        from autoplan.passes.expand import counterparts
+
+        check_whole_graph(gm, plan.seq_len, plan.mesh.cp)
+        nodes = counterparts(planned, graph) if planned is not None else None
+    stages = split_stages(gm, graph, plan.stages)
+    for sg in stages:
+        apply_placements(sg.gm, plan)
+        if kernels and plan.mesh.cp == 1:
+            fuse_kernels(sg.gm)
+    return SharedStages(stages, nodes, kernels)
+
+
+def _copy_stage(sg: StageGraph) -> StageGraph:
+    """`sg` with a module and graph of its own (the trace rebinds the module's parameters,
+    the cp rewrite edits the graph); nodes keep their names, meta and tensors are shared."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(sg.gm.graph, {}))
+    return StageGraph(sg.index, torch.fx.GraphModule(sg.gm, g, class_name=f"Stage{sg.index}"),
+                      sg.input_names, sg.output_names)
+
+
 def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
                kernels: bool = True, cp_rank: int = 0,
-               planned: CapturedGraph | None = None):
+               planned: CapturedGraph | None = None, shared: SharedStages | None = None):
     """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, cp_rank, tp_rank),
     with the fused kernels' ops in place of their patterns as the runtime runs them
     (`kernels`, see autoplan/passes/kernels.py). Under cp > 1 `graph` is the model captured at
     plan.seq_len / cp tokens per sample, rewritten for cp rank `cp_rank` as the runtime does
     (passes/context_parallel.py; `planned`: the graph captured at the whole sequence, to tell
-    position indexes apart).
+    position indexes apart). `shared`: `shared_stages(graph, plan, kernels, planned)`, made
+    once for the ranks of an export (made here when None).
+
+    Each traced op's `meta["module_path"]` is the path of the module it runs for (absent for
+    the views DTensor.from_local / to_local add at the stage's edges), and the traced module's
+    `meta["process_groups"]` is {group name: (mesh axis, global ranks)} of this rank's group
+    on each mesh axis: what the exported files write beside the ops and collectives.
 
     Needs an initialised default process group of plan.mesh.world_size ranks (a fake one is
     fine). Returns [(stage_index, traced GraphModule, stage input names, output names)].
@@ -100,27 +161,25 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
 
     mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.axis_names)
     tp_mesh = mesh["tp"]
+    groups = _mesh_groups(mesh)
     tp, cp = plan.mesh.tp, plan.mesh.cp
-    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-    retarget_device(gm, "cpu")
-    if cp > 1:
-        from autoplan.passes.context_parallel import apply_context_parallel, check_whole_graph
-        from autoplan.passes.expand import counterparts
-
-        check_whole_graph(gm, plan.seq_len, cp)
-        nodes = counterparts(planned, graph) if planned is not None else None
+    if shared is None:
+        shared = shared_stages(graph, plan, kernels, planned)
+    assert shared.kernels == kernels, "shared stages made with another `kernels`"
     produced = value_placements(plan)
     out = []
-    for sg in split_stages(gm, graph, plan.stages):
-        if sg.index % plan.mesh.pp != pp_rank:
+    for placed in shared.stages:
+        if placed.index % plan.mesh.pp != pp_rank:
             continue
-        apply_placements(sg.gm, plan)
+        sg = _copy_stage(placed)
         if cp > 1:  # as runtime/engine.py: after the placements, before the kernels
+            from autoplan.passes.context_parallel import apply_context_parallel
+
             apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=cp, rank=cp_rank,
                                    group_name=mesh["cp"].get_group().group_name, tp=tp,
-                                   planned=nodes, whole=plan.mesh.pp == 1)
-        if kernels:
-            fuse_kernels(sg.gm)
+                                   planned=shared.planned_nodes, whole=plan.mesh.pp == 1)
+            if kernels:
+                fuse_kernels(sg.gm)
         attrs = [n.target for n in sg.gm.graph.nodes if n.op == "get_attr"]
         placeholders = [n for n in sg.gm.graph.nodes if n.op == "placeholder"]
         in_pl = [produced.get(n, "R") for n in sg.input_names]
@@ -141,8 +200,10 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
             if tp > 1:
                 inputs = [DTensor.from_local(x, tp_mesh, (parse_placement(p),), run_check=False)
                           for x, p in zip(inputs, _in_pl)]
-            with implicit_replication():
-                result = _sg.gm(*inputs)
+            # an Interpreter under preserve_node_meta: each traced op records the stage node
+            # it came from (meta["from_node"]), which names its module
+            with implicit_replication(), fx_traceback.preserve_node_meta():
+                result = torch.fx.Interpreter(_sg.gm).run(*inputs)
             flat_out = result if isinstance(result, tuple) else (result,)
             return tuple(o.to_local() if isinstance(o, DTensor) else o for o in flat_out)
 
@@ -158,7 +219,39 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
                 args.append(torch.empty(_local_shape(v.shape, p, tp), dtype=v.dtype))
             traced = make_fx(run)(*args)
         _name_placeholders(traced, attrs + [n.name for n in placeholders])
+        paths = _module_paths(sg.gm, graph)
+        for node in traced.graph.nodes:
+            source = node.meta.get("from_node")
+            if source and source[0].name in paths:
+                node.meta["module_path"] = paths[source[0].name]
+        traced.meta["process_groups"] = groups
         out.append((sg.index, traced, sg.input_names, sg.output_names))
+    return out
+
+
+def _mesh_groups(mesh) -> dict[str, tuple[str, list[int]]]:
+    """{group name: (mesh axis, global ranks)} of this rank's group on each mesh axis."""
+    out = {}
+    for axis in mesh.mesh_dim_names:
+        group = mesh[axis].get_group()
+        out[group.group_name] = (axis, dist.get_process_group_ranks(group))
+    return out
+
+
+def _module_paths(gm: torch.fx.GraphModule, graph: CapturedGraph) -> dict[str, str]:
+    """The module path of each call_function node of a stage graph: its captured node's
+    (`NodeInfo.module_path`, found by `meta["orig_name"]`; a fused kernel's is its pattern's
+    output's); an inserted redistribution's, the longest module path that holds every consumer
+    (one gather shared by gate and up projections: `model.layers.0.mlp`)."""
+    out: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        info = graph.nodes.get(node.meta.get("orig_name", node.name))
+        if node.op == "call_function" and info is not None:
+            out[node.name] = info.module_path
+    for node in reversed(gm.graph.nodes):  # consumers first: a redistribution may feed one
+        if "redistribute_for" in node.meta:
+            users = [out[u.name].split(".") for u in node.users if u.name in out]
+            out[node.name] = ".".join(os.path.commonprefix(users))
     return out
 
 
@@ -194,7 +287,8 @@ def _rank(plan: Plan, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0
 
 
 def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
-            collectives: dict[str, int], fused: dict[str, int], cp_rank: int = 0) -> str:
+            collectives: dict[str, int], fused: dict[str, int], cp_rank: int = 0,
+            process_groups: dict[str, tuple[str, list[int]]] | None = None) -> str:
     cp = plan.mesh.cp
     ranks = [_rank(plan, pp_rank, d, tp_rank, cp_rank) for d in range(plan.mesh.dp)]
     num_stages = len(plan.stages)
@@ -202,6 +296,13 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
     where = f"pp rank {pp_rank}, " + (f"cp rank {cp_rank}, " if cp > 1 else "") + \
         f"tp rank {tp_rank}, every dp rank"
     groups = "tp group" + (", cp group" if cp > 1 else "")
+    if process_groups:
+        named = [f"# process groups this graph names (global rank {ranks[0]}'s; each dp rank "
+                 "has its own on the same mesh axes):"]
+        named += [f"#   '{name}': {axis} axis, global ranks {members}"
+                  for name, (axis, members) in process_groups.items()]
+    else:
+        named = ["# process groups this graph names: none"]
     lines = [
         f"# autoplan export: {plan.model} on {plan.topology}, mesh {plan.mesh} "
         f"(axes {', '.join(plan.mesh.axis_names)}), ZeRO-{plan.zero_stage}, "
@@ -209,6 +310,7 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
         f"# pipeline stage {stage} of {num_stages}: layers [{st.layer_start}, {st.layer_end})",
         f"# runs on global ranks {ranks} ({where})",
         f"# forward collectives in this graph ({groups}): {collectives or 'none'}",
+        *named,
         f"# fused kernel calls (torch.ops.autoplan, autoplan/passes/kernels.py): "
         f"{fused or 'none'}",
         f"# stage inputs: {inputs}",
@@ -242,12 +344,65 @@ def _header(plan: Plan, pp_rank: int, tp_rank: int, stage: int, inputs, outputs,
     return "\n".join(lines) + "\n"
 
 
+def _group_name(node: torch.fx.Node) -> str | None:
+    """The process group a call names (its op's `group_name` argument: every functional
+    collective, the cp attention), else None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    names = [a.name for a in node.target._schema.arguments]
+    if "group_name" not in names:
+        return None
+    i = names.index("group_name")
+    return str(node.kwargs["group_name"] if i >= len(node.args) else node.args[i])
+
+
+def _group(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[str, list[int]] | None:
+    """(mesh axis, global ranks) of the process group `node` names, else None."""
+    name = _group_name(node)
+    if name is None:
+        return None
+    groups = gm.meta["process_groups"]
+    assert name in groups, f"{node.name} names process group {name!r}, no mesh axis's: {groups}"
+    return groups[name]
+
+
+def _module(node: torch.fx.Node) -> str:
+    """The module path a traced op is written under (`trace_rank`)."""
+    path = node.meta.get("module_path")
+    if path is None:  # DTensor.from_local / to_local in `trace_rank`'s `run`
+        return "(local shards of the stage's inputs and outputs)"
+    return path or "(top-level module)"
+
+
+def _python(gm: torch.fx.GraphModule) -> str:
+    """`gm.code` with what names alone do not say: above each run of ops of one module, a
+    comment line with its path (`# model.layers.0.self_attn.o_proj`); after each call that
+    names a process group, the group's mesh axis and global ranks."""
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
+    lines, current = [], None
+    for line in gm.code.splitlines(keepends=True):
+        node = by_name.get(line.strip().split(" = ", 1)[0])
+        if node is not None and _module(node) != current:
+            current = _module(node)
+            lines.append(f"    # {current}\n")
+        group = None if node is None else _group(gm, node)
+        if group is not None:
+            line = f"{line.rstrip()}  # {group[0]} axis, ranks {group[1]}\n"
+        lines.append(line)
+    return "".join(lines)
+
+
 def _dot(gm: torch.fx.GraphModule, title: str) -> str:
     lines = [f'digraph "{title}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
     for node in gm.graph.nodes:
         label = node.name if node.op != "call_function" else f"{node.name}\\n{node.target}"
         style = ', style=filled, fillcolor="#ffd27f"' if "_c10d_functional" in str(
             node.target) else ""
+        group = _group(gm, node)
+        if group is not None:
+            label += f"\\n{group[0]} axis, ranks {group[1]}"
+        if node.op == "call_function":
+            style += f', tooltip="{_module(node)}"'
         lines.append(f'  "{node.name}" [label="{label}"{style}];')
         for a in node.all_input_nodes:
             lines.append(f'  "{a.name}" -> "{node.name}";')
@@ -259,11 +414,15 @@ def _json(gm: torch.fx.GraphModule) -> list[dict]:
     rows = []
     for node in gm.graph.nodes:
         v = node.meta.get("val")
+        group = _group(gm, node)
         rows.append({
             "name": node.name, "op": node.op, "target": str(node.target),
             "inputs": [a.name for a in node.all_input_nodes],
             "shape": list(v.shape) if isinstance(v, torch.Tensor) else None,
             "collective": "_c10d_functional" in str(node.target),
+            "module": node.meta.get("module_path"),
+            "group": None if group is None else {"name": _group_name(node), "axis": group[0],
+                                                 "ranks": group[1]},
         })
     return rows
 
@@ -302,6 +461,7 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
 
     out_dir = Path(out_dir)
     files: dict[str, str] = {"plan.json": plan.to_json()}
+    shared = shared_stages(graph, plan, kernels, planned)
     # traced in memory first: a failure writes nothing (all-or-nothing outputs)
     for pp_rank, cp_rank, tp_rank in itertools.product(range(plan.mesh.pp), range(cp),
                                                        range(plan.mesh.tp)):
@@ -309,15 +469,18 @@ def export_plan(graph: CapturedGraph, plan: Plan, out_dir: str | os.PathLike,
         dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                 world_size=plan.mesh.world_size)
         try:
-            traced = trace_rank(graph, plan, pp_rank, tp_rank, kernels, cp_rank, planned)
+            traced = trace_rank(graph, plan, pp_rank, tp_rank, kernels, cp_rank, planned,
+                                shared)
         finally:
             dist.destroy_process_group()
             clear_dtensor_caches()
         for stage, gm, ins, outs in traced:
             stem = f"rank{rank}_stage{stage}"
+            named = {_group_name(n): _group(gm, n) for n in gm.graph.nodes
+                     if _group_name(n) is not None}  # in order of first use
             header = _header(plan, pp_rank, tp_rank, stage, ins, outs,
-                             count_collectives(gm), count_kernels(gm), cp_rank)
-            files[f"{stem}.py"] = header + gm.code
+                             count_collectives(gm), count_kernels(gm), cp_rank, named)
+            files[f"{stem}.py"] = header + _python(gm)
             files[f"{stem}.dot"] = _dot(gm, stem)
             files[f"{stem}.json"] = json.dumps(_json(gm), indent=1)
     # only now: a failed trace leaves nothing; all or nothing, with a report's permissions
