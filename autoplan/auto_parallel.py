@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn as nn
 from autoplan.options import PlanOptions
 from autoplan.plan import Plan
 from autoplan.runtime.construction import is_dcp as _is_dcp, resolve_dtype, weight_source
-from autoplan.session import _PRIVATE_GROUP, PlanningSession, _in_job
+from autoplan.session import _PRIVATE_GROUP, PlanningSession, _in_job, _private_group
 
 __all__ = ["AutoParallel"]
 
@@ -57,16 +58,28 @@ class AutoParallel(PlanningSession):
     def _compile(self):
         """The engine (`_build_engine`); a build that fails takes down the one-rank process
         group it set up for itself, so that the process is as it was (a later fake or real
-        group of another size can be made)."""
+        group of another size can be made). In a group autoplan created, the engine is
+        dropped at exit, so that the group ends before the interpreter does ([Note: orderly
+        exit] in autoplan/runtime/shutdown.py)."""
+        from autoplan.runtime.shutdown import release_at_exit
+
         before = len(_PRIVATE_GROUP)
         try:
-            return self._build_engine()
+            engine = self._build_engine()
         except BaseException:
             if len(_PRIVATE_GROUP) > before and dist.is_initialized() and \
-                    dist.group.WORLD is _PRIVATE_GROUP[-1]:
+                    dist.group.WORLD is _private_group():
                 dist.destroy_process_group()
                 _PRIVATE_GROUP.pop()
             raise
+        release_at_exit(self._release_runtime)
+        return engine
+
+    def _release_runtime(self) -> None:
+        """Drop this rank's runtime (the engine: FSDP2's state and the pipeline stages hold
+        the job's process groups), so that they can be destroyed at exit ([Note: orderly exit]
+        in autoplan/runtime/shutdown.py). A later step would build it again."""
+        self._engine = None
 
     def _build_engine(self):
         from autoplan.progress import phase
@@ -88,8 +101,11 @@ class AutoParallel(PlanningSession):
                     f"the plan needs {topo.world_size} ranks: run under torchrun or "
                     "autoplan.runtime.LocalCluster (this process has no process group)")
             if not dist.is_initialized():
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-                _PRIVATE_GROUP.append(dist.group.WORLD)
+                from autoplan.runtime.shutdown import init_default_group
+
+                # destroyed at exit, its worker threads joined ([Note: orderly exit])
+                init_default_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                _PRIVATE_GROUP.append(weakref.ref(dist.group.WORLD))
         graph, plan, planned, reuse, cached = self._runtime_graph()
         self._build_stats["capture_reused"] = reuse
         self._build_stats["capture_runtime_cached"] = cached

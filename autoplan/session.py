@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -28,14 +29,21 @@ __all__ = ["PlanningSession"]
 
 
 # The world of one this process set up to train alone: not a job (a later model may still be
-# planned for world_size= ranks without training).
-_PRIVATE_GROUP: list = []
+# planned for world_size= ranks without training). Weak references: a destroyed group ends
+# here too, its worker threads with it ([Note: orderly exit] in autoplan/runtime/shutdown.py).
+_PRIVATE_GROUP: list[weakref.ref] = []
+
+
+def _private_group():
+    """The world of one autoplan set up for this process to train alone, or None."""
+    return _PRIVATE_GROUP[-1]() if _PRIVATE_GROUP else None
 
 
 def _in_job() -> bool:
     """Whether this process is a rank of a real job (torchrun, LocalCluster, a user's own
     init_process_group), not alone in the world of one autoplan set up to train."""
-    return dist.is_initialized() and not (_PRIVATE_GROUP and dist.group.WORLD is _PRIVATE_GROUP[-1])
+    return dist.is_initialized() and not (_PRIVATE_GROUP and
+                                          dist.group.WORLD is _private_group())
 
 
 class PlanningSession:

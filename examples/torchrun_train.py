@@ -6,9 +6,11 @@
     python examples/torchrun_train.py                                 # one process
 
 `@autoparallel` joins torchrun's process group itself (NCCL on `cuda:LOCAL_RANK` when CUDA is
-available, gloo on the CPU otherwise) and plans for the job's ranks: WORLD_SIZE devices in
-WORLD_SIZE / LOCAL_WORLD_SIZE nodes. `--cluster local-cpu` (the default) sizes itself to the
-job; a GPU preset such as dgx-h100 must match it (an error names both sizes otherwise).
+available, gloo on the CPU otherwise), plans for the job's ranks -- WORLD_SIZE devices in
+WORLD_SIZE / LOCAL_WORLD_SIZE nodes -- and destroys the group in order when the script exits,
+so that a job that trained exits 0 ([Note: orderly exit] in autoplan/runtime/shutdown.py).
+`--cluster local-cpu` (the default) sizes itself to the job; a GPU preset such as dgx-h100
+must match it (an error names both sizes otherwise).
 
 The model is a GPT-2-style HF model at byte level (vocabulary 256) built by a decorated factory:
 every rank replays its recorded initialisation on its own shards only, so the weights equal

@@ -79,6 +79,6 @@ def no_private_group():
     from autoplan import session
 
     if session._PRIVATE_GROUP and dist.is_initialized() and \
-            dist.group.WORLD is session._PRIVATE_GROUP[-1]:
+            dist.group.WORLD is session._private_group():
         dist.destroy_process_group()
         session._PRIVATE_GROUP.pop()

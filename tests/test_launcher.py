@@ -261,7 +261,7 @@ def test_init_from_env_honours_the_variable(monkeypatch):
     """init_from_env's default collective timeout comes from the environment variable."""
     seen = {}
     monkeypatch.setattr(launcher.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(launcher.dist, "init_process_group",
+    monkeypatch.setattr(launcher, "init_default_group",
                         lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
     monkeypatch.setattr(launcher.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(launcher.dist, "get_world_size", lambda: 1)

@@ -8,8 +8,8 @@ touches them, so a torch upgrade is fixed here. Written against torch 2.13. The 
   ops through their decomposition, [Note: composite ops]).
 - dtensor.py: DTensor at run time: FSDP2-based replication, re-entrant implicit replication,
   the plan caches, a rank's block of a sharded tensor, two understood warnings.
-- c10d.py: process groups and stores, an op's group ranks, mesh flattening, a differentiable
-  all-gather.
+- c10d.py: process groups and stores, the groups a mesh holds, an op's group ranks, mesh
+  flattening, a differentiable all-gather.
 - pipelining.py: torch.distributed.pipelining's private names, and the stage and schedule that
   hold receive buffers only while their microbatch is in flight ([Note: in-flight receive
   buffers]).
@@ -30,7 +30,8 @@ from torch.distributed.tensor.placement_types import Placement
 from autoplan._torch_compat.autograd import (causal_lower_right_bias, in_backward,
                                              in_recomputation)
 from autoplan._torch_compat.c10d import (all_gather_autograd, default_store, fake_store,
-                                         flatten_mesh, forget_process_groups, group_ranks)
+                                         flatten_mesh, forget_mesh_groups, forget_process_groups,
+                                         group_ranks)
 from autoplan._torch_compat.dcp import checkpoint_extents, checkpoint_keys
 from autoplan._torch_compat.dtensor import (clear_dtensor_caches, implicit_replication,
                                             local_shard_offset, local_shard_slices,
@@ -53,7 +54,8 @@ from autoplan._torch_compat.sharding_rules import (Propagation, TensorArg, Trace
 __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sharding_rule",
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution", "replicate_module", "implicit_replication",
-           "clear_dtensor_caches", "forget_process_groups", "checkpoint_extents", "checkpoint_keys",
+           "clear_dtensor_caches", "forget_process_groups", "forget_mesh_groups",
+           "checkpoint_extents", "checkpoint_keys",
            "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
            "cpu_claiming_fakes", "outside_fake_mode", "fake_tensor_mode", "is_fake",
            "active_fake_mode", "in_backward", "in_recomputation", "fake_store", "group_ranks",

@@ -1,6 +1,7 @@
 """Process groups and collectives (torch.distributed's private c10d names): dropping a process's
-groups without a shutdown, the default and the fake stores, the ranks an op's group argument
-names, flattening a sub-mesh, a differentiable all-gather along any dim.
+groups without a shutdown, the groups a DeviceMesh holds, the default and the fake stores, the
+ranks an op's group argument names, flattening a sub-mesh, a differentiable all-gather along
+any dim.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DeviceMesh
 
-__all__ = ["forget_process_groups", "default_store", "fake_store", "group_ranks", "flatten_mesh",
-           "all_gather_autograd"]
+__all__ = ["forget_process_groups", "forget_mesh_groups", "default_store", "fake_store",
+           "group_ranks", "flatten_mesh", "all_gather_autograd"]
 
 
 def forget_process_groups() -> None:
@@ -28,6 +29,15 @@ def forget_process_groups() -> None:
         registry.clear()
     c10d._unregister_all_process_groups()
     world.group_count = 0
+
+
+def forget_mesh_groups(mesh: DeviceMesh) -> None:
+    """Drop the process groups `mesh` and every mesh sliced or flattened from it hold: torch
+    2.13 keeps them in its root mesh's `_pg_registry` (name -> ProcessGroup). A mesh outlives
+    its user in DTensor's sharding cache (an lru_cache over specs that name their mesh), and
+    with it its groups and their threads, after `destroy_process_group()` ([Note: orderly
+    exit] in autoplan/runtime/shutdown.py). The mesh can no longer give its groups."""
+    mesh._get_root_mesh()._pg_registry.clear()
 
 
 def default_store():

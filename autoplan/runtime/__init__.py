@@ -31,6 +31,8 @@ Files:
   and live tensor bytes.
 - job.py, launcher.py, rank_faults.py, parent_death.py: torchrun jobs, the local gloo cluster,
   the rank at fault named when a job fails, and ranks that die with their parent.
+- shutdown.py: the process group autoplan creates, destroyed in order at exit ([Note: orderly
+  exit]).
 """
 
 from autoplan.runtime.launcher import LocalCluster, RankError

@@ -89,6 +89,7 @@ from autoplan.runtime.memory_stats import PhasePeaks
 from autoplan.runtime.expert_parallel import ExpertParallel, check_expert_parallel
 from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.rank_stages import RankStages
+from autoplan.runtime.shutdown import forget_at_exit
 from autoplan.runtime.weights import ModuleWeights, WeightSource, allocate as _allocate
 from autoplan._torch_compat import (concrete_value, flatten_mesh as _flatten_mesh,
                                    implicit_replication, outside_fake_mode,
@@ -192,6 +193,8 @@ class DistributedModel(RankStages):
             with outside_fake_mode():
                 self.mesh = init_device_mesh(self.device.type, plan.mesh.shape,
                                              mesh_dim_names=plan.mesh.axis_names)
+                # in a group autoplan created, its groups go at exit ([Note: orderly exit])
+                forget_at_exit(self.mesh)
                 self.pp_rank = self.mesh["pp"].get_local_rank()
                 self.dp_rank = self.mesh["dp"].get_local_rank()
                 self.tp_rank = self.mesh["tp"].get_local_rank()

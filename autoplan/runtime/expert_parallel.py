@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
 from autoplan.passes.experts_local import experts_local
+from autoplan.runtime.shutdown import forget_at_exit
 
 __all__ = ["ExpertParallel", "experts_all_to_all", "check_expert_parallel"]
 
@@ -135,6 +136,7 @@ class ExpertParallel:
         ranks = mesh.mesh.reshape(pp, dp // ep, ep, tp)
         self.ep, self.dp = ep, dp
         mesh4 = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "dp_outer", "ep", "tp"))
+        forget_at_exit(mesh4)  # a root mesh of its own ([Note: orderly exit])
         self.ep_mesh = mesh4["ep"]
         self.outer_group = mesh4["dp_outer"].get_group() if dp // ep > 1 else None
         self.params: list[nn.Parameter] = []

@@ -20,7 +20,9 @@ worker dies. The environment variable AUTOPLAN_COLLECTIVE_TIMEOUT_S (seconds) ov
 defaults; an explicit argument overrides it.
 
 Under `torchrun` (RANK/WORLD_SIZE/MASTER_ADDR in the environment) `init_from_env()` joins the
-job's process group instead; multi-node launching is torchrun's job.
+job's process group instead; multi-node launching is torchrun's job. A group it creates is
+drained and destroyed at exit ([Note: orderly exit] in shutdown.py); one that exists already
+is left to whoever created it.
 
 Ranks die with the parent that started them, even one killed by SIGKILL; SIGTERM of the parent
 first closes its clusters ([Note: ranks die with their parent], parent_death.py).
@@ -52,6 +54,7 @@ import torch.distributed as dist
 from autoplan.runtime.parent_death import close_on_sigterm, die_with_parent
 from autoplan.runtime.rank_faults import (Outcome, RankError, death_stack, dump_stacks, exit_text,
                                           fold, frame_text, main_stack, rank_error)
+from autoplan.runtime.shutdown import init_default_group
 
 __all__ = ["COLLECTIVE_TIMEOUT_ENV", "FAULT_GRACE_S", "LOCAL_COLLECTIVE_TIMEOUT_S",
            "LocalCluster", "RankError", "TORCHRUN_COLLECTIVE_TIMEOUT_S", "init_from_env",
@@ -311,8 +314,9 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, 
 def init_from_env(*, timeout_s: float | None = None) -> tuple[int, int]:
     """Join the process group that `torchrun` describes in the environment.
 
-    Uses NCCL when CUDA is available, else gloo. `timeout_s`: how long a rank waits in one
-    collective, seconds; None: $AUTOPLAN_COLLECTIVE_TIMEOUT_S, else
+    Uses NCCL when CUDA is available, else gloo; the group, when this call creates it, is
+    destroyed in order at exit ([Note: orderly exit] in shutdown.py). `timeout_s`: how long a
+    rank waits in one collective, seconds; None: $AUTOPLAN_COLLECTIVE_TIMEOUT_S, else
     TORCHRUN_COLLECTIVE_TIMEOUT_S (600 s). Returns (rank, world_size). Raises ValueError naming
     the missing variables when not started by torchrun, or for a timeout that is not a
     positive number.
@@ -326,5 +330,5 @@ def init_from_env(*, timeout_s: float | None = None) -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        init_default_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
