@@ -369,6 +369,7 @@ def test_the_notes_index_lists_every_note_with_its_file():
     ("fidelity", lambda m, doc: m.table(doc["plans"])),
     ("published", lambda m, doc: m.docs_table(doc["results"])),
     ("runtime_vs_native", lambda m, doc: m.table(doc["rows"]) + "\n" + m.phase_table(doc["rows"])),
+    ("torchrun_exit", lambda m, doc: m.markdown(doc)),
 ])
 def test_docs_benchmarks_holds_each_benchs_table_of_its_results(bench, render):
     """docs/benchmarks.md shows what each bench renders from its checked-in
