@@ -348,14 +348,15 @@ class PlanningSession:
 
 def _refuse_unkeyed_random_ops(graph, name: str) -> None:
     """Refuse at planning, before any rank starts, a model whose random ops the runtime cannot
-    key by sample ([Note: RNG contract] in autoplan/passes/rng.py: `torch.rand` for
-    stochastic depth, a seeded op without a layout-invariant version), naming the node, its
+    key by sample ([Note: RNG contract] in autoplan/passes/rng.py: a seeded op without a
+    layout-invariant version, a draw whose samples are not on dim 0), naming the node, its
     module and source line; the build would refuse it at the first step otherwise."""
     from autoplan.passes.rng import random_op_indices
 
     try:
-        random_op_indices(graph.gm)
+        random_op_indices(graph.gm, batch_size=graph.batch_size)
     except ValueError as e:
         raise ValueError(f"{name}: {e}. Every random op must be keyed by sample to train as one "
                          "process would on any plan; set its probability to 0 (e.g. "
-                         "drop_path_rate=0) or replace it with dropout") from None
+                         "drop_path_rate=0), or draw with an op the contract keys (dropout, "
+                         "rand, bernoulli) over a tensor whose dim 0 holds the samples") from None

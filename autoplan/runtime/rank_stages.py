@@ -47,7 +47,7 @@ class RankStages:
         # A fresh module hierarchy over the captured graph, its weights on meta (in the master
         # dtype): rebinding them must not touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-        random_ops = random_op_indices(gm)
+        random_ops = random_op_indices(gm, batch_size=graph.batch_size)
         if random_ops and self.compile and plan.checkpointing == "selective":
             raise ValueError(
                 f"compile=True with checkpointing='selective' on a model with random ops "
