@@ -1,5 +1,6 @@
-"""Models of the keyed per-sample draws ([Note: RNG contract]), and the job that trains one on the
-ranks of a gloo cluster or on one process (tests/test_rng.py).
+"""Models of the batch-coupling audit ([Note: batch coupling] in autoplan/batch_coupling.py) and of
+the keyed per-sample draws ([Note: RNG contract]), and the job that trains one on the ranks of a
+gloo cluster or on one process (tests/test_batch_coupling.py, tests/test_rng.py).
 
 Each model takes a batch {"x": (B, T, 8), "labels": (B,)} and returns its own loss, the mean
 cross-entropy of its (B, 10) logits; `train` steps AdamW (autoplan.testing.adamw) on it, random
@@ -74,6 +75,63 @@ class Noise(_Net):
         return h + F.linear(h, F.dropout(self.w.weight, 0.3), self.w.bias)
 
 
+class BatchNorm(_Net):
+    """BatchNorm1d over the channels, in training mode (its running statistics too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(16)
+
+    def mix(self, h):
+        return self.bn(h.transpose(1, 2)).transpose(1, 2)
+
+
+class EvalBatchNorm(BatchNorm):
+    """BatchNorm1d in eval mode: each sample normalised by the running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn.eval()
+
+
+class Ema(_Net):
+    """A buffer of the activations' running mean over the batch, updated in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(16))
+
+    def mix(self, h):
+        self.ema.mul_(0.9).add_(0.1 * h.detach().mean((0, 1)))
+        return h
+
+
+class Counter(_Net):
+    """A buffer counting the forwards, updated in place and read by forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def mix(self, h):
+        self.calls.add_(1)
+        return h * (1 + 0.1 * self.calls)
+
+
+class Centered(_Net):
+    """Activations centred by their mean over the batch."""
+
+    def mix(self, h):
+        return h - h.mean(0, keepdim=True)
+
+
+class BroadcastNoise(_Net):
+    """(1, T, 16) noise broadcast over the samples."""
+
+    def mix(self, h):
+        return h + 0.1 * torch.randn(1, h.shape[1], 16, device=h.device)
+
+
 def swin():
     """A tiny Hugging Face Swin (2 stages of 2 blocks, 32 x 32 images) with stochastic depth
     0.3: a factory for autoplan.testing (build on torch's default device)."""
@@ -95,7 +153,8 @@ def swin_batches(steps: int = 3) -> list[dict]:
     return out
 
 
-MODELS = {m.__name__: m for m in (DropPath, Noise)}
+MODELS = {m.__name__: m for m in (DropPath, Noise, BatchNorm, EvalBatchNorm, Ema, Counter,
+                                  Centered, BroadcastNoise)}
 
 
 def batch(step: int, size: int = 4) -> dict:

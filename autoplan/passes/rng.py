@@ -33,8 +33,10 @@ the dp/tp/pp degrees, the number of microbatches or the rank:
   otherwise depend on the device.
 - A graph of one sample (a microbatch of 1) cannot tell which dim holds the samples (DTensor's
   rules lose the Shard of a size-1 dim): there a draw computed from the batch, or one whose
-  dim 0 has one row, is per sample, any other without samples (`one_sample_rows`). Limit:
-  (1, T, C) noise broadcast over the samples is keyed per sample there.
+  dim 0 has one row, is per sample, any other without samples (`one_sample_rows`). The plan's
+  graph, at the global batch, finds the draws this keys wrongly ((1, T, C) noise broadcast
+  over the samples), and the batch audit refuses a microbatch of one sample for them
+  ([Note: batch coupling] in autoplan/batch_coupling.py).
 - Limit: the eager mode (`keyed_random_ops`) sees no graph: it keys every draw per sample
   (R from `batch_size`, else 1), which equals the graph's keying of a draw without samples
   only at sample_offset 0 (one whole batch per step, as autoplan.testing's reference runs).
@@ -72,7 +74,7 @@ from autoplan.passes.sharding import run_replicated, sdpa_local
 from autoplan.strategies.samples import SampleFacts, sample_facts
 
 __all__ = ["RandomState", "RandomOp", "sample_seed", "random_op_indices", "where",
-           "one_sample_rows", "make_random_ops_layout_invariant",
+           "one_sample_rows", "one_sample_misses", "make_random_ops_layout_invariant",
            "keyed_dropout", "keyed_native_dropout", "keyed_bernoulli", "keyed_bernoulli_",
            "keyed_bernoulli_tensor", "keyed_bernoulli_tensor_", "keyed_rand", "keyed_rand_like",
            "keyed_sdpa", "KeyedRandomOps", "keyed_random_ops"]
@@ -246,8 +248,27 @@ def _rows_per_sample(node, op, named: dict, samples: SampleFacts, batch: int | N
 def one_sample_rows(shape: tuple, from_batch: bool) -> int:
     """R of a draw of `shape` in a graph of one sample ([Note: RNG contract]): per sample
     (R = dim 0) where it is computed from the batch or its dim 0 has one row, else without
-    samples (0)."""
+    samples (0). The plan's graph, at the global batch, tells the draws this keys wrongly
+    (autoplan/batch_coupling.py refuses a microbatch of one sample for them)."""
     return shape[0] if from_batch or shape[0] == 1 else 0
+
+
+def one_sample_misses(gm: torch.fx.GraphModule, samples: SampleFacts,
+                      batch_size: int) -> list[tuple[torch.fx.Node, tuple, int]]:
+    """The random nodes of a graph captured at `batch_size` (> 1) samples that the same graph
+    captured at one sample would key otherwise (`one_sample_rows`): (node, the shape it draws
+    over, its rows per sample). Raises what `random_op_indices` raises."""
+    keyed = random_op_indices(gm, samples, batch_size=batch_size)
+    out = []
+    for node, op, named in _random_nodes(gm):
+        shape, x = _drawn(op, named)
+        rows = keyed[node.meta.get("orig_name", node.name)].rows_per_sample
+        if shape is None or not shape:
+            continue
+        one = shape[0] // batch_size if rows else shape[0]  # its dim 0 at one sample
+        if one_sample_rows((one,), x is not None and x.name in samples.from_inputs) != rows:
+            out.append((node, shape, rows))
+    return out
 
 
 class _Met(NamedTuple):

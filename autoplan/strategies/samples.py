@@ -1,6 +1,7 @@
 """Where the samples are in a captured graph: the dim of each value that holds them, and the ops
 that read across them ([Note: sample dims]). Read by the keying of random ops
-(autoplan/passes/rng.py: a draw is keyed by its sample where it has one).
+(autoplan/passes/rng.py: a draw is keyed by its sample where it has one) and by the audit of the
+ops whose numbers depend on how the batch is cut (autoplan/batch_coupling.py).
 
 [Note: sample dims] A graph input's samples are its batch dim ([Note: batch dims] in
 autoplan/inputs.py). They are followed through each op by DTensor's sharding rules, as
