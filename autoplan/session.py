@@ -170,6 +170,7 @@ class PlanningSession:
         return meta_skeleton(self.module, precision.compute_dtype)
 
     def _make_plan(self) -> Plan:
+        from autoplan.batch_coupling import check_plan
         from autoplan.progress import phase
         from autoplan.runtime.precision import Precision
         from autoplan.units import plural
@@ -191,11 +192,13 @@ class PlanningSession:
             source = self._capture_source(Precision.of(self.dtype))
             graph, cached = self._capture(source, self.options.global_batch, planning=True)
         self._build_stats["capture_for_planning_cached"] = cached
-        _refuse_unkeyed_random_ops(graph, name)
         with self._timed("plan_s"):
+            # before the search: random ops keyed by sample, and the ops a cut batch or a
+            # repeated forward would change held to plans that keep them
+            self._couplings = _audit(graph, name)
+            overrides = self._overrides()
             # cp searched where the runtime can run it for this model, batch and loss
-            why_not = None if "cp" in dict(self.options.overrides) else \
-                self._cp_refusal(graph, topo)
+            why_not = None if "cp" in overrides else self._cp_refusal(graph, topo)
             request = self._cache_request(graph, topo, cp_searched=why_not is None)
             plan = self._cached_plan(request, topo)
             from_cache = plan is not None
@@ -206,6 +209,7 @@ class PlanningSession:
                 box = [plan.to_json() if dist.get_rank() == 0 else None]
                 dist.broadcast_object_list(box, src=0)
                 plan = Plan.from_json(box[0])
+        check_plan(plan, self._couplings, name)  # a microbatch of 1 sample, a cached plan
         self._build_stats["plan_from_cache"] = from_cache
         self._graph = graph
         return plan
@@ -219,7 +223,7 @@ class PlanningSession:
 
         if os.environ.get("AUTOPLAN_PLAN_CACHE", "1") == "0":
             return None
-        overrides = dict(self.options.overrides)
+        overrides = self._overrides()
         if "placements" in overrides:  # parse_pins' sorted (pattern, placement) pairs
             overrides["placements"] = [list(p) for p in overrides["placements"]]
         if overrides.get("stages") is not None:
@@ -268,16 +272,25 @@ class PlanningSession:
             # cp searched as `autoplan plan` searches it (where nothing fits without it, or
             # faster beyond the error band) when the runtime can run it for this model, batch
             # and loss (runtime/checks.py); cp 1 otherwise, unless given
-            overrides = dict(self.options.overrides)
+            overrides = self._overrides()
             whole = self._optimizer_reads_whole_tensors()
             try:
                 plan = solve(graph, topo, self.spec, compiled=self.options.compile,
                              frozen_weights_dtype=self._frozen_weights_dtype(),
                              elementwise_optimizer=whole is None,
-                             **({} if why_not is None else {"cp": 1}), **overrides)
+                             **({} if why_not is None or "cp" in overrides else {"cp": 1}),
+                             **overrides)
             except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
                 if whole is not None and "reads whole tensors" in e.reason:
                     raise InvalidConfig(f"{e.reason}. The probe: {whole}") from None
+                held = sorted(set(overrides) - set(dict(self.options.overrides)))
+                if held:  # held by the batch couplings: say which op holds most of them
+                    by = max(self._couplings, key=lambda c: len(set(c.keeps) & set(held)))
+                    raise InvalidConfig(
+                        f"{e.reason} (the search was held to "
+                        f"{', '.join(f'{k}={overrides[k]!r}' for k in held)} by {by}; "
+                        "[Note: batch coupling] in autoplan/batch_coupling.py)",
+                        option=e.option) from None
                 if why_not is None or not ("does not fit world size" in e.reason or
                                            "no configuration of" in e.reason):
                     raise
@@ -293,6 +306,15 @@ class PlanningSession:
             except OSError as e:
                 detail(f"plan cache not written: {e}")
         return plan
+
+    def _overrides(self) -> dict:
+        """The user's overrides with the choices the model's batch couplings need held
+        (autoplan/batch_coupling.py `held_overrides`; ValueError where an override breaks
+        one)."""
+        from autoplan.batch_coupling import held_overrides
+
+        return held_overrides(dict(self.options.overrides), self._couplings,
+                              type(self.module).__name__)
 
     def _optimizer_reads_whole_tensors(self) -> str | None:
         """Why the user's `optimizer=` must be handed whole tensors, or None (no optimizer
@@ -357,19 +379,27 @@ class PlanningSession:
             self._build_stats[key] = self._build_stats.get(key, 0.0) + took
 
 
-def _refuse_unkeyed_random_ops(graph, name: str) -> None:
-    """Refuse at planning, before any rank starts, a model whose random ops the runtime cannot
-    key by sample ([Note: RNG contract] in autoplan/passes/rng.py: `torch.rand` for
-    stochastic depth, a seeded op without a layout-invariant version), naming the node, its
-    module and source line; the build would refuse it at the first step otherwise."""
+def _audit(graph, name: str) -> list:
+    """Before the search, before any rank starts: the random ops keyed by sample ([Note: RNG
+    contract] in autoplan/passes/rng.py), a model with one the runtime cannot key refused
+    naming the node, its module and source line (a seeded op without a layout-invariant
+    version, a draw whose samples are not on dim 0); and the ops whose numbers a cut batch or
+    a repeated forward would change ([Note: batch coupling] in autoplan/batch_coupling.py),
+    returned for the search to hold."""
+    from autoplan.batch_coupling import batch_couplings
     from autoplan.passes.rng import random_op_indices
+    from autoplan.strategies.samples import sample_facts
 
+    samples = sample_facts(graph.gm, graph.batch_size)
     try:
-        random_op_indices(graph.gm)
+        random_op_indices(graph.gm, samples, batch_size=graph.batch_size)
     except ValueError as e:
         raise ValueError(f"{name}: {e}. Every random op must be keyed by sample to train as one "
                          "process would on any plan; set its probability to 0 (e.g. "
-                         "drop_path_rate=0) or replace it with dropout") from None
+                         "drop_path_rate=0), or draw with an op the contract keys (dropout, "
+                         "rand, bernoulli) over a tensor whose dim 0 holds the samples") from None
+    buffers = {n for fqn, p in graph.params.items() if p.is_buffer for n in (fqn, *p.aliases)}
+    return batch_couplings(graph.gm, buffers, samples, batch_size=graph.batch_size)
 
 
 def _refuse_stateful_parametrizations(module: nn.Module, name: str) -> None:

@@ -1,7 +1,9 @@
 """The keyed random ops: what the graph pass and the eager mode of autoplan/passes/rng.py put in
 place of torch's random ops, and the state they read. Every value is drawn as a function of
 (seed, step, k, b, position in the row) ([Note: RNG contract] in autoplan/passes/rng.py): per-row
-CPU generators seeded with `sample_seed`, the rank keeping the part of each row it holds.
+CPU generators seeded with `sample_seed`, the rank keeping the part of each row it holds. A draw
+that holds no samples (rows_per_sample 0) keys its rows by their index alone: every rank and
+every microbatch draws the values one process draws once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from autoplan.passes.sharding import sdpa_local
 
 __all__ = ["RandomState", "RandomOp", "sample_seed", "check_p", "keyed_dropout",
            "keyed_native_dropout", "keyed_bernoulli", "keyed_bernoulli_", "keyed_rand_like",
-           "keyed_sdpa"]
+           "keyed_rand", "keyed_bernoulli_tensor", "keyed_bernoulli_tensor_", "keyed_sdpa"]
 
 aten = torch.ops.aten
 
@@ -65,7 +67,8 @@ class RandomOp:
     Attributes:
         k: its index among the random ops of the full graph, in topological order.
         rows_per_sample: R, rows of its input's dim 0 per sample (1 for a (B, ...) input,
-            T for a (B*T, C) one).
+            T for a (B*T, C) one); 0 for a draw that holds no samples (a (C,) noise broadcast
+            over the batch, a dropout of a weight): its rows are keyed by their index alone.
     """
 
     k: int
@@ -100,8 +103,8 @@ def sample_seed(seed: int, step: int, k: int, b: int) -> int:
 def _draw(state: RandomState, k: int, global_shape, offset, local_shape,
           normal: bool = False, rows_per_sample: int = 1) -> torch.Tensor:
     """Keyed values of the block `local_shape` at `offset` of a `global_shape` tensor whose
-    dim 0 holds `rows_per_sample` rows per sample: float32 on the CPU, uniform [0, 1) or
-    standard normal."""
+    dim 0 holds `rows_per_sample` rows per sample (0: no samples, the same rows for every
+    sample_offset): float32 on the CPU, uniform [0, 1) or standard normal."""
     sample_shape = tuple(global_shape[1:])
     index = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:]))
     whole = tuple(local_shape[1:]) == sample_shape
@@ -233,6 +236,48 @@ def keyed_rand_like(state: RandomState, x: torch.Tensor, k: int, *, normal: bool
     values = _draw(state, k, shape, offset, local.shape, normal=normal,
                    rows_per_sample=rows_per_sample)
     return _like(values.to(device=local.device, dtype=dtype or local.dtype), x)
+
+
+def keyed_rand(state: RandomState, size, k: int, *, normal: bool = False,
+               dtype: torch.dtype | None = None, device=None,
+               rows_per_sample: int = 1) -> torch.Tensor:
+    """aten.rand (normal=False) / randn (normal=True) of `size` under [Note: RNG contract]: a
+    plain tensor (a graph constant on every rank: the whole draw), drawn in float32 on the
+    CPU, cast to `dtype` (default: torch's default dtype) on `device`. Stochastic depth draws
+    (B, 1, ..., 1): one value per sample, keyed by the sample.
+
+    Raises:
+        ValueError: a 0-d `size` (dim 0 is the one keyed).
+    """
+    size = tuple(int(s) for s in size)
+    if not size:
+        raise ValueError(f"{'randn' if normal else 'rand'}: size () is 0-d; the RNG contract "
+                         "keys dim 0 as the batch dim")
+    values = _draw(state, k, size, (0,) * len(size), size, normal=normal,
+                   rows_per_sample=rows_per_sample)
+    return values.to(device=device, dtype=dtype or torch.get_default_dtype())
+
+
+def keyed_bernoulli_tensor(state: RandomState, p: torch.Tensor, k: int, *,
+                           rows_per_sample: int = 1) -> torch.Tensor:
+    """aten.bernoulli.default (`torch.bernoulli(p)`, p a tensor of probabilities in [0, 1])
+    under [Note: RNG contract]: `u < p` in p's dtype, shape and kind. Raises ValueError like
+    `keyed_bernoulli` for a 0-d or Partial p."""
+    local, shape, offset = _split(p, "bernoulli")
+    u = _draw(state, k, shape, offset, local.shape, rows_per_sample=rows_per_sample)
+    return _like((u.to(local.device) < local).to(local.dtype), p)
+
+
+def keyed_bernoulli_tensor_(state: RandomState, x: torch.Tensor, p: torch.Tensor, k: int, *,
+                            rows_per_sample: int = 1) -> torch.Tensor:
+    """aten.bernoulli_.Tensor (`x.bernoulli_(p)`, p a tensor of probabilities broadcastable to
+    x's local block: its own block where it is a DTensor) under [Note: RNG contract]: fills x
+    with `u < p`, in place, returns x. Raises ValueError like `keyed_bernoulli`."""
+    local, shape, offset = _split(x, "bernoulli_")
+    u = _draw(state, k, shape, offset, local.shape, rows_per_sample=rows_per_sample)
+    probs = p.to_local() if isinstance(p, DTensor) else p
+    local.copy_(u.to(local.device) < probs)
+    return x
 
 
 def _local_mask(mask, query, local_shape, offset):

@@ -80,6 +80,25 @@ def _replicated_only(node: torch.fx.Node, strategy) -> bool:
     return not has_direct_rule(op)
 
 
+def _writes_buffer(node: torch.fx.Node, strategy, buffers: set[str]) -> bool:
+    """An in-place op planned all-R whose first argument is a buffer: a get_attr of one, or
+    what an in-place op on one returned."""
+    if strategy is None or not set(strategy.inputs) | set(strategy.outputs) <= {"R"}:
+        return False
+    value = node
+    while value.op == "call_function":
+        op, args = value.target, value.args
+        if op is run_replicated:  # rewritten already: an earlier in-place op on the buffer
+            op, args = args[0], args[1:]
+        if not is_aten_op(op) or not args or not isinstance(args[0], torch.fx.Node):
+            return False
+        first = op._schema.arguments[0]
+        if first.alias_info is None or not first.alias_info.is_write:
+            return False
+        value = args[0]
+    return value is not node and value.op == "get_attr" and str(value.target) in buffers
+
+
 _NO_RULE: dict[tuple, bool] = {}  # (op, argument shapes and dtypes, static args) -> answer
 
 
@@ -242,6 +261,7 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
     can check them against `plan.redistributions`.
     """
     strategies = {s.node: s for s in plan.strategies}
+    buffers = {fqn for fqn, _ in gm.named_buffers()}
     produced = value_placements(plan)
     planned = {(r.producer, r.consumer, r.arg_index) for r in plan.redistributions}
     moved_to: dict[tuple[torch.fx.Node, str], torch.fx.Node] = {}  # (value, dst) -> its node
@@ -255,9 +275,11 @@ def apply_placements(gm: torch.fx.GraphModule, plan: Plan,
         name = node.meta.get("orig_name", node.name)
         swap_dtensor_op(node)
         strategy = strategies.get(name)
-        if _replicated_only(node, strategy):
+        if _replicated_only(node, strategy) or _writes_buffer(node, strategy, buffers):
             # an op DTensor has no rule of its own for (e.g. the fill_.Tensor of T5's decoder
-            # input shift; a decomposition does not run in place), planned all-R
+            # input shift; a decomposition does not run in place), planned all-R; or one
+            # that writes a buffer, a plain tensor on every rank, which DTensor cannot write
+            # a DTensor into (`buf.mul_(m).add_(x.mean(0))`)
             node.args = (node.target,) + tuple(node.args)
             node.target = run_replicated
         # getitem reads one element of a multi-output op: it has no tensor of its own to move.

@@ -7,7 +7,10 @@ Every call_function node is assigned to a stage:
 - *constant-like* nodes -- those that depend on no graph input and no trainable parameter, such
   as position ids, causal masks and rotary cos/sin computed from a buffer -- are recomputed in
   every stage that uses them instead of being sent between stages (so each stage holds its own
-  copy of the buffers they read: case C5).
+  copy of the buffers they read: case C5). Not an op that writes its argument in place
+  (`num_batches_tracked.add_(1)`, a counter): recomputed per stage it would run once per
+  stage that reads it, and not at all where nothing reads it; it runs once, in a stage, as
+  any other op ([Note: batch coupling] in autoplan/batch_coupling.py).
 
 A value produced in stage i and used in stage j > i travels through every stage in between: the
 stage outputs are exactly the values live across its right boundary, in graph order.
@@ -25,7 +28,8 @@ __all__ = ["assign_stages", "constant_like_nodes", "split_stages", "StageGraph"]
 
 
 def constant_like_nodes(gm: torch.fx.GraphModule, buffer_fqns: set[str]) -> set[str]:
-    """Names of nodes that depend on no placeholder and no trainable parameter."""
+    """Names of nodes that depend on no placeholder and no trainable parameter, and write
+    nothing in place (and of none that depends on such a write)."""
     variable: set[str] = set()
     out: set[str] = set()
     for node in gm.graph.nodes:
@@ -37,11 +41,38 @@ def constant_like_nodes(gm: torch.fx.GraphModule, buffer_fqns: set[str]) -> set[
             else:
                 out.add(node.name)
         elif node.op == "call_function":
-            if any(a.name in variable for a in node.all_input_nodes):
+            if any(a.name in variable for a in node.all_input_nodes) or \
+                    _writes_buffer(node, buffer_fqns):
                 variable.add(node.name)
             else:
                 out.add(node.name)
     return out
+
+
+def _writes_buffer(node: torch.fx.Node, buffer_fqns: set[str]) -> bool:
+    """Whether `node`'s op writes a buffer in place: its first argument, when that is the
+    buffer, a view of it or what an in-place op on it returned. A mask built in place
+    (`full(...).triu_(1)`) is no buffer: recomputed per stage as before."""
+    if not _writes_first(node):
+        return False
+    value = node.args[0]
+    while value.op == "call_function" and (value.target in _VIEWS or _writes_first(value)):
+        value = value.args[0]
+    return value.op == "get_attr" and value.target in buffer_fqns
+
+
+def _writes_first(node: torch.fx.Node) -> bool:
+    """Whether `node`'s op writes its first argument, a node, in place (add_, copy_)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.arguments and node.args
+                and isinstance(node.args[0], torch.fx.Node)
+                and schema.arguments[0].alias_info is not None
+                and schema.arguments[0].alias_info.is_write)
+
+
+_VIEWS = frozenset({torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+                    torch.ops.aten.view.default, torch.ops.aten.alias.default,
+                    torch.ops.aten.narrow.default, torch.ops.aten.as_strided.default})
 
 
 def _layer_of(graph: CapturedGraph) -> dict[str, int]:

@@ -80,7 +80,7 @@ def context_parallel_refusal(graph, inputs, loss_fn, compile: bool,
             f"batch's labels, summed per rank over the global batch's trained tokens; {why}. "
             "Leave loss_fn out and give labels of the next tokens (step(input_ids, labels)), "
             "or train with cp=1")
-    random_ops = random_op_indices(graph.gm)
+    random_ops = random_op_indices(graph.gm, batch_size=graph.batch_size)
     if random_ops:
         return ValueError(
             f"{subject}: a model with random ops ({len(random_ops)}: "

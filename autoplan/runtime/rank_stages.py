@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autoplan.batch_coupling import batch_couplings, check_plan
 from autoplan.passes.blocks import install_blocks
 from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.context_parallel import apply_context_parallel, check_whole_graph
@@ -47,7 +48,11 @@ class RankStages:
         # A fresh module hierarchy over the captured graph, its weights on meta (in the master
         # dtype): rebinding them must not touch the caller's CapturedGraph.
         gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-        random_ops = random_op_indices(gm)
+        # a plan given to the runtime keeps what batch_norm in training mode and in-place
+        # buffer updates need ([Note: batch coupling]; planning checked every kind)
+        buffers = {fqn for fqn, p in graph.params.items() if p.is_buffer}
+        check_plan(plan, batch_couplings(gm, buffers), graph.model_name)
+        random_ops = random_op_indices(gm, batch_size=graph.batch_size)
         if random_ops and self.compile and plan.checkpointing == "selective":
             raise ValueError(
                 f"compile=True with checkpointing='selective' on a model with random ops "

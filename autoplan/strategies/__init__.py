@@ -50,7 +50,8 @@ the types every file shares), nodes.py (the
 graph helpers: tensor arguments, shapes, constant-like and ignored nodes, batch dims, DTensor
 propagation of one node), probe.py (the candidates of one node: [Note: node kinds],
 Enumeration, [Note: divisor tp]), prune.py (`_prune`), experts_candidates.py (the experts op's
-rule).
+rule), samples.py (`sample_facts`: where the samples are and which ops read across them,
+[Note: sample dims]; read by the keying of random ops and by autoplan/batch_coupling.py).
 """
 
 from __future__ import annotations

@@ -105,7 +105,14 @@ class _Context:
     def _arg_options(self, node) -> list[list]:
         """Allowed placements of each tensor argument (R first)."""
         options = []
-        for a, (shape, dtype) in zip(tensor_args(node), _arg_specs(self.graph, node)):
+        written = _writes_first(node)
+        for i, (a, (shape, dtype)) in enumerate(zip(tensor_args(node),
+                                                    _arg_specs(self.graph, node))):
+            if i == 0 and written and a.name in self.consts:
+                # an in-place write into a buffer (`buf.add_(x.mean(0))`): the buffer is
+                # Replicate on every rank, and a redistributed copy would take the write
+                options.append([tc.Replicate()])
+                continue
             bdim = self._bdim_of(a)
             opts = [tc.Replicate()]
             if dtype.is_floating_point and _arg_kind(a, self.consts) == "data":
@@ -259,3 +266,11 @@ def _seeds(options: list[list], full_limit: int, *, pairs: bool = False):
 
 def _allowed(combo: tuple, options: list[list]) -> bool:
     return len(combo) == len(options) and all(p in o for p, o in zip(combo, options))
+
+
+def _writes_first(node: torch.fx.Node) -> bool:
+    """Whether `node`'s op writes its first argument in place (add_, copy_)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.arguments
+                and schema.arguments[0].alias_info is not None
+                and schema.arguments[0].alias_info.is_write)
