@@ -74,6 +74,13 @@ def test_a_tp_that_does_not_divide_a_pinned_dim(llama):
         plan(llama, local3, TrainingSpec(6, 16), tp=3, placements=pins)
     with pytest.raises(InvalidConfig, match="tp 3: placements: "):
         plan(llama, local3, TrainingSpec(6, 16), placements=pins)
+    # tp 3 on llama-tiny's 8 query heads of 4: the query projection cannot be cut by heads
+    with pytest.raises(InvalidConfig, match=r"placements: model\.layers\.\*\.self_attn\."
+                                            r"q_proj\.weight=S\(0\) cannot hold for model\."
+                                            r"layers\.0\.self_attn\.q_proj\.weight \(32, 32\) "
+                                            r"at tp 3: dim 0 of size 32 does not split"):
+        plan(llama, local3, TrainingSpec(6, 16), tp=3,
+             placements={"model.layers.*.self_attn.q_proj.weight": "S(0)"})
 
 
 def test_a_vocabulary_tp_does_not_divide_is_split_unevenly():
