@@ -41,6 +41,11 @@ def node_tensor_meta(graph: CapturedGraph, node: torch.fx.Node) -> list[tuple | 
     if val is None and node.op == "placeholder" and node.name in graph.input_names:
         i = graph.input_names.index(node.name)
         return [(tuple(graph.input_shapes[i]), getattr(torch, graph.input_dtypes[i]))]
+    return value_specs(val)
+
+
+def value_specs(val) -> list[tuple | None]:
+    """The (shape, dtype) of each output of a node's value (None where not a tensor)."""
     if isinstance(val, torch.Tensor):
         return [(tuple(int(s) for s in val.shape), val.dtype)]
     if isinstance(val, (tuple, list)):

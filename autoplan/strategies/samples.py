@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 
 from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
-from autoplan.strategies.nodes import tensor_args
+from autoplan.strategies.nodes import tensor_args, value_specs
 
 __all__ = ["SampleFacts", "sample_facts", "BATCH_NORMS", "batch_norm_training"]
 
@@ -100,16 +100,6 @@ def _val(gm: torch.fx.GraphModule, node: torch.fx.Node):
     return val
 
 
-def _outputs(val) -> list:
-    """The (shape, dtype) of each output of a node's value (None where not a tensor)."""
-    if isinstance(val, torch.Tensor):
-        return [(tuple(int(s) for s in val.shape), val.dtype)]
-    if isinstance(val, (tuple, list)):
-        return [(tuple(int(s) for s in v.shape), v.dtype) if isinstance(v, torch.Tensor)
-                else None for v in val]
-    return [None]
-
-
 def _input_dim(shape: tuple, batch_size: int) -> int | None:
     """[Note: batch dims]: dim 0 when it has `batch_size` entries, else the one dim that has."""
     if shape and shape[0] == batch_size:
@@ -134,13 +124,13 @@ def sample_facts(gm: torch.fx.GraphModule, batch_size: int | None = None, *,
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if batch_size is None:
-        first = next((_outputs(_val(gm, n))[0] for n in placeholders), None)
+        first = next((value_specs(_val(gm, n))[0] for n in placeholders), None)
         batch_size = first[0][0] if first and first[0] else 1
     facts = SampleFacts({}, {}, set(), set())
     mesh, cache = tc.tp_mesh(2), cache if cache is not None else {}
     given = dict(input_dims or {})
     for node in nodes:
-        metas = _outputs(_val(gm, node))
+        metas = value_specs(_val(gm, node))
         none = tuple(None for _ in metas)
         args = tensor_args(node)
         if node.op == "placeholder":
@@ -173,7 +163,7 @@ def _through(gm, node, args, dims, metas, facts: SampleFacts, mesh, cache) -> tu
     """The sample dims of `node`'s outputs ([Note: sample dims]), recording in `facts` an op
     that reads across samples or that DTensor cannot tell."""
     none = tuple(None for _ in metas)
-    specs = [_outputs(_val(gm, a))[0] for a in args]
+    specs = [value_specs(_val(gm, a))[0] for a in args]
     if any(s is None for s in specs):
         facts.unknown.add(node.name)
         return none
