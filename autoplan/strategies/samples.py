@@ -116,7 +116,8 @@ def sample_facts(gm: torch.fx.GraphModule, batch_size: int | None = None, *,
 
     Args:
         gm: a captured graph (node.meta["val"] holds each value's global shape).
-        batch_size: samples of the capture (default: dim 0 of the first placeholder).
+        batch_size: samples of the capture (default: dim 0 of the first placeholder); at
+            1, DTensor's rules cannot follow the size-1 dim: only `from_inputs` is found.
         input_dims: placeholder name -> its batch dim, where known (default: dim 0 when it has
             batch_size entries, else the one dim that has).
         cache: a dict shared between calls (the decompositions of composite ops).
@@ -129,6 +130,7 @@ def sample_facts(gm: torch.fx.GraphModule, batch_size: int | None = None, *,
     facts = SampleFacts({}, {}, set(), set())
     mesh, cache = tc.tp_mesh(2), cache if cache is not None else {}
     given = dict(input_dims or {})
+    follow = batch_size > 1  # DTensor's rules lose the Shard of a size-1 dim: from_inputs only
     for node in nodes:
         metas = value_specs(_val(gm, node))
         none = tuple(None for _ in metas)
@@ -143,7 +145,7 @@ def sample_facts(gm: torch.fx.GraphModule, batch_size: int | None = None, *,
             continue
         if any(a.name in facts.from_inputs for a in args):
             facts.from_inputs.add(node.name)
-        dims = [facts.dims.get(a.name, (None,))[0] for a in args]
+        dims = [facts.dims.get(a.name, (None,))[0] if follow else None for a in args]
         if node.target is operator.getitem:
             facts.dims[node.name] = (facts.dims[node.args[0].name][node.args[1]],)
         elif all(d is None for d in dims):
