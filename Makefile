@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-cpu bench clean
 
 $(BIN)/.installed: pyproject.toml requirements-lock.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q --durations=15 tests
+
+# CPU seconds per test (ranks and subprocesses included) into out/test_cpu.json:
+# where the suite's time goes, whatever the machine's load (tests/cpu_profile.py).
+test-cpu: venv
+	CPU_PROFILE_OUT=out/test_cpu.json $(BIN)/python -m pytest -q -p tests.cpu_profile tests
 
 bench: venv
 	$(BIN)/python bench/plan_speed.py
