@@ -190,7 +190,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             given where a cp 1 plan cannot be made; a given cp the runtime cannot run raises
             when built, naming why).
             offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
-            offload] in autoplan/solver/offload.py),
+            offload] in autoplan/cost_model/offload.py),
             placements ({FQN glob: "R" | "S(d)"}: parameters pinned on the tp axis, hard
             constraints of the placement ILP, [Note: pinned placements] in
             autoplan/solver/pins.py; e.g. {"lm_head.weight": "S(0)"}),

@@ -203,7 +203,7 @@ class Prediction:
         mfu: model FLOPs utilisation vs the device's dense peak for the compute dtype.
         stage_time_s: one microbatch through the busiest pp rank -- its compute (recomputation
             included), tp redistributions and pipeline transfers: t_comp + t_comm of [Note: step
-            time] in solver/pipeline.py; the report's cross-check recomputes it per part (0:
+            time] in cost_model/step_time.py; the report's cross-check recomputes it per part (0:
             not recorded, a plan written before it existed).
         p2p_s: the pipeline transfers of `stage_time_s` (0 without pp).
         cp_comm_s: the part of comm_s that is context parallelism's K/V all-gathers and
@@ -214,11 +214,11 @@ class Prediction:
             "source", "covers", "not_covered"}}, from the fidelity benches ([Note: error
             bands] in cost_model/fidelity.py); empty in a plan written before it existed.
         host_memory_bytes: host (CPU) memory of the most loaded rank for offloaded states
-            (0 without offload, [Note: offload] in solver/offload.py).
+            (0 without offload, [Note: offload] in cost_model/offload.py).
         offload_s: the host <-> device transfers of offload per step, part of `comm_s`
             (0 without offload).
         memory_by_pp_rank: per pipeline rank, its predicted peak ("peak") and the breakdown
-            of its larger moment, bytes ([Note: memory per rank] in solver/pipeline.py); what
+            of its larger moment, bytes ([Note: memory per rank] in cost_model/rank_memory.py); what
             a dry run of a rank at that pp coordinate is held against
             (autoplan/runtime/dryrun.py); empty in a plan written before it existed.
         bytes_by_axis_by_pp_rank: per pipeline rank, the bytes its collectives and p2p move
@@ -332,7 +332,7 @@ class Plan:
         dtype: compute dtype name.
         offload: one of OFFLOADS: "none"; "optimizer" (ZeRO 0/1: optimizer states and the
             step on the host); "optimizer+params" (ZeRO-3: parameter shards too, FSDP2's
-            CPUOffloadPolicy); [Note: offload] in autoplan/solver/offload.py.
+            CPUOffloadPolicy); [Note: offload] in autoplan/cost_model/offload.py.
         compiled: the prediction assumes the stages run compiled (torch.compile: no DTensor
             dispatch per op, pointwise chains fused; [Note: compiled execution] in
             autoplan/cost_model/compute.py), and the runtime compiles them

@@ -20,8 +20,9 @@ from autoplan.models import build_model, example_inputs
 from autoplan.models.mlp import MLP
 from autoplan.solver import plan
 from autoplan.solver.ilp import evaluate
-from autoplan.solver.ilp_types import Solution
-from autoplan.solver.pipeline import Config, assess
+from autoplan.cost_model.config import Config
+from autoplan.cost_model.placement_totals import Solution
+from autoplan.cost_model.step_time import assess
 from autoplan.solver.search import Search
 from autoplan.spec import TrainingSpec
 from autoplan.topology import preset

@@ -134,7 +134,7 @@ REASON = "Long because:"
 # change rewrites those packages): to be split there, not given a reason.
 PENDING_SPLIT = {"autoplan/cost_model/memory.py", "autoplan/cost_model/traffic.py",
                  "autoplan/solver/ilp_model.py",
-                 "autoplan/solver/pipeline.py", "autoplan/solver/planner.py",
+                 "autoplan/solver/planner.py",
                  "autoplan/solver/problem.py", "autoplan/solver/search.py"}
 
 
@@ -193,15 +193,13 @@ SHARED_NAMES = {
     "checkpointing.py": "activation checkpointing: priced (solver/), applied (passes/)",
     "facts.py": "what a step derives: of the captured graph (capture/), of the plan for the "
                 "report (report/)",
-    "offload.py": "CPU offload: priced (solver/), run (runtime/)",
+    "offload.py": "CPU offload: priced (cost_model/), run (runtime/)",
 }
 # Names shared by modules of different jobs, one of them in solver/ or cost_model/, which the
 # cost-model work of issue 25 rewrites: file name -> why it is pending.
 PENDING_NAMES = {
     "context.py": "cp's degrees and prices (solver/), cp's prices (cost_model/)",
     "experts.py": "the routed-experts op (autoplan/), expert parallelism's prices (solver/)",
-    "pipeline.py": "the step-time model (solver/); passes/pipeline.py, the old name of "
-                   "passes/stages.py, kept while cost_model/traffic.py imports from it",
 }
 
 
@@ -229,9 +227,7 @@ def test_one_role_per_file_name():
 # Packages whose `__init__` docstring the cost-model work of issue 25 rewrites (it moves their
 # files): package -> the files it may leave unnamed until then.
 PENDING_LISTINGS = {
-    "autoplan/cost_model": {"comm.py", "compute.py", "context.py", "fidelity.py", "memory.py",
-                            "symbolic.py", "traffic.py"},
-    "autoplan/solver": {"context.py", "experts.py", "frozen.py", "offload.py", "sequence.py"},
+    "autoplan/solver": {"context.py", "experts.py", "frozen.py", "sequence.py"},
 }
 
 
@@ -307,8 +303,7 @@ def broken_references(root: Path) -> list[str]:
 
 # References in solver/ and cost_model/ to files that issue 25's split moved, pending the
 # cost-model work (another change rewrites those packages): file -> the references it keeps.
-PENDING_COST_MODEL_WORK = {"autoplan/solver/pipeline.py": {"autoplan/_torch_compat.py"},
-                           "autoplan/solver/context.py": {"autoplan/passes/context.py"}}
+PENDING_COST_MODEL_WORK = {"autoplan/solver/context.py": {"autoplan/passes/context.py"}}
 
 
 def test_every_reference_names_a_file_of_the_repository():

@@ -1,8 +1,26 @@
-"""Cost model: compute (roofline per aten op), communication (alpha-beta per collective and
-topology level), memory (model states by ZeRO stage, activations by checkpointing policy and
-pipeline schedule, peak per rank) and the same formulas symbolically for reports and tests.
+"""Cost model: every price of a plan, from one op to the whole step. Compute (roofline per aten
+op), communication (alpha-beta per collective and topology level), memory (model states by
+ZeRO stage, activations by checkpointing policy and pipeline schedule, peak per rank), the step
+time and memory of a whole configuration, and the same formulas symbolically for reports and
+tests. The solver (autoplan/solver/) searches over what this package prices.
 
 Hardware is always an argument (a `Topology` or `DeviceSpec`); nothing here reads the machine.
+
+The files, from op to step:
+    compute.py           compute time per aten op (roofline, matmul efficiency curve)
+    comm.py              collective and pipeline-hop times (alpha-beta per link level)
+    memory.py            model states by ZeRO stage, saved activations, the peak moments
+    context.py           context parallelism's prices: attention nodes, K/V bytes, K/V time
+    offload.py           CPU offload priced: host memory, transfers, the host step
+    placement_totals.py  what the whole-step model reads of a placement: `Solution` (per-part
+                         totals) and `RankMemory` (a rank's memory, linear in the placement)
+    config.py            `Config` (one point of the search) and its stages on pipeline ranks
+    dp_sync.py           the data-parallel collectives and local passes of a step
+    rank_memory.py       memory per pipeline rank: peaks, and the ILP's linear forms
+    step_time.py         the step time of a configuration (`assess`: bubble, dp sync, optimizer)
+    traffic.py           bytes each rank moves per mesh axis in a step, as the dry run counts
+    fidelity.py          the error bands a plan states
+    symbolic.py          the formulas as sympy expressions (reports print, tests check them)
 """
 
 from autoplan.cost_model.comm import (

@@ -108,7 +108,8 @@ def model_state_bytes(num_params: float, zero_stage: int, dp: int, *,
     frozen_b = params if frozen_param_bytes is None else frozen_param_bytes
     trainable = max(0.0, num_params - frozen_params)  # >= 0 through float residue
     # FSDP2 (fully_shard, the runtime's ZeRO-2 and 3) keeps every parameter sharded; ZeRO-2's
-    # whole gathered copy is a unit it holds besides (solver/pipeline.py [Note: memory per rank])
+    # whole gathered copy is a unit it holds besides (cost_model/rank_memory.py [Note: memory
+    # per rank])
     params_sharded = zero_stage >= 3 or (recipe == "fsdp2" and zero_stage == 2)
     return {
         "params": (trainable * params + frozen_params * frozen_b)
@@ -217,7 +218,7 @@ def peak_memory_bytes(*, model_states: Mapping[str, float], activation_bytes: fl
       next ones, (1 + prefetch_layers) x layer_param_bytes, and the unsharded gradient of one
       layer, layer_param_bytes, is B's extra;
     - one unit of `gather_unit_bytes` (the runtime's: one FSDP2 unit per pipeline stage, see
-      solver/pipeline.py [Note: memory per rank]): with dp > 1 every ZeRO stage holds the
+      cost_model/rank_memory.py [Note: memory per rank]): with dp > 1 every ZeRO stage holds the
       gathered unit (FSDP2's replicate gathers too), ZeRO-2/3 also its all-gather input, one
       dp-th of it; B's extra unsharded gradient is the whole unit.
 

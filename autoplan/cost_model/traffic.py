@@ -17,7 +17,7 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   step -- the last microbatch's without pp (`set_requires_gradient_sync`, engine.py), the
   stage's REDUCE_GRAD with pp; ZeRO 2/3 (`fully_shard`): a `_reduce_scatter_base_` of the
   padded trainable gradients (f) per microbatch without pp, once per stage with pp (torch's
-  deferred reduction, [Note: deferred reduction] in solver/pipeline.py), and an
+  deferred reduction, [Note: deferred reduction] in cost_model/rank_memory.py), and an
   `_allgather_base_` of the padded parameters (e) whenever a unit is used sharded
   (`_gathers`: ZeRO-2 gathers in the forward and keeps them to the end of the backward;
   ZeRO-3 reshards after each forward; without pp it reshards after each backward, with pp
@@ -191,7 +191,7 @@ class _Context:
     graph runs in the model of `graph.total_layers` blocks, the bytes of values."""
 
     def __init__(self, plan: Plan, graph: CapturedGraph, kernels: bool = True):
-        from autoplan.passes.pipeline import constant_like_nodes
+        from autoplan.passes.stages import constant_like_nodes
 
         self.plan, self.graph, self.kernels = plan, graph, kernels
         mesh = plan.mesh

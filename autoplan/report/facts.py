@@ -163,7 +163,7 @@ def tokens_per_s(plan: Plan) -> float:
 
 def host_share_bytes(plan: Plan, topology: Topology | None) -> float:
     """Host memory per rank: the node's, shared by its ranks (0 without a topology or host
-    figures; [Note: offload] in autoplan/solver/offload.py)."""
+    figures; [Note: offload] in autoplan/cost_model/offload.py)."""
     if topology is None or not topology.host_mem_bytes:
         return 0.0
     return topology.host_mem_bytes / max(1, min(topology.devices_per_node,
@@ -177,7 +177,7 @@ OFFLOAD_TEXT = {
     "optimizer+params": "parameter shards, gradients and optimizer states in host memory "
                         "(FSDP2 CPUOffloadPolicy), the optimizer step on the host",
 }
-"""What each `Plan.offload` means, for the summary ([Note: offload] in solver/offload.py)."""
+"""What each `Plan.offload` means, for the summary ([Note: offload] in cost_model/offload.py)."""
 
 
 def memory_rows(plan: Plan) -> list[tuple[str, float]]:

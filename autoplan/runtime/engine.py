@@ -234,7 +234,7 @@ class DistributedModel(RankStages):
             # ([Note: fused AdamW] in runtime/optim.py)
             make_opt = optimizer or functools.partial(default_adamw, fused=self.kernels)
             self._check_elementwise(optimizer, params)
-            # CPU offload ([Note: offload] in solver/offload.py): ZeRO 0/1 step on the host
+            # CPU offload ([Note: offload] in cost_model/offload.py): ZeRO 0/1 step on the host
             # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
             host = plan.offload == "optimizer"
             if plan.zero_stage == 1 and plan.mesh.dp_shard > 1:

@@ -15,14 +15,15 @@ import dataclasses
 import operator
 
 from autoplan.cost_model.comm import pipeline_hop_time_s, redistribute_time_s
+from autoplan.cost_model.config import config_stages
 from autoplan.cost_model.fidelity import error_bands
+from autoplan.cost_model.step_time import Assessment
 from autoplan.cost_model.traffic import rank_traffic
 from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
 )
 from autoplan.solver.costs import token_scale
 from autoplan.solver.frozen import has_frozen
-from autoplan.solver.pipeline import Assessment, config_stages
 from autoplan.solver.problem import Problem, _tensor_bytes, share_key
 from autoplan.strategies import Candidate, tensor_args
 

@@ -68,9 +68,9 @@ import dataclasses
 
 from autoplan.cost_model.compute import at_tokens, module_input_bytes, op_time_s
 from autoplan.cost_model.memory import SELECTIVE_SAVED_OPS
+from autoplan.cost_model.placement_totals import RankMemory, Solution
+from autoplan.cost_model.step_time import Assessment
 from autoplan.solver.costs import Costs, out_divisor
-from autoplan.solver.ilp_types import RankMemory, Solution
-from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology

@@ -93,7 +93,7 @@ class Costs:
             pipeline stage's output kept for its backward and a receive buffer are the
             producer's local tensor (runtime/parallel.py tp_stage_forward), 1/tp of it when
             the candidate splits it (sequence parallelism); [Note: memory per rank] in
-            solver/pipeline.py. Empty without blocks.
+            cost_model/rank_memory.py. Empty without blocks.
     """
 
     scale: float

@@ -20,8 +20,8 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
 - the experts' weights, gradients and optimizer states per rank become their 1 / ep slice,
   whole: the runtime leaves them out of ZeRO (STATE_BYTES_PER_PARAM); without ep they are
   whole copies at ZeRO-0 and 1 / dp shards of the states the ZeRO stage shards;
-- they leave the dp group's collectives (`pipeline._dp_sync_s` of the ZeRO stage, over the
-  rest of the parameters): their gradients are all-reduced over the dp / ep ranks holding the
+- they leave the dp group's collectives (`dp_sync_s` in cost_model/dp_sync.py, of the ZeRO
+  stage, over the rest of the parameters): their gradients are all-reduced over the dp / ep ranks holding the
   same slice, at 1 / ep of the size (stride tp x ep), once per step.
 
 The step time and memory of the plan chosen at ep = 1 are repriced by these differences
@@ -36,11 +36,13 @@ import dataclasses
 import math
 
 from autoplan.cost_model.comm import collective_time_s, group_layout
+from autoplan.cost_model.config import Config
+from autoplan.cost_model.dp_sync import dp_sync_s
 from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
+from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import MeshShape, Plan
-from autoplan.solver.pipeline import DP_SYNC_OVERLAP, Config, _dp_sync_s
 from autoplan.solver.search import InvalidConfig
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -115,8 +117,8 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     frozen_total = layers.frozen_model_elems / mesh.pp
     cfg = Config(mesh.pp, mesh.dp, mesh.tp, plan.zero_stage, plan.num_microbatches,
                  plan.microbatch_size, plan.schedule, plan.num_virtual_stages)
-    before = _dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
-    after = _dp_sync_s(cfg, spec, topology, total - experts,
+    before = dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
+    after = dp_sync_s(cfg, spec, topology, total - experts,
                        frozen=frozen_total - frozen_experts) + (collective_time_s(
         "all_reduce", (experts - frozen_experts) * grad_b / ep, mesh.dp // ep, topology,
         stride=mesh.tp * ep) if mesh.dp > ep else 0.0)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
+from autoplan.cost_model.placement_totals import RankMemory
 from autoplan.solver.costs import Costs, redistribution_units, split_of
-from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, RankMemory, StepForm
+from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, StepForm
 from autoplan.solver.problem import OUTPUT, Problem
 
 __all__ = ["edge_key"]

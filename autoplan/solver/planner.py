@@ -12,6 +12,7 @@ import warnings
 from autoplan.collector import collector_paused
 from autoplan.cost_model.compute import compiled_device
 from autoplan.cost_model.fidelity import error_bands
+from autoplan.cost_model.step_time import Assessment
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
@@ -25,7 +26,6 @@ from autoplan.solver.experts import expert_parallel
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.pins import parse_pins, pinned_params
-from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
@@ -85,7 +85,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             (runtime/checks.py context_parallel_refusal), else plans cp 1 unless given.
         offload: "none" | "optimizer" (ZeRO 0/1) | "optimizer+params" (ZeRO-3): states in
             host memory, the optimizer step on the host ([Note: offload] in
-            solver/offload.py); None: searched where no placement fits on the device (needs
+            cost_model/offload.py); None: searched where no placement fits on the device (needs
             the topology's host figures).
         compiled: price the stages as run through torch.compile (no DTensor host time,
             pointwise chains fused: cost_model.compute.compiled_device, [Note: compiled
