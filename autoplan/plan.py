@@ -83,7 +83,8 @@ class MeshShape:
     they count as data-parallel ranks (`dp_shard` = dp x cp). cp 1 is written to JSON as
     before cp existed (no `cp` key).
 
-    `ep` is the expert-parallel degree ([Note: expert parallelism] in autoplan/solver/experts.py):
+    `ep` is the expert-parallel degree ([Note: expert parallelism] in
+    autoplan/cost_model/expert_parallel.py):
     the dp ranks form groups of `ep` consecutive dp ranks, and the ranks of a group hold
     disjoint slices of every mixture-of-experts layer's experts (E / ep each), exchanging tokens
     by all-to-all. The batch and every other weight are split and replicated over all dp ranks

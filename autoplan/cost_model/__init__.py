@@ -12,6 +12,7 @@ The files, from op to step:
     memory.py            model states by ZeRO stage, saved activations, the peak moments
     context.py           context parallelism's prices: attention nodes, K/V bytes, K/V time
     offload.py           CPU offload priced: host memory, transfers, the host step
+    expert_parallel.py   expert parallelism priced: MoE layers, all-to-alls, 1 / ep states
     placement_totals.py  what the whole-step model reads of a placement: `Solution` (per-part
                          totals) and `RankMemory` (a rank's memory, linear in the placement)
     config.py            `Config` (one point of the search) and its stages on pipeline ranks

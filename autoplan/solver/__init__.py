@@ -17,6 +17,7 @@ The pipeline, in files:
     planner.py        plan(): that search driven to the best plan and runners-up (cp first
                       under a bound, offload where nothing fits, errors); reprice(): a fixed
                       plan priced on another topology
+    expert_degree.py  the expert-parallel degree of a plan (given, or the fastest that fits)
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
 Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig`, `SolverLimitReached` (all

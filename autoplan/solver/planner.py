@@ -22,7 +22,7 @@ from autoplan.solver.branch_bound import (
 )
 from autoplan.solver.context import cp_degrees
 from autoplan.units import fmt_bytes
-from autoplan.solver.experts import expert_parallel
+from autoplan.solver.expert_degree import expert_parallel
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.pins import parse_pins, pinned_params
@@ -69,8 +69,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         top_k: runners-up kept in `Plan.alternatives`.
         ep: the expert-parallel degree of a mixture-of-experts model, inside dp (dp 4 with
             ep 2: four data-parallel ranks, two expert slices; None: chosen for the best
-            configuration, [Note: expert parallelism] in solver/experts.py; 1: none). A given
-            ep > 1 fixes tp 1 and excludes ZeRO-1 (what the runtime runs with ep).
+            configuration, [Note: expert parallelism] in cost_model/expert_parallel.py; 1:
+            none). A given ep > 1 fixes tp 1 and excludes ZeRO-1 (what the runtime runs with ep).
         sequence_parallel: True: the norm, dropout and residual-add regions of every block
             hold their activations split on the sequence dim on the tp axis (Megatron-LM's
             sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
@@ -205,7 +205,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
     fidelity.py prices the plan it ran at the machine speed measured during the run), or a plan
     made for one cluster on another of the same size.
 
-    An ep plan keeps its ep, repriced too ([Note: expert parallelism] in solver/experts.py);
+    An ep plan keeps its ep, repriced too ([Note: expert parallelism] in
+    cost_model/expert_parallel.py);
     a compiled plan is priced compiled ([Note: compiled execution]).
 
     Raises InvalidConfig when the plan does not belong to this graph and world size (a node
