@@ -10,8 +10,8 @@ innermost so that a tensor-parallel group is made of consecutive ranks and stays
 (docs/design.md, "Topology"), cp next so that a context-parallel group stays inside a node
 as long as cp x tp fits there. Per-node placements (`strategies`) are on the tp axis; data
 parallelism shards the batch dim on the dp axis, context parallelism the sequence dim on the cp
-axis ([Note: context parallelism] in autoplan/solver/context.py), and the ZeRO stage says what
-else the dp x cp ranks shard (torchtitan's dp_shard x cp FSDP mesh: the cp ranks reduce
+axis ([Note: context parallelism] in autoplan/cost_model/context_parallel.py), and the ZeRO stage
+says what else the dp x cp ranks shard (torchtitan's dp_shard x cp FSDP mesh: the cp ranks reduce
 gradients and share ZeRO shards like data-parallel ranks).
 """
 
@@ -77,7 +77,7 @@ class MeshShape:
     """Degrees of the device mesh, axes ("pp", "dp", "cp", "tp") outermost first.
 
     `cp` is the context-parallel degree ([Note: context parallelism] in
-    autoplan/solver/context.py): the ranks of a cp group hold disjoint chunks of every
+    autoplan/cost_model/context_parallel.py): the ranks of a cp group hold disjoint chunks of every
     sample's sequence (chunks i and 2 cp - 1 - i on cp rank i, causal load balancing) and
     all-gather the keys and values of attention; for gradient reduction and ZeRO sharding
     they count as data-parallel ranks (`dp_shard` = dp x cp). cp 1 is written to JSON as
@@ -209,7 +209,7 @@ class Prediction:
         p2p_s: the pipeline transfers of `stage_time_s` (0 without pp).
         cp_comm_s: the part of comm_s that is context parallelism's K/V all-gathers and
             gradient reduce-scatters on the busiest pp rank, per step (0 without cp; [Note:
-            context parallelism] in autoplan/solver/context.py).
+            context parallelism] in autoplan/cost_model/context_parallel.py).
         error_bands: the expected error of `step_time_s` and `memory_bytes`, {"step_time" |
             "peak_memory": {"low", "high" (fractions: predicted / measured - 1), "rows",
             "source", "covers", "not_covered"}}, from the fidelity benches ([Note: error

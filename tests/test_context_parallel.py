@@ -1,5 +1,5 @@
-"""Context parallelism ([Note: context parallelism] in autoplan/solver/context.py): in the
-planner, the cp mesh axis and its JSON, the costs per cp rank and the K/V collectives against
+"""Context parallelism ([Note: context parallelism] in autoplan/cost_model/context_parallel.py): in
+the planner, the cp mesh axis and its JSON, the costs per cp rank and the K/V collectives against
 the alpha-beta formula by hand, the search over cp, the report; in the runtime, the cp
 attention against full attention, the graph rewrite (passes/context_parallel.py), the refusals of
 what it does not run, and training under cp2 and cp2 x dp2 against one process (gloo ranks)."""
@@ -20,7 +20,7 @@ import _jobs
 from autoplan.capture import capture
 from autoplan.cost_model import step_time
 from autoplan.cost_model.config import Config
-from autoplan.cost_model.context import kv_bytes
+from autoplan.cost_model.context_parallel import kv_bytes
 from autoplan.cost_model.placement_totals import Solution
 from autoplan.inputs import InputSpec
 from autoplan.models import build_model, example_inputs, model_config

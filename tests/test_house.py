@@ -193,13 +193,9 @@ SHARED_NAMES = {
     "checkpointing.py": "activation checkpointing: priced (solver/), applied (passes/)",
     "facts.py": "what a step derives: of the captured graph (capture/), of the plan for the "
                 "report (report/)",
+    "context_parallel.py": "context parallelism: priced (cost_model/), lowered (passes/)",
     "expert_parallel.py": "expert parallelism: priced (cost_model/), run (runtime/)",
     "offload.py": "CPU offload: priced (cost_model/), run (runtime/)",
-}
-# Names shared by modules of different jobs, one of them in solver/ or cost_model/, which the
-# cost-model work of issue 25 rewrites: file name -> why it is pending.
-PENDING_NAMES = {
-    "context.py": "cp's degrees and prices (solver/), cp's prices (cost_model/)",
 }
 
 
@@ -216,19 +212,14 @@ def shared_names(root: Path) -> dict[str, list[str]]:
 
 def test_one_role_per_file_name():
     shared = shared_names(ROOT)
-    unexplained = {n: f for n, f in shared.items() if n not in SHARED_NAMES | PENDING_NAMES}
+    unexplained = {n: f for n, f in shared.items() if n not in SHARED_NAMES}
     assert not unexplained, ("files of one name in several packages: rename the one whose "
                              f"job differs, or list the concern in SHARED_NAMES: {unexplained}")
-    stale = sorted((set(SHARED_NAMES) | set(PENDING_NAMES)) - set(shared))
+    stale = sorted(set(SHARED_NAMES) - set(shared))
     assert not stale, f"no longer shared, remove from the lists: {stale}"
 
 
 # -- each package lists its files ---------------------------------------------------------------
-# Packages whose `__init__` docstring the cost-model work of issue 25 rewrites (it moves their
-# files): package -> the files it may leave unnamed until then.
-PENDING_LISTINGS = {
-    "autoplan/solver": {"context.py", "frozen.py", "sequence.py"},
-}
 
 
 def unlisted_files(root: Path) -> dict[str, list[str]]:
@@ -247,14 +238,8 @@ def unlisted_files(root: Path) -> dict[str, list[str]]:
 
 
 def test_each_package_docstring_lists_its_files():
-    found = unlisted_files(ROOT)
-    unlisted = {package: [f for f in files if f not in PENDING_LISTINGS.get(package, ())]
-                for package, files in found.items()}
-    unlisted = {package: files for package, files in unlisted.items() if files}
+    unlisted = unlisted_files(ROOT)
     assert not unlisted, f"files their package's __init__ docstring does not name: {unlisted}"
-    listed = sorted(f"{package}/{f}" for package, files in PENDING_LISTINGS.items()
-                    for f in files if f not in found.get(package, ()))
-    assert not listed, f"named now (or gone), remove from PENDING_LISTINGS: {listed}"
 
 
 # -- every reference resolves ---------------------------------------------------------------
@@ -301,14 +286,8 @@ def broken_references(root: Path) -> list[str]:
     return broken
 
 
-# References in solver/ and cost_model/ to files that issue 25's split moved, pending the
-# cost-model work (another change rewrites those packages): file -> the references it keeps.
-PENDING_COST_MODEL_WORK = {"autoplan/solver/context.py": {"autoplan/passes/context.py"}}
-
-
 def test_every_reference_names_a_file_of_the_repository():
-    broken = [b for b in broken_references(ROOT)
-              if b.split(" ")[1] not in PENDING_COST_MODEL_WORK.get(b.split(":")[0], ())]
+    broken = broken_references(ROOT)
     assert not broken, "references that do not resolve:\n" + "\n".join(broken)
 
 

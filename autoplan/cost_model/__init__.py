@@ -10,7 +10,7 @@ The files, from op to step:
     compute.py           compute time per aten op (roofline, matmul efficiency curve)
     comm.py              collective and pipeline-hop times (alpha-beta per link level)
     memory.py            model states by ZeRO stage, saved activations, the peak moments
-    context.py           context parallelism's prices: attention nodes, K/V bytes, K/V time
+    context_parallel.py  context parallelism priced: attention nodes, K/V bytes, K/V time
     offload.py           CPU offload priced: host memory, transfers, the host step
     expert_parallel.py   expert parallelism priced: MoE layers, all-to-alls, 1 / ep states
     placement_totals.py  what the whole-step model reads of a placement: `Solution` (per-part

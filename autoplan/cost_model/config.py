@@ -34,7 +34,7 @@ class Config:
     @property
     def dp_shard(self) -> int:
         """Ranks that reduce gradients and share ZeRO shards: dp x cp (torchtitan's
-        dp_shard x cp FSDP mesh, [Note: context parallelism] in solver/context.py)."""
+        dp_shard x cp FSDP mesh, [Note: context parallelism] in cost_model/context_parallel.py)."""
         return self.dp * self.cp
 
     @property

@@ -62,7 +62,7 @@ class Solution:
         integer_solver: True when the LP was fractional and CP-SAT solved the ILP.
         cp_comm_s: part -> seconds per microbatch of context parallelism's K/V collectives,
             included in comm_s (Costs.node_comm_s; [Note: context parallelism] in
-            solver/context.py).
+            cost_model/context_parallel.py).
         boundary_bytes: the residual stream between blocks, one microbatch, on a tp rank at
             the chosen placement (Costs.boundary_bytes); None: not known (its global size is
             assumed).

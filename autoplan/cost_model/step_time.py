@@ -4,7 +4,7 @@ rank memory of rank_memory.py), and its pipeline term alone (`pipeline_time_s`).
 [Note: step time] For pp ranks, v model chunks per rank (interleaved 1F1B), m microbatches, R =
 dp x cp x tp ranks per pipeline stage and N = min(world, devices_per_node) ranks per node (with
 context parallelism every per-microbatch figure is one cp rank's: seq_len / cp tokens, the K/V
-collectives in tp_comm_r, [Note: context parallelism] in solver/context.py):
+collectives in tp_comm_r, [Note: context parallelism] in cost_model/context_parallel.py):
 
     t_comp   = max over pp ranks r of compute_r / speed(N)     one microbatch, fwd + bwd
     t_comm   = max over pp ranks r of (tp_comm_r + p2p_r)      (compute and comm of the busiest)

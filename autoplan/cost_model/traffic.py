@@ -67,8 +67,8 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   the h_kv heads before GQA's expansion where the rewrite takes them,
   passes/context_parallel.py `gathered_kv`)
   forward and a reduce-scatter of each gradient backward, and the gathers again in
-  recomputation ([Note: context parallelism] in solver/context.py); axis "cp", or "dp_cp" at
-  dp 1, where the recorder names the one group so;
+  recomputation ([Note: context parallelism] in cost_model/context_parallel.py); axis "cp", or
+  "dp_cp" at dp 1, where the recorder names the one group so;
 - scalars: the step loss's `allreduce_` over dp x cp (4 bytes) when D > 1, and with clipping
   one `all_reduce` (4 bytes) per gradient per mesh axis it is sharded on (DTensor's
   `full_tensor` of a norm of a Shard gradient).
@@ -108,7 +108,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoplan.cost_model.comm import backward_redistribution
-from autoplan.cost_model.context import attention_nodes
+from autoplan.cost_model.context_parallel import attention_nodes
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 

@@ -15,7 +15,7 @@ from autoplan.cost_model.comm import backward_redistribution, redistribute_time_
 from autoplan.cost_model.compute import (NO_GRAD_OPS, at_tokens, backward_time_s,
                                          dtensor_dispatches, module_input_bytes, op_name,
                                          op_time_s)
-from autoplan.cost_model.context import attention_nodes, kv_bytes, kv_comm_s
+from autoplan.cost_model.context_parallel import attention_nodes, kv_bytes, kv_comm_s
 from autoplan.cost_model.memory import selective_saves
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan

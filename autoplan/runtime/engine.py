@@ -14,7 +14,7 @@ Build order (each step needs the previous one), all on the meta device until ste
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
    Under cp (the graph captured at seq_len / cp tokens per sample), attention gathers K and V
    over the cp axis and positions become the rank's global ones (`passes.context_parallel`, [Note:
-   context parallelism] in solver/context.py).
+   context parallelism] in cost_model/context_parallel.py).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
    plan says so (`passes.checkpointing`); with `compile`, each block's forward goes through
    torch.compile ([Note: compiled stages] in runtime/compiled.py).

@@ -7,6 +7,9 @@ The pipeline, in files:
     problem.py        candidates (strategies.py) -> ILP nodes, shared blocks, weighted edges
     costs.py          cost model -> ILP coefficients for one (tp, microbatch size)
     checkpointing.py  what a checkpointing policy does to those coefficients and to memory
+    context.py        the cp degrees searched; cp's K/V collectives in those coefficients
+    sequence.py       sequence parallelism as placements of the norm/dropout/residual regions
+    frozen.py         fine-tuning: the dtype frozen parameters are held in, a plan choice
     ilp.py            the ILP, written as math in its docstring, solved with OR-Tools (GLOP
                       first, CP-SAT when the LP is fractional)
     ilp_model.py      the ILP as an OR-Tools model (one add_* per block of that math)

@@ -111,7 +111,7 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
             the captured ones (all dp and cp ranks).
     Returns one figure per pipeline rank, FLOPs.
     """
-    from autoplan.cost_model.context import attention_nodes
+    from autoplan.cost_model.context_parallel import attention_nodes
     from autoplan.cost_model.memory import (
         core_attention_regions, grad_carriers, node_producers, saved_tensors)
     from autoplan.solver.costs import split_of

@@ -134,7 +134,7 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
              if edge.dst in nodes or (i in costs.regather_s and replayed(edge)) else row
              for i, (edge, row) in enumerate(zip(problem.edges, costs.pairs))]
     # context parallelism's K/V all-gather runs again with attention's recomputed inputs
-    # under both policies ([Note: context parallelism] in solver/context.py)
+    # under both policies ([Note: context parallelism] in cost_model/context_parallel.py)
     # (core-attention needs unfused attention, cp fused: they never meet)
     node_comm = {n: [(fwd, bwd + fwd) for fwd, bwd in row]
                  for n, row in costs.node_comm_s.items()} if policy in ("selective", "full") \

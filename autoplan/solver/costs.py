@@ -85,7 +85,7 @@ class Costs:
         node_comm_s: ILP node -> [(forward, backward) seconds per candidate] of collectives
             that belong to the node itself rather than to an edge: the K/V all-gather and
             reduce-scatter of attention under context parallelism ([Note: context
-            parallelism] in solver/context.py); per occurrence, like compute_s.
+            parallelism] in cost_model/context_parallel.py); per occurrence, like compute_s.
         regather_s: edge index -> {pair key: seconds} of `pairs`' backward that is the
             all-gather again of a gathered input held as its shard ([Note: regather priced]).
         boundary_bytes: {block-output node (problem.boundary_node): [bytes per candidate]}:
@@ -179,7 +179,7 @@ def _units(problem: Problem, costs: Costs) -> list[Unit]:
 def token_scale(problem: Problem, microbatch_size: int, seq_len: int, cp: int = 1) -> float:
     """(b * seq_len / cp) / (B_g * S_g); see the module docstring (cp: the context-parallel
     degree, each rank holding seq_len / cp tokens of every sample, [Note: context
-    parallelism] in solver/context.py)."""
+    parallelism] in cost_model/context_parallel.py)."""
     graph = problem.graph
     return (microbatch_size * seq_len / cp) / (graph.batch_size * (graph.seq_len or seq_len))
 

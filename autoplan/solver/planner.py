@@ -76,7 +76,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
             those regions unsplit on the tp axis (plain tensor parallelism); None: chosen per
             node by the placement ILP like any placement. Has no effect at tp 1.
-        cp: the context-parallel degree ([Note: context parallelism] in solver/context.py):
+        cp: the context-parallel degree ([Note: context parallelism] in
+            cost_model/context_parallel.py):
             every sample's sequence split in 2 cp chunks over cp ranks, K/V all-gathered for
             attention; None: searched over 1 and the powers of two that divide the devices
             and seq_len / 2 (a model with fused attention in every block) where nothing fits
@@ -255,8 +256,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
 def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
           time_limit_s: float, top_k: int) -> Plan:
     """The best plan; cp > 1 is searched after cp = 1 ([Note: context parallelism] in
-    solver/context.py): where no cp = 1 plan fits, where the cp = 1 plan needs CPU offload,
-    and otherwise for a plan faster than the cp = 1 one beyond the step-time error band
+    cost_model/context_parallel.py): where no cp = 1 plan fits, where the cp = 1 plan needs CPU
+    offload, and otherwise for a plan faster than the cp = 1 one beyond the step-time error band
     (`_cp_ceiling_s`: branch and bound under that ceiling, so configurations bounded above it
     cost no ILP). The faster of the two is taken."""
     if overrides.cp is not None or not _cp_may_help(graph, topology, spec):

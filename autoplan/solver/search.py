@@ -218,7 +218,7 @@ def _check_stages(o: Overrides, layers: int) -> None:
 
 def _check_cp(graph: CapturedGraph, spec: TrainingSpec, cp: int) -> None:
     """A fixed cp > 1 needs the sequence in 2 cp chunks and fused attention in every block
-    ([Note: context parallelism] in solver/context.py)."""
+    ([Note: context parallelism] in cost_model/context_parallel.py)."""
     if spec.seq_len % (2 * cp):
         raise InvalidConfig(f"cp {cp}: seq_len {spec.seq_len} is not divisible by 2 x cp = "
                             f"{2 * cp} (the load-balanced sequence chunks)")
@@ -406,8 +406,8 @@ class Search:
     def cost(self, tp: int, b: int, policy: str = "none", cp: int = 1,
              stride: int | None = None) -> Costs:
         """The ILP coefficients of (tp, b, policy, cp): build_costs at the token scale of one
-        cp rank, the cp collectives ([Note: context parallelism] in solver/context.py), then
-        the recomputation of the policy. `stride`: the cp group's in the mesh, tp unless given
+        cp rank, the cp collectives ([Note: context parallelism] in cost_model/context_parallel.py),
+        then the recomputation of the policy. `stride`: the cp group's in the mesh, tp unless given
         (a bound's tp = 1 problem stands for a configuration of tp = stride)."""
         stride = tp if stride is None or cp == 1 else stride
         key = (tp, b, policy, cp) + ((stride,) if stride != tp else ())
