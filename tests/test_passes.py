@@ -124,7 +124,7 @@ def test_selective_keeps_linear_outputs_as_priced():
     outputs, in the planner's kept set and when run: live bytes after the forward equal
     A - A_blocks + K + T I within 2% (issue 11: the planner knew only mm/addmm and kept the
     attention outputs alone, a third of what the runtime holds)."""
-    from autoplan.cost_model.memory import selective_saves
+    from autoplan.op_classes import selective_saves
     from autoplan.runtime.live_bytes import LiveTensorBytes
     from autoplan.solver.problem import build_problem
 

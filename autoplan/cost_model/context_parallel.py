@@ -102,8 +102,8 @@ import torch
 import torch.fx
 
 from autoplan.cost_model.comm import collective_time_s
-from autoplan.cost_model.compute import ATTENTION_OPS, VIEW_OPS, op_name
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import ATTENTION_OPS, VIEW_OPS, op_name
 from autoplan.topology import Topology
 
 __all__ = ["attention_nodes", "kv_bytes", "kv_comm_s"]

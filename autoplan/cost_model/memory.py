@@ -19,16 +19,15 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from autoplan.cost_model.compute import (
-    ATTENTION_OPS, DTYPE_BYTES, MATMUL_OPS, NO_GRAD_OPS, VIEW_OPS, matmul_dims, op_name,
-)
+from autoplan.cost_model.compute import DTYPE_BYTES, matmul_dims
 from autoplan.graph import NodeInfo
+from autoplan.op_classes import ATTENTION_OPS, MATMUL_OPS, NO_GRAD_OPS, VIEW_OPS, op_name
 
 __all__ = [
     "STATE_BYTES_PER_PARAM", "FSDP2_MIXED_STATE_BYTES", "model_state_bytes", "activation_bytes_per_layer_closed_form",
     "activation_bytes_from_graph", "saved_tensors", "node_producers", "SavedTensor",
     "pipeline_in_flight_microbatches", "peak_memory_bytes", "RECOMPUTE_POLICIES", "PARAM_PREFIX",
-    "SELECTIVE_SAVED_OPS", "selective_saves", "core_attention_regions",
+    "core_attention_regions",
     "loss_working_bytes", "vocab_parallel_loss_bytes", "attention_dropout_scores",
     "grad_carriers",
 ]
@@ -394,32 +393,7 @@ def vocab_parallel_loss_bytes(local_logits_bytes: float, dtype_bytes: float,
 # plus that matmul's scores operand -- the 5as^2b term. Full recompute keeps only the layer input.
 # `activation_bytes_from_graph(policy="selective")` is this published variant (the formula
 # checks against Table 2). What autoplan plans and runs as "selective" is op-level: see
-# [Note: selective saved set] below.
-
-# [Note: selective saved set]
-# "selective" as the runtime runs it (torch's selective checkpoint contexts,
-# autoplan/passes/checkpointing.py) and as the solver prices it (solver/checkpointing.py,
-# Problem.kept_selective): a checkpointed block keeps the outputs of its matmuls and of fused
-# attention -- the ops whose recomputation costs FLOPs -- and its input; every other op (norms,
-# activation functions, rotary embedding, softmax, dropout, residual adds, casts) runs again in
-# the backward from them. This is Korthikanti et al. 2022's selective recompute in spirit (keep
-# what is expensive to recompute, recompute the cheap and large), and torchtitan's op-level SAC
-# save list. One list, `SELECTIVE_SAVED_OPS`, by aten base name, serves both sides, and names
-# every spelling of a matmul: the captured graph holds `linear` (and `matmul`), which run as
-# `mm` / `addmm` / `bmm` when the runtime dispatches them, and a kept `linear` is its `mm`'s
-# output (a view of it): the same bytes.
-
-SELECTIVE_SAVED_OPS = MATMUL_OPS | ATTENTION_OPS
-"""aten base names (compute.op_name) of the ops whose outputs "selective" checkpointing keeps
-([Note: selective saved set]): every matmul spelling (linear, mm, addmm, bmm, baddbmm, addbmm,
-matmul, _scaled_mm; convolution and the experts op, matmuls too) and every fused attention."""
-
-
-def selective_saves(op) -> bool:
-    """True when "selective" checkpointing keeps the outputs of `op` (an OpOverload, an fx
-    node target or its text: "aten.mm.default", "aten.linear.default")."""
-    return op_name(str(op)) in SELECTIVE_SAVED_OPS
-
+# [Note: selective saved set] in autoplan/op_classes.py.
 
 PARAM_PREFIX = "param:"
 """`node_producers` marks an argument that is a parameter/buffer (or a view of one) so."""

@@ -120,7 +120,7 @@ __all__ = ["RankTraffic", "rank_traffic"]
 # the dry run records it)
 _FUNCTIONAL = {"all_gather": "all_gather_into_tensor", "all_reduce": "all_reduce",
                "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_gather_into_tensor"}
-# aten base names (compute.op_name) of ops whose backward DTensor runs on a Partial gradient
+# aten base names (op_classes.op_name) of ops whose backward DTensor runs on a Partial gradient
 # and replicated operands, keeping it Partial: linear in the gradient, spelled in views,
 # expansions and products (derivatives.yaml: pow's and rsqrt's are products with the saved
 # value, mean's an expansion): an unfused norm's ops
@@ -687,7 +687,7 @@ def _partial_gradients(ctx: _Context) -> tuple[set, set, set]:
     redistribution takes its backward (S -> R's becomes a reduce-scatter). Returns
     ({(value, consumer) handing it a Partial gradient}, {values all-reduced}, {parameters
     with a Partial gradient}), by the graph's node names."""
-    from autoplan.cost_model.compute import op_name
+    from autoplan.op_classes import op_name
     from autoplan.passes.sharding import tensor_args
 
     no_grad = ctx.once(_no_gradient)

@@ -22,7 +22,7 @@ Policies (the plan's `checkpointing`):
   backward from them and the block's inputs. (Korthikanti et al. 2022, section 5, recompute
   only the attention core; with fused attention that core keeps nothing worth dropping, while
   the elementwise ops of the MLP keep the largest tensors.) The op list is
-  cost_model.memory.SELECTIVE_SAVED_OPS ([Note: selective saved set]), which
+  autoplan.op_classes.SELECTIVE_SAVED_OPS ([Note: selective saved set]), which
   autoplan/solver/checkpointing.py prices.
 
 Random ops (autoplan/passes/rng.py) read a mutable RandomState that enters a block as an
@@ -39,6 +39,7 @@ import torch.fx
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from autoplan import op_classes
 from autoplan.cost_model import memory
 from autoplan.graph import CapturedGraph
 from autoplan.passes.blocks import block_nodes, outline
@@ -49,9 +50,9 @@ __all__ = ["wrap_checkpointing", "run_checkpointed", "selective_context", "POLIC
 
 POLICIES = ("none", "core-attention", "selective", "full")
 
-SELECTIVE_SAVED_OPS = memory.SELECTIVE_SAVED_OPS
+SELECTIVE_SAVED_OPS = op_classes.SELECTIVE_SAVED_OPS
 """aten base names of the ops whose outputs "selective" keeps (every other op is recomputed):
-the cost model's list, cost_model.memory [Note: selective saved set], the one definition the
+the cost model's list, autoplan/op_classes.py [Note: selective saved set], the one definition the
 solver prices (solver/checkpointing.py) and this policy runs."""
 
 
@@ -60,7 +61,7 @@ def _selective_policy(ctx, op, *args, **kwargs):
     # An op run without grad (inside an autograd.Function's forward: passes/rng.py's dropped
     # attention, which saves its own inputs and recomputes) records nothing for the backward:
     # keeping its output would hold what the Function chose not to (its scores).
-    return (CheckpointPolicy.MUST_SAVE if memory.selective_saves(op) and torch.is_grad_enabled()
+    return (CheckpointPolicy.MUST_SAVE if op_classes.selective_saves(op) and torch.is_grad_enabled()
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 

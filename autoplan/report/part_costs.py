@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch.fx
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import (NO_GRAD_OPS, at_tokens, backward_time_s,
-                                         dtensor_dispatches, module_input_bytes, op_name,
-                                         op_time_s)
+from autoplan.cost_model.compute import (
+    at_tokens, backward_time_s, dtensor_dispatches, module_input_bytes, op_time_s
+)
 from autoplan.cost_model.context_parallel import attention_nodes, kv_bytes, kv_comm_s
-from autoplan.cost_model.memory import selective_saves
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import NO_GRAD_OPS, op_name, selective_saves
 from autoplan.plan import Plan
 from autoplan.report.roles import node_parts, redistribution_groups
 from autoplan.strategies import constant_like_nodes, node_tensor_meta
@@ -38,7 +38,7 @@ class PartCost:
             per-node shard factors and the node's speed while its devices all compute
             (DeviceSpec.speed), plus DTensor's per-op host time under tp; the backward includes
             the forward that activation checkpointing runs again (every block op under "full",
-            the ops "selective" does not keep, cost_model.memory [Note: selective saved set]).
+            the ops "selective" does not keep, autoplan/op_classes.py [Note: selective saved set]).
         comm_fwd_s, comm_bwd_s: the tp redistributions whose consumer is in the part, forward
             (Plan's figure) and backward (the dual redistribution, cost_model.comm), plus the
             backward-only all-reduce of a replicated value that split ops read (Megatron's f,

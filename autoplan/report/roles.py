@@ -16,8 +16,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from autoplan.cost_model.compute import op_name
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import op_name
 from autoplan.plan import Plan
 
 __all__ = ["ParamGroup", "RedistributionGroup", "param_groups", "sharded_params",

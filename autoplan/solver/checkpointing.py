@@ -8,7 +8,7 @@ runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 - "selective": op-level selective checkpointing as the runtime runs it (torch's selective
   checkpoint contexts, autoplan/passes/checkpointing.py): a block keeps the outputs of its
   matmuls, whatever their aten spelling (linear, mm, addmm, bmm, matmul), and of fused
-  attention (`SELECTIVE_SAVED`: cost_model.memory.SELECTIVE_SAVED_OPS, the one list the
+  attention (`SELECTIVE_SAVED`: autoplan.op_classes.SELECTIVE_SAVED_OPS, the one list the
   runtime's policy runs, [Note: selective saved set]) and its input; its other ops run their
   forward again in the backward. (Korthikanti et al. 2022,
   section 5, drop only the attention scores; cost_model.memory keeps that published variant
@@ -67,9 +67,9 @@ from __future__ import annotations
 import dataclasses
 
 from autoplan.cost_model.compute import at_tokens, module_input_bytes, op_time_s
-from autoplan.cost_model.memory import SELECTIVE_SAVED_OPS
 from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.cost_model.step_time import Assessment
+from autoplan.op_classes import SELECTIVE_SAVED_OPS
 from autoplan.solver.costs import Costs, out_divisor
 from autoplan.solver.problem import Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
@@ -82,7 +82,7 @@ __all__ = ["POLICIES", "SELECTIVE_SAVED", "policies", "recomputed_nodes", "check
 POLICIES = ("none", "core-attention", "selective", "full")
 
 SELECTIVE_SAVED = SELECTIVE_SAVED_OPS
-"""aten base names whose outputs "selective" keeps: cost_model.memory.SELECTIVE_SAVED_OPS
+"""aten base names whose outputs "selective" keeps: autoplan.op_classes.SELECTIVE_SAVED_OPS
 ([Note: selective saved set]), the list the runtime's policy (passes/checkpointing.py) runs:
 every matmul spelling (linear, mm, addmm, bmm, matmul, ...) and fused attention."""
 

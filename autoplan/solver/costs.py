@@ -47,10 +47,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import (MATMUL_OPS, at_tokens, backward_time_s,
-                                         dtensor_dispatches, module_input_bytes, op_name,
-                                         op_time_s)
+from autoplan.cost_model.compute import (
+    at_tokens, backward_time_s, dtensor_dispatches, module_input_bytes, op_time_s
+)
 from autoplan.cost_model.memory import loss_working_bytes, vocab_parallel_loss_bytes
+from autoplan.op_classes import MATMUL_OPS, op_name
 from autoplan.solver.problem import OUTPUT, Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import tensor_args

@@ -40,12 +40,11 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from autoplan.cost_model.compute import VIEW_OPS, op_name
 from autoplan.cost_model.memory import (
-    attention_dropout_scores, core_attention_regions, grad_carriers, node_producers,
-    saved_tensors, selective_saves,
+    attention_dropout_scores, core_attention_regions, grad_carriers, node_producers, saved_tensors
 )
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import VIEW_OPS, op_name, selective_saves
 from autoplan.strategies import (
     Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
 )
@@ -111,7 +110,7 @@ class Problem:
             (e.g. an additive attention mask): "core-attention"'s checkpoints hold them.
         kept_selective: (ILP node, bytes of all its outputs at b = captured batch,
             multiplicity, part) for every block op whose outputs "selective" checkpointing
-            keeps (cost_model.memory.SELECTIVE_SAVED_OPS: matmuls of every spelling, fused
+            keeps (autoplan.op_classes.SELECTIVE_SAVED_OPS: matmuls of every spelling, fused
             attention; [Note: selective saved set]).
         regathered: node -> the op whose backward reads the node's input (the node itself,
             or the op that saves it through flattening views): an all-gather on an edge into
@@ -291,7 +290,7 @@ def _grad_nodes(graph: CapturedGraph, params: set[str]) -> set[str]:
 
 
 def _edges(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[Edge]:
-    from autoplan.cost_model.compute import NO_GRAD_OPS, op_name
+    from autoplan.op_classes import NO_GRAD_OPS, op_name
     params = {nd.name for nd in graph.gm.graph.nodes
               if nd.op == "get_attr" and nd.name in prob.cands and nd.name not in prob.constants}
     grads = _grad_nodes(graph, params)

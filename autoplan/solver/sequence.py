@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import operator
 
-from autoplan.cost_model.compute import MATMUL_OPS, VIEW_OPS, op_name
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import MATMUL_OPS, VIEW_OPS, op_name
 from autoplan.plan import Plan
 from autoplan.solver.problem import Problem
 from autoplan.strategies import constant_like_nodes, node_tensor_meta, tensor_args
