@@ -19,6 +19,7 @@ The files, from op to step:
     dp_sync.py           the data-parallel collectives and local passes of a step
     rank_memory.py       memory per pipeline rank: peaks, and the ILP's linear forms
     step_time.py         the step time of a configuration (`assess`: bubble, dp sync, optimizer)
+    part_costs.py        compute and communication per part of the model (the report's table)
     traffic.py           bytes each rank moves per mesh axis in a step, as the dry run counts
     fidelity.py          the error bands a plan states
     symbolic.py          the formulas as sympy expressions (reports print, tests check them)

@@ -4,17 +4,18 @@ Renderers (markdown.py, html.py) only format these facts, so Markdown, HTML and 
 cannot disagree. Everything is SI: seconds, bytes (1 GB = 1e9 B), FLOP/s.
 
 Grouped per block role: autoplan/report/roles.py ([Note: block roles]); compute and
-communication per part: autoplan/report/part_costs.py; both re-exported here.
+communication per part: autoplan/cost_model/part_costs.py (`part_costs` below).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.cost_model import part_costs as priced_parts
 from autoplan.cost_model.comm import group_layout, hop_crosses_nodes, pipeline_hops
+from autoplan.cost_model.part_costs import PartCost
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
-from autoplan.report.part_costs import PartCost, part_costs
 from autoplan.report.roles import (ParamGroup, RedistributionGroup, param_groups,
                                    redistribution_groups, sharded_params)
 from autoplan.topology import Topology
@@ -154,6 +155,13 @@ def _pp_axis(plan: Plan, stage_ranks: int, per_node: int, num_nodes: int,
                 f"{len(hops)} across nodes over {inter.name} (the pipeline's pace), the "
                 f"others over {intra.name}")
     return AxisFacts("pp", pp, stage_ranks, per_node, num_nodes, level, text)
+
+
+def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[PartCost]:
+    """Compute and communication per part of the model on one rank, per microbatch (PartCost):
+    cost_model/part_costs.py over the plan's redistributions grouped per block role. Raises
+    ValueError from the cost model (e.g. a dtype the device lists no peak for)."""
+    return priced_parts.part_costs(plan, graph, topology, redistribution_groups(plan, graph))
 
 
 def tokens_per_s(plan: Plan) -> float:
