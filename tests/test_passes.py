@@ -212,7 +212,7 @@ def test_core_attention_missing_core_raises_only_where_the_stage_holds_it():
     """A stage cut just after block 0's core holds ops that read the core but none that feed
     it: nothing to wrap there, no error. A graph holding both sides but not the core (its ops
     renamed by a rewrite) raises, naming the block, rather than silently not recomputing."""
-    from autoplan.cost_model.memory import core_attention_regions
+    from autoplan.cost_model.activations import core_attention_regions
 
     _model, graph, gm = _captured("gpt2-tiny", attn_implementation="eager")
     core = core_attention_regions(graph)[0]

@@ -9,7 +9,9 @@ Hardware is always an argument (a `Topology` or `DeviceSpec`); nothing here read
 The files, from op to step:
     compute.py           compute time per aten op (roofline, matmul efficiency curve)
     comm.py              collective and pipeline-hop times (alpha-beta per link level)
-    memory.py            model states by ZeRO stage, saved activations, the peak moments
+    memory.py            model states by ZeRO stage, activations in closed form, the peak
+                         moments, the loss's working set
+    activations.py       activations from a captured graph: what autograd saves, op by op
     context_parallel.py  context parallelism priced: attention nodes, K/V bytes, K/V time
     offload.py           CPU offload priced: host memory, transfers, the host step
     expert_parallel.py   expert parallelism priced: MoE layers, all-to-alls, 1 / ep states
@@ -25,6 +27,9 @@ The files, from op to step:
     symbolic.py          the formulas as sympy expressions (reports print, tests check them)
 """
 
+from autoplan.cost_model.activations import (
+    SavedTensor, activation_bytes_from_graph, node_producers, saved_tensors
+)
 from autoplan.cost_model.comm import (
     COLLECTIVES, backward_redistribution, collective_time_s, group_layout, hop_crosses_nodes,
     p2p_time_s, pipeline_hop_time_s, redistribute_time_s,
@@ -33,9 +38,8 @@ from autoplan.cost_model.compute import (
     backward_time_s, graph_backward_time_s, graph_forward_time_s, matmul_efficiency, op_time_s
 )
 from autoplan.cost_model.memory import (
-    SavedTensor, activation_bytes_from_graph, activation_bytes_per_layer_closed_form,
-    model_state_bytes, node_producers, peak_memory_bytes, pipeline_in_flight_microbatches,
-    saved_tensors,
+    activation_bytes_per_layer_closed_form, model_state_bytes, peak_memory_bytes,
+    pipeline_in_flight_microbatches
 )
 from autoplan.cost_model.symbolic import FORMULAS, evaluate, latex
 

@@ -50,7 +50,7 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   per microbatch under ZeRO 2/3 without pp; f bytes where microbatches were accumulated
   first, else e); anywhere else (a fused kernel, a matmul, softmax, where Partial meets
   another gradient) an all-reduce of the value per microbatch. An all-gathered activation
-  that an op saves for its backward (memory.saved_tensors' rules; through views that keep it
+  that an op saves for its backward (activations.saved_tensors' rules; through views that keep it
   whole) is all-gathered again there ([Note: gathered inputs saved sharded] in
   passes/regather.py), unless its block is checkpointed or the op is fused into a kernel
   (which saves local tensors). A checkpointed block's recomputation reissues the block's
@@ -450,9 +450,9 @@ class _Context:
 
     def last_saving(self) -> dict[int, int]:
         """Captured block -> position of its last node that saves a tensor for the backward
-        (memory.saved_tensors): a checkpointed block's recomputation ends there."""
+        (activations.saved_tensors): a checkpointed block's recomputation ends there."""
         if not hasattr(self, "_last_saving"):
-            from autoplan.cost_model.memory import node_producers, saved_tensors
+            from autoplan.cost_model.activations import node_producers, saved_tensors
 
             g = self.graph
             producers, grads = node_producers(g.gm), self.once(_grad_carriers)
@@ -773,10 +773,10 @@ def _vocab_parallel_logits(ctx: _Context) -> str | None:
 
 
 def _no_gradient(ctx: _Context) -> set[str]:
-    """Values autograd gives no gradient (memory.grad_carriers: none descends from a trainable
+    """Values autograd gives no gradient (activations.grad_carriers: none descends from a trainable
     parameter -- graph inputs, buffers, frozen weights, masks, rotary tables -- or they are
     not floating)."""
-    from autoplan.cost_model.memory import PARAM_PREFIX
+    from autoplan.cost_model.activations import PARAM_PREFIX
 
     carriers = ctx.once(_grad_carriers)
     out = set()
@@ -790,7 +790,7 @@ def _no_gradient(ctx: _Context) -> set[str]:
 
 
 def _grad_carriers(ctx: _Context) -> frozenset[str]:
-    from autoplan.cost_model.memory import grad_carriers
+    from autoplan.cost_model.activations import grad_carriers
 
     return grad_carriers(ctx.graph.gm, ctx.graph.params)
 
@@ -808,11 +808,11 @@ def _collective(src: str, dst: str, tp: int) -> str:
 
 def _regathered(ctx: _Context) -> set[tuple[str, str]]:
     """(value, consumer) pairs where the consumer holds the value's tp all-gather for its
-    backward (memory.saved_tensors' rules; directly, or through views that keep it whole and
+    backward (activations.saved_tensors' rules; directly, or through views that keep it whole and
     contiguous, as linear's flatten): [Note: gathered inputs saved sharded] in
     passes/regather.py re-gathers it there. An op fused into a kernel saves local tensors,
     which are not re-gathered."""
-    from autoplan.cost_model.memory import node_producers, saved_tensors
+    from autoplan.cost_model.activations import node_producers, saved_tensors
 
     g = ctx.graph
     infos = [g.nodes[n.name] for n in g.gm.graph.nodes if n.name in g.nodes]

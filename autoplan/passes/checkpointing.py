@@ -12,7 +12,7 @@ Policies (the plan's `checkpointing`):
 - "full": keep only the block's inputs; recompute the whole block in backward.
 - "core-attention": Megatron-LM's selective recompute (Korthikanti et al. 2022, section 5):
   each attention core of unfused attention -- the score matmul q @ k^T, scale, mask, softmax,
-  dropout and the matmul with v, cost_model.memory.core_attention_regions -- moves into a
+  dropout and the matmul with v, cost_model.activations.core_attention_regions -- moves into a
   sub-GraphModule run under plain checkpointing; the rest of the block saves what it saves
   without checkpointing ([Note: core attention] in autoplan/solver/checkpointing.py).
 - "selective": torch's selective activation checkpointing at op level (the save-list policy
@@ -40,7 +40,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from autoplan import op_classes
-from autoplan.cost_model import memory
+from autoplan.cost_model import activations
 from autoplan.graph import CapturedGraph
 from autoplan.passes.blocks import block_nodes, outline
 from autoplan.passes.rng import RandomState
@@ -178,7 +178,7 @@ def _wrap_cores(gm: torch.fx.GraphModule, graph: CapturedGraph, block_modules) -
     owners = [gm, *(gm.get_submodule(p) for p in block_modules)]
     present = {n.meta.get("orig_name", n.name) for o in owners for n in o.graph.nodes}
     count = 0
-    for k, region in enumerate(memory.core_attention_regions(graph)):
+    for k, region in enumerate(activations.core_attention_regions(graph)):
         names = set(region)
         for owner in owners:
             nodes = [n for n in owner.graph.nodes if n.op == "call_function" and (

@@ -94,7 +94,7 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     stops recomputing once every saved tensor is packed again (`set_checkpoint_early_stop`),
     and under tp the DTensor op packs its inputs before its local kernel runs, so that last
     op's own FLOPs are not recomputed at tp > 1; "core-attention": the unfused attention
-    cores, cost_model.memory.core_attention_regions, none with fused attention; "selective"
+    cores, cost_model.activations.core_attention_regions, none with fused attention; "selective"
     keeps every matmul and attention output). Attention's backward is 2.5 times its forward
     (torch.utils.flop_counter's sdpa_backward_flop_count: the scores recomputed and four
     gradient matmuls), any other op's twice; under cp > 1 a causal attention runs (2 cp + 1) /
@@ -111,9 +111,10 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
             the captured ones (all dp and cp ranks).
     Returns one figure per pipeline rank, FLOPs.
     """
+    from autoplan.cost_model.activations import (
+        core_attention_regions, grad_carriers, node_producers, saved_tensors
+    )
     from autoplan.cost_model.context_parallel import attention_nodes
-    from autoplan.cost_model.memory import (
-        core_attention_regions, grad_carriers, node_producers, saved_tensors)
     from autoplan.solver.costs import split_of
 
     mesh = plan.mesh

@@ -4,7 +4,7 @@ ILP's time coefficients and to a configuration's memory.
 [Note: checkpointing] The policies are the Plan's `checkpointing`, one for every stage (the
 runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 
-- "none": autograd keeps every tensor it saves (cost_model.memory, [Note: saved tensors]).
+- "none": autograd keeps every tensor it saves (cost_model.activations, [Note: saved tensors]).
 - "selective": op-level selective checkpointing as the runtime runs it (torch's selective
   checkpoint contexts, autoplan/passes/checkpointing.py): a block keeps the outputs of its
   matmuls, whatever their aten spelling (linear, mm, addmm, bmm, matmul), and of fused
@@ -16,7 +16,7 @@ runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 - "core-attention" ([Note: core attention]): Megatron-LM's selective recompute (Korthikanti et
   al. 2022, section 5; `--recompute-granularity selective`). Each attention core of unfused
   attention -- the score matmul q @ k^T and what its value reaches up to the matmul with v:
-  scale, mask, softmax, dropout (cost_model.memory.core_attention_regions) -- runs under
+  scale, mask, softmax, dropout (cost_model.activations.core_attention_regions) -- runs under
   checkpointing of its own (autoplan/passes/checkpointing.py); the block's other ops save what
   they save without checkpointing. Dropped: the saved tensors the cores own and only core ops
   save (`Problem.core_saved`: the scores, probabilities, dropout mask and output, the 5 a s^2 b

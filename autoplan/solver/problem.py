@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from autoplan.cost_model.memory import (
+from autoplan.cost_model.activations import (
     attention_dropout_scores, core_attention_regions, grad_carriers, node_producers, saved_tensors
 )
 from autoplan.graph import CapturedGraph
@@ -99,9 +99,9 @@ class Problem:
         weight: ILP node -> multiplicity (T for block nodes when blocks are shared).
         edges: weighted ILP edges.
         saved: (owner ILP node or None, global bytes at b = captured batch, multiplicity, part)
-            for every tensor autograd saves (cost_model.memory.saved_tensors).
+            for every tensor autograd saves (cost_model.activations.saved_tensors).
         core_saved: the entries of `saved` that "core-attention" checkpointing drops: tensors
-            an attention core (cost_model.memory.core_attention_regions) makes and only its
+            an attention core (cost_model.activations.core_attention_regions) makes and only its
             own ops save ([Note: core attention] in solver/checkpointing.py); empty for fused
             attention.
         core_nodes: the names of the nodes of every attention core (recomputed under
