@@ -4,6 +4,11 @@
 math in ilp.py's docstring (the names there say which). `_build` assembles a whole model for
 one objective; ilp.py solves it. Units inside the model: ns for time, kB (1e3 B) for memory,
 elements for parameters.
+
+Long because: it is the ILP written as code, one class (`_Model`) whose add_* methods follow
+the blocks of ilp.py's math in order (structure, node, edge, tied, memory, placement costs,
+objective); cut into files, a block would no longer read beside the variables and helpers the
+others share.
 """
 
 from __future__ import annotations
