@@ -133,7 +133,7 @@ REASON = "Long because:"
 # Over MAX_LINES in solver/ and cost_model/, pending the cost-model work of issue 25 (another
 # change rewrites those packages): to be split there, not given a reason.
 PENDING_SPLIT = {"autoplan/cost_model/traffic.py", "autoplan/solver/planner.py",
-                 "autoplan/solver/problem.py", "autoplan/solver/search.py"}
+                 "autoplan/solver/search.py"}
 
 
 def line_count(path: Path) -> int:

@@ -5,6 +5,7 @@ configuration: cost_model/step_time.py, cost_model/rank_memory.py).
 
 The pipeline, in files:
     problem.py        candidates (strategies.py) -> ILP nodes, shared blocks, weighted edges
+    problem_saved.py  what each ILP node saves for the backward (the ILP's activation memory)
     costs.py          cost model -> ILP coefficients for one (tp, microbatch size)
     checkpointing.py  what a checkpointing policy does to those coefficients and to memory
     context.py        the cp degrees searched; cp's K/V collectives in those coefficients

@@ -24,7 +24,8 @@ from autoplan.plan import (
 )
 from autoplan.solver.costs import token_scale
 from autoplan.solver.frozen import has_frozen
-from autoplan.solver.problem import Problem, _tensor_bytes, share_key
+from autoplan.solver.problem import Problem, share_key
+from autoplan.solver.problem_saved import tensor_bytes
 from autoplan.strategies import Candidate, tensor_args
 
 __all__ = ["build_plan", "chosen_candidates"]
@@ -234,7 +235,7 @@ def _redistributions(search, problem: Problem, chosen, scale: float) -> tuple:
             if group is not None and (group, dst) in recorded:
                 continue  # the first consumer's redistribution serves this one too
             recorded.add((group, dst))
-            nbytes = _tensor_bytes(graph, u, k, search.spec.dtype_bytes) * (
+            nbytes = tensor_bytes(graph, u, k, search.spec.dtype_bytes) * (
                 1.0 if u.name in params else scale)
             name, t = redistribute_time_s(src, dst, nbytes, tp, topology)
             out.append(Redistribution(u.name, consumer, j, src, dst, name, int(nbytes), t))
