@@ -22,8 +22,8 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
   whole: the runtime leaves them out of ZeRO (STATE_BYTES_PER_PARAM); without ep they are
   whole copies at ZeRO-0 and 1 / dp shards of the states the ZeRO stage shards;
 - they leave the dp group's collectives (`dp_sync_s` in cost_model/dp_sync.py, of the ZeRO
-  stage, over the rest of the parameters): their gradients are all-reduced over the dp / ep ranks holding the
-  same slice, at 1 / ep of the size (stride tp x ep), once per step.
+  stage, over the rest of the parameters): their gradients are all-reduced over the dp / ep
+  ranks holding the same slice, at 1 / ep of the size (stride tp x ep), once per step.
 
 The step time and memory of the plan chosen at ep = 1 are repriced by these differences
 (`expert_parallel`): a decomposition, exact for the quantities above because ep changes no

@@ -82,7 +82,8 @@ from autoplan.cost_model.memory import (
 from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 
-__all__ = ["STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories", "rank_peaks", "rank_peak", "candidate_ranks", "grads_at_activation_peak"]
+__all__ = ["STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories", "rank_peaks", "rank_peak",
+           "candidate_ranks", "grads_at_activation_peak"]
 
 
 def _unit_factor(cfg: Config, mixed_precision: bool) -> float:

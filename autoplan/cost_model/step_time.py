@@ -79,7 +79,8 @@ from autoplan.cost_model.rank_memory import candidate_ranks, frozen_param_bytes,
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR", "optimizer_pass", "Assessment", "assess", "pipeline_time_s"]
+__all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TENSOR",
+           "optimizer_pass", "Assessment", "assess", "pipeline_time_s"]
 
 DP_SYNC_OVERLAP = 0.0
 """Fraction of the data-parallel gradient sync (and ZeRO-3 parameter gathers) hidden behind

@@ -4,8 +4,8 @@ depends on it through its costs, so (tp, b, policy) below is (tp, b, policy, cp)
 
 [Note: decomposition] The placement ILP (ilp.py) of a configuration depends on it through tp,
 the microbatch size b and the checkpointing policy (its costs, [Note: checkpointing] in
-checkpointing.py), through its step form (how cost_model/step_time.py turns per-part totals into a step
-time: microbatches and bubble, the pipeline ranks' shares, the data-parallel sync and optimizer
+checkpointing.py), through its step form (how cost_model/step_time.py turns per-part totals
+into a step time: microbatches and bubble, the pipeline ranks' shares, the data-parallel sync and optimizer
 per parameter, [Note: step form] in ilp.py) and, when memory binds, through its memory forms.
 So: (1) enumerate every valid configuration; (2) bound each one from below without an ILP
 (every node at its cheapest candidate, no tp communication, parameters and activations at their
