@@ -638,7 +638,8 @@ def test_rewrite_after_placements_gathers_kv_before_gqa_expansion(monkeypatch):
     place of aten's): K and V are still taken before GQA's repeat_kv where tp divides the
     h_kv heads -- 4 of 8 at tp 4 here -- and the traffic model prices that gather (it priced,
     and the runtime moved, h / h_kv = 2 times the bytes before)."""
-    from autoplan.cost_model.traffic import RankTraffic, rank_traffic
+    from autoplan.cost_model.traffic import rank_traffic
+    from autoplan.cost_model.traffic_context import RankTraffic
     from autoplan.passes.expand import plan_for_graph
     from autoplan.passes.sharding import apply_placements
 

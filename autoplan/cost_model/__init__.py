@@ -23,6 +23,8 @@ The files, from op to step:
     step_time.py         the step time of a configuration (`assess`: bubble, dp sync, optimizer)
     part_costs.py        compute and communication per part of the model (the report's table)
     traffic.py           bytes each rank moves per mesh axis in a step, as the dry run counts
+    traffic_tp.py        the same on the tp axis (redistributions, partial gradients)
+    traffic_context.py   what those rules share: RankTraffic, what they read of plan and graph
     fidelity.py          the error bands a plan states
     symbolic.py          the formulas as sympy expressions (reports print, tests check them)
 """
