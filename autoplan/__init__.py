@@ -19,7 +19,8 @@ and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at th
   topology.py: `Topology` and the cluster presets; hardware.py: `DeviceSpec`, `LinkSpec`;
   graph.py: `CapturedGraph`; inputs.py: a step's batch as a pytree, its batch dims; experts.py:
   the routed-experts op; batch_coupling.py: the ops whose numbers depend on how the batch is
-  cut, and the plan choices held for them ([Note: batch coupling]).
+  cut, and the plan choices held for them ([Note: batch coupling]); op_classes.py: the aten
+  ops by class (views, matmuls, attention, no-gradient, what "selective" checkpointing keeps).
 - cache.py: the plan cache ([Note: plan cache]); collector.py: the garbage collector paused
   around planning; progress.py: phase lines on stderr; units.py: the one number format.
 - testing.py: the correctness contract as code (one process against N ranks).

@@ -182,7 +182,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             "core-attention" | "selective" | "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
             sequence_parallel (True / False: Megatron-LM's sequence parallelism on the tp axis
             fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
-            cp (context parallelism, [Note: context parallelism] in autoplan/solver/context.py:
+            cp (context parallelism, [Note: context parallelism] in autoplan/cost_model/context_parallel.py:
             every sample's sequence cut into 2 cp chunks over cp ranks, K and V all-gathered
             in attention; searched as `autoplan plan` searches it where the runtime can run
             it -- the token-LM batch and loss, fused causal attention, a position index, no
@@ -190,7 +190,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
             given where a cp 1 plan cannot be made; a given cp the runtime cannot run raises
             when built, naming why).
             offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
-            offload] in autoplan/solver/offload.py),
+            offload] in autoplan/cost_model/offload.py),
             placements ({FQN glob: "R" | "S(d)"}: parameters pinned on the tp axis, hard
             constraints of the placement ILP, [Note: pinned placements] in
             autoplan/solver/pins.py; e.g. {"lm_head.weight": "S(0)"}),

@@ -58,7 +58,7 @@ class DeviceSpec:
             `sync_skew_s`). See `skew_slope`.
         optimizer_op_s: host time of one op of the optimizer step on one parameter tensor,
             beyond its memory traffic (dispatch of an in-place op without autograd), seconds;
-            the step costs solver.pipeline.OPTIMIZER_OPS_PER_TENSOR of them per tensor (torch's
+            the step costs cost_model.step_time.OPTIMIZER_OPS_PER_TENSOR of them per tensor (torch's
             single-tensor AdamW on CPU). Fitted by `autoplan calibrate` for CPU ranks. 0 for
             GPUs: foreach / fused optimizers update all tensors in a few kernels and the host
             runs ahead (assumption, not measured).
@@ -75,7 +75,7 @@ class DeviceSpec:
             Megatron-LM, Megatron-DeepSpeed) fuse them, as Transformer Engine and
             torch.compile do. False for CPU ranks, which run one kernel per op as calibrated.
         host_bw_bytes_per_s: host <-> device bandwidth of this device, per direction, B/s
-            (its PCIe link: the transfers of CPU offload, solver/offload.py). 0: not given, and
+            (its PCIe link: the transfers of CPU offload, cost_model/offload.py). 0: not given, and
             no plan offloads to the host. For CPU ranks the "host" is the same memory as the
             device, so a transfer is a memcpy: half the memory bandwidth (it reads and writes
             each byte).

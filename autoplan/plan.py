@@ -10,8 +10,8 @@ innermost so that a tensor-parallel group is made of consecutive ranks and stays
 (docs/design.md, "Topology"), cp next so that a context-parallel group stays inside a node
 as long as cp x tp fits there. Per-node placements (`strategies`) are on the tp axis; data
 parallelism shards the batch dim on the dp axis, context parallelism the sequence dim on the cp
-axis ([Note: context parallelism] in autoplan/solver/context.py), and the ZeRO stage says what
-else the dp x cp ranks shard (torchtitan's dp_shard x cp FSDP mesh: the cp ranks reduce
+axis ([Note: context parallelism] in autoplan/cost_model/context_parallel.py), and the ZeRO stage
+says what else the dp x cp ranks shard (torchtitan's dp_shard x cp FSDP mesh: the cp ranks reduce
 gradients and share ZeRO shards like data-parallel ranks).
 """
 
@@ -77,13 +77,14 @@ class MeshShape:
     """Degrees of the device mesh, axes ("pp", "dp", "cp", "tp") outermost first.
 
     `cp` is the context-parallel degree ([Note: context parallelism] in
-    autoplan/solver/context.py): the ranks of a cp group hold disjoint chunks of every
+    autoplan/cost_model/context_parallel.py): the ranks of a cp group hold disjoint chunks of every
     sample's sequence (chunks i and 2 cp - 1 - i on cp rank i, causal load balancing) and
     all-gather the keys and values of attention; for gradient reduction and ZeRO sharding
     they count as data-parallel ranks (`dp_shard` = dp x cp). cp 1 is written to JSON as
     before cp existed (no `cp` key).
 
-    `ep` is the expert-parallel degree ([Note: expert parallelism] in autoplan/solver/experts.py):
+    `ep` is the expert-parallel degree ([Note: expert parallelism] in
+    autoplan/cost_model/expert_parallel.py):
     the dp ranks form groups of `ep` consecutive dp ranks, and the ranks of a group hold
     disjoint slices of every mixture-of-experts layer's experts (E / ep each), exchanging tokens
     by all-to-all. The batch and every other weight are split and replicated over all dp ranks
@@ -203,22 +204,22 @@ class Prediction:
         mfu: model FLOPs utilisation vs the device's dense peak for the compute dtype.
         stage_time_s: one microbatch through the busiest pp rank -- its compute (recomputation
             included), tp redistributions and pipeline transfers: t_comp + t_comm of [Note: step
-            time] in solver/pipeline.py; the report's cross-check recomputes it per part (0:
+            time] in cost_model/step_time.py; the report's cross-check recomputes it per part (0:
             not recorded, a plan written before it existed).
         p2p_s: the pipeline transfers of `stage_time_s` (0 without pp).
         cp_comm_s: the part of comm_s that is context parallelism's K/V all-gathers and
             gradient reduce-scatters on the busiest pp rank, per step (0 without cp; [Note:
-            context parallelism] in autoplan/solver/context.py).
+            context parallelism] in autoplan/cost_model/context_parallel.py).
         error_bands: the expected error of `step_time_s` and `memory_bytes`, {"step_time" |
             "peak_memory": {"low", "high" (fractions: predicted / measured - 1), "rows",
             "source", "covers", "not_covered"}}, from the fidelity benches ([Note: error
             bands] in cost_model/fidelity.py); empty in a plan written before it existed.
         host_memory_bytes: host (CPU) memory of the most loaded rank for offloaded states
-            (0 without offload, [Note: offload] in solver/offload.py).
+            (0 without offload, [Note: offload] in cost_model/offload.py).
         offload_s: the host <-> device transfers of offload per step, part of `comm_s`
             (0 without offload).
         memory_by_pp_rank: per pipeline rank, its predicted peak ("peak") and the breakdown
-            of its larger moment, bytes ([Note: memory per rank] in solver/pipeline.py); what
+            of its larger moment, bytes ([Note: memory per rank] in cost_model/rank_memory.py); what
             a dry run of a rank at that pp coordinate is held against
             (autoplan/runtime/dryrun.py); empty in a plan written before it existed.
         bytes_by_axis_by_pp_rank: per pipeline rank, the bytes its collectives and p2p move
@@ -332,7 +333,7 @@ class Plan:
         dtype: compute dtype name.
         offload: one of OFFLOADS: "none"; "optimizer" (ZeRO 0/1: optimizer states and the
             step on the host); "optimizer+params" (ZeRO-3: parameter shards too, FSDP2's
-            CPUOffloadPolicy); [Note: offload] in autoplan/solver/offload.py.
+            CPUOffloadPolicy); [Note: offload] in autoplan/cost_model/offload.py.
         compiled: the prediction assumes the stages run compiled (torch.compile: no DTensor
             dispatch per op, pointwise chains fused; [Note: compiled execution] in
             autoplan/cost_model/compute.py), and the runtime compiles them

@@ -44,9 +44,9 @@ class Topology:
         measured: True when the figures were fitted by `autoplan calibrate` on real hardware.
         source: where the figures come from (citation or calibration file).
         host_mem_bytes: host (CPU) memory of one node, bytes, which its devices share for
-            offloaded states (solver/offload.py). 0: not given (no offload).
+            offloaded states (cost_model/offload.py). 0: not given (no offload).
         host_optimizer_bw_bytes_per_s: bytes per second of one node's host running the
-            memory-bound optimizer pass of offloaded states (solver/pipeline.py
+            memory-bound optimizer pass of offloaded states (cost_model/step_time.py
             OPTIMIZER_BYTES_PER_PARAM per parameter), shared by the ranks of the node that
             step at once, B/s. 0: not given (no offload). For CPU ranks: their memory
             bandwidth times the ranks of the node (each rank's own, shared cores priced by
@@ -259,7 +259,7 @@ def save_topology(topo: Topology, path: str | os.PathLike) -> None:
 # Latencies: NVLink ~ 5 us and InfiniBand ~ 10 us per collective step are typical nccl-tests
 # small-message figures; they are approximate and marked as such.
 #
-# Host figures (CPU offload, solver/offload.py):
+# Host figures (CPU offload, cost_model/offload.py):
 # - host_bw_bytes_per_s: the GPU's PCIe x16 link per direction from its datasheet (A100: PCIe
 #   Gen4 64 GB/s, H100 / H200 SXM: PCIe Gen5 128 GB/s, both bidirectional: 32 and 64 GB/s per
 #   direction) times PCIE_EFFICIENCY.
@@ -351,7 +351,7 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
     rank, 10 GB/s memory, 1 GB/s gloo). The ranks share the RAM, so mem_bytes follows the rank
     count either way.
 
-    The host of CPU offload is the same RAM ([Note: offload] in solver/offload.py): a file
+    The host of CPU offload is the same RAM ([Note: offload] in cost_model/offload.py): a file
     without host figures gets them from its own -- transfers are memcpy at half the memory
     bandwidth (each byte read and written), the host optimizer pass at the memory bandwidth,
     host memory the node's RAM."""

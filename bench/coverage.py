@@ -19,7 +19,8 @@ random weights from a config, nothing downloaded), in order:
 - `train dp2xep2` (mixture-of-experts models): the same with expert parallelism, dp=4, ep=2:
   the batch split 4 ways, each pair of ranks holding disjoint halves of the experts. autoplan's
   dp counts every rank that holds its own samples and ep groups are taken from them
-  (torchtitan's convention; [Note: expert parallelism] in autoplan/solver/experts.py), so the
+  (torchtitan's convention; [Note: expert parallelism] in
+  autoplan/cost_model/expert_parallel.py), so the
   row's 2 x 2 is dp=4 with ep=2.
 
 Fine-tuning rows (`FINE_TUNING`): an architecture wrapped in PEFT adapters (`get_peft_model`;

@@ -60,7 +60,7 @@ Bands (docs/design.md, "Bars"): step time within +-20%, peak memory within +-10%
   data-parallel plan (dp4 ZeRO-1 -30%): it priced FSDP2's sync as one collective per stage
   where the runtime issues one per unit (block), and the straggler wait as a constant per
   collective where ranks sharing cores drift apart in proportion to the compute between their
-  meetings (`DeviceSpec.sync_skew_slope`, solver/pipeline.py [Note: step time], drift); and
+  meetings (`DeviceSpec.sync_skew_slope`, cost_model/step_time.py [Note: step time], drift); and
   this bench predicted with the probes of the rounds it had picked for their high probes
   ([Note: measured step time]). The slope's fit is noisy: three calibrations of one morning
   gave 0.2-5% at 2 ranks and 4-9% at 4; a run whose fit lands high over-predicts the 2-rank

@@ -1,5 +1,5 @@
-"""Context parallelism ([Note: context parallelism] in autoplan/solver/context.py): in the
-planner, the cp mesh axis and its JSON, the costs per cp rank and the K/V collectives against
+"""Context parallelism ([Note: context parallelism] in autoplan/cost_model/context_parallel.py): in
+the planner, the cp mesh axis and its JSON, the costs per cp rank and the K/V collectives against
 the alpha-beta formula by hand, the search over cp, the report; in the runtime, the cp
 attention against full attention, the graph rewrite (passes/context_parallel.py), the refusals of
 what it does not run, and training under cp2 and cp2 x dp2 against one process (gloo ranks)."""
@@ -18,7 +18,10 @@ from torch import nn
 import _jobs
 
 from autoplan.capture import capture
-from autoplan.cost_model.context import kv_bytes
+from autoplan.cost_model import step_time
+from autoplan.cost_model.config import Config
+from autoplan.cost_model.context_parallel import kv_bytes
+from autoplan.cost_model.placement_totals import Solution
 from autoplan.inputs import InputSpec
 from autoplan.models import build_model, example_inputs, model_config
 from autoplan.passes.device import retarget_device
@@ -29,7 +32,6 @@ from autoplan.plan import MeshShape, Plan
 from autoplan.report import render_markdown
 from autoplan.runtime.checks import check_context_parallel
 from autoplan.solver import InvalidConfig, plan
-from autoplan.solver import pipeline
 from autoplan.solver.context import attention_nodes, cp_degrees
 from autoplan.solver.search import Overrides, PlanConfig, Search, enumerate_configs
 from autoplan.spec import TrainingSpec
@@ -141,10 +143,10 @@ def test_kv_collectives_by_hand(long_llama, h100):
 def test_gradient_sync_and_zero_over_dp_times_cp(h100):
     """dp 2 x cp 2 shards ZeRO states over 4 ranks and reduces over a group of 4."""
     spec = SPEC
-    sol = pipeline.Solution({}, param_elems={"layer": 1e9})
-    four = pipeline.assess(pipeline.Config(1, 4, 2, 3, 1, 1, "1f1b"), sol, spec, h100,
+    sol = Solution({}, param_elems={"layer": 1e9})
+    four = step_time.assess(Config(1, 4, 2, 3, 1, 1, "1f1b"), sol, spec, h100,
                            total_layers=2, output_bytes=0.0, boundary_bytes=0.0)
-    mixed = pipeline.assess(pipeline.Config(1, 2, 2, 3, 1, 1, "1f1b", cp=2), sol, spec, h100,
+    mixed = step_time.assess(Config(1, 2, 2, 3, 1, 1, "1f1b", cp=2), sol, spec, h100,
                             total_layers=2, output_bytes=0.0, boundary_bytes=0.0)
     assert mixed.memory_breakdown == four.memory_breakdown
     assert mixed.dp_sync_s == pytest.approx(four.dp_sync_s)
@@ -286,12 +288,12 @@ def test_candidate_ranks_give_the_peak_of_every_rank(long_llama, h100, monkeypat
              for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
              for zero in (0, 3) if sched != "interleaved-1f1b" or m % pp == 0]
     for pp, m, sched, v, zero in cases:
-        cfg = pipeline.Config(pp, 2, 1, zero, m, 1, sched, v)
+        cfg = Config(pp, 2, 1, zero, m, 1, sched, v)
         kw = dict(total_layers=37, output_bytes=4e8, boundary_bytes=2e8)
-        few = pipeline.assess(cfg, sol, SPEC, h100, **kw)
+        few = step_time.assess(cfg, sol, SPEC, h100, **kw)
         with monkeypatch.context() as mp:
-            mp.setattr(pipeline, "_candidate_ranks", lambda c, layers: list(range(c.pp)))
-            every = pipeline.assess(cfg, sol, SPEC, h100, **kw)
+            mp.setattr(step_time, "candidate_ranks", lambda c, layers: list(range(c.pp)))
+            every = step_time.assess(cfg, sol, SPEC, h100, **kw)
         assert (few.step_time_s, few.memory_bytes, few.memory_breakdown) == \
             (every.step_time_s, every.memory_bytes, every.memory_breakdown), cfg
 
@@ -327,7 +329,7 @@ def test_cp_where_faster_than_cp_1_beyond_the_error_band():
     loss's working set on the last pipeline rank, three fp32 copies of 131072 x 128256
     logits, is 201 GB -- [Note: loss working set] in cost_model/memory.py; at 32K neither,
     since torch's pipelining holds a ZeRO-2/3 rank's gradients unsharded until the step's
-    end -- [Note: deferred reduction] in solver/pipeline.py.)"""
+    end -- [Note: deferred reduction] in cost_model/rank_memory.py.)"""
     from autoplan.capture import capture_preset
     from autoplan.cost_model.fidelity import error_bands
 
@@ -636,7 +638,8 @@ def test_rewrite_after_placements_gathers_kv_before_gqa_expansion(monkeypatch):
     place of aten's): K and V are still taken before GQA's repeat_kv where tp divides the
     h_kv heads -- 4 of 8 at tp 4 here -- and the traffic model prices that gather (it priced,
     and the runtime moved, h / h_kv = 2 times the bytes before)."""
-    from autoplan.cost_model.traffic import RankTraffic, rank_traffic
+    from autoplan.cost_model.traffic import rank_traffic
+    from autoplan.cost_model.traffic_context import RankTraffic
     from autoplan.passes.expand import plan_for_graph
     from autoplan.passes.sharding import apply_placements
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoplan.cost_model import comm, compute, memory, symbolic
+from autoplan.cost_model import activations, comm, compute, memory, symbolic
 from autoplan.graph import NodeInfo
 from autoplan.topology import preset
 
@@ -139,7 +139,7 @@ def _capture(s, b, h, a, dtype, decompose=False):
             node.name, str(node.target), tuple(tuple(t.shape) for t in outs),
             tuple(str(t.dtype).removeprefix("torch.") for t in outs), nbytes(outs), nbytes(ins),
             counter.get_total_flops(), "", 0))
-    return nodes, memory.node_producers(gm)
+    return nodes, activations.node_producers(gm)
 
 
 S, B, H, A = 128, 2, 256, 4
@@ -157,22 +157,23 @@ def test_graph_activations_match_korthikanti(decompose, with_producers):
     nodes, producers = _capture(S, B, H, A, torch.float16, decompose)
     producers = producers if with_producers else None
     sbh = S * B * H
-    got = memory.activation_bytes_from_graph(nodes, producers=producers)
+    got = activations.activation_bytes_from_graph(nodes, producers=producers)
     explained = sbh * (34 + 5 * A * S / H) + 2 * 2 * S * B * 4 + S * S
     assert got == pytest.approx(sbh * (34 + 5 * A * S / H), rel=0.05)
     assert got == pytest.approx(explained, rel=1e-4)
-    selective = memory.activation_bytes_from_graph(nodes, producers=producers, policy="selective")
+    selective = activations.activation_bytes_from_graph(nodes, producers=producers,
+                                                        policy="selective")
     assert selective == pytest.approx(34 * sbh, rel=0.05)
-    full = memory.activation_bytes_from_graph(nodes, producers=producers, policy="full")
+    full = activations.activation_bytes_from_graph(nodes, producers=producers, policy="full")
     assert full == 2 * sbh
 
 
 def test_graph_activations_fp32_capture_at_bf16_width():
     nodes16, _ = _capture(S, B, H, A, torch.float16)
     nodes32, _ = _capture(S, B, H, A, torch.float32)
-    at16 = memory.activation_bytes_from_graph(nodes16)
-    assert memory.activation_bytes_from_graph(nodes32, dtype_bytes=2) == pytest.approx(at16)
-    assert memory.activation_bytes_from_graph(nodes32) > 1.9 * at16
+    at16 = activations.activation_bytes_from_graph(nodes16)
+    assert activations.activation_bytes_from_graph(nodes32, dtype_bytes=2) == pytest.approx(at16)
+    assert activations.activation_bytes_from_graph(nodes32) > 1.9 * at16
 
 
 def test_graph_activations_tensor_parallel():
@@ -184,7 +185,7 @@ def test_graph_activations_tensor_parallel():
     attention = names[names.index("linear"):names.index("view_3") + 1]
     sharded = {n: t for n in attention if n not in ("alias", "eq")}
     sharded.update({"linear_2": t, "gelu": t})  # fc output and GELU: S(-1); fc2 output: P
-    got = memory.activation_bytes_from_graph(nodes, sharded, producers=producers)
+    got = activations.activation_bytes_from_graph(nodes, sharded, producers=producers)
     sbh = S * B * H
     assert got == pytest.approx(sbh * (10 + 24 / t + 5 * A * S / (H * t)), rel=0.05)
     assert got == pytest.approx(
@@ -194,9 +195,9 @@ def test_graph_activations_tensor_parallel():
 def test_graph_activation_errors():
     nodes, _ = _capture(S, B, H, A, torch.float16)
     with pytest.raises(ValueError, match="'partial'"):
-        memory.activation_bytes_from_graph(nodes, policy="partial")
+        activations.activation_bytes_from_graph(nodes, policy="partial")
     with pytest.raises(ValueError, match="linear"):
-        memory.activation_bytes_from_graph(nodes, {"linear": 0.5})
+        activations.activation_bytes_from_graph(nodes, {"linear": 0.5})
 
 
 # --- pipeline in-flight microbatches and peak memory -----------------------------------------
@@ -424,7 +425,7 @@ def test_saved_tensors_are_what_autograd_keeps(frozen, rel):
         gm(x)
     infos = [graph.nodes[n.name] for n in gm.graph.nodes if n.name in graph.nodes]
     numel = {n: math.prod(i.shapes[0]) for n, i in graph.nodes.items() if i.shapes}
-    priced = memory.activation_bytes_from_graph(
-        infos, producers=memory.node_producers(graph.gm), value_numel=numel,
-        grads=memory.grad_carriers(graph.gm, graph.params))
+    priced = activations.activation_bytes_from_graph(
+        infos, producers=activations.node_producers(graph.gm), value_numel=numel,
+        grads=activations.grad_carriers(graph.gm, graph.params))
     assert priced == pytest.approx(sum(kept.values()), rel=rel, abs=0)

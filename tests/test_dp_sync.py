@@ -1,5 +1,5 @@
 """The data-parallel sync as the runtime issues it: one collective per FSDP2 unit, and the
-stragglers' drift on ranks that share cores (solver/pipeline.py [Note: step time])."""
+stragglers' drift on ranks that share cores (cost_model/step_time.py [Note: step time])."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from autoplan.capture import capture_preset
 from autoplan.cost_model.comm import collective_time_s
-from autoplan.solver.pipeline import Config, _dp_sync_s, _dp_units
+from autoplan.cost_model.config import Config
+from autoplan.cost_model.dp_sync import dp_sync_s, num_dp_units
 from autoplan.solver.search import PlanConfig, Search
 from autoplan.spec import TrainingSpec
 from autoplan.topology import preset
@@ -30,7 +31,7 @@ def test_each_unit_pays_its_own_latency_and_straggler_wait(zero_stage):
                  microbatch_size=1, schedule="1f1b", num_virtual_stages=1)
     spec = TrainingSpec(global_batch=8, seq_len=16)
     elems = 3.0e6
-    one, five = (_dp_sync_s(cfg, spec, topo, elems, units) for units in (1, 5))
+    one, five = (dp_sync_s(cfg, spec, topo, elems, units) for units in (1, 5))
     per_unit = {0: ["all_reduce"], 1: ["all_reduce"],
                 2: ["reduce_scatter"] * 2 + ["all_gather"] * 2,  # both per microbatch
                 3: ["reduce_scatter"] * 2 + ["all_gather"] * 4}[zero_stage]
@@ -45,11 +46,11 @@ def test_units_are_the_blocks_and_the_roots_holding_parameters():
     def cfg(pp):
         return Config(pp=pp, dp=2, tp=1, zero_stage=0, num_microbatches=4,
                       microbatch_size=1, schedule="1f1b", num_virtual_stages=1)
-    assert _dp_units(cfg(1), [12]) == 13
-    assert _dp_units(cfg(4), [3, 3, 3, 3]) == 4
-    assert _dp_units(cfg(4), [2, 4, 4, 2]) == 4
-    assert _dp_units(cfg(4), [4, 3, 3, 2]) == 5
-    assert _dp_units(cfg(2), [0, 0]) == 1
+    assert num_dp_units(cfg(1), [12]) == 13
+    assert num_dp_units(cfg(4), [3, 3, 3, 3]) == 4
+    assert num_dp_units(cfg(4), [2, 4, 4, 2]) == 4
+    assert num_dp_units(cfg(4), [4, 3, 3, 2]) == 5
+    assert num_dp_units(cfg(2), [0, 0]) == 1
 
 
 @pytest.fixture(scope="module")
@@ -88,5 +89,5 @@ def test_zero1_gathers_each_tensors_fp32_master_once():
     grads = collective_time_s("all_reduce", elems * 2, 4, topo)  # priced at ZeRO's 2 B
     for tensors in (1, 7):
         gathers = tensors * collective_time_s("all_gather", elems * 4 / tensors, 4, topo)
-        assert _dp_sync_s(cfg, spec, topo, elems, tensors=tensors) == pytest.approx(
+        assert dp_sync_s(cfg, spec, topo, elems, tensors=tensors) == pytest.approx(
             grads + gathers, rel=1e-12)

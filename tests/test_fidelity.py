@@ -170,7 +170,8 @@ def test_plan_cli_reports_throughput_for_a_preset_and_an_hf_config(tmp_path):
 def test_pipeline_slots_are_the_textbook_bubble_on_dedicated_devices():
     import dataclasses
 
-    from autoplan.solver.pipeline import Config, _pipeline_s
+    from autoplan.cost_model.config import Config
+    from autoplan.cost_model.step_time import _pipeline_s
     from autoplan.topology import preset
 
     gpu = preset("dgx-h100")

@@ -14,14 +14,16 @@ import torch
 
 from autoplan.capture import capture
 from autoplan.cost_model.comm import collective_time_s
-from autoplan.cost_model.compute import MATMUL_OPS, backward_time_s, op_name, op_time_s
+from autoplan.cost_model.compute import backward_time_s, op_time_s
+from autoplan.cost_model.config import Config
 from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes
+from autoplan.cost_model.placement_totals import Solution
+from autoplan.cost_model.step_time import assess
 from autoplan.models import build_model, example_inputs
 from autoplan.models.mlp import MLP
+from autoplan.op_classes import MATMUL_OPS, op_name
 from autoplan.solver import plan
 from autoplan.solver.ilp import evaluate
-from autoplan.solver.ilp_types import Solution
-from autoplan.solver.pipeline import Config, assess
 from autoplan.solver.search import Search
 from autoplan.spec import TrainingSpec
 from autoplan.topology import preset

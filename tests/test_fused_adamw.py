@@ -135,7 +135,7 @@ def test_cost_model_prices_the_update_the_runtime_runs():
     """Where the runtime's default AdamW runs the fused kernel (devices that fuse: the GPU
     presets), the cost model prices one pass of 28 bytes per parameter and 2 ops per tensor;
     on the CPU, where it runs the kernel's reference (torch's ten passes), torch's figures."""
-    from autoplan.solver.pipeline import (OPTIMIZER_BYTES_PER_PARAM, OPTIMIZER_OPS_PER_TENSOR,
+    from autoplan.cost_model.step_time import (OPTIMIZER_BYTES_PER_PARAM, OPTIMIZER_OPS_PER_TENSOR,
                                           optimizer_pass)
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset

@@ -132,10 +132,7 @@ MAX_LINES = 500
 REASON = "Long because:"
 # Over MAX_LINES in solver/ and cost_model/, pending the cost-model work of issue 25 (another
 # change rewrites those packages): to be split there, not given a reason.
-PENDING_SPLIT = {"autoplan/cost_model/memory.py", "autoplan/cost_model/traffic.py",
-                 "autoplan/solver/ilp_model.py",
-                 "autoplan/solver/pipeline.py", "autoplan/solver/planner.py",
-                 "autoplan/solver/problem.py", "autoplan/solver/search.py"}
+PENDING_SPLIT = {"autoplan/solver/planner.py", "autoplan/solver/search.py"}
 
 
 def line_count(path: Path) -> int:
@@ -193,15 +190,9 @@ SHARED_NAMES = {
     "checkpointing.py": "activation checkpointing: priced (solver/), applied (passes/)",
     "facts.py": "what a step derives: of the captured graph (capture/), of the plan for the "
                 "report (report/)",
-    "offload.py": "CPU offload: priced (solver/), run (runtime/)",
-}
-# Names shared by modules of different jobs, one of them in solver/ or cost_model/, which the
-# cost-model work of issue 25 rewrites: file name -> why it is pending.
-PENDING_NAMES = {
-    "context.py": "cp's degrees and prices (solver/), cp's prices (cost_model/)",
-    "experts.py": "the routed-experts op (autoplan/), expert parallelism's prices (solver/)",
-    "pipeline.py": "the step-time model (solver/); passes/pipeline.py, the old name of "
-                   "passes/stages.py, kept while cost_model/traffic.py imports from it",
+    "context_parallel.py": "context parallelism: priced (cost_model/), lowered (passes/)",
+    "expert_parallel.py": "expert parallelism: priced (cost_model/), run (runtime/)",
+    "offload.py": "CPU offload: priced (cost_model/), run (runtime/)",
 }
 
 
@@ -218,21 +209,14 @@ def shared_names(root: Path) -> dict[str, list[str]]:
 
 def test_one_role_per_file_name():
     shared = shared_names(ROOT)
-    unexplained = {n: f for n, f in shared.items() if n not in SHARED_NAMES | PENDING_NAMES}
+    unexplained = {n: f for n, f in shared.items() if n not in SHARED_NAMES}
     assert not unexplained, ("files of one name in several packages: rename the one whose "
                              f"job differs, or list the concern in SHARED_NAMES: {unexplained}")
-    stale = sorted((set(SHARED_NAMES) | set(PENDING_NAMES)) - set(shared))
+    stale = sorted(set(SHARED_NAMES) - set(shared))
     assert not stale, f"no longer shared, remove from the lists: {stale}"
 
 
 # -- each package lists its files ---------------------------------------------------------------
-# Packages whose `__init__` docstring the cost-model work of issue 25 rewrites (it moves their
-# files): package -> the files it may leave unnamed until then.
-PENDING_LISTINGS = {
-    "autoplan/cost_model": {"comm.py", "compute.py", "context.py", "fidelity.py", "memory.py",
-                            "symbolic.py", "traffic.py"},
-    "autoplan/solver": {"context.py", "experts.py", "frozen.py", "offload.py", "sequence.py"},
-}
 
 
 def unlisted_files(root: Path) -> dict[str, list[str]]:
@@ -251,14 +235,8 @@ def unlisted_files(root: Path) -> dict[str, list[str]]:
 
 
 def test_each_package_docstring_lists_its_files():
-    found = unlisted_files(ROOT)
-    unlisted = {package: [f for f in files if f not in PENDING_LISTINGS.get(package, ())]
-                for package, files in found.items()}
-    unlisted = {package: files for package, files in unlisted.items() if files}
+    unlisted = unlisted_files(ROOT)
     assert not unlisted, f"files their package's __init__ docstring does not name: {unlisted}"
-    listed = sorted(f"{package}/{f}" for package, files in PENDING_LISTINGS.items()
-                    for f in files if f not in found.get(package, ()))
-    assert not listed, f"named now (or gone), remove from PENDING_LISTINGS: {listed}"
 
 
 # -- every reference resolves ---------------------------------------------------------------
@@ -305,15 +283,8 @@ def broken_references(root: Path) -> list[str]:
     return broken
 
 
-# References in solver/ and cost_model/ to files that issue 25's split moved, pending the
-# cost-model work (another change rewrites those packages): file -> the references it keeps.
-PENDING_COST_MODEL_WORK = {"autoplan/solver/pipeline.py": {"autoplan/_torch_compat.py"},
-                           "autoplan/solver/context.py": {"autoplan/passes/context.py"}}
-
-
 def test_every_reference_names_a_file_of_the_repository():
-    broken = [b for b in broken_references(ROOT)
-              if b.split(" ")[1] not in PENDING_COST_MODEL_WORK.get(b.split(":")[0], ())]
+    broken = broken_references(ROOT)
     assert not broken, "references that do not resolve:\n" + "\n".join(broken)
 
 

@@ -11,8 +11,9 @@ import dataclasses
 import pytest
 
 from autoplan.cost_model import comm
-from autoplan.solver.ilp_types import Solution
-from autoplan.solver.pipeline import Config, pipeline_time_s
+from autoplan.cost_model.config import Config
+from autoplan.cost_model.placement_totals import Solution
+from autoplan.cost_model.step_time import pipeline_time_s
 from autoplan.topology import LinkSpec, load_topology, preset, save_topology
 
 LAYERS = 12

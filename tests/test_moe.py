@@ -230,7 +230,8 @@ def test_ep_is_priced_per_topology_level():
     (inside a node: consecutive dp ranks) and the changed gradient all-reduce; the experts'
     states per rank halve at ZeRO-0 and grow at ZeRO-3 (a whole slice instead of a 1/dp
     shard); an ep that does not divide the experts is a named error."""
-    from autoplan.solver.experts import ep_step_delta_s, expert_layers, expert_parallel
+    from autoplan.cost_model.expert_parallel import ep_step_delta_s, expert_layers
+    from autoplan.solver.expert_degree import expert_parallel
     from autoplan.solver.search import InvalidConfig
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset

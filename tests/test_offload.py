@@ -1,4 +1,4 @@
-"""CPU offload ([Note: offload] in autoplan/solver/offload.py): topology fields, the plan
+"""CPU offload ([Note: offload] in autoplan/cost_model/offload.py): topology fields, the plan
 field, the cost model's accounting, and training on 4 gloo ranks with offloaded optimizer
 states at ZeRO-1 and ZeRO-3 matching one process (fp32, rtol 1e-5)."""
 

@@ -124,7 +124,7 @@ def test_selective_keeps_linear_outputs_as_priced():
     outputs, in the planner's kept set and when run: live bytes after the forward equal
     A - A_blocks + K + T I within 2% (issue 11: the planner knew only mm/addmm and kept the
     attention outputs alone, a third of what the runtime holds)."""
-    from autoplan.cost_model.memory import selective_saves
+    from autoplan.op_classes import selective_saves
     from autoplan.runtime.live_bytes import LiveTensorBytes
     from autoplan.solver.problem import build_problem
 
@@ -212,7 +212,7 @@ def test_core_attention_missing_core_raises_only_where_the_stage_holds_it():
     """A stage cut just after block 0's core holds ops that read the core but none that feed
     it: nothing to wrap there, no error. A graph holding both sides but not the core (its ops
     renamed by a rewrite) raises, naming the block, rather than silently not recomputing."""
-    from autoplan.cost_model.memory import core_attention_regions
+    from autoplan.cost_model.activations import core_attention_regions
 
     _model, graph, gm = _captured("gpt2-tiny", attn_implementation="eager")
     core = core_attention_regions(graph)[0]

@@ -92,10 +92,11 @@ def test_gpipe_holds_every_microbatch(clusters):
 
 
 def test_cost_model_prices_what_the_runtime_holds():
-    """solver/pipeline.py [Note: memory per rank]: per rank, one posted receive per side
+    """cost_model/rank_memory.py [Note: memory per rank]: per rank, one posted receive per side
     (moments A and B) and, at moment A, the stage output of each in-flight microbatch; 1F1B's
     do not grow with m, GPipe's do (counted in boundaries, no layers' activations)."""
-    from autoplan.solver.pipeline import Config, rank_memories
+    from autoplan.cost_model.config import Config
+    from autoplan.cost_model.rank_memory import rank_memories
     from autoplan.spec import TrainingSpec
 
     def consts(m: int, schedule: str = "1f1b", v: int = 1) -> list[float]:

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from autoplan.capture import capture, capture_preset
+from autoplan.cost_model.offload import available as offload_available
+from autoplan.cost_model.placement_totals import Solution
 from autoplan.models.mlp import MLP, MLPBlock
 from autoplan.solver import InvalidConfig, NoFeasiblePlan, plan
 from autoplan.solver.costs import split_of
-from autoplan.solver.ilp import Solution, evaluate, model_proto
+from autoplan.solver.ilp import evaluate, model_proto
 from autoplan.solver.problem import OUTPUT, build_problem
-from autoplan.solver.offload import available as offload_available
 from autoplan.solver.search import (Overrides, PlanConfig, Search, enumerate_configs,
                                      offload_variants)
 from autoplan.spec import TrainingSpec
@@ -164,7 +165,7 @@ def _exhaustive(graph, topology, spec) -> list[tuple[float, float, PlanConfig]]:
 def _searched(everything, budget: float) -> list[tuple[float, float, PlanConfig]]:
     """The entries of `_exhaustive` that fit `budget` and that the planner searches: an
     offloaded variant only where no placement of its configuration fits on the device
-    ([Note: offload] in solver/offload.py, "Search")."""
+    ([Note: offload] in cost_model/offload.py, "Search")."""
     fits = {c for _t, memory, c in everything if memory <= budget and c.offload == "none"}
     return [x for x in everything if x[1] <= budget and (
         x[2].offload == "none" or dataclasses.replace(x[2], offload="none") not in fits)]

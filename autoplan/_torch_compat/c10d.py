@@ -89,7 +89,7 @@ def all_gather_autograd(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     `dim` (torch.distributed._functional_collectives.all_gather_single_autograd, private in
     torch 2.13, which replaced all_gather_tensor_autograd: it gathers on dim 0 and cuts and
     concatenates for another dim). What context parallelism gathers K and V with ([Note:
-    context parallelism] in autoplan/solver/context.py)."""
+    context parallelism] in autoplan/cost_model/context_parallel.py)."""
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
     return all_gather_single_autograd(t.contiguous(), dim, group)

@@ -93,8 +93,8 @@ def vote_pipeline_mode_locally(schedule) -> None:
 # So a rank holds the buffers of the microbatches its schedule has in flight: min(m, pp - r) for
 # 1F1B, all m under GPipe (every forward before any backward), Megatron-LM's warm-up count for
 # interleaved 1F1B. Beyond its activations it still keeps each in-flight microbatch's stage
-# output (torch's `fwd_cache`, for the backward), which solver/pipeline.py prices ([Note: memory
-# per rank]); tests/test_pipeline_memory.py measures that nothing grows with m.
+# output (torch's `fwd_cache`, for the backward), which cost_model/rank_memory.py prices
+# ([Note: memory per rank]); tests/test_pipeline_memory.py measures that nothing grows with m.
 
 @functools.cache
 def in_flight_pipeline_stage_class():

@@ -152,7 +152,7 @@ def fit_optimizer_op_s(samples: list[dict], mem_bw_bytes_per_s: float) -> tuple[
     element over `mem_bw_bytes_per_s`), divided by pipeline.OPTIMIZER_OPS_PER_TENSOR["adamw"];
     the median over `samples` ({"adamw_plain_s", "adamw_dtensor_s", "tensors", "elements"}, one
     per rank, from `dtensor_overhead_job`), no less than 0."""
-    from autoplan.solver.pipeline import OPTIMIZER_BYTES_PER_PARAM, OPTIMIZER_OPS_PER_TENSOR
+    from autoplan.cost_model.step_time import OPTIMIZER_BYTES_PER_PARAM, OPTIMIZER_OPS_PER_TENSOR
 
     def per_op(key: str) -> float:
         return statistics.median(

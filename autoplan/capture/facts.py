@@ -16,10 +16,10 @@ import torch.utils.flop_counter as flop_counter
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-from autoplan.capture.errors import CaptureError
 from autoplan.capture.clean import _WRAPPED, _canonical_tensors, _strip
-from autoplan.cost_model.compute import MATMUL_OPERANDS, op_name
+from autoplan.capture.errors import CaptureError
 from autoplan.graph import NodeInfo, ParamInfo
+from autoplan.op_classes import MATMUL_OPERANDS, op_name
 
 
 # --- per-node facts ----------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch.fx
 
 from autoplan.capture.facts import _nbytes
-from autoplan.cost_model.compute import VIEW_OPS, op_name
+from autoplan.op_classes import VIEW_OPS, op_name
 
 __all__ = ["FUSIBLE_OPS", "fused_bytes"]
 

@@ -37,7 +37,7 @@ the GPU presets) is that expected wait per blocking collective with n busy devic
 send/recv does not pay it: a stage waiting for its neighbour is the pipeline term's business.
 The wait grows with the compute since the ranks last met (time slicing lets them drift apart):
 `sync_skew_s` is the intercept of that line and `DeviceSpec.skew_slope(n)` its slope, which the
-step-time model charges once per step on the step's compute (solver/pipeline.py [Note: step
+step-time model charges once per step on the step's compute (cost_model/step_time.py [Note: step
 time], drift), since the compute between meetings sums to it.
 
 [Note: group layout]

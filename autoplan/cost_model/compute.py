@@ -63,13 +63,12 @@ import torch
 import torch.fx
 
 from autoplan.graph import NodeInfo
+from autoplan.op_classes import ATTENTION_OPS, MATMUL_OPS, NO_GRAD_OPS, VIEW_OPS, op_name
 from autoplan.topology import DeviceSpec
 
 __all__ = [
-    "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "VIEW_OPS", "MATMUL_OPS", "MATMUL_OPERANDS",
-    "ATTENTION_OPS",
-    "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
-    "NO_GRAD_OPS", "DTYPE_BYTES", "op_name", "is_noop_cast", "matmul_dims", "matmul_efficiency",
+    "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
+    "DTYPE_BYTES", "is_noop_cast", "matmul_dims", "matmul_efficiency",
     "at_tokens",
     "module_input_bytes", "op_time_s",
     "backward_time_s", "graph_forward_time_s", "graph_backward_time_s", "dtensor_dispatches",
@@ -90,57 +89,13 @@ DTYPE_BYTES = {
 }
 _FLOAT_DTYPES = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
 
-# Op classes by aten base name (see `op_name`). Views alias their input: no kernel, no bytes.
-VIEW_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "view_as", "permute", "transpose", "t", "expand",
-    "expand_as", "squeeze", "unsqueeze", "slice", "select", "split", "split_with_sizes",
-    "chunk", "unbind", "getitem", "alias", "detach", "flatten", "unflatten", "narrow",
-    "as_strided", "_reshape_alias", "lift_fresh_copy", "sym_size", "sym_numel", "sym_stride",
-    "_assert_tensor_metadata", "_assert_async", "contiguous_view",
-})
-MATMUL_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "convolution",
-    "experts",  # autoplan.experts: three matmuls per routed token ([Note: experts op])
-})
-MATMUL_OPERANDS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "mm": ((0,), (1,)), "bmm": ((0,), (1,)), "matmul": ((0,), (1,)),
-    "addmm": ((1,), (2,)), "baddbmm": ((1,), (2,)), "addbmm": ((1,), (2,)),
-    "linear": ((0,), (1,)), "_scaled_mm": ((0,), (1,)), "convolution": ((0,), (1,)),
-    "experts": ((0,), (3, 4)),  # hidden; gate_up_proj and down_proj (autoplan.experts)
-}
-"""Positional args of each MATMUL_OPS op that are its two operands a and b (the ones whose
-gradients the backward computes; a bias's is a reduction and is not counted), from the aten
-schemas (native_functions.yaml: `addmm(self, mat1, mat2)`, `linear(input, weight, bias)`,
-`convolution(input, weight, bias, ...)`) and `autoplan.experts.experts`. Read by capture for
-`NodeInfo.backward_share` ([Note: backward share] in autoplan/capture/facts.py)."""
-assert set(MATMUL_OPERANDS) == MATMUL_OPS, "every matmul-like op names its two operands"
-ATTENTION_OPS = frozenset({
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-    "_efficient_attention_forward",
-})
 TRANSCENDENTAL_OPS = frozenset({
     "tanh", "exp", "erf", "sigmoid", "log", "pow", "sin", "cos", "gelu", "silu", "sqrt",
     "rsqrt", "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax",
 })
 BACKWARD_TRANSCENDENTAL = frozenset({"pow", "erf", "gelu", "silu"})
-NO_GRAD_OPS = frozenset({
-    "eq", "ne", "lt", "gt", "le", "ge", "logical_not", "logical_and", "logical_or",
-    "ones_like", "zeros_like", "full_like", "empty_like", "full", "scalar_tensor", "arange",
-    "zeros", "ones", "empty", "rand", "rand_like", "randn", "bernoulli", "argmax", "argmin",
-    "new_ones", "new_zeros", "new_full", "new_empty", "__and__", "__or__", "__invert__",
-    "bitwise_and", "bitwise_or", "bitwise_not",
-})
 
 
-def op_name(target: str) -> str:
-    """Base name of an op from its text: "aten.addmm.default" -> "addmm",
-    "<built-in function getitem>" / "operator.getitem" -> "getitem"."""
-    text = target.strip("<>")
-    if text.startswith("aten."):
-        return text.split(".")[1]
-    return text.replace(" ", ".").split(".")[-1]
 
 
 def is_noop_cast(node: NodeInfo) -> bool:

@@ -3,7 +3,6 @@ per-rank modules the runtime trains (docs/design.md, "Passes").
 
 Files:
 - stages.py: split a captured graph into pipeline stages (the stage boundaries of the plan).
-  pipeline.py: its old name, kept for the imports of cost_model/traffic.py.
 - sharding.py: apply the plan's tensor-parallel placements, every redistribution explicit
   ([Note: view under DTensor]).
 - regather.py: gathered inputs held for the backward as their shards, gathered again there

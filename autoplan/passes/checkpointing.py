@@ -12,7 +12,7 @@ Policies (the plan's `checkpointing`):
 - "full": keep only the block's inputs; recompute the whole block in backward.
 - "core-attention": Megatron-LM's selective recompute (Korthikanti et al. 2022, section 5):
   each attention core of unfused attention -- the score matmul q @ k^T, scale, mask, softmax,
-  dropout and the matmul with v, cost_model.memory.core_attention_regions -- moves into a
+  dropout and the matmul with v, cost_model.activations.core_attention_regions -- moves into a
   sub-GraphModule run under plain checkpointing; the rest of the block saves what it saves
   without checkpointing ([Note: core attention] in autoplan/solver/checkpointing.py).
 - "selective": torch's selective activation checkpointing at op level (the save-list policy
@@ -22,7 +22,7 @@ Policies (the plan's `checkpointing`):
   backward from them and the block's inputs. (Korthikanti et al. 2022, section 5, recompute
   only the attention core; with fused attention that core keeps nothing worth dropping, while
   the elementwise ops of the MLP keep the largest tensors.) The op list is
-  cost_model.memory.SELECTIVE_SAVED_OPS ([Note: selective saved set]), which
+  autoplan.op_classes.SELECTIVE_SAVED_OPS ([Note: selective saved set]), which
   autoplan/solver/checkpointing.py prices.
 
 Random ops (autoplan/passes/rng.py) read a mutable RandomState that enters a block as an
@@ -39,7 +39,8 @@ import torch.fx
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-from autoplan.cost_model import memory
+from autoplan import op_classes
+from autoplan.cost_model import activations
 from autoplan.graph import CapturedGraph
 from autoplan.passes.blocks import block_nodes, outline
 from autoplan.passes.rng import RandomState
@@ -49,9 +50,9 @@ __all__ = ["wrap_checkpointing", "run_checkpointed", "selective_context", "POLIC
 
 POLICIES = ("none", "core-attention", "selective", "full")
 
-SELECTIVE_SAVED_OPS = memory.SELECTIVE_SAVED_OPS
+SELECTIVE_SAVED_OPS = op_classes.SELECTIVE_SAVED_OPS
 """aten base names of the ops whose outputs "selective" keeps (every other op is recomputed):
-the cost model's list, cost_model.memory [Note: selective saved set], the one definition the
+the cost model's list, autoplan/op_classes.py [Note: selective saved set], the one definition the
 solver prices (solver/checkpointing.py) and this policy runs."""
 
 
@@ -60,7 +61,7 @@ def _selective_policy(ctx, op, *args, **kwargs):
     # An op run without grad (inside an autograd.Function's forward: passes/rng.py's dropped
     # attention, which saves its own inputs and recomputes) records nothing for the backward:
     # keeping its output would hold what the Function chose not to (its scores).
-    return (CheckpointPolicy.MUST_SAVE if memory.selective_saves(op) and torch.is_grad_enabled()
+    return (CheckpointPolicy.MUST_SAVE if op_classes.selective_saves(op) and torch.is_grad_enabled()
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
@@ -177,7 +178,7 @@ def _wrap_cores(gm: torch.fx.GraphModule, graph: CapturedGraph, block_modules) -
     owners = [gm, *(gm.get_submodule(p) for p in block_modules)]
     present = {n.meta.get("orig_name", n.name) for o in owners for n in o.graph.nodes}
     count = 0
-    for k, region in enumerate(memory.core_attention_regions(graph)):
+    for k, region in enumerate(activations.core_attention_regions(graph)):
         names = set(region)
         for owner in owners:
             nodes = [n for n in owner.graph.nodes if n.op == "call_function" and (

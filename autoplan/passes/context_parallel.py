@@ -34,9 +34,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from autoplan._torch_compat import all_gather_autograd, causal_lower_right_bias
-from autoplan.cost_model.compute import ATTENTION_OPS, op_name
-from autoplan.passes.sharding import reshape as placed_reshape
-from autoplan.passes.sharding import run_replicated, sdpa_local
+from autoplan.op_classes import ATTENTION_OPS, op_name
+from autoplan.passes.sharding import reshape as placed_reshape, run_replicated, sdpa_local
 
 __all__ = ["check_whole_graph", "position_sources", "chunk_positions",
            "load_balanced_attention", "context_parallel_attention", "apply_context_parallel"]

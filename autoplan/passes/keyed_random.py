@@ -152,7 +152,7 @@ def check_p(p: float, name: str, op: str) -> None:
 class _Dropped(torch.autograd.Function):
     """x * keep / (1 - p) in x's dtype (aten's CPU dropout arithmetic), saving the bool
     `keep` (1 byte per element, as aten's native_dropout does) instead of the scaled mask in
-    x's dtype that autograd's mul would save ([Note: saved tensors] in cost_model/memory.py
+    x's dtype that autograd's mul would save ([Note: saved tensors] in cost_model/activations.py
     prices 1 byte). The gradient is grad * (keep / (1 - p)), mul's own."""
 
     @staticmethod
@@ -341,7 +341,7 @@ class _DroppedAttention(torch.autograd.Function):
     score), and recomputing the probabilities in its backward, as fused attention does
     (FlashAttention recomputes them from q, k and its dropout seed): autograd through the math
     path would save the fp32 probabilities, the scaled mask and the dropped probabilities,
-    4 + 2 w bytes per score, which [Note: saved tensors] in cost_model/memory.py does not
+    4 + 2 w bytes per score, which [Note: saved tensors] in cost_model/activations.py does not
     price. The gradients are the math path's own (the same ops, run again under autograd)."""
 
     @staticmethod

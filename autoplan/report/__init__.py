@@ -7,13 +7,14 @@
     write_report(plan, out_dir, ...)               -> {"plan.json": Path, ...}
     write_files({"report.md": str, ...}, out_dir)  -> {"report.md": Path, ...}
 
-The pieces: facts.py (the numbers), roles.py (parameters and redistributions grouped per block
-role), part_costs.py (compute and communication per part of the model), formulas.py (the closed
-forms a plan uses), timeline.py (the pipeline schedule illustration), markdown.py (the Markdown
-report and the terminal summary), html.py (the HTML page), svg.py (its charts), measured.py
-(the Dry run section: what dry-run ranks measured beside the plan), diff.py (what differs
-between two plans: `autoplan diff` and `autoplan explain`), write.py (files written
-atomically). Every number is printed by autoplan/units.py ([Note: number format]).
+The pieces: facts.py (the numbers; the costs per part of the model from
+cost_model/part_costs.py), roles.py (parameters and redistributions grouped per block role),
+formulas.py (the closed forms a plan uses), timeline.py (the pipeline schedule illustration),
+markdown.py (the Markdown report and the terminal summary), html.py (the HTML page), svg.py
+(its charts), measured.py (the Dry run section: what dry-run ranks measured beside the plan),
+diff.py (what differs between two plans: `autoplan diff` and `autoplan explain`), write.py
+(files written atomically). Every number is printed by autoplan/units.py ([Note: number
+format]).
 
 The names are imported on first use (PEP 562 module `__getattr__`, as in autoplan/__init__.py):
 the renderers import torch, and `autoplan plan` writes a cached report (autoplan/cache.py) with

@@ -4,17 +4,18 @@ Renderers (markdown.py, html.py) only format these facts, so Markdown, HTML and 
 cannot disagree. Everything is SI: seconds, bytes (1 GB = 1e9 B), FLOP/s.
 
 Grouped per block role: autoplan/report/roles.py ([Note: block roles]); compute and
-communication per part: autoplan/report/part_costs.py; both re-exported here.
+communication per part: autoplan/cost_model/part_costs.py (`part_costs` below).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.cost_model import part_costs as priced_parts
 from autoplan.cost_model.comm import group_layout, hop_crosses_nodes, pipeline_hops
+from autoplan.cost_model.part_costs import PartCost
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
-from autoplan.report.part_costs import PartCost, part_costs
 from autoplan.report.roles import (ParamGroup, RedistributionGroup, param_groups,
                                    redistribution_groups, sharded_params)
 from autoplan.topology import Topology
@@ -156,6 +157,13 @@ def _pp_axis(plan: Plan, stage_ranks: int, per_node: int, num_nodes: int,
     return AxisFacts("pp", pp, stage_ranks, per_node, num_nodes, level, text)
 
 
+def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[PartCost]:
+    """Compute and communication per part of the model on one rank, per microbatch (PartCost):
+    cost_model/part_costs.py over the plan's redistributions grouped per block role. Raises
+    ValueError from the cost model (e.g. a dtype the device lists no peak for)."""
+    return priced_parts.part_costs(plan, graph, topology, redistribution_groups(plan, graph))
+
+
 def tokens_per_s(plan: Plan) -> float:
     step = plan.prediction.step_time_s
     return plan.global_batch * plan.seq_len / step if step > 0 else 0.0
@@ -163,7 +171,7 @@ def tokens_per_s(plan: Plan) -> float:
 
 def host_share_bytes(plan: Plan, topology: Topology | None) -> float:
     """Host memory per rank: the node's, shared by its ranks (0 without a topology or host
-    figures; [Note: offload] in autoplan/solver/offload.py)."""
+    figures; [Note: offload] in autoplan/cost_model/offload.py)."""
     if topology is None or not topology.host_mem_bytes:
         return 0.0
     return topology.host_mem_bytes / max(1, min(topology.devices_per_node,
@@ -177,7 +185,7 @@ OFFLOAD_TEXT = {
     "optimizer+params": "parameter shards, gradients and optimizer states in host memory "
                         "(FSDP2 CPUOffloadPolicy), the optimizer step on the host",
 }
-"""What each `Plan.offload` means, for the summary ([Note: offload] in solver/offload.py)."""
+"""What each `Plan.offload` means, for the summary ([Note: offload] in cost_model/offload.py)."""
 
 
 def memory_rows(plan: Plan) -> list[tuple[str, float]]:

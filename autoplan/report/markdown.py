@@ -101,7 +101,8 @@ def _summary(plan: Plan, graph, topology, dtype_origin: str = "") -> list[str]:
 
 
 def _context_text(plan: Plan) -> str:
-    """What cp does to this plan ([Note: context parallelism] in autoplan/solver/context.py)."""
+    """What cp does to this plan ([Note: context parallelism] in
+    autoplan/cost_model/context_parallel.py)."""
     cp, p = plan.mesh.cp, plan.prediction
     return (f"cp {cp}: every sample's {plan.seq_len} tokens in {2 * cp} chunks of "
             f"{plan.seq_len // (2 * cp)}, cp rank i holding chunks i and {2 * cp - 1} - i "

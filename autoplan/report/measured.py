@@ -165,7 +165,7 @@ def intro_text(plan: Plan) -> str:
             "process, on fake tensors and torch's fake process group of the plan's world size "
             "([Note: dry run] in autoplan/runtime/dryrun.py); the last step measured. Memory "
             "is the peak of live tensor storage by category; predicted is the plan's figure for "
-            "the rank's pipeline stage ([Note: memory per rank] in solver/pipeline.py). "
+            "the rank's pipeline stage ([Note: memory per rank] in cost_model/rank_memory.py). "
             "FLOPs: matmuls and attention, recomputation included, against the plan's for "
             "the rank's pipeline stage ([Note: FLOPs per rank] in solver/assemble.py). Error: predicted / measured - 1. Collective bytes per "
             "mesh axis (each op's largest buffer, summed) against the plan's for the rank's "

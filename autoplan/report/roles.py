@@ -16,12 +16,13 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from autoplan.cost_model.compute import op_name
+from autoplan.cost_model.part_costs import node_parts
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import op_name
 from autoplan.plan import Plan
 
 __all__ = ["ParamGroup", "RedistributionGroup", "param_groups", "sharded_params",
-           "redistribution_groups", "node_parts"]
+           "redistribution_groups"]
 
 
 def _block_role(fqn: str, prefix: str) -> tuple[str, int | None]:
@@ -140,19 +141,6 @@ class RedistributionGroup:
     @property
     def edge(self) -> str:
         return f"{self.producer} -> {self.consumer}[{self.arg_index}]"
-
-
-def node_parts(graph: CapturedGraph) -> dict[str, str]:
-    """node -> "pre" | "block" | "post" (outside the blocks, before or after the first block
-    op in graph order)."""
-    parts, seen_block = {}, False
-    for name, info in graph.nodes.items():
-        if info.layer_id is not None:
-            seen_block = True
-            parts[name] = "block"
-        else:
-            parts[name] = "post" if seen_block else "pre"
-    return parts
 
 
 def redistribution_groups(plan: Plan,

@@ -153,7 +153,7 @@ def busiest_rank_s(plan, fwd: list[float], bwd: list[float]) -> float:
 def predicted_stage_s(plan) -> float:
     """The plan's per-microbatch time of the busiest pp rank: `Prediction.stage_time_s`; for a
     plan written before it, bubble x v / (pp - 1) when pp > 1 ([Note: step time] in
-    solver/pipeline.py), else (compute + communication) / microbatches (which then includes the
+    cost_model/step_time.py), else (compute + communication) / microbatches (which then includes the
     exposed gradient sync and the optimizer step)."""
     pred, pp = plan.prediction, plan.mesh.pp
     if pred.stage_time_s > 0:

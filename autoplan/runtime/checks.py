@@ -35,7 +35,7 @@ def _axis_placement(p: torch.Tensor, axis: str):
 
 def check_context_parallel(plan, graph, inputs, loss_fn, compile: bool) -> None:
     """Refuse, before anything is set up, a cp > 1 plan this runtime cannot run as planned
-    ([Note: context parallelism] in autoplan/solver/context.py; the graph's attention and
+    ([Note: context parallelism] in autoplan/cost_model/context_parallel.py; the graph's attention and
     positions are checked where they are rewritten, passes/context_parallel.py). `graph`: the
     captured graph, `inputs`: the planned batch (InputSpec), `loss_fn`: the user's or None.
 

@@ -353,7 +353,7 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
 def _check_fits(recorder: DryRunRecorder, categories: dict[int, str], rank: int, plan: Plan,
                 device_mem_bytes: float) -> None:
     """Raise DryRunOutOfMemory at the first event whose live bytes on the device exceed its
-    memory. Offloaded states live in host memory ([Note: offload] in solver/offload.py), and
+    memory. Offloaded states live in host memory ([Note: offload] in cost_model/offload.py), and
     a dry run holds every fake tensor on one device: their categories are left out (the
     optimizer states; with "optimizer+params" the parameter shards and gradients too)."""
     host = _HOST_CATEGORIES[plan.offload]

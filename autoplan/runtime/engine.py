@@ -14,7 +14,7 @@ Build order (each step needs the previous one), all on the meta device until ste
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
    Under cp (the graph captured at seq_len / cp tokens per sample), attention gathers K and V
    over the cp axis and positions become the rank's global ones (`passes.context_parallel`, [Note:
-   context parallelism] in solver/context.py).
+   context parallelism] in cost_model/context_parallel.py).
 4. Each repeated block becomes a called module (`passes.blocks`), checkpointed inside when the
    plan says so (`passes.checkpointing`); with `compile`, each block's forward goes through
    torch.compile ([Note: compiled stages] in runtime/compiled.py).
@@ -234,7 +234,7 @@ class DistributedModel(RankStages):
             # ([Note: fused AdamW] in runtime/optim.py)
             make_opt = optimizer or functools.partial(default_adamw, fused=self.kernels)
             self._check_elementwise(optimizer, params)
-            # CPU offload ([Note: offload] in solver/offload.py): ZeRO 0/1 step on the host
+            # CPU offload ([Note: offload] in cost_model/offload.py): ZeRO 0/1 step on the host
             # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
             host = plan.offload == "optimizer"
             if plan.zero_stage == 1 and plan.mesh.dp_shard > 1:

@@ -1,4 +1,5 @@
-"""Expert parallelism at run time ([Note: expert parallelism] in autoplan/solver/experts.py).
+"""Expert parallelism at run time ([Note: expert parallelism] in
+autoplan/cost_model/expert_parallel.py).
 
 With a plan's `mesh.ep` > 1, groups of ep consecutive dp ranks (same pp and tp coordinates)
 hold disjoint slices of every MoE layer's experts: the expert weights of a stage become DTensors

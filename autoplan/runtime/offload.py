@@ -1,7 +1,7 @@
 """CPU offload of optimizer states at ZeRO 0 and 1 (ZeRO-Offload, Ren et al. 2021): the
 optimizer states and an fp32 copy of each stepped parameter live in host memory, and the
 optimizer steps there. ZeRO-3's offload is FSDP2's `CPUOffloadPolicy` (runtime/parallel.py,
-`fully_shard`); the cost model of both is [Note: offload] in autoplan/solver/offload.py.
+`fully_shard`); the cost model of both is [Note: offload] in autoplan/cost_model/offload.py.
 
 One step of `HostOptimizer`, in this order (nothing overlaps, as the cost model assumes):
 1. every stepped parameter's gradient is copied device -> host into its host copy's `.grad`;

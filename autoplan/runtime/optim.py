@@ -18,7 +18,7 @@ same hyperparameters (lr is read at every step: LR schedulers work unchanged).
 
 The cost model prices the update as one fused pass on devices whose kernels fuse
 (`DeviceSpec.fuses_pointwise`: the GPU presets), as the unfused ten passes otherwise
-(solver/pipeline.py, OPTIMIZER_BYTES_PER_PARAM).
+(cost_model/step_time.py, OPTIMIZER_BYTES_PER_PARAM).
 """
 
 from __future__ import annotations

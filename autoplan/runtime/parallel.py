@@ -104,7 +104,7 @@ def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
     `mp_policy`: FSDP2's MixedPrecisionPolicy (None: fp32); `ignored_params`: parameters
     FSDP2 leaves alone; `offload`: FSDP2's CPUOffloadPolicy -- sharded parameters, their
     gradients and so the optimizer states in host memory, each shard copied to the device for
-    its all-gather ([Note: offload] in autoplan/solver/offload.py). Pinned host memory needs
+    its all-gather ([Note: offload] in autoplan/cost_model/offload.py). Pinned host memory needs
     an accelerator, so it is pinned only when the mesh is not on CPU."""
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     if offload:

@@ -12,7 +12,7 @@ tensor along its batch dim, the model's inputs, what the loss reads, and the los
   ignored, weighted so that the step's loss is the mean over the *global* batch's trained
   tokens, as one process computes it on the whole batch (`token_loss`).
 
-Under context parallelism (cp > 1, [Note: context parallelism] in autoplan/solver/context.py)
+Under context parallelism (cp > 1, [Note: context parallelism] in autoplan/cost_model/context_parallel.py)
 only the last applies, to the token-LM form: the labels are the next tokens already (the
 token loss reads `labels[t]` as the target of position t and shifts nothing), so cutting
 input_ids and labels into the same 2 cp chunks (chunks i and 2 cp - 1 - i on cp rank i) gives

@@ -1,28 +1,34 @@
 """The solver: per-op placements on the tp axis (an ILP), inside a search over the mesh shape
 (pp, dp, tp), the ZeRO stage, microbatches, the pipeline schedule and activation checkpointing.
+What it searches over is priced by autoplan/cost_model/ (the step time and memory of a
+configuration: cost_model/step_time.py, cost_model/rank_memory.py).
 
 The pipeline, in files:
     problem.py        candidates (strategies.py) -> ILP nodes, shared blocks, weighted edges
+    problem_saved.py  what each ILP node saves for the backward (the ILP's activation memory)
     costs.py          cost model -> ILP coefficients for one (tp, microbatch size)
     checkpointing.py  what a checkpointing policy does to those coefficients and to memory
+    context.py        the cp degrees searched; cp's K/V collectives in those coefficients
+    sequence.py       sequence parallelism as placements of the norm/dropout/residual regions
+    frozen.py         fine-tuning: the dtype frozen parameters are held in, a plan choice
     ilp.py            the ILP, written as math in its docstring, solved with OR-Tools (GLOP
                       first, CP-SAT when the LP is fractional)
     ilp_model.py      the ILP as an OR-Tools model (one add_* per block of that math)
-    ilp_types.py      its inputs (per-rank memory, step form) and its Solution
-    pipeline.py       step time and memory of a configuration (bubble, dp sync, per-rank peak)
+    ilp_types.py      its step form and the error of a solve that found nothing
     search.py         configurations, bounds, step forms, errors ([Note: decomposition])
     pins.py           pinned parameter placements: the user's hard constraints on the ILP
     branch_bound.py   the branch and bound over configurations (lazy, resumable bounds)
     planner.py        plan(): that search driven to the best plan and runners-up (cp first
                       under a bound, offload where nothing fits, errors); reprice(): a fixed
                       plan priced on another topology
+    expert_degree.py  the expert-parallel degree of a plan (given, or the fastest that fits)
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
 Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig`, `SolverLimitReached` (all
 ValueError), `SolverLimitWarning`, `DP_SYNC_OVERLAP`.
 """
 
-from autoplan.solver.pipeline import DP_SYNC_OVERLAP
+from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
 from autoplan.solver.planner import plan, reprice
 from autoplan.solver.search import (InvalidConfig, NoFeasiblePlan, SolverLimitReached,
                                     SolverLimitWarning)

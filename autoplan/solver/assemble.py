@@ -15,15 +15,17 @@ import dataclasses
 import operator
 
 from autoplan.cost_model.comm import pipeline_hop_time_s, redistribute_time_s
+from autoplan.cost_model.config import config_stages
 from autoplan.cost_model.fidelity import error_bands
+from autoplan.cost_model.step_time import Assessment
 from autoplan.cost_model.traffic import rank_traffic
 from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
 )
 from autoplan.solver.costs import token_scale
 from autoplan.solver.frozen import has_frozen
-from autoplan.solver.pipeline import Assessment, config_stages
-from autoplan.solver.problem import Problem, _tensor_bytes, share_key
+from autoplan.solver.problem import Problem, share_key
+from autoplan.solver.problem_saved import tensor_bytes
 from autoplan.strategies import Candidate, tensor_args
 
 __all__ = ["build_plan", "chosen_candidates"]
@@ -93,7 +95,7 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     stops recomputing once every saved tensor is packed again (`set_checkpoint_early_stop`),
     and under tp the DTensor op packs its inputs before its local kernel runs, so that last
     op's own FLOPs are not recomputed at tp > 1; "core-attention": the unfused attention
-    cores, cost_model.memory.core_attention_regions, none with fused attention; "selective"
+    cores, cost_model.activations.core_attention_regions, none with fused attention; "selective"
     keeps every matmul and attention output). Attention's backward is 2.5 times its forward
     (torch.utils.flop_counter's sdpa_backward_flop_count: the scores recomputed and four
     gradient matmuls), any other op's twice; under cp > 1 a causal attention runs (2 cp + 1) /
@@ -110,9 +112,10 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
             the captured ones (all dp and cp ranks).
     Returns one figure per pipeline rank, FLOPs.
     """
-    from autoplan.cost_model.context import attention_nodes
-    from autoplan.cost_model.memory import (
-        core_attention_regions, grad_carriers, node_producers, saved_tensors)
+    from autoplan.cost_model.activations import (
+        core_attention_regions, grad_carriers, node_producers, saved_tensors
+    )
+    from autoplan.cost_model.context_parallel import attention_nodes
     from autoplan.solver.costs import split_of
 
     mesh = plan.mesh
@@ -232,7 +235,7 @@ def _redistributions(search, problem: Problem, chosen, scale: float) -> tuple:
             if group is not None and (group, dst) in recorded:
                 continue  # the first consumer's redistribution serves this one too
             recorded.add((group, dst))
-            nbytes = _tensor_bytes(graph, u, k, search.spec.dtype_bytes) * (
+            nbytes = tensor_bytes(graph, u, k, search.spec.dtype_bytes) * (
                 1.0 if u.name in params else scale)
             name, t = redistribute_time_s(src, dst, nbytes, tp, topology)
             out.append(Redistribution(u.name, consumer, j, src, dst, name, int(nbytes), t))

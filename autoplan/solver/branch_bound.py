@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import heapq
 
-from autoplan.solver.offload import OFFLOADS
-from autoplan.solver.offload import available as offload_available
-from autoplan.solver.pipeline import Assessment
+from autoplan.cost_model.offload import OFFLOADS
+from autoplan.cost_model.offload import available as offload_available
+from autoplan.cost_model.step_time import Assessment
 from autoplan.solver.search import (
     Overrides, PlanConfig, Search, SolverLimitReached, offload_variants, same_argmin,
 )
@@ -23,7 +23,7 @@ __all__ = ["branch_and_bound", "offloaded", "offload_candidates", "rank_key",
 def offloaded(search: Search, configs: list[PlanConfig],
               overrides: Overrides) -> list[PlanConfig]:
     """Offload variants of the configurations no placement of which fits in device memory
-    ([Note: offload] in solver/offload.py, "Search"); none without the topology's host
+    ([Note: offload] in cost_model/offload.py, "Search"); none without the topology's host
     figures, or where the host is the devices' own memory (Topology.host_is_device_memory:
     offloading there frees nothing)."""
     return [v for cfg in configs for v in offload_candidates(search, cfg, overrides)]

@@ -4,11 +4,11 @@ ILP's time coefficients and to a configuration's memory.
 [Note: checkpointing] The policies are the Plan's `checkpointing`, one for every stage (the
 runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 
-- "none": autograd keeps every tensor it saves (cost_model.memory, [Note: saved tensors]).
+- "none": autograd keeps every tensor it saves (cost_model.activations, [Note: saved tensors]).
 - "selective": op-level selective checkpointing as the runtime runs it (torch's selective
   checkpoint contexts, autoplan/passes/checkpointing.py): a block keeps the outputs of its
   matmuls, whatever their aten spelling (linear, mm, addmm, bmm, matmul), and of fused
-  attention (`SELECTIVE_SAVED`: cost_model.memory.SELECTIVE_SAVED_OPS, the one list the
+  attention (`SELECTIVE_SAVED`: autoplan.op_classes.SELECTIVE_SAVED_OPS, the one list the
   runtime's policy runs, [Note: selective saved set]) and its input; its other ops run their
   forward again in the backward. (Korthikanti et al. 2022,
   section 5, drop only the attention scores; cost_model.memory keeps that published variant
@@ -16,7 +16,7 @@ runtime wraps each repeated block, autoplan/passes/checkpointing.py):
 - "core-attention" ([Note: core attention]): Megatron-LM's selective recompute (Korthikanti et
   al. 2022, section 5; `--recompute-granularity selective`). Each attention core of unfused
   attention -- the score matmul q @ k^T and what its value reaches up to the matmul with v:
-  scale, mask, softmax, dropout (cost_model.memory.core_attention_regions) -- runs under
+  scale, mask, softmax, dropout (cost_model.activations.core_attention_regions) -- runs under
   checkpointing of its own (autoplan/passes/checkpointing.py); the block's other ops save what
   they save without checkpointing. Dropped: the saved tensors the cores own and only core ops
   save (`Problem.core_saved`: the scores, probabilities, dropout mask and output, the 5 a s^2 b
@@ -67,10 +67,10 @@ from __future__ import annotations
 import dataclasses
 
 from autoplan.cost_model.compute import at_tokens, module_input_bytes, op_time_s
-from autoplan.cost_model.memory import SELECTIVE_SAVED_OPS
+from autoplan.cost_model.placement_totals import RankMemory, Solution
+from autoplan.cost_model.step_time import Assessment
+from autoplan.op_classes import SELECTIVE_SAVED_OPS
 from autoplan.solver.costs import Costs, out_divisor
-from autoplan.solver.ilp_types import RankMemory, Solution
-from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -82,7 +82,7 @@ __all__ = ["POLICIES", "SELECTIVE_SAVED", "policies", "recomputed_nodes", "check
 POLICIES = ("none", "core-attention", "selective", "full")
 
 SELECTIVE_SAVED = SELECTIVE_SAVED_OPS
-"""aten base names whose outputs "selective" keeps: cost_model.memory.SELECTIVE_SAVED_OPS
+"""aten base names whose outputs "selective" keeps: autoplan.op_classes.SELECTIVE_SAVED_OPS
 ([Note: selective saved set]), the list the runtime's policy (passes/checkpointing.py) runs:
 every matmul spelling (linear, mm, addmm, bmm, matmul, ...) and fused attention."""
 
@@ -134,7 +134,7 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
              if edge.dst in nodes or (i in costs.regather_s and replayed(edge)) else row
              for i, (edge, row) in enumerate(zip(problem.edges, costs.pairs))]
     # context parallelism's K/V all-gather runs again with attention's recomputed inputs
-    # under both policies ([Note: context parallelism] in solver/context.py)
+    # under both policies ([Note: context parallelism] in cost_model/context_parallel.py)
     # (core-attention needs unfused attention, cp fused: they never meet)
     node_comm = {n: [(fwd, bwd + fwd) for fwd, bwd in row]
                  for n, row in costs.node_comm_s.items()} if policy in ("selective", "full") \

@@ -47,10 +47,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import (MATMUL_OPS, at_tokens, backward_time_s,
-                                         dtensor_dispatches, module_input_bytes, op_name,
-                                         op_time_s)
+from autoplan.cost_model.compute import (
+    at_tokens, backward_time_s, dtensor_dispatches, module_input_bytes, op_time_s
+)
 from autoplan.cost_model.memory import loss_working_bytes, vocab_parallel_loss_bytes
+from autoplan.op_classes import MATMUL_OPS, op_name
 from autoplan.solver.problem import OUTPUT, Problem, boundary_bytes, boundary_node
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import tensor_args
@@ -85,7 +86,7 @@ class Costs:
         node_comm_s: ILP node -> [(forward, backward) seconds per candidate] of collectives
             that belong to the node itself rather than to an edge: the K/V all-gather and
             reduce-scatter of attention under context parallelism ([Note: context
-            parallelism] in solver/context.py); per occurrence, like compute_s.
+            parallelism] in cost_model/context_parallel.py); per occurrence, like compute_s.
         regather_s: edge index -> {pair key: seconds} of `pairs`' backward that is the
             all-gather again of a gathered input held as its shard ([Note: regather priced]).
         boundary_bytes: {block-output node (problem.boundary_node): [bytes per candidate]}:
@@ -93,7 +94,7 @@ class Costs:
             pipeline stage's output kept for its backward and a receive buffer are the
             producer's local tensor (runtime/parallel.py tp_stage_forward), 1/tp of it when
             the candidate splits it (sequence parallelism); [Note: memory per rank] in
-            solver/pipeline.py. Empty without blocks.
+            cost_model/rank_memory.py. Empty without blocks.
     """
 
     scale: float
@@ -179,7 +180,7 @@ def _units(problem: Problem, costs: Costs) -> list[Unit]:
 def token_scale(problem: Problem, microbatch_size: int, seq_len: int, cp: int = 1) -> float:
     """(b * seq_len / cp) / (B_g * S_g); see the module docstring (cp: the context-parallel
     degree, each rank holding seq_len / cp tokens of every sample, [Note: context
-    parallelism] in solver/context.py)."""
+    parallelism] in cost_model/context_parallel.py)."""
     graph = problem.graph
     return (microbatch_size * seq_len / cp) / (graph.batch_size * (graph.seq_len or seq_len))
 

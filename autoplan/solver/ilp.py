@@ -83,7 +83,8 @@ the model (both with `Solution.optimal` False), else raises SolverLimitReached.
 Units inside the model: ns for time, kB (1e3 B) for memory, elements for parameters.
 Compute, communication and transition (edge) costs stay separate in `Solution`.
 
-Files: ilp_types.py (RankMemory, StepForm, Solution, SolverLimitReached), ilp_model.py (the
+Files: ilp_types.py (StepForm, SolverLimitReached; RankMemory and Solution are
+cost_model/placement_totals.py's), ilp_model.py (the
 model: `_Model`, whose add_* methods are named above, and [Note: model building]); this module
 solves the model and evaluates placements (`solve`, `relax`, `evaluate`, `model_proto`).
 """
@@ -94,13 +95,14 @@ import time
 
 from ortools.linear_solver import pywraplp
 
+from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.solver.costs import Costs, redistribution_units
 from autoplan.solver.ilp_model import _build, _Model, edge_key
-from autoplan.solver.ilp_types import (_GAP, _NS, _TIE_BREAK, TIME_FORM, RankMemory, Solution,
-                                       SolverLimitReached, StepForm)
+from autoplan.solver.ilp_types import (_GAP, _NS, _TIE_BREAK, TIME_FORM, SolverLimitReached,
+                                       StepForm)
 from autoplan.solver.problem import Problem
 
-__all__ = ["RankMemory", "StepForm", "TIME_FORM", "Solution", "SolverLimitReached", "solve",
+__all__ = ["StepForm", "TIME_FORM", "SolverLimitReached", "solve",
            "relax", "evaluate", "model_proto"]
 
 _INTEGRAL = 1e-6

@@ -4,6 +4,11 @@
 math in ilp.py's docstring (the names there say which). `_build` assembles a whole model for
 one objective; ilp.py solves it. Units inside the model: ns for time, kB (1e3 B) for memory,
 elements for parameters.
+
+Long because: it is the ILP written as code, one class (`_Model`) whose add_* methods follow
+the blocks of ilp.py's math in order (structure, node, edge, tied, memory, placement costs,
+objective); cut into files, a block would no longer read beside the variables and helpers the
+others share.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
+from autoplan.cost_model.placement_totals import RankMemory
 from autoplan.solver.costs import Costs, redistribution_units, split_of
-from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, RankMemory, StepForm
+from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, StepForm
 from autoplan.solver.problem import OUTPUT, Problem
 
 __all__ = ["edge_key"]

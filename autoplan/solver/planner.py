@@ -12,6 +12,7 @@ import warnings
 from autoplan.collector import collector_paused
 from autoplan.cost_model.compute import compiled_device
 from autoplan.cost_model.fidelity import error_bands
+from autoplan.cost_model.step_time import Assessment
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
@@ -21,11 +22,10 @@ from autoplan.solver.branch_bound import (
 )
 from autoplan.solver.context import cp_degrees
 from autoplan.units import fmt_bytes
-from autoplan.solver.experts import expert_parallel
+from autoplan.solver.expert_degree import expert_parallel
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.pins import parse_pins, pinned_params
-from autoplan.solver.pipeline import Assessment
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
@@ -69,14 +69,15 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         top_k: runners-up kept in `Plan.alternatives`.
         ep: the expert-parallel degree of a mixture-of-experts model, inside dp (dp 4 with
             ep 2: four data-parallel ranks, two expert slices; None: chosen for the best
-            configuration, [Note: expert parallelism] in solver/experts.py; 1: none). A given
-            ep > 1 fixes tp 1 and excludes ZeRO-1 (what the runtime runs with ep).
+            configuration, [Note: expert parallelism] in cost_model/expert_parallel.py; 1:
+            none). A given ep > 1 fixes tp 1 and excludes ZeRO-1 (what the runtime runs with ep).
         sequence_parallel: True: the norm, dropout and residual-add regions of every block
             hold their activations split on the sequence dim on the tp axis (Megatron-LM's
             sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
             those regions unsplit on the tp axis (plain tensor parallelism); None: chosen per
             node by the placement ILP like any placement. Has no effect at tp 1.
-        cp: the context-parallel degree ([Note: context parallelism] in solver/context.py):
+        cp: the context-parallel degree ([Note: context parallelism] in
+            cost_model/context_parallel.py):
             every sample's sequence split in 2 cp chunks over cp ranks, K/V all-gathered for
             attention; None: searched over 1 and the powers of two that divide the devices
             and seq_len / 2 (a model with fused attention in every block) where nothing fits
@@ -85,7 +86,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             (runtime/checks.py context_parallel_refusal), else plans cp 1 unless given.
         offload: "none" | "optimizer" (ZeRO 0/1) | "optimizer+params" (ZeRO-3): states in
             host memory, the optimizer step on the host ([Note: offload] in
-            solver/offload.py); None: searched where no placement fits on the device (needs
+            cost_model/offload.py); None: searched where no placement fits on the device (needs
             the topology's host figures).
         compiled: price the stages as run through torch.compile (no DTensor host time,
             pointwise chains fused: cost_model.compute.compiled_device, [Note: compiled
@@ -205,7 +206,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
     fidelity.py prices the plan it ran at the machine speed measured during the run), or a plan
     made for one cluster on another of the same size.
 
-    An ep plan keeps its ep, repriced too ([Note: expert parallelism] in solver/experts.py);
+    An ep plan keeps its ep, repriced too ([Note: expert parallelism] in
+    cost_model/expert_parallel.py);
     a compiled plan is priced compiled ([Note: compiled execution]).
 
     Raises InvalidConfig when the plan does not belong to this graph and world size (a node
@@ -254,8 +256,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
 def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,
           time_limit_s: float, top_k: int) -> Plan:
     """The best plan; cp > 1 is searched after cp = 1 ([Note: context parallelism] in
-    solver/context.py): where no cp = 1 plan fits, where the cp = 1 plan needs CPU offload,
-    and otherwise for a plan faster than the cp = 1 one beyond the step-time error band
+    cost_model/context_parallel.py): where no cp = 1 plan fits, where the cp = 1 plan needs CPU
+    offload, and otherwise for a plan faster than the cp = 1 one beyond the step-time error band
     (`_cp_ceiling_s`: branch and bound under that ceiling, so configurations bounded above it
     cost no ILP). The faster of the two is taken."""
     if overrides.cp is not None or not _cp_may_help(graph, topology, spec):

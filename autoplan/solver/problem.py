@@ -31,21 +31,17 @@ redistribution p -> q once (costs.redistribution_units).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.fx
 
-from autoplan.cost_model.compute import VIEW_OPS, op_name
-from autoplan.cost_model.memory import (
-    attention_dropout_scores, core_attention_regions, grad_carriers, node_producers,
-    saved_tensors, selective_saves,
-)
+from autoplan.cost_model.activations import core_attention_regions
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import op_name
+from autoplan.solver.problem_saved import kept_selective, saved_entries, tensor_bytes
 from autoplan.strategies import (
     Candidate, StrategyCache, constant_like_nodes, node_strategies, node_tensor_meta, tensor_args,
 )
@@ -100,9 +96,9 @@ class Problem:
         weight: ILP node -> multiplicity (T for block nodes when blocks are shared).
         edges: weighted ILP edges.
         saved: (owner ILP node or None, global bytes at b = captured batch, multiplicity, part)
-            for every tensor autograd saves (cost_model.memory.saved_tensors).
+            for every tensor autograd saves (cost_model.activations.saved_tensors).
         core_saved: the entries of `saved` that "core-attention" checkpointing drops: tensors
-            an attention core (cost_model.memory.core_attention_regions) makes and only its
+            an attention core (cost_model.activations.core_attention_regions) makes and only its
             own ops save ([Note: core attention] in solver/checkpointing.py); empty for fused
             attention.
         core_nodes: the names of the nodes of every attention core (recomputed under
@@ -111,7 +107,7 @@ class Problem:
             (e.g. an additive attention mask): "core-attention"'s checkpoints hold them.
         kept_selective: (ILP node, bytes of all its outputs at b = captured batch,
             multiplicity, part) for every block op whose outputs "selective" checkpointing
-            keeps (cost_model.memory.SELECTIVE_SAVED_OPS: matmuls of every spelling, fused
+            keeps (autoplan.op_classes.SELECTIVE_SAVED_OPS: matmuls of every spelling, fused
             attention; [Note: selective saved set]).
         regathered: node -> the op whose backward reads the node's input (the node itself,
             or the op that saves it through flattening views): an all-gather on an edge into
@@ -189,8 +185,9 @@ def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
         prob.weight[n] = (total if shared else total / n_cap) if in_block else 1.0
     prob.edges = _edges(graph, prob, layer_of, dtype_bytes)
     prob.core_nodes = frozenset(n for region in core_attention_regions(graph) for n in region)
-    prob.saved, prob.core_saved, prob.core_inputs = _saved(graph, prob, layer_of, dtype_bytes)
-    prob.kept_selective = _kept_selective(graph, prob, layer_of, dtype_bytes)
+    prob.saved, prob.core_saved, prob.core_inputs = saved_entries(graph, prob, layer_of,
+                                                                  dtype_bytes)
+    prob.kept_selective = kept_selective(graph, prob, layer_of, dtype_bytes)
     prob.params = _params(graph, prob)
     prob.frozen = frozenset(g for g, (fqn, *_rest) in prob.params.items()
                             if not graph.params[fqn].trainable)
@@ -265,17 +262,6 @@ def _parts(graph: CapturedGraph, cands, layer_of) -> dict[str, str]:
 
 # --- edges ------------------------------------------------------------------------------------
 
-def _tensor_bytes(graph, node: torch.fx.Node, index: int, dtype_bytes: int) -> float:
-    meta = node_tensor_meta(graph, node)
-    if index >= len(meta) or meta[index] is None:
-        return 0.0
-    shape, dtype = meta[index]
-    width = dtype_bytes if dtype.is_floating_point else dtype.itemsize
-    numel = 1
-    for s in shape:
-        numel *= s
-    return float(numel * width)
-
 
 def _grad_nodes(graph: CapturedGraph, params: set[str]) -> set[str]:
     """Nodes whose (floating) output depends on a parameter: a gradient flows into them."""
@@ -291,7 +277,7 @@ def _grad_nodes(graph: CapturedGraph, params: set[str]) -> set[str]:
 
 
 def _edges(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[Edge]:
-    from autoplan.cost_model.compute import NO_GRAD_OPS, op_name
+    from autoplan.op_classes import NO_GRAD_OPS, op_name
     params = {nd.name for nd in graph.gm.graph.nodes
               if nd.op == "get_attr" and nd.name in prob.cands and nd.name not in prob.constants}
     grads = _grad_nodes(graph, params)
@@ -338,7 +324,7 @@ def _edges(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[E
         dst = OUTPUT if v is None else prob.rep[v.name]
         no_grad = v is not None and op_name(str(v.target)) in NO_GRAD_OPS
         where = _share_class(v, lu, lv, prob)
-        edge = Edge(prob.rep[u.name], k, dst, j, w, _tensor_bytes(graph, u, k, dtype_bytes),
+        edge = Edge(prob.rep[u.name], k, dst, j, w, tensor_bytes(graph, u, k, dtype_bytes),
                     u.name not in params, u.name in grads and not no_grad,
                     v is not None and v.target is operator.getitem,
                     "post" if v is None else prob.part[dst],
@@ -399,91 +385,6 @@ def _transition_edges(graph, prob: Problem, layer_of, edges: list[Edge]) -> list
     return extra
 
 
-def _saved(graph: CapturedGraph, prob: Problem, layer_of,
-           dtype_bytes) -> tuple[list[tuple], list[tuple], list[tuple]]:
-    """(every saved tensor, those "core-attention" drops, what its checkpoints hold besides)
-    as Problem.saved entries: a tensor saved by several ops is one entry; it is dropped when
-    its owner and every op saving it are in the attention cores (`prob.core_nodes`); a core's
-    input that no op saves is held by the core's checkpoint."""
-    infos = [info for name, info in graph.nodes.items()
-             if name in prob.cands and name not in prob.constants]
-    value_numel = {name: math.prod(info.shapes[0]) for name, info in graph.nodes.items()
-                   if info.shapes}
-    items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes,
-                          attention_dropout=attention_dropout_scores(graph.gm),
-                          grads=grad_carriers(graph.gm, graph.params), value_numel=value_numel)
-    items, prob.regathered = _through_flat_views(graph, prob, items)
-    seen: dict[tuple, float] = {}
-    outside: set[tuple] = set()  # saved by an op outside the cores, or owned outside them
-    for it in items:
-        seen[(it.owner, it.slot)] = it.nbytes
-        if it.owner not in prob.core_nodes or it.consumer not in prob.core_nodes:
-            outside.add((it.owner, it.slot))
-    n_cap, total = max(graph.num_layers, 1), graph.total_layers
-    out, dropped = [], []
-    for (owner, slot), nbytes in seen.items():
-        layer = layer_of.get(owner)
-        mult = total / n_cap if layer is not None else 1.0
-        ilp = prob.rep.get(owner) if owner in prob.cands else None
-        part = prob.part.get(ilp, "pre") if ilp is not None else "pre"
-        out.append((ilp, nbytes, mult, part))
-        if (owner, slot) not in outside:
-            dropped.append(out[-1])
-    held = []
-    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
-    inputs = {a.name: a for name in prob.core_nodes for a in fx_nodes[name].all_input_nodes
-              if a.name not in prob.core_nodes and a.op == "call_function"}
-    for name, node in inputs.items():
-        if (name, "out") in seen or name not in prob.cands:
-            continue
-        mult = total / n_cap if layer_of.get(name) is not None else 1.0
-        ilp = prob.rep.get(name)
-        held.append((ilp, _tensor_bytes(graph, node, 0, dtype_bytes), mult,
-                     prob.part.get(ilp, "pre")))
-    return out, dropped, held
-
-
-_FLAT_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "flatten",
-                         "unflatten", "alias", "view_as"})
-
-
-def _through_flat_views(graph: CapturedGraph, prob: Problem,
-                        items: list) -> tuple[list, dict[str, str]]:
-    """([Note: gathered inputs saved sharded] in autoplan/passes/regather.py) `items` with every
-    saved operand that is a flattening view (view, reshape, flatten: same elements, contiguous)
-    of an activation owned by the view chain's root (unless that is a strided view, which
-    the reshape copies) -- the tensor the runtime holds: the gather's
-    shard when the chain's input was all-gathered, the root's own value otherwise -- and the
-    map Problem.regathered: node -> the op that saves its input (itself, or through flat views):
-    an all-gather on an edge into the node is held as its shard and gathered again in the
-    backward."""
-    fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
-
-    def flat_view(name: str) -> bool:
-        node = fx_nodes.get(name)
-        return (node is not None and node.op == "call_function" and bool(node.args)
-                and isinstance(node.args[0], torch.fx.Node)
-                and op_name(str(node.target)) in _FLAT_VIEWS)
-
-    out, regathered = [], {}
-    for it in items:
-        if it.slot != "out" or it.owner == it.consumer:
-            out.append(it)
-            continue
-        regathered.setdefault(it.consumer, it.consumer)
-        owner = it.owner
-        while flat_view(owner):
-            regathered.setdefault(owner, it.consumer)
-            root = fx_nodes[owner].args[0]
-            # a reshape of a transposed (strided) value is a copy, not a view of it
-            if (root.op != "call_function" or root.name in prob.constants
-                    or (op_name(str(root.target)) in VIEW_OPS and not flat_view(root.name))):
-                break
-            owner = root.name
-        out.append(dataclasses.replace(it, owner=owner) if owner != it.owner else it)
-    return out, regathered
-
-
 def _boundary_edge(problem: Problem) -> Edge | None:
     edges = [e for e in problem.edges if problem.part.get(e.src) == "layer"
              and (e.dst == OUTPUT or problem.part.get(e.dst) != "layer")]
@@ -502,23 +403,6 @@ def boundary_bytes(problem: Problem) -> float:
     the compute dtype (0.0 without blocks)."""
     edge = _boundary_edge(problem) if problem.num_layers else None
     return edge.nbytes if edge is not None else 0.0
-
-
-def _kept_selective(graph: CapturedGraph, prob: Problem, layer_of,
-                    dtype_bytes) -> list[tuple]:
-    """Problem.kept_selective: the outputs of the block ops "selective" keeps."""
-    n_cap, total = max(graph.num_layers, 1), graph.total_layers
-    nodes = {n.name: n for n in graph.gm.graph.nodes}
-    out = []
-    for name, info in graph.nodes.items():
-        if (layer_of.get(name) is None or name not in prob.cands or name in prob.constants
-                or not selective_saves(info.target)):
-            continue
-        nbytes = sum(_tensor_bytes(graph, nodes[name], i, dtype_bytes)
-                     for i in range(len(info.shapes)))
-        ilp = prob.rep[name]
-        out.append((ilp, nbytes, total / n_cap, prob.part.get(ilp, "layer")))
-    return out
 
 
 def _params(graph: CapturedGraph, prob: Problem) -> dict[str, tuple]:

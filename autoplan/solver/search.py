@@ -4,8 +4,8 @@ depends on it through its costs, so (tp, b, policy) below is (tp, b, policy, cp)
 
 [Note: decomposition] The placement ILP (ilp.py) of a configuration depends on it through tp,
 the microbatch size b and the checkpointing policy (its costs, [Note: checkpointing] in
-checkpointing.py), through its step form (how pipeline.py turns per-part totals into a step
-time: microbatches and bubble, the pipeline ranks' shares, the data-parallel sync and optimizer
+checkpointing.py), through its step form (how cost_model/step_time.py turns per-part totals
+into a step time: microbatches and bubble, the pipeline ranks' shares, the data-parallel sync and optimizer
 per parameter, [Note: step form] in ilp.py) and, when memory binds, through its memory forms.
 So: (1) enumerate every valid configuration; (2) bound each one from below without an ILP
 (every node at its cheapest candidate, no tp communication, parameters and activations at their
@@ -29,17 +29,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from autoplan.cost_model import offload
 from autoplan.cost_model.comm import group_layout
+from autoplan.cost_model.config import Config, config_stages
+from autoplan.cost_model.placement_totals import RankMemory, Solution
+from autoplan.cost_model.rank_memory import rank_memories, rank_peaks
+from autoplan.cost_model.step_time import Assessment, assess, pipeline_time_s
 from autoplan.graph import CapturedGraph
 from autoplan.plan import SCHEDULES, optimizer_pieces
 from autoplan.solver import checkpointing as ckpt
-from autoplan.solver import offload, pins, sequence
+from autoplan.solver import pins, sequence
 from autoplan.solver.context import attention_nodes, cp_degrees, with_context_parallel
 from autoplan.solver.costs import Costs, build_costs, token_scale
-from autoplan.solver.ilp import (TIME_FORM, RankMemory, Solution, SolverLimitReached, StepForm,
-                                 relax, solve)
-from autoplan.solver.pipeline import (Assessment, Config, assess, pipeline_time_s, rank_memories,
-                                      rank_peaks, config_stages)
+from autoplan.solver.ilp import TIME_FORM, SolverLimitReached, StepForm, relax, solve
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
@@ -106,17 +108,17 @@ class Overrides:
     # (pattern, placement) pins of parameters on the tp axis ([Note: pinned placements] in
     # solver/pins.py)
     placements: tuple[tuple[str, str], ...] = ()
-    # blocks per pipeline stage, in stage order (pipeline.Config.stage_layers); fixes pp x v
+    # blocks per pipeline stage, in stage order (Config.stage_layers); fixes pp x v
     stages: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class PlanConfig(Config):
-    """A point of the outer search: pipeline.Config plus the activation checkpointing policy
+    """A point of the outer search: cost_model's Config plus the activation checkpointing policy
     ("none" | "core-attention" | "selective" | "full", [Note: checkpointing]) and the CPU
-    offload ("none" | "optimizer" | "optimizer+params", [Note: offload] in solver/offload.py);
-    pipeline.py prices them through the Solution and memory forms this module hands it. Its
-    placement ILP depends on (tp, b, policy, cp): `costs_key`."""
+    offload ("none" | "optimizer" | "optimizer+params", [Note: offload] in cost_model/offload.py);
+    cost_model/step_time.py prices them through the Solution and memory forms this module hands
+    it. Its placement ILP depends on (tp, b, policy, cp): `costs_key`."""
 
     checkpointing: str = "none"
     offload: str = "none"
@@ -216,7 +218,7 @@ def _check_stages(o: Overrides, layers: int) -> None:
 
 def _check_cp(graph: CapturedGraph, spec: TrainingSpec, cp: int) -> None:
     """A fixed cp > 1 needs the sequence in 2 cp chunks and fused attention in every block
-    ([Note: context parallelism] in solver/context.py)."""
+    ([Note: context parallelism] in cost_model/context_parallel.py)."""
     if spec.seq_len % (2 * cp):
         raise InvalidConfig(f"cp {cp}: seq_len {spec.seq_len} is not divisible by 2 x cp = "
                             f"{2 * cp} (the load-balanced sequence chunks)")
@@ -338,7 +340,7 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
 
 
 def offload_variants(cfg: PlanConfig, o: Overrides) -> list[PlanConfig]:
-    """The offloaded variants of `cfg` worth searching ([Note: offload] in solver/offload.py,
+    """The offloaded variants of `cfg` worth searching ([Note: offload] in cost_model/offload.py,
     "Search"): the caller asks for them when no placement of cfg fits on the device; none
     when the offload is fixed (enumerate_configs made those)."""
     if o.offload is not None or cfg.offload != "none":
@@ -404,8 +406,8 @@ class Search:
     def cost(self, tp: int, b: int, policy: str = "none", cp: int = 1,
              stride: int | None = None) -> Costs:
         """The ILP coefficients of (tp, b, policy, cp): build_costs at the token scale of one
-        cp rank, the cp collectives ([Note: context parallelism] in solver/context.py), then
-        the recomputation of the policy. `stride`: the cp group's in the mesh, tp unless given
+        cp rank, the cp collectives ([Note: context parallelism] in cost_model/context_parallel.py),
+        then the recomputation of the policy. `stride`: the cp group's in the mesh, tp unless given
         (a bound's tp = 1 problem stands for a configuration of tp = stride)."""
         stride = tp if stride is None or cp == 1 else stride
         key = (tp, b, policy, cp) + ((stride,) if stride != tp else ())
@@ -521,9 +523,9 @@ class Search:
         return self._cached(key, cfg, self.bounds)
 
     def step_form(self, cfg: PlanConfig) -> StepForm:
-        """[Note: step form] of cfg (ilp.py): pipeline.assess as an affine function of the
-        per-part totals. The shares follow pipeline.py's stages (`config_stages`, stage i on rank
-        i % pp); the factors and the constant are read off pipeline.assess itself, from a zero
+        """[Note: step form] of cfg (ilp.py): step_time.assess as an affine function of the
+        per-part totals. The shares follow config.py's stages (`config_stages`, stage i on rank
+        i % pp); the factors and the constant are read off step_time.assess itself, from a zero
         placement and unit totals on the first rank, so they follow its formulas
         (tests/test_planner_scale.py checks the form against assess on random placements)."""
         key = ("form", cfg)
@@ -582,7 +584,7 @@ class Search:
 
     def assess(self, cfg: PlanConfig, sol: Solution, *, tp: int | None = None,
                divide: int = 1) -> Assessment:
-        """pipeline.assess of `cfg` with placement `sol` under cfg's checkpointing policy.
+        """step_time.assess of `cfg` with placement `sol` under cfg's checkpointing policy.
         (tp, divide): for bounds, quantities of the tp problem with the boundary divided."""
         tp = cfg.tp if tp is None else tp
         costs, boundary, seen, transient = self._seen(cfg, sol, tp, divide)
@@ -592,7 +594,7 @@ class Search:
         return ckpt.with_transient(result, transient, self.budget_bytes)
 
     def rank_peaks(self, a: Assessment) -> list[dict[str, float]]:
-        """pipeline.rank_peaks of the assessed configuration `a` (from `assess`: its
+        """rank_memory.rank_peaks of the assessed configuration `a` (from `assess`: its
         Solution as the checkpointing policy leaves it, and the policy's transient, added to
         every rank as `assess` adds it): per pp rank, bytes by category and "peak"."""
         cfg = a.config
@@ -608,7 +610,7 @@ class Search:
         return out
 
     def _seen(self, cfg: PlanConfig, sol: Solution, tp: int, divide: int) -> tuple:
-        """(costs, boundary bytes, the Solution pipeline.assess sees, transient bytes) of
+        """(costs, boundary bytes, the Solution step_time.assess sees, transient bytes) of
         `assess`."""
         b, policy = cfg.microbatch_size, cfg.checkpointing
         costs = self.cost(tp, b, policy, cfg.cp, cfg.tp)  # cfg's cp group: at stride cfg.tp
@@ -622,7 +624,7 @@ class Search:
 
     def pipeline_bound(self, cfg: PlanConfig) -> float:
         """A step time `lower_bound(cfg)` never goes below, at a fraction of its cost: the
-        pipeline term alone (pipeline.pipeline_time_s) of the bound's placement. It is the
+        pipeline term alone (step_time.pipeline_time_s) of the bound's placement. It is the
         same for every ZeRO stage and offload of cfg's mesh, (b, policy), microbatches and
         schedule, so it is computed once for them (branch_bound.py: [Note: lazy bounds])."""
         key = ("pipeline", cfg.costs_key, cfg.pp, cfg.dp, cfg.num_microbatches, cfg.schedule,
@@ -682,7 +684,7 @@ def output_bytes(cfg: Config, costs) -> float:
 
 
 def _rank_shares(cfg: Config, total_layers: int) -> tuple:
-    """Each pipeline rank's share of the parts (pipeline.py's stages), ranks that another
+    """Each pipeline rank's share of the parts (config.py's stages), ranks that another
     rank bounds part by part left out: ((part, share), ...) per rank."""
     layers = [0] * cfg.pp
     for st in config_stages(cfg, total_layers):

@@ -21,7 +21,7 @@ all-gather from it (S(s) -> R). The placement ILP expresses this without a new c
   block input each block keeps is priced at the placement of the block's output
   (solver/checkpointing.py), so an S(s) residual stream holds 1/tp; a pipeline stage's output
   kept for its backward and its receive buffers are the block output's local tensor, 1/tp of
-  it when S(s) (Costs.boundary_bytes, [Note: memory per rank] in solver/pipeline.py).
+  it when S(s) (Costs.boundary_bytes, [Note: memory per rank] in cost_model/rank_memory.py).
   With "core-attention" checkpointing a block of a GPT then holds 34 s b h / t bytes, Table 2's
   "selective + sequence parallelism" row (tests/test_sequence_parallel.py).
 
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import operator
 
-from autoplan.cost_model.compute import MATMUL_OPS, VIEW_OPS, op_name
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import MATMUL_OPS, VIEW_OPS, op_name
 from autoplan.plan import Plan
 from autoplan.solver.problem import Problem
 from autoplan.strategies import constant_like_nodes, node_tensor_meta, tensor_args

@@ -1,4 +1,5 @@
-"""The expert-parallel degree ep of a plan, and its price.
+"""Expert parallelism priced: the MoE layers of a graph and what a degree ep changes in a
+plan's step time and memory.
 
 [Note: expert parallelism] A mixture-of-experts layer is one `autoplan.experts` node ([Note:
 experts op] in autoplan/experts.py). Under expert parallelism groups of ep consecutive dp ranks
@@ -20,9 +21,9 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
 - the experts' weights, gradients and optimizer states per rank become their 1 / ep slice,
   whole: the runtime leaves them out of ZeRO (STATE_BYTES_PER_PARAM); without ep they are
   whole copies at ZeRO-0 and 1 / dp shards of the states the ZeRO stage shards;
-- they leave the dp group's collectives (`pipeline._dp_sync_s` of the ZeRO stage, over the
-  rest of the parameters): their gradients are all-reduced over the dp / ep ranks holding the
-  same slice, at 1 / ep of the size (stride tp x ep), once per step.
+- they leave the dp group's collectives (`dp_sync_s` in cost_model/dp_sync.py, of the ZeRO
+  stage, over the rest of the parameters): their gradients are all-reduced over the dp / ep
+  ranks holding the same slice, at 1 / ep of the size (stride tp x ep), once per step.
 
 The step time and memory of the plan chosen at ep = 1 are repriced by these differences
 (`expert_parallel`): a decomposition, exact for the quantities above because ep changes no
@@ -35,17 +36,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoplan.cost_model.comm import collective_time_s, group_layout
+from autoplan.cost_model.comm import collective_time_s
+from autoplan.cost_model.config import Config
+from autoplan.cost_model.dp_sync import dp_sync_s
 from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
+from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import MeshShape, Plan
-from autoplan.solver.pipeline import DP_SYNC_OVERLAP, Config, _dp_sync_s
-from autoplan.solver.search import InvalidConfig
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["ExpertLayers", "expert_layers", "ep_step_delta_s", "expert_parallel"]
+__all__ = ["ExpertLayers", "expert_layers", "ep_step_delta_s", "with_expert_parallel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,70 +117,19 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     frozen_total = layers.frozen_model_elems / mesh.pp
     cfg = Config(mesh.pp, mesh.dp, mesh.tp, plan.zero_stage, plan.num_microbatches,
                  plan.microbatch_size, plan.schedule, plan.num_virtual_stages)
-    before = _dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
-    after = _dp_sync_s(cfg, spec, topology, total - experts,
+    before = dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
+    after = dp_sync_s(cfg, spec, topology, total - experts,
                        frozen=frozen_total - frozen_experts) + (collective_time_s(
         "all_reduce", (experts - frozen_experts) * grad_b / ep, mesh.dp // ep, topology,
         stride=mesh.tp * ep) if mesh.dp > ep else 0.0)
     return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before)
 
 
-def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topology: Topology,
-                    ep: int | None) -> Plan:
-    """`plan` with its expert-parallel degree: `ep` when given (1: none), else the degree of
-    least step time among those that apply and fit ([Note: expert parallelism]).
-
-    Raises:
-        InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
-            not divide dp or some layer's experts, the plan has tp > 1 or ZeRO-1 (the
-            runtime's support; fix tp=1 and zero_stage to 0, 2 or 3), or its groups straddle
-            node boundaries unevenly (cost_model/comm.py [Note: group layout]).
-    """
-    layers = expert_layers(graph)
-    if ep is not None and ep < 1:
-        raise InvalidConfig(f"ep {ep} must be >= 1")
-    if ep == 1 or (layers is None and ep is None) or plan.mesh.cp > 1:  # cp: no ep (plan())
-        return plan
-    if ep is not None:
-        reason = _not_applicable(layers, plan, ep, topology)
-        if reason:
-            raise InvalidConfig(f"ep {ep}: {reason}")
-        return _repriced(layers, plan, spec, topology, ep)
-    budget = spec.max_memory_fraction * topology.device.mem_bytes
-    best = plan
-    for e in range(2, plan.mesh.dp + 1):
-        if _not_applicable(layers, plan, e, topology):
-            continue
-        cand = _repriced(layers, plan, spec, topology, e)
-        if cand.prediction.memory_bytes <= budget and \
-                cand.prediction.step_time_s < best.prediction.step_time_s:
-            best = cand
-    return best
-
-
-def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int,
-                    topology: Topology) -> str:
-    mesh = plan.mesh
-    if layers is None:
-        return "the model has no mixture-of-experts layer"
-    if mesh.dp % ep:
-        return f"does not divide dp {mesh.dp} (fix dp to a multiple of ep)"
-    bad = sorted({e for e in layers.num_experts if e % ep})
-    if bad:
-        return f"does not divide the experts of every layer ({bad})"
-    if mesh.tp > 1 or plan.zero_stage == 1:
-        return (f"runs with tp 1 and ZeRO 0, 2 or 3; the plan has tp {mesh.tp}, "
-                f"ZeRO-{plan.zero_stage} (fix tp=1 and zero_stage)")
-    try:  # the ep groups and the groups across them must sit evenly on the nodes
-        group_layout(ep, mesh.tp, topology)
-        group_layout(mesh.dp // ep, mesh.tp * ep, topology)
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
-def _repriced(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topology: Topology,
-              ep: int) -> Plan:
+def with_expert_parallel(layers: ExpertLayers, plan: Plan, spec: TrainingSpec,
+                         topology: Topology, ep: int) -> Plan:
+    """`plan` repriced with expert parallelism of degree `ep` ([Note: expert parallelism]): its
+    step time with the all-to-alls and the changed dp sync (seconds), its memory with the
+    experts' states as 1 / ep slices (bytes), MFU and FLOP/s scaled to the new step time."""
     a2a_s, sync_s = ep_step_delta_s(layers, plan, spec, topology, ep)
     per_param = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
     experts, dp, zero = layers.expert_elems / plan.mesh.pp, plan.mesh.dp, plan.zero_stage

@@ -1,6 +1,7 @@
 """Compute and communication per part of the model (pre, one block, post) on one rank, per
-microbatch, for the report's per-part table and the pipeline timeline (autoplan/report/facts.py
-re-exports these). Priced with the cost model's functions as the solver prices the plan.
+microbatch, of a plan: what the report's per-part table and pipeline timeline show
+(autoplan/report/facts.py `part_costs` calls `part_costs` here with the plan's redistributions
+grouped per block role). Priced with the cost model's functions as the solver prices the plan.
 """
 
 from __future__ import annotations
@@ -12,18 +13,17 @@ from dataclasses import dataclass
 import torch.fx
 
 from autoplan.cost_model.comm import backward_redistribution, redistribute_time_s
-from autoplan.cost_model.compute import (NO_GRAD_OPS, at_tokens, backward_time_s,
-                                         dtensor_dispatches, module_input_bytes, op_name,
-                                         op_time_s)
-from autoplan.cost_model.context import attention_nodes, kv_bytes, kv_comm_s
-from autoplan.cost_model.memory import selective_saves
+from autoplan.cost_model.compute import (
+    at_tokens, backward_time_s, dtensor_dispatches, module_input_bytes, op_time_s
+)
+from autoplan.cost_model.context_parallel import attention_nodes, kv_bytes, kv_comm_s
 from autoplan.graph import CapturedGraph
+from autoplan.op_classes import NO_GRAD_OPS, op_name, selective_saves
 from autoplan.plan import Plan
-from autoplan.report.roles import node_parts, redistribution_groups
 from autoplan.strategies import constant_like_nodes, node_tensor_meta
 from autoplan.topology import Topology
 
-__all__ = ["PartCost", "part_costs"]
+__all__ = ["PartCost", "node_parts", "part_costs"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PartCost:
             per-node shard factors and the node's speed while its devices all compute
             (DeviceSpec.speed), plus DTensor's per-op host time under tp; the backward includes
             the forward that activation checkpointing runs again (every block op under "full",
-            the ops "selective" does not keep, cost_model.memory [Note: selective saved set]).
+            the ops "selective" does not keep, autoplan/op_classes.py [Note: selective saved set]).
         comm_fwd_s, comm_bwd_s: the tp redistributions whose consumer is in the part, forward
             (Plan's figure) and backward (the dual redistribution, cost_model.comm), plus the
             backward-only all-reduce of a replicated value that split ops read (Megatron's f,
@@ -56,6 +56,19 @@ class PartCost:
     @property
     def total_s(self) -> float:
         return self.compute_fwd_s + self.compute_bwd_s + self.comm_fwd_s + self.comm_bwd_s
+
+
+def node_parts(graph: CapturedGraph) -> dict[str, str]:
+    """node -> "pre" | "block" | "post" (outside the blocks, before or after the first block
+    op in graph order)."""
+    parts, seen_block = {}, False
+    for name, info in graph.nodes.items():
+        if info.layer_id is not None:
+            seen_block = True
+            parts[name] = "block"
+        else:
+            parts[name] = "post" if seen_block else "pre"
+    return parts
 
 
 def _shard_factor(strategy, tp: int) -> float:
@@ -151,9 +164,14 @@ def _cp_collectives(plan: Plan, graph: CapturedGraph, factor_of, parts, scale: f
     return out
 
 
-def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[PartCost]:
+def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology,
+               redistributions) -> list[PartCost]:
     """Compute and communication per part, per microbatch of `plan.microbatch_size` samples,
     recomputed from the plan's per-node placements with the cost model (see PartCost).
+    `redistributions`: the plan's redistributions grouped per consumer role, each with its
+    `consumer` (fx node name), `part` (as `node_parts`), `count` (occurrences per microbatch
+    in the real model), `src`, `dst`, `bytes` and `time_s` (forward seconds of one
+    occurrence): report/roles.py `redistribution_groups(plan, graph)`.
 
     The captured graph's shapes are scaled linearly in tokens to the microbatch, as the solver
     does (solver/costs.py, `token_scale`). Raises ValueError from the cost model (e.g. a dtype
@@ -189,7 +207,7 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology) -> list[Par
                                                 shard_factor=factor) / speed + host / 2
         if _recomputed(plan, info):
             sums[parts[name]][1] += fwd
-    for group in redistribution_groups(plan, graph):
+    for group in redistributions:
         per_part = group.count / graph.total_layers if group.part == "block" else group.count
         # the gradient of a replicated input of a split op is a partial sum (Megatron's f),
         # as solver/costs.py prices it

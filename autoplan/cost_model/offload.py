@@ -14,11 +14,11 @@ brought to the device for each use). The choices, by ZeRO stage, are what the ru
 - "optimizer+params" at ZeRO-3 with dp > 1: FSDP2's `CPUOffloadPolicy` -- the sharded
   parameters, their gradients and so the optimizer states live on the host; each unit's shard
   goes up before its all-gather (forward and backward, every microbatch: the 2 m gathers of
-  [Note: step time] in pipeline.py) and its reduced gradient shard comes down after each
+  [Note: step time] in step_time.py) and its reduced gradient shard comes down after each
   reduce-scatter. On the device only the gathered units and unsharded gradients (temporaries).
 - ZeRO-2 has no offload here (FSDP2's policy also offloads parameters, which ZeRO-2 keeps).
 
-Bytes per stepped parameter E (fsdp2 recipe, pipeline.py: p = 4 fp32 master, g = 4, o = 8 for
+Bytes per stepped parameter E (fsdp2 recipe, memory.py: p = 4 fp32 master, g = 4, o = 8 for
 AdamW) and per step, with B = host_bw_bytes_per_s per direction and H =
 host_optimizer_bw_bytes_per_s / (ranks on the node):
 
@@ -27,9 +27,9 @@ host_optimizer_bw_bytes_per_s / (ranks on the node):
     host step     E OPTIMIZER_BYTES_PER_PARAM / H + stepped tensors x ops x optimizer_op_s
 
 (E = W at ZeRO-0, W / dp at ZeRO-1; W the rank's parameters after tp and pp; a = 2 m
-parameter all-gathers (m microbatches) and r gradient reductions per step, pipeline.py.) Overlap: none. The runtime copies and steps after the
+parameter all-gathers (m microbatches) and r gradient reductions per step, dp_sync.py.) Overlap: none. The runtime copies and steps after the
 backward and the dp collectives, one after the other, and FSDP2 copies a unit's shard in the
-order of its gathers and reductions, which pipeline.py already counts exposed
+order of its gathers and reductions, which step_time.py already counts exposed
 (DP_SYNC_OVERLAP = 0) -- so the transfers and the host step add to the step time in full.
 DeepSpeed overlaps the gradient copy with the backward and can delay the update by a step;
 this runtime does neither. The host memory of a rank is checked against host_mem_bytes /
@@ -134,7 +134,7 @@ def offload_time_s(*, offload: str, zero_stage: int, dp: int, elems: float, tens
                    frozen_param_bytes: float | None = None) -> tuple[float, float]:
     """(transfers, host optimizer step) of one rank per step, seconds ([Note: offload]);
     `tensors`: parameter tensors the rank holds; `gathers`, `reductions`: the FSDP2 parameter
-    all-gathers and gradient reductions per step (pipeline.py); `speed`: DeviceSpec.speed of the busy ranks
+    all-gathers and gradient reductions per step (dp_sync.py); `speed`: DeviceSpec.speed of the busy ranks
     (CPU ranks share cores; 1 for GPUs); `ranks_on_node`: the ranks sharing the node's host
     optimizer bandwidth; `frozen` of the `elems` are frozen (`host_state_bytes`). (0, 0)
     without offload."""

@@ -1,0 +1,415 @@
+"""Memory of each pipeline rank of a configuration: its peak by category (`rank_peaks`,
+`rank_peak`) and the same as linear forms of the placement for the ILP (`rank_memories`).
+
+[Note: memory per rank] Rank r holds the layers of its stages; the first rank also what comes
+before the blocks, the last rank what comes after. Its peak is cost_model.memory.
+peak_memory_bytes ([Note: peak moments] there) with model_state_bytes of its parameter elements
+(after tp), its activations per microbatch times pipeline_in_flight_microbatches(schedule, pp,
+m, r, v), the logits (graph output, replicated) on the last rank, and what this runtime adds
+(autoplan/runtime/engine.py, step 4: one FSDP2 unit per block, autoplan/passes/blocks.py, and
+one for the rest of the stage):
+- with dp > 1 under ZeRO 0-2 every unit's parameters are gathered (FSDP2's replicate gathers
+  them too) and stay gathered from the forward to the end of the backward, so the stage's are,
+  whole; ZeRO-2 also holds the all-gather input (a dp-th) and the unsharded gradients of the
+  whole stage before the reduction: `gather_unit_bytes` = the stage's parameters at compute
+  precision;
+- ZeRO-3 (dp > 1) reshards each block after its forward: held at once are the rest of the
+  stage (a root unit stays gathered from forward to backward) and two blocks (the current one
+  and the one FSDP2 prefetches), and the unsharded gradients of the rest and one block --
+  except under the interleaved schedule, whose torch runtime gathers whole stages
+  (`STAGES_UNSHARDED` of the rank's v chunks at once; measured by the dry run on a LoRA
+  Llama at pp2 x dp2 v2: the whole rank gathered in the forward);
+- mixed precision at dp 1: FSDP2 still makes the 16-bit compute copy of the units;
+- gradients exist while activations are at their height only when an earlier microbatch's
+  backward made them (`grads_at_activation_peak`): gradient accumulation without pipelining
+  (m > 1), 1F1B with more microbatches than the rank holds in flight; not for m = 1 or GPipe
+  (the step starts with set_to_none gradients);
+- pipeline receive buffers (comm_buffers): the runtime allocates a receive buffer when it posts
+  the receive and drops it once the forward or backward of its microbatch consumed it ([Note:
+  in-flight receive buffers] in autoplan/_torch_compat/pipelining.py): one buffer per side the
+  rank receives across, activations from the previous stage and gradients from the next, boundary
+  bytes each (torch's 1F1B and GPipe post a receive just before the compute that reads it; its
+  interleaved runtime posts them as early as the sender allows, which its action IR shows is
+  one of each at a rank's peak). A received activation, once its forward ran, is the stage's
+  input, saved for backward and counted with the activations (the first layer's input);
+- stage outputs kept for backward: torch's pipeline stage keeps each microbatch's output until
+  that microbatch's backward (`fwd_cache`; the next stage received a copy), one boundary per
+  in-flight chunk-microbatch of a chunk that sends forward: in_flight x (v, less the last
+  stage's chunk on the last rank) boundary bytes at moment A, counted with the activations
+  (Megatron-LM's `deallocate_output_tensor` frees these; torch 2.13 does not). GPipe holds all
+  m, 1F1B min(m, pp - r): nothing in the runtime grows with m beyond what is in flight.
+A boundary (stage output, receive buffer) is the tensor a tp rank sends and receives: the
+producer's local value (runtime/parallel.py tp_stage_forward), the whole residual stream when it
+is replicated and a tp-th of it when it is split (sequence parallelism, [Note: sequence
+parallelism] in solver/sequence.py): Costs.boundary_bytes per candidate of the block-output
+node, RankMemory.boundary_coef boundaries per rank. (Korthikanti et al. 2022 count neither:
+Megatron-LM's `deallocate_output_tensor` frees the outputs' data once sent.)
+`rank_memories` gives the ILP the same quantities as linear forms, one per moment and rank.
+
+[Note: deferred reduction] With pipelining, torch's schedules (torch 2.13, torch/distributed/
+pipelining/stage.py `backward_maybe_with_nosync`, `perform_reduce_grad`) run every backward of an
+FSDP2 stage with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` and
+reduce each stage once, in its REDUCE_GRAD action after its last backward. Under ZeRO-2/3 with
+dp > 1 (`_deferred_reduction`) a rank therefore holds, in place of the above:
+- from its first backward on, each chunk's gradients unsharded, accumulated in the policy's
+  reduce dtype (fp32 under mixed precision, `_reduce_bytes`; FSDP2's
+  `unsharded_accumulated_grad`), and no sharded gradient until the chunk is reduced. Moment A
+  (activations at their height, once an earlier microbatch's backward ran: `_grads_at_peak`)
+  holds them for all of the rank's parameters; the gathered parameters at A are as above (a
+  forward reshards a ZeRO-3 block after it);
+- moment B, the last backward of the rank's first chunk (stage r, the chunk that finishes last:
+  backward runs from the last stage to the first), holds that chunk gathered whole (a block
+  gathered for a backward stays gathered; its unsharded parameters at compute precision), its gradients unsharded, the other chunks reduced
+  (their gradients sharded, their parameters resharded), and -- when its REDUCE_GRAD starts,
+  one microbatch's last activations and receive buffer aside, counted at B to keep one form
+  per moment -- the reduce-scatter input FSDP2 copies the first unit's gradients into (the
+  stage's root unit where it holds parameters, "pre" on the first rank and "post" on the last
+  with one chunk, FSDP2 reducing its states root first; else a block: `_first_reduced`).
+Measured by the dry run (0.5B GPT-2, pp2 x dp2 ZeRO-3: 4.116 GB with one chunk, 3.436 GB with
+two, against 4.119 and 3.440 by this account), and on tiny GPTs at pp2 x dp4 (ZeRO-2, ZeRO-3,
+1F1B, interleaved, fp32 and bf16): -3% .. +6%.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from autoplan.cost_model import offload as offload_costs
+from autoplan.cost_model.config import Config, config_stages, rank_layers, rank_shares
+from autoplan.cost_model.memory import (
+    model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
+)
+from autoplan.cost_model.placement_totals import RankMemory, Solution
+from autoplan.spec import TrainingSpec
+
+__all__ = ["STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories", "rank_peaks", "rank_peak",
+           "candidate_ranks", "grads_at_activation_peak"]
+
+
+def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
+    """Gathered bytes per parameter byte at moment A ([Note: memory per rank]); at dp 1 under
+    mixed precision, FSDP2's 16-bit compute copy of the unit."""
+    if cfg.dp_shard == 1:
+        return 1.0 if mixed_precision else 0.0
+    if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
+        return 1.0  # whole stages gathered ahead (STAGES_UNSHARDED); the inputs are transient
+    return 1.0 + (1.0 / cfg.dp_shard if cfg.zero_stage >= 2 else 0.0)
+
+
+STAGES_UNSHARDED = 3
+"""Pipeline stages a rank holds gathered at once under the interleaved schedule: torch 2.13's
+`_PipelineScheduleRuntime` lowers it with `_add_unshard_reshard(max_active_stages=3)`
+(torch/distributed/pipelining/schedules.py), which unshards every FSDP2 unit of a stage before
+its first compute and reshards it only when it falls out of the next three stages the rank
+computes."""
+
+
+def _per_block(cfg: Config) -> bool:
+    """ZeRO-3 gathers one block at a time ([Note: memory per rank])."""
+    return cfg.zero_stage == 3 and cfg.dp_shard > 1
+
+
+def _held_layers(cfg: Config, layers_r: int, gathered: bool) -> float:
+    """Of a rank's `layers_r` layers, the fraction whose parameters are gathered at once
+    (`gathered`: the current and the prefetched next one) or whose unsharded gradients exist
+    at once (the current one); all of them unless ZeRO-3 gathers per block."""
+    if not layers_r:
+        return 0.0
+    if not _per_block(cfg):
+        return 1.0
+    if gathered and cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
+        # torch's runtime schedule gathers whole stages (UNSHARD/RESHARD actions, [Note:
+        # memory per rank]): up to STAGES_UNSHARDED of the rank's v chunks at once
+        return min(1.0, STAGES_UNSHARDED / cfg.num_virtual_stages)
+    return min(1.0, (2.0 if gathered else 1.0) / layers_r)
+
+
+def _recv_buffer_bytes(cfg: Config, r: int, boundary_bytes: float) -> float:
+    """Pipeline receive buffers of rank r, one posted receive per side it receives across
+    ([Note: memory per rank])."""
+    if cfg.pp == 1:
+        return 0.0
+    sides = (r > 0) + (r < cfg.pp - 1) if cfg.num_virtual_stages == 1 else 2
+    return sides * boundary_bytes
+
+
+def _sent_output_bytes(cfg: Config, r: int, boundary_bytes: float) -> float:
+    """Stage outputs rank r keeps for backward per in-flight microbatch (in units of one
+    microbatch through all of its layers, as `pipeline_in_flight_microbatches` counts): one
+    boundary per chunk that sends forward, all v but the last stage's ([Note: memory per
+    rank])."""
+    if cfg.pp == 1:
+        return 0.0
+    sending = cfg.num_virtual_stages - (1 if r == cfg.pp - 1 else 0)
+    return sending * boundary_bytes
+
+
+def _late_coef(r: int, layers: list[int], shares: dict, total_layers: int) -> dict:
+    """Activation coefficients of moment B: one layer of one microbatch (when the rank holds
+    layers) and what precedes the layers (first rank): [Note: peak moments]."""
+    coef = {"pre": shares["pre"]}
+    if total_layers and layers[r]:
+        coef["layer"] = 1.0 / total_layers
+    return coef
+
+
+def grads_at_activation_peak(cfg: Config, in_flight: float) -> bool:
+    return _grads_at_peak(cfg.schedule, cfg.pp, cfg.num_microbatches, in_flight)
+
+
+def _grads_at_peak(schedule: str, pp: int, m: int, in_flight: float) -> bool:
+    if pp == 1:
+        return m > 1
+    return schedule != "gpipe" and m > in_flight
+
+
+def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
+                  output_bytes: float, offload: str = "none",
+                  frozen: bool = False) -> list[RankMemory]:
+    """[Note: memory per rank] as linear forms for the ILP: per pipeline rank, one form per
+    moment of [Note: peak moments] (A: activations at their height, B: the backward of the
+    rank's first layer), so that "every form within the budget" is exactly "the peak within
+    the budget". Device memory only: `offload` states are on the host ([Note: offload]).
+    The stage outputs and receive buffers are counts of boundaries (`boundary_coef`), priced
+    at the block-output node's placement (Costs.boundary_bytes). `frozen`: the model has
+    frozen parameters, priced per element by `RankMemory.frozen_coef` (held and gathered,
+    no gradient, no optimizer state: [Note: frozen pricing] in cost_model/memory.py)."""
+    layers = rank_layers(cfg, total_layers)
+    states = offload_costs.device_states(model_state_bytes(
+        1.0, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
+        optimizer=spec.optimizer, recipe="fsdp2"), offload)
+    kept = states["params"] + states["optimizer"]
+    kept_frozen = offload_costs.device_states(model_state_bytes(
+        1.0, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
+        optimizer=spec.optimizer, recipe="fsdp2", frozen_params=1.0,
+        frozen_param_bytes=frozen_param_bytes(spec)), offload)["params"]
+    unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
+    unsharded = spec.dtype_bytes if cfg.zero_stage >= 2 and cfg.dp_shard > 1 else 0.0
+    out = []
+    for r in range(cfg.pp):
+        in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches,
+                                                    r, cfg.num_virtual_stages)
+        grads_a = states["grads"] if grads_at_activation_peak(cfg, in_flight) else 0.0
+        recv = _recv_buffer_bytes(cfg, r, 1.0)
+        sent = in_flight * _sent_output_bytes(cfg, r, 1.0)
+        shares = rank_shares(r, cfg, layers, total_layers)
+        held = {p: _held_layers(cfg, layers[r], True) if p == "layer" else 1.0 for p in shares}
+        grad_held = {p: _held_layers(cfg, layers[r], False) if p == "layer" else 1.0
+                     for p in shares}
+        # a frozen element at both moments: held (and gathered), no gradient
+        frozen_coef = {p: (kept_frozen + unit * held[p]) * sh
+                       for p, sh in shares.items()} if frozen else None
+        moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
+                               for p, sh in shares.items()},
+                              {p: in_flight * sh for p, sh in shares.items()},
+                              output_bytes if r == cfg.pp - 1 else 0.0, sent + recv,
+                              frozen_coef, _loss_coef(cfg))
+        if _deferred_reduction(cfg):
+            out += _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit,
+                                   held, grads_a, in_flight, output_bytes, sent, recv,
+                                   frozen, total_layers)
+            continue
+        moment_b = RankMemory({p: (kept + states["grads"] + unit * held[p]
+                                   + unsharded * grad_held[p]) * sh
+                               for p, sh in shares.items()}, _late_coef(r, layers, shares,
+                                                                        total_layers), 0.0, recv,
+                              frozen_coef)
+        out += [moment_a, moment_b]
+    return out
+
+
+def _loss_coef(cfg: Config) -> float:
+    """RankMemory.loss_coef of moment A on the last rank: the loss priced per candidate of
+    the logits' producer (Costs.loss_rows) without pipelining; with it, in `output_bytes`."""
+    return 1.0 if cfg.pp == 1 else 0.0
+
+
+def _deferred_reduction(cfg: Config) -> bool:
+    """Whether the rank's FSDP2 units defer their reduction to the end of the step ([Note:
+    deferred reduction]): pipelining with ZeRO-2/3 over more than one rank."""
+    return cfg.pp > 1 and cfg.dp_shard > 1 and cfg.zero_stage >= 2
+
+
+def _reduce_bytes(spec: TrainingSpec) -> float:
+    """Bytes of an unsharded gradient element before its reduction: FSDP2 accumulates in the
+    policy's reduce dtype, fp32 under mixed precision (runtime/precision.py policy), else in
+    the parameter's dtype."""
+    return 4.0 if spec.mixed_precision else float(spec.dtype_bytes)
+
+
+def _last_chunk_fraction(cfg: Config, r: int, layers) -> dict[str, float]:
+    """Of each part rank r holds, the fraction in its first chunk (stage r), the chunk whose
+    backward ends the step and is reduced last ([Note: deferred reduction]): all of "pre"
+    (stage 0), stage r's share of the rank's layers, "post" only when the rank has one chunk
+    (the last stage is the last rank's last chunk)."""
+    v = cfg.num_virtual_stages
+    layer = 1.0
+    if v > 1 and layers[r]:
+        layer = config_stages(cfg, sum(layers))[r].num_layers / layers[r]
+    return {"pre": 1.0, "layer": layer, "post": 1.0 if v == 1 else 0.0}
+
+
+def _first_reduced(cfg: Config, r: int, layers, total_layers: int) -> dict[str, float]:
+    """The unit FSDP2 reduces first when the last chunk's reduction starts, as a share of
+    each part ([Note: deferred reduction]): the stage's root unit where it holds parameters
+    ("pre" on the first rank, "post" on the last with one chunk), else the first block."""
+    if r == 0:
+        return {"pre": 1.0}
+    if r == cfg.pp - 1 and cfg.num_virtual_stages == 1:
+        return {"post": 1.0}
+    return {"layer": 1.0 / total_layers} if total_layers and layers[r] else {}
+
+
+def _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit, held, grads_a,
+                    in_flight, output_bytes, sent, recv, frozen, total_layers):
+    """Moments A and B of [Note: deferred reduction] as linear forms (rank_memories)."""
+    kept = states["params"] + states["optimizer"]
+    rb = _reduce_bytes(spec)
+    last = _last_chunk_fraction(cfg, r, layers)
+    first = _first_reduced(cfg, r, layers, total_layers)
+    grads_a = rb if grads_a else 0.0
+
+    def frozen_coef(gathered, width):
+        return {p: (kept_frozen + width * gathered[p]) * sh
+                for p, sh in shares.items()} if frozen else None
+
+    # the last chunk gathered whole: its unsharded parameters at compute precision (the
+    # all-gather input of one unit at a time is transient)
+    late = {p: states["grads"] * (1 - last[p]) + (rb + spec.dtype_bytes) * last[p]
+            for p in shares}
+    moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
+                           for p, sh in shares.items()},
+                          {p: in_flight * sh for p, sh in shares.items()},
+                          output_bytes if r == cfg.pp - 1 else 0.0, sent + recv,
+                          frozen_coef(held, unit))
+    moment_b = RankMemory({p: (kept + late[p]) * sh + rb * first.get(p, 0.0)
+                           for p, sh in shares.items()},
+                          _late_coef(r, layers, shares, total_layers), 0.0, recv,
+                          frozen_coef(last, spec.dtype_bytes))
+    return [moment_a, moment_b]
+
+
+def candidate_ranks(cfg: Config, layers: list[int]) -> list[int]:
+    """The pipeline ranks that can be the busiest or the fullest: the first, the last and the
+    first rank of every run of middle ranks with equal layers and equal
+    `grads_at_activation_peak`. Inside such a run every quantity of [Note: step time] and
+    [Note: memory per rank] is non-increasing in r (the microbatches in flight,
+    `pipeline_in_flight_microbatches`, fall with r under every schedule; the receive
+    buffers, stage outputs and parts are those of any middle rank), so the run's first rank
+    bounds the others and, coming first, is the one `max` picks on a tie.
+    tests/test_planner_scale.py checks assess against every rank."""
+    return _ranks_to_check(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.num_virtual_stages,
+                           tuple(layers))
+
+
+@functools.lru_cache(maxsize=16384)
+def _ranks_to_check(schedule: str, pp: int, m: int, v: int,
+                    layers: tuple[int, ...]) -> tuple[int, ...]:
+    """candidate_ranks on the numbers it depends on (cached: configurations differing only
+    in tp, cp, dp, ZeRO, microbatch size or policy share it)."""
+    out = []
+    flag = None
+    for r in range(pp):
+        in_flight = pipeline_in_flight_microbatches(schedule, pp, m, r, v)
+        now = (layers[r], _grads_at_peak(schedule, pp, m, in_flight))
+        if r in (0, 1, pp - 1) or now != flag:
+            out.append(r)
+        flag = now
+    return tuple(out)
+
+
+def rank_peaks(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: int,
+               output_bytes: float, boundary_bytes: float,
+               offload: str = "none") -> list[dict[str, float]]:
+    """[Note: memory per rank] of every pipeline rank of `cfg` (not only the candidates
+    `assess` weighs): per pp rank, bytes by category (params, grads, optimizer, activations,
+    temporaries, comm_buffers) of its larger moment and "peak", their sum. What the dry run
+    holds each rank against (autoplan/runtime/dryrun.py)."""
+    layers = rank_layers(cfg, total_layers)
+    return [rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes, boundary_bytes,
+                       offload) for r in range(cfg.pp)]
+
+
+def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
+               boundary_bytes, offload="none", share=None) -> dict[str, float]:
+    share = share or rank_shares(r, cfg, layers, total_layers)
+    elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
+    acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
+    late = sum(sol.act_bytes.get(p, 0.0) * c
+               for p, c in _late_coef(r, layers, share, total_layers).items())
+    states = offload_costs.device_states(model_state_bytes(
+        elems, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
+        optimizer=spec.optimizer, recipe="fsdp2", frozen_params=frozen,
+        frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
+    in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
+                                                cfg.num_virtual_stages)
+    # gathered parameters and unsharded gradients held at once ([Note: memory per rank]);
+    # frozen parameters are gathered like the others but have no gradient
+    block = sol.param_elems.get("layer", 0.0) * share["layer"]
+    rest = elems - block
+    gathered = rest + block * _held_layers(cfg, layers[r], True)
+    frozen_block = sol.frozen_elems.get("layer", 0.0) * share["layer"]
+    grad_unit = (rest - (frozen - frozen_block)) + (block - frozen_block) * _held_layers(
+        cfg, layers[r], False)
+    # the stage outputs kept for backward are held per in-flight microbatch, like activations;
+    # they and the receive buffers are the producer's local tensor (1/tp of it when split)
+    if sol.boundary_bytes is not None:
+        boundary_bytes = sol.boundary_bytes
+    if cfg.pp == 1 and sol.loss_bytes is not None:  # the placement's loss (Costs.loss_rows)
+        output_bytes += sol.loss_bytes
+    sent = _sent_output_bytes(cfg, r, boundary_bytes)
+    if _deferred_reduction(cfg):
+        return _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states,
+                              gathered=gathered, acts=acts + sent, late=late,
+                              in_flight=in_flight,
+                              output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
+                              recv=_recv_buffer_bytes(cfg, r, boundary_bytes))
+    return peak_memory_bytes(
+        model_states=states, activation_bytes=acts + sent, in_flight_microbatches=in_flight,
+        zero_stage=cfg.zero_stage, dp=cfg.dp_shard,
+        output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
+        comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
+        gather_unit_bytes=gathered * spec.dtype_bytes,
+        unsharded_grad_bytes=grad_unit * spec.dtype_bytes,
+        grads_at_activation_peak=grads_at_activation_peak(cfg, in_flight),
+        late_activation_bytes=late, cast_unit=spec.mixed_precision)
+
+
+def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, gathered,
+                   acts, late, in_flight, output_bytes, recv) -> dict[str, float]:
+    """The peak of rank r under [Note: deferred reduction], with its breakdown (as
+    peak_memory_bytes gives it): the larger of moments A and B."""
+    unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
+    rb = _reduce_bytes(spec)
+    last = _last_chunk_fraction(cfg, r, layers)
+    first = _first_reduced(cfg, r, layers, total_layers)
+    elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
+    trainable = elems - frozen
+    in_last = {p: s * last[p] for p, s in share.items()}
+    last_elems = sol.param_elems_on(in_last)
+    last_trainable = last_elems - sol.frozen_elems_on(in_last)
+    sharded_grad = states["grads"] / trainable if trainable else 0.0
+    first_trainable = sol.param_elems_on(first) - sol.frozen_elems_on(first)
+    base = {"params": states["params"], "optimizer": states["optimizer"]}
+    grads_a = grads_at_activation_peak(cfg, in_flight)
+    late_grads = (trainable - last_trainable) * sharded_grad + last_trainable * rb
+    moments = [
+        {**base, "grads": trainable * rb if grads_a else 0.0,
+         "activations": acts * in_flight, "temporaries": gathered * unit + output_bytes,
+         "comm_buffers": recv},
+        {**base, "grads": late_grads + first_trainable * rb, "activations": late,
+         "temporaries": last_elems * spec.dtype_bytes, "comm_buffers": recv},
+    ]
+    breakdown = max(moments, key=lambda m: sum(m.values()))
+    breakdown = {k: float(breakdown[k]) for k in ("params", "grads", "optimizer", "activations",
+                                                  "temporaries", "comm_buffers")}
+    breakdown["peak"] = sum(breakdown.values())
+    return breakdown
+
+
+def frozen_param_bytes(spec: TrainingSpec) -> float | None:
+    """Bytes a rank holds per frozen parameter element before ZeRO sharding ([Note: frozen
+    pricing] in cost_model/memory.py): the compute dtype's width when the frozen base is held
+    in it (`spec.frozen_dtype`, Plan.frozen_dtype), else None (as a trainable one: its fp32
+    master)."""
+    return float(spec.dtype_bytes) if spec.frozen_dtype else None

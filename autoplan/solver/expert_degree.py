@@ -1,0 +1,70 @@
+"""The expert-parallel degree ep of a plan: a given one checked, or the degree of least step
+time among those that apply and fit, each priced by cost_model/expert_parallel.py ([Note:
+expert parallelism] there: a decomposition over the plan chosen at ep = 1).
+"""
+
+from __future__ import annotations
+
+from autoplan.cost_model.comm import group_layout
+from autoplan.cost_model.expert_parallel import ExpertLayers, expert_layers, with_expert_parallel
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
+from autoplan.solver.search import InvalidConfig
+from autoplan.spec import TrainingSpec
+from autoplan.topology import Topology
+
+__all__ = ["expert_parallel"]
+
+
+def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topology: Topology,
+                    ep: int | None) -> Plan:
+    """`plan` with its expert-parallel degree: `ep` when given (1: none), else the degree of
+    least step time among those that apply and fit ([Note: expert parallelism]).
+
+    Raises:
+        InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
+            not divide dp or some layer's experts, the plan has tp > 1 or ZeRO-1 (the
+            runtime's support; fix tp=1 and zero_stage to 0, 2 or 3), or its groups straddle
+            node boundaries unevenly (cost_model/comm.py [Note: group layout]).
+    """
+    layers = expert_layers(graph)
+    if ep is not None and ep < 1:
+        raise InvalidConfig(f"ep {ep} must be >= 1")
+    if ep == 1 or (layers is None and ep is None) or plan.mesh.cp > 1:  # cp: no ep (plan())
+        return plan
+    if ep is not None:
+        reason = _not_applicable(layers, plan, ep, topology)
+        if reason:
+            raise InvalidConfig(f"ep {ep}: {reason}")
+        return with_expert_parallel(layers, plan, spec, topology, ep)
+    budget = spec.max_memory_fraction * topology.device.mem_bytes
+    best = plan
+    for e in range(2, plan.mesh.dp + 1):
+        if _not_applicable(layers, plan, e, topology):
+            continue
+        cand = with_expert_parallel(layers, plan, spec, topology, e)
+        if cand.prediction.memory_bytes <= budget and \
+                cand.prediction.step_time_s < best.prediction.step_time_s:
+            best = cand
+    return best
+
+
+def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int,
+                    topology: Topology) -> str:
+    mesh = plan.mesh
+    if layers is None:
+        return "the model has no mixture-of-experts layer"
+    if mesh.dp % ep:
+        return f"does not divide dp {mesh.dp} (fix dp to a multiple of ep)"
+    bad = sorted({e for e in layers.num_experts if e % ep})
+    if bad:
+        return f"does not divide the experts of every layer ({bad})"
+    if mesh.tp > 1 or plan.zero_stage == 1:
+        return (f"runs with tp 1 and ZeRO 0, 2 or 3; the plan has tp {mesh.tp}, "
+                f"ZeRO-{plan.zero_stage} (fix tp=1 and zero_stage)")
+    try:  # the ep groups and the groups across them must sit evenly on the nodes
+        group_layout(ep, mesh.tp, topology)
+        group_layout(mesh.dp // ep, mesh.tp * ep, topology)
+    except ValueError as e:
+        return str(e)
+    return ""
