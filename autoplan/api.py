@@ -179,15 +179,13 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         batch_dims: the batch dim of an input where it is ambiguous, by name
             ([Note: batch dims] in autoplan/inputs.py; None: not split, whole to every
             microbatch).
-        **overrides: fix solver choices and set how hard the search works: the fields of
-            `SearchOptions` (autoplan/options.py; docs/reference.md lists each): tp, pp, dp,
-            cp, ep, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            checkpointing, sequence_parallel, offload, placements, stages,
-            allow_tp_across_nodes, time_limit_s, top_k. cp is searched as `autoplan plan`
-            searches it where the runtime can run it -- the token-LM batch and loss, fused
-            causal attention, a position index, no dropout, compile=False; with dp, tp, pp and
-            ZeRO -- and 1 otherwise, the reason given where a cp 1 plan cannot be made; a
-            given cp the runtime cannot run raises when built, naming why.
+        **overrides: fix solver choices and set how hard the search works, by the names of
+            the fields of `SearchOptions` (autoplan/options.py, the one place each is written;
+            docs/reference.md lists them), e.g. tp=2, zero_stage=1. cp is searched as
+            `autoplan plan` searches it where the runtime can run it -- the token-LM batch and
+            loss, fused causal attention, a position index, no dropout, compile=False; with
+            dp, tp, pp and ZeRO -- and 1 otherwise, the reason given where a cp 1 plan cannot
+            be made; a given cp the runtime cannot run raises when built, naming why.
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
     Raises ValueError for unknown override names; OptionError (a ValueError) naming the

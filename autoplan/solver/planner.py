@@ -53,10 +53,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
             at the planned seq_len for exact attention costs).
         topology: the cluster; spec: the training step.
         options: what the search fixes and how hard it works (autoplan/options.py
-            `SearchOptions`: tp, pp, dp, cp, ep, zero_stage, num_microbatches, schedule,
-            num_virtual_stages, checkpointing, sequence_parallel, offload, placements,
-            stages, allow_tp_across_nodes, time_limit_s, top_k; docs/reference.md lists each
-            field); default: everything searched. `choices`: the same fields as keywords
+            `SearchOptions`, the one place each option is written; docs/reference.md lists
+            them); default: everything searched. `choices`: its fields as keywords
             (`plan(graph, topology, spec, tp=2)`), applied over `options`.
         compiled: price the stages as run through torch.compile (no DTensor host time,
             pointwise chains fused: cost_model.compute.compiled_device, [Note: compiled
