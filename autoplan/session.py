@@ -9,7 +9,9 @@ the solve, and rank 0's plan broadcast to every rank of a job.
 
 `audit` (random ops and batch couplings, the options they hold) and `solve` (the plan, the
 couplings' check, the solver's warnings recorded for the caller to say) are the planning both
-entry points run: `PlanningSession` and `autoplan plan` (autoplan/cli.py `_plan`).
+entry points run: `PlanningSession` and `autoplan plan` (autoplan/cli.py `_plan`). The runtime
+is imported where the decorator's model needs it, not with this module: `autoplan plan`
+imports no runtime.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ import torch.nn as nn
 
 from autoplan.options import SearchOptions
 from autoplan.plan import Plan
-from autoplan.runtime.construction import (meta_skeleton, on_meta as _on_meta,
-                                           frozen_weights_dtype)
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology, load_topology, preset
 
@@ -141,11 +141,12 @@ class PlanningSession:
         rank's seq_len / cp). Returns (graph, whether it was read from the capture cache)."""
         from autoplan.capture.cache import cached_capture
         from autoplan.inputs import InputSpec
+        from autoplan.runtime.construction import on_meta
 
         spec = self.inputs
         if seq_len is not None and seq_len != self.spec.seq_len:
             spec = InputSpec.tokens(spec.global_batch, seq_len)  # cp: the token form only
-        example = spec.example(batch_size, "meta" if _on_meta(source) else "cpu")
+        example = spec.example(batch_size, "meta" if on_meta(source) else "cpu")
         from autoplan.runtime.precision import Precision
 
         precision = Precision.of(self.dtype)  # floating inputs in its compute dtype
@@ -168,7 +169,9 @@ class PlanningSession:
         torch.export lifts out of forward keep their values), else a meta copy with its
         floating parameters in the compute dtype (a bf16 model trained in fp32 is captured
         in fp32: [Note: dtype of the weights])."""
-        if not _on_meta(self.module) and not precision.mixed and all(
+        from autoplan.runtime.construction import meta_skeleton, on_meta
+
+        if not on_meta(self.module) and not precision.mixed and all(
                 p.dtype == torch.float32 for p in self.module.parameters()
                 if p.is_floating_point()):
             return self.module
@@ -302,6 +305,8 @@ class PlanningSession:
         """The dtype the frozen parameters' weights come in (runtime/construction.py
         frozen_weights_dtype): where it is the 16-bit compute dtype, the planner holds them in
         it ([Note: frozen dtype] in solver/frozen.py)."""
+        from autoplan.runtime.construction import frozen_weights_dtype
+
         return frozen_weights_dtype(self.module, self.options.weights)
 
     def _cp_refusal(self, graph, topo: Topology) -> str | None:
