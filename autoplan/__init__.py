@@ -11,7 +11,9 @@ passes/ (plan -> per-rank graphs), runtime/ (torch.distributed training), report
 and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at this level:
 - api.py: `@autoparallel` and `from_pretrained`; auto_parallel.py: `AutoParallel`, the model
   they return (build, step, save, report, export); session.py: its planning half (cluster,
-  capture, cp trial, plan cache, solve, broadcast); options.py: `PlanOptions`; cli.py: the
+  capture, cp trial, plan cache, solve, broadcast; its `audit` and `solve` are `autoplan
+  plan`'s too); options.py: the planner's options, written once (`SearchOptions`: plan(),
+  the decorator's keywords, the command line's flags) and `PlanOptions`; cli.py: the
   `autoplan` command (its parser and subcommands), cli_args.py: its arguments, cli_output.py:
   what it prints and caches, cli_compare.py: `autoplan explain` and `autoplan diff`; demo.py:
   `autoplan demo`.
@@ -40,6 +42,7 @@ _EXPORTS = {
     "autoparallel": "autoplan.api",
     "AutoParallel": "autoplan.api",
     "from_pretrained": "autoplan.api",
+    "SearchOptions": "autoplan.options",
     "Plan": "autoplan.plan",
     "TrainingSpec": "autoplan.spec",
     "Topology": "autoplan.topology",
@@ -47,8 +50,8 @@ _EXPORTS = {
     "preset": "autoplan.topology",
 }
 
-__all__ = ["autoparallel", "AutoParallel", "from_pretrained", "Plan", "TrainingSpec", "Topology",
-           "load_topology", "preset", "__version__"]
+__all__ = ["autoparallel", "AutoParallel", "from_pretrained", "SearchOptions", "Plan",
+           "TrainingSpec", "Topology", "load_topology", "preset", "__version__"]
 
 
 def __getattr__(name: str):

@@ -19,12 +19,14 @@ construction, a Hugging Face checkpoint (`weights=` / `from_pretrained`), or the
 the model given.
 
 The wrapper is `AutoParallel` (autoplan/auto_parallel.py, its planning half in
-autoplan/session.py), its options `PlanOptions` (autoplan/options.py); this module holds the
+autoplan/session.py), its options `PlanOptions` and the planner's `SearchOptions`
+(autoplan/options.py); this module holds the
 decorator and `from_pretrained`, and re-exports both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -34,10 +36,10 @@ import torch
 import torch.nn as nn
 
 from autoplan.auto_parallel import AutoParallel
-from autoplan.options import PlanOptions
+from autoplan.options import PlanOptions, SearchOptions
 from autoplan.runtime.construction import record_construction as _record_construction
 
-__all__ = ["autoparallel", "AutoParallel", "PlanOptions", "from_pretrained"]
+__all__ = ["autoparallel", "AutoParallel", "PlanOptions", "SearchOptions", "from_pretrained"]
 
 
 def from_pretrained(path: str | os.PathLike, *, peft_config=None,
@@ -177,32 +179,19 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         batch_dims: the batch dim of an input where it is ambiguous, by name
             ([Note: batch dims] in autoplan/inputs.py; None: not split, whole to every
             microbatch).
-        **overrides: fix solver choices: tp, pp, dp, zero_stage, num_microbatches, schedule,
-            num_virtual_stages, allow_tp_across_nodes, checkpointing ("none" |
-            "core-attention" | "selective" | "full"), ep (expert parallelism inside dp, [Note: expert parallelism]),
-            sequence_parallel (True / False: Megatron-LM's sequence parallelism on the tp axis
-            fixed on or off, [Note: sequence parallelism] in autoplan/solver/sequence.py),
-            cp (context parallelism, [Note: context parallelism] in autoplan/cost_model/context_parallel.py:
-            every sample's sequence cut into 2 cp chunks over cp ranks, K and V all-gathered
-            in attention; searched as `autoplan plan` searches it where the runtime can run
-            it -- the token-LM batch and loss, fused causal attention, a position index, no
-            dropout, compile=False; with dp, tp, pp and ZeRO -- and 1 otherwise, the reason
-            given where a cp 1 plan cannot be made; a given cp the runtime cannot run raises
-            when built, naming why).
-            offload ("none" | "optimizer" | "optimizer+params": CPU offload, [Note:
-            offload] in autoplan/cost_model/offload.py),
-            placements ({FQN glob: "R" | "S(d)"}: parameters pinned on the tp axis, hard
-            constraints of the placement ILP, [Note: pinned placements] in
-            autoplan/solver/pins.py; e.g. {"lm_head.weight": "S(0)"}),
-            stages (blocks per pipeline stage in stage order, e.g. [3, 5, 5, 3]; fixes
-            pp = len(stages) / num_virtual_stages; default the even split).
+        **overrides: fix solver choices and set how hard the search works, by the names of
+            the fields of `SearchOptions` (autoplan/options.py, the one place each is written;
+            docs/reference.md lists them), e.g. tp=2, zero_stage=1. cp is searched as
+            `autoplan plan` searches it where the runtime can run it -- the token-LM batch and
+            loss, fused causal attention, a position index, no dropout, compile=False; with
+            dp, tp, pp and ZeRO -- and 1 otherwise, the reason given where a cp 1 plan cannot
+            be made; a given cp the runtime cannot run raises when built, naming why.
 
     Returns an `AutoParallel` (instance), or a callable returning one (class / factory).
-    Raises ValueError for unknown override names.
+    Raises ValueError for unknown override names; OptionError (a ValueError) naming the
+    option and the value for one of the wrong type or outside its choices.
     """
-    allowed = {"tp", "pp", "dp", "zero_stage", "num_microbatches", "schedule",
-               "num_virtual_stages", "allow_tp_across_nodes", "time_limit_s", "checkpointing",
-               "ep", "sequence_parallel", "cp", "offload", "placements", "stages"}
+    allowed = {f.name for f in dataclasses.fields(SearchOptions)}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         import difflib
@@ -214,21 +203,6 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
         said = "; ".join(f"did you mean {h[0]!r} for {u!r}?" for u, h in hints.items() if h)
         raise ValueError(f"autoparallel: unknown option(s) {unknown}; "
                          f"{said + ' ' if said else ''}the options are {names}")
-    for name, value, least in (("global_batch", global_batch, 1), ("seq_len", seq_len, 1),
-                               ("num_nodes", num_nodes, 1), ("world_size", world_size, 1)):
-        if value is None and name != "global_batch":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"autoparallel: {name}={value!r}; expected an integer >= {least}")
-    for name, value in (("kernels", kernels), ("compile", compile)):
-        if not isinstance(value, bool):
-            raise ValueError(f"autoparallel: {name}={value!r}; expected True or False")
-    if "placements" in overrides:  # checked now, held as sorted pairs (hashable, JSON)
-        from autoplan.solver.pins import parse_pins
-
-        overrides["placements"] = parse_pins(overrides["placements"])
-    if overrides.get("stages") is not None:  # held as a tuple (hashable, JSON)
-        overrides["stages"] = tuple(overrides["stages"])
     options = PlanOptions(global_batch=global_batch, seq_len=seq_len, cluster=cluster,
                           num_nodes=num_nodes, world_size=world_size, dtype=dtype,
                           optimizer=optimizer, lr_scheduler=lr_scheduler, loss_fn=loss_fn,
@@ -238,7 +212,7 @@ def autoparallel(target=None, *, global_batch: int, seq_len: int | None = None,
                           seed=seed, kernels=kernels, compile=compile,
                           example_batch=example_batch,
                           batch_dims=tuple(sorted((batch_dims or {}).items())),
-                          overrides=tuple(sorted(overrides.items())))
+                          search=SearchOptions(**overrides))
 
     def wrap(obj):
         if isinstance(obj, nn.Module):

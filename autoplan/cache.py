@@ -6,7 +6,7 @@
 
 [Note: plan cache]
 Planning is deterministic: capture runs on meta tensors, and CP-SAT solves under a
-deterministic work limit (`--time-limit` is in its deterministic seconds), so the same inputs
+deterministic work limit (`--time-limit-s` is in its deterministic seconds), so the same inputs
 give the same plan at any machine load (tests/test_solver.py checks a plan twice). A plan can
 therefore be stored under a key that names everything it depends on and served when the same
 request comes again. The key (`request_key`) is the SHA-256 of a canonical JSON document of

@@ -183,13 +183,16 @@ def _plan(args, num_layers: int | None) -> Planned:
     model's own upcasts as nodes, [Note: precision recipe]), the global batch at the planned
     sequence length (the cost model scales it to each microbatch, solver/costs.py
     token_scale; attention is exact at the planned length), `num_layers` blocks scaled to the
-    real depth. Warnings of the solver print as `autoplan: warning: ...` on stderr."""
+    real depth. Planned as `@autoparallel` plans (autoplan/session.py `audit` and `solve`: the
+    random ops and batch couplings checked, the choices they need held). Warnings of the solver
+    print as `autoplan: warning: ...` on stderr."""
     import torch
 
     from autoplan.capture import capture_preset
     from autoplan.models import model_config
     from autoplan.models.trainable import Trainable
-    from autoplan.solver import plan
+    from autoplan.options import search_options_of
+    from autoplan.session import audit, solve
     from autoplan.solver.search import ReplicatedWeightsWarning
     from autoplan.spec import TrainingSpec
 
@@ -205,18 +208,13 @@ def _plan(args, num_layers: int | None) -> Planned:
         graph = capture_preset(args.model, batch=args.global_batch, seq_len=args.seq,
                                num_layers=num_layers, dtype=getattr(torch, args.dtype),
                                trainable=None if trainable.kind == "full" else trainable)
-    with phase(f"planning {args.model} for {topology.world_size} x {topology.device.name}"), \
-            warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ReplicatedWeightsWarning)  # each run says its own
-        result = plan(graph, topology, spec, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
-                      zero_stage=args.zero, num_microbatches=args.microbatches,
-                      schedule=args.schedule, num_virtual_stages=args.virtual_stages,
-                      checkpointing=args.checkpointing, sequence_parallel=args.sequence_parallel,
-                      cp=args.cp,
-                      allow_tp_across_nodes=args.allow_tp_across_nodes,
-                      time_limit_s=args.time_limit, top_k=args.top_k, offload=args.offload,
-                      compiled=args.compile, frozen_weights_dtype=_weights_dtype(config),
-                      placements=args.place, stages=args.stages)
+    options = search_options_of(args)
+    with phase(f"planning {args.model} for {topology.world_size} x {topology.device.name}"):
+        # the session @autoparallel plans in: the batch audit, the solve, its warnings
+        couplings, search = audit(graph, options, args.model)
+        result, caught = solve(graph, topology, spec, search, given=options,
+                               couplings=couplings, name=args.model, compiled=args.compile,
+                               frozen_weights_dtype=_weights_dtype(config))
     said = []
     for w in caught:
         if issubclass(w.category, ReplicatedWeightsWarning):  # about the plan: for the user

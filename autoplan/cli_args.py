@@ -7,22 +7,24 @@ no torch (`autoplan --help` imports none).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["SCHEDULES", "EPILOG", "positive_int", "fraction", "add_planning_args",
+from autoplan.options import SearchOptions, add_search_args, option_flag
+
+__all__ = ["EPILOG", "positive_int", "fraction", "add_planning_args",
            "add_json_arg", "cluster_topology", "check_out", "in_cli_words"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # autoplan.plan.SCHEDULES, kept import-free
 EPILOG = """\
 examples:
   autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 512 --seq 4096
   autoplan plan --model llama3-70b --cluster dgx-h100 --nodes 1 --global-batch 64 --seq 4096 \\
       --trainable lora:r=16
   autoplan plan --model gpt3-175b --cluster dgx-a100 --nodes 128 --global-batch 1536 \\
-      --seq 2048 --tp 8 --pp 8 --dp 16 --microbatches 96 --schedule interleaved-1f1b \\
+      --seq 2048 --tp 8 --pp 8 --dp 16 --num-microbatches 96 --schedule interleaved-1f1b \\
       -o out/gpt3
   autoplan plan --model gpt2-tiny --cluster local-cpu --devices-per-node 4 --global-batch 8 \\
       --seq 16 -o out/tiny
@@ -104,47 +106,9 @@ def add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool,
                  "their reduction and optimizer states for the trainable parameters only; "
                  "the frozen base held in the compute dtype when the model's weights are "
                  "in it already (a bf16 checkpoint) or fp32 copies do not fit")
+    # the planner's options: autoplan/options.py `SearchOptions`, one flag per field
     fix = p.add_argument_group("overrides (fix a choice instead of searching it)")
-    fix.add_argument("--tp", type=positive_int, help="tensor-parallel degree")
-    fix.add_argument("--pp", type=positive_int, help="pipeline-parallel degree")
-    fix.add_argument("--dp", type=positive_int, help="data-parallel degree")
-    fix.add_argument("--cp", type=positive_int,
-                     help="context-parallel degree: each sample's sequence split over cp ranks, "
-                          "K/V all-gathered for attention (default: searched; the runtime "
-                          "trains it with dp, tp, pp and ZeRO, eagerly)")
-    fix.add_argument("--ep", type=positive_int,
-                     help="expert-parallel degree of a mixture-of-experts model (divides dp)")
-    fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
-    fix.add_argument("--microbatches", type=positive_int, metavar="M",
-                     help="microbatches per step per dp rank")
-    fix.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
-    fix.add_argument("--virtual-stages", type=positive_int, metavar="V",
-                     help="model chunks per pp rank (interleaved-1f1b)")
-    fix.add_argument("--checkpointing", choices=("none", "core-attention", "selective", "full"),
-                     help="activation checkpointing of every block: core-attention recomputes "
-                          "the unfused attention core (Megatron-LM's selective recompute), "
-                          "selective keeps matmul and attention outputs, full keeps block inputs")
-    fix.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                     help="Megatron-LM sequence parallelism: the norm, dropout and residual-add "
-                          "regions split on the sequence dim across the tp group (reduce-scatter "
-                          "/ all-gather instead of all-reduce); --no-sequence-parallel: those "
-                          "regions replicated (plain tensor parallelism); "
-                          "default: chosen per node by the solver")
-    fix.add_argument("--offload", choices=("none", "optimizer", "optimizer+params"),
-                     help="CPU offload: optimizer states in host memory and the optimizer "
-                          "step on the host (ZeRO 0/1), or with ZeRO-3 the parameter shards "
-                          "too; default: searched where nothing fits on the device")
-    fix.add_argument("--place", action="append", metavar="PATTERN=PLACEMENT",
-                     help="pin the tp placement of the parameters matching PATTERN (an FQN "
-                          "or a glob: model.layers.*.mlp.down_proj.weight) to R or S(d), a "
-                          "hard constraint of the search (repeatable; a split pinned searches "
-                          "tp > 1 only), e.g. --place lm_head.weight=S(0)")
-    fix.add_argument("--stages", type=_stage_blocks, metavar="N,N,...",
-                     help="blocks per pipeline stage in stage order, e.g. 3,5,5,3 (fixes pp; "
-                          "with --virtual-stages V, pp is their count / V); default: the even "
-                          "split")
-    fix.add_argument("--allow-tp-across-nodes", action="store_true",
-                     help="let tp groups span nodes (default: tp stays inside a node)")
+    add_search_args(fix, "overrides", positive_int, _stage_blocks)
     fix.add_argument("--compile", action="store_true",
                      help="price the stages as run through torch.compile, as "
                           "@autoparallel(compile=True) runs them: no DTensor host time per op, "
@@ -156,12 +120,7 @@ def add_planning_args(p: argparse.ArgumentParser, *, capture_depth: bool,
                             help="identical blocks to capture; costs are scaled to the real "
                                  "depth, so planning time does not grow with it "
                                  "(default: %(default)s, as @autoparallel captures a model)")
-    solver.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS",
-                        help="work limit of each ILP solve in CP-SAT's deterministic "
-                             "seconds (about a second of one reference core; the same plan "
-                             "at any machine load) (default: %(default)s)")
-    solver.add_argument("--top-k", type=int, default=5, metavar="K",
-                        help="runners-up kept for the report (default: %(default)s)")
+    add_search_args(solver, "planning", positive_int, _stage_blocks)
 
 
 def add_json_arg(p: argparse.ArgumentParser, what: str | None = None) -> None:
@@ -258,10 +217,11 @@ def in_cli_words(e: Exception) -> str:
 
 
 # the flag of each `plan()` keyword an error may name (InvalidConfig.option)
-_FLAGS = {"allow_tp_across_nodes": "--allow-tp-across-nodes"}
+_FLAGS = {"allow_tp_across_nodes": option_flag("allow_tp_across_nodes")}
 
 
-# plan()'s keyword names as the flags that set them, where a message names one
-_TERMS = {"zero_stage": "--zero", "num_microbatches": "--microbatches",
-          "num_virtual_stages": "--virtual-stages", "global_batch": "--global-batch",
-          "seq_len": "--seq", "allow_tp_across_nodes": "--allow-tp-across-nodes"}
+# plan()'s keyword names as the flags that set them, where a message names one: the
+# options of more than one word, and the training step's
+_TERMS = {**{f.name: option_flag(f.name) for f in dataclasses.fields(SearchOptions)
+             if "_" in f.name},
+          "global_batch": "--global-batch", "seq_len": "--seq"}

@@ -5,11 +5,13 @@ by autoplan/report/diff.py. Torch is imported only where a plan is read or made.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
 from autoplan.cli_args import add_json_arg, add_planning_args, in_cli_words
 from autoplan.cli_output import print_json
+from autoplan.options import SearchOptions, option_flag
 
 __all__ = ["OVERRIDES", "add_parsers", "explain", "diff"]
 
@@ -21,10 +23,9 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
                             "print the difference term by term",
                        description="Plan the request twice: as `autoplan plan` does with no "
                                    "overrides (the chosen plan), and with the overrides given "
-                                   "(your configuration: any of --tp, --pp, --dp, --cp, --ep, "
-                                   "--zero, --microbatches, --schedule, --virtual-stages, "
-                                   "--checkpointing, --sequence-parallel, --offload, "
-                                   "--place, --stages). Print both and what differs, term by "
+                                   "(your configuration: any of " + ", ".join(
+                                       option_flag(k) for k in OVERRIDES) + "). Print both "
+                                   "and what differs, term by "
                                    "term (as `autoplan diff`): "
                                    "step time by part, memory by category, bytes per mesh "
                                    "axis, placements; or, where your configuration cannot be "
@@ -49,10 +50,10 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
     p.set_defaults(run=diff)
 
 
-# the planning flags that fix a choice (dest names), as `autoplan explain` takes them
-OVERRIDES = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule",
-             "virtual_stages", "checkpointing", "sequence_parallel", "offload", "place",
-             "stages")
+# the planning options that fix a choice (SearchOptions fields, the flags' dests), as
+# `autoplan explain` takes them
+OVERRIDES = tuple(f.name for f in dataclasses.fields(SearchOptions)
+                  if f.metadata["group"] == "overrides" and f.name != "allow_tp_across_nodes")
 
 
 def explain(args, plan_fn: Callable) -> int:
@@ -66,13 +67,12 @@ def explain(args, plan_fn: Callable) -> int:
     given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
     if not given:
         raise ValueError("explain: give the configuration to explain, e.g. --tp 4 --pp 8 "
-                         "(any of --" + ", --".join(k.replace("_", "-") for k in OVERRIDES)
-                         + ")")
+                         "(any of " + ", ".join(option_flag(k) for k in OVERRIDES) + ")")
     free = copy.copy(args)
     for k in OVERRIDES:
         setattr(free, k, None)
     chosen = plan_fn(free, args.num_layers_capture).plan
-    words = " ".join(f"--{k.replace('_', '-')} {w}" for k, v in given.items()
+    words = " ".join(f"{option_flag(k)} {w}" for k, v in given.items()
                      for w in (v if isinstance(v, list) else [v]))
     try:
         yours = plan_fn(args, args.num_layers_capture).plan
@@ -97,7 +97,7 @@ def explain(args, plan_fn: Callable) -> int:
               "slower per step than the chosen plan")
     else:  # the search keeps the fastest plan that fits; a faster one means a limit
         print(f"\nyours ({words}) is faster per step than the chosen plan: the search did not "
-              "reach it (its time limit, --time-limit) or ranked it by another bar")
+              "reach it (its time limit, --time-limit-s) or ranked it by another bar")
     return 0
 
 

@@ -6,11 +6,13 @@ Imports no torch at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autoplan.cli_args import cluster_topology
+from autoplan.options import SearchOptions
 from autoplan.progress import detail
 
 if TYPE_CHECKING:  # torch comes in with these
@@ -36,8 +38,6 @@ class Planned:
 def json_summary(planned: Planned, files) -> dict:
     """The JSON summary of `--json`: the plan's configuration, its prediction (seconds, bytes,
     tokens/s, MFU as a fraction), runners-up, the files written and the warnings."""
-    import dataclasses
-
     from autoplan.report.facts import tokens_per_s
 
     plan, topology = planned.plan, planned.topology
@@ -124,8 +124,6 @@ def render(planned: Planned) -> dict[str, str]:
 def dry_row(r) -> dict:
     """A rank's row of `autoplan dryrun --json`: what the plan records of it (`record`), with
     the build and step seconds."""
-    import dataclasses
-
     return {**dataclasses.asdict(r.record()), "build_s": r.build_s, "step_s": r.step_s}
 
 
@@ -137,8 +135,6 @@ def cache_request(args):
     ValueError for an unknown model or cluster (before any work, as planning would)."""
     if args.no_cache:
         return None, None
-    import dataclasses
-
     from autoplan.cache import PlanCache
     from autoplan.models import model_config
     from autoplan.models.trainable import Trainable
@@ -160,11 +156,10 @@ def cache_request(args):
     return PlanCache(), request
 
 
-# the `plan` flags a plan depends on besides the model, cluster and training spec
-PLAN_FLAGS = ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-               "checkpointing", "sequence_parallel", "allow_tp_across_nodes", "offload",
-               "compile", "place", "stages",
-               "num_layers_capture", "time_limit", "top_k")
+# the `plan` flags a plan depends on besides the model, cluster and training spec (dests):
+# the planner's options (SearchOptions), --compile and --num-layers-capture
+PLAN_FLAGS = (*(f.name for f in dataclasses.fields(SearchOptions)), "compile",
+              "num_layers_capture")
 
 
 def store(cache, request: dict, entry: dict) -> None:

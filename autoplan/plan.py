@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.options import OFFLOADS, SCHEDULES
+
 __all__ = [
     "SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage", "Prediction",
     "Alternative", "DryRunRecord", "Plan", "parse_placement", "format_placement", "SCHEDULES",
@@ -31,8 +33,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 
 def optimizer_pieces(zero_stage: int, dp: int, cp: int, tp: int, offload: str) -> str | None:

@@ -6,6 +6,12 @@ the solve, and rank 0's plan broadcast to every rank of a job.
 (`PlanOptions`), `dtype`, and the state `AutoParallel.__init__` sets (`_plan`, `_graph`,
 `_inputs`, `_build_stats`). Also here: whether this process is a rank of a real job
 (`_in_job`), against the one-rank group a lone process sets up to train (`_PRIVATE_GROUP`).
+
+`audit` (random ops and batch couplings, the options they hold) and `solve` (the plan, the
+couplings' check, the solver's warnings recorded for the caller to say) are the planning both
+entry points run: `PlanningSession` and `autoplan plan` (autoplan/cli.py `_plan`). The runtime
+is imported where the decorator's model needs it, not with this module: `autoplan plan`
+imports no runtime.
 """
 
 from __future__ import annotations
@@ -19,13 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autoplan.options import SearchOptions
 from autoplan.plan import Plan
-from autoplan.runtime.construction import (meta_skeleton, on_meta as _on_meta,
-                                           frozen_weights_dtype)
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology, load_topology, preset
 
-__all__ = ["PlanningSession"]
+__all__ = ["PlanningSession", "audit", "solve"]
 
 
 # The world of one this process set up to train alone: not a job (a later model may still be
@@ -136,11 +141,12 @@ class PlanningSession:
         rank's seq_len / cp). Returns (graph, whether it was read from the capture cache)."""
         from autoplan.capture.cache import cached_capture
         from autoplan.inputs import InputSpec
+        from autoplan.runtime.construction import on_meta
 
         spec = self.inputs
         if seq_len is not None and seq_len != self.spec.seq_len:
             spec = InputSpec.tokens(spec.global_batch, seq_len)  # cp: the token form only
-        example = spec.example(batch_size, "meta" if _on_meta(source) else "cpu")
+        example = spec.example(batch_size, "meta" if on_meta(source) else "cpu")
         from autoplan.runtime.precision import Precision
 
         precision = Precision.of(self.dtype)  # floating inputs in its compute dtype
@@ -163,7 +169,9 @@ class PlanningSession:
         torch.export lifts out of forward keep their values), else a meta copy with its
         floating parameters in the compute dtype (a bf16 model trained in fp32 is captured
         in fp32: [Note: dtype of the weights])."""
-        if not _on_meta(self.module) and not precision.mixed and all(
+        from autoplan.runtime.construction import meta_skeleton, on_meta
+
+        if not on_meta(self.module) and not precision.mixed and all(
                 p.dtype == torch.float32 for p in self.module.parameters()
                 if p.is_floating_point()):
             return self.module
@@ -195,42 +203,39 @@ class PlanningSession:
         with self._timed("plan_s"):
             # before the search: random ops keyed by sample, and the ops a cut batch or a
             # repeated forward would change held to plans that keep them
-            self._couplings = _audit(graph, name)
-            overrides = self._overrides()
+            self._couplings, search = audit(graph, self.options.search, name)
             # cp searched where the runtime can run it for this model, batch and loss
-            why_not = None if "cp" in overrides else self._cp_refusal(graph, topo)
-            request = self._cache_request(graph, topo, cp_searched=why_not is None)
+            why_not = None if search.cp is not None else self._cp_refusal(graph, topo)
+            request = self._cache_request(graph, topo, search, cp_searched=why_not is None)
             plan = self._cached_plan(request, topo)
             from_cache = plan is not None
             if plan is None:
                 with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
-                    plan = self._solve(graph, topo, request, why_not)
+                    plan = self._solve(graph, topo, search, request, why_not)
             if _in_job() and dist.get_world_size() > 1:
                 box = [plan.to_json() if dist.get_rank() == 0 else None]
                 dist.broadcast_object_list(box, src=0)
                 plan = Plan.from_json(box[0])
-        check_plan(plan, self._couplings, name)  # a microbatch of 1 sample, a cached plan
+        check_plan(plan, self._couplings, name)  # a cached plan, as `solve` checks a new one
         self._build_stats["plan_from_cache"] = from_cache
         self._graph = graph
         return plan
 
-    def _cache_request(self, graph, topo: Topology, cp_searched: bool) -> dict | None:
+    def _cache_request(self, graph, topo: Topology, search: SearchOptions,
+                       cp_searched: bool) -> dict | None:
         """The plan cache's request for this model ([Note: plan cache] in autoplan/cache.py):
-        the captured graph's fingerprint, the cluster, the training spec, the overrides and
-        whether cp is searched (`_cp_refusal`); None when the cache is off
-        (AUTOPLAN_PLAN_CACHE=0) or an override is not JSON data."""
+        the captured graph's fingerprint, the cluster, the training spec, the options `search`
+        fixes (`SearchOptions.given`, those the batch couplings hold included) and whether cp
+        is searched (`_cp_refusal`); None when the cache is off (AUTOPLAN_PLAN_CACHE=0)."""
         from autoplan.cache import graph_fingerprint
 
         if os.environ.get("AUTOPLAN_PLAN_CACHE", "1") == "0":
             return None
-        overrides = self._overrides()
+        overrides = search.given()
         if "placements" in overrides:  # parse_pins' sorted (pattern, placement) pairs
             overrides["placements"] = [list(p) for p in overrides["placements"]]
         if overrides.get("stages") is not None:
             overrides["stages"] = list(overrides["stages"])
-        if not all(v is None or isinstance(v, (bool, int, float, str))
-                   for k, v in overrides.items() if k not in ("placements", "stages")):
-            return None
         return {"command": "autoparallel", "graph": graph_fingerprint(graph),
                 "topology": topo.to_dict(), "spec": dataclasses.asdict(self.spec),
                 "overrides": overrides, "compiled": self.options.compile,
@@ -256,46 +261,23 @@ class PlanningSession:
             warnings.warn(message, ReplicatedWeightsWarning, stacklevel=2)
         return Plan.from_dict(entry["plan"])
 
-    def _solve(self, graph, topo: Topology, request: dict | None, why_not: str | None) -> Plan:
-        """Solve, and store the plan with the solver's warnings about it (rank 0 of a job
-        writes; a cache that cannot be written is a detail line, not a failure). `why_not`:
-        why cp is not searched (cp 1 then, unless given), None to search it."""
+    def _solve(self, graph, topo: Topology, search: SearchOptions, request: dict | None,
+               why_not: str | None) -> Plan:
+        """Solve (`solve`), say the solver's warnings again, and store the plan with its
+        ReplicatedWeightsWarnings (rank 0 of a job writes; a cache that cannot be written is a
+        detail line, not a failure). `why_not`: why cp is not searched (cp 1 then, unless
+        given), None to search it."""
         import warnings
 
         from autoplan.cache import PlanCache
         from autoplan.progress import detail
-        from autoplan.solver import InvalidConfig
-        from autoplan.solver import plan as solve
         from autoplan.solver.search import ReplicatedWeightsWarning
 
-        with warnings.catch_warnings(record=True) as caught:
-            # cp searched as `autoplan plan` searches it (where nothing fits without it, or
-            # faster beyond the error band) when the runtime can run it for this model, batch
-            # and loss (runtime/checks.py); cp 1 otherwise, unless given
-            overrides = self._overrides()
-            whole = self._optimizer_reads_whole_tensors()
-            try:
-                plan = solve(graph, topo, self.spec, compiled=self.options.compile,
+        plan, caught = solve(graph, topo, self.spec, search, given=self.options.search,
+                             couplings=self._couplings, name=type(self.module).__name__,
+                             why_not_cp=why_not, compiled=self.options.compile,
                              frozen_weights_dtype=self._frozen_weights_dtype(),
-                             elementwise_optimizer=whole is None,
-                             **({} if why_not is None or "cp" in overrides else {"cp": 1}),
-                             **overrides)
-            except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
-                if whole is not None and "reads whole tensors" in e.reason:
-                    raise InvalidConfig(f"{e.reason}. The probe: {whole}") from None
-                held = sorted(set(overrides) - set(dict(self.options.overrides)))
-                if held:  # held by the batch couplings: say which op holds most of them
-                    by = max(self._couplings, key=lambda c: len(set(c.keeps) & set(held)))
-                    raise InvalidConfig(
-                        f"{e.reason} (the search was held to "
-                        f"{', '.join(f'{k}={overrides[k]!r}' for k in held)} by {by}; "
-                        "[Note: batch coupling] in autoplan/batch_coupling.py)",
-                        option=e.option) from None
-                if why_not is None or not ("does not fit world size" in e.reason or
-                                           "no configuration of" in e.reason):
-                    raise
-                raise InvalidConfig(f"{e.reason} (planned with cp 1: {why_not})",
-                                    option=e.option) from None
+                             whole_tensors=self._optimizer_reads_whole_tensors())
         for w in caught:  # shown as they would have been
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if request is not None and (not _in_job() or dist.get_rank() == 0):
@@ -306,15 +288,6 @@ class PlanningSession:
             except OSError as e:
                 detail(f"plan cache not written: {e}")
         return plan
-
-    def _overrides(self) -> dict:
-        """The user's overrides with the choices the model's batch couplings need held
-        (autoplan/batch_coupling.py `held_overrides`; ValueError where an override breaks
-        one)."""
-        from autoplan.batch_coupling import held_overrides
-
-        return held_overrides(dict(self.options.overrides), self._couplings,
-                              type(self.module).__name__)
 
     def _optimizer_reads_whole_tensors(self) -> str | None:
         """Why the user's `optimizer=` must be handed whole tensors, or None (no optimizer
@@ -332,6 +305,8 @@ class PlanningSession:
         """The dtype the frozen parameters' weights come in (runtime/construction.py
         frozen_weights_dtype): where it is the 16-bit compute dtype, the planner holds them in
         it ([Note: frozen dtype] in solver/frozen.py)."""
+        from autoplan.runtime.construction import frozen_weights_dtype
+
         return frozen_weights_dtype(self.module, self.options.weights)
 
     def _cp_refusal(self, graph, topo: Topology) -> str | None:
@@ -379,14 +354,18 @@ class PlanningSession:
             self._build_stats[key] = self._build_stats.get(key, 0.0) + took
 
 
-def _audit(graph, name: str) -> list:
+def audit(graph, search: SearchOptions, name: str) -> tuple[list, SearchOptions]:
     """Before the search, before any rank starts: the random ops keyed by sample ([Note: RNG
     contract] in autoplan/passes/rng.py), a model with one the runtime cannot key refused
     naming the node, its module and source line (a seeded op without a layout-invariant
     version, a draw whose samples are not on dim 0); and the ops whose numbers a cut batch or
-    a repeated forward would change ([Note: batch coupling] in autoplan/batch_coupling.py),
-    returned for the search to hold."""
-    from autoplan.batch_coupling import batch_couplings
+    a repeated forward would change ([Note: batch coupling] in autoplan/batch_coupling.py).
+    Returns (those couplings, `search` with the choices they need held: batch_coupling.py
+    `held_overrides`). `name`: the model's, for the messages.
+
+    Raises ValueError for a random op the contract cannot key and for an option that breaks a
+    coupling (dp=2 with batch_norm in training mode), naming the op and what to do."""
+    from autoplan.batch_coupling import batch_couplings, held_overrides
     from autoplan.passes.rng import random_op_indices
     from autoplan.strategies.samples import sample_facts
 
@@ -399,7 +378,56 @@ def _audit(graph, name: str) -> list:
                          "drop_path_rate=0), or draw with an op the contract keys (dropout, "
                          "rand, bernoulli) over a tensor whose dim 0 holds the samples") from None
     buffers = {n for fqn, p in graph.params.items() if p.is_buffer for n in (fqn, *p.aliases)}
-    return batch_couplings(graph.gm, buffers, samples, batch_size=graph.batch_size)
+    couplings = batch_couplings(graph.gm, buffers, samples, batch_size=graph.batch_size)
+    held = held_overrides(search.given(), couplings, name)
+    return couplings, dataclasses.replace(search, **held)
+
+
+def solve(graph, topology: Topology, spec: TrainingSpec, search: SearchOptions, *,
+          given: SearchOptions, couplings: list, name: str, why_not_cp: str | None = None,
+          whole_tensors: str | None = None, **kwargs) -> tuple[Plan, list]:
+    """The plan of `graph` (autoplan.solver `plan`) for the options `search` (`audit`'s: the
+    user's, `given`, with the choices `couplings` hold), checked against the couplings
+    (batch_coupling.py `check_plan`), and the warnings the solver gave (warnings.
+    WarningMessage, each ReplicatedWeightsWarning recorded however often it was said before),
+    for the caller to say. `why_not_cp`: why the runtime cannot run cp > 1 (cp 1 then, unless
+    given), None to search it. `whole_tensors`: why the optimizer reads whole tensors, or None
+    (an elementwise one). `kwargs`: plan()'s (compiled, frozen_weights_dtype).
+
+    Raises what plan() raises; an InvalidConfig says the couplings that held the search, or
+    that cp was held to 1 and why, where either may be the cause."""
+    import warnings
+
+    from autoplan.batch_coupling import check_plan
+    from autoplan.solver import InvalidConfig
+    from autoplan.solver import plan as solve_plan
+    from autoplan.solver.search import ReplicatedWeightsWarning
+
+    held = sorted(set(search.given()) - set(given.given()))  # by the couplings
+    cp_held = why_not_cp is not None and search.cp is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ReplicatedWeightsWarning)  # each plan says its own
+        try:
+            plan = solve_plan(graph, topology, spec,
+                              dataclasses.replace(search, cp=1) if cp_held else search,
+                              elementwise_optimizer=whole_tensors is None, **kwargs)
+        except InvalidConfig as e:  # one that a cp > 1 could have satisfied says why
+            if whole_tensors is not None and "reads whole tensors" in e.reason:
+                raise InvalidConfig(f"{e.reason}. The probe: {whole_tensors}") from None
+            if held:  # held by the batch couplings: say which op holds most of them
+                by = max(couplings, key=lambda c: len(set(c.keeps) & set(held)))
+                raise InvalidConfig(
+                    f"{e.reason} (the search was held to "
+                    f"{', '.join(f'{k}={getattr(search, k)!r}' for k in held)} by {by}; "
+                    "[Note: batch coupling] in autoplan/batch_coupling.py)",
+                    option=e.option) from None
+            if not cp_held or not ("does not fit world size" in e.reason or
+                                   "no configuration of" in e.reason):
+                raise
+            raise InvalidConfig(f"{e.reason} (planned with cp 1: {why_not_cp})",
+                                option=e.option) from None
+    check_plan(plan, couplings, name)  # a microbatch of 1 sample
+    return plan, list(caught)
 
 
 def _refuse_stateful_parametrizations(module: nn.Module, name: str) -> None:

@@ -106,10 +106,10 @@ GOLDEN_OF = {"llama3-8b": "llama3-8b_dgx-h100-1", "llama3-70b": "llama3-70b_dgx-
 QUICK_CASES: dict[str, list[str]] = {
     "gpt2-tiny-pp2": ["--model", "gpt2-tiny", "--cluster", "local-cpu", "--devices-per-node",
                       "8", "--global-batch", "8", "--seq", "16", "--pp", "2", "--dp", "2",
-                      "--tp", "2", "--zero", "3"],
+                      "--tp", "2", "--zero-stage", "3"],
     "gpt2-demo-pp3": ["--model", "gpt2-demo", "--cluster", "local-cpu", "--devices-per-node",
                       "12", "--global-batch", "12", "--seq", "32", "--pp", "3", "--dp", "2",
-                      "--tp", "2", "--microbatches", "3"],
+                      "--tp", "2", "--num-microbatches", "3"],
 }
 
 

@@ -201,7 +201,7 @@ def test_export_arguments_reach_export_plan(capsys, tmp_path, monkeypatch):
                           "--schedule", "gpipe", "-o", str(tmp_path / "x"))
     assert code == 0, err
     args = seen["args"]
-    assert (args.tp, args.zero, args.schedule, args.global_batch) == (2, 3, "gpipe", 8)
+    assert (args.tp, args.zero_stage, args.schedule, args.global_batch) == (2, 3, "gpipe", 8)
     assert seen["num_layers"] is None  # export captures the full depth
     assert seen["export"][0] == "graph" and str(seen["export"][2]) == str(tmp_path / "x")
     assert "summary" in out

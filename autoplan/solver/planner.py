@@ -14,6 +14,7 @@ from autoplan.cost_model.compute import compiled_device
 from autoplan.cost_model.fidelity import error_bands
 from autoplan.cost_model.step_time import Assessment
 from autoplan.graph import CapturedGraph
+from autoplan.options import OptionError, SearchOptions
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
 from autoplan.solver.branch_bound import (
@@ -25,7 +26,7 @@ from autoplan.units import fmt_bytes
 from autoplan.solver.expert_degree import expert_parallel
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
-from autoplan.solver.pins import parse_pins, pinned_params
+from autoplan.solver.pins import pinned_params
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import (
     InvalidConfig, NoFeasiblePlan, Overrides, PlanConfig, ReplicatedWeightsWarning, Search,
@@ -39,16 +40,10 @@ __all__ = ["plan", "reprice", "compiled_topology"]
 log = logging.getLogger(__name__)
 
 
-def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
-         tp: int | None = None, pp: int | None = None, dp: int | None = None,
-         zero_stage: int | None = None, num_microbatches: int | None = None,
-         schedule: str | None = None, num_virtual_stages: int | None = None,
-         checkpointing: str | None = None, allow_tp_across_nodes: bool = False,
-         time_limit_s: float = 10.0, top_k: int = 5, ep: int | None = None,
-         sequence_parallel: bool | None = None, cp: int | None = None,
-         offload: str | None = None, compiled: bool = False,
-         frozen_weights_dtype: str | None = None,
-         elementwise_optimizer: bool = True, placements=None, stages=None) -> Plan:
+def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
+         options: SearchOptions | None = None, *, compiled: bool = False,
+         frozen_weights_dtype: str | None = None, elementwise_optimizer: bool = True,
+         **choices) -> Plan:
     """The fastest configuration and placement that fits, as a `Plan`.
 
     Args:
@@ -57,37 +52,10 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             Costs scale linearly with tokens from the captured batch x sequence length (capture
             at the planned seq_len for exact attention costs).
         topology: the cluster; spec: the training step.
-        tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            checkpointing ("none" | "core-attention" | "selective" | "full"): fix a choice (None: searched).
-        allow_tp_across_nodes: let tp groups span nodes (off: tp <= devices_per_node).
-        time_limit_s: the limit of each ILP solve (GLOP and CP-SAT calls) in deterministic
-            seconds -- work counted by the solver, about a second of one core of a reference
-            machine each, never wall-clock -- so the same inputs give the same plan on any
-            machine at any load ([Note: deterministic limits] in solver/ilp_types.py). A solve
-            that reaches it keeps its best placement; a configuration whose ILP found none is
-            skipped (SolverLimitWarning).
-        top_k: runners-up kept in `Plan.alternatives`.
-        ep: the expert-parallel degree of a mixture-of-experts model, inside dp (dp 4 with
-            ep 2: four data-parallel ranks, two expert slices; None: chosen for the best
-            configuration, [Note: expert parallelism] in cost_model/expert_parallel.py; 1:
-            none). A given ep > 1 fixes tp 1 and excludes ZeRO-1 (what the runtime runs with ep).
-        sequence_parallel: True: the norm, dropout and residual-add regions of every block
-            hold their activations split on the sequence dim on the tp axis (Megatron-LM's
-            sequence parallelism, [Note: sequence parallelism] in solver/sequence.py); False:
-            those regions unsplit on the tp axis (plain tensor parallelism); None: chosen per
-            node by the placement ILP like any placement. Has no effect at tp 1.
-        cp: the context-parallel degree ([Note: context parallelism] in
-            cost_model/context_parallel.py):
-            every sample's sequence split in 2 cp chunks over cp ranks, K/V all-gathered for
-            attention; None: searched over 1 and the powers of two that divide the devices
-            and seq_len / 2 (a model with fused attention in every block) where nothing fits
-            on the devices with cp 1 or a cp > 1 plan is faster beyond the error band; 1:
-            none. `@autoparallel` searches it only where the runtime can run it
-            (runtime/checks.py context_parallel_refusal), else plans cp 1 unless given.
-        offload: "none" | "optimizer" (ZeRO 0/1) | "optimizer+params" (ZeRO-3): states in
-            host memory, the optimizer step on the host ([Note: offload] in
-            cost_model/offload.py); None: searched where no placement fits on the device (needs
-            the topology's host figures).
+        options: what the search fixes and how hard it works (autoplan/options.py
+            `SearchOptions`, the one place each option is written; docs/reference.md lists
+            them); default: everything searched. `choices`: its fields as keywords
+            (`plan(graph, topology, spec, tp=2)`), applied over `options`.
         compiled: price the stages as run through torch.compile (no DTensor host time,
             pointwise chains fused: cost_model.compute.compiled_device, [Note: compiled
             execution]); the plan says so (`Plan.compiled`) and the runtime compiles them.
@@ -103,22 +71,16 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
             with dp x cp > 1 and the host offload of the optimizer at tp > 1, which hand it
             pieces of each tensor ([Note: elementwise optimizer]), are not searched, and a
             fixed zero_stage that needs them raises InvalidConfig.
-        placements: pinned parameter placements on the tp axis, {FQN glob: "R" | "S(d)"}
-            (or "PATTERN=PLACEMENT" strings): hard constraints of the placement ILP, recorded
-            in `Plan.pinned` ([Note: pinned placements] in solver/pins.py). A split pinned
-            searches meshes with tp > 1 only; a pin that cannot hold raises ValueError
-            naming it.
-        stages: blocks per pipeline stage, in stage order (e.g. [3, 5, 5, 3]: the stages
-            holding the embedding and the head carry fewer blocks, as Llama 3 split its
-            stages); fixes pp = len(stages) / num_virtual_stages. None: the even split
-            (`pipeline.stages_of`). Recorded as `Plan.pinned_stages`; stages that do not
-            hold the model's blocks, one at least each, raise InvalidConfig.
 
     Returns:
-        A Plan with every field filled (see autoplan.plan.Plan).
+        A Plan with every field filled (see autoplan.plan.Plan); pins recorded in
+        `Plan.pinned`, given stages as `Plan.pinned_stages`.
 
     Raises:
-        InvalidConfig: overrides that cannot work (the message names the numbers).
+        TypeError: a keyword that is not a field of `SearchOptions`.
+        InvalidConfig: overrides that cannot work (the message names the numbers), a value
+            outside its field's choices (an `OptionError` of SearchOptions, as InvalidConfig).
+        ValueError: a pin that cannot hold (solver/pins.py, naming it).
         NoFeasiblePlan: nothing fits in memory (the message gives the smallest per-device memory
             any plan needs, with its configuration, and the device's memory).
         SolverLimitReached: no configuration is left with a placement that fits, and some were
@@ -133,52 +95,45 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
         SolverLimitWarning: a plan was found, but configurations were skipped because their
             ILP found no placement within `time_limit_s` (the message names them).
     """
-    if not time_limit_s > 0 or time_limit_s == float("inf"):
-        raise ValueError(f"time_limit_s {time_limit_s} must be a positive number of "
-                         f"deterministic seconds")
+    try:
+        o = Overrides(**{**vars(options or SearchOptions()), **choices},
+                      elementwise_optimizer=elementwise_optimizer)
+    except OptionError as e:
+        raise InvalidConfig(str(e)) from None
+    ep = o.ep
     if ep is not None and ep > 1:
-        if cp not in (None, 1):
-            raise InvalidConfig(f"ep {ep} with cp {cp}: expert and context parallelism are "
+        if o.cp not in (None, 1):
+            raise InvalidConfig(f"ep {ep} with cp {o.cp}: expert and context parallelism are "
                                 "not planned together")
-        cp = 1
-        if tp not in (None, 1) or zero_stage == 1:
-            raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO 0, 2 or 3; got tp {tp}, "
-                                f"zero_stage {zero_stage}")
-        tp = 1
+        if o.tp not in (None, 1) or o.zero_stage == 1:
+            raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO 0, 2 or 3; got tp {o.tp}, "
+                                f"zero_stage {o.zero_stage}")
+        o = dataclasses.replace(o, cp=1, tp=1)
     if not isinstance(compiled, bool):
         raise ValueError(f"compiled={compiled!r}; expected True or False")
     if compiled:
         topology = compiled_topology(topology)
-    pinned = parse_pins(placements)
-    if stages is not None:
-        stages = tuple(stages)
-        num_virtual_stages = num_virtual_stages or 1
-        if pp is None and len(stages) % num_virtual_stages == 0:
-            pp = len(stages) // num_virtual_stages
+    if o.stages is not None:
+        v = o.num_virtual_stages or 1
+        pp = len(o.stages) // v if o.pp is None and len(o.stages) % v == 0 else o.pp
+        o = dataclasses.replace(o, num_virtual_stages=v, pp=pp)
     with collector_paused():
-        overrides = Overrides(
-            tp, pp, dp, zero_stage, num_microbatches, schedule, num_virtual_stages,
-            allow_tp_across_nodes, checkpointing, sequence_parallel, cp, offload,
-            elementwise_optimizer, pinned, stages)
-
         def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
-            fixed = overrides if search_offload or offload is not None else \
-                dataclasses.replace(overrides, offload="none")
-            return _plan(graph, topology, chosen, fixed, time_limit_s, top_k)
+            fixed = o if search_offload or o.offload is not None else \
+                dataclasses.replace(o, offload="none")
+            return _plan(graph, topology, chosen, fixed, o.time_limit_s, o.top_k)
 
         result = plan_frozen_dtype(graph, spec, run, weights_dtype=frozen_weights_dtype,
-                                   offload_searched=offload is None)
+                                   offload_searched=o.offload is None)
         spec = dataclasses.replace(spec, frozen_dtype=result.frozen_dtype or spec.frozen_dtype)
         if ep is not None and ep > 1 and result.zero_stage == 1:
             # ep does not run with ZeRO-1: the best plan at the other stages
             others = []
             for z in (0, 2, 3):
                 try:
-                    others.append(_plan(graph, topology, spec, Overrides(
-                        tp, pp, dp, z, num_microbatches, schedule, num_virtual_stages,
-                        allow_tp_across_nodes, checkpointing, sequence_parallel, cp,
-                        offload, elementwise_optimizer, pinned, stages),
-                        time_limit_s, top_k))
+                    others.append(_plan(graph, topology, spec,
+                                        dataclasses.replace(o, zero_stage=z), o.time_limit_s,
+                                        o.top_k))
                 except (InvalidConfig, NoFeasiblePlan):
                     continue
             if not others:
@@ -186,9 +141,9 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, *,
                                     "with ZeRO-1)")
             result = min(others, key=lambda p: p.prediction.step_time_s)
     result = expert_parallel(graph, result, spec, topology, ep)
-    if pinned:
-        result = dataclasses.replace(result, pinned=pinned)
-    if stages is not None:
+    if o.placements:
+        result = dataclasses.replace(result, pinned=o.placements)
+    if o.stages is not None:
         result = dataclasses.replace(result, pinned_stages=True)
     return dataclasses.replace(result, compiled=True) if compiled else result
 
@@ -515,7 +470,8 @@ def _given(o: Overrides) -> dict:
     defaults = Overrides()
     return {k: v for k, v in vars(o).items()
             if v is not None and v != getattr(defaults, k)
-            and k not in ("allow_tp_across_nodes", "elementwise_optimizer")}
+            and k not in ("allow_tp_across_nodes", "elementwise_optimizer", "ep",
+                          "time_limit_s", "top_k")}
 
 
 def _alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:

@@ -36,7 +36,8 @@ from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.cost_model.rank_memory import rank_memories, rank_peaks
 from autoplan.cost_model.step_time import Assessment, assess, pipeline_time_s
 from autoplan.graph import CapturedGraph
-from autoplan.plan import SCHEDULES, optimizer_pieces
+from autoplan.options import SearchOptions
+from autoplan.plan import optimizer_pieces
 from autoplan.solver import checkpointing as ckpt
 from autoplan.solver import pins, sequence
 from autoplan.solver.context import attention_nodes, cp_degrees, with_context_parallel
@@ -86,30 +87,14 @@ class SolverLimitWarning(UserWarning):
 
 
 @dataclass(frozen=True)
-class Overrides:
-    """User-fixed choices of `plan()` (None: searched)."""
+class Overrides(SearchOptions):
+    """The user's choices of `plan()` (`SearchOptions`: None searched), and what the optimizer
+    allows."""
 
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    zero_stage: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    num_virtual_stages: int | None = None
-    allow_tp_across_nodes: bool = False
-    checkpointing: str | None = None
-    sequence_parallel: bool | None = None
-    cp: int | None = None
-    offload: str | None = None
     # False: the optimizer reads whole tensors ([Note: elementwise optimizer] in
     # runtime/optim.py): what hands it pieces of a tensor is not searched
     # (plan.py optimizer_pieces)
     elementwise_optimizer: bool = True
-    # (pattern, placement) pins of parameters on the tp axis ([Note: pinned placements] in
-    # solver/pins.py)
-    placements: tuple[tuple[str, str], ...] = ()
-    # blocks per pipeline stage, in stage order (Config.stage_layers); fixes pp x v
-    stages: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,10 +144,6 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
     if o.tp is not None and o.tp > topology.devices_per_node and not o.allow_tp_across_nodes:
         raise InvalidConfig(f"tp {o.tp} spans nodes of {topology.devices_per_node} devices",
                             option="allow_tp_across_nodes")
-    if o.zero_stage is not None and o.zero_stage not in (0, 1, 2, 3):
-        raise InvalidConfig(f"zero_stage {o.zero_stage} is not one of 0, 1, 2, 3")
-    if o.schedule is not None and o.schedule not in SCHEDULES:
-        raise InvalidConfig(f"schedule {o.schedule!r} is not one of {SCHEDULES}")
     v = o.num_virtual_stages or 1
     if v > 1 and o.schedule not in (None, "interleaved-1f1b"):
         raise InvalidConfig(f"num_virtual_stages {v} needs schedule 'interleaved-1f1b'")
@@ -171,13 +152,9 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
                             f"than the model's {layers} layers")
     if o.stages is not None:
         _check_stages(o, layers)
-    if o.checkpointing is not None and o.checkpointing not in ckpt.POLICIES:
-        raise InvalidConfig(f"checkpointing {o.checkpointing!r} is not one of {ckpt.POLICIES}")
     if o.checkpointing not in (None, "none") and not layers:
         raise InvalidConfig(f"checkpointing {o.checkpointing!r} needs repeated blocks; "
                             f"{graph.model_name} has none")
-    if o.offload is not None and o.offload not in offload.OFFLOADS:
-        raise InvalidConfig(f"offload {o.offload!r} is not one of {offload.OFFLOADS}")
     if o.offload not in (None, "none") and not offload.available(topology):
         raise InvalidConfig(f"offload {o.offload!r}: topology {topology.name!r} gives no host "
                             f"figures (host_mem_bytes, device.host_bw_bytes_per_s, "
