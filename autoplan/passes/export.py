@@ -47,7 +47,8 @@ from autoplan.passes.lowering import (LoweringOptions, PlacedStages, RankCoords,
 from autoplan.passes.sharding import value_placements
 from autoplan.plan import Plan, parse_placement
 
-__all__ = ["export_plan", "shared_stages", "trace_rank", "COLLECTIVE_OPS", "count_collectives", "count_kernels"]
+__all__ = ["export_plan", "shared_stages", "trace_rank", "COLLECTIVE_OPS", "count_collectives",
+           "count_kernels"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "all_to_all_single", "broadcast")

@@ -6,7 +6,7 @@ module (`passes.blocks.install_blocks`: one per repeated block) -- torchtitan's 
 (`apply_compile` in torchtitan/models/llama3/infra/parallelize.py: one `torch.compile` per
 transformer block, never the schedule, never the FSDP2 hooks). A stage without block modules
 (a model without repeated blocks, or blocks left flat) has its whole graph compiled instead.
-The order, and why:
+The order (steps 10-14 of [Note: pass order] in autoplan/passes/lowering.py), and why:
 1. after tensor parallelism (`apply_placements`, DTensor parameters): the compiled region runs
    on DTensors and traces their sharding propagation and the plan's redistributions into the
    graph (functional collectives), so the per-op DTensor dispatch happens once, at compile
