@@ -195,18 +195,18 @@ def lower_rank(graph: CapturedGraph, plan: Plan, rank: RankCoords, options: Lowe
         gm = sg.gm
         out.stage_graphs.append(sg)
         inserted += placed.inserted[sg.index]
-        if plan.mesh.cp > 1:  # attention over the cp group, global positions
+        if plan.mesh.cp > 1:  # 5. attention over the cp group, global positions
             apply_context_parallel(gm, seq_len=plan.seq_len, cp=plan.mesh.cp, rank=rank.cp_rank,
                                    group_name=rank.cp_group, tp=plan.mesh.tp,
                                    planned=placed.planned_nodes, whole=plan.mesh.pp == 1)
-        if options.kernels and options.token_loss and sg.index == last:
+        if options.kernels and options.token_loss and sg.index == last:  # 6. sharded logits
             kept = _vocab_parallel_loss(gm, graph, plan, produced)
             if kept is not None:
                 unplanned.add(kept)  # the logits' all-gather no longer runs
                 out.vocab_size = _vocab_size(graph, kept[0])
-        if runtime is not None and plan.mesh.ep > 1:
+        if runtime is not None and plan.mesh.ep > 1:  # 7. experts over the ep group
             runtime.shard_experts(gm, route_experts(gm, runtime.experts_op))
-        if placed.random_ops:
+        if placed.random_ops:  # 8. keyed by (seed, step, sample)
             make_random_ops_layout_invariant(gm, placed.random_ops)
             gm.random_state.seed = options.seed
             out.random_states[sg.index] = gm.random_state
@@ -218,7 +218,7 @@ def lower_rank(graph: CapturedGraph, plan: Plan, rank: RankCoords, options: Lowe
                  if n.op == "call_function"}
         if sg.index == last:
             held.add("output")
-        if options.kernels and placed.kernel_counts is None:
+        if options.kernels and placed.kernel_counts is None:  # 9. (an export at cp 1: done)
             out.kernel_counts[sg.index] = fuse_kernels(gm)
         if runtime is None:  # an export traces the graphs as they are now
             continue
@@ -236,17 +236,17 @@ def _stage_module(sg: StageGraph, graph: CapturedGraph, plan: Plan, options: Low
     """Steps 10-14 of [Note: pass order]: the stage's rewritten graph as the module the
     runtime trains."""
     gm = sg.gm
-    if plan.mesh.tp > 1:
+    if plan.mesh.tp > 1:  # 10.
         runtime.distribute_params(gm)
-    blocks = install_blocks(gm, graph)
-    if options.compile and blocks:
+    blocks = install_blocks(gm, graph)  # 11.
+    if options.compile and blocks:  # 12.
         runtime.compile_blocks(sg.index, gm, blocks)
-    # (the compile step checkpoints selectively compiled blocks itself)
+    # 13. (the compile step checkpoints selectively compiled blocks itself)
     selective_compiled = options.compile and plan.checkpointing == "selective"
     wrap_checkpointing(gm, graph, plan.checkpointing, [] if selective_compiled else blocks)
     if options.compile and not blocks:
         runtime.compile_flat(sg.index, gm)
-    if plan.mesh.tp > 1:
+    if plan.mesh.tp > 1:  # 14.
         runtime.tp_forward(sg)
     return runtime.apply_data_parallel(gm, blocks)
 
