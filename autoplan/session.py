@@ -311,16 +311,12 @@ class PlanningSession:
 
     def _cp_refusal(self, graph, topo: Topology) -> str | None:
         """Why the runtime could not run a cp > 1 plan of this model, batch and loss, or None:
-        runtime/checks.py context_parallel_refusal, then the graph rewrite itself
-        (passes/context_parallel.py: its attentions, masks and position source) tried on a copy of
-        the planning graph; a mask too large to evaluate here is checked at build. None
-        without a trial where the search has no cp > 1 for this sequence and world
+        runtime/checks.py context_parallel_refusal, then the cp step of the lowering itself
+        (passes/lowering.py try_context_parallel: its attentions, masks and position source)
+        tried on a copy of the planning graph; a mask too large to evaluate here is checked at
+        build. None without a trial where the search has no cp > 1 for this sequence and world
         (solver/context.py cp_degrees)."""
-        import copy
-
-        import torch.fx
-
-        from autoplan.passes.context_parallel import apply_context_parallel
+        from autoplan.passes.lowering import try_context_parallel
         from autoplan.runtime.checks import context_parallel_refusal
         from autoplan.solver.context import cp_degrees
 
@@ -331,12 +327,10 @@ class PlanningSession:
                                            self.options.compile)
         if refusal is not None:
             return str(refusal)
-        trial = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-        try:  # cp 1: the same checks at the planned length; the copy is dropped. Masks of
-            # over 4M entries (b s^2: past 1K tokens at batch 4) are left to the build, which
-            # evaluates them at seq / cp per microbatch (a 128K mask would be 17 GB here)
-            apply_context_parallel(trial, seq_len=self.spec.seq_len, cp=1, rank=0,
-                                   group_name="trial", check_masks_up_to=1 << 22)
+        try:  # cp 1: the same checks at the planned length. Masks of over 4M entries (b s^2:
+            # past 1K tokens at batch 4) are left to the build, which evaluates them at seq /
+            # cp per microbatch (a 128K mask would be 17 GB here)
+            try_context_parallel(graph, self.spec.seq_len, check_masks_up_to=1 << 22)
         except ValueError as e:
             return str(e)
         return None

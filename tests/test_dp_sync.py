@@ -41,7 +41,7 @@ def test_each_unit_pays_its_own_latency_and_straggler_wait(zero_stage):
 
 
 def test_units_are_the_blocks_and_the_roots_holding_parameters():
-    """engine.py `_apply_data_parallel`: a unit per block, one per stage root; only the first
+    """rank_stages.py `apply_data_parallel`: a unit per block, one per stage root; only the first
     and last pipeline ranks' roots hold parameters (embeddings, head)."""
     def cfg(pp):
         return Config(pp=pp, dp=2, tp=1, zero_stage=0, num_microbatches=4,

@@ -333,6 +333,80 @@ def test_the_notes_index_lists_every_note_with_its_file():
     assert not wrong, wrong
 
 
+# -- the runtime rewrites no graph ------------------------------------------------------------
+# Issue 25: the lowering from plan to rank graphs has one owner, passes/lowering.py ([Note: pass
+# order]); a graph rewrite under autoplan/runtime/ is one the lowering does not order.
+FX_MUTATING_CALLS = {"erase_node", "inserting_before", "inserting_after", "create_node",
+                     "node_copy", "graph_copy", "replace_all_uses_with", "replace_input_with",
+                     "update_arg", "update_kwarg", "insert_arg", "eliminate_dead_code",
+                     "recompile"}
+"""Method names only FX's Graph, Node and GraphModule have: a call of one is a rewrite."""
+FX_GRAPH_BUILDERS = {"call_function", "call_method", "call_module", "get_attr", "placeholder",
+                     "output", "prepend", "append"}
+"""Graph and Node methods whose names other objects share (a list's append): a rewrite when
+called on something named like a graph or node (`graph`, `g`, `gm`, `node`, `n`, `*_node`)."""
+FX_NODE_FIELDS = {"args", "kwargs", "target", "op", "graph"}
+"""A node's fields: assigning one (other than on `self`) rewrites the graph."""
+
+
+def graph_rewrites(path: Path) -> list[str]:
+    """`line: what` for each FX graph mutation in the source at `path`: a call of a method
+    that edits a graph (FX_MUTATING_CALLS; FX_GRAPH_BUILDERS on a graph- or node-named
+    receiver), or an assignment to a node's field (`node.target = f`)."""
+    tree = ast.parse(path.read_text())
+    out = []
+
+    def fx_like(expr: ast.expr) -> bool:
+        name = expr.attr if isinstance(expr, ast.Attribute) else \
+            expr.id if isinstance(expr, ast.Name) else ""
+        return bool(re.fullmatch(r"(\w*_)?(graph|g|gm|node|n)(_\w*)?", name))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr in FX_MUTATING_CALLS
+                or node.func.attr in FX_GRAPH_BUILDERS and fx_like(node.func.value)):
+            out.append(f"{node.lineno}: {ast.unparse(node.func)}(...)")
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for leaf in ast.walk(t):  # `a.args = b.args = ...`, `(n.args, n.kwargs) = ...`
+                if isinstance(leaf, ast.Attribute) and leaf.attr in FX_NODE_FIELDS \
+                        and isinstance(leaf.ctx, ast.Store) \
+                        and not (isinstance(leaf.value, ast.Name)
+                                 and leaf.value.id in ("self", "cls")):
+                    out.append(f"{node.lineno}: {ast.unparse(leaf)} = ...")
+    return sorted(out, key=lambda line: int(line.split(":")[0]))
+
+
+def test_no_module_under_runtime_rewrites_a_graph():
+    found = {str(p.relative_to(ROOT)): graph_rewrites(p)
+             for p in sorted((PACKAGE / "runtime").rglob("*.py"))}
+    found = {p: lines for p, lines in found.items() if lines}
+    assert not found, ("FX graph rewrites under autoplan/runtime/: move them to a pass and "
+                       f"call it from passes/lowering.py ([Note: pass order]): {found}")
+
+
+def test_a_graph_rewrite_is_found(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text(
+        "def f(gm, node, out, sg):\n"
+        "    with gm.graph.inserting_before(node):\n"
+        "        new = gm.graph.call_function(g, (node,))\n"
+        "    node.replace_all_uses_with(new)\n"
+        "    gm.graph.erase_node(node)\n"
+        "    node.args = (new,)\n"
+        "    node.target = g\n"
+        "    sg.gm.recompile()\n"
+        "    out.append(node)\n"                       # a list: not a graph
+        "    self.target = 3\n"                        # not a node
+        "    sg.gm.forward = g\n"                      # a module's forward: not its graph
+        "    [n.name for n in gm.graph.nodes]\n")      # reading: not a rewrite
+    assert graph_rewrites(path) == [
+        "2: gm.graph.inserting_before(...)", "3: gm.graph.call_function(...)",
+        "4: node.replace_all_uses_with(...)", "5: gm.graph.erase_node(...)",
+        "6: node.args = ...", "7: node.target = ...", "8: sg.gm.recompile(...)"]
+
+
 # -- the benchmark tables -------------------------------------------------------------------
 @pytest.mark.parametrize("bench, render", [
     ("coverage", lambda m, doc: m.markdown(doc)),

@@ -90,8 +90,8 @@ def dp_sync_s(cfg: Config, spec: TrainingSpec, topology: Topology, elems: float,
 
 
 def num_dp_units(cfg: Config, layers) -> int:
-    """FSDP2 units on the busiest pipeline rank (autoplan/runtime/engine.py
-    `_apply_data_parallel`: one per block module and one per stage module for the rest): its
+    """FSDP2 units on the busiest pipeline rank (autoplan/runtime/rank_stages.py
+    `apply_data_parallel`: one per block module and one per stage module for the rest): its
     blocks, plus the stage root on the first and last pipeline ranks, which hold the parameters
     outside the blocks (embeddings, final norm, head); middle ranks' roots hold none and issue
     no collective."""

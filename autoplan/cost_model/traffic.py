@@ -10,8 +10,8 @@ e the compute dtype's bytes, f the reduce dtype's (fp32 under a 16-bit plan: FSD
 MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compute dtype):
 
 - dp (the dp axis, "dp_cp" under cp). One FSDP2 unit per block module and one per stage
-  module for the rest (engine.py `_apply_data_parallel`); a unit's bytes are its parameters'
-  local (after tp) elements, each dim 0 padded to a multiple of D as FSDP2 pads its shards
+  module for the rest (runtime/rank_stages.py `apply_data_parallel`); a unit's bytes are its
+  parameters' local (after tp) elements, each dim 0 padded to a multiple of D as FSDP2 pads its shards
   (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `padded_sharded_param_size`):
   ZeRO 0/1 (`replicate`): one `allreduce_` of the unit's trainable gradients (f, unpadded) per
   step -- the last microbatch's without pp (`set_requires_gradient_sync`, engine.py), the

@@ -2,16 +2,20 @@
 per-rank modules the runtime trains (docs/design.md, "Passes").
 
 Files:
-- stages.py: split a captured graph into pipeline stages (the stage boundaries of the plan).
+- lowering.py: the lowering from a plan to one rank's stage modules, the order of the passes
+  written once ([Note: pass order]); the runtime, the export and the cp trial call it.
+- stages.py: split a captured graph into pipeline stages (the stage boundaries of the plan),
+  each stage with Parameter objects of its own.
 - sharding.py: apply the plan's tensor-parallel placements, every redistribution explicit
   ([Note: view under DTensor]).
 - regather.py: gathered inputs held for the backward as their shards, gathered again there
   ([Note: gathered inputs saved sharded]).
 - context_parallel.py: context parallelism in a stage graph, the runtime's half of [Note: context
   parallelism].
-- experts_local.py: the routed-experts op under DTensor on the tp axis.
+- experts_local.py: the routed-experts op under DTensor on the tp axis, and its nodes routed
+  to the runtime's op over an ep group.
 - rng.py: layout-invariant random ops ([Note: RNG contract]): the graph pass, the eager mode;
-  keyed_random.py: the keyed ops they call and their state.
+  keyed_random.py: the keyed ops they call and their state (run eagerly under compile).
 - kernels.py: fuse the patterns the Triton kernels implement ([Note: kernel fusion],
   [Note: vocab-parallel loss]).
 - blocks.py: each repeated block of a stage graph as a module of its own.

@@ -15,11 +15,12 @@ shards in the placements the plan chose (strategies/experts_candidates.py):
 from __future__ import annotations
 
 import torch
+import torch.fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoplan.experts import EXPERTS_OP
 
-__all__ = ["experts_local"]
+__all__ = ["experts_local", "route_experts"]
 
 
 def experts_local(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: str,
@@ -60,3 +61,25 @@ def experts_local(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a
     placement = (Partial(),) if split else (Replicate(),)
     return DTensor.from_local(out, mesh, placement, run_check=False,
                               shape=torch.Size(hidden.shape), stride=out.stride())
+
+
+def route_experts(gm: torch.fx.GraphModule, target) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Point every experts node of `gm` (after `apply_placements`: `experts_local` or the op
+    itself) at `target`, the op run over an ep group (runtime/expert_parallel.py
+    `experts_all_to_all`; in place, recompiles). Returns (experts node, weight node) of each
+    node's gate_up_proj and down_proj arguments, in graph order: the weights the runtime shards
+    over ep.
+
+    Raises ValueError when an experts node's weights are not parameters read directly."""
+    routed = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (experts_local, EXPERTS_OP):
+            continue
+        node.target = target
+        for arg in node.args[3:5]:
+            if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
+                raise ValueError(f"experts node {node.name}: expert weights must be parameters "
+                                 f"read directly (get_attr), got {arg}")
+            routed.append((node, arg))
+    gm.recompile()
+    return routed

@@ -19,18 +19,17 @@ each run of ops a comment names the module they run for (`# model.layers.0.self_
 the captured node's module path, so a block's ops carry the rank's own block index), and each
 call that names a process group ('8') ends with that group's mesh axis and global ranks, which
 the header also lists; the JSON rows carry both (`module`, `group`). The placed stage graphs
-are made once per export and copied for each traced rank (`shared_stages`).
+are made once per export and copied for each traced rank (passes/lowering.py `place_stages`;
+each rank's share is `lower_rank`, [Note: pass order]).
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import os
 import re
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,14 +42,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autoplan._torch_compat import (clear_dtensor_caches, implicit_replication,
                                     quiet_understood_warnings)
 from autoplan.graph import CapturedGraph
-from autoplan.passes.device import retarget_device
-from autoplan.passes.kernels import fuse_kernels
-from autoplan.passes.stages import StageGraph, split_stages
-from autoplan.passes.sharding import apply_placements, value_placements
+from autoplan.passes.lowering import (LoweringOptions, PlacedStages, RankCoords, lower_rank,
+                                     place_stages)
+from autoplan.passes.sharding import value_placements
 from autoplan.plan import Plan, parse_placement
 
-__all__ = ["export_plan", "shared_stages", "trace_rank", "SharedStages", "COLLECTIVE_OPS",
-           "count_collectives", "count_kernels"]
+__all__ = ["export_plan", "shared_stages", "trace_rank", "COLLECTIVE_OPS", "count_collectives",
+           "count_kernels"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "all_to_all_single", "broadcast")
@@ -79,17 +77,6 @@ def count_kernels(gm: torch.fx.GraphModule) -> dict[str, int]:
     return out
 
 
-class SharedStages(NamedTuple):
-    """The part of an export's lowering that every rank shares (`shared_stages`)."""
-
-    stages: list[StageGraph]
-    """The plan's stage graphs, placements applied (kernels fused under cp 1)."""
-    planned_nodes: dict[str, torch.fx.Node] | None
-    """cp > 1: each node's counterpart in the graph captured at the whole sequence."""
-    kernels: bool
-    """Whether the fused kernels replace their patterns (`trace_rank`'s `kernels`)."""
-
-
 def _local_shape(shape, placement: str, tp: int) -> tuple[int, ...]:
     p = parse_placement(placement)
     shape = list(shape)
@@ -104,49 +91,31 @@ def _val(node: torch.fx.Node):
 
 
 def shared_stages(graph: CapturedGraph, plan: Plan, kernels: bool = True,
-                  planned: CapturedGraph | None = None) -> SharedStages:
-    """What every rank's trace of `plan` shares: the stage graphs with the plan's placements
-    applied and, under cp 1, the fused kernels (`kernels`); under cp > 1 the cp rewrite is the
-    rank's own (its cp rank and group), so `trace_rank` fuses after it, as runtime/engine.py
-    orders them. Made once per export: for llama3-70b at pp8 x dp2 x tp4, copying, splitting
-    and rewriting the whole 80-layer graph again for each of the 32 traced ranks was 40% of
-    the export's time. Raises ValueError where `check_whole_graph` does (cp > 1)."""
-    gm = torch.fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph))
-    retarget_device(gm, "cpu")
+                  planned: CapturedGraph | None = None) -> PlacedStages:
+    """What every rank's trace of `plan` shares (passes/lowering.py `place_stages`: the stage
+    graphs with the plan's placements applied and, under cp 1, the fused kernels). `planned`:
+    under cp > 1, the graph captured at the whole sequence. Raises ValueError where
+    `place_stages` does."""
     nodes = None
-    if plan.mesh.cp > 1:
-        from autoplan.passes.context_parallel import check_whole_graph
+    if plan.mesh.cp > 1 and planned is not None:
         from autoplan.passes.expand import counterparts
 
-        check_whole_graph(gm, plan.seq_len, plan.mesh.cp)
-        nodes = counterparts(planned, graph) if planned is not None else None
-    stages = split_stages(gm, graph, plan.stages)
-    for sg in stages:
-        apply_placements(sg.gm, plan)
-        if kernels and plan.mesh.cp == 1:
-            fuse_kernels(sg.gm)
-    return SharedStages(stages, nodes, kernels)
-
-
-def _copy_stage(sg: StageGraph) -> StageGraph:
-    """`sg` with a module and graph of its own (the trace rebinds the module's parameters,
-    the cp rewrite edits the graph); nodes keep their names, meta and tensors are shared."""
-    g = torch.fx.Graph()
-    g.output(g.graph_copy(sg.gm.graph, {}))
-    return StageGraph(sg.index, torch.fx.GraphModule(sg.gm, g, class_name=f"Stage{sg.index}"),
-                      sg.input_names, sg.output_names)
+        nodes = counterparts(planned, graph)
+    return place_stages(graph, plan, LoweringOptions(kernels=kernels), planned=nodes)
 
 
 def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
                kernels: bool = True, cp_rank: int = 0,
-               planned: CapturedGraph | None = None, shared: SharedStages | None = None):
+               planned: CapturedGraph | None = None, shared: PlacedStages | None = None):
     """Trace the local forward graph(s) of mesh coordinate (pp_rank, dp 0, cp_rank, tp_rank),
     with the fused kernels' ops in place of their patterns as the runtime runs them
     (`kernels`, see autoplan/passes/kernels.py). Under cp > 1 `graph` is the model captured at
     plan.seq_len / cp tokens per sample, rewritten for cp rank `cp_rank` as the runtime does
     (passes/context_parallel.py; `planned`: the graph captured at the whole sequence, to tell
     position indexes apart). `shared`: `shared_stages(graph, plan, kernels, planned)`, made
-    once for the ranks of an export (made here when None).
+    once for the ranks of an export (made here when None). The rank's graphs are the
+    lowering's (passes/lowering.py `lower_rank` without a runtime: [Note: pass order] up to
+    the kernels).
 
     Each traced op's `meta["module_path"]` is the path of the module it runs for (absent for
     the views DTensor.from_local / to_local add at the stage's edges), and the traced module's
@@ -165,21 +134,13 @@ def trace_rank(graph: CapturedGraph, plan: Plan, pp_rank: int, tp_rank: int,
     tp, cp = plan.mesh.tp, plan.mesh.cp
     if shared is None:
         shared = shared_stages(graph, plan, kernels, planned)
-    assert shared.kernels == kernels, "shared stages made with another `kernels`"
+    assert shared.options.kernels == kernels, "shared stages made with another `kernels`"
+    cp_group = mesh["cp"].get_group().group_name if cp > 1 else ""
+    lowered = lower_rank(graph, plan, RankCoords(pp_rank, cp_rank, tp_rank, cp_group),
+                         shared.options, placed=shared)
     produced = value_placements(plan)
     out = []
-    for placed in shared.stages:
-        if placed.index % plan.mesh.pp != pp_rank:
-            continue
-        sg = _copy_stage(placed)
-        if cp > 1:  # as runtime/engine.py: after the placements, before the kernels
-            from autoplan.passes.context_parallel import apply_context_parallel
-
-            apply_context_parallel(sg.gm, seq_len=plan.seq_len, cp=cp, rank=cp_rank,
-                                   group_name=mesh["cp"].get_group().group_name, tp=tp,
-                                   planned=shared.planned_nodes, whole=plan.mesh.pp == 1)
-            if kernels:
-                fuse_kernels(sg.gm)
+    for sg in lowered.stage_graphs:
         attrs = [n.target for n in sg.gm.graph.nodes if n.op == "get_attr"]
         placeholders = [n for n in sg.gm.graph.nodes if n.op == "placeholder"]
         in_pl = [produced.get(n, "R") for n in sg.input_names]

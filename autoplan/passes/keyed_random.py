@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 import torch
+import torch.fx
 from torch.distributed.tensor import DTensor
 
 from autoplan._torch_compat import local_shard_offset
@@ -19,7 +20,8 @@ from autoplan.passes.sharding import sdpa_local
 
 __all__ = ["RandomState", "RandomOp", "sample_seed", "check_p", "keyed_dropout",
            "keyed_native_dropout", "keyed_bernoulli", "keyed_bernoulli_", "keyed_rand_like",
-           "keyed_rand", "keyed_bernoulli_tensor", "keyed_bernoulli_tensor_", "keyed_sdpa"]
+           "keyed_rand", "keyed_bernoulli_tensor", "keyed_bernoulli_tensor_", "keyed_sdpa",
+           "random_ops_eager"]
 
 aten = torch.ops.aten
 
@@ -413,3 +415,22 @@ def keyed_sdpa(state: RandomState, query, key, value, attn_mask=None, dropout_p:
     global_shape = torch.Size((*shape[:-1], value.shape[-1]))
     stride = torch.empty(global_shape, device="meta").stride()  # contiguous, like `out`
     return _like(out, query, shape=global_shape, stride=stride)
+
+
+def random_ops_eager(gm: torch.fx.GraphModule) -> None:
+    """Point every call of a keyed random op ([Note: RNG contract]) in `gm` and its
+    sub-GraphModules at a wrapper torch.compile runs eagerly (in place; recompiles). Each op
+    draws from per-row CPU generators keyed by a mutable RandomState: traced, its step and
+    sample offset would be constants guarded on, and every step would compile again ([Note:
+    compiled stages] in runtime/compiled.py). Run before `install_blocks` and
+    `wrap_checkpointing` (they move the calls into block modules and bind their forwards)."""
+    keyed = {globals()[name] for name in __all__ if name.startswith("keyed_")}
+    eager = {fn: torch.compiler.disable(fn) for fn in keyed}
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        found = [n for n in module.graph.nodes if n.op == "call_function" and n.target in eager]
+        for node in found:
+            node.target = eager[node.target]
+        if found:
+            module.recompile()

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+import torch.nn as nn
 
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Stage
 
-__all__ = ["assign_stages", "constant_like_nodes", "split_stages", "StageGraph"]
+__all__ = ["assign_stages", "constant_like_nodes", "split_stages", "StageGraph",
+           "untie_across_stages"]
 
 
 def constant_like_nodes(gm: torch.fx.GraphModule, buffer_fqns: set[str]) -> set[str]:
@@ -211,3 +213,16 @@ def split_stages(gm: torch.fx.GraphModule, graph: CapturedGraph,
         sub = torch.fx.GraphModule(gm, g, class_name=f"Stage{s}")
         result.append(StageGraph(s, sub, inputs, output_names))
     return result
+
+
+def untie_across_stages(gm: torch.fx.GraphModule) -> None:
+    """Give this stage its own Parameter objects, so stages never share one across modules
+    (a tied embedding and head in two stages: runtime/tied.py sums their gradients)."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner_path, _, leaf = node.target.rpartition(".")
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+            if leaf in owner._parameters:
+                old = owner._parameters[leaf]
+                owner._parameters[leaf] = nn.Parameter(old.detach().clone(),
+                                                       requires_grad=old.requires_grad)

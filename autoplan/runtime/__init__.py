@@ -3,8 +3,9 @@ of a planned model; `LocalCluster` (launcher.py) runs functions on N local gloo 
 
 Files:
 - engine.py: the training engine, one rank's share of a planned model and its optimizer step.
-- rank_stages.py: the engine's base class, this rank's stages built on meta (split, placements,
-  cp, kernels, experts, random ops, blocks, checkpointing, compile, tp parameters, FSDP2).
+- rank_stages.py: the engine's base class, this rank's stages built on meta by the lowering
+  (autoplan/passes/lowering.py, [Note: pass order]), and the runtime's steps in it (meta
+  weights, expert weights over ep, tp parameters, compile, the tp stage forward, FSDP2).
 - parallel.py: the torch.distributed pieces it composes (ZeRO by stage, pipeline schedules,
   global gradient clipping, the forward of a tp-sharded stage).
 - zero1.py: the ZeRO-1 optimizer, states in equal parts ([Note: ZeRO-1 partition]).

@@ -6,7 +6,7 @@ module (`passes.blocks.install_blocks`: one per repeated block) -- torchtitan's 
 (`apply_compile` in torchtitan/models/llama3/infra/parallelize.py: one `torch.compile` per
 transformer block, never the schedule, never the FSDP2 hooks). A stage without block modules
 (a model without repeated blocks, or blocks left flat) has its whole graph compiled instead.
-The order, and why:
+The order (steps 10-14 of [Note: pass order] in autoplan/passes/lowering.py), and why:
 1. after tensor parallelism (`apply_placements`, DTensor parameters): the compiled region runs
    on DTensors and traces their sharding propagation and the plan's redistributions into the
    graph (functional collectives), so the per-op DTensor dispatch happens once, at compile
@@ -29,8 +29,8 @@ checkpoint keys and the optimizer factory's names).
 What a graph break costs: the rest of the region runs eagerly, with the same ops, so results
 do not change (tests/test_compile.py trains with compile=True against one process). Random ops
 of [Note: RNG contract] draw per-row CPU generators keyed by a mutable RandomState; they are
-run outside the compiled graph (`torch.compiler.disable`), so a step counter never becomes a
-guard that recompiles every step.
+run outside the compiled graph (`torch.compiler.disable`, passes/keyed_random.py
+`random_ops_eager`), so a step counter never becomes a guard that recompiles every step.
 
 Compile time: inductor generates and builds C++ (CPU) or Triton (CUDA) kernels on the first
 step; `TORCHINDUCTOR_CACHE_DIR` keeps them between runs (torch's own cache, keyed by graph).
@@ -61,8 +61,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["compile_stage", "compile_flat_stage", "random_ops_eager", "pin_cache_to_groups",
-           "COMPILE_BACKEND"]
+__all__ = ["compile_stage", "compile_flat_stage", "pin_cache_to_groups", "COMPILE_BACKEND"]
 
 COMPILE_BACKEND = "inductor"
 """torch.compile's backend for the stages (TorchInductor: C++/OpenMP on CPU, Triton on CUDA)."""
@@ -130,24 +129,3 @@ def pin_cache_to_groups(mesh) -> str:
 
 def _compile_forward(module: torch.nn.Module) -> None:
     module.forward = torch.compile(module.forward, backend=COMPILE_BACKEND)
-
-
-def random_ops_eager(gm: torch.fx.GraphModule) -> None:
-    """Point every call of a keyed random op ([Note: RNG contract]) in `gm` and its
-    sub-GraphModules at a wrapper torch.compile runs eagerly (in place; recompiles). Each op
-    draws from per-row CPU generators keyed by a mutable RandomState: traced, its step and
-    sample offset would be constants guarded on, and every step would compile again. Run
-    before `install_blocks` and `wrap_checkpointing` (they move the calls into block modules
-    and bind their forwards)."""
-    from autoplan.passes import rng
-
-    keyed = {getattr(rng, name) for name in rng.__all__ if name.startswith("keyed_")}
-    eager = {fn: torch.compiler.disable(fn) for fn in keyed}
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        found = [n for n in module.graph.nodes if n.op == "call_function" and n.target in eager]
-        for node in found:
-            node.target = eager[node.target]
-        if found:
-            module.recompile()

@@ -34,7 +34,9 @@ Build order (each step needs the previous one), all on the meta device until ste
 8. Weights used by several stages (tied embedding and head) get their gradients summed over
    the stages that hold them before the optimizer step, so the copies stay identical.
 
-Steps 2-5 are `RankStages` (autoplan/runtime/rank_stages.py), this engine's base class.
+Steps 2-5 are the lowering (autoplan/passes/lowering.py `lower_rank`, [Note: pass order]), called
+by `RankStages` (autoplan/runtime/rank_stages.py), this engine's base class, which does the
+runtime's part of them (tp parameters as DTensors, compile, FSDP2).
 
 [Note: frozen parameters] A parameter with `requires_grad=False` stays frozen, as on one process
 and as FSDP2, DeepSpeed and Megatron-Core keep it: every step that rebuilds a Parameter (tp's
@@ -235,7 +237,7 @@ class DistributedModel(RankStages):
             make_opt = optimizer or functools.partial(default_adamw, fused=self.kernels)
             self._check_elementwise(optimizer, params)
             # CPU offload ([Note: offload] in cost_model/offload.py): ZeRO 0/1 step on the host
-            # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (_apply_data_parallel)
+            # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (rank_stages.py apply_data_parallel)
             host = plan.offload == "optimizer"
             if plan.zero_stage == 1 and plan.mesh.dp_shard > 1:
                 self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.dp_mesh,

@@ -142,32 +142,26 @@ class ExpertParallel:
         self.outer_group = mesh4["dp_outer"].get_group() if dp // ep > 1 else None
         self.params: list[nn.Parameter] = []
 
-    def apply(self, gm: torch.fx.GraphModule) -> list[nn.Parameter]:
-        """Point every experts node of `gm` (after `apply_placements`) at `experts_all_to_all`
-        and make its expert weights Shard(0) DTensors on the ep mesh (on the meta device; the
-        engine allocates). Returns those parameters in graph order -- the same on every rank,
-        which `reduce_gradients` relies on (its all-reduces pair tensors by order) -- for
-        FSDP2's `ignored_params`.
+    def shard(self, gm: torch.fx.GraphModule,
+              routed: list[tuple[torch.fx.Node, torch.fx.Node]]) -> list[nn.Parameter]:
+        """Make the expert weights of stage `gm` Shard(0) DTensors on the ep mesh (on the meta
+        device; the engine allocates): `routed` is passes/experts_local.py `route_experts`'
+        (experts node, weight node) pairs, its experts nodes already pointed at
+        `experts_all_to_all` (the lowering's step 7, [Note: pass order] in
+        autoplan/passes/lowering.py). Returns those parameters in graph order -- the same on
+        every rank, which `reduce_gradients` relies on (its all-reduces pair tensors by order)
+        -- for FSDP2's `ignored_params`.
 
-        Raises ValueError when an experts node's weights are not parameters read directly or
-        their expert count does not divide by ep."""
+        Raises ValueError when an expert count does not divide by ep."""
         found: list[nn.Parameter] = []
-        for node in gm.graph.nodes:
-            if node.op != "call_function" or node.target not in (experts_local, EXPERTS_OP):
-                continue
-            node.target = experts_all_to_all
-            for arg in node.args[3:5]:
-                p = self._distribute(gm, node, arg)
-                if all(p is not q for q in found):
-                    found.append(p)
-        gm.recompile()
+        for _, arg in routed:
+            p = self._distribute(gm, arg)
+            if all(p is not q for q in found):
+                found.append(p)
         self.params += [p for p in found if all(p is not q for q in self.params)]
         return found
 
-    def _distribute(self, gm, node, arg) -> nn.Parameter:
-        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
-            raise ValueError(f"experts node {node.name}: expert weights must be parameters "
-                             f"read directly (get_attr), got {arg}")
+    def _distribute(self, gm, arg) -> nn.Parameter:
         owner_path, _, leaf = arg.target.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
         p = owner._parameters[leaf]

@@ -1,19 +1,18 @@
 """Weights used by several pipeline stages (a tied embedding and head): each stage holds its
 own copy, and their gradients are summed over the stages that hold them before the optimizer
-step, so the copies stay identical (step 8 of runtime/engine.py)."""
+step, so the copies stay identical (step 8 of runtime/engine.py); each stage's own copy is
+made by the lowering (passes/stages.py `untie_across_stages`)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
 import torch.distributed as dist
-import torch.fx
-import torch.nn as nn
 
 from autoplan._torch_compat import outside_fake_mode
 from autoplan.runtime.parallel import local_tensor
 
-__all__ = ["sync_tied_grads", "tied_groups", "untie_across_stages"]
+__all__ = ["sync_tied_grads", "tied_groups"]
 
 
 def tied_groups(engine) -> dict:
@@ -68,15 +67,3 @@ def sync_tied_grads(engine) -> None:
             dist.all_reduce(total, group=group)
         for g in grads:
             local_tensor(g).copy_(total)
-
-
-def untie_across_stages(gm: torch.fx.GraphModule) -> None:
-    """Give this stage its own Parameter objects, so stages never share one across modules."""
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            owner_path, _, leaf = node.target.rpartition(".")
-            owner = gm.get_submodule(owner_path) if owner_path else gm
-            if leaf in owner._parameters:
-                old = owner._parameters[leaf]
-                owner._parameters[leaf] = nn.Parameter(old.detach().clone(),
-                                                       requires_grad=old.requires_grad)
