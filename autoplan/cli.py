@@ -193,7 +193,7 @@ def _plan(args, num_layers: int | None) -> Planned:
     from autoplan.models.trainable import Trainable
     from autoplan.options import search_options_of
     from autoplan.session import audit, solve
-    from autoplan.solver.search import ReplicatedWeightsWarning
+    from autoplan.solver.configurations import ReplicatedWeightsWarning
     from autoplan.spec import TrainingSpec
 
     config = model_config(args.model)  # an unknown preset fails here, before the cluster

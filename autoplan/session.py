@@ -249,7 +249,7 @@ class PlanningSession:
 
         from autoplan.cache import PlanCache
         from autoplan.progress import note
-        from autoplan.solver.search import ReplicatedWeightsWarning
+        from autoplan.solver.configurations import ReplicatedWeightsWarning
 
         entry = PlanCache().get(request) if request is not None else None
         if entry is None:
@@ -271,7 +271,7 @@ class PlanningSession:
 
         from autoplan.cache import PlanCache
         from autoplan.progress import detail
-        from autoplan.solver.search import ReplicatedWeightsWarning
+        from autoplan.solver.configurations import ReplicatedWeightsWarning
 
         plan, caught = solve(graph, topo, self.spec, search, given=self.options.search,
                              couplings=self._couplings, name=type(self.module).__name__,
@@ -395,7 +395,7 @@ def solve(graph, topology: Topology, spec: TrainingSpec, search: SearchOptions, 
     from autoplan.batch_coupling import check_plan
     from autoplan.solver import InvalidConfig
     from autoplan.solver import plan as solve_plan
-    from autoplan.solver.search import ReplicatedWeightsWarning
+    from autoplan.solver.configurations import ReplicatedWeightsWarning
 
     held = sorted(set(search.given()) - set(given.given()))  # by the couplings
     cp_held = why_not_cp is not None and search.cp is None

@@ -531,7 +531,7 @@ def mlp_tiny():
 def test_weights_that_tp_cannot_split_warn(mlp_tiny):
     """Any model: mlp-tiny's (128, 32) and (32, 128) weights on tp 3, through plan()."""
     from autoplan.solver import plan
-    from autoplan.solver.search import ReplicatedWeightsWarning
+    from autoplan.solver.configurations import ReplicatedWeightsWarning
     from autoplan.spec import TrainingSpec
 
     spec = TrainingSpec(global_batch=3, seq_len=16)

@@ -33,7 +33,8 @@ from autoplan.report import render_markdown
 from autoplan.runtime.checks import check_context_parallel
 from autoplan.solver import InvalidConfig, plan
 from autoplan.solver.context import attention_nodes, cp_degrees
-from autoplan.solver.search import Overrides, PlanConfig, Search, enumerate_configs
+from autoplan.solver.search import Search
+from autoplan.solver.configurations import Overrides, PlanConfig, enumerate_configs
 from autoplan.spec import TrainingSpec
 from autoplan.testing import compare
 from autoplan.topology import preset
@@ -199,7 +200,7 @@ def test_unplaceable_overrides_name_the_layout_not_cp(long_llama, h100):
 def test_pipeline_bound_is_below_every_lower_bound(long_llama, h100):
     """[Note: lazy bounds] in solver/branch_bound.py: the pipeline term a configuration waits at
     never exceeds its lower bound, for every configuration (cp > 1 and offloads included)."""
-    from autoplan.solver.search import offload_variants
+    from autoplan.solver.configurations import offload_variants
     search = Search(long_llama, h100, SPEC, 10.0)
     configs = enumerate_configs(long_llama, h100, SPEC, Overrides(), search.policies())
     configs += [v for c in configs for v in offload_variants(c, Overrides())]

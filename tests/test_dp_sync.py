@@ -11,7 +11,8 @@ from autoplan.capture import capture_preset
 from autoplan.cost_model.comm import collective_time_s
 from autoplan.cost_model.config import Config
 from autoplan.cost_model.dp_sync import dp_sync_s, num_dp_units
-from autoplan.solver.search import PlanConfig, Search
+from autoplan.solver.search import Search
+from autoplan.solver.configurations import PlanConfig
 from autoplan.spec import TrainingSpec
 from autoplan.topology import preset
 

@@ -200,7 +200,7 @@ def test_memory_constrained_ilp_equals_exhaustive_search_with_frozen_parameters(
     import itertools
 
     from autoplan.models.mlp import WideMLP
-    from autoplan.solver.search import PlanConfig
+    from autoplan.solver.configurations import PlanConfig
 
     with torch.device("meta"):
         model = WideMLP(256, 1024)

@@ -130,9 +130,6 @@ def test_an_init_that_imports_its_parts_halfway_down_is_a_cycle(tmp_path):
 MAX_LINES = 500
 # The mark of a reason in a module docstring (docs/design.md, house rule 3).
 REASON = "Long because:"
-# Over MAX_LINES in solver/ and cost_model/, pending the cost-model work of issue 25 (another
-# change rewrites those packages): to be split there, not given a reason.
-PENDING_SPLIT = {"autoplan/solver/planner.py", "autoplan/solver/search.py"}
 
 
 def line_count(path: Path) -> int:
@@ -155,16 +152,9 @@ def long_files(root: Path) -> list[str]:
 
 
 def test_no_source_file_is_over_500_lines_without_saying_why():
-    long = [f for f in long_files(ROOT) if f.split(":")[0] not in PENDING_SPLIT]
+    long = long_files(ROOT)
     assert not long, (f"split these along their seams, or say why in the module docstring "
                       f"({REASON!r} ...):\n" + "\n".join(long))
-
-
-def test_the_pending_list_holds_only_long_files():
-    """A file split by the cost-model work leaves PENDING_SPLIT."""
-    short = sorted(f for f in PENDING_SPLIT
-                   if not (ROOT / f).is_file() or line_count(ROOT / f) <= MAX_LINES)
-    assert not short, f"no longer over {MAX_LINES} lines: remove from PENDING_SPLIT: {short}"
 
 
 def test_a_long_file_is_found_unless_its_docstring_says_why(tmp_path):

@@ -141,7 +141,7 @@ def test_an_ep_group_that_straddles_nodes_is_not_offered():
     import _moe
     from autoplan.capture import capture
     from autoplan.solver import plan
-    from autoplan.solver.search import InvalidConfig
+    from autoplan.solver.configurations import InvalidConfig
     from autoplan.spec import TrainingSpec
 
     graph = capture(_moe.factory("mixtral", num_local_experts=6)().to("meta"),

@@ -232,7 +232,7 @@ def test_ep_is_priced_per_topology_level():
     shard); an ep that does not divide the experts is a named error."""
     from autoplan.cost_model.expert_parallel import ep_step_delta_s, expert_layers
     from autoplan.solver.expert_degree import expert_parallel
-    from autoplan.solver.search import InvalidConfig
+    from autoplan.solver.configurations import InvalidConfig
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset
 

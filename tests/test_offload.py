@@ -102,7 +102,7 @@ def test_offload_moves_states_to_the_host_and_adds_their_time(zero, offload):
 
 
 def test_offload_needs_host_figures_and_a_stage_that_runs_it():
-    from autoplan.solver.search import InvalidConfig
+    from autoplan.solver.configurations import InvalidConfig
 
     with pytest.raises(InvalidConfig, match="does not run at ZeRO-2"):
         _plan("optimizer", 2)

@@ -27,8 +27,8 @@ from autoplan.solver import InvalidConfig, NoFeasiblePlan, plan
 from autoplan.solver.costs import split_of
 from autoplan.solver.ilp import evaluate, model_proto
 from autoplan.solver.problem import OUTPUT, build_problem
-from autoplan.solver.search import (Overrides, PlanConfig, Search, enumerate_configs,
-                                     offload_variants)
+from autoplan.solver.search import Search
+from autoplan.solver.configurations import Overrides, PlanConfig, enumerate_configs, offload_variants
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import node_strategies, node_tensor_meta, tensor_args
 from autoplan.topology import preset

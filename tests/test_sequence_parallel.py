@@ -173,7 +173,7 @@ def test_tp2_sequence_parallel_with_checkpointing_matches_single_process(cluster
         assert_matches(name, result, ref)
 
 
-@pytest.mark.filterwarnings("ignore::autoplan.solver.search.ReplicatedWeightsWarning")
+@pytest.mark.filterwarnings("ignore::autoplan.solver.configurations.ReplicatedWeightsWarning")
 def test_plan_and_report_show_the_region(graphs):
     """solver.plan(sequence_parallel=...) fixes the region's placements, and the report's
     summary and placement section say so."""

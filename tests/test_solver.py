@@ -20,7 +20,8 @@ from autoplan.solver import (InvalidConfig, NoFeasiblePlan, SolverLimitReached,
 from autoplan.solver.costs import build_costs
 from autoplan.solver.ilp import evaluate, solve
 from autoplan.solver.problem import build_problem
-from autoplan.solver.search import PlanConfig, Search
+from autoplan.solver.search import Search
+from autoplan.solver.configurations import PlanConfig
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import constant_like_nodes, tensor_args
 from autoplan.topology import preset
@@ -369,7 +370,8 @@ def test_ilp_equals_exhaustive_search_on_a_small_problem():
 def test_branch_and_bound_equals_exhaustive_search_over_configurations(llama, memory_bound):
     """Solve every configuration exactly (memory-constrained where needed): the best step
     time equals the plan's. The device is small enough that memory binds."""
-    from autoplan.solver.search import Overrides, Search, enumerate_configs
+    from autoplan.solver.search import Search
+    from autoplan.solver.configurations import Overrides, enumerate_configs
     topo, spec, best_plan = memory_bound
     best = best_plan.prediction.step_time_s
     search, times = Search(llama, topo, spec, 10.0), []

@@ -82,7 +82,7 @@ def test_the_planner_hands_a_whole_tensor_optimizer_no_pieces():
 
     from autoplan.capture import capture_preset
     from autoplan.solver import InvalidConfig, plan
-    from autoplan.solver.search import Overrides, enumerate_configs, offload_variants
+    from autoplan.solver.configurations import Overrides, enumerate_configs, offload_variants
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset
 

@@ -15,12 +15,16 @@ The pipeline, in files:
                       first, CP-SAT when the LP is fractional)
     ilp_model.py      the ILP as an OR-Tools model (one add_* per block of that math)
     ilp_types.py      its step form and the error of a solve that found nothing
-    search.py         configurations, bounds, step forms, errors ([Note: decomposition])
+    configurations.py the configurations searched (options checked, meshes enumerated) and
+                      the planner's errors and warnings
+    search.py         their costs, bounds and step forms ([Note: decomposition])
     pins.py           pinned parameter placements: the user's hard constraints on the ILP
     branch_bound.py   the branch and bound over configurations (lazy, resumable bounds)
     planner.py        plan(): that search driven to the best plan and runners-up (cp first
-                      under a bound, offload where nothing fits, errors); reprice(): a fixed
-                      plan priced on another topology
+                      under a bound, offload where nothing fits); reprice(): a fixed plan
+                      priced on another topology
+    outcome.py        what plan() says of its result: runners-up and why each loses,
+                      warnings, the errors where no plan is left
     expert_degree.py  the expert-parallel degree of a plan (given, or the fastest that fits)
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
@@ -29,9 +33,9 @@ ValueError), `SolverLimitWarning`, `DP_SYNC_OVERLAP`.
 """
 
 from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
+from autoplan.solver.configurations import InvalidConfig, NoFeasiblePlan, SolverLimitWarning
+from autoplan.solver.ilp_types import SolverLimitReached
 from autoplan.solver.planner import plan, reprice
-from autoplan.solver.search import (InvalidConfig, NoFeasiblePlan, SolverLimitReached,
-                                    SolverLimitWarning)
 
 __all__ = ["plan", "reprice", "NoFeasiblePlan", "InvalidConfig", "SolverLimitReached",
            "SolverLimitWarning", "DP_SYNC_OVERLAP"]

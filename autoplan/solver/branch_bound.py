@@ -12,9 +12,9 @@ import heapq
 from autoplan.cost_model.offload import OFFLOADS
 from autoplan.cost_model.offload import available as offload_available
 from autoplan.cost_model.step_time import Assessment
-from autoplan.solver.search import (
-    Overrides, PlanConfig, Search, SolverLimitReached, offload_variants, same_argmin,
-)
+from autoplan.solver.configurations import Overrides, PlanConfig, offload_variants
+from autoplan.solver.ilp_types import SolverLimitReached
+from autoplan.solver.search import Search, same_argmin
 
 __all__ = ["branch_and_bound", "offloaded", "offload_candidates", "rank_key",
            "runner_up_group", "POLICY_ORDER"]

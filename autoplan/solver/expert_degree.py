@@ -9,7 +9,7 @@ from autoplan.cost_model.comm import group_layout
 from autoplan.cost_model.expert_parallel import ExpertLayers, expert_layers, with_expert_parallel
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
-from autoplan.solver.search import InvalidConfig
+from autoplan.solver.configurations import InvalidConfig
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 

@@ -60,7 +60,7 @@ def plan_frozen_dtype(graph: CapturedGraph, spec: TrainingSpec,
 
     Raises what `run` raises (NoFeasiblePlan from the 16-bit variant when neither fits).
     """
-    from autoplan.solver.search import NoFeasiblePlan
+    from autoplan.solver.configurations import NoFeasiblePlan
 
     if not spec.mixed_precision or spec.frozen_dtype or not has_frozen(graph):
         return run(spec, offload_searched)

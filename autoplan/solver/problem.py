@@ -277,7 +277,7 @@ def _grad_nodes(graph: CapturedGraph, params: set[str]) -> set[str]:
 
 
 def _edges(graph: CapturedGraph, prob: Problem, layer_of, dtype_bytes) -> list[Edge]:
-    from autoplan.op_classes import NO_GRAD_OPS, op_name
+    from autoplan.op_classes import NO_GRAD_OPS
     params = {nd.name for nd in graph.gm.graph.nodes
               if nd.op == "get_attr" and nd.name in prob.cands and nd.name not in prob.constants}
     grads = _grad_nodes(graph, params)

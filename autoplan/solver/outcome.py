@@ -1,0 +1,216 @@
+"""What the planner says of its result (planner.py): the runners-up and why each loses, the
+warnings (weights a fixed tp leaves whole, configurations skipped at the solver's limit) and
+the errors where no plan is left (overrides that admit no configuration, no plan that fits in
+memory, every configuration cut at the limit), each naming the numbers at fault."""
+
+from __future__ import annotations
+
+import warnings
+
+from autoplan.cost_model.step_time import Assessment
+from autoplan.graph import CapturedGraph
+from autoplan.plan import Plan
+from autoplan.solver.branch_bound import POLICY_ORDER, rank_key, runner_up_group
+from autoplan.solver.configurations import (InvalidConfig, Overrides, PlanConfig,
+                                            ReplicatedWeightsWarning, SolverLimitWarning)
+from autoplan.solver.ilp_types import SolverLimitReached
+from autoplan.solver.problem import Problem
+from autoplan.solver.search import Search
+from autoplan.spec import TrainingSpec
+from autoplan.topology import Topology
+from autoplan.units import fmt_bytes
+
+__all__ = ["no_configuration", "warn_unsplit", "given_overrides", "alternatives",
+           "explain_memory", "limit_error", "warn_skipped"]
+
+
+def no_configuration(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
+                      overrides: Overrides, unplaced: list[tuple[str, str]]) -> InvalidConfig:
+    """The error of overrides that admit no configuration, naming the meshes that were
+    skipped because their groups cannot sit on the nodes ((mesh, why) of
+    configurations.enumerate_configs), the meshes of one reason together."""
+    text = (f"no configuration of {topology.world_size} devices satisfies the overrides "
+            f"{given_overrides(overrides)} with global_batch {spec.global_batch} and "
+            f"{graph.total_layers} layers")
+    o = overrides
+    if o.pp and o.pp > 1 and o.num_microbatches and o.num_microbatches < o.pp and \
+            o.schedule in (None, "1f1b", "interleaved-1f1b"):
+        text += (f"; {o.num_microbatches} microbatches are fewer than pp {o.pp} stages, which "
+                 "torch's 1F1B and interleaved schedules refuse: give num_microbatches >= "
+                 f"{o.pp} or schedule gpipe")
+    if unplaced:
+        meshes: dict[str, list[str]] = {}
+        for mesh, why in unplaced:
+            meshes.setdefault(why, []).append(mesh)
+        reasons = "; ".join(f"{', '.join(m)}: {why}" for why, m in meshes.items())
+        text += (f"; the meshes they allow cannot be placed: {reasons} (use degrees that "
+                 f"divide devices_per_node={topology.devices_per_node} or are multiples of it)")
+    return InvalidConfig(text)
+
+
+def warn_unsplit(search: Search, result: Plan) -> None:
+    """ReplicatedWeightsWarning when the plan's (user-fixed) tp > 1 leaves weight matrices
+    (>= 2 dims) of the repeated block (of the model, without blocks) replicated on the tp axis
+    and the graph says why: a weight none of whose dims tp divides, or an op of the block that
+    no placement splits over tp ranks (fused attention with 12 heads on tp 8). A replication
+    the cost model merely preferred (communication dearer than what sharding saves) is a
+    choice, not warned about."""
+    tp, graph = result.mesh.tp, search.graph
+    if tp == 1:
+        return
+    in_block = (lambda layer_id: layer_id == 0) if graph.num_layers else (lambda _: True)
+    head = f"{graph.layer_prefix}.0." if graph.num_layers else ""
+    weights = [p for p in graph.params.values()
+               if not p.is_buffer and len(p.shape) >= 2 and in_block(p.layer_id)]
+    replicated = [p for p in weights if result.placement_of(p.fqn) == "R"]
+    if not replicated:
+        return
+
+    def named(params) -> str:
+        return ", ".join(f"{p.fqn.removeprefix(head)} {tuple(p.shape)}" for p in params)
+
+    odd = [p for p in replicated if all(d % tp for d in p.shape)]
+    # the weights' own dims explain it; else the ops of the block that nothing splits
+    causes = ([f"tp {tp} divides none of the dims of {named(odd)}"] if odd else
+              _unsplit_ops(graph, search.problem(tp),
+                           graph.layer_nodes.get(0, ()) if graph.num_layers else graph.nodes))
+    if not causes:
+        return
+    where = f"every block of {graph.layer_prefix}" if graph.num_layers else graph.model_name
+    names = named(replicated)
+    warnings.warn(
+        f"tp {tp} leaves {len(replicated)} of the {len(weights)} weight matrices of {where} "
+        f"replicated on the tp axis (each of the {tp} tp ranks holds them whole): {names}. "
+        f"Cause: {'; '.join(causes)}. Choose a tp that divides these dims, or leave tp to the "
+        f"planner.", ReplicatedWeightsWarning, stacklevel=4)
+
+
+def _unsplit_ops(graph: CapturedGraph, problem: Problem, names) -> list[str]:
+    """The ops among `names` (tensor outputs of >= 2 dims, not constants) that no candidate
+    places with a Shard on the tp axis, each with its output shape and the dims tp does not
+    divide; those that compute (FLOPs > 0: matmuls, attention) when there are any, since the
+    elementwise ops around them follow their placement."""
+    tp, out, computing = problem.tp, [], []
+    for name in names:
+        info, cands = graph.nodes.get(name), problem.cands.get(name)
+        if (info is None or not cands or name in problem.constants or not info.shapes
+                or len(info.shapes[0]) < 2
+                or any(pl.startswith("S") for c in cands for pl in c.inputs + c.outputs)):
+            continue
+        op = info.target.split(".")[1] if info.target.startswith("aten.") else info.target
+        shape = tuple(info.shapes[0])
+        odd = ", ".join(f"{size} (dim {d})" for d, size in enumerate(shape)
+                        if size > 1 and size % tp)
+        text = (f"{op} in {info.module_path or 'the model'} (output {shape}): no placement "
+                f"splits it over {tp} ranks" + (f"; tp {tp} does not divide {odd}" if odd else ""))
+        out.append(text)
+        if info.flops > 0:
+            computing.append(text)
+    return computing or out
+
+
+def given_overrides(o: Overrides) -> dict:
+    """The overrides the user gave: fields set and not at their default (the switches
+    `allow_tp_across_nodes` and `elementwise_optimizer` are not choices fixed)."""
+    defaults = Overrides()
+    return {k: v for k, v in vars(o).items()
+            if v is not None and v != getattr(defaults, k)
+            and k not in ("allow_tp_across_nodes", "elementwise_optimizer", "ep",
+                          "time_limit_s", "top_k")}
+
+
+def alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
+    """Runners-up with the reason each loses: up to two faster ones that do not fit
+    ("memory"), then the fastest that fit; one per (mesh, microbatches, schedule), so that
+    the list shows different plans rather than ZeRO stages of one."""
+    group = runner_up_group
+    seen = {group(best)}
+    faster_oom, fits = [], []
+    for a in sorted(evaluated, key=rank_key):
+        if group(a) in seen:
+            continue
+        if a.fits:
+            seen.add(group(a))
+            fits.append(a)
+        elif a.step_time_s < best.step_time_s and len(faster_oom) < min(2, top_k):
+            seen.add(group(a))
+            faster_oom.append(a)
+    chosen = (faster_oom + fits)[:top_k]
+    return [(a, _reason(a, best)) for a in sorted(chosen, key=rank_key)]
+
+
+def _reason(a: Assessment, best: Assessment) -> str:
+    if not a.fits:
+        return (f"memory: needs {fmt_bytes(a.memory_bytes)} per device, over the budget")
+    deltas = {"bubble": a.bubble_s - best.bubble_s, "communication": a.comm_s - best.comm_s,
+              "compute": a.compute_s - best.compute_s}
+    if deltas["compute"] > 0 and POLICY_ORDER[a.config.checkpointing] > POLICY_ORDER[
+            best.config.checkpointing]:
+        deltas["recomputation"] = deltas.pop("compute")  # the extra compute is the recompute
+    if a.config.offload != "none" and best.config.offload == "none":
+        # [Note: offload]: its host step and transfers are what it adds
+        deltas = {"offload": a.step_time_s - best.step_time_s}
+    kind = max(deltas, key=deltas.get)
+    if deltas[kind] <= 0:
+        return "tie: same predicted step time; ranked by memory and simplicity"
+    d = deltas[kind]
+    text = f"{kind}: +{_seconds(d)} per step vs the chosen plan"
+    if kind == "communication" and a.config.cp > 1 and a.cp_comm_s > best.cp_comm_s:
+        # [Note: context parallelism]: the K/V collectives are not overlapped
+        text += f" (cp{a.config.cp}: K/V all-gather exposed {_seconds(a.cp_comm_s)})"
+    return text
+
+
+def _seconds(d: float) -> str:
+    return f"{d:.3g} s" if d >= 1 else f"{d * 1e3:.3g} ms"
+
+
+def explain_memory(search: Search, configs: list[PlanConfig]) -> tuple[float, str]:
+    """(bytes, NoFeasiblePlan message): the smallest per-device memory any plan needs."""
+    device = search.topology.device
+    budget = search.spec.max_memory_fraction * device.mem_bytes
+    bounds = sorted(((search.lower_bound(c).memory_bytes, c) for c in configs),
+                    key=lambda t: t[0])
+    best: tuple | None = None
+    for lb, cfg in bounds[:8]:  # exact minima of the most promising few
+        if best is not None and lb >= best[0]:
+            break
+        exact = _min_memory(search, cfg)
+        value = exact if exact is not None else lb
+        if best is None or value < best[0]:
+            best = (value, cfg)
+    best_bytes, best_cfg = best
+    return best_bytes, (
+        f"no plan fits in memory: the smallest per-device memory any plan needs is "
+        f"{fmt_bytes(best_bytes)} ({best_cfg}), but {device.name} has "
+        f"{fmt_bytes(device.mem_bytes)} ({fmt_bytes(budget)} usable at "
+        f"max_memory_fraction {search.spec.max_memory_fraction})")
+
+
+def _min_memory(search: Search, cfg: PlanConfig) -> float | None:
+    """The least memory a plan of cfg needs; None when no placement was found (none exists,
+    or its ILP reached its limit: the caller uses the lower bound)."""
+    try:
+        sol = search.smallest(cfg)
+    except SolverLimitReached:
+        return None
+    return None if sol is None else search.assess(cfg, sol).memory_bytes
+
+
+def limit_error(search: Search) -> SolverLimitReached:
+    """The error when no plan is left and configurations were skipped at the limit."""
+    first = next(iter(search.skipped.values()))
+    more = len(search.skipped) - 1
+    where = first.config + (f" and {more} more configuration{'s' * (more > 1)}" if more else "")
+    return SolverLimitReached(first.ilp, first.limit_s, where)
+
+
+def warn_skipped(search: Search) -> None:
+    """SolverLimitWarning naming the skipped configurations (at most 3) and the limit."""
+    errors = list(search.skipped.values())
+    names = "; ".join(e.config for e in errors[:3]) + ("; ..." if len(errors) > 3 else "")
+    what = "1 configuration" if len(errors) == 1 else f"{len(errors)} configurations"
+    warnings.warn(
+        f"{what} skipped, no placement found within time_limit_s={errors[0].limit_s:g} "
+        f"deterministic seconds ({names}); the plan is the best of the others, a larger "
+        f"time_limit_s includes them", SolverLimitWarning, stacklevel=4)
