@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 import weakref
 
 import torch
@@ -31,6 +32,25 @@ from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology, load_topology, preset
 
 __all__ = ["PlanningSession", "audit", "solve"]
+
+
+def _leader_first(work, *, what: str):
+    """runtime/leader.py `leader_first` in a job of several ranks, else `work()` (the
+    runtime is not imported by a planning process)."""
+    if not (_in_job() and dist.get_world_size() > 1):
+        return work()
+    from autoplan.runtime.leader import leader_first
+
+    return leader_first(work, what=what)
+
+
+def _from_leader(work, *, what: str):
+    """runtime/leader.py `from_leader` in a job of several ranks, else `work()`."""
+    if not (_in_job() and dist.get_world_size() > 1):
+        return work()
+    from autoplan.runtime.leader import from_leader
+
+    return from_leader(work, what=what)
 
 
 # The world of one this process set up to train alone: not a job (a later model may still be
@@ -157,9 +177,12 @@ class PlanningSession:
             for leaf, t in zip(spec.leaves, example)])
         name = type(self.module).__name__
         # read back from the capture cache when this capture was made before, by an earlier
-        # job or another rank of this machine ([Note: capture cache] in capture/cache.py)
-        graph, how = cached_capture(source, args, example_kwargs=kwargs, model_name=name,
-                                    planning=planning)
+        # job or another rank of this machine ([Note: capture cache] in capture/cache.py):
+        # in a job rank 0 captures first, the others then read its entry ([Note: leader rank])
+        graph, how = _leader_first(
+            lambda: cached_capture(source, args, example_kwargs=kwargs, model_name=name,
+                                   planning=planning),
+            what=f"capturing {name} at batch {batch_size}")
         graph.batch_size, graph.seq_len = batch_size, seq_len or self.spec.seq_len
         return graph, how == "hit"
 
@@ -204,18 +227,26 @@ class PlanningSession:
             # before the search: random ops keyed by sample, and the ops a cut batch or a
             # repeated forward would change held to plans that keep them
             self._couplings, search = audit(graph, self.options.search, name)
-            # cp searched where the runtime can run it for this model, batch and loss
-            why_not = None if search.cp is not None else self._cp_refusal(graph, topo)
-            request = self._cache_request(graph, topo, search, cp_searched=why_not is None)
-            plan = self._cached_plan(request, topo)
-            from_cache = plan is not None
-            if plan is None:
+
+            def make() -> tuple[str, list, bool]:
+                # cp searched where the runtime can run it for this model, batch and loss
+                why_not = None if search.cp is not None else self._cp_refusal(graph, topo)
+                request = self._cache_request(graph, topo, search, cp_searched=why_not is None)
+                cached = self._cached_plan(request, topo)
+                if cached is not None:
+                    return cached[0].to_json(), cached[1], True
                 with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
-                    plan = self._solve(graph, topo, search, request, why_not)
-            if _in_job() and dist.get_world_size() > 1:
-                box = [plan.to_json() if dist.get_rank() == 0 else None]
-                dist.broadcast_object_list(box, src=0)
-                plan = Plan.from_json(box[0])
+                    plan, said = self._solve(graph, topo, search, request, why_not)
+                return plan.to_json(), said, False
+
+            # in a job rank 0 plans, every rank takes its plan ([Note: leader rank]); the
+            # solver's warnings are said on every rank, as where each solved
+            plan_json, said, from_cache = _from_leader(
+                make, what=f"planning {name} for {topo.world_size} ranks")
+            if _in_job() and dist.get_world_size() > 1 and dist.get_rank() != 0:
+                for category, message in said:
+                    warnings.warn(message, category, stacklevel=2)
+            plan = Plan.from_json(plan_json)
         check_plan(plan, self._couplings, name)  # a cached plan, as `solve` checks a new one
         self._build_stats["plan_from_cache"] = from_cache
         self._graph = graph
@@ -243,10 +274,10 @@ class PlanningSession:
                 "elementwise_optimizer": self._optimizer_reads_whole_tensors() is None,
                 "frozen_weights_dtype": self._frozen_weights_dtype()}
 
-    def _cached_plan(self, request: dict | None, topo: Topology) -> Plan | None:
-        """The cache's plan for `request`, its warnings said again; None on a miss."""
-        import warnings
-
+    def _cached_plan(self, request: dict | None,
+                     topo: Topology) -> tuple[Plan, list[tuple[type, str]]] | None:
+        """The cache's plan for `request` and its warnings, said again ((category, message)
+        each); None on a miss."""
         from autoplan.cache import PlanCache
         from autoplan.progress import note
         from autoplan.solver.configurations import ReplicatedWeightsWarning
@@ -259,15 +290,15 @@ class PlanningSession:
              "AUTOPLAN_PLAN_CACHE=0 plans anew)")
         for message in entry["warnings"]:
             warnings.warn(message, ReplicatedWeightsWarning, stacklevel=2)
-        return Plan.from_dict(entry["plan"])
+        return (Plan.from_dict(entry["plan"]),
+                [(ReplicatedWeightsWarning, message) for message in entry["warnings"]])
 
     def _solve(self, graph, topo: Topology, search: SearchOptions, request: dict | None,
-               why_not: str | None) -> Plan:
+               why_not: str | None) -> tuple[Plan, list[tuple[type, str]]]:
         """Solve (`solve`), say the solver's warnings again, and store the plan with its
-        ReplicatedWeightsWarnings (rank 0 of a job writes; a cache that cannot be written is a
-        detail line, not a failure). `why_not`: why cp is not searched (cp 1 then, unless
-        given), None to search it."""
-        import warnings
+        ReplicatedWeightsWarnings (a cache that cannot be written is a detail line, not a
+        failure). `why_not`: why cp is not searched (cp 1 then, unless given), None to search
+        it. Returns the plan and the warnings said, (category, message) each."""
 
         from autoplan.cache import PlanCache
         from autoplan.progress import detail
@@ -281,13 +312,13 @@ class PlanningSession:
         for w in caught:  # shown as they would have been
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if request is not None and (not _in_job() or dist.get_rank() == 0):
-            said = [str(w.message) for w in caught
-                    if issubclass(w.category, ReplicatedWeightsWarning)]
+            replicated = [str(w.message) for w in caught
+                          if issubclass(w.category, ReplicatedWeightsWarning)]
             try:
-                PlanCache().put(request, {"plan": plan.to_dict(), "warnings": said})
+                PlanCache().put(request, {"plan": plan.to_dict(), "warnings": replicated})
             except OSError as e:
                 detail(f"plan cache not written: {e}")
-        return plan
+        return plan, [(w.category, str(w.message)) for w in caught]
 
     def _optimizer_reads_whole_tensors(self) -> str | None:
         """Why the user's `optimizer=` must be handed whole tensors, or None (no optimizer
@@ -390,8 +421,6 @@ def solve(graph, topology: Topology, spec: TrainingSpec, search: SearchOptions, 
 
     Raises what plan() raises; an InvalidConfig says the couplings that held the search, or
     that cp was held to 1 and why, where either may be the cause."""
-    import warnings
-
     from autoplan.batch_coupling import check_plan
     from autoplan.solver import InvalidConfig
     from autoplan.solver import plan as solve_plan

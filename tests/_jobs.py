@@ -76,13 +76,34 @@ def memory_budget(factory, batch: int, overrides: dict, fraction: float | None,
     replicating them (tiny models are latency-bound, so with ample memory replication wins).
     None for None. Called in the test's process, once, not on every rank: planning without a
     process group for `world_size` local-cpu ranks is the plan each rank makes."""
-    from autoplan.api import autoparallel
-
     if fraction is None:
         return None
-    ample = autoparallel(factory(), global_batch=batch, seq_len=seq, world_size=world_size,
-                         **overrides).plan
-    return ample.prediction.memory_bytes * fraction
+    return _ample_memory_bytes(factory, batch, overrides, world_size, seq) * fraction
+
+
+_AMPLE: dict[str, float] = {}
+
+
+def _ample_memory_bytes(factory, batch: int, overrides: dict, world_size: int,
+                        seq: int) -> float:
+    """The predicted peak of the plan with ample memory, planned once per session for each
+    model factory (a `preset` partial: its name, seed and config overrides), batch, options
+    and world: many parametrizations of a test share it, and the plan is deterministic."""
+    from autoplan.api import autoparallel
+
+    if not isinstance(factory, functools.partial):  # not a preset: no key, planned each time
+        key = None
+    else:
+        key = repr((factory.func.__module__, factory.func.__qualname__, factory.args,
+                    sorted(factory.keywords.items()), batch, sorted(overrides.items()),
+                    world_size, seq))
+    if key is None or key not in _AMPLE:
+        ample = autoparallel(factory(), global_batch=batch, seq_len=seq,
+                             world_size=world_size, **overrides).plan
+        if key is None:
+            return ample.prediction.memory_bytes
+        _AMPLE[key] = ample.prediction.memory_bytes
+    return _AMPLE[key]
 
 
 def fused_adamw(params):

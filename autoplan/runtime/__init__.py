@@ -32,6 +32,8 @@ Files:
   and live tensor bytes.
 - job.py, launcher.py, rank_faults.py, parent_death.py: torchrun jobs, the local gloo cluster,
   the rank at fault named when a job fails, and ranks that die with their parent.
+- leader.py: the capture and the solve done by rank 0 for every rank of a job ([Note: leader
+  rank]).
 - shutdown.py: the process group autoplan creates, destroyed in order at exit ([Note: orderly
   exit]).
 """
