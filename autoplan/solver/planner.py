@@ -32,7 +32,7 @@ from autoplan.solver.search import Search
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["plan", "reprice", "compiled_topology"]
+__all__ = ["plan", "reprice", "compiled_topology", "rank_peaks_of"]
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
                 raise InvalidConfig(f"ep {ep}: no plan fits at ZeRO 0, 2 or 3 (ep does not run "
                                     "with ZeRO-1)")
             result = min(others, key=lambda p: p.prediction.step_time_s)
-    result = expert_parallel(graph, result, spec, topology, ep, _rank_peaks_of(
+    result = expert_parallel(graph, result, spec, topology, ep, rank_peaks_of(
         graph, result, topology, spec))
     if o.placements:
         result = dataclasses.replace(result, pinned=o.placements)
@@ -180,7 +180,7 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         return dataclasses.replace(priced, compiled=plan.compiled)
 
 
-def _rank_peaks_of(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec):
+def rank_peaks_of(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec):
     """expert_parallel's `rank_peaks` for `plan`: its memory per pipeline rank with the
     expert weights held as given (Search.rank_peaks), the Search built at the first call
     (`_assessed`) and kept for the next."""
