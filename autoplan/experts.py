@@ -25,7 +25,8 @@ top_k_weights, gate_up_proj and down_proj (the indices have none).
 
 FLOPs (torch.utils.flop_counter): 2 x T x k x (2I x H + H x I) forward -- three matmuls per
 routed token -- counted as if every choice were held (the whole op's work; the planner divides
-it by the ranks that split it, assuming balanced routing); the backward op 3x that.
+it by the ranks that split it, assuming balanced routing); the backward op 3x that
+(`BACKWARD_FLOPS_FACTOR`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.flop_counter as flop_counter
 
-__all__ = ["ACTIVATIONS", "experts", "experts_reference", "experts_backward_reference",
-           "EXPERTS_OP", "EXPERTS_BACKWARD_OP"]
+__all__ = ["ACTIVATIONS", "BACKWARD_FLOPS_FACTOR", "experts", "experts_reference",
+           "experts_backward_reference", "EXPERTS_OP", "EXPERTS_BACKWARD_OP", "EXPERTS_TARGET"]
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -184,6 +185,17 @@ experts.register_autograd(_backward, setup_context=_setup_context)
 
 EXPERTS_OP = torch.ops.autoplan.experts.default
 EXPERTS_BACKWARD_OP = torch.ops.autoplan.experts_backward.default
+EXPERTS_TARGET = str(EXPERTS_OP)
+"""The op as a captured node's `NodeInfo.target` spells it ("autoplan.experts.default")."""
+
+
+BACKWARD_FLOPS_FACTOR = 3
+"""The experts backward's FLOPs over the forward's: `experts_backward_reference` runs the
+forward's three matmuls again (the op saves only its inputs, not the (T k, 2I) intermediates)
+and the two gradient matmuls of each (input and weight) -- 1 + 2 forwards, whatever the
+operands' `requires_grad` (every gradient is computed). Where the cost model prices the
+experts' backward (cost_model/compute.py backward_time_s, solver/assemble.py [Note: FLOPs per
+rank]) and what the flop counter counts for it (`_experts_backward_flops`)."""
 
 
 @flop_counter.register_flop_formula(torch.ops.autoplan.experts)
@@ -199,5 +211,5 @@ def _experts_flops(hidden_shape, index_shape, weights_shape, gate_up_shape, down
 def _experts_backward_flops(grad_shape, hidden_shape, index_shape, weights_shape, gate_up_shape,
                             down_shape, *args, out_shape=None, **kwargs) -> int:
     """Twice the forward's matmuls (input and weight gradients) plus the recomputed forward."""
-    return 3 * _experts_flops(hidden_shape, index_shape, weights_shape, gate_up_shape,
+    return BACKWARD_FLOPS_FACTOR * _experts_flops(hidden_shape, index_shape, weights_shape, gate_up_shape,
                               down_shape)

@@ -228,11 +228,13 @@ def test_dp2xep2_matches_single_process(clusters, family, zero):
 def test_ep_is_priced_per_topology_level():
     """ep 2 on a 2-node DGX-H100 plan (dp 16 x tp 1, ZeRO-0): the step pays the all-to-alls
     (inside a node: consecutive dp ranks) and the changed gradient all-reduce; the experts'
-    states per rank halve at ZeRO-0 and grow at ZeRO-3 (a whole slice instead of a 1/dp
-    shard); an ep that does not divide the experts is a named error."""
+    weights and optimizer states per rank halve at ZeRO-0 and grow at ZeRO-3 (a whole slice
+    instead of a 1/dp shard: rank_memory.ExpertSlices); an ep that does not divide the experts
+    is a named error."""
     from autoplan.cost_model.expert_parallel import ep_step_delta_s, expert_layers
-    from autoplan.solver.expert_degree import expert_parallel
     from autoplan.solver.configurations import InvalidConfig
+    from autoplan.solver.expert_degree import expert_parallel
+    from autoplan.solver.planner import rank_peaks_of
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset
 
@@ -241,25 +243,38 @@ def test_ep_is_priced_per_topology_level():
     from autoplan.solver import plan
 
     spec, topology = TrainingSpec(global_batch=64, seq_len=64), preset("dgx-h100", 2)
+
+    def with_ep(p, ep):
+        return expert_parallel(graph, p, spec, topology, ep,
+                               rank_peaks_of(graph, p, topology, spec))
+
+    def states(p):
+        (rank,) = p.prediction.memory_by_pp_rank
+        return rank["params"], rank["optimizer"]
+
     base = plan(graph, topology, spec, dp=16, tp=1, zero_stage=0, ep=1)
     layers = expert_layers(graph)
     assert layers.num_layers == 32 and layers.num_experts == (4, 4) and layers.top_k == 2
-    two = expert_parallel(graph, base, spec, topology, 2)
+    two = with_ep(base, 2)
     a2a_s, sync_s = ep_step_delta_s(layers, base, spec, topology, 2)
     # 32 layers x 4 all-to-alls of T k H x 4 bytes (T = 64 tokens of one sample) on NVLink
     assert 32 * 4 * (64 * 2 * 32 * 4) / 2 / topology.intra_node.bw_bytes_per_s < a2a_s
     assert two.prediction.step_time_s == pytest.approx(base.prediction.step_time_s + a2a_s
                                                        + sync_s)
-    expert_bytes = layers.expert_elems * (4 + 4 + 8)  # fp32 params, grads, AdamW states
-    assert base.prediction.memory_bytes - two.prediction.memory_bytes == pytest.approx(
-        expert_bytes / 2)
+    # fp32 params, AdamW's two fp32 moments: half the experts' at ep 2
+    saved = [b - t for b, t in zip(states(base), states(two))]
+    assert saved == pytest.approx([layers.expert_elems * 4 / 2, layers.expert_elems * 8 / 2])
+    assert two.prediction.memory_bytes < base.prediction.memory_bytes
+    assert two.prediction.memory_bytes == max(r["peak"] for r in
+                                              two.prediction.memory_by_pp_rank)
     with pytest.raises(InvalidConfig, match="does not divide the experts"):
-        expert_parallel(graph, base, spec, topology, 8)
+        with_ep(base, 8)
     # ZeRO-3 shards the experts 16 ways without ep; ep keeps its slice whole: more memory
     zero3 = plan(graph, topology, spec, dp=16, tp=1, zero_stage=3, ep=1)
-    two3 = expert_parallel(graph, zero3, spec, topology, 2)
-    assert two3.prediction.memory_bytes - zero3.prediction.memory_bytes == pytest.approx(
-        expert_bytes * (1 / 2 - 1 / 16))
+    two3 = with_ep(zero3, 2)
+    grown = [t - b for b, t in zip(states(zero3), states(two3))]
+    assert grown == pytest.approx([layers.expert_elems * 4 * (1 / 2 - 1 / 16),
+                                   layers.expert_elems * 8 * (1 / 2 - 1 / 16)])
 
 
 def test_ep_plan_round_trips_and_reports():

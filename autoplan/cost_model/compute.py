@@ -40,7 +40,9 @@ Backward: a matmul-like op does two matmuls of the forward's size (input gradien
 gradient), so 2x forward FLOPs: forward + backward = 3x forward (Narayanan et al., SC'21,
 appendix "Floating-point operations": the backward pass needs gradients with respect to both the
 input and the weight). Fused attention's backward is 2.5x its forward FLOPs (FlashAttention-2,
-Dao 2023, section 4.1: five matmuls against two in the forward, recomputation included). A
+Dao 2023, section 4.1: five matmuls against two in the forward, recomputation included). The
+routed experts' backward op recomputes the forward's matmuls and runs both gradients of each:
+3x its forward (autoplan/experts.py BACKWARD_FLOPS_FACTOR), whatever is frozen. A
 memory-bound op's backward reads the output gradient and the saved tensor and writes the input
 gradient: about 1.5x the forward's bytes (three tensors against two; assumption,
 BACKWARD_BYTES_FACTOR). View-like ops are free both ways; creation and comparison
@@ -62,6 +64,8 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.fx
 
+from autoplan.experts import BACKWARD_FLOPS_FACTOR as EXPERTS_BACKWARD_FACTOR
+from autoplan.experts import EXPERTS_TARGET
 from autoplan.graph import NodeInfo
 from autoplan.op_classes import ATTENTION_OPS, MATMUL_OPS, NO_GRAD_OPS, VIEW_OPS, op_name
 from autoplan.topology import DeviceSpec
@@ -251,7 +255,8 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     """Backward time of one op on one rank, seconds (module docstring, "Backward").
 
     Matmul-like: 2 x `node.backward_share` x the forward (two kernels of the forward's FLOPs
-    and bytes, one of which a frozen operand skips). Fused attention: 2.5x forward FLOPs.
+    and bytes, one of which a frozen operand skips); the routed experts: 3x the forward
+    (EXPERTS_BACKWARD_FACTOR). Fused attention: 2.5x forward FLOPs.
     Memory-bound: BACKWARD_BYTES_FACTOR x forward bytes. Views, ops without a gradient and ops
     whose inputs derive from frozen parameters only (backward_share 0): 0.
     Same arguments and errors as `op_time_s`.
@@ -267,6 +272,8 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     nbytes = moved * _bytes_scale(node, dtype) / shard_factor
     flops = node.flops / shard_factor
     efficiency = _efficiency(node, device, shard_factor)
+    if node.target == EXPERTS_TARGET:  # the forward again and both gradients (experts.py)
+        return EXPERTS_BACKWARD_FACTOR * _roofline_s(flops, nbytes, efficiency, device, dtype)
     if name in MATMUL_OPS:
         return 2.0 * node.backward_share * _roofline_s(flops, nbytes, efficiency, device, dtype)
     if name in ATTENTION_OPS:

@@ -19,14 +19,16 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
   bytes) and 1 for the counts, which cost their latency. Each pp rank runs its 1 / pp of the
   layers;
 - the experts' weights, gradients and optimizer states per rank become their 1 / ep slice,
-  whole: the runtime leaves them out of ZeRO (STATE_BYTES_PER_PARAM); without ep they are
-  whole copies at ZeRO-0 and 1 / dp shards of the states the ZeRO stage shards;
+  whole: the runtime leaves them out of FSDP2 (ZeRO), so no unit gathers them and they are
+  not in the unsharded gradients of the deferred reduction; each pipeline rank's peak is
+  priced again with them apart (rank_memory.ExpertSlices, `rank_peaks`); without ep they are
+  FSDP2's like any other weight;
 - they leave the dp group's collectives (`dp_sync_s` in cost_model/dp_sync.py, of the ZeRO
   stage, over the rest of the parameters): their gradients are all-reduced over the dp / ep
   ranks holding the same slice, at 1 / ep of the size (stride tp x ep), once per step.
 
-The step time and memory of the plan chosen at ep = 1 are repriced by these differences
-(`expert_parallel`): a decomposition, exact for the quantities above because ep changes no
+The step time of the plan chosen at ep = 1 is repriced by these differences, its memory per
+rank priced again on its placement (`with_expert_parallel`): a decomposition, exact for the quantities above because ep changes no
 placement (ep runs with tp 1 and ZeRO 0, 2 or 3, the runtime's support), but not a joint
 search: a plan that fits only with ep is not found.
 """
@@ -35,11 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 
 from autoplan.cost_model.comm import collective_time_s
 from autoplan.cost_model.config import Config
 from autoplan.cost_model.dp_sync import dp_sync_s
 from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
+from autoplan.cost_model.rank_memory import ExpertSlices
 from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
@@ -47,7 +51,8 @@ from autoplan.plan import MeshShape, Plan
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["ExpertLayers", "expert_layers", "ep_step_delta_s", "with_expert_parallel"]
+__all__ = ["ExpertLayers", "expert_layers", "expert_slices", "ep_step_delta_s",
+           "with_expert_parallel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,32 +130,29 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before)
 
 
+def expert_slices(layers: ExpertLayers, ep: int) -> ExpertSlices:
+    """The expert weights of `layers` as a rank holds them under ep (rank_memory.ExpertSlices:
+    its 1 / ep slice, whole, outside FSDP2)."""
+    return ExpertSlices(layers.expert_elems, layers.frozen_expert_elems, ep)
+
+
 def with_expert_parallel(layers: ExpertLayers, plan: Plan, spec: TrainingSpec,
-                         topology: Topology, ep: int) -> Plan:
+                         topology: Topology, ep: int,
+                         rank_peaks: Sequence[Mapping[str, float]]) -> Plan:
     """`plan` repriced with expert parallelism of degree `ep` ([Note: expert parallelism]): its
-    step time with the all-to-alls and the changed dp sync (seconds), its memory with the
-    experts' states as 1 / ep slices (bytes), MFU and FLOP/s scaled to the new step time."""
+    step time with the all-to-alls and the changed dp sync (seconds), MFU and FLOP/s scaled to
+    the new step time, its memory per pipeline rank `rank_peaks` (bytes by category and
+    "peak" of each pp rank with the expert slices held whole: rank_memory.rank_peaks with
+    `expert_slices(layers, ep)`), the plan's memory their largest."""
     a2a_s, sync_s = ep_step_delta_s(layers, plan, spec, topology, ep)
-    per_param = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
-    experts, dp, zero = layers.expert_elems / plan.mesh.pp, plan.mesh.dp, plan.zero_stage
     old = plan.prediction
-    breakdown = dict(old.memory_breakdown)
-    saved_bytes = 0.0
-    trained = experts - layers.frozen_expert_elems / plan.mesh.pp
-    # (kind, bytes per parameter, the lowest ZeRO stage that shards it over dp); frozen
-    # experts have no gradient and no optimizer state
-    for kind, per, stage in zip(("params", "grads", "optimizer"), per_param, (3, 2, 1)):
-        elems = experts if kind == "params" else trained
-        held = elems / dp if zero >= stage else elems   # without ep
-        saved = (held - elems / ep) * per               # with ep: the slice, whole
-        saved_bytes += saved
-        if kind in breakdown:
-            breakdown[kind] = max(0.0, breakdown[kind] - saved)
+    fullest = max(rank_peaks, key=lambda p: p["peak"])
     step = old.step_time_s + a2a_s + sync_s
     pred = dataclasses.replace(
         old, step_time_s=step, comm_s=old.comm_s + a2a_s + sync_s,
-        memory_bytes=old.memory_bytes - saved_bytes,
-        memory_breakdown=breakdown,
+        memory_bytes=fullest["peak"],
+        memory_breakdown={k: v for k, v in fullest.items() if k != "peak"},
+        memory_by_pp_rank=tuple(dict(p) for p in rank_peaks),
         tflops_per_device=old.tflops_per_device * old.step_time_s / step,
         mfu=old.mfu * old.step_time_s / step)
     mesh = MeshShape(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, ep)

@@ -72,6 +72,7 @@ two, against 4.119 and 3.440 by this account), and on tiny GPTs at pp2 x dp4 (Ze
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from autoplan.cost_model import offload as offload_costs
@@ -82,7 +83,7 @@ from autoplan.cost_model.memory import (
 from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 
-__all__ = ["STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories", "rank_peaks", "rank_peak",
+__all__ = ["ExpertSlices", "STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories", "rank_peaks", "rank_peak",
            "candidate_ranks", "grads_at_activation_peak"]
 
 
@@ -318,21 +319,76 @@ def _ranks_to_check(schedule: str, pp: int, m: int, v: int,
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertSlices:
+    """The routed experts' weights of a plan with expert parallelism ep > 1, as each rank
+    holds them ([Note: expert parallelism] in cost_model/expert_parallel.py;
+    autoplan/runtime/expert_parallel.py): a rank holds the 1 / ep slice of every expert weight
+    of its layers, whole -- FSDP2 leaves them out (`ignored_params`), so no ZeRO stage shards
+    them, no unit gathers them (the op reads the slice itself) and they are not in the
+    deferred reduction --, its gradient whole (`p.grad` in the parameter's dtype, made by the
+    first backward, summed over the slice's dp / ep ranks before the optimizer step) and its
+    optimizer states whole.
+
+    Attributes:
+        elems: expert weight elements of the blocks ("layer" part, full depth, as
+            `Solution.param_elems["layer"]` counts them), all experts.
+        frozen_elems: of those, the frozen ones (no gradient, no optimizer state).
+        ep: the expert-parallel degree.
+    """
+
+    elems: float
+    frozen_elems: float
+    ep: int
+
+
+def _without_experts(sol: Solution, experts: ExpertSlices) -> Solution:
+    """`sol` with the expert weights out of its "layer" part: what FSDP2 manages."""
+    elems = dict(sol.param_elems)
+    elems["layer"] = max(0.0, elems.get("layer", 0.0) - experts.elems)
+    frozen = dict(sol.frozen_elems)
+    if experts.frozen_elems:
+        frozen["layer"] = max(0.0, frozen.get("layer", 0.0) - experts.frozen_elems)
+    return dataclasses.replace(sol, param_elems=elems, frozen_elems=frozen)
+
+
+def _expert_slice_states(cfg: Config, spec: TrainingSpec, experts: ExpertSlices,
+                         layer_share: float, offload: str) -> dict[str, float]:
+    """{"params", "grads", "optimizer"} bytes of the expert slice a rank holding
+    `layer_share` of the layers keeps (ExpertSlices): the fsdp2 recipe's states of its
+    elements, unsharded (ZeRO-0, dp 1), on the device as `offload` leaves them."""
+    elems = experts.elems * layer_share / experts.ep
+    frozen = experts.frozen_elems * layer_share / experts.ep
+    return offload_costs.device_states(model_state_bytes(
+        elems, 0, 1, mixed_precision=spec.mixed_precision, optimizer=spec.optimizer,
+        recipe="fsdp2", frozen_params=frozen,
+        frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
+
+
 def rank_peaks(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: int,
                output_bytes: float, boundary_bytes: float,
-               offload: str = "none") -> list[dict[str, float]]:
+               offload: str = "none",
+               experts: ExpertSlices | None = None) -> list[dict[str, float]]:
     """[Note: memory per rank] of every pipeline rank of `cfg` (not only the candidates
     `assess` weighs): per pp rank, bytes by category (params, grads, optimizer, activations,
     temporaries, comm_buffers) of its larger moment and "peak", their sum. What the dry run
-    holds each rank against (autoplan/runtime/dryrun.py)."""
+    holds each rank against (autoplan/runtime/dryrun.py). `experts`: the expert weights'
+    slices under expert parallelism (ExpertSlices), held outside FSDP2."""
     layers = rank_layers(cfg, total_layers)
     return [rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes, boundary_bytes,
-                       offload) for r in range(cfg.pp)]
+                       offload, experts=experts) for r in range(cfg.pp)]
 
 
 def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-               boundary_bytes, offload="none", share=None) -> dict[str, float]:
+               boundary_bytes, offload="none", share=None,
+               experts: ExpertSlices | None = None) -> dict[str, float]:
     share = share or rank_shares(r, cfg, layers, total_layers)
+    # under ep the expert slices are held beside what FSDP2 manages (ExpertSlices): priced
+    # apart, their gradients like the others' (from the first backward on)
+    extra = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if experts is not None and experts.ep > 1:
+        sol = _without_experts(sol, experts)
+        extra = _expert_slice_states(cfg, spec, experts, share["layer"], offload)
     elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
     acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
     late = sum(sol.act_bytes.get(p, 0.0) * c
@@ -363,9 +419,9 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                               gathered=gathered, acts=acts + sent, late=late,
                               in_flight=in_flight,
                               output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
-                              recv=_recv_buffer_bytes(cfg, r, boundary_bytes))
+                              recv=_recv_buffer_bytes(cfg, r, boundary_bytes), extra=extra)
     return peak_memory_bytes(
-        model_states=states, activation_bytes=acts + sent, in_flight_microbatches=in_flight,
+        model_states={k: states[k] + extra[k] for k in extra}, activation_bytes=acts + sent, in_flight_microbatches=in_flight,
         zero_stage=cfg.zero_stage, dp=cfg.dp_shard,
         output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
         comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
@@ -376,9 +432,10 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
 
 
 def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, gathered,
-                   acts, late, in_flight, output_bytes, recv) -> dict[str, float]:
+                   acts, late, in_flight, output_bytes, recv, extra) -> dict[str, float]:
     """The peak of rank r under [Note: deferred reduction], with its breakdown (as
-    peak_memory_bytes gives it): the larger of moments A and B."""
+    peak_memory_bytes gives it): the larger of moments A and B. `extra`: states held outside
+    FSDP2 (the expert slices, ExpertSlices), their gradients from the first backward on."""
     unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
     rb = _reduce_bytes(spec)
     last = _last_chunk_fraction(cfg, r, layers)
@@ -390,11 +447,13 @@ def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, ga
     last_trainable = last_elems - sol.frozen_elems_on(in_last)
     sharded_grad = states["grads"] / trainable if trainable else 0.0
     first_trainable = sol.param_elems_on(first) - sol.frozen_elems_on(first)
-    base = {"params": states["params"], "optimizer": states["optimizer"]}
+    base = {"params": states["params"] + extra["params"],
+            "optimizer": states["optimizer"] + extra["optimizer"]}
     grads_a = grads_at_activation_peak(cfg, in_flight)
-    late_grads = (trainable - last_trainable) * sharded_grad + last_trainable * rb
+    late_grads = (trainable - last_trainable) * sharded_grad + last_trainable * rb \
+        + extra["grads"]
     moments = [
-        {**base, "grads": trainable * rb if grads_a else 0.0,
+        {**base, "grads": trainable * rb + extra["grads"] if grads_a else 0.0,
          "activations": acts * in_flight, "temporaries": gathered * unit + output_bytes,
          "comm_buffers": recv},
         {**base, "grads": late_grads + first_trainable * rb, "activations": late,

@@ -19,6 +19,8 @@ from autoplan.cost_model.config import config_stages
 from autoplan.cost_model.fidelity import error_bands
 from autoplan.cost_model.step_time import Assessment
 from autoplan.cost_model.traffic import rank_traffic
+from autoplan.experts import BACKWARD_FLOPS_FACTOR as EXPERTS_BACKWARD_FACTOR
+from autoplan.experts import EXPERTS_TARGET
 from autoplan.plan import (
     Alternative, MeshShape, NodeStrategy, Plan, Prediction, Redistribution,
 )
@@ -98,7 +100,9 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     cores, cost_model.activations.core_attention_regions, none with fused attention; "selective"
     keeps every matmul and attention output). Attention's backward is 2.5 times its forward
     (torch.utils.flop_counter's sdpa_backward_flop_count: the scores recomputed and four
-    gradient matmuls), any other op's twice; under cp > 1 a causal attention runs (2 cp + 1) /
+    gradient matmuls), the routed experts' 3 times (autoplan/experts.py BACKWARD_FLOPS_FACTOR:
+    the forward's matmuls again and both gradients of each, whatever is frozen), any other
+    op's twice; under cp > 1 a causal attention runs (2 cp + 1) /
     (4 cp) of its full rows (each query chunk against the key chunks up to its own, which the
     flop counter counts, where at cp 1 it counts the masked half too). An op split over tp
     by its chosen strategy (`split_of`) runs a tp-th of its FLOPs on each tp rank, a
@@ -144,6 +148,9 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
 
     def work(name: str) -> float:
         info = graph.nodes[name]
+        if info.target == EXPERTS_TARGET:  # every gradient, the forward again
+            return fwd_flops(name) * (1 + (EXPERTS_BACKWARD_FACTOR if info.backward_share
+                                           else 0.0))
         bwd = 2.5 if name in attention else 2.0
         return fwd_flops(name) * (1 + bwd * info.backward_share)
 

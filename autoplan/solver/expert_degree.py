@@ -6,7 +6,12 @@ expert parallelism] there: a decomposition over the plan chosen at ep = 1).
 from __future__ import annotations
 
 from autoplan.cost_model.comm import group_layout
-from autoplan.cost_model.expert_parallel import ExpertLayers, expert_layers, with_expert_parallel
+from collections.abc import Callable
+
+from autoplan.cost_model.expert_parallel import (
+    ExpertLayers, expert_layers, expert_slices, with_expert_parallel,
+)
+from autoplan.cost_model.rank_memory import ExpertSlices
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.configurations import InvalidConfig
@@ -17,9 +22,12 @@ __all__ = ["expert_parallel"]
 
 
 def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topology: Topology,
-                    ep: int | None) -> Plan:
+                    ep: int | None,
+                    rank_peaks: Callable[[ExpertSlices], list[dict[str, float]]]) -> Plan:
     """`plan` with its expert-parallel degree: `ep` when given (1: none), else the degree of
     least step time among those that apply and fit ([Note: expert parallelism]).
+    `rank_peaks(slices)`: the memory of each pipeline rank of `plan`'s configuration and
+    placement with the expert weights held as `slices` (solver/search.py Search.rank_peaks).
 
     Raises:
         InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
@@ -36,13 +44,15 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
         reason = _not_applicable(layers, plan, ep, topology)
         if reason:
             raise InvalidConfig(f"ep {ep}: {reason}")
-        return with_expert_parallel(layers, plan, spec, topology, ep)
+        return with_expert_parallel(layers, plan, spec, topology, ep,
+                                    rank_peaks(expert_slices(layers, ep)))
     budget = spec.max_memory_fraction * topology.device.mem_bytes
     best = plan
     for e in range(2, plan.mesh.dp + 1):
         if _not_applicable(layers, plan, e, topology):
             continue
-        cand = with_expert_parallel(layers, plan, spec, topology, e)
+        cand = with_expert_parallel(layers, plan, spec, topology, e,
+                                    rank_peaks(expert_slices(layers, e)))
         if cand.prediction.memory_bytes <= budget and \
                 cand.prediction.step_time_s < best.prediction.step_time_s:
             best = cand

@@ -32,7 +32,7 @@ from autoplan.solver.search import Search
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["plan", "reprice", "compiled_topology"]
+__all__ = ["plan", "reprice", "compiled_topology", "rank_peaks_of"]
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
                 raise InvalidConfig(f"ep {ep}: no plan fits at ZeRO 0, 2 or 3 (ep does not run "
                                     "with ZeRO-1)")
             result = min(others, key=lambda p: p.prediction.step_time_s)
-    result = expert_parallel(graph, result, spec, topology, ep)
+    result = expert_parallel(graph, result, spec, topology, ep, rank_peaks_of(
+        graph, result, topology, spec))
     if o.placements:
         result = dataclasses.replace(result, pinned=o.placements)
     if o.stages is not None:
@@ -172,6 +173,32 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         topology = compiled_topology(topology)
     if plan.frozen_dtype:  # priced as it holds its frozen parameters
         spec = dataclasses.replace(spec, frozen_dtype=plan.frozen_dtype)
+    search, assessed = _assessed(graph, plan, topology, spec)
+    with collector_paused():
+        priced = expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
+                                 plan.mesh.ep, lambda slices: search.rank_peaks(assessed, slices))
+        return dataclasses.replace(priced, compiled=plan.compiled)
+
+
+def rank_peaks_of(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec):
+    """expert_parallel's `rank_peaks` for `plan`: its memory per pipeline rank with the
+    expert weights held as given (Search.rank_peaks), the Search built at the first call
+    (`_assessed`) and kept for the next."""
+    held = []
+
+    def rank_peaks(slices):
+        if not held:
+            held.append(_assessed(graph, plan, topology, spec))
+        search, assessed = held[0]
+        with collector_paused():
+            return search.rank_peaks(assessed, slices)
+    return rank_peaks
+
+
+def _assessed(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec):
+    """(Search, Assessment) of `plan`'s configuration and placements on `graph`, priced on
+    `topology` and `spec` (no search). Raises InvalidConfig when a node's placements are not
+    among its candidates on this graph."""
     with collector_paused():
         search = Search(graph, topology, spec, time_limit_s=10.0)
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
@@ -199,10 +226,7 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
                                     f"its {len(cands)} candidates on this graph")
             choice[n] = match[0]
         costs = search.cost(*cfg.costs_key)
-        assessed = search.assess(cfg, evaluate(problem, costs, choice))
-        priced = expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
-                                 plan.mesh.ep)
-        return dataclasses.replace(priced, compiled=plan.compiled)
+        return search, search.assess(cfg, evaluate(problem, costs, choice))
 
 
 def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overrides: Overrides,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from autoplan.cost_model.config import Config, config_stages
 from autoplan.cost_model.placement_totals import RankMemory, Solution
-from autoplan.cost_model.rank_memory import rank_memories, rank_peaks
+from autoplan.cost_model.rank_memory import ExpertSlices, rank_memories, rank_peaks
 from autoplan.cost_model.step_time import Assessment, assess, pipeline_time_s
 from autoplan.graph import CapturedGraph
 from autoplan.solver import checkpointing as ckpt
@@ -293,17 +293,19 @@ class Search:
                         param_tensors=self.problem(tp).param_tensors, offload=cfg.offload)
         return ckpt.with_transient(result, transient, self.budget_bytes)
 
-    def rank_peaks(self, a: Assessment) -> list[dict[str, float]]:
+    def rank_peaks(self, a: Assessment,
+                   experts: ExpertSlices | None = None) -> list[dict[str, float]]:
         """rank_memory.rank_peaks of the assessed configuration `a` (from `assess`: its
         Solution as the checkpointing policy leaves it, and the policy's transient, added to
-        every rank as `assess` adds it): per pp rank, bytes by category and "peak"."""
+        every rank as `assess` adds it): per pp rank, bytes by category and "peak".
+        `experts`: the expert slices of an ep > 1 plan (rank_memory.ExpertSlices)."""
         cfg = a.config
         costs = self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp, cfg.tp)
         boundary = self.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp, cfg.tp)
         out = []
         for peak in rank_peaks(cfg, a.solution, self.spec, total_layers=self.total_layers,
                                output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary,
-                               offload=cfg.offload):
+                               offload=cfg.offload, experts=experts):
             peak["temporaries"] += a.transient_bytes
             peak["peak"] += a.transient_bytes
             out.append(peak)
