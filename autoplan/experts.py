@@ -211,5 +211,5 @@ def _experts_flops(hidden_shape, index_shape, weights_shape, gate_up_shape, down
 def _experts_backward_flops(grad_shape, hidden_shape, index_shape, weights_shape, gate_up_shape,
                             down_shape, *args, out_shape=None, **kwargs) -> int:
     """Twice the forward's matmuls (input and weight gradients) plus the recomputed forward."""
-    return BACKWARD_FLOPS_FACTOR * _experts_flops(hidden_shape, index_shape, weights_shape, gate_up_shape,
-                              down_shape)
+    return BACKWARD_FLOPS_FACTOR * _experts_flops(hidden_shape, index_shape, weights_shape,
+                                                  gate_up_shape, down_shape)

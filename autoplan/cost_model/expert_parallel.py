@@ -28,8 +28,8 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
   ranks holding the same slice, at 1 / ep of the size (stride tp x ep), once per step.
 
 The step time of the plan chosen at ep = 1 is repriced by these differences, its memory per
-rank priced again on its placement (`with_expert_parallel`): a decomposition, exact for the quantities above because ep changes no
-placement (ep runs with tp 1 and ZeRO 0, 2 or 3, the runtime's support), but not a joint
+rank priced again on its placement (`with_expert_parallel`): a decomposition, exact for the
+quantities above because ep changes no placement (ep runs with tp 1 and ZeRO 0, 2 or 3, the runtime's support), but not a joint
 search: a plan that fits only with ep is not found.
 """
 

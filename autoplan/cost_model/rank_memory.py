@@ -83,8 +83,8 @@ from autoplan.cost_model.memory import (
 from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.spec import TrainingSpec
 
-__all__ = ["ExpertSlices", "STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories", "rank_peaks", "rank_peak",
-           "candidate_ranks", "grads_at_activation_peak"]
+__all__ = ["ExpertSlices", "STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories",
+           "rank_peaks", "rank_peak", "candidate_ranks", "grads_at_activation_peak"]
 
 
 def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
@@ -421,7 +421,8 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                               output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
                               recv=_recv_buffer_bytes(cfg, r, boundary_bytes), extra=extra)
     return peak_memory_bytes(
-        model_states={k: states[k] + extra[k] for k in extra}, activation_bytes=acts + sent, in_flight_microbatches=in_flight,
+        model_states={k: states[k] + extra[k] for k in extra}, activation_bytes=acts + sent,
+        in_flight_microbatches=in_flight,
         zero_stage=cfg.zero_stage, dp=cfg.dp_shard,
         output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
         comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),

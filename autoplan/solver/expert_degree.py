@@ -5,9 +5,9 @@ expert parallelism] there: a decomposition over the plan chosen at ep = 1).
 
 from __future__ import annotations
 
-from autoplan.cost_model.comm import group_layout
 from collections.abc import Callable
 
+from autoplan.cost_model.comm import group_layout
 from autoplan.cost_model.expert_parallel import (
     ExpertLayers, expert_layers, expert_slices, with_expert_parallel,
 )
