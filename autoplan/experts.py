@@ -54,7 +54,10 @@ def experts_reference(hidden: torch.Tensor, top_k_index: torch.Tensor,
     """The op's math in plain differentiable torch ops (the eager kernel; see [Note: experts op]).
 
     Shapes: hidden (T, H); top_k_index, top_k_weights (T, k); gate_up_proj (E, 2I, H);
-    down_proj (E, H, I). Returns (T, H) in hidden's dtype. Raises KeyError for an unknown act.
+    down_proj (E, H, I). Returns (T, H) in hidden's dtype. The matmuls run in hidden's dtype:
+    weights held in another (the fp32 slices of a 16-bit expert-parallel plan, which FSDP2's
+    mixed precision does not cast: runtime/expert_parallel.py) are cast one expert at a time,
+    as the 16-bit recipe computes with its cast copies. Raises KeyError for an unknown act.
     """
     fn = ACTIVATIONS[act]
     out = torch.zeros_like(hidden)
@@ -65,8 +68,9 @@ def experts_reference(hidden: torch.Tensor, top_k_index: torch.Tensor,
         if token_idx.numel() == 0:
             continue
         x = hidden[token_idx]                                   # (n, H)
-        gate, up = F.linear(x, gate_up_proj[e]).chunk(2, dim=-1)  # (n, I) each
-        y = F.linear(fn(gate) * up, down_proj[e])               # (n, H)
+        w_gate_up, w_down = gate_up_proj[e].to(x.dtype), down_proj[e].to(x.dtype)
+        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)      # (n, I) each
+        y = F.linear(fn(gate) * up, w_down)                     # (n, H)
         y = y * top_k_weights[token_idx, k_pos, None]
         out = out.index_add(0, token_idx, y.to(out.dtype))
     return out
@@ -120,7 +124,8 @@ def experts_backward_reference(grad, hidden, top_k_index, top_k_weights, gate_up
                                down_proj, act, expert_offset):
     """Gradients of (hidden, top_k_weights, gate_up_proj, down_proj) given the output's `grad`
     (T, H), written out per expert (the chain rule through the forward's three matmuls, with
-    aten's own activation backward); the indices have none."""
+    aten's own activation backward); the indices have none. Computed in hidden's dtype as the
+    forward is (`experts_reference`), each gradient returned in its input's dtype."""
     fn, fn_backward = ACTIVATIONS[act], _ACTIVATION_BACKWARD[act]
     d_hidden = torch.zeros_like(hidden)
     d_weights = torch.zeros_like(top_k_weights)
@@ -133,15 +138,18 @@ def experts_backward_reference(grad, hidden, top_k_index, top_k_weights, gate_up
         if token_idx.numel() == 0:
             continue
         x = hidden[token_idx]                                    # (n, H)
-        w_gate, w_up = gate_up_proj[e, :inter], gate_up_proj[e, inter:]
+        w_gate = gate_up_proj[e, :inter].to(x.dtype)
+        w_up, w_down = gate_up_proj[e, inter:].to(x.dtype), down_proj[e].to(x.dtype)
         a, b = F.linear(x, w_gate), F.linear(x, w_up)            # (n, I) each
         h = fn(a) * b                                            # (n, I)
-        y = F.linear(h, down_proj[e])                            # (n, H)
-        g = grad[token_idx]                                      # (n, H)
+        y = F.linear(h, w_down)                                  # (n, H)
+        # as autograd runs the forward's y * weight: in the promoted dtype (fp32 routing
+        # weights of a 16-bit model), dy back in y's
+        g = grad[token_idx].to(torch.promote_types(y.dtype, top_k_weights.dtype))  # (n, H)
         d_weights[token_idx, k_pos] = (g * y).sum(-1).to(d_weights.dtype)
-        dy = g * top_k_weights[token_idx, k_pos, None]           # (n, H)
+        dy = (g * top_k_weights[token_idx, k_pos, None]).to(y.dtype)  # (n, H)
         d_down[e] = dy.t() @ h                                   # (H, I)
-        dh = dy @ down_proj[e]                                   # (n, I)
+        dh = dy @ w_down                                         # (n, I)
         da, db = fn_backward(dh * b, a), dh * fn(a)              # (n, I) each
         d_gate_up[e, :inter] = da.t() @ x
         d_gate_up[e, inter:] = db.t() @ x

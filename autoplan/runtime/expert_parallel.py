@@ -31,7 +31,10 @@ the balanced routing the cost model prices ([Note: expert parallelism]); a real 
 imbalance is not in it.
 
 Under ZeRO 2 and 3 the other weights are sharded over dp by FSDP2 as usual and the expert
-slices stay whole (replicated over their dp / ep ranks). Supported: tp 1 and ZeRO 0, 2 or 3
+slices stay whole (replicated over their dp / ep ranks). Under a 16-bit plan they stay fp32
+masters, which FSDP2's mixed-precision policy does not cast: the experts op computes in the
+hidden states' dtype, casting one expert's weights at a time (autoplan/experts.py), so the
+slices' gradients come back in fp32 and are summed in fp32, as the recipe's reduction is. Supported: tp 1 and ZeRO 0, 2 or 3
 with ep > 1 (`check_expert_parallel`); ZeRO-1 (its optimizer would all-gather the slices over
 dp as if they were one tensor) and ep together with tp are not implemented.
 """
