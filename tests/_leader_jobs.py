@@ -11,14 +11,19 @@ import _jobs
 
 
 def plan_on_every_rank(name: str, batch: int, overrides: dict) -> dict:
-    """Plan `name` on this rank as `@autoparallel` does, counting the solves this rank runs;
-    the plan, the warnings said here and whether the planning capture was read from the
-    capture cache. An exception of the planning is returned as its type and message."""
+    """Plan `name` on this rank as `@autoparallel` does, with the plan cache off (an earlier
+    job's plan would spare the solve), counting the solves this rank runs; the plan, the
+    warnings said here and whether the planning capture was read from the capture cache. An
+    exception of the planning is returned as its type and message."""
+    import os
+
     from autoplan import session
     from autoplan.api import autoparallel
 
     solves = []
     solve = session.solve
+    cache = os.environ.get("AUTOPLAN_PLAN_CACHE")
+    os.environ["AUTOPLAN_PLAN_CACHE"] = "0"
 
     def counted(*args, **kwargs):
         solves.append(1)
@@ -37,6 +42,10 @@ def plan_on_every_rank(name: str, batch: int, overrides: dict) -> dict:
                         "raised": (type(e).__name__, str(e))}
     finally:
         session.solve = solve
+        if cache is None:
+            del os.environ["AUTOPLAN_PLAN_CACHE"]
+        else:
+            os.environ["AUTOPLAN_PLAN_CACHE"] = cache
     return {"rank": dist.get_rank(), "solves": len(solves), "plan": plan,
             "capture_cached": ap.build_stats().get("capture_for_planning_cached"),
             "warnings": sorted({(w.category.__name__, str(w.message)) for w in said

@@ -335,10 +335,13 @@ def test_presets():
     assert len(llama.model.layers) == 2 and llama.config.num_key_value_heads == 8
     with pytest.raises(ValueError, match="llama3-8b"):
         build_model("llama3-9b")
-    # the parameter counts their sources give: SC'21 Table 1's 1008B, Mixtral's 46.7B
+    # the parameter counts their sources give: SC'21 Table 1's 1008B, Mixtral's 46.7B and
+    # 141B, Qwen3's 235B
     count = lambda name: sum(p.numel() for p in build_model(name).parameters())  # noqa: E731
     assert round(count("gpt-1t") / 1e9) == 1008
     assert round(count("mixtral-8x7b") / 1e8) == 467
+    assert round(count("mixtral-8x22b") / 1e9) == 141
+    assert round(count("qwen3-235b-a22b") / 1e9) == 235
 
 
 def test_build_model_from_config_path(tmp_path):

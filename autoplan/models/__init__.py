@@ -53,6 +53,8 @@ PRESETS: dict[str, str] = {
     "llama3-405b": "Llama 3 405B (HF LlamaForCausalLM)",
     "llama3.1-405b": "Llama 3.1 405B, 128K context (llama3 RoPE scaling; HF LlamaForCausalLM)",
     "mixtral-8x7b": "Mixtral 8x7B, 8 experts top-2 (HF MixtralForCausalLM)",
+    "mixtral-8x22b": "Mixtral 8x22B, 141B, 8 experts top-2 (HF MixtralForCausalLM)",
+    "qwen3-235b-a22b": "Qwen3-235B-A22B, 128 experts top-8 (HF Qwen3MoeForCausalLM)",
     "llama-tiny": "Llama style with GQA, 2 layers, width 32, 8 query / 2 kv heads (tests)",
     "nanogpt-tiny": "nanoGPT GPT, 2 layers, width 32, tied head (plain PyTorch; tests)",
     "mlp-tiny": "2 Linear-GELU-Linear blocks, width 32 (plain PyTorch; tests)",
