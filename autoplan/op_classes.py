@@ -11,11 +11,10 @@ __all__ = ["op_name", "VIEW_OPS", "MATMUL_OPS", "MATMUL_OPERANDS", "ATTENTION_OP
 
 
 def op_name(target: str) -> str:
-    """Base name of an op from its text: "aten.addmm.default" -> "addmm", autoplan's own
-    "autoplan.experts.default" -> "experts", "<built-in function getitem>" /
-    "operator.getitem" -> "getitem"."""
+    """Base name of an op from its text: "aten.addmm.default" -> "addmm",
+    "<built-in function getitem>" / "operator.getitem" -> "getitem"."""
     text = target.strip("<>")
-    if text.startswith(("aten.", "autoplan.")):
+    if text.startswith("aten."):
         return text.split(".")[1]
     return text.replace(" ", ".").split(".")[-1]
 
