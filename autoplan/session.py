@@ -1,6 +1,7 @@
 """The planning half of `AutoParallel` (autoplan/auto_parallel.py): the cluster to plan for,
 the training spec and the planned batch, the capture for planning, the cp trial, the plan cache,
-the solve, and rank 0's plan broadcast to every rank of a job.
+the solve; in a job, rank 0 captures first and solves for every rank (runtime/leader.py,
+[Note: leader rank]).
 
 `PlanningSession` is `AutoParallel`'s base class: it reads the wrapper's `module`, `options`
 (`PlanOptions`), `dtype`, and the state `AutoParallel.__init__` sets (`_plan`, `_graph`,
