@@ -35,23 +35,14 @@ from autoplan.topology import Topology, load_topology, preset
 __all__ = ["PlanningSession", "audit", "solve"]
 
 
-def _leader_first(work, *, what: str):
-    """runtime/leader.py `leader_first` in a job of several ranks, else `work()` (the
-    runtime is not imported by a planning process)."""
+def _leader():
+    """autoplan.runtime.leader where rank 0 works for the job's ranks (`leader.shared()`),
+    else None: alone, or on the fake process group (a planning process imports no runtime)."""
     if not (_in_job() and dist.get_world_size() > 1):
-        return work()
-    from autoplan.runtime.leader import leader_first
+        return None
+    from autoplan.runtime import leader
 
-    return leader_first(work, what=what)
-
-
-def _from_leader(work, *, what: str):
-    """runtime/leader.py `from_leader` in a job of several ranks, else `work()`."""
-    if not (_in_job() and dist.get_world_size() > 1):
-        return work()
-    from autoplan.runtime.leader import from_leader
-
-    return from_leader(work, what=what)
+    return leader if leader.shared() else None
 
 
 # The world of one this process set up to train alone: not a job (a later model may still be
@@ -180,10 +171,13 @@ class PlanningSession:
         # read back from the capture cache when this capture was made before, by an earlier
         # job or another rank of this machine ([Note: capture cache] in capture/cache.py):
         # in a job rank 0 captures first, the others then read its entry ([Note: leader rank])
-        graph, how = _leader_first(
-            lambda: cached_capture(source, args, example_kwargs=kwargs, model_name=name,
-                                   planning=planning),
-            what=f"capturing {name} at batch {batch_size}")
+        def work():
+            return cached_capture(source, args, example_kwargs=kwargs, model_name=name,
+                                  planning=planning)
+
+        leader = _leader()
+        graph, how = leader.leader_first(work, what=f"capturing {name} at batch {batch_size}") \
+            if leader else work()
         graph.batch_size, graph.seq_len = batch_size, seq_len or self.spec.seq_len
         return graph, how == "hit"
 
@@ -242,9 +236,10 @@ class PlanningSession:
 
             # in a job rank 0 plans, every rank takes its plan ([Note: leader rank]); the
             # solver's warnings are said on every rank, as where each solved
-            plan_json, said, from_cache = _from_leader(
-                make, what=f"planning {name} for {topo.world_size} ranks")
-            if _in_job() and dist.get_world_size() > 1 and dist.get_rank() != 0:
+            leader = _leader()
+            plan_json, said, from_cache = leader.from_leader(
+                make, what=f"planning {name} for {topo.world_size} ranks") if leader else make()
+            if leader and dist.get_rank() != 0:
                 for category, message in said:
                     warnings.warn(message, category, stacklevel=2)
             plan = Plan.from_json(plan_json)
