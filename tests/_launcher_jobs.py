@@ -87,3 +87,22 @@ def parent_of_sleeping_ranks(pids_path: str, stack_dir_path: str) -> None:
         os.replace(stack_dir_path + ".tmp", stack_dir_path)
         os.replace(pids_path + ".tmp", pids_path)
         cluster.run(sleep_s, 120, timeout_s=180)
+
+
+def mesh_job() -> None:
+    """A dp2 x tp2 DeviceMesh and a DTensor all-gather on each of its axes: the subgroups and
+    DTensor plans a job leaves in a rank of the pool."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for axis in ("dp", "tp"):
+        distribute_tensor(torch.ones(4, 4), mesh[axis], [Shard(0)]).full_tensor()
+
+
+def held() -> tuple[int, int, int]:
+    """(process groups, open file descriptors, threads) of this rank now."""
+    from autoplan._torch_compat import live_groups
+
+    return (len(live_groups()), len(os.listdir("/proc/self/fd")),
+            len(os.listdir("/proc/self/task")))

@@ -45,6 +45,19 @@ def run_fault(cluster: LocalCluster, job, kind: str, tmp_path, *, steps: int = 4
     return info.value, t1 - float(stamp.read_text()), t1 - t0
 
 
+def test_a_job_leaves_no_groups_behind(clusters):
+    """A rank of the pool ends each job as it began: the groups a job's meshes created are
+    destroyed, with their sockets and threads ([Note: a job ends with its groups])."""
+    import _launcher_jobs
+
+    cluster = clusters.get(4)
+    cluster.run(_launcher_jobs.mesh_job)  # whatever the first job starts once (the fds)
+    before = cluster.run(_launcher_jobs.held)
+    for _ in range(3):
+        cluster.run(_launcher_jobs.mesh_job)
+    assert cluster.run(_launcher_jobs.held) == before
+
+
 @pytest.mark.slow
 def test_rank_killed_during_training_is_named(tmp_path):
     """The issue's case: rank 1 of gpt2-tiny (dp2, ZeRO-3) SIGKILLed at step 2. Before, rank 0's

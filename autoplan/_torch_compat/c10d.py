@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DeviceMesh
 
-__all__ = ["forget_process_groups", "forget_mesh_groups", "default_store", "fake_store",
+__all__ = ["forget_process_groups", "forget_mesh_groups", "live_groups", "destroy_groups", "default_store", "fake_store",
            "group_ranks", "flatten_mesh", "all_gather_autograd"]
 
 
@@ -38,6 +38,28 @@ def forget_mesh_groups(mesh: DeviceMesh) -> None:
     with it its groups and their threads, after `destroy_process_group()` ([Note: orderly
     exit] in autoplan/runtime/shutdown.py). The mesh can no longer give its groups."""
     mesh._get_root_mesh()._pg_registry.clear()
+
+
+def live_groups() -> set:
+    """The process groups this process knows now (torch 2.13's `_world.pg_map`, which also
+    holds the default group)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return set(c10d._world.pg_map)
+
+
+def destroy_groups(keep: set) -> int:
+    """Destroy (shut down and unregister) every process group this process knows but `keep`
+    -- the subgroups of a finished job's DeviceMeshes -- and return how many. Local: no
+    peer is contacted, so call it only once this rank's collectives on them are over. The
+    default group is always kept."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    gone = [pg for pg in c10d._world.pg_map if pg not in keep and pg is not dist.group.WORLD]
+    for pg in gone:
+        dist.destroy_process_group(pg)
+    return len(gone)
 
 
 def default_store():
