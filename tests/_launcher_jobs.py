@@ -106,3 +106,16 @@ def held() -> tuple[int, int, int]:
 
     return (len(live_groups()), len(os.listdir("/proc/self/fd")),
             len(os.listdir("/proc/self/task")))
+
+
+def shared_mesh_job() -> int:
+    """An all-gather on each axis of the dp2 x tp2 mesh an engine would take
+    (`shared_mesh`); the mesh's id, the same job after job."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autoplan._torch_compat import shared_mesh
+
+    mesh = shared_mesh("cpu", (2, 2), ("dp", "tp"))
+    for axis in ("dp", "tp"):
+        distribute_tensor(torch.ones(4, 4), mesh[axis], [Shard(0)]).full_tensor()
+    return id(mesh)

@@ -46,15 +46,18 @@ def run_fault(cluster: LocalCluster, job, kind: str, tmp_path, *, steps: int = 4
 
 
 def test_a_job_leaves_no_groups_behind(clusters):
-    """A rank of the pool ends each job as it began: the groups a job's meshes created are
-    destroyed, with their sockets and threads ([Note: a job ends with its groups])."""
+    """A rank of the pool ends each job as it began: the groups a job's own meshes created
+    are destroyed with their sockets and threads, and an engine's mesh (`shared_mesh`) is
+    built once and reused job after job ([Note: a job ends with its groups])."""
     import _launcher_jobs
 
     cluster = clusters.get(4)
     cluster.run(_launcher_jobs.mesh_job)  # whatever the first job starts once (the fds)
+    first = cluster.run(_launcher_jobs.shared_mesh_job)
     before = cluster.run(_launcher_jobs.held)
     for _ in range(3):
         cluster.run(_launcher_jobs.mesh_job)
+        assert cluster.run(_launcher_jobs.shared_mesh_job) == first
     assert cluster.run(_launcher_jobs.held) == before
 
 

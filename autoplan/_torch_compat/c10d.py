@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DeviceMesh
 
-__all__ = ["forget_process_groups", "forget_mesh_groups", "live_groups", "destroy_groups", "default_store", "fake_store",
+__all__ = ["forget_process_groups", "forget_mesh_groups", "live_groups", "destroy_groups",
+           "shared_mesh", "shared_mesh_groups", "default_store", "fake_store",
            "group_ranks", "flatten_mesh", "all_gather_autograd"]
 
 
@@ -38,6 +39,50 @@ def forget_mesh_groups(mesh: DeviceMesh) -> None:
     with it its groups and their threads, after `destroy_process_group()` ([Note: orderly
     exit] in autoplan/runtime/shutdown.py). The mesh can no longer give its groups."""
     mesh._get_root_mesh()._pg_registry.clear()
+
+
+_SHARED_MESHES: dict[tuple, tuple] = {}  # (device, shape, names) -> (default group, mesh)
+
+
+def _alive(world, mesh: DeviceMesh) -> bool:
+    """Whether `mesh`, built under default group `world`, can still be used: that group is
+    still the default and every group of the mesh is still registered with c10d."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if c10d._world.default_pg is not world:
+        return False
+    try:
+        return all(g in c10d._world.pg_map for g in mesh.get_all_groups())
+    except (RuntimeError, ValueError, KeyError):  # a group name no longer resolves
+        return False
+
+
+def shared_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """`init_device_mesh(device_type, shape, mesh_dim_names=names)`, built once per process
+    and default group: a later call with the same arguments gets the same mesh, and so the
+    same process groups, while they live (neither destroyed nor forgotten). torch 2.13 creates
+    new groups -- sockets, threads, NCCL communicators -- at every `init_device_mesh`, and
+    nothing frees them while DTensor's plan caches name the mesh; one engine per call
+    would leak a set of groups per model built in a process (a notebook's re-run cell, the
+    ranks of a pool running job after job; [Note: a job ends with its groups] in
+    autoplan/runtime/launcher.py). Collective (new groups) when it builds."""
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, tuple(shape), tuple(names))
+    held = _SHARED_MESHES.get(key)
+    if held is not None and _alive(*held):
+        return held[1]
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    _SHARED_MESHES[key] = (c10d._world.default_pg, mesh)
+    return mesh
+
+
+def shared_mesh_groups() -> set:
+    """The process groups of the live meshes `shared_mesh` holds, those of the meshes
+    flattened from them included (their root's registry, torch 2.13's `_pg_registry`)."""
+    return {g for world, mesh in _SHARED_MESHES.values() if _alive(world, mesh)
+            for g in mesh._get_root_mesh()._pg_registry.values()}
 
 
 def live_groups() -> set:

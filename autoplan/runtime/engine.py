@@ -71,7 +71,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -93,7 +92,7 @@ from autoplan.runtime.precision import LossScaler, Precision
 from autoplan.runtime.rank_stages import RankStages
 from autoplan.runtime.shutdown import forget_at_exit
 from autoplan.runtime.weights import ModuleWeights, WeightSource, allocate as _allocate
-from autoplan._torch_compat import (concrete_value, flatten_mesh as _flatten_mesh,
+from autoplan._torch_compat import (concrete_value, flatten_mesh as _flatten_mesh, shared_mesh,
                                    implicit_replication, outside_fake_mode,
                                    quiet_understood_warnings)
 
@@ -193,8 +192,8 @@ class DistributedModel(RankStages):
             # the fake mode of a dry run (runtime/dryrun.py), whose allocation and step make
             # fake tensors; a no-op otherwise.
             with outside_fake_mode():
-                self.mesh = init_device_mesh(self.device.type, plan.mesh.shape,
-                                             mesh_dim_names=plan.mesh.axis_names)
+                # one mesh (one set of groups) per shape in a process, shared by its engines
+                self.mesh = shared_mesh(self.device.type, plan.mesh.shape, plan.mesh.axis_names)
                 # in a group autoplan created, its groups go at exit ([Note: orderly exit])
                 forget_at_exit(self.mesh)
                 self.pp_rank = self.mesh["pp"].get_local_rank()

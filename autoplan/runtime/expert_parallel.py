@@ -137,9 +137,11 @@ class ExpertParallel:
 
     def __init__(self, mesh: DeviceMesh, ep: int):
         pp, dp, tp = mesh.mesh.shape
-        ranks = mesh.mesh.reshape(pp, dp // ep, ep, tp)
         self.ep, self.dp = ep, dp
-        mesh4 = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "dp_outer", "ep", "tp"))
+        # the engine's mesh, its dp axis split in two: row-major over the world as it is
+        mesh4 = tc.shared_mesh(mesh.device_type, (pp, dp // ep, ep, tp),
+                            ("pp", "dp_outer", "ep", "tp"))
+        assert mesh4.mesh.equal(mesh.mesh.reshape(pp, dp // ep, ep, tp)), "mesh not row-major"
         forget_at_exit(mesh4)  # a root mesh of its own ([Note: orderly exit])
         self.ep_mesh = mesh4["ep"]
         self.outer_group = mesh4["dp_outer"].get_group() if dp // ep > 1 else None

@@ -52,7 +52,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autoplan._torch_compat import clear_dtensor_caches, destroy_groups, live_groups
+from autoplan._torch_compat import (clear_dtensor_caches, destroy_groups, live_groups,
+                                   shared_mesh_groups)
 from autoplan.runtime.parent_death import close_on_sigterm, die_with_parent
 from autoplan.runtime.rank_faults import (Outcome, RankError, death_stack, dump_stacks, exit_text,
                                           fold, frame_text, main_stack, rank_error)
@@ -156,18 +157,24 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
 def _end_job(before: set) -> None:
     """What a job leaves in a rank that outlives it ([Note: a job ends with its groups]).
 
-    Note [a job ends with its groups]: a job's DeviceMeshes create gloo subgroups (their
-    sockets and threads: 14 descriptors and 9 threads a rank for a dp2 x tp2 job) that
-    nothing destroys, and DTensor's plan caches keep naming them; over the test suite's
-    hundreds of jobs a rank of the shared pool held thousands, and one died of SIGSEGV in a
-    gloo all-gather. After each job a rank clears DTensor's caches (a later job must not reuse
-    a plan naming an earlier job's group) and destroys the groups the job created, as a fresh
-    process would start. A rank's job is over when it reports, so its collectives on them are
-    done; the next job's groups are new ones.
+    Note [a job ends with its groups]: torch 2.13 creates new process groups (gloo: sockets
+    and threads) at every `init_device_mesh`, and nothing destroys them while DTensor's plan
+    caches name their mesh: a dp2 x tp2 job left 14 descriptors and 9 threads in each rank,
+    and after the test suite's hundreds of jobs one rank of the shared pool died of SIGSEGV in
+    a gloo all-gather. Two things keep a rank as a fresh process would be. An engine takes
+    its mesh from `shared_mesh` (autoplan/_torch_compat/c10d.py): one mesh, so one set of
+    groups, per mesh shape in a process, reused by every later engine of that shape -- in a
+    user's process too, where each model built used to add its own. And after each job a
+    rank destroys the groups the job created that no shared mesh holds (a job's own
+    `init_device_mesh` or `new_group`), clearing DTensor's caches first when it does, so that
+    no later job reuses a plan naming a destroyed group. A rank's job is over when it
+    reports, so its collectives on them are done.
     """
-    clear_dtensor_caches()
-    destroy_groups(before)
-    gc.collect()
+    keep = before | shared_mesh_groups()
+    if any(g not in keep for g in live_groups()):
+        clear_dtensor_caches()
+        destroy_groups(keep)
+        gc.collect()
 
 
 def _reported(ok: bool, data, seq: int, elapsed_s: float) -> Outcome:
