@@ -6,6 +6,8 @@ any dim.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.distributed.tensor import DeviceMesh
 
@@ -41,20 +43,26 @@ def forget_mesh_groups(mesh: DeviceMesh) -> None:
     mesh._get_root_mesh()._pg_registry.clear()
 
 
-_SHARED_MESHES: dict[tuple, tuple] = {}  # (device, shape, names) -> (default group, mesh)
+# (device, shape, names) -> (the default group then, the mesh), both held weakly: the mesh
+# lives while an engine or DTensor's caches name it, and neither may keep a destroyed
+# default group alive (its GroupExit would outlive it: autoplan/runtime/shutdown.py)
+_SHARED_MESHES: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def _alive(world, mesh: DeviceMesh) -> bool:
-    """Whether `mesh`, built under default group `world`, can still be used: that group is
-    still the default and every group of the mesh is still registered with c10d."""
+def _alive(world: weakref.ref, mesh: weakref.ref) -> DeviceMesh | None:
+    """The mesh `mesh` refers to, built under the default group `world` refers to, while it
+    can still be used: it lives, that group is still the default and every group of the
+    mesh is still registered with c10d; else None."""
     import torch.distributed.distributed_c10d as c10d
 
-    if c10d._world.default_pg is not world:
-        return False
+    mesh = mesh()
+    if mesh is None or world() is None or c10d._world.default_pg is not world():
+        return None
     try:
-        return all(g in c10d._world.pg_map for g in mesh.get_all_groups())
+        alive = all(g in c10d._world.pg_map for g in mesh.get_all_groups())
     except (RuntimeError, ValueError, KeyError):  # a group name no longer resolves
-        return False
+        return None
+    return mesh if alive else None
 
 
 def shared_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -71,17 +79,17 @@ def shared_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
 
     key = (device_type, tuple(shape), tuple(names))
     held = _SHARED_MESHES.get(key)
-    if held is not None and _alive(*held):
-        return held[1]
+    if held is not None and (mesh := _alive(*held)) is not None:
+        return mesh
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-    _SHARED_MESHES[key] = (c10d._world.default_pg, mesh)
+    _SHARED_MESHES[key] = (weakref.ref(c10d._world.default_pg), weakref.ref(mesh))
     return mesh
 
 
 def shared_mesh_groups() -> set:
     """The process groups of the live meshes `shared_mesh` holds, those of the meshes
     flattened from them included (their root's registry, torch 2.13's `_pg_registry`)."""
-    return {g for world, mesh in _SHARED_MESHES.values() if _alive(world, mesh)
+    return {g for held in _SHARED_MESHES.values() if (mesh := _alive(*held)) is not None
             for g in mesh._get_root_mesh()._pg_registry.values()}
 
 
