@@ -30,6 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoplan._torch_compat.autograd import (causal_lower_right_bias, in_backward,
                                              in_recomputation)
 from autoplan._torch_compat.c10d import (all_gather_autograd, default_store, destroy_groups,
+                                         drop_stale_meshes,
                                          fake_store, flatten_mesh, forget_mesh_groups,
                                          forget_process_groups, group_ranks, live_groups,
                                          shared_mesh, shared_mesh_groups)
@@ -56,7 +57,7 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
            "strict_redistribution", "replicate_module", "implicit_replication",
            "clear_dtensor_caches", "forget_process_groups", "forget_mesh_groups", "live_groups",
-           "destroy_groups", "shared_mesh", "shared_mesh_groups",
+           "destroy_groups", "shared_mesh", "shared_mesh_groups", "drop_stale_meshes",
            "checkpoint_extents", "checkpoint_keys",
            "quiet_understood_warnings", "default_store", "chunk_spec", "pipeline_eval",
            "cpu_claiming_fakes", "outside_fake_mode", "fake_tensor_mode", "is_fake",

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DeviceMesh
 
 __all__ = ["forget_process_groups", "forget_mesh_groups", "live_groups", "destroy_groups",
-           "shared_mesh", "shared_mesh_groups", "default_store", "fake_store",
+           "shared_mesh", "shared_mesh_groups", "drop_stale_meshes", "default_store", "fake_store",
            "group_ranks", "flatten_mesh", "all_gather_autograd"]
 
 
@@ -43,20 +43,19 @@ def forget_mesh_groups(mesh: DeviceMesh) -> None:
     mesh._get_root_mesh()._pg_registry.clear()
 
 
-# (device, shape, names) -> (the default group then, the mesh), both held weakly: the mesh
-# lives while an engine or DTensor's caches name it, and neither may keep a destroyed
-# default group alive (its GroupExit would outlive it: autoplan/runtime/shutdown.py)
-_SHARED_MESHES: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+# (device, shape, names) -> (the default group then, held weakly: a destroyed default group
+# must be free to go, its GroupExit with it, autoplan/runtime/shutdown.py; the mesh, whose
+# groups the orderly exit drops, forget_mesh_groups, and drop_stale_meshes lets go)
+_SHARED_MESHES: dict[tuple, tuple[weakref.ref, DeviceMesh]] = {}
 
 
-def _alive(world: weakref.ref, mesh: weakref.ref) -> DeviceMesh | None:
-    """The mesh `mesh` refers to, built under the default group `world` refers to, while it
-    can still be used: it lives, that group is still the default and every group of the
-    mesh is still registered with c10d; else None."""
+def _alive(world: weakref.ref, mesh: DeviceMesh) -> DeviceMesh | None:
+    """`mesh`, built under the default group `world` refers to, while it can still be used:
+    that group is still the default and every group of the mesh is still registered with
+    c10d; else None."""
     import torch.distributed.distributed_c10d as c10d
 
-    mesh = mesh()
-    if mesh is None or world() is None or c10d._world.default_pg is not world():
+    if world() is None or c10d._world.default_pg is not world():
         return None
     try:
         alive = all(g in c10d._world.pg_map for g in mesh.get_all_groups())
@@ -82,8 +81,15 @@ def shared_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     if held is not None and (mesh := _alive(*held)) is not None:
         return mesh
     mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-    _SHARED_MESHES[key] = (weakref.ref(c10d._world.default_pg), weakref.ref(mesh))
+    _SHARED_MESHES[key] = (weakref.ref(c10d._world.default_pg), mesh)
     return mesh
+
+
+def drop_stale_meshes() -> None:
+    """Let go of the shared meshes that can no longer be used (their default group destroyed
+    or replaced, a group of theirs gone): before a new default group is made."""
+    for key in [k for k, held in _SHARED_MESHES.items() if _alive(*held) is None]:
+        del _SHARED_MESHES[key]
 
 
 def shared_mesh_groups() -> set:

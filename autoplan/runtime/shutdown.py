@@ -182,8 +182,9 @@ def init_default_group(backend: str, **kwargs) -> GroupExit:
     GroupExit. Raises as init_process_group does."""
     import torch.distributed.nn.functional  # noqa: F401 - see above
 
-    from autoplan._torch_compat import default_store
+    from autoplan._torch_compat import default_store, drop_stale_meshes
 
+    drop_stale_meshes()  # an earlier default group's meshes hold it no longer
     dist.init_process_group(backend, **kwargs)
     _OWNED[:] = [e for e in _OWNED if e.group is not None]
     owner = GroupExit(dist.group.WORLD, default_store())
