@@ -30,10 +30,9 @@ from torch.distributed.tensor.placement_types import Placement
 from autoplan._torch_compat.autograd import (causal_lower_right_bias, in_backward,
                                              in_recomputation)
 from autoplan._torch_compat.c10d import (all_gather_autograd, default_store, destroy_groups,
-                                         drop_stale_meshes,
-                                         fake_store, flatten_mesh, forget_mesh_groups,
-                                         forget_process_groups, group_ranks, live_groups,
-                                         shared_mesh, shared_mesh_groups)
+                                         drop_stale_meshes, fake_store, flatten_mesh,
+                                         forget_mesh_groups, forget_process_groups, group_ranks,
+                                         live_groups, shared_mesh, shared_mesh_groups)
 from autoplan._torch_compat.dcp import checkpoint_extents, checkpoint_keys
 from autoplan._torch_compat.dtensor import (clear_dtensor_caches, implicit_replication,
                                             local_shard_offset, local_shard_slices,

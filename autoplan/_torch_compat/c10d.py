@@ -1,5 +1,6 @@
 """Process groups and collectives (torch.distributed's private c10d names): dropping a process's
-groups without a shutdown, the groups a DeviceMesh holds, the default and the fake stores, the
+groups without a shutdown, the groups a DeviceMesh holds, one mesh per shape shared by a
+process's engines and destroying the groups a job left, the default and the fake stores, the
 ranks an op's group argument names, flattening a sub-mesh, a differentiable all-gather along
 any dim.
 """
@@ -12,8 +13,8 @@ import torch
 from torch.distributed.tensor import DeviceMesh
 
 __all__ = ["forget_process_groups", "forget_mesh_groups", "live_groups", "destroy_groups",
-           "shared_mesh", "shared_mesh_groups", "drop_stale_meshes", "default_store", "fake_store",
-           "group_ranks", "flatten_mesh", "all_gather_autograd"]
+           "shared_mesh", "shared_mesh_groups", "drop_stale_meshes", "default_store",
+           "fake_store", "group_ranks", "flatten_mesh", "all_gather_autograd"]
 
 
 def forget_process_groups() -> None:

@@ -140,7 +140,7 @@ class ExpertParallel:
         self.ep, self.dp = ep, dp
         # the engine's mesh, its dp axis split in two: row-major over the world as it is
         mesh4 = tc.shared_mesh(mesh.device_type, (pp, dp // ep, ep, tp),
-                            ("pp", "dp_outer", "ep", "tp"))
+                               ("pp", "dp_outer", "ep", "tp"))
         assert mesh4.mesh.equal(mesh.mesh.reshape(pp, dp // ep, ep, tp)), "mesh not row-major"
         forget_at_exit(mesh4)  # a root mesh of its own ([Note: orderly exit])
         self.ep_mesh = mesh4["ep"]
