@@ -93,11 +93,8 @@ def mesh_job() -> None:
     """A dp2 x tp2 DeviceMesh and a DTensor all-gather on each of its axes: the subgroups and
     DTensor plans a job leaves in a rank of the pool."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for axis in ("dp", "tp"):
-        distribute_tensor(torch.ones(4, 4), mesh[axis], [Shard(0)]).full_tensor()
+    _gather_on_each_axis(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
 
 
 def held() -> tuple[int, int, int]:
@@ -111,11 +108,16 @@ def held() -> tuple[int, int, int]:
 def shared_mesh_job() -> int:
     """An all-gather on each axis of the dp2 x tp2 mesh an engine would take
     (`shared_mesh`); the mesh's id, the same job after job."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     from autoplan._torch_compat import shared_mesh
 
     mesh = shared_mesh("cpu", (2, 2), ("dp", "tp"))
+    _gather_on_each_axis(mesh)
+    return id(mesh)
+
+
+def _gather_on_each_axis(mesh) -> None:
+    """A Shard(0) DTensor all-gathered on each axis of the dp x tp `mesh`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     for axis in ("dp", "tp"):
         distribute_tensor(torch.ones(4, 4), mesh[axis], [Shard(0)]).full_tensor()
-    return id(mesh)

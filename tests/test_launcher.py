@@ -49,16 +49,14 @@ def test_a_job_leaves_no_groups_behind(clusters):
     """A rank of the pool ends each job as it began: the groups a job's own meshes created
     are destroyed with their sockets and threads, and an engine's mesh (`shared_mesh`) is
     built once and reused job after job ([Note: a job ends with its groups])."""
-    import _launcher_jobs
-
     cluster = clusters.get(4)
-    cluster.run(_launcher_jobs.mesh_job)  # whatever the first job starts once (the fds)
-    first = cluster.run(_launcher_jobs.shared_mesh_job)
-    before = cluster.run(_launcher_jobs.held)
+    cluster.run(jobs.mesh_job)  # whatever the first job starts once (the fds)
+    first = cluster.run(jobs.shared_mesh_job)
+    before = cluster.run(jobs.held)
     for _ in range(3):
-        cluster.run(_launcher_jobs.mesh_job)
-        assert cluster.run(_launcher_jobs.shared_mesh_job) == first
-    assert cluster.run(_launcher_jobs.held) == before
+        cluster.run(jobs.mesh_job)
+        assert cluster.run(jobs.shared_mesh_job) == first
+    assert cluster.run(jobs.held) == before
 
 
 @pytest.mark.slow

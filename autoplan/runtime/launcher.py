@@ -166,14 +166,12 @@ def _end_job(before: set) -> None:
     groups, per mesh shape in a process, reused by every later engine of that shape -- in a
     user's process too, where each model built used to add its own. And after each job a
     rank destroys the groups the job created that no shared mesh holds (a job's own
-    `init_device_mesh` or `new_group`), clearing DTensor's caches first when it does, so that
-    no later job reuses a plan naming a destroyed group. A rank's job is over when it
+    `init_device_mesh` or `new_group`), then clears DTensor's caches when it destroyed any, so
+    that no later job reuses a plan naming a destroyed group. A rank's job is over when it
     reports, so its collectives on them are done.
     """
-    keep = before | shared_mesh_groups()
-    if any(g not in keep for g in live_groups()):
+    if destroy_groups(keep=before | shared_mesh_groups()):
         clear_dtensor_caches()
-        destroy_groups(keep)
         gc.collect()
 
 
