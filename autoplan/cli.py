@@ -201,8 +201,9 @@ def _plan(args, num_layers: int | None) -> Planned:
     spec = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype,
                         optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction)
     trainable = Trainable.parse(getattr(args, "trainable", "full"))
-    depth = (f" ({num_layers} blocks; costs scaled to the full depth)"
-             if num_layers and num_layers < _depth(config) else "")
+    # the whole model when its blocks differ (capture/planning.py: a note then says why)
+    depth = (f" ({num_layers} of its {_depth(config)} blocks when they are alike; costs scaled "
+             "to the full depth)" if num_layers and num_layers < _depth(config) else "")
     adapters = "" if trainable.kind == "full" else f" with {trainable.describe()}"
     with phase(f"capturing {args.model}{adapters}{depth}"):
         graph = capture_preset(args.model, batch=args.global_batch, seq_len=args.seq,

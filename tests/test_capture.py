@@ -322,6 +322,34 @@ def test_capture_preset_405b_shallow():
     assert [n.flops for n in q] == [2 * 16 * 16384 * 16384]
 
 
+def test_a_stack_whose_first_blocks_differ_from_the_rest_is_planned_whole(tmp_path):
+    """A config whose first blocks are dense and the rest MoE (DeepSeek-V3's
+    first_k_dense_replace) is captured whole for planning, as `@autoparallel` captures the
+    instance ([Note: shallow planning capture]): cutting its depth to the 2 planning blocks
+    kept only dense blocks, and the plan priced a dense model (DeepSeek-V3: 37B of 671B
+    parameters, 71 GB per H100 where ZeRO-0 at pp 8 x tp 4 needs ~5 times that). A uniform
+    stack stays shallow."""
+    import json
+
+    import _moe
+
+    def config_file(name, cfg):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        return str(path)
+
+    moe = config_file("moe", _moe.config("deepseek_v3", num_hidden_layers=4,
+                                         first_k_dense_replace=2).to_dict())
+    whole = capture_preset(moe, batch=2, seq_len=8, num_layers=2)
+    assert (whole.num_layers, whole.total_layers) == (4, 4)
+    assert whole.num_params == sum(p.numel() for p in build_model(moe).parameters())
+    experts = {n.layer_id for n in whole.nodes.values() if "experts" in str(n.target)}
+    assert experts == {2, 3}  # the MoE blocks are in the planned graph
+    dense = config_file("dense", dict(model_config("llama-tiny"), num_hidden_layers=4))
+    shallow = capture_preset(dense, batch=2, seq_len=8, num_layers=2)
+    assert (shallow.num_layers, shallow.total_layers) == (2, 4)
+
+
 def test_presets():
     assert set(PRESETS) >= {"gpt2", "gpt2-demo", "gpt3-175b", "llama3-8b", "llama3-70b",
                             "llama3-405b", "gpt2-tiny", "llama-tiny"}

@@ -159,14 +159,23 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
 
 def capture_preset(name: str, *, batch: int, seq_len: int, num_layers: int | None = None,
                    dtype: torch.dtype | None = None, trainable=None) -> CapturedGraph:
-    """Build preset `name` on meta with at most `num_layers` blocks and capture it on
-    (batch, seq_len) inputs; `total_layers` is the preset's real depth (see autoplan.models).
-    `trainable` (autoplan.models.trainable.Trainable): the adapters to add before capture,
-    the base frozen (None: full training). Raises ValueError from Trainable.apply."""
-    from autoplan.models import build_model, example_inputs, model_depth
+    """Build preset `name` (or an HF config.json) on meta and capture it on (batch, seq_len)
+    inputs. With `num_layers`, the planning capture `@autoparallel` makes of the same model
+    (capture/planning.py `capture_for_planning`, [Note: shallow planning capture]): its first
+    `num_layers` blocks scaled to the real depth when every block is structurally the same,
+    else the whole model -- a stack whose blocks differ (DeepSeek-V3's three dense blocks
+    before 58 MoE blocks, a Qwen3-MoE with `mlp_only_layers`) is never priced from its first
+    blocks alone. The model is built at its full depth on meta to see its blocks (nothing is
+    allocated). `trainable` (autoplan.models.trainable.Trainable): the adapters to add before
+    capture, the base frozen (None: full training). Raises ValueError from Trainable.apply,
+    and for num_layers < 1."""
+    from autoplan.capture.planning import capture_for_planning
+    from autoplan.models import build_model, example_inputs
 
-    model = build_model(name, device="meta", num_layers=num_layers, dtype=dtype)
+    model = build_model(name, device="meta", dtype=dtype)
     if trainable is not None:
         model = trainable.apply(model)
     inputs = example_inputs(name, batch=batch, seq_len=seq_len, device="meta")
-    return capture(model, inputs, model_name=name, total_layers=model_depth(name))
+    if num_layers is None:
+        return capture(model, inputs, model_name=name)
+    return capture_for_planning(model, inputs, model_name=name, num_blocks=num_layers)

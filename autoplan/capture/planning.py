@@ -3,9 +3,13 @@
 [Note: shallow planning capture]
 Planning cost must not grow with depth (docs/design.md, "Capture"): the planner prices one
 representative block and scales it by the real depth (`CapturedGraph.total_layers`,
-[Note: layer sharing] in autoplan/solver/problem.py). A preset is built shallow from its config
-(`capture_preset`); a model *instance* is made shallow here, so that `@autoparallel(model)`
-and `autoplan plan --model <its config.json>` capture the same graph and get the same plan:
+[Note: layer sharing] in autoplan/solver/problem.py). A model is made shallow here -- an
+instance `@autoparallel` is given, and a preset or config.json, which `capture_preset` builds
+at its full depth on meta first -- so that `@autoparallel(model)` and `autoplan plan --model
+<its config.json>` capture the same graph and get the same plan. (A preset was once built
+shallow from its config, its depth cut to 2: DeepSeek-V3's first 2 of 61 blocks are dense, so
+`autoplan plan --model deepseek-v3` priced a 37B dense model for the 671B MoE -- 71 GB per
+H100 at pp 8 x tp 4, ZeRO-0 -- without a word; tests/test_capture.py):
 
 1. the container of repeated blocks is the one capture itself finds (`_find_layers`: the
    ModuleList / ModuleDict with most children of one class);
@@ -46,7 +50,7 @@ from torch import nn
 from autoplan.capture import capture
 from autoplan.capture.facts import _find_layers
 from autoplan.graph import CapturedGraph
-from autoplan.progress import detail
+from autoplan.progress import note
 
 __all__ = ["PLANNING_BLOCKS", "capture_for_planning", "shallow_copy", "blocks_differ"]
 
@@ -89,7 +93,7 @@ def capture_for_planning(model: nn.Module, example_inputs: tuple[torch.Tensor, .
         return capture(model, example_inputs, **kwargs)
     differ = blocks_differ(model.get_submodule(prefix))
     if differ:
-        detail(f"{model_name}: capturing all {depth} blocks of {prefix!r} for planning: {differ}")
+        note(f"{model_name}: capturing all {depth} blocks of {prefix!r} for planning: {differ}")
         return capture(model, example_inputs, **kwargs)
     shallow = shallow_copy(model, prefix, num_blocks)
     return capture(shallow, example_inputs, total_layers=depth, **kwargs)
