@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--ranks build the real runtime of that rank in this "
                                    "process on torch's fake process group of the plan's world "
                                    "size and run whole training steps on fake tensors (nothing "
-                                   "allocated): print its measured peak memory by category, "
+                                   "allocated): print its measured peak memory by category "
+                                   "(with -v, by the ops that allocated it), "
                                    "collective bytes per mesh axis and FLOPs beside the plan's "
                                    "prediction ([Note: dry run] in autoplan/runtime/dryrun.py); "
                                    "with -o write the report with a Dry run section; with "
@@ -390,6 +391,9 @@ def _cmd_dryrun(args) -> int:
         for c in sorted(set(r.peak_by_category) | set(r.predicted_by_category)):
             print(f"  {c:13s} {fmt_bytes(r.peak_by_category.get(c, 0)):>10s} measured "
                   f"{fmt_bytes(r.predicted_by_category.get(c, 0)):>10s} planned")
+            if verbosity() >= 2:  # -v: the ops whose outputs make the category at the peak
+                for op, nbytes, n in r.peak_by_op.get(c, ()):
+                    print(f"      {fmt_bytes(nbytes):>10s} in {n:>4d} x {op}")
         axes = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in sorted(r.bytes_by_axis.items()))
         print(f"  collective bytes by axis: {axes or 'none'}")
         print(f"  FLOPs {fmt_flops(r.flops)} measured (recomputation included), "

@@ -123,8 +123,10 @@ def render(planned: Planned) -> dict[str, str]:
 
 def dry_row(r) -> dict:
     """A rank's row of `autoplan dryrun --json`: what the plan records of it (`record`), with
-    the build and step seconds."""
-    return {**dataclasses.asdict(r.record()), "build_s": r.build_s, "step_s": r.step_s}
+    the build and step seconds and what is live at the peak by op (`peak_by_op`: {category:
+    [[op, bytes, tensors], ...]})."""
+    return {**dataclasses.asdict(r.record()), "build_s": r.build_s, "step_s": r.step_s,
+            "peak_by_op": {c: [list(x) for x in ops] for c, ops in r.peak_by_op.items()}}
 
 
 def cache_request(args):

@@ -25,7 +25,8 @@ one); llama3.1-405b at 131,072 tokens on 2,048 dgx-h100 nodes (16,384 H100, batc
 docs/guide.md's long-context example: a cp plan there); llama3-8b on one H200 (h200-node, 1
 device, batch 8 x 4096 tokens) with `--offload optimizer`.
 
-Recorded per rank: mesh coordinates, the step's peak of live tensor bytes and its categories,
+Recorded per rank: mesh coordinates, the step's peak of live tensor bytes and its categories
+(and, in `peak_by_op`, by the ops that allocated them: the 8 largest of each category),
 the plan's predicted peak and categories, `peak_error` = predicted / measured - 1, collective
 bytes per mesh axis (and op counts), FLOPs measured beside the plan's per-rank share
 (`flops_error` = predicted / measured - 1), build, step and wall seconds.
@@ -192,6 +193,7 @@ def run_rank(graph, planned, rank: int, kind: str, steps: int) -> dict:
         **dataclasses.asdict(r.record()), "kind": kind,
         "resident_bytes": r.resident_bytes, "local_param_bytes": r.local_param_bytes,
         "collective_counts": r.counts,
+        "peak_by_op": {c: [list(x) for x in ops] for c, ops in r.peak_by_op.items()},
         "build_s": r.build_s, "step_s": r.step_s, "wall_s": time.perf_counter() - start_s,
     }
     row.update(check(row))

@@ -56,6 +56,14 @@ def test_zero3_ranks_of_pp2_dp2_tp2(graphs):
         by_rank = plan.prediction.memory_by_pp_rank
         assert r.flops > 0 and r.predicted_peak_bytes == by_rank[r.coordinates["pp"]]["peak"]
         assert 0.5 < r.peak_bytes / r.predicted_peak_bytes < 1.5
+        # what makes the peak, by the op that allocated it: within each category's bytes
+        # (the top ops only), largest first, the saved matmul outputs among the activations
+        for category, ops in r.peak_by_op.items():
+            assert 0 < sum(b for _, b, _ in ops) <= r.peak_by_category[category], category
+            assert [b for _, b, _ in ops] == sorted((b for _, b, _ in ops), reverse=True)
+            assert all(n >= 1 for _, _, n in ops)
+        assert {"mm.default", "addmm.default"} & {op for op, _, _ in r.peak_by_op[
+            "activations"]}, r.peak_by_op["activations"]
     assert max(m["peak"] for m in plan.prediction.memory_by_pp_rank) == pytest.approx(
         plan.prediction.memory_bytes, rel=1e-12)
 
@@ -114,6 +122,7 @@ def test_cli_dryrun_prints_measured_beside_planned(capsys):
     assert row["peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0
     assert {"dp", "pp", "tp"} <= set(row["bytes_by_axis"])
     assert row["flops"] > 0
+    assert row["peak_by_op"]["activations"][0][1] > 0  # [op, bytes, tensors]
     assert main(argv[:-4] + ["--ranks", "7,x"]) == 2
     assert "--ranks '7,x'" in capsys.readouterr().err
 
@@ -275,6 +284,7 @@ def test_an_offloaded_plan_s_host_states_are_not_device_memory():
         (rows[offload],) = dry_run(graph, plan, [0])
     on, off = rows["none"], rows["optimizer"]
     assert on.peak_by_category["optimizer"] > 0 and off.peak_by_category["optimizer"] == 0
+    assert "optimizer" in on.peak_by_op and "optimizer" not in off.peak_by_op
     states = on.peak_by_category["optimizer"]  # AdamW's two moments, fp32
     assert off.peak_bytes < on.peak_bytes - states / 2
 

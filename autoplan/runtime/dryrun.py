@@ -119,6 +119,10 @@ class RankDryRun:
         peak_bytes: the step's peak of live tensor storage on the rank's device, bytes (an
             offloaded plan's host-resident states and host copies left out).
         peak_by_category: `peak_bytes` by `CATEGORIES` at that moment, bytes.
+        peak_by_op: what is live at that moment by category and by the op that allocated
+            it, {category: [(op, bytes, tensors), ...]}, the 8 largest ops of each category
+            (`DryRunRecorder.live_by_op`): which tensors make the peak, to hold against the
+            cost model's saved tensors ([Note: saved tensors] in cost_model/activations.py).
         resident_bytes: live storage when the step began (parameters and buffers), bytes.
         collectives: every collective / p2p op of the step, in issue order.
         bytes_by_axis: the sum of `Collective.bytes` by axis.
@@ -165,6 +169,7 @@ class RankDryRun:
     actions: tuple[str, ...] = ()
     ops: OpLog | None = None
     priced_bytes_by_axis: dict[str, float] = field(default_factory=dict)
+    peak_by_op: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
 
     def record(self) -> DryRunRecord:
         """What the plan records of this rank (`Plan.dry_run`, plan.json's "dry_run")."""
@@ -327,6 +332,9 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         # the device's peak: an offloaded plan's host-resident states left out
         peak, by_category, peak_end = recorder.peak(start, categories,
                                                     _HOST_CATEGORIES[plan.offload])
+        peak_by_op = recorder.live_by_op(peak_end, categories)
+        for category in _HOST_CATEGORIES[plan.offload]:  # not on the device: as by_category
+            peak_by_op.pop(category, None)
         calls = tuple(label_collectives(recorder.collectives, engine))
         shards = [local_tensor(p) for p in engine._unique_params()]
     finally:
@@ -347,7 +355,8 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
         num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=counts,
         peak_moment=recorder.moment_at(peak_end), actions=tuple(recorder.actions),
-        ops=recorder.ops, priced_bytes_by_axis=priced_rank_traffic(plan, rank, graph))
+        ops=recorder.ops, priced_bytes_by_axis=priced_rank_traffic(plan, rank, graph),
+        peak_by_op=peak_by_op)
 
 
 def _check_fits(recorder: DryRunRecorder, categories: dict[int, str], rank: int, plan: Plan,

@@ -50,6 +50,7 @@ class DryRunRecorder(TorchDispatchMode):
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (alloc id, bytes, site)
         self.events: list[tuple[int, int]] = []  # (alloc id, +-bytes) in order
         self.sites: dict[int, str] = {}  # alloc id -> allocation site
+        self.op_of: dict[int, object] = {}  # alloc id -> the op that allocated it
         self._next_id = 0
         self.collectives: list[Call] = []  # collective_log.collective_call's, in order
         self.flops = 0
@@ -138,12 +139,14 @@ class DryRunRecorder(TorchDispatchMode):
         i = bisect.bisect_right(self.moments, max(end - 1, 0), key=lambda m: m[0]) - 1
         return self.moments[max(i, 0)][1]
 
-    def _add(self, st, site: str) -> None:
+    def _add(self, st, site: str, op=None) -> None:
         key, nbytes = st._cdata, st.nbytes()
         aid = self._next_id
         self._next_id += 1
         self.live[key] = (aid, nbytes, site)
         self.sites[aid] = site
+        if op is not None:
+            self.op_of[aid] = op
         self.current += nbytes
         self._event(aid, nbytes)
         weakref.finalize(st, self._free, key, aid)
@@ -186,7 +189,7 @@ class DryRunRecorder(TorchDispatchMode):
                     self._resized(st)
                 elif st._cdata not in inputs:
                     site = site or self._site(func)
-                    self._add(st, site)
+                    self._add(st, site, func)
         collective = self._record_collective(func, args, kwargs, out)
         # prim: metadata queries (prim.device); profiler: record_function's markers
         if self.ops is not None and self.phase != "construction" \
@@ -278,6 +281,27 @@ class DryRunRecorder(TorchDispatchMode):
             if nbytes:
                 by[self.category_of(aid, categories)] += nbytes
         return by
+
+    def live_by_op(self, end: int, categories: dict[int, str],
+                   top: int = 8) -> dict[str, list[tuple[str, int, int]]]:
+        """The live bytes of events[:end] by category and by the op that allocated them:
+        {category: [(op, bytes, tensors), ...]}, the `top` largest ops of each category with
+        any bytes, largest first; storages no op allocated (made outside any op, resized by
+        the optimizer) count under "(no op)"."""
+        live: dict[int, int] = defaultdict(int)
+        for aid, delta in self.events[:end]:
+            live[aid] += delta
+        by: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        for aid, nbytes in live.items():
+            if nbytes:
+                op = self.op_of.get(aid)
+                name = "(no op)" if op is None else str(op).removeprefix("aten.")
+                entry = by[self.category_of(aid, categories)][name]
+                entry[0] += nbytes
+                entry[1] += 1
+        return {cat: sorted(((op, b, n) for op, (b, n) in ops.items()),
+                            key=lambda x: (-x[1], x[0]))[:top]
+                for cat, ops in by.items()}
 
     def alloc_id(self, t: torch.Tensor) -> int | None:
         st = self._storage(t)
