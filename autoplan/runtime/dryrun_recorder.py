@@ -286,8 +286,8 @@ class DryRunRecorder(TorchDispatchMode):
                    top: int = 8) -> dict[str, list[tuple[str, int, int]]]:
         """The live bytes of events[:end] by category and by the op that allocated them:
         {category: [(op, bytes, tensors), ...]}, the `top` largest ops of each category with
-        any bytes, largest first; storages no op allocated (made outside any op, resized by
-        the optimizer) count under "(no op)"."""
+        any bytes, largest first (a storage a resize grew counts under the op that made it;
+        one without a recorded op under "(no op)")."""
         live: dict[int, int] = defaultdict(int)
         for aid, delta in self.events[:end]:
             live[aid] += delta
