@@ -271,11 +271,16 @@ class DryRunRecorder(TorchDispatchMode):
         cat = categories.get(aid) or self.sites[aid]
         return cat if cat in CATEGORIES else "params"
 
-    def live_by_category(self, end: int, categories: dict[int, str]) -> dict[str, int]:
-        """The live bytes of events[:end] by `CATEGORIES` (`category_of`)."""
+    def _live_at(self, end: int) -> dict[int, int]:
+        """{alloc id: its live bytes} after events[:end] (0 for a freed one)."""
         live: dict[int, int] = defaultdict(int)
         for aid, delta in self.events[:end]:
             live[aid] += delta
+        return live
+
+    def live_by_category(self, end: int, categories: dict[int, str]) -> dict[str, int]:
+        """The live bytes of events[:end] by `CATEGORIES` (`category_of`)."""
+        live = self._live_at(end)
         by = dict.fromkeys(CATEGORIES, 0)
         for aid, nbytes in live.items():
             if nbytes:
@@ -288,9 +293,7 @@ class DryRunRecorder(TorchDispatchMode):
         {category: [(op, bytes, tensors), ...]}, the `top` largest ops of each category with
         any bytes, largest first (a storage a resize grew counts under the op that made it;
         one without a recorded op under "(no op)")."""
-        live: dict[int, int] = defaultdict(int)
-        for aid, delta in self.events[:end]:
-            live[aid] += delta
+        live = self._live_at(end)
         by: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         for aid, nbytes in live.items():
             if nbytes:
