@@ -185,7 +185,8 @@ class AutoParallel(PlanningSession):
                        kernels=self.options.kernels, steps=steps,
                        device_mem_bytes=self.topology.device.mem_bytes,
                        record_ops=export is not None,
-                       device_kernels=self.topology.device.fuses_pointwise)
+                       device_kernels=self.topology.device.fuses_pointwise,
+                       device_all_to_all=self.topology.device.all_to_all)
         if export is not None:
             from autoplan.runtime.step_export import step_files, write_step_files
 

@@ -357,7 +357,8 @@ def _cmd_dryrun(args) -> int:
             rows = dry_run(graph, plan, ranks, planned_graph=planned.graph, steps=args.steps,
                            device_mem_bytes=planned.topology.device.mem_bytes,
                            record_ops=bool(args.export),
-                           device_kernels=planned.topology.device.fuses_pointwise)
+                           device_kernels=planned.topology.device.fuses_pointwise,
+                           device_all_to_all=planned.topology.device.all_to_all)
         except DryRunError as e:  # out of memory, or a value read: as the cluster would fail
             raise _Failure(str(e)) from None
     paths, exported = {}, {}

@@ -74,6 +74,14 @@ class DeviceSpec:
             True for the GPU presets: the runs they are held to (bench/published.py:
             Megatron-LM, Megatron-DeepSpeed) fuse them, as Transformer Engine and
             torch.compile do. False for CPU ranks, which run one kernel per op as calibrated.
+        all_to_all: the ranks' collective library has all-to-all, and DTensor turns a Shard(i) ->
+            Shard(j) redistribution into one (`shard_dim_alltoall` in
+            torch/distributed/tensor/_collective_utils.py: NCCL on a GPU mesh): each rank sends
+            and receives its local tensor's bytes. False for CPU ranks (gloo has none):
+            DTensor all-gathers the whole tensor and keeps its chunk. The cost model prices the
+            one the ranks run (cost_model/comm.py `redistribute_time_s`, traffic_tp.py) and the
+            dry run runs it ([Note: dry run] in runtime/dryrun.py). Default True: any device but
+            the CPU ranks' (topology.py `_cpu_host` sets False).
         host_bw_bytes_per_s: host <-> device bandwidth of this device, per direction, B/s
             (its PCIe link: the transfers of CPU offload, cost_model/offload.py). 0: not given, and
             no plan offloads to the host. For CPU ranks the "host" is the same memory as the
@@ -98,6 +106,7 @@ class DeviceSpec:
     dtensor_redistribute_s: float = 0.0
     fuses_pointwise: bool = False
     host_bw_bytes_per_s: float = 0.0
+    all_to_all: bool = True
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; raises ValueError naming the dtypes this device lists."""

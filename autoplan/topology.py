@@ -379,7 +379,8 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
 
 
 def _cpu_host(topo: Topology) -> Topology:
-    """CPU ranks' host figures where not given: the host is their own RAM (see _local_cpu)."""
+    """CPU ranks' host figures where not given: the host is their own RAM (see _local_cpu); their
+    collectives are gloo's, which has no all-to-all (`DeviceSpec.all_to_all`)."""
     d, n = topo.device, topo.devices_per_node
     return dataclasses.replace(
         topo, host_is_device_memory=True,
@@ -387,7 +388,8 @@ def _cpu_host(topo: Topology) -> Topology:
         host_optimizer_bw_bytes_per_s=topo.host_optimizer_bw_bytes_per_s
         or d.mem_bw_bytes_per_s * n,
         device=dataclasses.replace(
-            d, host_bw_bytes_per_s=d.host_bw_bytes_per_s or d.mem_bw_bytes_per_s / 2))
+            d, host_bw_bytes_per_s=d.host_bw_bytes_per_s or d.mem_bw_bytes_per_s / 2,
+            all_to_all=False))
 
 
 PRESETS = {

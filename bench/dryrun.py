@@ -184,7 +184,8 @@ def run_rank(graph, planned, rank: int, kind: str, steps: int) -> dict:
     start_s = time.perf_counter()
     try:
         (r,) = dry_run(graph, planned.plan, [rank], planned_graph=planned.graph, steps=steps,
-                       device_kernels=planned.topology.device.fuses_pointwise)
+                       device_kernels=planned.topology.device.fuses_pointwise,
+                       device_all_to_all=planned.topology.device.all_to_all)
     except Exception as e:  # noqa: BLE001 - a bench reports every failure and goes on
         return {"rank": rank, "kind": kind,
                 "coordinates": rank_coordinates(planned.plan, rank),

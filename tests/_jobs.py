@@ -7,6 +7,7 @@ reference start from the same weights; batches are seeded the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -855,3 +856,29 @@ def train_vocab_shard(factory, steps: int, batch: int, overrides: dict):
     shard = ap._engine.batch.vocab_parallel
     return (losses, ap.state_dict(), ap.plan.to_json(), [],
             None if shard is None else tuple(shard[1:]))
+
+
+def shard_dim_all_to_all_against_the_fallback():
+    """On every rank of a 1-D mesh: a DTensor Shard(1) -> Shard(2) redistribution and its
+    backward, by gloo's fallback (all-gather and chunk) and under
+    `_torch_compat.shard_dim_all_to_all` (one all-to-all, as on a GPU mesh, what the dry run
+    of a GPU plan runs): (equal outputs and gradients, bitwise; the all-to-all output's shape
+    and whether it owns its storage)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autoplan._torch_compat import shard_dim_all_to_all
+
+    n = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    full = torch.randn(2, 2 * n, 3 * n, generator=torch.Generator().manual_seed(5))
+    runs = []
+    for emulated in (False, True):
+        x = distribute_tensor(full, mesh, [Shard(1)]).requires_grad_(True)
+        with shard_dim_all_to_all() if emulated else contextlib.nullcontext():
+            y = x.redistribute(mesh, [Shard(2)])
+            (y * y.detach().roll(1, 0)).sum().backward()
+        runs.append((y.to_local(), x.grad.to_local()))
+    (y0, g0), (y1, g1) = runs
+    owns = y1.untyped_storage().nbytes() == y1.numel() * y1.element_size()
+    return torch.equal(y0, y1) and torch.equal(g0, g1), tuple(y1.shape), owns

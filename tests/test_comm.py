@@ -130,6 +130,11 @@ def test_redistribute_table():
         "reduce_scatter", time("reduce_scatter", n, p, topo))
     assert comm.redistribute_time_s("S(0)", "S(1)", n, p, topo) == (
         "all_to_all", time("all_to_all", n / p, p, topo))
+    # CPU ranks: gloo has no all-to-all; DTensor all-gathers the whole tensor instead
+    cpu = preset("local-cpu", devices_per_node=p)
+    assert not cpu.device.all_to_all and topo.device.all_to_all
+    assert comm.redistribute_time_s("S(0)", "S(1)", n, p, cpu) == (
+        "all_gather", time("all_gather", n, p, cpu) + cpu.device.dtensor_redistribute_s)
     assert comm.redistribute_time_s("P", "R", n, 1, topo) == ("none", 0.0)
     with pytest.raises(ValueError, match="S\\(0\\) -> P"):
         comm.redistribute_time_s("S(0)", "P", n, p, topo)

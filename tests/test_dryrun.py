@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _jobs
+
 from autoplan.capture import capture_preset
 from autoplan.runtime.dryrun import (CATEGORIES, DryRunError, DryRunOutOfMemory, dry_run,
                                      rank_coordinates)
@@ -86,6 +88,18 @@ def test_refuses_a_rank_outside_the_plan(graphs):
     planned, graph = graphs
     with pytest.raises(ValueError, match="rank 8 is not in the plan's 8 ranks"):
         dry_run(graph, _plan(planned, zero_stage=3), [8], planned_graph=planned)
+
+
+def test_shard_to_shard_runs_one_all_to_all_as_on_gpus(clusters):
+    """A GPU plan's dry run turns Shard(i) into Shard(j) as NCCL ranks do
+    (`_torch_compat.shard_dim_all_to_all`): on 2 gloo ranks, the same outputs and gradients as
+    DTensor's CPU fallback, bit for bit, each rank's output its own local tensor. (The
+    fallback gathers the whole tensor, and where its chunk is contiguous -- a split of the
+    sequence at microbatch 1 -- keeps it as a view of all of it: GPT 1T's dry run held tp
+    times its fused q/k/v projections and moved 1.8x the plan's tp bytes.)"""
+    job = _jobs.shard_dim_all_to_all_against_the_fallback
+    for equal, shape, owns in clusters.get(2).run(job, timeout_s=120):
+        assert equal and shape == (2, 4, 3) and owns
 
 
 def test_a_value_the_runtime_reads_is_named():

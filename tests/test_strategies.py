@@ -105,6 +105,33 @@ def test_shard_factor_and_dims_that_divide(llama):
                         assert d != bdims[name][i], (name, c)
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_the_batch_dim_is_found_through_attention_to_the_logits(name):
+    """Every value computed from the token ids with the batch (6 samples) as its leading dim
+    carries the batch there, past each attention (whose causal mask is Replicate: DTensor
+    slices it, which keeps the batch split) and residual add, to the logits; and no tp
+    candidate ever splits it. Before, the batch was lost at the first attention and the tp
+    axis was offered Shard(0) on the rest of the model: at microbatch 1, one rank held the
+    whole tensor, priced as a tp-th (GPT 1T's dry run: activations 4.5x the plan)."""
+    graph = capture_preset(name, batch=6, seq_len=16)
+    bdims, nodes = batch_dims(graph), list(graph.gm.graph.nodes)
+    ids = next(n for n in nodes if n.op == "placeholder")
+    fed = {ids.name}
+    for n in nodes:
+        if n.op == "call_function" and any(a.name in fed for a in tensor_args(n)):
+            fed.add(n.name)
+    batched = [n for n in nodes if n.name in fed and n.name != ids.name
+               and isinstance(n.meta.get("val"), torch.Tensor)
+               and n.meta["val"].dim() >= 2 and n.meta["val"].shape[0] == 6]
+    assert len(batched) > 40
+    assert any(n.target is aten.scaled_dot_product_attention.default for n in batched)
+    lost = [n.name for n in batched if bdims[n.name][0] != 0]
+    assert not lost, lost
+    for lst_name, lst in node_strategies(graph, 2).items():
+        if lst_name in {n.name for n in batched}:
+            assert all(c.outputs[0] != "S(0)" for c in lst), (lst_name, lst)
+
+
 def test_c10_batch_of_two_on_a_four_way_axis_is_never_split():
     """Activations (2, 6, 32) on a 4-way axis: the batch dim (2) and the rows (6) are never
     split; only dims of at least 4 that 4 divides are."""

@@ -37,7 +37,7 @@ from autoplan._torch_compat.dcp import checkpoint_extents, checkpoint_keys
 from autoplan._torch_compat.dtensor import (clear_dtensor_caches, implicit_replication,
                                             local_shard_offset, local_shard_slices,
                                             quiet_understood_warnings, replicate_module,
-                                            view_base)
+                                            shard_dim_all_to_all, view_base)
 from autoplan._torch_compat.dynamo import compile_counters
 from autoplan._torch_compat.fake import (active_fake_mode, concrete_value, cpu_claiming_fakes,
                                          fake_tensor_mode, is_fake, outside_fake_mode)
@@ -66,4 +66,4 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "local_shard_slices", "in_flight_pipeline_stage_class",
            "in_flight_interleaved_schedule_class", "compile_counters", "all_gather_autograd",
            "flatten_mesh", "causal_lower_right_bias", "strided_shard_size_and_offset",
-           "spectral_normalised"]
+           "spectral_normalised", "shard_dim_all_to_all"]

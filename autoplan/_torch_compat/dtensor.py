@@ -1,8 +1,9 @@
 """DTensor at run time (the runtime and the export pass): FSDP2-based replication
 (`replicate_module`), a re-entrant implicit replication switch (`implicit_replication`), the
 reset of DTensor's plan caches (`clear_dtensor_caches`), a rank's block of a sharded tensor
-(`local_shard_slices`), the autograd base of a view, and the two torch warnings autoplan
-understands (`quiet_understood_warnings`).
+(`local_shard_slices`), the autograd base of a view, the two torch warnings autoplan
+understands (`quiet_understood_warnings`), and a CPU mesh's Shard(i) -> Shard(j) run as a GPU
+mesh runs it (`shard_dim_all_to_all`, for the dry run).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Shard
 
 __all__ = ["replicate_module", "view_base", "implicit_replication", "clear_dtensor_caches",
-           "local_shard_offset", "local_shard_slices", "quiet_understood_warnings"]
+           "local_shard_offset", "local_shard_slices", "quiet_understood_warnings",
+           "shard_dim_all_to_all"]
 
 
 def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
@@ -138,3 +140,36 @@ def quiet_understood_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
         _NoAlltoallFallbackNotice())
     _QUIETED.append(True)
+
+
+@contextlib.contextmanager
+def shard_dim_all_to_all():
+    """Within it, DTensor turns Shard(i) into Shard(j) on a CPU mesh as it does on a GPU mesh:
+    one all-to-all of the rank's local tensor, not gloo's fallback (an all-gather of the whole
+    tensor and a chunk of it, `shard_dim_alltoall` in torch/distributed/tensor/_collective_utils.py,
+    which `Shard._to_new_shard_dim` calls by its name in placement_types). For the dry run of a
+    plan for GPUs (`DeviceSpec.all_to_all`): the fake process group has all-to-all, and the
+    ranks hold and move what NCCL's would.
+
+    The exchange is the one torch's C++ `shard_dim_alltoall` makes
+    (torch/csrc/distributed/c10d/Functional.cpp): the local tensor cut into group-size pieces
+    along the new shard dim, each made contiguous, one all-to-all, the pieces received joined
+    along the old one -- here as `all_to_all_single` on the pieces stacked on a new leading
+    dim (its buffer: the local tensor's bytes). DTensor pads an uneven dim before the call.
+    """
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import placement_types
+
+    def all_to_all(local, gather_dim, shard_dim, mesh, mesh_dim):
+        pieces = torch.stack(local.chunk(mesh.size(mesh_dim), dim=shard_dim))
+        out = funcol.all_to_all_single(pieces, None, None, (mesh, mesh_dim))
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out = out.wait()
+        return torch.cat(out.unbind(0), dim=gather_dim)
+
+    torch_own = placement_types.shard_dim_alltoall
+    placement_types.shard_dim_alltoall = all_to_all
+    try:
+        yield
+    finally:
+        placement_types.shard_dim_alltoall = torch_own

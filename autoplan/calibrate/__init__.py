@@ -175,7 +175,8 @@ def measure(max_ranks: int = 4, quick: bool = False) -> tuple[Topology, dict]:
             sync_skew_s=fig["sync_skew"], sync_skew_slope=fig["sync_skew_slope"],
             optimizer_op_s=fig["optimizer_op_s"],
             dtensor_redistribute_s=fig["redistribute_s"],
-            dtensor_optimizer_op_s=fig["dtensor_optimizer_op_s"]),
+            dtensor_optimizer_op_s=fig["dtensor_optimizer_op_s"],
+            all_to_all=False),  # gloo has none (DeviceSpec.all_to_all)
         intra_node=link, inter_node=link, measured=True,
         source=_source(fig, s, max_ranks, quick))
     return topo, fig

@@ -318,6 +318,8 @@ def redistribute_time_s(src: str, dst: str, nbytes: float, group_size: int, topo
     | P -> R           | all_reduce        |                                         |
     | P -> S(d)        | reduce_scatter    |                                         |
     | S(i) -> S(j)     | all_to_all        | per-rank buffer nbytes / group_size     |
+    |   (CPU ranks)    | all_gather        | gloo has no all-to-all: DTensor gathers |
+    |                  |                   | the whole tensor, keeps its chunk       |
     | S(d) -> P        | ValueError        | DTensor: "not supported"                |
 
     A group of one rank needs nothing ("none", 0), as in DTensor.
@@ -345,7 +347,7 @@ def redistribute_time_s(src: str, dst: str, nbytes: float, group_size: int, topo
     if a == "P":
         kind = "all_reduce" if b == "R" else "reduce_scatter"
         n = nbytes
-    elif b == "R":
+    elif b == "R" or not topology.device.all_to_all:  # (DeviceSpec.all_to_all)
         kind, n = "all_gather", nbytes
     else:
         kind, n = "all_to_all", nbytes / group_size

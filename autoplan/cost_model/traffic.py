@@ -37,7 +37,9 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
 - tp: every redistribution of the plan (passes/sharding.py inserts one before its consumer
   wherever the value's placement is not the one the consumer's strategy reads; consumers in
   one block, or in one part outside the blocks, share it) per microbatch forward, and its
-  gradient's in the backward as DTensor runs it (`backward_redistribution` in comm.py).
+  gradient's in the backward as DTensor runs it (`backward_redistribution` in comm.py); a
+  Shard(i) -> Shard(j) is one `all_to_all_single` of the rank's local tensor where the ranks
+  have all-to-all (`DeviceSpec.all_to_all`: NCCL), else gloo's all-gather of the whole tensor.
   Gradients that arrive Partial follow DTensor (traffic_tp.py `_partial_gradients`):
   a split consumer hands a value it reads replicated a Partial gradient (Megatron's f,
   Shoeybi et al. 2019 section 3), and so does an op whose backward DTensor runs on a Partial
@@ -111,7 +113,7 @@ __all__ = ["rank_traffic"]
 
 
 def rank_traffic(plan: Plan, graph: CapturedGraph, *, clip: bool = True,
-                 kernels: bool = True) -> list[RankTraffic]:
+                 kernels: bool = True, all_to_all: bool = True) -> list[RankTraffic]:
     """Per pipeline rank, the bytes and ops by mesh axis of one training step of `plan`
     ([Note: traffic per axis]), for the rank at dp, cp and tp coordinate 0.
 
@@ -125,10 +127,13 @@ def rank_traffic(plan: Plan, graph: CapturedGraph, *, clip: bool = True,
             all-reduces).
         kernels: the runtime runs its fused kernels (`DistributedModel(kernels=)`): the
             vocab-parallel loss at tp > 1 and pp 1.
+        all_to_all: the ranks' collectives have all-to-all (`DeviceSpec.all_to_all`: NCCL),
+            which a Shard(i) -> Shard(j) redistribution runs; False (gloo): an all-gather of
+            the whole tensor.
 
     Returns one RankTraffic per pipeline rank, bytes per step.
     """
-    ctx = TrafficContext(plan, graph, kernels)
+    ctx = TrafficContext(plan, graph, kernels, all_to_all)
     out = []
     for r in range(plan.mesh.pp):
         t = RankTraffic()

@@ -42,10 +42,11 @@ class TrafficContext:
     """What the rules read of the plan and graph: parameters per unit, where each node of the
     graph runs in the model of `graph.total_layers` blocks, the bytes of values."""
 
-    def __init__(self, plan: Plan, graph: CapturedGraph, kernels: bool = True):
+    def __init__(self, plan: Plan, graph: CapturedGraph, kernels: bool = True,
+                 all_to_all: bool = True):
         from autoplan.passes.stages import constant_like_nodes
 
-        self.plan, self.graph, self.kernels = plan, graph, kernels
+        self.plan, self.graph, self.kernels, self.all_to_all = plan, graph, kernels, all_to_all
         mesh = plan.mesh
         self.D = mesh.dp * mesh.cp
         self.dp_axis = "dp" if mesh.cp == 1 else "dp_cp"

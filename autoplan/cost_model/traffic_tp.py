@@ -13,11 +13,11 @@ from autoplan.cost_model.traffic_context import RankTraffic, TrafficContext, gra
 __all__ = ["tensor_parallel"]
 
 # collective name (Redistribution.collective / redistribute_time_s) -> the functional op
-# DTensor dispatches, as the recorder names it
-# (S(i) -> S(j): DTensor of torch 2.13 all-gathers the whole tensor and keeps its chunk, as
-# the dry run records it)
+# DTensor dispatches, as the recorder names it (S(i) -> S(j): `all_to_all_single` of the local
+# tensor where the ranks have all-to-all, DeviceSpec.all_to_all; on CPU ranks DTensor of torch
+# 2.13 all-gathers the whole tensor and keeps its chunk, `_collective`)
 _FUNCTIONAL = {"all_gather": "all_gather_into_tensor", "all_reduce": "all_reduce",
-               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_gather_into_tensor"}
+               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
 # aten base names (op_classes.op_name) of ops whose backward DTensor runs on a Partial gradient
 # and replicated operands, keeping it Partial: linear in the gradient, spelled in views,
 # expansions and products (derivatives.yaml: pow's and rsqrt's are products with the saved
@@ -39,12 +39,12 @@ def tensor_parallel(ctx: TrafficContext, t: RankTraffic, stages: set[int]) -> No
         return
     forward, backward, params = _redistributions(ctx, stages)
     for kind, nbytes, times, again in forward.values():
-        t.add(_FUNCTIONAL[kind], "tp", nbytes, (times + again) * ctx.m)
+        t.add(_FUNCTIONAL[kind], "tp", _buffer(kind, nbytes, tp), (times + again) * ctx.m)
     for p, q, nbytes, partial in backward.values():
         kind = _collective(*backward_redistribution(p, q, grad_placement="P" if partial
-                                                    else None), tp)
+                                                    else None), tp, ctx.all_to_all)
         if kind in _FUNCTIONAL:
-            t.add(_FUNCTIONAL[kind], "tp", nbytes, ctx.m)
+            t.add(_FUNCTIONAL[kind], "tp", _buffer(kind, nbytes, tp), ctx.m)
     for name in ctx.once(_partial_gradients)[1]:  # all-reduced where the gradient is
         t.add("all_reduce", "tp", ctx.value_bytes(ctx.nodes[name]),
               ctx.m * len(ctx.instances(name, stages)))
@@ -94,7 +94,7 @@ def _redistributions(ctx: TrafficContext, stages: set[int]) -> tuple[dict, dict,
                 if p is None or "," in p:  # a multi-output node: its getitems carry the values
                     continue
                 nbytes = ctx.value_bytes(ctx.nodes[name])
-                kind = _collective(p, q, tp)
+                kind = _collective(p, q, tp, ctx.all_to_all)
                 if kind in _FUNCTIONAL:
                     # consumers of one gathered value share it: issued before the first,
                     # re-gathered in the backward when one holds it (not checkpointed)
@@ -226,15 +226,23 @@ def _no_gradient(ctx: TrafficContext) -> set[str]:
     return out
 
 
-def _collective(src: str, dst: str, tp: int) -> str:
+def _collective(src: str, dst: str, tp: int, all_to_all: bool) -> str:
     """The collective DTensor runs to turn `src` into `dst` on the tp axis (comm.py
     `redistribute_time_s`'s table): "all_gather", "all_reduce", "reduce_scatter",
-    "all_to_all", or "none" (nothing moves: the same placement, a slice, to Partial)."""
+    "all_to_all" (where the ranks have it, `all_to_all`; else S(i) -> S(j) all-gathers), or
+    "none" (nothing moves: the same placement, a slice, to Partial)."""
     if src == dst or tp == 1 or dst == "P" or src == "R":
         return "none"
     if src == "P":
         return "all_reduce" if dst == "R" else "reduce_scatter"
-    return "all_gather" if dst == "R" else "all_to_all"
+    return "all_gather" if dst == "R" or not all_to_all else "all_to_all"
+
+
+def _buffer(kind: str, nbytes: float, tp: int) -> float:
+    """The recorded bytes of `kind` on a value of `nbytes` (whole over tp): an all-to-all's
+    buffer is the rank's local tensor, sent in tp pieces (nccl-tests' size); the others' as
+    `RankTraffic` counts them."""
+    return nbytes / tp if kind == "all_to_all" else nbytes
 
 
 def _regathered(ctx: TrafficContext) -> set[tuple[str, str]]:

@@ -65,9 +65,15 @@ def collective_call(func, args, kwargs, out) -> Call | None:
     (op name, global ranks of its group, dtype, bytes: the largest of its inputs and its
     output, each summed over its tensors), or None for any other op (and for wait_tensor,
     barriers). Works on real and fake tensors alike."""
-    if getattr(func, "namespace", "") not in _COLLECTIVE_NAMESPACES:
+    namespace = getattr(func, "namespace", "")
+    name = func.overloadpacket.__name__ if namespace else ""
+    if namespace == "_dtensor" and name == "shard_dim_alltoall":
+        # DTensor's Shard(i) -> Shard(j) on a GPU mesh: one all-to-all of the local tensor
+        # (its C++ kernel calls the process group directly), named as the dry run's
+        # (_torch_compat.shard_dim_all_to_all) and the cost model's
+        name = "all_to_all_single"
+    elif namespace not in _COLLECTIVE_NAMESPACES:
         return None
-    name = func.overloadpacket.__name__
     if name in _NOT_COLLECTIVES:
         return None
     # a c10d op takes its ProcessGroup, a functional one its group's name

@@ -26,7 +26,10 @@ the rank and records:
   the peak, and the first allocation above the device's memory (`DryRunOutOfMemory`: the
   rank fails as it would on the cluster), say when they happen;
 - every collective and point-to-point op (c10d and functional collectives), with its
-  process group named by mesh axis, dtype and bytes;
+  process group named by mesh axis, dtype and bytes -- a plan for GPUs runs DTensor's
+  Shard(i) -> Shard(j) as NCCL ranks do, one all-to-all of the local tensor
+  (`device_all_to_all`, `_torch_compat.shard_dim_all_to_all`), not as gloo ranks do (an
+  all-gather of the whole tensor, whose chunk can stay a view of all of it);
 - FLOPs, with torch.utils.flop_counter's formulas (matmuls and attention) on local shapes.
 
 Checked against real runs: tests/test_dryrun_vs_real.py runs the same plans on 4 gloo ranks,
@@ -193,18 +196,19 @@ def predicted_rank_memory(plan: Plan, rank: int) -> dict[str, float]:
     return {**plan.prediction.memory_breakdown, "peak": plan.prediction.memory_bytes}
 
 
-def priced_rank_traffic(plan: Plan, rank: int, graph: CapturedGraph) -> dict[str, float]:
+def priced_rank_traffic(plan: Plan, rank: int, graph: CapturedGraph, *,
+                        all_to_all: bool = False) -> dict[str, float]:
     """The plan's bytes per mesh axis for global `rank`, one step: its pipeline rank's entry
     of `Prediction.bytes_by_axis_by_pp_rank` ([Note: traffic per axis] in
     autoplan/cost_model/traffic.py), or, for a plan written without it, priced here on
-    `graph` (the graph the plan names)."""
+    `graph` (the graph the plan names), with all-to-all where the ranks have it."""
     from autoplan.cost_model.traffic import rank_traffic
 
     pp = rank_coordinates(plan, rank)["pp"]
     by_rank = plan.prediction.bytes_by_axis_by_pp_rank
     if by_rank:
         return dict(by_rank[pp])
-    return dict(rank_traffic(plan, graph)[pp].bytes_by_axis)
+    return dict(rank_traffic(plan, graph, all_to_all=all_to_all)[pp].bytes_by_axis)
 
 
 def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
@@ -237,7 +241,8 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
             planned_graph: CapturedGraph | None = None, inputs=None, optimizer=None,
             loss_fn=None, max_grad_norm: float | None = 1.0, kernels: bool = True,
             steps: int = 2, device_mem_bytes: float | None = None,
-            record_ops: bool = False, device_kernels: bool = False) -> list[RankDryRun]:
+            record_ops: bool = False, device_kernels: bool = False,
+            device_all_to_all: bool = False) -> list[RankDryRun]:
     """One training step of each of `ranks` (default: rank 0) of `plan`, each in this process
     on a fake process group of the plan's world size and on fake tensors ([Note: dry run]).
 
@@ -261,6 +266,10 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
             custom ops (the vocab-parallel loss, the fused AdamW) allocate what their Triton
             path allocates and launch nothing (kernels/_dispatch.py device_allocations); False:
             they run the torch reference a CPU rank runs.
+        device_all_to_all: the plan's ranks have all-to-all (`DeviceSpec.all_to_all`: NCCL on
+            the GPU presets): a Shard(i) -> Shard(j) redistribution runs one, as DTensor does on
+            a GPU mesh (`_torch_compat.shard_dim_all_to_all`), and is priced so; False: gloo's
+            all-gather and chunk, as on CPU ranks.
         record_ops: keep every op of the measured step in `RankDryRun.ops` (for
             `export_step`, runtime/step_export.py).
 
@@ -284,12 +293,14 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
     return [_dry_run_rank(graph, plan, rank, planned_graph=planned_graph, inputs=inputs,
                           optimizer=optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm,
                           kernels=kernels, steps=steps, device_mem_bytes=device_mem_bytes,
-                          record_ops=record_ops, device_kernels=device_kernels)
+                          record_ops=record_ops, device_kernels=device_kernels,
+                          device_all_to_all=device_all_to_all)
             for rank in ranks]
 
 
 def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_ops,
-                  device_kernels=False, **engine_args) -> RankDryRun:
+                  device_kernels=False, device_all_to_all=False,
+                  **engine_args) -> RankDryRun:
     import contextlib
 
     from kernels._dispatch import device_allocations
@@ -304,7 +315,10 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
     recorder = DryRunRecorder(fake, record_ops=record_ops)
     try:
         kernel_path = device_allocations() if device_kernels else contextlib.nullcontext()
-        with fake, recorder, _named_value_reads(rank), _phases(recorder), kernel_path:
+        all_to_all = tc.shard_dim_all_to_all() if device_all_to_all else \
+            contextlib.nullcontext()
+        with fake, recorder, _named_value_reads(rank), _phases(recorder), kernel_path, \
+                all_to_all:
             start_s = time.perf_counter()
             engine = DistributedModel(graph, plan, FakeWeights(), seed=0, device="cpu",
                                       inputs=inputs, **engine_args)
@@ -355,7 +369,8 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         local_param_bytes=sum(t.numel() * t.element_size() for t in shards),
         num_params=len(shards), build_s=built_s - start_s, step_s=step_s, counts=counts,
         peak_moment=recorder.moment_at(peak_end), actions=tuple(recorder.actions),
-        ops=recorder.ops, priced_bytes_by_axis=priced_rank_traffic(plan, rank, graph),
+        ops=recorder.ops, priced_bytes_by_axis=priced_rank_traffic(
+            plan, rank, graph, all_to_all=device_all_to_all),
         peak_by_op=peak_by_op)
 
 

@@ -75,7 +75,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         dtype=spec.dtype, offload=cfg.offload,
         frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "")
     # bytes per rank per mesh axis, read off the plan itself ([Note: traffic per axis])
-    traffic = tuple(dict(t.bytes_by_axis) for t in rank_traffic(plan, graph))
+    traffic = tuple(dict(t.bytes_by_axis) for t in rank_traffic(
+        plan, graph, all_to_all=topology.device.all_to_all))
     flops = flops_by_pp_rank(graph, plan, chosen,
                              token_scale(problem, 1, spec.seq_len) * spec.global_batch)
     return dataclasses.replace(plan, prediction=dataclasses.replace(

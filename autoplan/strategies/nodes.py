@@ -14,6 +14,8 @@ from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The fx Nodes among `node`'s args and kwargs, in [Note: argument order]."""
@@ -131,12 +133,24 @@ def _batch_dims_of_op(graph, node, known, mesh, cache) -> tuple:
         return none
     if node.target is EXPERTS_OP:  # (T, H) tokens in, (T, H) out ([Note: experts op])
         return (dims[0],)
+    if node.target is _SDPA:  # (B, H, S, D): the query's batch is the output's (the explicit
+        return (0 if dims[0] == 0 else None,)  # rule, probe.py `_sdpa`; as samples.py)
     placements = [tc.Shard(d) if d is not None else tc.Replicate() for d in dims]
     try:
         prop = _propagate_node(graph, node, placements, mesh, cache)
     except Exception:  # no rule, or DTensor refuses: the batch split ends here
         return none
-    if prop.moves_inputs:
+    # [Note: batch through broadcast operands] A Replicate argument that DTensor slices to a
+    # Shard (a causal mask expanded over the batch, a position table) keeps the batch split
+    # going: data parallelism slices it per rank without moving anything, as samples.py's
+    # `_step` allows. Only a batch-carrying argument DTensor moves ends the split. (Ending it
+    # at every such op lost the batch dim at each model's first attention -- its mask is
+    # Replicate -- and the tp axis was then offered Shard(batch) for the rest of the model:
+    # at microbatch 1 one rank held the whole tensor, priced as a tp-th.)
+    if prop.moves_inputs and any(
+            given != wanted and not (isinstance(given, tc.Replicate) and
+                                     isinstance(wanted, tc.Shard))
+            for given, wanted in zip(placements, prop.inputs)):
         return none
     return tuple(p.dim if isinstance(p, tc.Shard) else None for p in prop.outputs)
 
