@@ -113,7 +113,7 @@ __all__ = ["rank_traffic"]
 
 
 def rank_traffic(plan: Plan, graph: CapturedGraph, *, clip: bool = True,
-                 kernels: bool = True, all_to_all: bool = True) -> list[RankTraffic]:
+                 kernels: bool = True, all_to_all: bool = False) -> list[RankTraffic]:
     """Per pipeline rank, the bytes and ops by mesh axis of one training step of `plan`
     ([Note: traffic per axis]), for the rank at dp, cp and tp coordinate 0.
 
@@ -129,7 +129,7 @@ def rank_traffic(plan: Plan, graph: CapturedGraph, *, clip: bool = True,
             vocab-parallel loss at tp > 1 and pp 1.
         all_to_all: the ranks' collectives have all-to-all (`DeviceSpec.all_to_all`: NCCL),
             which a Shard(i) -> Shard(j) redistribution runs; False (gloo): an all-gather of
-            the whole tensor.
+            the whole tensor (the default, as `dry_run`'s).
 
     Returns one RankTraffic per pipeline rank, bytes per step.
     """

@@ -43,7 +43,7 @@ class TrafficContext:
     graph runs in the model of `graph.total_layers` blocks, the bytes of values."""
 
     def __init__(self, plan: Plan, graph: CapturedGraph, kernels: bool = True,
-                 all_to_all: bool = True):
+                 all_to_all: bool = False):
         from autoplan.passes.stages import constant_like_nodes
 
         self.plan, self.graph, self.kernels, self.all_to_all = plan, graph, kernels, all_to_all
