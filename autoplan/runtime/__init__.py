@@ -24,8 +24,8 @@ Files:
 - expert_parallel.py: expert parallelism at run time; tied.py: weights tied across pipeline stages.
 - compiled.py: compiled stages ([Note: compiled stages]).
 - dryrun.py, dryrun_recorder.py: one rank of a plan of any size on fake tensors ([Note: dry
-  run]); step_ops.py, step_export.py: its whole step's op sequence, written as Python,
-  Graphviz and JSON ([Note: whole-step export]).
+  run]); dryrun_plan.py: what the plan says of the rank; step_ops.py, step_export.py: its
+  whole step's op sequence, written as Python, Graphviz and JSON ([Note: whole-step export]).
 - collective_log.py: the collectives a rank issues by mesh axis, dtype and bytes (the dry
   run's and a real rank's, one recording).
 - memory_stats.py, mem_categories.py, live_bytes.py: measured memory by phase, by category,
