@@ -14,7 +14,7 @@ from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default  # probe.py, samples.py use it too
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -20,14 +20,13 @@ from autoplan.graph import CapturedGraph
 from autoplan.plan import format_placement, parse_placement
 from autoplan.strategies.candidate import Candidate, StrategyCache
 from autoplan.strategies.experts_candidates import experts_candidates
-from autoplan.strategies.nodes import (_arg_specs, _propagate_node, _static_repr, arg_strides,
-                                       batch_dims, constant_like_nodes, ignored_nodes,
+from autoplan.strategies.nodes import (_SDPA, _arg_specs, _propagate_node, _static_repr,
+                                       arg_strides, batch_dims, constant_like_nodes, ignored_nodes,
                                        node_tensor_meta, tensor_args, vocab_nodes)
 
 # The package's logger: messages name the package, whichever of its files logs them.
 log = logging.getLogger("autoplan.strategies")
 aten = torch.ops.aten
-_SDPA = aten.scaled_dot_product_attention.default
 _MAX_PARTIAL_INPUTS = 2
 # Enumerate the full product of argument placements up to this many combinations; above it,
 # the probes of `_seeds` (DTensor's suggestions fill in for ops with a direct rule).

@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 
 from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
-from autoplan.strategies.nodes import tensor_args, value_specs
+from autoplan.strategies.nodes import _SDPA, tensor_args, value_specs
 
 __all__ = ["SampleFacts", "sample_facts", "BATCH_NORMS", "batch_norm_training"]
 
@@ -51,7 +51,6 @@ BATCH_NORMS = frozenset({
 """batch_norm and the aten ops it lowers to: in training mode each normalises every sample by
 the mean and variance of the whole batch (and updates the running statistics, where given)."""
 
-_SDPA = aten.scaled_dot_product_attention.default
 
 
 def batch_norm_training(node: torch.fx.Node) -> bool:
