@@ -154,7 +154,7 @@ class AutoParallel(PlanningSession):
             plan = plan_for_graph(plan, planned, graph)  # planned on a few blocks, run on all
         return graph, plan, planned, reuse, cached
 
-    def dry_run(self, ranks=None, *, steps: int = 2, export=None) -> list:
+    def dry_run(self, ranks=None, *, steps: int = 1, export=None) -> list:
         """One training step of each of `ranks` (global ranks; default rank 0) of this plan,
         in this process, on torch's fake process group of the plan's world size and on fake
         tensors: the real runtime built for that rank, nothing allocated ([Note: dry run] in

@@ -125,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_planning_args(p, capture_depth=True)
     p.add_argument("--ranks", default="0", metavar="R,R,...",
                    help="global ranks to dry-run (default: %(default)s)")
-    p.add_argument("--steps", type=positive_int, default=2, metavar="N",
-                   help="training steps per rank, the last measured (default: %(default)s: "
-                        "the first creates the optimizer states)")
+    p.add_argument("--steps", type=positive_int, default=1, metavar="N",
+                   help="training steps per rank, the last measured (default: %(default)s); "
+                        "the optimizer states are created before the first, as a first step "
+                        "leaves them")
     p.add_argument("-o", "--out", metavar="DIR",
                    help="write plan.json (with the dry run), report.md and report.html (with "
                         "a Dry run section) into DIR")

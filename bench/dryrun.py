@@ -13,8 +13,8 @@ Each case is a set of `autoplan plan` flags (`CASES`). It is planned and capture
 the whole model at the plan's microbatch, seq_len / cp tokens per sample), then each of its
 default ranks (`default_ranks`: one per kind of rank -- the first rank of the first and of the
 last pipeline stage, and of the middle stage when pp > 2) runs `--steps` training steps in this
-process, one rank after the other ([Note: dry run] in autoplan/runtime/dryrun.py); the last
-step is measured. A line is printed per rank as it finishes, and the JSON is written after
+process, one rank after the other ([Note: dry run] in autoplan/runtime/dryrun.py), after its
+optimizer states are created as a first step leaves them; the last step is measured. A line is printed per rank as it finishes, and the JSON is written after
 every rank (a long run that is stopped keeps what it measured).
 
 Cases (`CASES`, `autoplan plan` flags, bf16): the golden plans of tests/golden/regen.py --
@@ -291,7 +291,8 @@ def _document(cases: dict, args, previous: dict | None) -> dict:
         "load_average": os.getloadavg(), "quick": args.quick, "steps": args.steps,
         "measure": "one rank at a time in this process on fake tensors and torch's fake "
                    "process group of the plan's world size (autoplan/runtime/dryrun.py); the "
-                   "last of `steps` training steps measured: peak of live tensor storage by "
+                   "last of `steps` training steps measured (the optimizer states created before the "
+                   "first, as a first step leaves them): peak of live tensor storage by "
                    "category, collective bytes per mesh axis, FLOPs (matmuls and attention)",
         "bars": {
             "peak": f"|predicted / measured - 1| <= {PEAK_BAND:.0%} (predicted: the plan's "
@@ -371,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="cases to run (default: all); merged into an existing --out")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models on local-cpu ranks (seconds)")
-    parser.add_argument("--steps", type=_positive_int, default=2,
-                        help="training steps per rank, the last measured (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive_int, default=1,
+                        help="training steps per rank, the last measured, after the optimizer "
+                             "states are created as a first step leaves them (default: "
+                             "%(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     parser.add_argument("--markdown", "--readme", action="store_true", dest="markdown",
                         help="print the docs/benchmarks.md table of --out and run nothing")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -248,8 +249,11 @@ def test_cli_dryrun_writes_its_report_or_fails_as_the_cluster_would(tmp_path, ca
     assert cli.main(argv + ["-o", str(failed)]) == 1
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
-    assert line.startswith("autoplan: error: rank 0 (pp0 dp0 cp0 tp0) runs out of memory in "
-                           "the ") and " of 2: " in line and "above the device's" in line
+    # at half the plan's memory its parameters, gradients and optimizer states alone do not
+    # fit: the first optimizer step (or a microbatch before it) is where the rank fails
+    assert re.match(r"autoplan: error: rank 0 \(pp0 dp0 cp0 tp0\) runs out of memory in the "
+                    r"(first optimizer step \(creating its states\)|(forward|backward) of "
+                    r"microbatch [12] of 2): .* above the device's", line), line
     assert captured.out == "" and not failed.exists()
 
 
@@ -341,7 +345,7 @@ def test_an_expert_parallel_plan_s_dry_run_is_what_it_priced(ep):
                          world_size=4, dp=4, ep=ep, tp=1, pp=1, zero_stage=2,
                          num_microbatches=2)
     assert model.plan.mesh.ep == ep
-    (row,) = model.dry_run(ranks=[1], steps=2)
+    (row,) = model.dry_run(ranks=[1])
     assert row.predicted_peak_bytes == pytest.approx(row.peak_bytes, rel=0.05)
     for category in ("params", "grads", "optimizer"):
         assert row.predicted_by_category[category] == pytest.approx(

@@ -52,7 +52,7 @@ def test_one_rank_of_the_golden_llama3_8b_plan_at_two_microbatches():
     last = plan.mesh.pp - 1
     first_of_last = last * plan.mesh.world_size // plan.mesh.pp  # pp is the outermost axis
     device = planned.topology.device  # H100s: NCCL's all-to-all, as the plan prices them
-    (rank,) = dry_run(graph, small, [first_of_last], planned_graph=planned.graph, steps=2,
+    (rank,) = dry_run(graph, small, [first_of_last], planned_graph=planned.graph,
                       device_mem_bytes=device.mem_bytes, device_all_to_all=device.all_to_all)
     assert rank.coordinates == {"pp": last, "dp": 0, "cp": 0, "tp": 0}
     assert rank.predicted_peak_bytes == small.prediction.memory_by_pp_rank[last]["peak"]

@@ -3,9 +3,11 @@ in autoplan/runtime/dryrun.py: one rank on fake tensors and the fake process gro
 process) against the real run of the same plan on 4 gloo ranks, rank by rank.
 
 Both sides run the same thing: the plan retargeted to the graph captured at its microbatch,
-`DistributedModel` with the same defaults (kernels, AdamW, `max_grad_norm` 1.0, seed 0), two
-steps on the zero batch `InputSpec.example` (the first creates the optimizer states), the
-second measured. The real side (tests/_dryrun_jobs.py) counts live tensor storage with
+`DistributedModel` with the same defaults (kernels, AdamW, `max_grad_norm` 1.0, seed 0) on the
+zero batch `InputSpec.example`, one step measured after the optimizer states exist: the real
+side runs two steps (the first creates them), the dry run its default, one step after an
+optimizer step on zero gradients (`_create_optimizer_states`) -- so that this test also checks
+that the dry run's shortcut leaves the rank as a whole first step does. The real side (tests/_dryrun_jobs.py) counts live tensor storage with
 `LiveTensorBytes` (autoplan/runtime/live_bytes.py) and the collectives with `CollectiveLog`,
 which records and labels them with the dry run's own code (autoplan/runtime/collective_log.py).
 
@@ -73,7 +75,7 @@ def _plan(name: str, config: str):
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_dry_run_equals_the_real_run_rank_by_rank(clusters, name, config):
     plan, graph = _plan(name, config)
-    dry = dry_run(graph, plan, range(plan.mesh.world_size), steps=STEPS)
+    dry = dry_run(graph, plan, range(plan.mesh.world_size))
     real = clusters.get(4).run(_dryrun_jobs.measured_step, name, SEQ, plan.to_json(), STEPS)
     expected_axes = {"dp", "tp"} if plan.mesh.tp > 1 else {"dp", "pp"}
     for d, r in zip(dry, real, strict=True):

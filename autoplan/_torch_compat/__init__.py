@@ -35,7 +35,8 @@ from autoplan._torch_compat.c10d import (all_gather_autograd, default_store, des
                                          live_groups, shared_mesh, shared_mesh_groups)
 from autoplan._torch_compat.dcp import checkpoint_extents, checkpoint_keys
 from autoplan._torch_compat.dtensor import (clear_dtensor_caches, implicit_replication,
-                                            local_shard_offset, local_shard_slices,
+                                            in_sharding_propagation, local_shard_offset,
+                                            local_shard_slices, marking_sharding_propagation,
                                             quiet_understood_warnings, replicate_module,
                                             shard_dim_all_to_all, view_base)
 from autoplan._torch_compat.dynamo import compile_counters
@@ -66,4 +67,5 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "local_shard_slices", "in_flight_pipeline_stage_class",
            "in_flight_interleaved_schedule_class", "compile_counters", "all_gather_autograd",
            "flatten_mesh", "causal_lower_right_bias", "strided_shard_size_and_offset",
-           "spectral_normalised", "shard_dim_all_to_all"]
+           "spectral_normalised", "shard_dim_all_to_all", "marking_sharding_propagation",
+           "in_sharding_propagation"]

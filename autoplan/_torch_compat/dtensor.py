@@ -2,8 +2,9 @@
 (`replicate_module`), a re-entrant implicit replication switch (`implicit_replication`), the
 reset of DTensor's plan caches (`clear_dtensor_caches`), a rank's block of a sharded tensor
 (`local_shard_slices`), the autograd base of a view, the two torch warnings autoplan
-understands (`quiet_understood_warnings`), and a CPU mesh's Shard(i) -> Shard(j) run as a GPU
-mesh runs it (`shard_dim_all_to_all`, for the dry run).
+understands (`quiet_understood_warnings`), a CPU mesh's Shard(i) -> Shard(j) run as a GPU
+mesh runs it (`shard_dim_all_to_all`, for the dry run), and whether an op runs for DTensor's
+sharding propagation, not for the rank (`marking_sharding_propagation`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Shard
 
 __all__ = ["replicate_module", "view_base", "implicit_replication", "clear_dtensor_caches",
            "local_shard_offset", "local_shard_slices", "quiet_understood_warnings",
-           "shard_dim_all_to_all"]
+           "shard_dim_all_to_all", "marking_sharding_propagation", "in_sharding_propagation"]
 
 
 def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
@@ -173,3 +174,38 @@ def shard_dim_all_to_all():
         yield
     finally:
         placement_types.shard_dim_alltoall = torch_own
+
+
+_PROPAGATING = [0]  # depth of DTensor's output-metadata propagation now running
+
+
+def in_sharding_propagation() -> bool:
+    """Whether the op now dispatched runs inside DTensor's output-metadata propagation (under
+    `marking_sharding_propagation`): on fake global-shape arguments, to learn the output's
+    shape -- not an op of the rank."""
+    return _PROPAGATING[0] > 0
+
+
+@contextlib.contextmanager
+def marking_sharding_propagation():
+    """Within it, `in_sharding_propagation` tells DTensor's output-metadata propagation apart.
+    On a cache miss DTensor runs the op on fake arguments of the global shape
+    (`ShardingPropagator._propagate_tensor_meta_non_cached`, torch/distributed/tensor/
+    _sharding_prop.py) in the fake mode it detects -- the rank's own in a dry run, whose
+    recorder would count its FLOPs and storage as the rank's."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    torch_own = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        _PROPAGATING[0] += 1
+        try:
+            return torch_own(self, op_schema)
+        finally:
+            _PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = torch_own

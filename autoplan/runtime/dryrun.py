@@ -8,7 +8,11 @@ construction, tp placements, FSDP2 units with the plan's mixed-precision policy,
 schedule with the plan's microbatches and virtual stages, cp, the fused kernels), with every
 tensor a fake tensor (torch's FakeTensorMode: shapes, dtypes and devices, no storage), and
 runs one whole `step`: every microbatch, backward with recomputation, gradient reduction,
-tied-weight sums, clipping and the optimizer step. A `DryRunRecorder` (dryrun_recorder.py:
+tied-weight sums, clipping and the optimizer step. Before it, the rank is left as a first step
+leaves it at the cost of an optimizer step (`_create_optimizer_states`: every gradient zeros,
+then the step's own tail, which creates the optimizer states), so that the measured step is
+one of the steady state the plan prices; tests/test_dryrun_vs_real.py holds it against two
+real steps. A `DryRunRecorder` (dryrun_recorder.py:
 a TorchDispatchMode under DTensor, as torch's MemTracker sits) sees every local aten op of
 the rank and records:
 
@@ -65,7 +69,8 @@ from autoplan import _torch_compat as tc
 from autoplan.graph import CapturedGraph
 from autoplan.plan import DryRunRecord, Plan
 from autoplan.runtime.collective_log import Collective, bytes_by_axis, label_collectives
-from autoplan.runtime.dryrun_recorder import CATEGORIES, DryRunRecorder
+from autoplan.runtime.dryrun_recorder import (CATEGORIES, DryRunRecorder, follow_moments,
+                                              optimizer_phases)
 from autoplan.runtime.offload import HostOptimizer
 from autoplan.runtime.dryrun_plan import (predicted_rank_memory, priced_rank_traffic,
                                           rank_coordinates)
@@ -203,7 +208,7 @@ class FakeWeights:
 def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None, *,
             planned_graph: CapturedGraph | None = None, inputs=None, optimizer=None,
             loss_fn=None, max_grad_norm: float | None = 1.0, kernels: bool = True,
-            steps: int = 2, device_mem_bytes: float | None = None,
+            steps: int = 1, device_mem_bytes: float | None = None,
             record_ops: bool = False, device_kernels: bool = False,
             device_all_to_all: bool = False) -> list[RankDryRun]:
     """One training step of each of `ranks` (default: rank 0) of `plan`, each in this process
@@ -218,8 +223,10 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
             the global batch, the whole sequence): the plan is retargeted to `graph`
             (passes/expand.py plan_for_graph) and cp tells positions apart with it.
         inputs, optimizer, loss_fn, max_grad_norm, kernels: as `DistributedModel` takes them.
-        steps: training steps to run; the last is measured (the first creates the optimizer
-            states, so that the second is a step of the steady state the plan predicts).
+        steps: training steps to run, the last measured. Before the first, the optimizer's
+            states are created as a first step leaves them (an optimizer step on zero
+            gradients, `_create_optimizer_states`), so that one step is a step of the steady
+            state the plan predicts.
         device_mem_bytes: the memory of the device the plan is for, bytes (the topology's
             `device.mem_bytes`); a rank whose live tensors exceed it, at any moment of its
             construction or steps, fails as on the cluster (an offloaded plan's host-resident
@@ -264,7 +271,6 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
 def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_ops,
                   device_kernels=False, device_all_to_all=False,
                   **engine_args) -> RankDryRun:
-    import contextlib
 
     from kernels._dispatch import device_allocations
 
@@ -280,7 +286,7 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
         kernel_path = device_allocations() if device_kernels else contextlib.nullcontext()
         all_to_all = tc.shard_dim_all_to_all() if device_all_to_all else \
             contextlib.nullcontext()
-        with fake, recorder, _named_value_reads(rank), _phases(recorder), kernel_path, \
+        with fake, recorder, _named_value_reads(rank), optimizer_phases(recorder), kernel_path, \
                 all_to_all:
             start_s = time.perf_counter()
             engine = DistributedModel(graph, plan, FakeWeights(), seed=0, device="cpu",
@@ -290,8 +296,9 @@ def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_
             built_s = time.perf_counter()
             leaves = inputs.example(plan.global_batch, "cpu")
             recorder.phase = "step"
-            _moments(recorder, engine)
-            for _ in range(steps - 1):  # the first step creates the optimizer states
+            _create_optimizer_states(engine, leaves, recorder)
+            follow_moments(recorder, engine)
+            for _ in range(steps - 1):
                 engine.step_batch(leaves)
             start, resident = len(recorder.events), recorder.current
             del recorder.collectives[:], recorder.actions[:]  # the measured step's only
@@ -360,46 +367,28 @@ _HOST_CATEGORIES = {"none": frozenset(), "optimizer": frozenset({"optimizer"}),
                     "optimizer+params": frozenset({"params", "grads", "optimizer"})}
 
 
-def _moments(recorder: DryRunRecorder, engine) -> None:
-    """Tell the recorder where the step is ([Note: dry run]): the forward/backward part of
-    each step (`engine._forward_backward`, whose start resets the microbatch count), the
-    forward microbatch (a pre-hook on each stage: microbatch j in increasing order, as
-    engine.py counts them), and under pp the chunk a stage runs (torch's
-    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage) and the schedule's
-    actions (`DryRunRecorder.follow_actions`). The hooks live as long as the engine."""
-    recorder.num_microbatches = engine.plan.num_microbatches
-    inner = engine._forward_backward
+def _create_optimizer_states(engine, leaves, recorder: DryRunRecorder) -> None:
+    """The first training step's lasting effect, without its forward and backward: every
+    trainable parameter's gradient set to zeros of its own type and placements (as its
+    backward and reduction leave it), then the rest of `engine.step_batch` as a step runs it
+    (tied and expert gradient sums, clipping, the optimizer step, which creates the optimizer
+    states, the learning-rate schedule). The measured step that follows is one of the steady
+    state the plan predicts, at the cost of an optimizer step instead of a whole one
+    ([Note: dry run]). The collectives it issues are not the measured step's."""
+    def zero_gradients(_local):
+        for p in engine._unique_params():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                recorder.sites[recorder.alloc_id(p.grad)] = "grads"
+        return torch.zeros((), device=engine.device)
 
-    def forward_backward(local):
-        recorder.part, recorder.forward_microbatch = "forward/backward", 0
-        count.clear()
-        try:
-            return inner(local)
-        finally:
-            recorder.part = "after the backward (gradient reduction, clipping)"
-
-    engine._forward_backward = forward_backward
-    count: dict[int, int] = {}
-    for idx, module in engine.stages:
-        def pre(_module, args, idx=idx):
-            if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
-                recorder.forward_microbatch = count.get(idx, 0)
-                count[idx] = recorder.forward_microbatch + 1
-
-        module.register_forward_pre_hook(pre)
-    for stage in tc.pipeline_stages(engine._schedule):
-        for kind in ("forward", "backward"):
-            method = getattr(stage, f"{kind}_one_chunk")
-
-            def chunk(j, *args, method=method, kind=kind, **kwargs):
-                recorder.chunk = (kind, j)
-                try:
-                    return method(j, *args, **kwargs)
-                finally:
-                    recorder.chunk = None
-
-            setattr(stage, f"{kind}_one_chunk", chunk)
-        recorder.follow_actions(stage)
+    engine._forward_backward = zero_gradients
+    recorder.part = recorder.optimizer_moment = "first optimizer step (creating its states)"
+    try:
+        engine.step_batch(leaves)
+    finally:
+        del engine._forward_backward  # the class's method again
+        recorder.optimizer_moment, recorder.part = "optimizer step", "before the forward"
 
 
 def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
@@ -430,31 +419,6 @@ def _final_categories(engine, recorder: DryRunRecorder) -> dict[int, str]:
     for _, copy in getattr(host, "pairs", ()):
         put(copy, "optimizer")
     return out
-
-
-@contextlib.contextmanager
-def _phases(recorder: DryRunRecorder):
-    """Tells the recorder where the step is: "optimizer" inside any optimizer's step (torch's
-    global step hooks: ZeRO-1's inner optimizer too); the recorder tells forward from backward
-    itself."""
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
-
-    outer = {}
-
-    def pre(optimizer, args, kwargs):
-        outer[id(optimizer)] = recorder.phase
-        recorder.phase = "optimizer"
-
-    def post(optimizer, args, kwargs):
-        recorder.phase = outer.pop(id(optimizer), "step")
-
-    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager

@@ -2,11 +2,13 @@
 TorchDispatchMode that sees every local aten op of one rank under its FakeTensorMode and
 records live fake storage bytes with their allocation site and moment, the collectives and
 the FLOPs; with `record_ops`, the op sequence of the step too ([Note: whole-step export] in
-autoplan/runtime/step_export.py)."""
+autoplan/runtime/step_export.py). `follow_moments` and `optimizer_phases` tell it where the
+rank's step is."""
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import weakref
 from collections import defaultdict
 
@@ -21,7 +23,7 @@ from autoplan.runtime.collective_log import Call, collective_call
 from autoplan.runtime.live_bytes import patch_resize
 from autoplan.runtime.step_ops import OpLog
 
-__all__ = ["CATEGORIES", "DryRunRecorder"]
+__all__ = ["CATEGORIES", "DryRunRecorder", "follow_moments", "optimizer_phases"]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
 
@@ -58,8 +60,9 @@ class DryRunRecorder(TorchDispatchMode):
         self._resize = None
         # when: the part of the step ("before the forward", "forward/backward", "after the
         # backward"), the microbatch (forward, chunk) the stages are at, and the moment of
-        # each event from its index on ([Note: dry run]; set by `_moments`)
+        # each event from its index on ([Note: dry run]; set by `follow_moments`)
         self.part = "before the forward"
+        self.optimizer_moment = "optimizer step"
         self.num_microbatches = 1
         self.forward_microbatch = 0
         self.chunk: tuple[str, int] | None = None  # a pipeline stage's ("backward", j)
@@ -102,7 +105,7 @@ class DryRunRecorder(TorchDispatchMode):
     def _storage(self, t):
         if isinstance(t, DTensor):
             t = t._local_tensor
-        if not tc.is_fake(t):
+        if not tc.is_fake(t) or t.is_meta:  # meta: shape inference (pipelining's), no memory
             return None
         return t.untyped_storage()
 
@@ -120,7 +123,7 @@ class DryRunRecorder(TorchDispatchMode):
         if self.phase == "construction":
             return "construction"
         if self.phase == "optimizer":
-            return "optimizer step"
+            return self.optimizer_moment
         if self.part != "forward/backward":
             return self.part
         kind, j = self.chunk or ("backward" if tc.in_backward() else "forward",
@@ -177,8 +180,9 @@ class DryRunRecorder(TorchDispatchMode):
             return NotImplemented  # DTensor lowers to local ops, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # DTensor's sharding propagation runs ops in a fake mode of its own: not the rank's
-        if tc.active_fake_mode() is not self.fake_mode:
+        # DTensor's sharding propagation runs ops on global shapes, in a fake mode of its own
+        # or in the rank's: not the rank's ops
+        if tc.active_fake_mode() is not self.fake_mode or tc.in_sharding_propagation():
             return out
         inputs = {st._cdata for leaf in tree_leaves((args, kwargs))
                   if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None}
@@ -201,7 +205,9 @@ class DryRunRecorder(TorchDispatchMode):
                          len(self.collectives) - 1 if collective else None)
         packet = func.overloadpacket
         formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-        if formula is not None and self.phase != "construction":
+        # (pipelining's shape inference runs a stage on meta tensors: no FLOPs, no memory)
+        if formula is not None and self.phase != "construction" and not any(
+                isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(out)):
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out
 
@@ -224,10 +230,13 @@ class DryRunRecorder(TorchDispatchMode):
     def __enter__(self):
         # FSDP2's unsharded parameters, resized outside dispatch
         self._resize = patch_resize(lambda storage: self._resized(storage, "temporaries"))
+        self._propagation = tc.marking_sharding_propagation()
+        self._propagation.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._resize()
+        self._propagation.__exit__(None, None, None)
         return super().__exit__(*exc)
 
     # -- results -----------------------------------------------------------------------------
@@ -310,6 +319,73 @@ class DryRunRecorder(TorchDispatchMode):
         st = self._storage(t)
         entry = self.live.get(st._cdata) if st is not None else None
         return entry[0] if entry is not None else None
+
+
+def follow_moments(recorder: DryRunRecorder, engine) -> None:
+    """Tell the recorder where the step is ([Note: dry run]): the forward/backward part of
+    each step (`engine._forward_backward`, whose start resets the microbatch count), the
+    forward microbatch (a pre-hook on each stage: microbatch j in increasing order, as
+    engine.py counts them), and under pp the chunk a stage runs (torch's
+    `forward_one_chunk` / `backward_one_chunk` of each pipeline stage) and the schedule's
+    actions (`DryRunRecorder.follow_actions`). The hooks live as long as the engine."""
+    recorder.num_microbatches = engine.plan.num_microbatches
+    inner = engine._forward_backward
+
+    def forward_backward(local):
+        recorder.part, recorder.forward_microbatch = "forward/backward", 0
+        count.clear()
+        try:
+            return inner(local)
+        finally:
+            recorder.part = "after the backward (gradient reduction, clipping)"
+
+    engine._forward_backward = forward_backward
+    count: dict[int, int] = {}
+    for idx, module in engine.stages:
+        def pre(_module, args, idx=idx):
+            if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                recorder.forward_microbatch = count.get(idx, 0)
+                count[idx] = recorder.forward_microbatch + 1
+
+        module.register_forward_pre_hook(pre)
+    for stage in tc.pipeline_stages(engine._schedule):
+        for kind in ("forward", "backward"):
+            method = getattr(stage, f"{kind}_one_chunk")
+
+            def chunk(j, *args, method=method, kind=kind, **kwargs):
+                recorder.chunk = (kind, j)
+                try:
+                    return method(j, *args, **kwargs)
+                finally:
+                    recorder.chunk = None
+
+            setattr(stage, f"{kind}_one_chunk", chunk)
+        recorder.follow_actions(stage)
+
+
+@contextlib.contextmanager
+def optimizer_phases(recorder: DryRunRecorder):
+    """Tells the recorder where the step is: "optimizer" inside any optimizer's step (torch's
+    global step hooks: ZeRO-1's inner optimizer too); the recorder tells forward from backward
+    itself."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    outer = {}
+
+    def pre(optimizer, args, kwargs):
+        outer[id(optimizer)] = recorder.phase
+        recorder.phase = "optimizer"
+
+    def post(optimizer, args, kwargs):
+        recorder.phase = outer.pop(id(optimizer), "step")
+
+    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs):
