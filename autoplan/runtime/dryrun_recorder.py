@@ -180,24 +180,26 @@ class DryRunRecorder(TorchDispatchMode):
             return NotImplemented  # DTensor lowers to local ops, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # DTensor's sharding propagation runs ops on global shapes, in a fake mode of its own
-        # or in the rank's: not the rank's ops
-        if tc.active_fake_mode() is not self.fake_mode or tc.in_sharding_propagation():
+        # prim: metadata queries (prim.device); profiler: record_function's markers. DTensor's
+        # sharding propagation runs ops on global shapes, in a fake mode of its own or in the
+        # rank's: none of them is the rank's op
+        if func.namespace in ("prim", "profiler") or tc.in_sharding_propagation() \
+                or tc.active_fake_mode() is not self.fake_mode:
             return out
-        inputs = {st._cdata for leaf in tree_leaves((args, kwargs))
-                  if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None}
-        site = None
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and (st := self._storage(leaf)) is not None:
+        site, inputs, outs = None, None, _tensors(out)
+        for leaf in outs:
+            if (st := self._storage(leaf)) is not None:
                 if st._cdata in self.live:
                     self._resized(st)
-                elif st._cdata not in inputs:
+                    continue
+                if inputs is None:  # a storage the recorder has not seen: one of the inputs'?
+                    inputs = {s._cdata for t in _tensors((args, kwargs))
+                              if (s := self._storage(t)) is not None}
+                if st._cdata not in inputs:
                     site = site or self._site(func)
                     self._add(st, site, func)
         collective = self._record_collective(func, args, kwargs, out)
-        # prim: metadata queries (prim.device); profiler: record_function's markers
-        if self.ops is not None and self.phase != "construction" \
-                and getattr(func, "namespace", "") not in ("prim", "profiler"):
+        if self.ops is not None and self.phase != "construction":
             moment = self.moment()
             if tc.in_recomputation():
                 moment += " (recomputation)"
@@ -206,8 +208,8 @@ class DryRunRecorder(TorchDispatchMode):
         packet = func.overloadpacket
         formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
         # (pipelining's shape inference runs a stage on meta tensors: no FLOPs, no memory)
-        if formula is not None and self.phase != "construction" and not any(
-                isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(out)):
+        if formula is not None and self.phase != "construction" \
+                and not any(t.is_meta for t in outs):
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out
 
@@ -319,6 +321,21 @@ class DryRunRecorder(TorchDispatchMode):
         st = self._storage(t)
         entry = self.live.get(st._cdata) if st is not None else None
         return entry[0] if entry is not None else None
+
+
+def _tensors(tree, out: list | None = None) -> list[torch.Tensor]:
+    """The tensors of an op's arguments or outputs (tensors, lists, tuples and dicts of them),
+    in order: pytree's `tree_leaves` and a filter, at a fraction of its cost per op."""
+    out = [] if out is None else out
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _tensors(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _tensors(x, out)
+    return out
 
 
 def follow_moments(recorder: DryRunRecorder, engine) -> None:
