@@ -187,7 +187,10 @@ class DryRunRecorder(TorchDispatchMode):
                 or tc.active_fake_mode() is not self.fake_mode:
             return out
         site, inputs, outs = None, None, _tensors(out)
-        for leaf in outs:
+        # a view of fake tensors is its input's storage: nothing allocated, nothing resized (a
+        # view of a real tensor -- lift_fresh of a constant -- makes a fake storage of it)
+        view = func.is_view and all(map(tc.is_fake, _tensors(args)))
+        for leaf in () if view else outs:
             if (st := self._storage(leaf)) is not None:
                 if st._cdata in self.live:
                     self._resized(st)
