@@ -271,7 +271,6 @@ def dry_run(graph: CapturedGraph, plan: Plan, ranks: Sequence[int] | None = None
 def _dry_run_rank(graph, plan, rank, *, inputs, steps, device_mem_bytes, record_ops,
                   device_kernels=False, device_all_to_all=False,
                   **engine_args) -> RankDryRun:
-
     from kernels._dispatch import device_allocations
 
     from autoplan.inputs import InputSpec
@@ -379,7 +378,8 @@ def _create_optimizer_states(engine, leaves, recorder: DryRunRecorder) -> None:
         for p in engine._unique_params():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-                recorder.sites[recorder.alloc_id(p.grad)] = "grads"
+                if (aid := recorder.alloc_id(p.grad)) is not None:
+                    recorder.sites[aid] = "grads"
         return torch.zeros((), device=engine.device)
 
     engine._forward_backward = zero_gradients

@@ -183,13 +183,13 @@ class DryRunRecorder(TorchDispatchMode):
         # prim: metadata queries (prim.device); profiler: record_function's markers. DTensor's
         # sharding propagation runs ops on global shapes, in a fake mode of its own or in the
         # rank's: none of them is the rank's op
-        if func.namespace in ("prim", "profiler") or tc.in_sharding_propagation() \
+        if getattr(func, "namespace", "") in ("prim", "profiler") or tc.in_sharding_propagation() \
                 or tc.active_fake_mode() is not self.fake_mode:
             return out
         site, inputs, outs = None, None, _tensors(out)
         # a view of fake tensors is its input's storage: nothing allocated, nothing resized (a
         # view of a real tensor -- lift_fresh of a constant -- makes a fake storage of it)
-        view = func.is_view and all(map(tc.is_fake, _tensors(args)))
+        view = getattr(func, "is_view", False) and all(map(tc.is_fake, _tensors(args)))
         for leaf in () if view else outs:
             if (st := self._storage(leaf)) is not None:
                 if st._cdata in self.live:
