@@ -16,6 +16,7 @@ import torch.fx
 
 from autoplan.cost_model.compute import DTYPE_BYTES, matmul_dims
 from autoplan.cost_model.memory import RECOMPUTE_POLICIES
+from autoplan.experts import EXPERTS_TARGET
 from autoplan.graph import NodeInfo
 from autoplan.op_classes import ATTENTION_OPS, MATMUL_OPS, NO_GRAD_OPS, VIEW_OPS, op_name
 
@@ -44,6 +45,9 @@ __all__ = ["PARAM_PREFIX", "SavedTensor", "node_producers", "grad_carriers",
 # |   with dropout (dropout_p > 0)             | and a 1-byte keep mask per score (the runtime's|
 # |                                            | keyed attention dropout, passes/rng.py)        |
 # | embedding                                  | int64 indices                                  |
+# | routed experts (autoplan.experts)          | hidden (T x H) and routing weights (T x k);    |
+# |                                            | under ep > 1 the exchange's buffers instead    |
+# |                                            | (rank_memory.ExpertSlices.act_bytes)           |
 # | cross_entropy_loss                         | log-probabilities (in_bytes)                   |
 # | views, add/sub, casts, clone, cat, sum,    | nothing                                        |
 # | mean, cumsum, comparisons, creation ops    |                                                |
@@ -226,7 +230,10 @@ class _Rules:
             return
         if self.grads is not None and node.name not in self.grads:
             return  # nothing upstream requires a gradient: autograd records no backward
-        if name in MATMUL_OPS and name != "convolution":
+        if node.target == EXPERTS_TARGET:  # op_name is "default": not the aten matmul rule
+            self.arg(0, self.arg_bytes(0), "experts_hidden")
+            self.arg(2, self.arg_bytes(2), "experts_routing_weights")
+        elif name in MATMUL_OPS and name != "convolution":
             self.matmul(name)
         elif name in ATTENTION_OPS:
             self.own("out", node.in_bytes * self.scale + self.numel0 * w + self.rows() * 4,

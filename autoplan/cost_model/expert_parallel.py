@@ -52,7 +52,7 @@ from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
 __all__ = ["ExpertLayers", "expert_layers", "expert_slices", "ep_step_delta_s",
-           "with_expert_parallel"]
+           "with_expert_parallel", "EP_SAVED_INDEX_BYTES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +130,28 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before)
 
 
-def expert_slices(layers: ExpertLayers, ep: int) -> ExpertSlices:
+EP_SAVED_INDEX_BYTES = 3 * 8
+"""int64 bytes per (token, choice) pair the exchange keeps besides its two (T k, H) buffers:
+the received expert ids (saved by the experts op), the pair order and the token of each pair
+(saved by the index ops that gather and combine), autoplan/runtime/expert_parallel.py."""
+
+
+def expert_slices(layers: ExpertLayers, ep: int, tokens: int = 0,
+                  dtype_bytes: int = 2) -> ExpertSlices:
     """The expert weights of `layers` as a rank holds them under ep (rank_memory.ExpertSlices:
-    its 1 / ep slice, whole, outside FSDP2)."""
-    return ExpertSlices(layers.expert_elems, layers.frozen_expert_elems, ep)
+    its 1 / ep slice, whole, outside FSDP2), and what the exchange keeps for the backward per
+    microbatch of `tokens` tokens per rank, activations `dtype_bytes` wide: per MoE layer the
+    received (token, choice) pairs (T k, H) and routing weights (T k,) the experts op saves in
+    place of the rank's hidden (T, H) and weights (T, k), the combined outputs (T k, H)
+    `index_add` keeps (its derivative reads the source: derivatives.yaml), and the int64
+    indices (EP_SAVED_INDEX_BYTES); the hidden and weights the plan's saved tensors price
+    ([Note: saved tensors]) stay saved by the router. Measured by the dry run (bench/dryrun.py,
+    mixtral-8x7b-ep8: 4 (T, H) buffers per MoE layer and microbatch at top-2)."""
+    pairs = tokens * layers.top_k
+    per_layer = pairs * (2 * layers.hidden * dtype_bytes + dtype_bytes + EP_SAVED_INDEX_BYTES)
+    return ExpertSlices(layers.expert_elems, layers.frozen_expert_elems, ep,
+                        act_bytes=per_layer * layers.num_layers if ep > 1 else 0.0,
+                        num_layers=layers.num_layers)
 
 
 def with_expert_parallel(layers: ExpertLayers, plan: Plan, spec: TrainingSpec,
@@ -143,7 +161,7 @@ def with_expert_parallel(layers: ExpertLayers, plan: Plan, spec: TrainingSpec,
     step time with the all-to-alls and the changed dp sync (seconds), MFU and FLOP/s scaled to
     the new step time, its memory per pipeline rank `rank_peaks` (bytes by category and
     "peak" of each pp rank with the expert slices held whole: rank_memory.rank_peaks with
-    `expert_slices(layers, ep)`), the plan's memory their largest."""
+    `expert_slices`), the plan's memory their largest."""
     a2a_s, sync_s = ep_step_delta_s(layers, plan, spec, topology, ep)
     old = plan.prediction
     fullest = max(rank_peaks, key=lambda p: p["peak"])

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "STATE_BYTES_PER_PARAM", "FSDP2_MIXED_STATE_BYTES", "model_state_bytes",
+    "microbatches_per_round",
     "activation_bytes_per_layer_closed_form", "pipeline_in_flight_microbatches",
     "peak_memory_bytes", "RECOMPUTE_POLICIES", "loss_working_bytes", "vocab_parallel_loss_bytes",
 ]
@@ -136,6 +137,13 @@ def activation_bytes_per_layer_closed_form(s: float, b: float, h: float, a: floa
 
 
 @functools.lru_cache(maxsize=65536)  # called per rank of every configuration the search bounds
+def microbatches_per_round(pp: int, num_microbatches: int) -> int:
+    """The microbatches the interleaved schedule runs through one chunk before the next
+    (torch 2.13 ScheduleInterleaved1F1B, `microbatches_per_round`: m over its rounds of at
+    least pp): pp when pp divides m, m when m < pp."""
+    return num_microbatches // max(1, num_microbatches // pp)
+
+
 def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: int,
                                     stage: int = 0, num_virtual_stages: int = 1) -> float:
     """Microbatches whose activations a pipeline rank holds at its peak, in units of one
@@ -145,11 +153,11 @@ def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: in
     - "1f1b": rank r runs pp - r warm-up forwards before its first backward: min(m, pp - r)
       (Narayanan et al. SC'21, section 2.2.1).
     - "interleaved-1f1b" with v = num_virtual_stages chunks of 1/v of the rank's layers:
-      Megatron-LM's warm-up of 2 (pp - r - 1) + (v - 1) pp chunk-forwards, plus the one in
-      steady state, capped at m v: min(2 (pp - r - 1) + (v - 1) pp + 1, m v) / v. For r = 0
-      this is pp (1 + (pp - 1) / (pp v)), Korthikanti et al. 2022's factor (section 4,
-      pipeline parallelism).
-      With v = 1 it is 1f1b.
+      Megatron-LM's warm-up of 2 (pp - r - 1) + (v - 1) R chunk-forwards, plus the one in
+      steady state, capped at m v: min(2 (pp - r - 1) + (v - 1) R + 1, m v) / v, with R =
+      `microbatches_per_round` (pp when pp divides m). For r = 0 this is
+      pp (1 + (pp - 1) / (pp v)), Korthikanti et al. 2022's factor (section 4, pipeline
+      parallelism). With v = 1 it is 1f1b.
 
     Raises ValueError for an unknown schedule or out-of-range numbers.
     """
@@ -162,7 +170,8 @@ def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: in
     elif schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):
         in_flight = float(min(m, p - r))
     elif schedule == "interleaved-1f1b":
-        in_flight = min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) / v
+        in_flight = min(2 * (p - r - 1) + (v - 1) * microbatches_per_round(p, m) + 1,
+                        m * v) / v
     else:
         raise ValueError(
             f"unknown schedule {schedule!r}; known: ['gpipe', '1f1b', 'interleaved-1f1b']")

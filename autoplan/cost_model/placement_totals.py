@@ -30,6 +30,9 @@ class RankMemory:
         loss_coef: how many token-loss working sets the rank holds at the placement of the
             logits' producer (Costs.loss_rows: 1 at moment A of the last rank without
             pipelining, else 0; [Note: loss working set] in cost_model/memory.py).
+        at_loss: the last rank's moment A at its loss ([Note: peak moments] in
+            cost_model/memory.py): before any block's backward, so without the
+            checkpointing policy's transient (solver/checkpointing.py checkpointed_ranks).
     """
 
     param_coef: dict[str, float]
@@ -38,6 +41,7 @@ class RankMemory:
     boundary_coef: float = 0.0
     frozen_coef: dict[str, float] | None = None
     loss_coef: float = 0.0
+    at_loss: bool = False
 
 
 @dataclass

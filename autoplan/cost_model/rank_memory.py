@@ -1,6 +1,11 @@
 """Memory of each pipeline rank of a configuration: its peak by category (`rank_peaks`,
 `rank_peak`) and the same as linear forms of the placement for the ILP (`rank_memories`).
 
+Long because: the peak and its linear forms price the same moments term by term
+(tests/test_planner_scale.py holds them equal, placement by placement), so they share their
+helpers (in-flight chunks, gathered units, receive buffers, deferred reduction) here; split,
+one side would be changed without the other.
+
 [Note: memory per rank] Rank r holds the layers of its stages; the first rank also what comes
 before the blocks, the last rank what comes after. Its peak is cost_model.memory.
 peak_memory_bytes ([Note: peak moments] there) with model_state_bytes of its parameter elements
@@ -46,6 +51,19 @@ node, RankMemory.boundary_coef boundaries per rank. (Korthikanti et al. 2022 cou
 Megatron-LM's `deallocate_output_tensor` frees the outputs' data once sent.)
 `rank_memories` gives the ILP the same quantities as linear forms, one per moment and rank.
 
+[Note: interleaved in-flight chunks] Under the interleaved schedule a rank's in-flight
+chunk-microbatches are not spread evenly over its v chunks: its forwards before the first
+backward run in groups of R microbatches per chunk (Megatron-LM's order, torch's
+ScheduleInterleaved1F1B: the k-th forward is of chunk (k // R) % v, R =
+memory.microbatches_per_round, pp when pp divides m), so the last rank holds (v - 1) R
+microbatches of its first chunks and one of its last -- 32 of chunk 31 and 1 of
+chunk 63 on llama3-405b's pp 32 x v 2, measured by the dry run (bench/dryrun.py). Each part's
+activations count the microbatches of the chunks that hold it (`in_flight_by_part`): "pre" its
+first chunk's, "post" its last chunk's, "layer" the chunks' weighted by their layers. With
+126 layers in 64 stages the last rank's chunks hold 2 and 1 blocks: 65 block-microbatches,
+not the 49.5 of 16.5 microbatches through all 3, and its logits' producer once, not 16.5
+times.
+
 [Note: deferred reduction] With pipelining, torch's schedules (torch 2.13, torch/distributed/
 pipelining/stage.py `backward_maybe_with_nosync`, `perform_reduce_grad`) run every backward of an
 FSDP2 stage with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` and
@@ -78,7 +96,7 @@ import functools
 from autoplan.cost_model import offload as offload_costs
 from autoplan.cost_model.config import Config, config_stages, rank_layers, rank_shares
 from autoplan.cost_model.memory import (
-    model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
+    microbatches_per_round, model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
 )
 from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.spec import TrainingSpec
@@ -154,6 +172,26 @@ def _late_coef(r: int, layers: list[int], shares: dict, total_layers: int) -> di
     return coef
 
 
+def in_flight_by_part(cfg: Config, r: int, total_layers: int) -> dict[str, float]:
+    """The microbatches whose activations rank r holds at moment A ([Note: peak moments]),
+    per part: {"pre", "layer", "post"} -> chunk-microbatches of the part's chunks, weighted
+    by the chunk's share of the part ([Note: interleaved in-flight chunks]). Without
+    interleaving every part's is `pipeline_in_flight_microbatches`."""
+    v = cfg.num_virtual_stages
+    in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
+                                                v)
+    if v == 1 or cfg.schedule != "interleaved-1f1b":
+        return dict.fromkeys(("pre", "layer", "post"), in_flight)
+    counts = [0] * v
+    per_round = microbatches_per_round(cfg.pp, cfg.num_microbatches)
+    for k in range(round(in_flight * v)):  # the forwards run before the first backward, +1
+        counts[(k // per_round) % v] += 1
+    stages = config_stages(cfg, total_layers)
+    held = [stages[r + j * cfg.pp].num_layers for j in range(v)] if total_layers else []
+    layer = (sum(n * c for n, c in zip(counts, held)) / sum(held)) if sum(held) else in_flight
+    return {"pre": float(counts[0]), "layer": layer, "post": float(counts[-1])}
+
+
 def grads_at_activation_peak(cfg: Config, in_flight: float) -> bool:
     return _grads_at_peak(cfg.schedule, cfg.pp, cfg.num_microbatches, in_flight)
 
@@ -200,11 +238,11 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         # a frozen element at both moments: held (and gathered), no gradient
         frozen_coef = {p: (kept_frozen + unit * held[p]) * sh
                        for p, sh in shares.items()} if frozen else None
-        moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
-                               for p, sh in shares.items()},
-                              {p: in_flight * sh for p, sh in shares.items()},
-                              output_bytes if r == cfg.pp - 1 else 0.0, sent + recv,
-                              frozen_coef, _loss_coef(cfg))
+        parts_in_flight = in_flight_by_part(cfg, r, total_layers)
+        moments_a = _moments_a(cfg, r, RankMemory(
+            {p: (kept + grads_a + unit * held[p]) * sh for p, sh in shares.items()},
+            {p: parts_in_flight[p] * sh for p, sh in shares.items()}, 0.0, sent + recv,
+            frozen_coef), output_bytes)
         if _deferred_reduction(cfg):
             out += _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit,
                                    held, grads_a, in_flight, output_bytes, sent, recv,
@@ -215,8 +253,20 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
                                for p, sh in shares.items()}, _late_coef(r, layers, shares,
                                                                         total_layers), 0.0, recv,
                               frozen_coef)
-        out += [moment_a, moment_b]
+        out += [*moments_a, moment_b]
     return out
+
+
+def _moments_a(cfg: Config, r: int, form: RankMemory,
+               output_bytes: float) -> list[RankMemory]:
+    """Moment A of rank r as linear forms ([Note: peak moments]): `form` (no output, no
+    loss); on the last rank two, at its loss (the logits and the loss's working set:
+    `output_bytes`, the token loss per candidate without pipelining) and at the backward of
+    its last layer after it (without them), which alone holds a recomputation's transient."""
+    if r != cfg.pp - 1 or not (output_bytes or _loss_coef(cfg)):
+        return [form]
+    return [dataclasses.replace(form, const_bytes=form.const_bytes + output_bytes,
+                                loss_coef=_loss_coef(cfg), at_loss=True), form]
 
 
 def _loss_coef(cfg: Config) -> float:
@@ -278,16 +328,16 @@ def _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit, hel
     # all-gather input of one unit at a time is transient)
     late = {p: states["grads"] * (1 - last[p]) + (rb + spec.dtype_bytes) * last[p]
             for p in shares}
-    moment_a = RankMemory({p: (kept + grads_a + unit * held[p]) * sh
-                           for p, sh in shares.items()},
-                          {p: in_flight * sh for p, sh in shares.items()},
-                          output_bytes if r == cfg.pp - 1 else 0.0, sent + recv,
-                          frozen_coef(held, unit))
+    parts_in_flight = in_flight_by_part(cfg, r, total_layers)
+    moments_a = _moments_a(cfg, r, RankMemory(
+        {p: (kept + grads_a + unit * held[p]) * sh for p, sh in shares.items()},
+        {p: parts_in_flight[p] * sh for p, sh in shares.items()}, 0.0, sent + recv,
+        frozen_coef(held, unit)), output_bytes)
     moment_b = RankMemory({p: (kept + late[p]) * sh + rb * first.get(p, 0.0)
                            for p, sh in shares.items()},
                           _late_coef(r, layers, shares, total_layers), 0.0, recv,
                           frozen_coef(last, spec.dtype_bytes))
-    return [moment_a, moment_b]
+    return [*moments_a, moment_b]
 
 
 def candidate_ranks(cfg: Config, layers: list[int]) -> list[int]:
@@ -335,11 +385,19 @@ class ExpertSlices:
             `Solution.param_elems["layer"]` counts them), all experts.
         frozen_elems: of those, the frozen ones (no gradient, no optimizer state).
         ep: the expert-parallel degree.
+        act_bytes: what the ep exchange keeps for the backward per microbatch, all MoE layers
+            of the full model (cost_model/expert_parallel.py `expert_slices`): held like the
+            blocks' activations, in the "layer" part.
+        num_layers: MoE layers of the full model: with more than one microbatch, one layer's
+            slice gradient is a transient of its backward (autograd adds the new gradient to
+            `.grad`).
     """
 
     elems: float
     frozen_elems: float
     ep: int
+    act_bytes: float = 0.0
+    num_layers: float = 0.0
 
 
 def _without_experts(sol: Solution, experts: ExpertSlices) -> Solution:
@@ -368,7 +426,8 @@ def _expert_slice_states(cfg: Config, spec: TrainingSpec, experts: ExpertSlices,
 def rank_peaks(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: int,
                output_bytes: float, boundary_bytes: float,
                offload: str = "none",
-               experts: ExpertSlices | None = None) -> list[dict[str, float]]:
+               experts: ExpertSlices | None = None,
+               transient_bytes: float = 0.0) -> list[dict[str, float]]:
     """[Note: memory per rank] of every pipeline rank of `cfg` (not only the candidates
     `assess` weighs): per pp rank, bytes by category (params, grads, optimizer, activations,
     temporaries, comm_buffers) of its larger moment and "peak", their sum. What the dry run
@@ -376,12 +435,19 @@ def rank_peaks(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: 
     slices under expert parallelism (ExpertSlices), held outside FSDP2."""
     layers = rank_layers(cfg, total_layers)
     return [rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes, boundary_bytes,
-                       offload, experts=experts) for r in range(cfg.pp)]
+                       offload, experts=experts, transient_bytes=transient_bytes)
+            for r in range(cfg.pp)]
 
 
 def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                boundary_bytes, offload="none", share=None,
-               experts: ExpertSlices | None = None) -> dict[str, float]:
+               experts: ExpertSlices | None = None,
+               transient_bytes: float = 0.0) -> dict[str, float]:
+    """[Note: memory per rank] of rank r: bytes by category of its largest moment ([Note:
+    peak moments]) and "peak". `transient_bytes`: the checkpointing policy's recomputation
+    transient (solver/checkpointing.py), on a rank that holds layers at every moment but its
+    loss (the last rank's moment A splits in two: at the loss, with the logits and the
+    loss's working set, and at the backward of its last layer, with the transient)."""
     share = share or rank_shares(r, cfg, layers, total_layers)
     # under ep the expert slices are held beside what FSDP2 manages (ExpertSlices): priced
     # apart, their gradients like the others' (from the first backward on)
@@ -390,15 +456,22 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         sol = _without_experts(sol, experts)
         extra = _expert_slice_states(cfg, spec, experts, share["layer"], offload)
     elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
-    acts = sum(sol.act_bytes.get(p, 0.0) * s for p, s in share.items())
+    parts_in_flight = in_flight_by_part(cfg, r, total_layers)
+    in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
+                                                cfg.num_virtual_stages)
+    # the activations at moment A over the microbatches in flight: one microbatch's through
+    # all of the rank's layers when its chunks hold alike ([Note: interleaved in-flight
+    # chunks])
+    acts = sum(sol.act_bytes.get(p, 0.0) * s * parts_in_flight[p]
+               for p, s in share.items()) / in_flight
+    if experts is not None and experts.ep > 1:
+        acts += experts.act_bytes * share["layer"] * parts_in_flight["layer"] / in_flight
     late = sum(sol.act_bytes.get(p, 0.0) * c
                for p, c in _late_coef(r, layers, share, total_layers).items())
     states = offload_costs.device_states(model_state_bytes(
         elems, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
         optimizer=spec.optimizer, recipe="fsdp2", frozen_params=frozen,
         frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
-    in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
-                                                cfg.num_virtual_stages)
     # gathered parameters and unsharded gradients held at once ([Note: memory per rank]);
     # frozen parameters are gathered like the others but have no gradient
     block = sol.param_elems.get("layer", 0.0) * share["layer"]
@@ -414,18 +487,42 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     if cfg.pp == 1 and sol.loss_bytes is not None:  # the placement's loss (Costs.loss_rows)
         output_bytes += sol.loss_bytes
     sent = _sent_output_bytes(cfg, r, boundary_bytes)
-    if _deferred_reduction(cfg):
-        return _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states,
-                              gathered=gathered, acts=acts + sent, late=late,
-                              in_flight=in_flight,
-                              output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
-                              recv=_recv_buffer_bytes(cfg, r, boundary_bytes), extra=extra)
+    output_bytes = output_bytes if r == cfg.pp - 1 else 0.0
+    transient = transient_bytes if layers[r] else 0.0
+
+    def peak(output: float, recompute: float) -> dict[str, float]:
+        if _deferred_reduction(cfg):
+            return _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states,
+                                  gathered=gathered, acts=acts + sent, late=late,
+                                  in_flight=in_flight, output_bytes=output,
+                                  recv=_recv_buffer_bytes(cfg, r, boundary_bytes), extra=extra,
+                                  recompute_bytes=recompute)
+        return _peak(cfg, spec, states, extra, acts + sent, late, in_flight, output,
+                     _recv_buffer_bytes(cfg, r, boundary_bytes), gathered, grad_unit,
+                     recompute)
+
+    if output_bytes and transient:  # the loss, then the last layer's recomputation
+        out = max(peak(output_bytes, 0.0), peak(0.0, transient), key=lambda m: m["peak"])
+    else:
+        out = peak(output_bytes, transient)
+    if experts is not None and experts.ep > 1 and experts.num_layers and share["layer"] \
+            and cfg.num_microbatches > 1:
+        # a MoE layer's backward makes its slice's gradient anew and adds it to the one the
+        # earlier microbatches left (autograd's accumulation): one layer's slice gradient more
+        moe_layers = experts.num_layers * share["layer"]
+        out["temporaries"] += extra["grads"] / moe_layers
+        out["peak"] += extra["grads"] / moe_layers
+    return out
+
+
+def _peak(cfg, spec, states, extra, acts, late, in_flight, output_bytes, recv, gathered,
+          grad_unit, recompute_bytes) -> dict[str, float]:
+    """peak_memory_bytes of a rank without deferred reduction (rank_peak's terms)."""
     return peak_memory_bytes(
-        model_states={k: states[k] + extra[k] for k in extra}, activation_bytes=acts + sent,
+        model_states={k: states[k] + extra[k] for k in extra}, activation_bytes=acts,
         in_flight_microbatches=in_flight,
-        zero_stage=cfg.zero_stage, dp=cfg.dp_shard,
-        output_bytes=output_bytes if r == cfg.pp - 1 else 0.0,
-        comm_buffer_bytes=_recv_buffer_bytes(cfg, r, boundary_bytes),
+        zero_stage=cfg.zero_stage, dp=cfg.dp_shard, recompute_bytes=recompute_bytes,
+        output_bytes=output_bytes, comm_buffer_bytes=recv,
         gather_unit_bytes=gathered * spec.dtype_bytes,
         unsharded_grad_bytes=grad_unit * spec.dtype_bytes,
         grads_at_activation_peak=grads_at_activation_peak(cfg, in_flight),
@@ -433,10 +530,12 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
 
 
 def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, gathered,
-                   acts, late, in_flight, output_bytes, recv, extra) -> dict[str, float]:
+                   acts, late, in_flight, output_bytes, recv, extra,
+                   recompute_bytes=0.0) -> dict[str, float]:
     """The peak of rank r under [Note: deferred reduction], with its breakdown (as
     peak_memory_bytes gives it): the larger of moments A and B. `extra`: states held outside
-    FSDP2 (the expert slices, ExpertSlices), their gradients from the first backward on."""
+    FSDP2 (the expert slices, ExpertSlices), their gradients from the first backward on;
+    `recompute_bytes`: a recomputation's transient, at both moments."""
     unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
     rb = _reduce_bytes(spec)
     last = _last_chunk_fraction(cfg, r, layers)
@@ -455,10 +554,10 @@ def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, ga
         + extra["grads"]
     moments = [
         {**base, "grads": trainable * rb + extra["grads"] if grads_a else 0.0,
-         "activations": acts * in_flight, "temporaries": gathered * unit + output_bytes,
-         "comm_buffers": recv},
+         "activations": acts * in_flight,
+         "temporaries": gathered * unit + output_bytes + recompute_bytes, "comm_buffers": recv},
         {**base, "grads": late_grads + first_trainable * rb, "activations": late,
-         "temporaries": last_elems * spec.dtype_bytes, "comm_buffers": recv},
+         "temporaries": last_elems * spec.dtype_bytes + recompute_bytes, "comm_buffers": recv},
     ]
     breakdown = max(moments, key=lambda m: sum(m.values()))
     breakdown = {k: float(breakdown[k]) for k in ("params", "grads", "optimizer", "activations",

@@ -146,7 +146,7 @@ class Assessment:
     offload: str = "none"
     host_memory_bytes: float = 0.0
     offload_transfer_s: float = 0.0
-    transient_bytes: float = 0.0  # the checkpointing policy's, on every rank (with_transient)
+    transient_bytes: float = 0.0  # the checkpointing policy's (rank_memory.rank_peak)
 
 
 def pipeline_time_s(cfg: Config, sol: Solution, topology: Topology, *, total_layers: int,
@@ -189,11 +189,12 @@ def _stage_times(cfg: Config, sol: Solution, topology: Topology, total_layers: i
 def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
            total_layers: int, output_bytes: float, boundary_bytes: float,
            param_tensors: dict[str, float] | None = None,
-           offload: str = "none") -> Assessment:
+           offload: str = "none", transient_bytes: float = 0.0) -> Assessment:
     """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`;
     `param_tensors`: parameter tensors per part ("pre", "layer": all blocks, "post") for the
     optimizer's per-tensor ops (none: not priced); `offload`: [Note: offload] (the host
-    memory is checked against the rank's share of its node's).
+    memory is checked against the rank's share of its node's); `transient_bytes`: the
+    checkpointing policy's recomputation transient (rank_memory.rank_peak).
 
     Raises ValueError (from the cost model) when a mesh group straddles nodes unevenly.
     """
@@ -205,7 +206,8 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
         return sum(per_part.get(p, 0.0) * s for p, s in shares[r].items())
 
     memories = {r: rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-                              boundary_bytes, offload, shares[r]) for r in ranks}
+                              boundary_bytes, offload, shares[r],
+                              transient_bytes=transient_bytes) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])
     elems, frozen = _most_elems(cfg, sol, spec, topology, [shares[r] for r in ranks], speed)
     tensors = max(on(r, param_tensors) for r in ranks)  # trainable ones (Problem.param_tensors)
@@ -237,7 +239,7 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     return Assessment(cfg, pipeline + exposed + optimizer, m * comp + optimizer,
                       m * comm + exposed, _bubble_s(cfg, pipeline, m * (comp + comm)),
                       dp_sync, peak, breakdown, fits, sol, optimizer, m * cp_comm, offload, host,
-                      transfers)
+                      transfers, transient_bytes)
 
 
 def _bubble_s(cfg: Config, pipeline_s: float, busy_s: float) -> float:

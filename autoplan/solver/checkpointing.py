@@ -54,7 +54,8 @@ Memory of pipeline rank r, with f_r microbatches in flight and L_r of the T bloc
 plus what is outside the blocks (embedding, head: never checkpointed). For the ILP these are
 changes to `RankMemory` (`checkpointed_ranks`: for "full" the block activations' coefficient
 becomes 1 / T and f_r L_r I is a constant); for a solved placement, changes to the Solution's
-activation totals and a transient added to the peak (`checkpointed_solution`, `with_transient`).
+activation totals and a transient at every moment of a rank that holds blocks but the last
+rank's loss (`checkpointed_solution`; cost_model/rank_memory.py rank_peak).
 Under "selective", I_q is a placement term: T x I / tp is added to the activation row of the
 block-output node (`boundary_node`) for its S(d) candidates and T x I for the others, so a
 residual stream split on the sequence dim ([Note: sequence parallelism] in solver/sequence.py)
@@ -68,7 +69,6 @@ import dataclasses
 
 from autoplan.cost_model.compute import at_tokens, module_input_bytes, op_time_s
 from autoplan.cost_model.placement_totals import RankMemory, Solution
-from autoplan.cost_model.step_time import Assessment
 from autoplan.op_classes import SELECTIVE_SAVED_OPS
 from autoplan.solver.costs import Costs, out_divisor
 from autoplan.solver.problem import Problem, boundary_bytes, boundary_node
@@ -76,7 +76,7 @@ from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
 __all__ = ["POLICIES", "SELECTIVE_SAVED", "policies", "recomputed_nodes", "checkpointed_costs",
-           "checkpointed_ranks", "checkpointed_solution", "with_transient", "block_bytes",
+           "checkpointed_ranks", "checkpointed_solution", "block_bytes",
            "boundary_node", "boundary_bytes"]
 
 POLICIES = ("none", "core-attention", "selective", "full")
@@ -204,11 +204,13 @@ def checkpointed_ranks(ranks: list[RankMemory], policy: str, total_layers: int,
         held = rank.act_coef.get("layer", 0.0) * total_layers  # f_r L_r
         act = dict(rank.act_coef)
         const = rank.const_bytes
+        # at the last rank's loss no block recomputes yet: no transient (RankMemory.at_loss)
+        transient = bool(held) and not rank.at_loss
         if policy == "full":
-            act["layer"] = 1.0 / total_layers if held else 0.0
+            act["layer"] = 1.0 / total_layers if transient else 0.0
             const += held * input_bytes
         else:  # selective, core-attention: the rows are what the blocks keep already
-            const += one_block_bytes if held else 0.0
+            const += one_block_bytes if transient else 0.0
         out.append(dataclasses.replace(rank, param_coef=dict(rank.param_coef), act_coef=act,
                                        const_bytes=const))
     return out
@@ -227,14 +229,3 @@ def checkpointed_solution(sol: Solution, policy: str, total_layers: int, input_b
     layer = sol.act_bytes.get("layer", 0.0)
     acts = {**sol.act_bytes, "layer": total_layers * input_bytes}
     return dataclasses.replace(sol, act_bytes=acts), layer / total_layers
-
-
-def with_transient(a: Assessment, transient_bytes: float, budget_bytes: float) -> Assessment:
-    """`a` with `transient_bytes` more on every pipeline rank (so on the worst one)."""
-    if not transient_bytes:
-        return a
-    breakdown = dict(a.memory_breakdown)
-    breakdown["temporaries"] = breakdown.get("temporaries", 0.0) + transient_bytes
-    peak = a.memory_bytes + transient_bytes
-    return dataclasses.replace(a, memory_bytes=peak, memory_breakdown=breakdown,
-                               fits=peak <= budget_bytes, transient_bytes=transient_bytes)

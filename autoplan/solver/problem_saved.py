@@ -14,10 +14,12 @@ import math
 import torch.fx
 
 from autoplan.cost_model.activations import (
-    attention_dropout_scores, grad_carriers, node_producers, saved_tensors
+    PARAM_PREFIX, SavedTensor, attention_dropout_scores, grad_carriers, node_producers,
+    saved_tensors
 )
 from autoplan.graph import CapturedGraph
-from autoplan.op_classes import VIEW_OPS, op_name, selective_saves
+from autoplan.op_classes import ATTENTION_OPS, VIEW_OPS, op_name, selective_saves
+from autoplan.passes.kernels import kernel_patterns
 from autoplan.strategies import node_tensor_meta
 
 __all__ = ["tensor_bytes", "saved_entries", "kept_selective"]
@@ -47,9 +49,11 @@ def saved_entries(graph: CapturedGraph, prob: "Problem", layer_of,
              if name in prob.cands and name not in prob.constants]
     value_numel = {name: math.prod(info.shapes[0]) for name, info in graph.nodes.items()
                    if info.shapes}
+    grads = grad_carriers(graph.gm, graph.params)
     items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes,
                           attention_dropout=attention_dropout_scores(graph.gm),
-                          grads=grad_carriers(graph.gm, graph.params), value_numel=value_numel)
+                          grads=grads, value_numel=value_numel)
+    items = _as_fused(graph, items, dtype_bytes, grads)
     items, prob.regathered = _through_flat_views(graph, prob, items)
     seen: dict[tuple, float] = {}
     outside: set[tuple] = set()  # saved by an op outside the cores, or owned outside them
@@ -79,6 +83,41 @@ def saved_entries(graph: CapturedGraph, prob: "Problem", layer_of,
         held.append((ilp, tensor_bytes(graph, node, 0, dtype_bytes), mult,
                      prob.part.get(ilp, "pre")))
     return out, dropped, held
+
+
+# [Note: fused kernels' saved tensors]
+# The runtime runs each RMSNorm and SwiGLU pattern of a stage graph as one fused op
+# (passes/kernels.py [Note: kernel fusion], `kernels=True`, its default), whose autograd saves
+# what its backward reads: its inputs (kernels/ops.py: RMSNorm x and the weight, its rstd
+# recomputed in the backward; SwiGLU gate and up) -- not the pattern's intermediates the
+# captured ops would save (RMSNorm: the fp32 upcast, rsqrt's output and the normalized product;
+# SwiGLU: silu's output). So the saved tensors of a pattern's ops are replaced by the fused
+# op's activation inputs, each its producer's value (counted once with what other ops save of
+# it). Measured (bench/dryrun.py, llama3-8b on one H200 with optimizer offload, 32 blocks at
+# 4K tokens, no recomputation): 23.13 GB of activations at the peak, priced 27.51 GB as
+# captured. Where the plan cuts a pattern with a redistribution the runtime runs it unfused,
+# and its saved tensors are the captured ops' (priced here as fused: a plan that reshards
+# inside a norm is one the cost of that redistribution makes rare). `kernels=False` runs
+# the captured ops and saves more than planned.
+def _as_fused(graph: CapturedGraph, items: list, dtype_bytes, grads: frozenset[str]) -> list:
+    """`items` (saved_tensors) with each kernel pattern's saved tensors those of its fused op
+    ([Note: fused kernels' saved tensors])."""
+    patterns = kernel_patterns(graph.gm)
+    if not patterns:
+        return items
+    inside = {n.name for _op, _args, nodes in patterns for n in nodes}
+    out = [it for it in items if it.consumer not in inside]
+    for _op, args, nodes in patterns:
+        inputs = [a for a in args if isinstance(a, torch.fx.Node)]
+        if not any(a.name in grads or (a.op == "get_attr" and PARAM_PREFIX + str(a.target)
+                                       in grads) for a in inputs):
+            continue  # autograd records no fused op none of whose inputs requires a gradient
+        for a in inputs:
+            if a.op != "call_function":
+                continue  # a parameter, buffer or graph input: not an activation saved here
+            out.append(SavedTensor(a.name, "out", nodes[-1].name,
+                                   tensor_bytes(graph, a, 0, dtype_bytes), "fused_kernel"))
+    return out
 
 
 _FLAT_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "flatten",
@@ -124,7 +163,8 @@ def _through_flat_views(graph: CapturedGraph, prob: "Problem",
 
 def kept_selective(graph: CapturedGraph, prob: "Problem", layer_of,
                     dtype_bytes) -> list[tuple]:
-    """Problem.kept_selective: the outputs of the block ops "selective" keeps."""
+    """Problem.kept_selective: the outputs of the block ops "selective" keeps (a fused
+    attention's with its per-row log-sum-exp)."""
     n_cap, total = max(graph.num_layers, 1), graph.total_layers
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     out = []
@@ -134,6 +174,10 @@ def kept_selective(graph: CapturedGraph, prob: "Problem", layer_of,
             continue
         nbytes = sum(tensor_bytes(graph, nodes[name], i, dtype_bytes)
                      for i in range(len(info.shapes)))
+        if op_name(str(info.target)) in ATTENTION_OPS and info.shapes and info.shapes[0]:
+            # the fp32 log-sum-exp per row (B x heads x T) the fused attention kernels return
+            # beside the output: kept with it ([Note: saved tensors])
+            nbytes += math.prod(info.shapes[0][:-1]) * 4
         ilp = prob.rep[name]
         out.append((ilp, nbytes, total / n_cap, prob.part.get(ilp, "layer")))
     return out

@@ -288,28 +288,24 @@ class Search:
         (tp, divide): for bounds, quantities of the tp problem with the boundary divided."""
         tp = cfg.tp if tp is None else tp
         costs, boundary, seen, transient = self._seen(cfg, sol, tp, divide)
-        result = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
-                        output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary / divide,
-                        param_tensors=self.problem(tp).param_tensors, offload=cfg.offload)
-        return ckpt.with_transient(result, transient, self.budget_bytes)
+        return assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
+                      output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary / divide,
+                      param_tensors=self.problem(tp).param_tensors, offload=cfg.offload,
+                      transient_bytes=transient)
 
     def rank_peaks(self, a: Assessment,
                    experts: ExpertSlices | None = None) -> list[dict[str, float]]:
         """rank_memory.rank_peaks of the assessed configuration `a` (from `assess`: its
-        Solution as the checkpointing policy leaves it, and the policy's transient, added to
-        every rank as `assess` adds it): per pp rank, bytes by category and "peak".
+        Solution as the checkpointing policy leaves it, and the policy's transient, as
+        `assess` prices them): per pp rank, bytes by category and "peak".
         `experts`: the expert slices of an ep > 1 plan (rank_memory.ExpertSlices)."""
         cfg = a.config
         costs = self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp, cfg.tp)
         boundary = self.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp, cfg.tp)
-        out = []
-        for peak in rank_peaks(cfg, a.solution, self.spec, total_layers=self.total_layers,
-                               output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary,
-                               offload=cfg.offload, experts=experts):
-            peak["temporaries"] += a.transient_bytes
-            peak["peak"] += a.transient_bytes
-            out.append(peak)
-        return out
+        return rank_peaks(cfg, a.solution, self.spec, total_layers=self.total_layers,
+                          output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary,
+                          offload=cfg.offload, experts=experts,
+                          transient_bytes=a.transient_bytes)
 
     def _seen(self, cfg: PlanConfig, sol: Solution, tp: int, divide: int) -> tuple:
         """(costs, boundary bytes, the Solution step_time.assess sees, transient bytes) of
