@@ -250,11 +250,15 @@ def test_step_form_equals_assess():
 def test_memory_forms_equal_assess():
     """The ILP's memory constraints (pipeline.rank_memories through Search.ranks) give the
     peak memory pipeline.assess gives, rank by rank at the worst one: the constrained ILP
-    rejects exactly the placements that do not fit."""
-    for search, cfg, prob, costs, choice, sol in _random_placements(8):
-        memories = [_form_memory(prob, costs, rank, choice) for rank in search.ranks(cfg)]
-        assert max(memories) == pytest.approx(search.assess(cfg, sol).memory_bytes,
-                                              rel=1e-9), cfg
+    rejects exactly the placements that do not fit -- in fp32 and under mixed precision
+    (its compute-dtype gradients during a block's backward, [Note: backward gradients])."""
+    graph, topology, spec = _random_problem(3)[:3]
+    for dtype in ("float32", "bfloat16"):
+        problem = (graph, topology, dataclasses.replace(spec, dtype=dtype))
+        for search, cfg, prob, costs, choice, sol in _random_placements(8, problem=problem):
+            memories = [_form_memory(prob, costs, rank, choice) for rank in search.ranks(cfg)]
+            assert max(memories) == pytest.approx(search.assess(cfg, sol).memory_bytes,
+                                                  rel=1e-9), (dtype, cfg)
 
 
 def _form_memory(prob, costs, rank, choice) -> float:

@@ -51,6 +51,17 @@ node, RankMemory.boundary_coef boundaries per rank. (Korthikanti et al. 2022 cou
 Megatron-LM's `deallocate_output_tensor` frees the outputs' data once sent.)
 `rank_memories` gives the ILP the same quantities as linear forms, one per moment and rank.
 
+[Note: backward gradients] Under mixed precision a block's backward makes its weights'
+gradients in the compute dtype on the unsharded parameters; FSDP2 adds them into its fp32
+accumulation (or reduction) buffers and frees them in the unit's post-backward, once the unit's
+backward is done. So while a block's backward runs the rank holds that block's gradients in
+the compute dtype (one FSDP2 unit per block) and, on the last rank, those of the stage's root
+unit (the head and final norm, whose backward ran first and whose post-backward waits for the
+whole stage): `_backward_grad_share`, at moment A after the loss and at moment B, not at the
+loss. Measured by the dry run on llama3-405b's last rank (pp 32 x cp 8 x tp 4): 2.68 GB of
+such gradients at its peak (the head's 1.05 GB and one block's 1.6 GB), and on GPT 1T's ranks
+one block's 1.95 GB.
+
 [Note: interleaved in-flight chunks] Under the interleaved schedule a rank's in-flight
 chunk-microbatches are not spread evenly over its v chunks: its forwards before the first
 backward run in groups of R microbatches per chunk (Megatron-LM's order, torch's
@@ -239,17 +250,18 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
         frozen_coef = {p: (kept_frozen + unit * held[p]) * sh
                        for p, sh in shares.items()} if frozen else None
         parts_in_flight = in_flight_by_part(cfg, r, total_layers)
+        bwd = _backward_grad_share(cfg, spec, r, layers)
         moments_a = _moments_a(cfg, r, RankMemory(
             {p: (kept + grads_a + unit * held[p]) * sh for p, sh in shares.items()},
             {p: parts_in_flight[p] * sh for p, sh in shares.items()}, 0.0, sent + recv,
-            frozen_coef), output_bytes)
+            frozen_coef), output_bytes, bwd)
         if _deferred_reduction(cfg):
             out += _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit,
                                    held, grads_a, in_flight, output_bytes, sent, recv,
-                                   frozen, total_layers)
+                                   frozen, total_layers, bwd)
             continue
         moment_b = RankMemory({p: (kept + states["grads"] + unit * held[p]
-                                   + unsharded * grad_held[p]) * sh
+                                   + unsharded * grad_held[p]) * sh + bwd.get(p, 0.0)
                                for p, sh in shares.items()}, _late_coef(r, layers, shares,
                                                                         total_layers), 0.0, recv,
                               frozen_coef)
@@ -257,16 +269,35 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
     return out
 
 
-def _moments_a(cfg: Config, r: int, form: RankMemory,
-               output_bytes: float) -> list[RankMemory]:
+def _backward_grad_share(cfg: Config, spec: TrainingSpec, r: int, layers) -> dict[str, float]:
+    """[Note: backward gradients]: bytes per trainable parameter element of each part that
+    rank r holds as compute-dtype gradients during a block's backward: one of its blocks
+    (1 / T of "layer" per block of the model: the coefficient is per element of the part's
+    total) and, on the last rank, what comes after the blocks; none without mixed
+    precision."""
+    if not spec.mixed_precision or not layers[r]:
+        return {}
+    total = sum(layers)
+    out = {"layer": spec.dtype_bytes / total}
+    if r == cfg.pp - 1:
+        out["post"] = float(spec.dtype_bytes)
+    return out
+
+
+def _moments_a(cfg: Config, r: int, form: RankMemory, output_bytes: float,
+               bwd: dict[str, float]) -> list[RankMemory]:
     """Moment A of rank r as linear forms ([Note: peak moments]): `form` (no output, no
-    loss); on the last rank two, at its loss (the logits and the loss's working set:
-    `output_bytes`, the token loss per candidate without pipelining) and at the backward of
-    its last layer after it (without them), which alone holds a recomputation's transient."""
+    loss) with `bwd` (`_backward_grad_share`) on its parameter coefficients; on the last
+    rank two, at its loss (the logits and the loss's working set: `output_bytes`, the token
+    loss per candidate without pipelining) and at the backward of its last layer after it
+    (without them), which alone holds a recomputation's transient and the backward's
+    gradients."""
+    block = dataclasses.replace(form, param_coef={
+        p: c + bwd.get(p, 0.0) for p, c in form.param_coef.items()})
     if r != cfg.pp - 1 or not (output_bytes or _loss_coef(cfg)):
-        return [form]
+        return [block]
     return [dataclasses.replace(form, const_bytes=form.const_bytes + output_bytes,
-                                loss_coef=_loss_coef(cfg), at_loss=True), form]
+                                loss_coef=_loss_coef(cfg), at_loss=True), block]
 
 
 def _loss_coef(cfg: Config) -> float:
@@ -312,7 +343,7 @@ def _first_reduced(cfg: Config, r: int, layers, total_layers: int) -> dict[str, 
 
 
 def _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit, held, grads_a,
-                    in_flight, output_bytes, sent, recv, frozen, total_layers):
+                    in_flight, output_bytes, sent, recv, frozen, total_layers, bwd):
     """Moments A and B of [Note: deferred reduction] as linear forms (rank_memories)."""
     kept = states["params"] + states["optimizer"]
     rb = _reduce_bytes(spec)
@@ -332,8 +363,8 @@ def _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit, hel
     moments_a = _moments_a(cfg, r, RankMemory(
         {p: (kept + grads_a + unit * held[p]) * sh for p, sh in shares.items()},
         {p: parts_in_flight[p] * sh for p, sh in shares.items()}, 0.0, sent + recv,
-        frozen_coef(held, unit)), output_bytes)
-    moment_b = RankMemory({p: (kept + late[p]) * sh + rb * first.get(p, 0.0)
+        frozen_coef(held, unit)), output_bytes, bwd)
+    moment_b = RankMemory({p: (kept + late[p]) * sh + rb * first.get(p, 0.0) + bwd.get(p, 0.0)
                            for p, sh in shares.items()},
                           _late_coef(r, layers, shares, total_layers), 0.0, recv,
                           frozen_coef(last, spec.dtype_bytes))
@@ -501,10 +532,16 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                      _recv_buffer_bytes(cfg, r, boundary_bytes), gathered, grad_unit,
                      recompute)
 
-    if output_bytes and transient:  # the loss, then the last layer's recomputation
-        out = max(peak(output_bytes, 0.0), peak(0.0, transient), key=lambda m: m["peak"])
+    bwd = _backward_grad_share(cfg, spec, r, layers)
+    grads_bwd = sum(c * (sol.param_elems.get(p, 0.0) - sol.frozen_elems.get(p, 0.0))
+                    for p, c in bwd.items()) + sum(
+        e * max(bwd.get(p, 0.0) for p in parts) for parts, e in sol.shared_param_elems) - sum(
+        e * max(bwd.get(p, 0.0) for p in parts) for parts, e in sol.shared_frozen_elems)
+    if output_bytes and (transient or grads_bwd):  # the loss, then its last layer's backward
+        out = max(peak(output_bytes, 0.0), peak(0.0, transient + grads_bwd),
+                  key=lambda m: m["peak"])
     else:
-        out = peak(output_bytes, transient)
+        out = peak(output_bytes, transient + grads_bwd)
     if experts is not None and experts.ep > 1 and experts.num_layers and share["layer"] \
             and cfg.num_microbatches > 1:
         # a MoE layer's backward makes its slice's gradient anew and adds it to the one the
