@@ -53,8 +53,14 @@ def saved_entries(graph: CapturedGraph, prob: "Problem", layer_of,
     items = saved_tensors(infos, producers=node_producers(graph.gm), dtype_bytes=dtype_bytes,
                           attention_dropout=attention_dropout_scores(graph.gm),
                           grads=grads, value_numel=value_numel)
-    items = _as_fused(graph, items, dtype_bytes, grads)
-    items, prob.regathered = _through_flat_views(graph, prob, items)
+    # the saved bytes as the fused kernels keep them; the ops that hold a gathered input as
+    # its shard both ways: a pattern the plan cuts with a redistribution runs unfused, and an
+    # uncut one has no gather inside it ([Note: fused kernels' saved tensors])
+    _unfused, regathered = _through_flat_views(graph, prob, items)
+    items, prob.regathered = _through_flat_views(
+        graph, prob, _as_fused(graph, items, dtype_bytes, grads))
+    for node, saver in regathered.items():
+        prob.regathered.setdefault(node, saver)
     seen: dict[tuple, float] = {}
     outside: set[tuple] = set()  # saved by an op outside the cores, or owned outside them
     for it in items:
@@ -97,8 +103,11 @@ def saved_entries(graph: CapturedGraph, prob: "Problem", layer_of,
 # 4K tokens, no recomputation): 23.13 GB of activations at the peak, priced 27.51 GB as
 # captured. Where the plan cuts a pattern with a redistribution the runtime runs it unfused,
 # and its saved tensors are the captured ops' (priced here as fused: a plan that reshards
-# inside a norm is one the cost of that redistribution makes rare). `kernels=False` runs
-# the captured ops and saves more than planned.
+# inside a norm is one the cost of that redistribution makes rare -- the final norm under
+# sequence parallelism may gather there, the all-gather back to Replicate before the head).
+# Which ops hold a gathered input as its shard (Problem.regathered, [Note: gathered inputs
+# saved sharded]) is taken from both: an all-gather inside a pattern is its captured ops'.
+# `kernels=False` runs the captured ops and saves more than planned.
 def _as_fused(graph: CapturedGraph, items: list, dtype_bytes, grads: frozenset[str]) -> list:
     """`items` (saved_tensors) with each kernel pattern's saved tensors those of its fused op
     ([Note: fused kernels' saved tensors])."""
@@ -115,8 +124,12 @@ def _as_fused(graph: CapturedGraph, items: list, dtype_bytes, grads: frozenset[s
         for a in inputs:
             if a.op != "call_function":
                 continue  # a parameter, buffer or graph input: not an activation saved here
-            out.append(SavedTensor(a.name, "out", nodes[-1].name,
-                                   tensor_bytes(graph, a, 0, dtype_bytes), "fused_kernel"))
+            # one entry per pattern op reading it (counted once: saved_entries keys by owner),
+            # so that an all-gather into any of them is held as its shard as the runtime
+            # holds it ([Note: gathered inputs saved sharded])
+            for reader in (n for n in nodes if a in n.all_input_nodes):
+                out.append(SavedTensor(a.name, "out", reader.name,
+                                       tensor_bytes(graph, a, 0, dtype_bytes), "fused_kernel"))
     return out
 
 
