@@ -533,10 +533,10 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                      recompute)
 
     bwd = _backward_grad_share(cfg, spec, r, layers)
-    grads_bwd = sum(c * (sol.param_elems.get(p, 0.0) - sol.frozen_elems.get(p, 0.0))
-                    for p, c in bwd.items()) + sum(
-        e * max(bwd.get(p, 0.0) for p in parts) for parts, e in sol.shared_param_elems) - sum(
-        e * max(bwd.get(p, 0.0) for p in parts) for parts, e in sol.shared_frozen_elems)
+    # bwd is the compute dtype's width times a share of each part: trainable elements on it
+    bwd_share = {p: c / spec.dtype_bytes for p, c in bwd.items()}
+    grads_bwd = spec.dtype_bytes * (sol.param_elems_on(bwd_share)
+                                    - sol.frozen_elems_on(bwd_share))
     if output_bytes and (transient or grads_bwd):  # the loss, then its last layer's backward
         out = max(peak(output_bytes, 0.0), peak(0.0, transient + grads_bwd),
                   key=lambda m: m["peak"])
