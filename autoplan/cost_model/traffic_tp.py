@@ -250,13 +250,16 @@ def _regathered(ctx: TrafficContext) -> set[tuple[str, str]]:
     backward (activations.saved_tensors' rules; directly, or through views that keep it whole and
     contiguous, as linear's flatten): [Note: gathered inputs saved sharded] in
     passes/regather.py re-gathers it there. An op fused into a kernel saves local tensors,
-    which are not re-gathered."""
+    which are not re-gathered; nor is a value no gradient flows through (token ids gathered
+    for an embedding): the runtime tags only gathers that require a gradient
+    (passes/regather.py `tag_gathered`) and holds the others whole."""
     from autoplan.cost_model.activations import node_producers, saved_tensors
 
     g = ctx.graph
     infos = [g.nodes[n.name] for n in g.gm.graph.nodes if n.name in g.nodes]
+    grads = ctx.once(gradient_carriers)
     saved = {(s.consumer, s.owner) for s in saved_tensors(
-        infos, producers=node_producers(g.gm), grads=ctx.once(gradient_carriers))}
+        infos, producers=node_producers(g.gm), grads=grads)}
 
     def holds(value, consumer) -> bool:
         if (consumer.name, value.name) in saved:
@@ -266,4 +269,4 @@ def _regathered(ctx: TrafficContext) -> set[tuple[str, str]]:
             any(holds(consumer, w) for w in consumer.users)
 
     return {(u.name, v.name) for v in g.gm.graph.nodes for u in v.all_input_nodes
-            if v.op == "call_function" and holds(u, v)}
+            if v.op == "call_function" and u.name in grads and holds(u, v)}
