@@ -20,7 +20,8 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   deferred reduction, [Note: deferred reduction] in cost_model/rank_memory.py), and an
   `_allgather_base_` of the padded parameters (e) whenever a unit is used sharded
   (`_gathers`: ZeRO-2 gathers in the forward and keeps them to the end of the backward;
-  ZeRO-3 reshards after each forward; without pp it reshards after each backward, with pp
+  ZeRO-3 reshards after each forward, except the stage's root unit, as FSDP2 leaves a root
+  (runtime/rank_stages.py); without pp it reshards after each backward, with pp
   torch keeps them gathered after the first backward, `set_reshard_after_backward(False)`);
   ZeRO-1 adds, per step, one `_allgather_base_` per trainable parameter of its rows padded to
   dp x cp equal pieces (a `broadcast_` for one of fewer rows), in the master dtype
@@ -153,7 +154,8 @@ def _data_parallel(ctx: TrafficContext, t: RankTraffic, r: int, stages: list[int
         return
     axis, zero, pp = ctx.dp_axis, plan.zero_stage, plan.mesh.pp
     for s in stages:
-        for unit in ctx.units(s):
+        units = ctx.units(s)
+        for unit in units:
             trainable = [p for p in unit if p.trainable]
             if zero <= 1:
                 if trainable:
@@ -165,17 +167,20 @@ def _data_parallel(ctx: TrafficContext, t: RankTraffic, r: int, stages: list[int
                       ctx.f * sum(ctx.numel(p, True) for p in trainable),
                       1 if pp > 1 else ctx.m)
             t.add("_allgather_base_", axis, ctx.e * sum(ctx.numel(p, True) for p in unit),
-                  _gathers(plan, s))
+                  _gathers(plan, s, root=unit is units[-1] and bool(ctx.root_unit(s))))
     if zero == 1:
         _sharded_optimizer(ctx, t, stages)
 
 
-def _gathers(plan: Plan, stage: int) -> int:
+def _gathers(plan: Plan, stage: int, root: bool = False) -> int:
     """FSDP2 all-gathers of one unit of `stage` per step ([Note: traffic per axis]): a state
-    machine over the stage's forward and backward actions in the schedule's order."""
+    machine over the stage's forward and backward actions in the schedule's order. The stage's
+    `root` unit is not resharded after the forward, under ZeRO-3 either (runtime/rank_stages.py
+    `apply_data_parallel`)."""
     m, pp = plan.num_microbatches, plan.mesh.pp
+    reshard_after_forward = plan.zero_stage == 3 and not root
     if pp == 1:
-        return m * (2 if plan.zero_stage == 3 else 1)
+        return m * (2 if reshard_after_forward else 1)
     r = stage % pp
     if plan.schedule == "gpipe":
         order = ["F"] * m + ["B"] * m
@@ -190,8 +195,8 @@ def _gathers(plan: Plan, stage: int) -> int:
         if not gathered:
             count += 1
             gathered = True
-        if action == "F" and plan.zero_stage == 3:
-            gathered = False  # reshard_after_forward
+        if action == "F" and reshard_after_forward:
+            gathered = False
     return count
 
 

@@ -128,13 +128,18 @@ class TrafficContext:
     def units(self, stage: int) -> list[list]:
         """The FSDP2 units of pipeline stage `stage` with parameters: each block's, then the
         stage root's (what the stage holds outside its blocks)."""
-        st, last = self.plan.stages[stage], len(self.plan.stages) - 1
+        st = self.plan.stages[stage]
         out = [self.block_params[min(k, self.N - 1)] for k in range(st.layer_start,
                                                                       st.layer_end)]
-        root = (self.pre if stage == 0 else []) + [p for p in (self.post if stage == last
+        return [u for u in out + [self.root_unit(stage)] if u]
+
+    def root_unit(self, stage: int) -> list:
+        """The parameters of pipeline stage `stage`'s root FSDP2 unit: what the stage holds
+        outside its blocks (the first stage's embeddings, the last's final norm and head)."""
+        last = len(self.plan.stages) - 1
+        return (self.pre if stage == 0 else []) + [p for p in (self.post if stage == last
                                                                 else [])
                                                    if stage != 0 or p not in self.pre]
-        return [u for u in out + [root] if u]
 
     # -- placements --------------------------------------------------------------------------
     def param_placement(self, fqn: str) -> str:
