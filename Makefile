@@ -19,8 +19,10 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/autoplan demo
 
+# Two test processes on a 2-core machine (at most 4 elsewhere: each holds its own gloo rank
+# pools), tests handed out as workers free up (xdist's worksteal).
 test: venv
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal --durations=15 tests
 
 # CPU seconds per test (ranks and subprocesses included) into out/test_cpu.json:
 # where the suite's time goes, whatever the machine's load (tests/cpu_profile.py).
