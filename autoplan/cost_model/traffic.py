@@ -53,8 +53,9 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   per microbatch under ZeRO 2/3 without pp; f bytes where microbatches were accumulated
   first, else e); anywhere else (a fused kernel, a matmul, softmax, where Partial meets
   another gradient) an all-reduce of the value per microbatch. An all-gathered activation
-  that needs a gradient (not token ids) and that an op saves for its backward (activations.saved_tensors' rules; through views that keep it
-  whole) is all-gathered again there ([Note: gathered inputs saved sharded] in
+  that needs a gradient (not token ids) and that an op saves for its backward
+  (activations.saved_tensors' rules; through views that keep it whole) is all-gathered
+  again there ([Note: gathered inputs saved sharded] in
   passes/regather.py), unless its block is checkpointed or the op is fused into a kernel
   (which saves local tensors). A checkpointed block's recomputation reissues the block's
   forward collectives up to its last op that saves a tensor, not after it: torch's

@@ -21,7 +21,8 @@ Build order (each step needs the previous one), all on the meta device until ste
 5. Data parallelism by ZeRO stage, with torch's FSDP2 machinery on the dp sub-mesh, one unit
    per block plus one for the rest of the stage: 0 -> `replicate` (DDP-style all-reduce),
    2 -> `fully_shard(reshard_after_forward=False)`, 3 -> `fully_shard(reshard_after_forward=
-   True)` for the blocks (False for the rest: the backward starts with it); a 16-bit plan adds FSDP2's MixedPrecisionPolicy ([Note: precision recipe]). ZeRO-1
+   True)` for the blocks (False for the rest: the backward starts with it); a 16-bit plan
+   adds FSDP2's MixedPrecisionPolicy ([Note: precision recipe]). ZeRO-1
    (optimizer states only) is not expressible in FSDP2: it runs `replicate` for the gradients
    and a sharded optimizer (`ShardedOptimizer`, runtime/zero1.py): each dp rank steps its
    rows of every parameter, then all-gathers them ([Note: ZeRO-1 partition]).
