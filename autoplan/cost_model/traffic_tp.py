@@ -77,9 +77,9 @@ def _redistributions(ctx: TrafficContext, stages: set[int]) -> tuple[dict, dict,
     for v in ctx.graph.gm.graph.nodes:
         s = ctx.strategies.get(v.name)
         if v.op == "output":
-            wanted, split = ["R"] * len(tensor_args(v)), False
+            wanted = ["R"] * len(tensor_args(v))
         elif s is not None:
-            wanted, split = list(s.inputs), any(o != "R" for o in s.outputs)
+            wanted = list(s.inputs)
         else:
             continue
         for u, q in zip(tensor_args(v), wanted):
