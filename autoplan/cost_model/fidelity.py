@@ -71,7 +71,7 @@ def band_of(errors: list[float], **kwargs) -> ErrorBand:
 
 
 LOCAL_STEP_TIME = ErrorBand(
-    low=-0.16, high=0.08, rows=10, source="bench/fidelity.py",
+    low=-0.34, high=0.10, rows=10, source="bench/fidelity.py",
     covers="plans on 2 and 4 local gloo ranks (dp, ZeRO 0-3, tp, pp, checkpointing)")
 LOCAL_PEAK_MEMORY = ErrorBand(
     low=-0.06, high=0.06, rows=10, source="bench/fidelity.py",
