@@ -156,6 +156,7 @@ def _data_parallel(ctx: TrafficContext, t: RankTraffic, r: int, stages: list[int
     axis, zero, pp = ctx.dp_axis, plan.zero_stage, plan.mesh.pp
     for s in stages:
         units = ctx.units(s)
+        root = units[-1] if ctx.root_unit(s) else None  # units() lists the root last
         for unit in units:
             trainable = [p for p in unit if p.trainable]
             if zero <= 1:
@@ -168,7 +169,7 @@ def _data_parallel(ctx: TrafficContext, t: RankTraffic, r: int, stages: list[int
                       ctx.f * sum(ctx.numel(p, True) for p in trainable),
                       1 if pp > 1 else ctx.m)
             t.add("_allgather_base_", axis, ctx.e * sum(ctx.numel(p, True) for p in unit),
-                  _gathers(plan, s, root=unit is units[-1] and bool(ctx.root_unit(s))))
+                  _gathers(plan, s, root=unit is root))
     if zero == 1:
         _sharded_optimizer(ctx, t, stages)
 
