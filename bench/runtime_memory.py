@@ -58,11 +58,7 @@ from _results import write_json  # noqa: E402
 CONFIGS = {
     "dp4 zero3": dict(dp=4, zero_stage=3),
     "tp4": dict(tp=4),
-    # 4.5 GB per device, not local-cpu's 4: its fp32 states alone (a stage's gathered
-    # parameters and, until the step's reduction, unsharded gradients: [Note: deferred
-    # reduction] in autoplan/cost_model/rank_memory.py) need 3.95 GB at the least
-    "pp2xdp2 zero3": dict(pp=2, dp=2, zero_stage=3, num_microbatches=2,
-                          device_memory_bytes=4.5e9),
+    "pp2xdp2 zero3": dict(pp=2, dp=2, zero_stage=3, num_microbatches=2),
 }
 MODEL = dict(n_embd=1024, n_layer=36, n_head=16, vocab_size=50257, n_positions=1024)
 QUICK_MODEL = dict(n_embd=256, n_layer=4, n_head=4, vocab_size=50257, n_positions=256)

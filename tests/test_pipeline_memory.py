@@ -112,3 +112,24 @@ def test_cost_model_prices_what_the_runtime_holds():
     # interleaved, v = 2: rank 0 has 2 (pp - 1) + (v - 1) pp + 1 = 11 chunk-microbatches in
     # flight, each keeping its output (torch's action IR shows the same count)
     assert consts(64, "interleaved-1f1b", 2)[:2] == [11 + 2, 2]
+
+
+def test_interleaved_moments_follow_the_schedule_s_actions():
+    """[Note: interleaved moments] (autoplan/cost_model/schedule_moments.py) on torch's own
+    actions. pp 2, v 2, m 2, last rank (ZeRO-3): its second chunk (stage 3) is reduced before
+    its first chunk's first backward, so no moment holds both chunks' gradients unsharded; the
+    largest activations (both microbatches of stage 1 and one of stage 3, at the loss) come
+    with stage 3's gradients unsharded and two of its blocks gathered. With m 8 at pp 4 the
+    steady state holds every chunk's gradients at the activations' height, as the sum did."""
+    from autoplan.cost_model.schedule_moments import chunk_classes, interleaved_moments
+
+    assert chunk_classes(2, 1, (9, 9)) == ((0,), (1,))  # the last chunk holds the head
+    moments = interleaved_moments(2, 2, 2, 1, (9, 9), True)
+    assert not any(m.unsharded == (1, 1) for m in moments)
+    loss = [m for m in moments if m.at_loss]
+    assert [(m.in_flight, m.unsharded, m.gathered) for m in loss] == \
+        [((2, 1), (0, 1), (0.0, 2 / 9))]
+    # rank 0 of pp 4, m 8: 7 microbatches of its first chunk and 4 of its second in flight
+    # with both chunks' gradients unsharded
+    assert any(m.in_flight == (7, 4) and m.unsharded == (1, 1)
+               for m in interleaved_moments(4, 2, 8, 0, (2, 2), True))

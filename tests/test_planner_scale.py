@@ -581,3 +581,33 @@ def test_reprice_reproduces_the_plan_and_follows_the_figures():
     assert any(p != "R" for _, p in plan(graph, budget, spec, tp=2, dp=2).param_placements)
     with pytest.raises(InvalidConfig, match="needs 4 devices"):
         reprice(graph, made, preset("local-cpu", devices_per_node=2), spec)
+
+
+def test_memory_forms_equal_assess_under_interleaved_deferred_reduction():
+    """As test_memory_forms_equal_assess, on the configurations whose moments are walked from
+    the interleaved schedule's actions (ZeRO-2/3 over dp > 1, v > 1: [Note: interleaved
+    moments] in autoplan/cost_model/schedule_moments.py), which its random problem does not
+    enumerate."""
+    graph, topology, spec = _random_problem(0)[:3]
+    checked = 0
+    for dtype in ("float32", "bfloat16"):
+        search = Search(graph, topology, dataclasses.replace(spec, dtype=dtype), 1.0)
+        configs = [c for c in enumerate_configs(graph, topology, search.spec, Overrides(),
+                                                search.policies())
+                   if c.schedule == "interleaved-1f1b" and c.num_virtual_stages > 1
+                   and c.zero_stage >= 2 and c.dp_shard > 1]
+        rng = random.Random(1)
+        for cfg in configs:
+            prob, costs = search.problem(cfg.tp), search.cost(*cfg.costs_key)
+            for _ in range(3):
+                choice = {n: rng.randrange(len(prob.cands[n])) for n in prob.nodes}
+                try:
+                    sol = evaluate(prob, costs, choice)
+                except KeyError:  # a pair that is not offered
+                    continue
+                memories = [_form_memory(prob, costs, rank, choice)
+                            for rank in search.ranks(cfg)]
+                assert max(memories) == pytest.approx(search.assess(cfg, sol).memory_bytes,
+                                                      rel=1e-9), (dtype, cfg)
+                checked += 1
+    assert checked >= 20

@@ -1,7 +1,7 @@
 """torch.distributed.pipelining's private names: how a first-stage input is split into
 microbatches, a forward-only run, a schedule's stages, the warm-up vote of a dry run, and the
 stage and interleaved schedule that hold receive buffers only for microbatches in flight
-([Note: in-flight receive buffers]).
+([Note: in-flight receive buffers]), and the actions the interleaved schedule runs on a rank.
 
 torch.distributed.pipelining is imported inside the functions: the compiler imports this
 package, and should not pay its 0.7 s import.
@@ -14,7 +14,8 @@ import functools
 import torch
 
 __all__ = ["chunk_spec", "pipeline_eval", "pipeline_stages", "vote_pipeline_mode_locally",
-           "in_flight_pipeline_stage_class", "in_flight_interleaved_schedule_class"]
+           "in_flight_pipeline_stage_class", "in_flight_interleaved_schedule_class",
+           "interleaved_rank_actions"]
 
 
 def chunk_spec(batch_dim: int | None):
@@ -291,3 +292,36 @@ def in_flight_interleaved_schedule_class():
         return {"index": index, "send": matched}
 
     return InFlightInterleaved1F1B
+
+
+@functools.lru_cache(maxsize=1024)
+def interleaved_rank_actions(pp: int, num_virtual_stages: int, num_microbatches: int,
+                             rank: int) -> tuple[tuple[str, int], ...]:
+    """The actions torch 2.13's ScheduleInterleaved1F1B runs on pipeline rank `rank`, in
+    order, as (kind, chunk): kind "F" (a microbatch's forward), "B" (its backward),
+    "UNSHARD", "RESHARD" (FSDP2's whole-stage gather and release: `_add_unshard_reshard`),
+    "REDUCE_GRAD" (the stage's gradient reduction after its last backward:
+    `_add_reduce_grad`); chunk j is the rank's stage `rank + j * pp`. Sends and receives are
+    left out. The schedule computes every rank's order from these four numbers alone
+    (`_calculate_single_rank_operations` reads the private `pp_group_size`,
+    `n_local_stages`, `microbatches_per_round` and `_n_microbatches`), so it is asked here
+    without stages or a process group.
+
+    Raises ValueError as the schedule does: num_microbatches not a multiple of its rounds."""
+    from torch.distributed.pipelining.schedules import (
+        ScheduleInterleaved1F1B, _add_reduce_grad, _add_unshard_reshard,
+    )
+
+    rounds = max(1, num_microbatches // pp)
+    if num_microbatches % rounds:
+        raise ValueError(f"the interleaved schedule needs num_microbatches={num_microbatches} "
+                         f"to be a multiple of its {rounds} rounds (pp={pp})")
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages = pp, num_virtual_stages
+    schedule._n_microbatches = num_microbatches
+    schedule.microbatches_per_round = num_microbatches // rounds
+    actions = _add_reduce_grad(_add_unshard_reshard(
+        schedule._calculate_single_rank_operations(rank)), num_microbatches)
+    names = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return tuple((names.get(a.computation_type.name, a.computation_type.name),
+                  a.stage_index // pp) for a in actions if a is not None)

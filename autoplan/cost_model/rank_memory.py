@@ -20,10 +20,9 @@ one for the rest of the stage):
   precision;
 - ZeRO-3 (dp > 1) reshards each block after its forward: held at once are the rest of the
   stage (a root unit stays gathered from forward to backward) and two blocks (the current one
-  and the one FSDP2 prefetches), and the unsharded gradients of the rest and one block --
-  except under the interleaved schedule, whose torch runtime gathers whole stages
-  (`STAGES_UNSHARDED` of the rank's v chunks at once; measured by the dry run on a LoRA
-  Llama at pp2 x dp2 v2: the whole rank gathered in the forward);
+  and the one FSDP2 prefetches), and the unsharded gradients of the rest and one block
+  (under the interleaved schedule, whose torch runtime gathers whole stages, the moments are
+  walked from its actions: [Note: interleaved moments] in cost_model/schedule_moments.py);
 - mixed precision at dp 1: FSDP2 still makes the 16-bit compute copy of the units;
 - gradients exist while activations are at their height only when an earlier microbatch's
   backward made them (`grads_at_activation_peak`): gradient accumulation without pipelining
@@ -85,7 +84,9 @@ dp > 1 (`_deferred_reduction`) a rank therefore holds, in place of the above:
   `unsharded_accumulated_grad`), and no sharded gradient until the chunk is reduced. Moment A
   (activations at their height, once an earlier microbatch's backward ran: `_grads_at_peak`)
   holds them for all of the rank's parameters; the gathered parameters at A are as above (a
-  forward reshards a ZeRO-3 block after it);
+  forward reshards a ZeRO-3 block after it). Under the interleaved schedule the chunks do not
+  reach these heights together, and moment A is every moment of [Note: interleaved moments]
+  (cost_model/schedule_moments.py) that no other covers;
 - moment B, the last backward of the rank's first chunk (stage r, the chunk that finishes last:
   backward runs from the last stage to the first), holds that chunk gathered whole (a block
   gathered for a backward stays gathered; its unsharded parameters at compute precision), its gradients unsharded, the other chunks reduced
@@ -95,7 +96,8 @@ dp > 1 (`_deferred_reduction`) a rank therefore holds, in place of the above:
   stage's root unit where it holds parameters, "pre" on the first rank and "post" on the last
   with one chunk, FSDP2 reducing its states root first; else a block: `_first_reduced`).
 Measured by the dry run (0.5B GPT-2, pp2 x dp2 ZeRO-3: 4.116 GB with one chunk, 3.436 GB with
-two, against 4.119 and 3.440 by this account), and on tiny GPTs at pp2 x dp4 (ZeRO-2, ZeRO-3,
+two on the first rank, against 4.119 and 3.440 by this account; the last rank with two chunks
+at m 2: 3.224 GB, priced 3.181), and on tiny GPTs at pp2 x dp4 (ZeRO-2, ZeRO-3,
 1F1B, interleaved, fp32 and bf16): -3% .. +6%.
 """
 
@@ -110,9 +112,10 @@ from autoplan.cost_model.memory import (
     microbatches_per_round, model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
 )
 from autoplan.cost_model.placement_totals import RankMemory, Solution
+from autoplan.cost_model.schedule_moments import MomentTerms, interleaved_moments, moment_terms
 from autoplan.spec import TrainingSpec
 
-__all__ = ["ExpertSlices", "STAGES_UNSHARDED", "frozen_param_bytes", "rank_memories",
+__all__ = ["ExpertSlices", "frozen_param_bytes", "rank_memories",
            "rank_peaks", "rank_peak", "candidate_ranks", "grads_at_activation_peak"]
 
 
@@ -122,16 +125,8 @@ def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
     if cfg.dp_shard == 1:
         return 1.0 if mixed_precision else 0.0
     if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
-        return 1.0  # whole stages gathered ahead (STAGES_UNSHARDED); the inputs are transient
+        return 1.0  # whole stages gathered ahead ([Note: interleaved moments]); inputs transient
     return 1.0 + (1.0 / cfg.dp_shard if cfg.zero_stage >= 2 else 0.0)
-
-
-STAGES_UNSHARDED = 3
-"""Pipeline stages a rank holds gathered at once under the interleaved schedule: torch 2.13's
-`_PipelineScheduleRuntime` lowers it with `_add_unshard_reshard(max_active_stages=3)`
-(torch/distributed/pipelining/schedules.py), which unshards every FSDP2 unit of a stage before
-its first compute and reshards it only when it falls out of the next three stages the rank
-computes."""
 
 
 def _per_block(cfg: Config) -> bool:
@@ -147,10 +142,6 @@ def _held_layers(cfg: Config, layers_r: int, gathered: bool) -> float:
         return 0.0
     if not _per_block(cfg):
         return 1.0
-    if gathered and cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
-        # torch's runtime schedule gathers whole stages (UNSHARD/RESHARD actions, [Note:
-        # memory per rank]): up to STAGES_UNSHARDED of the rank's v chunks at once
-        return min(1.0, STAGES_UNSHARDED / cfg.num_virtual_stages)
     return min(1.0, (2.0 if gathered else 1.0) / layers_r)
 
 
@@ -359,16 +350,58 @@ def _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit, hel
     # all-gather input of one unit at a time is transient)
     late = {p: states["grads"] * (1 - last[p]) + (rb + spec.dtype_bytes) * last[p]
             for p in shares}
-    parts_in_flight = in_flight_by_part(cfg, r, total_layers)
-    moments_a = _moments_a(cfg, r, RankMemory(
-        {p: (kept + grads_a + unit * held[p]) * sh for p, sh in shares.items()},
-        {p: parts_in_flight[p] * sh for p, sh in shares.items()}, 0.0, sent + recv,
-        frozen_coef(held, unit)), output_bytes, bwd)
+    if _interleaved(cfg):
+        moments_a = [_interleaved_form(cfg, r, t, shares, kept, states["grads"], rb, unit,
+                                       kept_frozen if frozen else None, output_bytes, recv,
+                                       bwd, backward, at_loss)
+                     for t, backward, at_loss in _interleaved_terms(cfg, r, total_layers)]
+    else:
+        parts_in_flight = in_flight_by_part(cfg, r, total_layers)
+        moments_a = _moments_a(cfg, r, RankMemory(
+            {p: (kept + grads_a + unit * held[p]) * sh for p, sh in shares.items()},
+            {p: parts_in_flight[p] * sh for p, sh in shares.items()}, 0.0, sent + recv,
+            frozen_coef(held, unit)), output_bytes, bwd)
     moment_b = RankMemory({p: (kept + late[p]) * sh + rb * first.get(p, 0.0) + bwd.get(p, 0.0)
                            for p, sh in shares.items()},
                           _late_coef(r, layers, shares, total_layers), 0.0, recv,
                           frozen_coef(last, spec.dtype_bytes))
     return [*moments_a, moment_b]
+
+
+def _interleaved(cfg: Config) -> bool:
+    """Whether the rank's moments under deferred reduction are walked from the interleaved
+    schedule's actions ([Note: interleaved moments] in cost_model/schedule_moments.py)."""
+    return cfg.schedule == "interleaved-1f1b" and cfg.num_virtual_stages > 1
+
+
+def _interleaved_terms(cfg: Config, r: int,
+                       total_layers: int) -> list[tuple[MomentTerms, bool, bool]]:
+    """(MomentTerms, backward, at_loss) of every moment of rank r that no other covers
+    ([Note: interleaved moments])."""
+    v = cfg.num_virtual_stages
+    stages = config_stages(cfg, total_layers)
+    chunks = tuple(stages[r + j * cfg.pp].num_layers if total_layers else 0
+                   for j in range(v))
+    return [(moment_terms(m, cfg.pp, r, chunks), m.backward, m.at_loss)
+            for m in interleaved_moments(cfg.pp, v, cfg.num_microbatches, r, chunks,
+                                         _per_block(cfg))]
+
+
+def _interleaved_form(cfg, r, t: MomentTerms, shares, kept, sharded_grad, rb, unit,
+                      kept_frozen, output_bytes, recv, bwd, backward, at_loss) -> RankMemory:
+    """One moment of [Note: interleaved moments] as a linear form (rank_memories): the
+    compute-dtype gradients of a block's backward (`bwd`) at a backward, the logits and the
+    loss at the last rank's loss."""
+    param = {p: (kept + rb * t.unsharded.get(p, 0.0) + sharded_grad * t.sharded.get(p, 0.0)
+                 + unit * t.gathered.get(p, 0.0)) * sh + (bwd.get(p, 0.0) if backward else 0.0)
+             for p, sh in shares.items()}
+    frozen = {p: (kept_frozen + unit * t.gathered.get(p, 0.0)) * sh
+              for p, sh in shares.items()} if kept_frozen is not None else None
+    acts = {p: t.act.get(p, 0.0) * sh for p, sh in shares.items()}
+    if at_loss:
+        return RankMemory(param, acts, output_bytes, t.sent + recv, frozen, _loss_coef(cfg),
+                          at_loss=True)
+    return RankMemory(param, acts, 0.0, t.sent + recv, frozen)
 
 
 def candidate_ranks(cfg: Config, layers: list[int]) -> list[int]:
@@ -537,7 +570,14 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     bwd_share = {p: c / spec.dtype_bytes for p, c in bwd.items()}
     grads_bwd = spec.dtype_bytes * (sol.param_elems_on(bwd_share)
                                     - sol.frozen_elems_on(bwd_share))
-    if output_bytes and (transient or grads_bwd):  # the loss, then its last layer's backward
+    if _deferred_reduction(cfg) and _interleaved(cfg):
+        out = _interleaved_peak(cfg, sol, spec, r, layers, total_layers, share, states,
+                                extra, output_bytes=output_bytes, transient=transient,
+                                grads_bwd=grads_bwd, sent_bytes=boundary_bytes,
+                                recv=_recv_buffer_bytes(cfg, r, boundary_bytes),
+                                act_bytes_of=_act_bytes_of(sol, experts, share),
+                                late=late)
+    elif output_bytes and (transient or grads_bwd):  # the loss, then its last layer's backward
         out = max(peak(output_bytes, 0.0), peak(0.0, transient + grads_bwd),
                   key=lambda m: m["peak"])
     else:
@@ -568,11 +608,12 @@ def _peak(cfg, spec, states, extra, acts, late, in_flight, output_bytes, recv, g
 
 def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, gathered,
                    acts, late, in_flight, output_bytes, recv, extra,
-                   recompute_bytes=0.0) -> dict[str, float]:
+                   recompute_bytes=0.0, only_b: bool = False) -> dict[str, float]:
     """The peak of rank r under [Note: deferred reduction], with its breakdown (as
     peak_memory_bytes gives it): the larger of moments A and B. `extra`: states held outside
     FSDP2 (the expert slices, ExpertSlices), their gradients from the first backward on;
-    `recompute_bytes`: a recomputation's transient, at both moments."""
+    `recompute_bytes`: a recomputation's transient, at both moments; `only_b`: moment B
+    alone (its moments A are another's: `_interleaved_peak`)."""
     unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
     rb = _reduce_bytes(spec)
     last = _last_chunk_fraction(cfg, r, layers)
@@ -596,7 +637,66 @@ def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, ga
         {**base, "grads": late_grads + first_trainable * rb, "activations": late,
          "temporaries": last_elems * spec.dtype_bytes + recompute_bytes, "comm_buffers": recv},
     ]
+    if only_b:
+        moments = moments[1:]
     breakdown = max(moments, key=lambda m: sum(m.values()))
+    breakdown = {k: float(breakdown[k]) for k in ("params", "grads", "optimizer", "activations",
+                                                  "temporaries", "comm_buffers")}
+    breakdown["peak"] = sum(breakdown.values())
+    return breakdown
+
+
+def _act_bytes_of(sol: Solution, experts: ExpertSlices | None, share: dict):
+    """Activation bytes per microbatch of each part on a rank holding `share` of it, the
+    exchange's of the expert slices under ep with the layers' (ExpertSlices.act_bytes)."""
+    def of(part: str) -> float:
+        out = sol.act_bytes.get(part, 0.0) * share.get(part, 0.0)
+        if part == "layer" and experts is not None and experts.ep > 1:
+            out += experts.act_bytes * share["layer"]
+        return out
+    return of
+
+
+def _interleaved_peak(cfg, sol, spec, r, layers, total_layers, share, states, extra, *,
+                      output_bytes, transient, grads_bwd, sent_bytes, recv, act_bytes_of,
+                      late) -> dict[str, float]:
+    """The peak of rank r under deferred reduction and the interleaved schedule, with its
+    breakdown: the largest of the moments of [Note: interleaved moments] (the logits and the
+    loss at the loss; a recomputation's transient at any other moment with blocks' activations
+    in flight, a block's compute-dtype gradients at a backward) and moment B of [Note:
+    deferred reduction]."""
+    unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
+    rb = _reduce_bytes(spec)
+    elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
+    trainable = elems - frozen
+    sharded_grad = states["grads"] / trainable if trainable else 0.0
+    base = {"params": states["params"] + extra["params"],
+            "optimizer": states["optimizer"] + extra["optimizer"]}
+
+    def on(frac: dict, trainable_only: bool) -> float:
+        weighted = {p: share[p] * frac.get(p, 0.0) for p in share}
+        out = sol.param_elems_on(weighted)
+        return out - sol.frozen_elems_on(weighted) if trainable_only else out
+
+    moments = []
+    for t, backward, at_loss in _interleaved_terms(cfg, r, total_layers):
+        with_grads = any(t.unsharded.values()) or any(t.sharded.values())
+        recompute = grads_bwd if backward else 0.0
+        if not at_loss and t.act.get("layer", 0.0) and share["layer"]:
+            recompute += transient
+        moments.append({
+            **base,
+            "grads": on(t.unsharded, True) * rb + on(t.sharded, True) * sharded_grad
+            + (extra["grads"] if with_grads else 0.0),
+            "activations": sum(act_bytes_of(p) * t.act.get(p, 0.0) for p in share)
+            + t.sent * sent_bytes,
+            "temporaries": on(t.gathered, False) * unit + (output_bytes if at_loss else 0.0)
+            + recompute,
+            "comm_buffers": recv})
+    b = _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, gathered=0.0,
+                       acts=0.0, late=late, in_flight=1.0, output_bytes=0.0, recv=recv,
+                       extra=extra, recompute_bytes=transient + grads_bwd, only_b=True)
+    breakdown = max([*moments, b], key=lambda m: sum(v for k, v in m.items() if k != "peak"))
     breakdown = {k: float(breakdown[k]) for k in ("params", "grads", "optimizer", "activations",
                                                   "temporaries", "comm_buffers")}
     breakdown["peak"] = sum(breakdown.values())
