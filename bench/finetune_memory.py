@@ -31,6 +31,7 @@ import argparse
 import datetime
 import functools
 import gc
+import json
 import os
 import sys
 from pathlib import Path
@@ -148,7 +149,8 @@ def check(row: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 30M-parameter model")
-    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="*", choices=list(CONFIGS),
+                        help="configurations to run (default: all); merged into --out's runs")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "finetune_memory.json")
     args = parser.parse_args(argv)
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
 
     config = QUICK_MODEL if args.quick else MODEL
     runs, full = {}, {}
-    for name in args.configs:
+    for name in args.configs or list(CONFIGS):
         overrides = CONFIGS[name]
         with LocalCluster(4, pg_timeout_s=1800) as cluster:
             rows = cluster.run(run_config, config, overrides, timeout_s=3000)
@@ -172,6 +174,10 @@ def main(argv=None) -> int:
                   f"{row['trainable_param_bytes'] / 1e6:.1f} MB, frozen "
                   f"{row['frozen_param_bytes'] / 1e6:.1f} MB; full training predicted "
                   f"{full[name]['predicted_peak_bytes'] / GB:.3f} GB", flush=True)
+    if args.configs and args.out.is_file():  # the other configurations' rows as they were
+        previous = json.loads(args.out.read_text())
+        runs = {**previous.get("runs", {}), **runs}
+        full = {**previous.get("full_training_plans", {}), **full}
     ok = all(r["peak_ok"] and r["frozen_hold_nothing"] and r["grads_are_trainable_only"]
              for rows in runs.values() for r in rows)
     result = {

@@ -129,6 +129,10 @@ def test_interleaved_moments_follow_the_schedule_s_actions():
     loss = [m for m in moments if m.at_loss]
     assert [(m.in_flight, m.unsharded, m.gathered) for m in loss] == \
         [((2, 1), (0, 1), (0.0, 2 / 9))]
+    # the step starts by gathering both chunks; the first forward copies the first one's
+    # all-gathers out (one of its units held twice): the first moment, nothing in flight
+    assert (moments[0].gathered, moments[0].copy_out, moments[0].in_flight) == \
+        ((1.0, 1.0), (1, 0), (0, 0))
     # rank 0 of pp 4, m 8: 7 microbatches of its first chunk and 4 of its second in flight
     # with both chunks' gradients unsharded
     assert any(m.in_flight == (7, 4) and m.unsharded == (1, 1)

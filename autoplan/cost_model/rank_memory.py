@@ -382,9 +382,10 @@ def _interleaved_terms(cfg: Config, r: int,
     stages = config_stages(cfg, total_layers)
     chunks = tuple(stages[r + j * cfg.pp].num_layers if total_layers else 0
                    for j in range(v))
-    return [(moment_terms(m, cfg.pp, r, chunks), m.backward, m.at_loss)
+    return [(t, m.backward, m.at_loss)
             for m in interleaved_moments(cfg.pp, v, cfg.num_microbatches, r, chunks,
-                                         _per_block(cfg))]
+                                         _per_block(cfg))
+            for t in moment_terms(m, cfg.pp, r, chunks)]
 
 
 def _interleaved_form(cfg, r, t: MomentTerms, shares, kept, sharded_grad, rb, unit,

@@ -32,7 +32,16 @@ peak is at one of its ends. Per chunk:
   blocks gathered but the two it works on (the current one and the one FSDP2 prefetches),
   and a backward, run without resharding (`set_reshard_after_backward(False)`), ends with
   all of them; RESHARD releases them. Under ZeRO-2 a chunk stays gathered from its UNSHARD to
-  its RESHARD.
+  its RESHARD;
+- copy-out: UNSHARD issues the all-gathers of every unit of the chunk at once (torch's
+  `_PipelineScheduleRuntime` calls `unshard(async_op=True)` on each FSDP2 module of the
+  stage), and the chunk's first compute waits for them, copying each unit's all-gather output
+  into its parameters and only then freeing the output: at that moment every UNSHARDed
+  chunk's all-gather outputs and one unit's parameters are held -- its root unit or one of its
+  blocks, whichever is larger (one moment each). Measured by the dry run of
+  bench/finetune_memory.py's LoRA Llama at pp 2 x dp 2 ZeRO-3 (m 2): the first rank's peak,
+  at the start of its first forward, is its two stages' all-gather outputs (0.98 GB) and its
+  embedding's parameters (0.21 GB); 1.6956 GB, priced 1.6961.
 A moment no larger than another in every chunk's every term is dropped: what is left is what
 the peak can be, whatever the parts' bytes.
 """
@@ -65,6 +74,8 @@ class ChunkMoment:
         backward: a backward runs (its compute-dtype gradients and a recomputation's
             transient exist).
         at_loss: the end of the last stage's forward on the last rank: its loss.
+        copy_out: the class's chunks whose UNSHARD's all-gathers are being copied out into
+            their units' parameters (one unit's all-gather output and parameters at once).
     """
 
     in_flight: tuple[int, ...]
@@ -73,6 +84,7 @@ class ChunkMoment:
     gathered: tuple[float, ...]
     backward: bool = False
     at_loss: bool = False
+    copy_out: tuple[int, ...] = ()
 
     def _covers(self, other: ChunkMoment) -> bool:
         """Whether every term of `other` is at most this moment's, whatever the bytes of an
@@ -81,7 +93,8 @@ class ChunkMoment:
                 and all(a >= b for a, b in zip(self.in_flight, other.in_flight))
                 and all(a >= b for a, b in zip(self.unsharded, other.unsharded))
                 and all(a >= b for a, b in zip(self.with_grads, other.with_grads))
-                and all(a >= b - 1e-12 for a, b in zip(self.gathered, other.gathered)))
+                and all(a >= b - 1e-12 for a, b in zip(self.gathered, other.gathered))
+                and all(a >= b for a, b in zip(self.copy_out, other.copy_out)))
 
 
 def chunk_classes(pp: int, rank: int, chunk_layers: tuple[int, ...]) -> tuple[tuple[int, ...],
@@ -119,33 +132,41 @@ def interleaved_moments(pp: int, num_virtual_stages: int, num_microbatches: int,
     in_flight, grads, gathered = [0] * v, [GRADS_NONE] * v, [0.0] * v
     moments: list[ChunkMoment] = []
 
-    def record(working: int, backward: bool = False, at_loss: bool = False) -> None:
+    pending: set[int] = set()  # chunks UNSHARDed whose all-gathers no compute waited for
+
+    def record(working: int, backward: bool = False, at_loss: bool = False,
+               copy_out: bool = False) -> None:
         held = list(gathered)
         if not per_block:
             held[working] = 1.0
-        elif chunk_layers[working]:  # the current block and the prefetched one
+        elif chunk_layers[working] and not copy_out:  # the current block, the prefetched one
             held[working] = max(held[working], min(1.0, 2.0 / chunk_layers[working]))
         moments.append(ChunkMoment(
             tuple(sum(in_flight[j] for j in c) for c in classes),
             tuple(sum(grads[j] == GRADS_UNSHARDED for j in c) for c in classes),
             tuple(sum(grads[j] != GRADS_NONE for j in c) for c in classes),
-            tuple(sum(held[j] for j in c) for c in classes), backward, at_loss))
+            tuple(sum(held[j] for j in c) for c in classes), backward, at_loss,
+            tuple(int(copy_out and working in c) for c in classes)))
 
     last = rank == pp - 1
     for kind, j in interleaved_rank_actions(pp, v, num_microbatches, rank):
         if kind == "UNSHARD":
             gathered[j] = 1.0
+            pending.add(j)
         elif kind == "RESHARD":
             gathered[j] = 0.0
         elif kind == "REDUCE_GRAD":
             grads[j] = GRADS_SHARDED
-        elif kind == "F":
+        elif j in pending:  # its compute waits for the all-gathers: each unit's copy-out
+            pending.discard(j)
+            record(j, backward=kind == "B", copy_out=True)
+        if kind == "F":
             record(j)
             in_flight[j] += 1
             if per_block:
                 gathered[j] = 0.0
             record(j, at_loss=last and j == v - 1)
-        elif kind == "B":
+        if kind == "B":
             record(j, backward=True)
             in_flight[j] -= 1
             grads[j] = GRADS_UNSHARDED
@@ -172,16 +193,20 @@ class MomentTerms:
 
 
 def moment_terms(moment: ChunkMoment, pp: int, rank: int,
-                 chunk_layers: tuple[int, ...]) -> MomentTerms:
+                 chunk_layers: tuple[int, ...]) -> tuple[MomentTerms, ...]:
     """`moment`'s MomentTerms on pipeline rank `rank` of chunks `chunk_layers` (the classes of
     `chunk_classes`): a part's fraction in a chunk is the chunk's share of the rank's blocks
     ("layer"), all of it in the first chunk ("pre", rank 0) or the last ("post", last rank).
-    What precedes and follows the blocks is a root unit, gathered throughout."""
+    What precedes and follows the blocks is a root unit, gathered throughout. At a copy-out
+    (ChunkMoment.copy_out) one unit of the chunk is held twice, its all-gather output and its
+    parameters: one MomentTerms per unit it can be (the chunk's root, one of its blocks),
+    the larger of which is the moment's."""
     classes = chunk_classes(pp, rank, chunk_layers)
     total = sum(chunk_layers)
     v = len(chunk_layers)
     act, uns, sh, gat = {}, {}, {}, {}
     sent = 0.0
+    units: list[dict[str, float]] = []
     for i, chunks in enumerate(classes):
         j = chunks[0]
         per_chunk = {"layer": chunk_layers[j] / total if total else 0.0}
@@ -197,4 +222,11 @@ def moment_terms(moment: ChunkMoment, pp: int, rank: int,
             sh[part] = sh.get(part, 0.0) + (moment.with_grads[i] - moment.unsharded[i]) * frac
             gat[part] = gat.get(part, 0.0) + (moment.gathered[i] * frac if part == "layer"
                                               else 1.0)
-    return MomentTerms(act, uns, sh, gat, sent)
+        if moment.copy_out and moment.copy_out[i]:
+            units += [{p: 1.0} for p in per_chunk if p != "layer"]
+            if chunk_layers[j]:
+                units.append({"layer": 1.0 / total})
+    if not units:
+        return (MomentTerms(act, uns, sh, gat, sent),)
+    return tuple(MomentTerms(act, uns, sh, {p: g + unit.get(p, 0.0) for p, g in gat.items()},
+                             sent) for unit in units)
