@@ -210,18 +210,21 @@ def test_solver_equals_exhaustive_search(seed):
         f"exhaustive: {best_cfg}; planner: {got}")
 
 
-def _random_placements(seed: int, count: int = 40, problem: tuple | None = None):
-    """(search, cfg, prob, costs, choice, solution) for random valid placements of random
-    configurations (pp up to 4, interleaving, ZeRO stages, checkpointing) of `problem`
-    ((graph, topology, spec); default: `_random_problem(3)`'s)."""
+def _random_placements(seed: int, count: int = 40, problem: tuple | None = None,
+                       select=None, tries: int = 5):
+    """(search, cfg, prob, costs, choice, solution) for random valid placements (`tries` per
+    configuration) of random configurations (pp up to 4, interleaving, ZeRO stages,
+    checkpointing; those `select(cfg)` keeps, default all) of `problem` ((graph, topology,
+    spec); default: `_random_problem(3)`'s)."""
     rng = random.Random(seed)
     graph, topology, spec = problem or _random_problem(3)[:3]
     search = Search(graph, topology, spec, 1.0)
-    configs = enumerate_configs(graph, topology, spec, Overrides(), search.policies())
+    configs = [c for c in enumerate_configs(graph, topology, spec, Overrides(),
+                                            search.policies()) if select is None or select(c)]
     for cfg in rng.sample(configs, min(count, len(configs))):
         prob = search.problem(cfg.tp)
         costs = search.cost(*cfg.costs_key)
-        for _ in range(5):
+        for _ in range(tries):
             choice = {n: rng.randrange(len(prob.cands[n])) for n in prob.nodes}
             try:
                 sol = evaluate(prob, costs, choice)
@@ -591,23 +594,13 @@ def test_memory_forms_equal_assess_under_interleaved_deferred_reduction():
     graph, topology, spec = _random_problem(0)[:3]
     checked = 0
     for dtype in ("float32", "bfloat16"):
-        search = Search(graph, topology, dataclasses.replace(spec, dtype=dtype), 1.0)
-        configs = [c for c in enumerate_configs(graph, topology, search.spec, Overrides(),
-                                                search.policies())
-                   if c.schedule == "interleaved-1f1b" and c.num_virtual_stages > 1
-                   and c.zero_stage >= 2 and c.dp_shard > 1]
-        rng = random.Random(1)
-        for cfg in configs:
-            prob, costs = search.problem(cfg.tp), search.cost(*cfg.costs_key)
-            for _ in range(3):
-                choice = {n: rng.randrange(len(prob.cands[n])) for n in prob.nodes}
-                try:
-                    sol = evaluate(prob, costs, choice)
-                except KeyError:  # a pair that is not offered
-                    continue
-                memories = [_form_memory(prob, costs, rank, choice)
-                            for rank in search.ranks(cfg)]
-                assert max(memories) == pytest.approx(search.assess(cfg, sol).memory_bytes,
-                                                      rel=1e-9), (dtype, cfg)
-                checked += 1
+        problem = (graph, topology, dataclasses.replace(spec, dtype=dtype))
+        for search, cfg, prob, costs, choice, sol in _random_placements(
+                1, 1000, problem, tries=3, select=lambda c: (
+                    c.schedule == "interleaved-1f1b" and c.num_virtual_stages > 1
+                    and c.zero_stage >= 2 and c.dp_shard > 1)):
+            memories = [_form_memory(prob, costs, rank, choice) for rank in search.ranks(cfg)]
+            assert max(memories) == pytest.approx(search.assess(cfg, sol).memory_bytes,
+                                                  rel=1e-9), (dtype, cfg)
+            checked += 1
     assert checked >= 20
