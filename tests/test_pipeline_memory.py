@@ -137,3 +137,26 @@ def test_interleaved_moments_follow_the_schedule_s_actions():
     # with both chunks' gradients unsharded
     assert any(m.in_flight == (7, 4) and m.unsharded == (1, 1)
                for m in interleaved_moments(4, 2, 8, 0, (2, 2), True))
+
+
+def test_unshard_reshard_is_torch_s():
+    """`_torch_compat.pipelining.unshard_reshard` (linear time) inserts the UNSHARD and
+    RESHARD actions torch 2.13's `_add_unshard_reshard` inserts, for interleaved schedules of
+    2 to 5 chunks per rank (over 3, the window of active stages slides)."""
+    import itertools
+
+    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B,
+                                                        _add_unshard_reshard)
+
+    from autoplan._torch_compat.pipelining import unshard_reshard
+
+    for pp, v, m in itertools.product((2, 3, 4), (2, 3, 5), (2, 4, 12)):
+        if m % max(1, m // pp):
+            continue
+        schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+        schedule.pp_group_size, schedule.n_local_stages = pp, v
+        schedule._n_microbatches, schedule.microbatches_per_round = m, m // max(1, m // pp)
+        for r in range(pp):
+            ops = schedule._calculate_single_rank_operations(r)
+            assert [str(a) for a in unshard_reshard(ops)] == \
+                [str(a) for a in _add_unshard_reshard(ops)], (pp, v, m, r)

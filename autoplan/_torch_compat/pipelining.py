@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["chunk_spec", "pipeline_eval", "pipeline_stages", "vote_pipeline_mode_locally",
            "in_flight_pipeline_stage_class", "in_flight_interleaved_schedule_class",
-           "interleaved_rank_actions"]
+           "interleaved_rank_actions", "unshard_reshard"]
 
 
 def chunk_spec(batch_dim: int | None):
@@ -302,15 +302,14 @@ def interleaved_rank_actions(pp: int, num_virtual_stages: int, num_microbatches:
     "UNSHARD", "RESHARD" (FSDP2's whole-stage gather and release: `_add_unshard_reshard`),
     "REDUCE_GRAD" (the stage's gradient reduction after its last backward:
     `_add_reduce_grad`); chunk j is the rank's stage `rank + j * pp`. Sends and receives are
-    left out. The schedule computes every rank's order from these four numbers alone
+    left out. The UNSHARD / RESHARD actions are `unshard_reshard`'s. The schedule computes
+    every rank's order from these four numbers alone
     (`_calculate_single_rank_operations` reads the private `pp_group_size`,
     `n_local_stages`, `microbatches_per_round` and `_n_microbatches`), so it is asked here
     without stages or a process group.
 
     Raises ValueError as the schedule does: num_microbatches not a multiple of its rounds."""
-    from torch.distributed.pipelining.schedules import (
-        ScheduleInterleaved1F1B, _add_reduce_grad, _add_unshard_reshard,
-    )
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _add_reduce_grad
 
     rounds = max(1, num_microbatches // pp)
     if num_microbatches % rounds:
@@ -320,8 +319,41 @@ def interleaved_rank_actions(pp: int, num_virtual_stages: int, num_microbatches:
     schedule.pp_group_size, schedule.n_local_stages = pp, num_virtual_stages
     schedule._n_microbatches = num_microbatches
     schedule.microbatches_per_round = num_microbatches // rounds
-    actions = _add_reduce_grad(_add_unshard_reshard(
+    actions = _add_reduce_grad(unshard_reshard(
         schedule._calculate_single_rank_operations(rank)), num_microbatches)
     names = {"FORWARD": "F", "FULL_BACKWARD": "B"}
     return tuple((names.get(a.computation_type.name, a.computation_type.name),
                   a.stage_index // pp) for a in actions if a is not None)
+
+
+def unshard_reshard(compute_actions: list, max_active_stages: int = 3) -> list:
+    """torch 2.13's `_add_unshard_reshard` (torch/distributed/pipelining/schedules.py) in
+    linear time: before each compute action, RESHARD the active stages that are not among the
+    next `max_active_stages` distinct stages the rank computes, then UNSHARD those of them not
+    active, in that order; at the end RESHARD what is still active. torch's copies the rest
+    of the list at every action (quadratic: 2 s of a 405B plan's search on this machine);
+    tests/test_pipeline_memory.py holds the two equal on a grid of schedules."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    ops = [a for a in compute_actions if a is not None]
+    upcoming: list[list[int]] = [[] for _ in ops]  # the next distinct stages from each op
+    window: list[int] = []
+    for i in range(len(ops) - 1, -1, -1):
+        stage = ops[i].stage_index
+        window = [stage] + [s for s in window if s != stage]
+        upcoming[i] = window[:max_active_stages]
+        window = window[:max_active_stages]
+    active: list[int] = []  # insertion order, as torch's set iterates small ints
+    out = []
+    for action, next_n in zip(ops, upcoming):
+        for stage in [s for s in active if s not in next_n]:
+            active.remove(stage)
+            out.append(_Action(stage, _ComputationType.RESHARD, None))
+        for stage in next_n:
+            if stage not in active:
+                active.append(stage)
+                out.append(_Action(stage, _ComputationType.UNSHARD, None))
+        out.append(action)
+    for stage in list(active):
+        out.append(_Action(stage, _ComputationType.RESHARD, None))
+    return out

@@ -386,17 +386,24 @@ def _interleaved(cfg: Config) -> bool:
 
 
 def _interleaved_terms(cfg: Config, r: int,
-                       total_layers: int) -> list[tuple[MomentTerms, bool, bool]]:
+                       total_layers: int) -> tuple[tuple[MomentTerms, bool, bool], ...]:
     """(MomentTerms, backward, at_loss) of every moment of rank r that no other covers
     ([Note: interleaved moments])."""
     v = cfg.num_virtual_stages
     stages = config_stages(cfg, total_layers)
     chunks = tuple(stages[r + j * cfg.pp].num_layers if total_layers else 0
                    for j in range(v))
-    return [(t, m.backward, m.at_loss)
-            for m in interleaved_moments(cfg.pp, v, cfg.num_microbatches, r, chunks,
-                                         _per_block(cfg))
-            for t in moment_terms(m, cfg.pp, r, chunks)]
+    return _terms_of(cfg.pp, v, cfg.num_microbatches, r, chunks, _per_block(cfg))
+
+
+@functools.lru_cache(maxsize=4096)
+def _terms_of(pp: int, v: int, m: int, r: int, chunks: tuple[int, ...],
+              per_block: bool) -> tuple[tuple[MomentTerms, bool, bool], ...]:
+    """_interleaved_terms on the numbers it depends on (cached: configurations differing in
+    tp, cp, dp, microbatch size or policy share it)."""
+    return tuple((t, mo.backward, mo.at_loss)
+                 for mo in interleaved_moments(pp, v, m, r, chunks, per_block)
+                 for t in moment_terms(mo, pp, r, chunks))
 
 
 def _interleaved_form(cfg, r, t: MomentTerms, shares, kept, sharded_grad, rb, unit,
@@ -722,10 +729,14 @@ def _interleaved_peak(cfg, sol, spec, r, layers, total_layers, share, states, ex
     base = {"params": states["params"] + extra["params"],
             "optimizer": states["optimizer"] + extra["optimizer"]}
 
-    def on(frac: dict, trainable_only: bool) -> float:
-        weighted = {p: share[p] * frac.get(p, 0.0) for p in share}
-        out = sol.param_elems_on(weighted)
-        return out - sol.frozen_elems_on(weighted) if trainable_only else out
+    # per part, the rank's elements (all, trainable) and activation bytes: a moment is linear
+    # in them. A parameter several parts share (a tied embedding and head) lies in one part
+    # of a pipeline rank only (pp > 1 under deferred reduction), so param_elems_on of one part
+    # at a time counts it once
+    parts = [p for p in share if share[p]]
+    all_p = {p: sol.param_elems_on({p: share[p]}) for p in parts}
+    trainable_p = {p: all_p[p] - sol.frozen_elems_on({p: share[p]}) for p in parts}
+    act_p = {p: act_bytes_of(p) for p in parts}
 
     moments = []
     for t, backward, at_loss in _interleaved_terms(cfg, r, total_layers):
@@ -735,12 +746,13 @@ def _interleaved_peak(cfg, sol, spec, r, layers, total_layers, share, states, ex
             recompute += transient
         moments.append({
             **base,
-            "grads": on(t.unsharded, True) * rb + on(t.sharded, True) * sharded_grad
-            + (extra["grads"] if with_grads else 0.0),
-            "activations": sum(act_bytes_of(p) * t.act.get(p, 0.0) for p in share)
+            "grads": sum(trainable_p[p] * (t.unsharded.get(p, 0.0) * rb
+                                           + t.sharded.get(p, 0.0) * sharded_grad)
+                         for p in parts) + (extra["grads"] if with_grads else 0.0),
+            "activations": sum(act_p[p] * t.act.get(p, 0.0) for p in parts)
             + t.sent * sent_bytes,
-            "temporaries": on(t.gathered, False) * unit + (output_bytes if at_loss else 0.0)
-            + recompute,
+            "temporaries": unit * sum(all_p[p] * t.gathered.get(p, 0.0) for p in parts)
+            + (output_bytes if at_loss else 0.0) + recompute,
             "comm_buffers": recv})
     b = _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, gathered=0.0,
                        acts=0.0, late=late, in_flight=1.0, output_bytes=0.0, recv=recv,

@@ -133,6 +133,7 @@ def interleaved_moments(pp: int, num_virtual_stages: int, num_microbatches: int,
     moments: list[ChunkMoment] = []
 
     pending: set[int] = set()  # chunks UNSHARDed whose all-gathers no compute waited for
+    seen: dict[tuple, None] = {}  # each distinct state once, in step order
 
     def record(working: int, backward: bool = False, at_loss: bool = False,
                copy_out: bool = False) -> None:
@@ -141,12 +142,8 @@ def interleaved_moments(pp: int, num_virtual_stages: int, num_microbatches: int,
             held[working] = 1.0
         elif chunk_layers[working] and not copy_out:  # the current block, the prefetched one
             held[working] = max(held[working], min(1.0, 2.0 / chunk_layers[working]))
-        moments.append(ChunkMoment(
-            tuple(sum(in_flight[j] for j in c) for c in classes),
-            tuple(sum(grads[j] == GRADS_UNSHARDED for j in c) for c in classes),
-            tuple(sum(grads[j] != GRADS_NONE for j in c) for c in classes),
-            tuple(sum(held[j] for j in c) for c in classes), backward, at_loss,
-            tuple(int(copy_out and working in c) for c in classes)))
+        seen[(tuple(in_flight), tuple(grads), tuple(held), backward, at_loss,
+              working if copy_out else -1)] = None
 
     last = rank == pp - 1
     for kind, j in interleaved_rank_actions(pp, v, num_microbatches, rank):
@@ -172,8 +169,26 @@ def interleaved_moments(pp: int, num_virtual_stages: int, num_microbatches: int,
             grads[j] = GRADS_UNSHARDED
             gathered[j] = 1.0
             record(j, backward=True)
+    for flight, grad, held, backward, at_loss, copied in seen:
+        moments.append(ChunkMoment(
+            tuple(sum(flight[j] for j in c) for c in classes),
+            tuple(sum(grad[j] == GRADS_UNSHARDED for j in c) for c in classes),
+            tuple(sum(grad[j] != GRADS_NONE for j in c) for c in classes),
+            tuple(sum(held[j] for j in c) for c in classes), backward, at_loss,
+            tuple(int(copied in c) for c in classes)))
     unique = list(dict.fromkeys(moments))  # step order, repeats dropped
-    return tuple(m for m in unique if not any(o is not m and o._covers(m) for o in unique))
+    # a moment covering another has no smaller total: check each against the larger ones kept
+    order = sorted(range(len(unique)), key=lambda i: -_total(unique[i]))
+    kept: list[int] = []
+    for i in order:
+        if not any(unique[k]._covers(unique[i]) for k in kept):
+            kept.append(i)
+    return tuple(unique[i] for i in sorted(kept))
+
+
+def _total(m: ChunkMoment) -> float:
+    return (sum(m.in_flight) + sum(m.unsharded) + sum(m.with_grads) + sum(m.gathered)
+            + m.backward + sum(m.copy_out))
 
 
 @dataclasses.dataclass(frozen=True)
