@@ -664,37 +664,50 @@ def _peak(cfg, spec, states, extra, acts, late, in_flight, output_bytes, recv, g
 
 def _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, *, gathered,
                    acts, late, in_flight, output_bytes, recv, extra,
-                   recompute_bytes=0.0, only_b: bool = False) -> dict[str, float]:
+                   recompute_bytes=0.0) -> dict[str, float]:
     """The peak of rank r under [Note: deferred reduction], with its breakdown (as
     peak_memory_bytes gives it): the larger of moments A and B. `extra`: states held outside
     FSDP2 (the expert slices, ExpertSlices), their gradients from the first backward on;
-    `recompute_bytes`: a recomputation's transient, at both moments; `only_b`: moment B
-    alone (its moments A are another's: `_interleaved_peak`)."""
+    `recompute_bytes`: a recomputation's transient, at both moments."""
     unit = _unit_factor(cfg, spec.mixed_precision) * spec.dtype_bytes
+    trainable = sol.param_elems_on(share) - sol.frozen_elems_on(share)
+    moment_a = {"params": states["params"] + extra["params"],
+                "optimizer": states["optimizer"] + extra["optimizer"],
+                "grads": trainable * _reduce_bytes(spec) + extra["grads"]
+                if grads_at_activation_peak(cfg, in_flight) else 0.0,
+                "activations": acts * in_flight,
+                "temporaries": gathered * unit + output_bytes + recompute_bytes,
+                "comm_buffers": recv}
+    return _largest([moment_a, _deferred_moment_b(cfg, sol, spec, r, layers, total_layers,
+                                                  share, states, late=late, recv=recv,
+                                                  extra=extra,
+                                                  recompute_bytes=recompute_bytes)])
+
+
+def _deferred_moment_b(cfg, sol, spec, r, layers, total_layers, share, states, *, late, recv,
+                       extra, recompute_bytes) -> dict[str, float]:
+    """Moment B of [Note: deferred reduction] by category: the rank's first chunk gathered
+    whole with its gradients unsharded, the other chunks reduced, the reduce-scatter input of
+    the unit FSDP2 reduces first."""
     rb = _reduce_bytes(spec)
     last = _last_chunk_fraction(cfg, r, layers)
     first = _first_reduced(cfg, r, layers, total_layers)
-    elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
-    trainable = elems - frozen
+    trainable = sol.param_elems_on(share) - sol.frozen_elems_on(share)
     in_last = {p: s * last[p] for p, s in share.items()}
     last_elems = sol.param_elems_on(in_last)
     last_trainable = last_elems - sol.frozen_elems_on(in_last)
     sharded_grad = states["grads"] / trainable if trainable else 0.0
     first_trainable = sol.param_elems_on(first) - sol.frozen_elems_on(first)
-    base = {"params": states["params"] + extra["params"],
-            "optimizer": states["optimizer"] + extra["optimizer"]}
-    grads_a = grads_at_activation_peak(cfg, in_flight)
     late_grads = (trainable - last_trainable) * sharded_grad + last_trainable * rb \
         + extra["grads"]
-    moments = [
-        {**base, "grads": trainable * rb + extra["grads"] if grads_a else 0.0,
-         "activations": acts * in_flight,
-         "temporaries": gathered * unit + output_bytes + recompute_bytes, "comm_buffers": recv},
-        {**base, "grads": late_grads + first_trainable * rb, "activations": late,
-         "temporaries": last_elems * spec.dtype_bytes + recompute_bytes, "comm_buffers": recv},
-    ]
-    if only_b:
-        moments = moments[1:]
+    return {"params": states["params"] + extra["params"],
+            "optimizer": states["optimizer"] + extra["optimizer"],
+            "grads": late_grads + first_trainable * rb, "activations": late,
+            "temporaries": last_elems * spec.dtype_bytes + recompute_bytes, "comm_buffers": recv}
+
+
+def _largest(moments: list[dict[str, float]]) -> dict[str, float]:
+    """Of moments by category, the largest, with "peak" = its sum."""
     breakdown = max(moments, key=lambda m: sum(m.values()))
     breakdown = {k: float(breakdown[k]) for k in ("params", "grads", "optimizer", "activations",
                                                   "temporaries", "comm_buffers")}
@@ -754,14 +767,9 @@ def _interleaved_peak(cfg, sol, spec, r, layers, total_layers, share, states, ex
             "temporaries": unit * sum(all_p[p] * t.gathered.get(p, 0.0) for p in parts)
             + (output_bytes if at_loss else 0.0) + recompute,
             "comm_buffers": recv})
-    b = _deferred_peak(cfg, sol, spec, r, layers, total_layers, share, states, gathered=0.0,
-                       acts=0.0, late=late, in_flight=1.0, output_bytes=0.0, recv=recv,
-                       extra=extra, recompute_bytes=transient + grads_bwd, only_b=True)
-    breakdown = max([*moments, b], key=lambda m: sum(v for k, v in m.items() if k != "peak"))
-    breakdown = {k: float(breakdown[k]) for k in ("params", "grads", "optimizer", "activations",
-                                                  "temporaries", "comm_buffers")}
-    breakdown["peak"] = sum(breakdown.values())
-    return breakdown
+    return _largest([*moments, _deferred_moment_b(
+        cfg, sol, spec, r, layers, total_layers, share, states, late=late, recv=recv,
+        extra=extra, recompute_bytes=transient + grads_bwd)])
 
 
 def frozen_param_bytes(spec: TrainingSpec) -> float | None:
