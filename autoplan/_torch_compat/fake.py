@@ -5,6 +5,7 @@ fakes of lifted constants, and the dry run's fake mode (autoplan/runtime/dryrun.
 from __future__ import annotations
 
 import torch
+import torch._subclasses.fake_tensor as _fake  # loaded by `import torch` already
 
 __all__ = ["cpu_claiming_fakes", "outside_fake_mode", "fake_tensor_mode", "is_fake",
            "active_fake_mode", "concrete_value"]
@@ -40,10 +41,10 @@ def fake_tensor_mode():
 
 
 def is_fake(t) -> bool:
-    """Whether `t` is a fake tensor (torch's private `is_fake`; a DTensor of fake shards is)."""
-    from torch._subclasses.fake_tensor import is_fake as _is_fake
-
-    return _is_fake(t)
+    """Whether `t` is a fake tensor (torch's private `is_fake`; a DTensor of fake shards is).
+    A FakeTensor is answered by its type first: a dry run asks for every tensor of every op,
+    and torch's function (subclasses, functional wrappers) cost it a percent of its time."""
+    return isinstance(t, _fake.FakeTensor) or _fake.is_fake(t)
 
 
 def active_fake_mode():

@@ -21,12 +21,12 @@ from torch.utils._pytree import tree_leaves
 
 from autoplan import _torch_compat as tc
 
-__all__ = ["Collective", "CollectiveLog", "bytes_by_axis", "collective_call",
-           "label_collectives"]
+__all__ = ["COLLECTIVE_NAMESPACES", "Collective", "CollectiveLog", "bytes_by_axis",
+           "collective_call", "label_collectives"]
 
-# The c10d and functional collectives a rank issues, by op packet name (wait_tensor and the
-# coalescing bookkeeping move nothing).
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+# The namespaces of the c10d and functional collectives a rank issues, named by op packet
+# (wait_tensor and the coalescing bookkeeping move nothing).
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 # _wrap_tensor_autograd: the autograd wrapper of a functional collective's result (a real
 # rank's; none on fake tensors)
 _NOT_COLLECTIVES = {"wait_tensor", "barrier", "monitored_barrier_", "_wrap_tensor_autograd"}
@@ -72,7 +72,7 @@ def collective_call(func, args, kwargs, out) -> Call | None:
         # (its C++ kernel calls the process group directly), named as the dry run's
         # (_torch_compat.shard_dim_all_to_all) and the cost model's
         name = "all_to_all_single"
-    elif namespace not in _COLLECTIVE_NAMESPACES:
+    elif namespace not in COLLECTIVE_NAMESPACES:
         return None
     if name in _NOT_COLLECTIVES:
         return None

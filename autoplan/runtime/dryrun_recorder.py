@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import weakref
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from autoplan import _torch_compat as tc
+from autoplan.runtime.collective_log import COLLECTIVE_NAMESPACES as _COLLECTIVE_NAMESPACES
 from autoplan.runtime.collective_log import Call, collective_call
 from autoplan.runtime.live_bytes import patch_resize
 from autoplan.runtime.step_ops import OpLog
@@ -33,6 +35,14 @@ _STAGE_ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B",
                   "backward_weight_one_chunk": "W", "get_fwd_recv_ops": "RECV_F",
                   "get_fwd_send_ops": "SEND_F", "get_bwd_recv_ops": "RECV_B",
                   "get_bwd_send_ops": "SEND_B", "perform_reduce_grad": "REDUCE_GRAD"}
+
+
+class _OpKind(NamedTuple):
+    """What the recorder does with one op overload, worked out at its first call."""
+    ignored: bool  # not a rank's op: a metadata query or a profiler marker
+    view: bool  # its output is a view of its input
+    formula: object  # torch.utils.flop_counter's FLOP formula, or None
+    collective: bool  # in a namespace of collectives: `collective_call` decides
 
 
 class DryRunRecorder(TorchDispatchMode):
@@ -67,6 +77,7 @@ class DryRunRecorder(TorchDispatchMode):
         self.forward_microbatch = 0
         self.chunk: tuple[str, int] | None = None  # a pipeline stage's ("backward", j)
         self.moments: list[tuple[int, str]] = [(0, "construction")]
+        self._kinds: dict[object, _OpKind] = {}  # what the recorder does with an op, per op
 
     def action(self, text: str) -> None:
         """The pipeline schedule's action `text` ("0F1": stage 0's forward of microbatch 1,
@@ -175,21 +186,34 @@ class DryRunRecorder(TorchDispatchMode):
             self.current += new - old
             self._event(aid, new - old)
 
+    def _kind(self, func) -> _OpKind:
+        kind = self._kinds.get(func)
+        if kind is None:
+            namespace = getattr(func, "namespace", "")
+            packet = getattr(func, "overloadpacket", None)
+            kind = self._kinds[func] = _OpKind(
+                # prim: metadata queries (prim.device); profiler: record_function's markers
+                ignored=namespace in ("prim", "profiler"),
+                view=bool(getattr(func, "is_view", False)),
+                formula=flop_registry.get(packet) or _EXTRA_FLOPS.get(packet),
+                collective=namespace in _COLLECTIVE_NAMESPACES or namespace == "_dtensor")
+        return kind
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor lowers to local ops, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # prim: metadata queries (prim.device); profiler: record_function's markers. DTensor's
-        # sharding propagation runs ops on global shapes, in a fake mode of its own or in the
-        # rank's: none of them is the rank's op
-        if getattr(func, "namespace", "") in ("prim", "profiler") or tc.in_sharding_propagation() \
+        kind = self._kind(func)
+        # DTensor's sharding propagation runs ops on global shapes, in a fake mode of its own
+        # or in the rank's: none of them is the rank's op
+        if kind.ignored or tc.in_sharding_propagation() \
                 or tc.active_fake_mode() is not self.fake_mode:
             return out
         site, inputs, outs = None, None, _tensors(out)
         # a view of fake tensors is its input's storage: nothing allocated, nothing resized (a
         # view of a real tensor -- lift_fresh of a constant -- makes a fake storage of it)
-        view = getattr(func, "is_view", False) and all(map(tc.is_fake, _tensors(args)))
+        view = kind.view and all(map(tc.is_fake, _tensors(args)))
         for leaf in () if view else outs:
             if (st := self._storage(leaf)) is not None:
                 if st._cdata in self.live:
@@ -201,19 +225,17 @@ class DryRunRecorder(TorchDispatchMode):
                 if st._cdata not in inputs:
                     site = site or self._site(func)
                     self._add(st, site, func)
-        collective = self._record_collective(func, args, kwargs, out)
+        collective = kind.collective and self._record_collective(func, args, kwargs, out)
         if self.ops is not None and self.phase != "construction":
             moment = self.moment()
             if tc.in_recomputation():
                 moment += " (recomputation)"
             self.ops.add(moment, func, args, kwargs, out,
                          len(self.collectives) - 1 if collective else None)
-        packet = func.overloadpacket
-        formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
         # (pipelining's shape inference runs a stage on meta tensors: no FLOPs, no memory)
-        if formula is not None and self.phase != "construction" \
+        if kind.formula is not None and self.phase != "construction" \
                 and not any(t.is_meta for t in outs):
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+            self.flops += int(kind.formula(*args, **kwargs, out_val=out))
         return out
 
     def _record_collective(self, func, args, kwargs, out) -> bool:
