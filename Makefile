@@ -24,10 +24,12 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal --durations=15 tests
 
-# CPU seconds per test (ranks and subprocesses included) into out/test_cpu.json:
-# where the suite's time goes, whatever the machine's load (tests/cpu_profile.py).
+# CPU seconds per test (ranks and subprocesses included) into out/test_cpu.json, the slowest
+# first: where the suite's time goes, whatever the machine's load (tests/cpu_profile.py). Run
+# as `make test` runs; each worker counts its own process tree.
 test-cpu: venv
-	CPU_PROFILE_OUT=out/test_cpu.json $(BIN)/python -m pytest -q -p tests.cpu_profile tests
+	CPU_PROFILE_OUT=out/test_cpu.json $(BIN)/python -m pytest -q -p tests.cpu_profile \
+		-n auto --maxprocesses 4 --dist worksteal tests
 
 bench: venv
 	$(BIN)/python bench/plan_speed.py

@@ -3,10 +3,13 @@ process below it (the session's gloo rank pools, torchrun and CLI subprocesses) 
 children they reaped, read from /proc. Unlike `--durations` it does not move with the load of
 a shared machine, so it says where `make test`'s time goes (`make test-cpu`).
 
-    CPU_PROFILE_OUT=out/test_cpu.json python -m pytest -p tests.cpu_profile tests
+    CPU_PROFILE_OUT=out/test_cpu.json python -m pytest -p tests.cpu_profile -n 2 tests
 
-Writes a JSON list of [test id, CPU seconds, wall seconds], one per test, at the session's end.
-Linux only (reads /proc); elsewhere it writes nothing.
+Writes a JSON list of [test id, CPU seconds, wall seconds], one per test, at the session's end,
+the slowest first. Under pytest-xdist each worker counts its own tests (its process tree: its
+rank pools and subprocesses, not the other worker's) into a part file beside the output, and
+the controller merges the parts when the workers are done. Linux only (reads /proc); elsewhere
+it writes nothing.
 """
 
 from __future__ import annotations
@@ -51,8 +54,24 @@ def _enabled() -> bool:
     return bool(os.environ.get("CPU_PROFILE_OUT")) and Path("/proc/self/stat").exists()
 
 
+def _parts(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f"{out.name}.*.part"))
+
+
+_counting = True  # False in an xdist controller, which sees its workers' tests in its hooks
+
+
+def pytest_configure(config):
+    global _counting
+    if not _enabled() or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _counting = not getattr(config.option, "numprocesses", None)
+    for part in _parts(Path(os.environ["CPU_PROFILE_OUT"])):  # an earlier run's
+        part.unlink()
+
+
 def pytest_runtest_logstart(nodeid, location):
-    if _enabled():
+    if _enabled() and _counting:
         _started[nodeid] = (tree_cpu_s(), time.perf_counter())
 
 
@@ -63,8 +82,21 @@ def pytest_runtest_logfinish(nodeid, location):
                       round(time.perf_counter() - wall0, 2)))
 
 
+def _write(path: Path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[\n" + ",\n".join(json.dumps(list(row)) for row in rows) + "\n]\n")
+
+
 def pytest_sessionfinish(session, exitstatus):
-    if _enabled():
-        out = Path(os.environ["CPU_PROFILE_OUT"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("[\n" + ",\n".join(json.dumps(row) for row in _rows) + "\n]\n")
+    if not _enabled():
+        return
+    out = Path(os.environ["CPU_PROFILE_OUT"])
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # an xdist worker: its part, merged by the controller
+        _write(out.with_name(f"{out.name}.{worker}.part"), _rows)
+        return
+    rows = list(_rows)  # without xdist this process ran the tests; with it, none
+    for part in _parts(out):
+        rows += json.loads(part.read_text())
+        part.unlink()
+    _write(out, sorted(rows, key=lambda row: -row[1]))
