@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 
 import pytest
@@ -84,15 +85,28 @@ def test_close_ends_the_groups_worker_threads(gloo_world_of_one):
     assert gloo_workers() - before == set()
 
 
-def test_an_exit_on_an_uncaught_exception_leaves_the_group(gloo_world_of_one, monkeypatch):
+@pytest.mark.parametrize("error, status", [
+    (ValueError("a step failed"), 1), (KeyboardInterrupt(), None),
+    (RuntimeError("rank 0, step 2: a collective failed (Connection reset by peer)"), None)],
+    ids=["own-error", "interrupt", "peer-failed"])
+def test_an_exit_on_an_uncaught_exception_leaves_the_group(gloo_world_of_one, monkeypatch,
+                                                            error, status):
     """The interpreter exits on an error (sys.last_value set as it prints the traceback):
-    nothing is waited for or destroyed; the exception's exit status stands."""
+    nothing is waited for or destroyed, and the process ends with the exception's exit status
+    (1) without finalizing, its output flushed; a KeyboardInterrupt, and a collective's failure
+    (a rank that failed because a peer did), are the interpreter's."""
     owner, _ = gloo_world_of_one
     runtime = Runtime(dist.group.WORLD)
     shutdown.release_at_exit(runtime.release)
-    monkeypatch.setattr("sys.last_value", ValueError("a step failed"), raising=False)
+    monkeypatch.setattr("sys.last_value", error, raising=False)
+    exits, flushed = [], []
+    monkeypatch.setattr(shutdown.os, "_exit", exits.append)
+    monkeypatch.setattr(sys, "stdout", type("Out", (), {"flush": lambda self: flushed.append(
+        "stdout")})())
     owner.close()
     assert owner.closed and dist.is_initialized() and runtime.group is not None
+    assert exits == ([] if status is None else [status])
+    assert flushed == ([] if status is None else ["stdout"])
 
 
 def test_a_users_group_is_left_alone():

@@ -49,16 +49,28 @@ plain gloo all_reduce loop, which provokes the abort far more often, exits 0 in 
 runs in a group of its own, in 20 of 20 in the group autoplan creates.
 
 A rank that exits on an uncaught exception does none of this: a peer may still wait for it in
-a collective, and destroying a group with queued work waits for that work. The exception's
-exit status (1) stands and torchrun ends the job. A group the user created stays the user's:
-nothing here runs for it. An atexit handler registered before the group was created runs after
-this one, when the model's runtime is gone.
+a collective, and destroying a group with queued work waits for that work. Its gloo worker
+threads are then alive when the interpreter finalizes, and the abort above can take the rank
+(tests/test_shutdown.py's raising rank exited -6 instead of 1 in one CI run of 2026-12-06). So
+on that path `close` flushes stdout and stderr (the traceback is printed by then) and ends the
+process at once with the exit status 1 an uncaught exception gives (`os._exit`): the
+interpreter never finalizes, and atexit handlers registered before the group was created do
+not run (every one registered after it has run). Two errors are left to the interpreter: a
+KeyboardInterrupt, which it reports as SIGINT, and a collective's failure
+(`job.is_collective_failure`: autoplan's PeerError, gloo's lost peer), the error of a rank
+that failed because another did. That rank must end after the one whose own error ended the
+job: torchrun names the first rank to fail, to the second, as the root cause, and two ranks
+that end in the same second of its monitor tie to the lower rank (tried: with every error
+ending at once, the README script's raising rank 1 lost the root cause to rank 0's PeerError). A group the user
+created stays the user's: nothing here runs for it. On a clean exit an atexit handler
+registered before the group was created runs after this one, when the model's runtime is gone.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 import weakref
 from datetime import timedelta
@@ -131,6 +143,7 @@ class GroupExit:
         if self in _OWNED:
             _OWNED.remove(self)
         if _exiting_on_error():
+            _end_without_finalizing()
             return
         from autoplan._torch_compat import forget_mesh_groups
 
@@ -166,6 +179,23 @@ class GroupExit:
                         if not store.check([f"{_KEY}/{r}"])]
             except Exception:  # noqa: BLE001 - the store is gone
                 return []
+
+
+def _end_without_finalizing() -> None:
+    """End a process exiting on an uncaught exception with its status 1, without finalizing
+    the interpreter ([Note: orderly exit]); returns for a KeyboardInterrupt and for a
+    collective's failure."""
+    from autoplan.runtime.job import is_collective_failure
+
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if isinstance(error, KeyboardInterrupt) or is_collective_failure(error):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say
+            pass
+    os._exit(1)
 
 
 def _exiting_on_error() -> bool:
