@@ -59,10 +59,10 @@ not run (every one registered after it has run). Two errors are left to the inte
 KeyboardInterrupt, which it reports as SIGINT, and a collective's failure
 (`job.is_collective_failure`: autoplan's PeerError, gloo's lost peer), the error of a rank
 that failed because another did. That rank must end after the one whose own error ended the
-job: torchrun names the first rank to fail, to the second, as the root cause, and two ranks
-that end in the same second of its monitor tie to the lower rank (tried: with every error
-ending at once, the README script's raising rank 1 lost the root cause to rank 0's PeerError). A group the user
-created stays the user's: nothing here runs for it. On a clean exit an atexit handler
+job: torchrun names the rank that failed first as the job's root cause, and two ranks that end
+in the same second of its monitor tie to the lower rank (tried: with every error ending at
+once, the README script's raising rank 1 lost the root cause to rank 0's PeerError). A group
+the user created stays the user's: nothing here runs for it. On a clean exit an atexit handler
 registered before the group was created runs after this one, when the model's runtime is gone.
 """
 
