@@ -38,6 +38,7 @@ environment:
   AUTOPLAN_CACHE_DIR=DIR        the plan and capture caches (default ~/.cache/autoplan)
   AUTOPLAN_PLAN_CACHE=0         plan anew instead of reading the plan cache (@autoparallel)
   AUTOPLAN_CAPTURE_CACHE=0      capture anew instead of reading the capture cache
+  AUTOPLAN_CAPTURE_CACHE_DIR=DIR  the capture cache alone (default AUTOPLAN_CACHE_DIR/captures)
   AUTOPLAN_CALIBRATION=FILE     the local-cpu topology `autoplan calibrate` wrote
   AUTOPLAN_COLLECTIVE_TIMEOUT_S=S  seconds a rank waits in a collective before failing
 """

@@ -34,10 +34,22 @@ class _Clusters:
 @pytest.fixture(scope="session", autouse=True)
 def _session_plan_cache(tmp_path_factory):
     """The plan cache (autoplan/cache.py) of module and session fixtures: one of this session,
-    never the user's ~/.cache/autoplan."""
+    never the user's ~/.cache/autoplan. The capture cache ([Note: capture cache] in
+    autoplan/capture/cache.py) is one for the whole run, shared by the xdist workers: a
+    capture is a function of its key alone, so a test reads what an earlier one captured (the
+    tests of the cache's own behaviour use `own_capture_cache`)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache-session")))
+        mp.setenv("AUTOPLAN_CAPTURE_CACHE_DIR", str(shared / "capture-cache"))
         yield
+
+
+@pytest.fixture
+def own_capture_cache(tmp_path, monkeypatch):
+    """An empty capture cache of this test's own, for tests that count its hits and misses."""
+    monkeypatch.setenv("AUTOPLAN_CAPTURE_CACHE_DIR", str(tmp_path / "captures"))
 
 
 @pytest.fixture(autouse=True)

@@ -70,11 +70,19 @@ def _torchrun(script: Path, nproc: int, timeout_s: float) -> subprocess.Complete
 def test_readme_train_script_under_torchrun_trains_one_model(tmp_path):
     """The README's decorator script, with no process-group code of its own, under
     `torchrun --nproc_per_node 2`: both ranks see world 2, report equal losses, and rank 0's
-    report and export after training are written."""
+    report and export after training are written. Where threads can be read (Linux), the
+    script also counts the gloo worker threads left when the interpreter finalizes: none, the
+    group autoplan made ended first ([Note: orderly exit], tests/test_shutdown.py)."""
+    from test_shutdown import THREADS_AT_EXIT
+
+    threads = os.path.isdir("/proc/self/task")
     script = tmp_path / "train.py"
-    script.write_text(readme_script("train.py"))
+    script.write_text((THREADS_AT_EXIT if threads else "") + readme_script("train.py"))
     run = _torchrun(script, 2, timeout_s=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    if threads:
+        found = dict(re.findall(r"rank (\d): (\d+) gloo worker threads at exit", run.stdout))
+        assert found == {"0": "0", "1": "0"}, run.stdout[-3000:]
     # two ranks print to one pipe: a line's text and its newline are separate writes, so one
     # rank's line may run into the other's -- match the records, not line starts
     lines = re.findall(r"rank (\d) of (\d): step (\d): loss ([\d.]+)", run.stdout)
@@ -300,7 +308,7 @@ def test_planning_for_other_ranks_after_training_alone(tiny):
         other.step(*_batch(8))
 
 
-def test_build_stats_time_each_phase_to_the_first_loss(tiny):
+def test_build_stats_time_each_phase_to_the_first_loss(tiny, own_capture_cache):
     """build_stats(): every phase that ran, in order, positive, summed in total_s; a model
     given as an instance records nothing; a decorated factory's recording is timed and the
     same request planned again is read from the plan cache; a planning capture that is already

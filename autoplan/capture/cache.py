@@ -32,7 +32,9 @@ it (an environment variable in forward), is captured every time (`AUTOPLAN_CAPTU
 turns the cache off). The cached graph is checked the way a capture is by the tests: equal
 code, facts and parameters (tests/test_capture_cache.py).
 
-An entry is `captures/<key>.graph` under the plan cache's directory: one JSON header line
+An entry is `captures/<key>.graph` under the plan cache's directory (or `<key>.graph` in
+$AUTOPLAN_CAPTURE_CACHE_DIR when it is set: captures are a function of their key alone, so jobs
+whose plan caches are kept apart may share one): one JSON header line
 (schema, key, torch version) and the CapturedGraph pickled by torch's own graph pickler
 (`autoplan._torch_fx_compat`; node metadata and fake tensors included, as torch's compile
 caches store graphs). Because it is a pickle, the directory is made private (0700), entries
@@ -83,15 +85,20 @@ def capture_key(model: nn.Module, example_inputs, example_kwargs: dict | None, *
 
 
 class CaptureCache:
-    """Captured graphs on disk under `directory / "captures"` (default: `cache_dir()`).
+    """Captured graphs on disk under `directory / "captures"`; by default under
+    $AUTOPLAN_CAPTURE_CACHE_DIR itself when it is set, else under `cache_dir() / "captures"`.
 
     `get(key)` returns the CapturedGraph stored under `key` or None (with the reason in
     `last_miss`); `put(key, graph)` stores one, raising OSError when the directory cannot be
     written and any pickling error for a graph the pickler cannot hold."""
 
     def __init__(self, directory: str | os.PathLike | None = None):
-        base = Path(directory) if directory is not None else cache_dir()
-        self.directory = base / "captures"
+        if directory is not None:
+            self.directory = Path(directory) / "captures"
+        elif os.environ.get("AUTOPLAN_CAPTURE_CACHE_DIR"):
+            self.directory = Path(os.environ["AUTOPLAN_CAPTURE_CACHE_DIR"]).expanduser()
+        else:
+            self.directory = cache_dir() / "captures"
         self.last_miss = ""
 
     def path(self, key: str) -> Path:
