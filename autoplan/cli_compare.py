@@ -51,9 +51,10 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
 
 
 # the planning options that fix a choice (SearchOptions fields, the flags' dests), as
-# `autoplan explain` takes them
+# `autoplan explain` takes them; the switches of the search apply to both plans
 OVERRIDES = tuple(f.name for f in dataclasses.fields(SearchOptions)
-                  if f.metadata["group"] == "overrides" and f.name != "allow_tp_across_nodes")
+                  if f.metadata["group"] == "overrides"
+                  and f.name not in ("allow_tp_across_nodes", "uneven_stages"))
 
 
 def explain(args, plan_fn: Callable) -> int:

@@ -111,7 +111,12 @@ class SearchOptions:
         None,
         "blocks per pipeline stage in stage order, e.g. 3,5,5,3 (fixes pp; with "
         "num_virtual_stages V, pp is their count / V; recorded as Plan.pinned_stages); "
-        "default: the even split", metavar="N,N,...")
+        "default: the even split, or the search's with uneven_stages", metavar="N,N,...")
+    uneven_stages: bool = _option(
+        False, "also price, for every pp > 1 configuration, one split with fewer blocks on the "
+        "stages that hold the embedding and the head, and keep it where it is faster ([Note: "
+        "uneven stages] in solver/configurations.py; off by default: it makes planning "
+        "llama3-405b on 2,048 nodes 1.14 times slower)")
     allow_tp_across_nodes: bool = _option(
         False, "let tp groups span nodes (default: tp stays inside a node)")
     time_limit_s: float = _option(
@@ -135,7 +140,8 @@ class SearchOptions:
             if value is not None and (isinstance(value, bool) or value not in choices):
                 said = ", ".join(map(str, choices)) if name == "zero_stage" else choices
                 raise OptionError(f"{name} {value!r} is not one of {said}")
-        for name, optional in (("sequence_parallel", True), ("allow_tp_across_nodes", False)):
+        for name, optional in (("sequence_parallel", True), ("allow_tp_across_nodes", False),
+                               ("uneven_stages", False)):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (optional and value is None):
                 raise OptionError(f"{name}={value!r}; expected True or False"

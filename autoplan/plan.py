@@ -267,6 +267,7 @@ class Alternative:
     checkpointing: str = "none"
     num_virtual_stages: int = 1
     offload: str = "none"
+    stages: tuple[int, ...] = ()  # blocks per stage, when not split evenly (pinned or searched)
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,9 @@ class Plan:
         pinned: the (pattern, placement) pins the user gave, sorted ([Note: pinned
             placements] in autoplan/solver/pins.py); () when none (no "pinned" key).
         pinned_stages: the user fixed the blocks of each stage (`stages=` of `plan()`);
-            False when the search split them evenly (no "pinned_stages" key).
+            False when the search chose them (the even split, or with `uneven_stages` a
+            lighter first and last stage: [Note: uneven stages] in
+            autoplan/solver/configurations.py; no "pinned_stages" key).
         max_memory_fraction: the fraction of each device's memory the plan may use
             (`TrainingSpec.max_memory_fraction`; no key at its default, 0.9).
         schema_version: JSON schema version.
@@ -445,7 +448,8 @@ class Plan:
         without its key (readers default them), so plans without it keep their JSON byte for
         byte, schema version 1 either way: a mesh's `ep` / `cp` at 1, `offload` at "none" (a
         prediction's cp and host figures at 0 too), `compiled`, `frozen_dtype`, `dry_run`,
-        `pinned` and `pinned_stages` when unset, `max_memory_fraction` at its default."""
+        `pinned` and `pinned_stages` when unset, `max_memory_fraction` at its default, an
+        alternative's `stages` when empty."""
         d = dataclasses.asdict(self)
         for key in ("compiled", "frozen_dtype", "dry_run", "pinned", "pinned_stages"):
             if not d[key]:
@@ -459,6 +463,9 @@ class Plan:
         for item in [d, *d["alternatives"]]:
             if item.get("offload") == "none":
                 del item["offload"]
+        for a in d["alternatives"]:
+            if not a["stages"]:
+                del a["stages"]
         for key in ("cp_comm_s", "host_memory_bytes", "offload_s"):
             if not d["prediction"][key]:
                 del d["prediction"][key]
@@ -485,7 +492,8 @@ class Plan:
             for s in d["strategies"])
         d["redistributions"] = tuple(Redistribution(**r) for r in d["redistributions"])
         d["alternatives"] = tuple(
-            Alternative(**{**a, "mesh": MeshShape(**a["mesh"])}) for a in d["alternatives"])
+            Alternative(**{**a, "mesh": MeshShape(**a["mesh"]),
+                           "stages": tuple(a.get("stages", ()))}) for a in d["alternatives"])
         d["dry_run"] = tuple(DryRunRecord(**r) for r in d.get("dry_run", ()))
         d["pinned"] = tuple(tuple(p) for p in d.get("pinned", ()))
         return Plan(**d)

@@ -230,6 +230,7 @@ def plan_row(row: Row, workdir: Path, free_planning: bool = True) -> dict:
     import torch
 
     from autoplan.capture import capture_preset
+    from autoplan.cost_model.config import stages_of
     from autoplan.solver import plan, sequence
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset
@@ -249,9 +250,13 @@ def plan_row(row: Row, workdir: Path, free_planning: bool = True) -> dict:
             topology.inter_node, bw_bytes_per_s=row.inter_node_bw_bytes_per_s))
     schedule = row.schedule or (None if row.pp == 1 else
                                 "interleaved-1f1b" if row.num_virtual_stages > 1 else "1f1b")
+    # the runs split their blocks evenly over the stages (Megatron-LM's layers per stage)
+    even = tuple(st.num_layers for st in stages_of(row.layers,
+                                                   row.pp * row.num_virtual_stages))
     fixed = dict(tp=row.tp, pp=row.pp, dp=row.dp, zero_stage=row.zero_stage,
                  num_microbatches=row.num_microbatches, schedule=schedule,
                  num_virtual_stages=row.num_virtual_stages if row.pp > 1 else None,
+                 stages=even if row.pp > 1 else None,
                  checkpointing=row.checkpointing, sequence_parallel=row.sequence_parallel)
     spec = TrainingSpec(global_batch=row.global_batch, seq_len=row.seq, dtype="bfloat16")
     fits = True
@@ -302,6 +307,7 @@ def _free_plan(graph, topology, spec, fixed) -> dict:
     configuration (`fixed`, its plan with every choice given): its step time, what it changes
     and which parts of the step the change saves. `as_fast` holds when the free plan is no
     slower under the cost model (the search covers the published configuration)."""
+    from autoplan.cost_model.config import blocks_text
     from autoplan.solver import plan, sequence
 
     try:
@@ -311,6 +317,10 @@ def _free_plan(graph, topology, spec, fixed) -> dict:
     a, b = fixed.prediction, free.prediction
     changes = [f"{label} {getattr(free, key)} instead of {getattr(fixed, key)}"
                for key, label in _FIELDS if getattr(free, key) != getattr(fixed, key)]
+    blocks = [[st.num_layers for st in p.stages] for p in (free, fixed)]
+    if blocks[0] != blocks[1]:
+        changes.append(f"stages of {blocks_text(blocks[0])} blocks instead of "
+                       f"{blocks_text(blocks[1])}")
     saved = {"compute": a.compute_s - b.compute_s, "communication": a.comm_s - b.comm_s,
              "bubble": a.bubble_s - b.bubble_s}
     return {"mesh": str(free.mesh), "zero_stage": free.zero_stage,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from autoplan.plan import Stage
 
-__all__ = ["Config", "stages_of", "config_stages", "rank_layers", "rank_shares"]
+__all__ = ["Config", "stages_of", "blocks_text", "config_stages", "rank_layers", "rank_shares"]
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,23 @@ class Config:
     def __str__(self) -> str:
         v = f" v{self.num_virtual_stages}" if self.num_virtual_stages > 1 else ""
         cp = f" x cp{self.cp}" if self.cp > 1 else ""
-        stages = (f" (stages of {'/'.join(map(str, self.stage_layers))} blocks)"
+        stages = (f" (stages of {blocks_text(self.stage_layers)} blocks)"
                   if self.stage_layers else "")
         return (f"pp{self.pp} x dp{self.dp}{cp} x tp{self.tp}, ZeRO-{self.zero_stage}, "
                 f"{self.num_microbatches} microbatches of {self.microbatch_size}, "
                 f"{self.schedule}{v}{stages}")
+
+
+def blocks_text(counts) -> str:
+    """Blocks per stage in stage order, a run of equal stages as "<blocks>x<stages>":
+    (1, 2, 2, 2, 1) -> "1/2x3/1"."""
+    runs: list[list[int]] = []
+    for n in counts:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "/".join(str(n) if k == 1 else f"{n}x{k}" for n, k in runs)
 
 
 def stages_of(total_layers: int, num_stages: int) -> tuple[Stage, ...]:

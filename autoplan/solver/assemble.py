@@ -70,7 +70,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
                         a.config.zero_stage,
                         a.config.num_microbatches, a.config.schedule, a.step_time_s,
                         a.memory_bytes, reason, a.config.checkpointing,
-                        a.config.num_virtual_stages, a.config.offload)
+                        a.config.num_virtual_stages, a.config.offload,
+                        tuple(a.config.stage_layers))
             for a, reason in alternatives),
         dtype=spec.dtype, offload=cfg.offload,
         frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "")

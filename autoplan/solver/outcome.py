@@ -6,7 +6,9 @@ memory, every configuration cut at the limit), each naming the numbers at fault.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
+from autoplan.cost_model.config import blocks_text, config_stages
 from autoplan.cost_model.step_time import Assessment
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
@@ -21,7 +23,7 @@ from autoplan.topology import Topology
 from autoplan.units import fmt_bytes
 
 __all__ = ["no_configuration", "warn_unsplit", "given_overrides", "alternatives",
-           "explain_memory", "limit_error", "warn_skipped"]
+           "even_split", "explain_memory", "limit_error", "warn_skipped"]
 
 
 def no_configuration(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
@@ -111,12 +113,13 @@ def _unsplit_ops(graph: CapturedGraph, problem: Problem, names) -> list[str]:
 
 def given_overrides(o: Overrides) -> dict:
     """The overrides the user gave: fields set and not at their default (the switches
-    `allow_tp_across_nodes` and `elementwise_optimizer` are not choices fixed)."""
+    `allow_tp_across_nodes`, `uneven_stages` and `elementwise_optimizer` are not choices
+    fixed)."""
     defaults = Overrides()
     return {k: v for k, v in vars(o).items()
             if v is not None and v != getattr(defaults, k)
-            and k not in ("allow_tp_across_nodes", "elementwise_optimizer", "ep",
-                          "time_limit_s", "top_k")}
+            and k not in ("allow_tp_across_nodes", "uneven_stages", "elementwise_optimizer",
+                          "ep", "time_limit_s", "top_k")}
 
 
 def alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:
@@ -137,6 +140,21 @@ def alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> l
             faster_oom.append(a)
     chosen = (faster_oom + fits)[:top_k]
     return [(a, _reason(a, best)) for a in sorted(chosen, key=rank_key)]
+
+
+def even_split(search: Search, best: Assessment, evaluated: list[Assessment]) -> list[tuple]:
+    """The runner-up that says what a searched uneven stage split wins ([Note: uneven stages]
+    in configurations.py): `best`'s configuration with its blocks split evenly -- as the
+    search priced it, else priced with `best`'s placements -- and why it loses; [] when
+    `best`'s split is the even one."""
+    if not best.config.stage_layers:
+        return []
+    cfg = replace(best.config, stage_layers=())
+    even = next((a for a in evaluated if a.config == cfg), None)
+    if even is None:
+        even = search.assess(cfg, best.solution)
+    blocks = blocks_text(st.num_layers for st in config_stages(cfg, search.total_layers))
+    return [(even, f"stages split evenly ({blocks} blocks): {_reason(even, best)}")]
 
 
 def _reason(a: Assessment, best: Assessment) -> str:

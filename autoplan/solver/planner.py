@@ -11,6 +11,7 @@ import time
 
 from autoplan.collector import collector_paused
 from autoplan.cost_model.compute import compiled_device
+from autoplan.cost_model.config import stages_of
 from autoplan.cost_model.fidelity import error_bands
 from autoplan.graph import CapturedGraph
 from autoplan.options import OptionError, SearchOptions
@@ -24,7 +25,7 @@ from autoplan.solver.context import cp_degrees
 from autoplan.solver.expert_degree import expert_parallel
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
-from autoplan.solver.outcome import (alternatives, explain_memory, given_overrides,
+from autoplan.solver.outcome import (alternatives, even_split, explain_memory, given_overrides,
                                      limit_error, no_configuration, warn_skipped,
                                      warn_unsplit)
 from autoplan.solver.pins import pinned_params
@@ -195,6 +196,15 @@ def rank_peaks_of(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Tr
     return rank_peaks
 
 
+def _stage_layers(plan: Plan, total_layers: int) -> tuple[int, ...]:
+    """The plan's blocks per stage as a configuration holds them: () for the even split
+    (cost_model.config.stages_of), else the counts (pinned, or searched: [Note: uneven
+    stages] in solver/configurations.py)."""
+    counts = tuple(st.num_layers for st in plan.stages)
+    even = tuple(st.num_layers for st in stages_of(total_layers, len(plan.stages)))
+    return () if counts == even and not plan.pinned_stages else counts
+
+
 def _assessed(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec):
     """(Search, Assessment) of `plan`'s configuration and placements on `graph`, priced on
     `topology` and `spec` (no search). Raises InvalidConfig when a node's placements are not
@@ -204,8 +214,7 @@ def _assessed(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Traini
         cfg = PlanConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.zero_stage,
                          plan.num_microbatches, plan.microbatch_size, plan.schedule,
                          plan.num_virtual_stages, cp=plan.mesh.cp,
-                         stage_layers=tuple(st.num_layers for st in plan.stages)
-                         if plan.pinned_stages else (),
+                         stage_layers=_stage_layers(plan, graph.total_layers),
                          checkpointing=plan.checkpointing, offload=plan.offload)
         problem = search.problem(cfg.tp)
         wanted = {st.node: (st.inputs, st.outputs) for st in plan.strategies}
@@ -386,7 +395,11 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
     if search.skipped:
         warn_skipped(search)
     best = feasible[0]
-    result = build_plan(search, best, alternatives(best, evaluated, top_k))
+    runners_up = alternatives(best, evaluated, top_k)
+    if top_k > 0 and overrides.stages is None:  # what a searched stage split won
+        split = even_split(search, best, evaluated)
+        runners_up = split + runners_up[:top_k - len(split)]
+    result = build_plan(search, best, runners_up)
     if overrides.tp is not None:  # a tp the planner chose is the cost model's optimum
         warn_unsplit(search, result)
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
