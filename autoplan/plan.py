@@ -349,9 +349,7 @@ class Plan:
         pinned: the (pattern, placement) pins the user gave, sorted ([Note: pinned
             placements] in autoplan/solver/pins.py); () when none (no "pinned" key).
         pinned_stages: the user fixed the blocks of each stage (`stages=` of `plan()`);
-            False when the search chose them (the even split, or with `uneven_stages` a
-            lighter first and last stage: [Note: uneven stages] in
-            autoplan/solver/configurations.py; no "pinned_stages" key).
+            False when the search chose them ([Note: uneven stages]; no such key).
         max_memory_fraction: the fraction of each device's memory the plan may use
             (`TrainingSpec.max_memory_fraction`; no key at its default, 0.9).
         schema_version: JSON schema version.
@@ -463,9 +461,8 @@ class Plan:
         for item in [d, *d["alternatives"]]:
             if item.get("offload") == "none":
                 del item["offload"]
-        for a in d["alternatives"]:
-            if not a["stages"]:
-                del a["stages"]
+            if item is not d and not item["stages"]:  # an alternative split evenly
+                del item["stages"]
         for key in ("cp_comm_s", "host_memory_bytes", "offload_s"):
             if not d["prediction"][key]:
                 del d["prediction"][key]
@@ -492,8 +489,8 @@ class Plan:
             for s in d["strategies"])
         d["redistributions"] = tuple(Redistribution(**r) for r in d["redistributions"])
         d["alternatives"] = tuple(
-            Alternative(**{**a, "mesh": MeshShape(**a["mesh"]),
-                           "stages": tuple(a.get("stages", ()))}) for a in d["alternatives"])
+            Alternative(**{**a, "mesh": MeshShape(**a["mesh"]), "stages": tuple(a.get(
+                "stages", ()))}) for a in d["alternatives"])
         d["dry_run"] = tuple(DryRunRecord(**r) for r in d.get("dry_run", ()))
         d["pinned"] = tuple(tuple(p) for p in d.get("pinned", ()))
         return Plan(**d)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from autoplan.cost_model import part_costs as priced_parts
 from autoplan.cost_model.comm import group_layout, hop_crosses_nodes, pipeline_hops
+from autoplan.cost_model.config import blocks_text, stages_of
 from autoplan.cost_model.part_costs import PartCost
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
@@ -26,7 +27,7 @@ __all__ = [
     "fmt_si", "fmt_bytes", "fmt_time", "fmt_count", "fmt_flops", "fmt_pct", "plural",
     "model_num_params", "trainable_text", "sharded_params", "mesh_axes",
     "param_groups", "redistribution_groups", "part_costs", "tokens_per_s", "memory_rows",
-    "host_share_bytes", "OFFLOAD_TEXT",
+    "host_share_bytes", "OFFLOAD_TEXT", "searched_split",
 ]
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
@@ -212,3 +213,23 @@ def error_band_text(plan: Plan, kind: str, topology: Topology | None = None) -> 
     text = (f"expected error {band['low'] * 100:+.0f}% to {band['high'] * 100:+.0f}% "
             f"(predicted vs measured over {band['rows']} {band['covers']}, {band['source']})")
     return text + (f"; not covered: {band['not_covered']}" if band.get("not_covered") else "")
+
+
+def searched_split(plan: Plan) -> str:
+    """"; stages of 1/2x30/1 blocks (split evenly: +1.2 s per step)" for a stage split the
+    search chose over the even one ([Note: uneven stages] in solver/configurations.py), from
+    the even split's runner-up; "" for an even or pinned split."""
+    counts = [s.num_layers for s in plan.stages]
+    if plan.pinned_stages or counts == [s.num_layers for s in stages_of(sum(counts),
+                                                                        len(counts))]:
+        return ""
+    runner = next((a for a in plan.alternatives if a.reason.startswith("stages split evenly")),
+                  None)
+    if runner is None:
+        gain = ""
+    elif runner.reason.split("): ", 1)[-1].startswith("memory"):
+        gain = " (split evenly: over the memory budget)"
+    else:
+        delta = runner.step_time_s - plan.prediction.step_time_s
+        gain = f" (split evenly: {'+' if delta >= 0 else '-'}{fmt_time(abs(delta))} per step)"
+    return f"; stages of {blocks_text(counts)} blocks{gain}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from autoplan.cost_model.config import blocks_text, stages_of
+from autoplan.cost_model.config import blocks_text
 from autoplan.graph import CapturedGraph
 from autoplan.plan import MeshShape, Plan
 from autoplan.report import facts as F
@@ -270,26 +270,6 @@ def _stage_blocks(plan: Plan) -> str:
     return blocks_text(s.num_layers for s in plan.stages)
 
 
-def _searched_split(plan: Plan) -> str:
-    """"; stages of 1/2x30/1 blocks (split evenly: +1.2 s per step)" for a stage split the
-    search chose over the even one ([Note: uneven stages] in solver/configurations.py), from
-    the even split's runner-up; "" for an even or pinned split."""
-    even = stages_of(sum(s.num_layers for s in plan.stages), len(plan.stages))
-    if plan.pinned_stages or [s.num_layers for s in plan.stages] == [
-            s.num_layers for s in even]:
-        return ""
-    runner = next((a for a in plan.alternatives if a.reason.startswith("stages split evenly")),
-                  None)
-    if runner is None:
-        gain = ""
-    elif runner.reason.split("): ", 1)[-1].startswith("memory"):
-        gain = " (split evenly: over the memory budget)"
-    else:
-        delta = runner.step_time_s - plan.prediction.step_time_s
-        gain = f" (split evenly: {'+' if delta >= 0 else '-'}{F.fmt_time(abs(delta))} per step)"
-    return f"; stages of {_stage_blocks(plan)} blocks{gain}"
-
-
 def _region(plan: Plan, graph) -> list[str]:
     """The placements of the first captured block's norm / dropout / residual-add nodes (the
     sequence-parallel region), one line; nothing at tp 1 or without the graph."""
@@ -464,7 +444,7 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
         f"ZeRO        {zero_text(plan)}",
         f"schedule    {plan.schedule}"
         + (f" ({plan.num_virtual_stages} chunks per pp rank)" if plan.num_virtual_stages > 1
-           else "") + _searched_split(plan)
+           else "") + F.searched_split(plan)
         + f", {F.plural(plan.num_microbatches, 'microbatch')} of "
           f"{F.plural(plan.microbatch_size, 'sample')}",
         f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}"
