@@ -247,13 +247,17 @@ def test_run_isolated_returns_and_names_a_childs_failure():
 # -- a single-process model: metrics and checkpoints ---------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """gpt2-tiny trained one step in this process (a world of 1), and a checkpoint of it."""
+    """gpt2-tiny trained one step in this process (a world of 1), and a checkpoint of it.
+    Planned with an empty plan cache of its own: a module fixture is set up before the
+    test's own cache (conftest.py), and the session's may hold this plan already."""
     from autoplan import autoparallel
     from autoplan.models import build_model
 
-    model = autoparallel(build_model("gpt2-tiny"), global_batch=4, seq_len=16)
-    x, y = _batch()
-    model.step(x, y)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("tiny-plan-cache")))
+        model = autoparallel(build_model("gpt2-tiny"), global_batch=4, seq_len=16)
+        x, y = _batch()
+        model.step(x, y)
     ckpt = tmp_path_factory.mktemp("ckpt") / "step1"
     model.save(ckpt)
     yield model, ckpt
