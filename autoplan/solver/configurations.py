@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from autoplan.cost_model import offload
 from autoplan.cost_model.comm import group_layout
-from autoplan.cost_model.config import Config
+from autoplan.cost_model.config import Config, stages_of
 from autoplan.graph import CapturedGraph
 from autoplan.options import SearchOptions
 from autoplan.plan import optimizer_pieces
@@ -396,8 +396,7 @@ def balanced_stages(total_layers: int, pp: int, v: int, before: float,
         k = min(range(num_stages), key=lambda j: (load[j % pp] + 1, counts[j], -j))
         counts[k] += 1
         load[k % pp] += 1
-    base, rest = divmod(total_layers, num_stages)
-    even = [base + (1 if k < rest else 0) for k in range(num_stages)]
+    even = [st.num_layers for st in stages_of(total_layers, num_stages)]
     return tuple(counts) if heaviest(counts) < (1 - SPLIT_GAIN) * heaviest(even) else None
 
 
