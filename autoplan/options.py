@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 __all__ = ["SearchOptions", "PlanOptions", "OptionError", "Schedule", "Checkpointing",
            "Offload", "ZeroStage", "SCHEDULES", "CHECKPOINTINGS", "OFFLOADS", "ZERO_STAGES",
+           "INTERLEAVED_SCHEDULES",
            "add_search_args", "search_options_of", "option_flag"]
 
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb"]
 Checkpointing = Literal["none", "core-attention", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -32,6 +33,10 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 CHECKPOINTINGS: tuple[str, ...] = get_args(Checkpointing)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
+INTERLEAVED_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "interleaved-zb")
+"""The schedules that may hold several stages per pipeline rank (num_virtual_stages > 1,
+stage k on rank k % pp): torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble
+(Qi et al. 2024, "Zero Bubble Pipeline Parallelism", its ZB-H1 order interleaved)."""
 
 
 class OptionError(ValueError):
@@ -76,9 +81,13 @@ class SearchOptions:
     zero_stage: ZeroStage | None = _option(None, "ZeRO stage", aliases=("--zero",))
     num_microbatches: int | None = _option(None, "microbatches per step per dp rank",
                                            aliases=("--microbatches",), metavar="M")
-    schedule: Schedule | None = _option(None, "pipeline schedule")
+    schedule: Schedule | None = _option(
+        None, "pipeline schedule; interleaved-zb splits each backward into its input and "
+        "weight gradients and runs the weight halves in the bubble (zero bubble, Qi et al. "
+        "2024)")
     num_virtual_stages: int | None = _option(
-        None, "model chunks per pp rank (interleaved-1f1b)", aliases=("--virtual-stages",),
+        None, "model chunks per pp rank (interleaved-1f1b, interleaved-zb)",
+        aliases=("--virtual-stages",),
         metavar="V")
     checkpointing: Checkpointing | None = _option(
         None,

@@ -1,7 +1,7 @@
 """torch.distributed.pipelining's private names: how a first-stage input is split into
 microbatches, a forward-only run, a schedule's stages, the warm-up vote of a dry run, and the
-stage and interleaved schedule that hold receive buffers only for microbatches in flight
-([Note: in-flight receive buffers]), and the actions the interleaved schedule runs on a rank.
+stage and interleaved schedules that hold receive buffers only for microbatches in flight
+([Note: in-flight receive buffers]), and the actions the interleaved schedules run on a rank.
 
 torch.distributed.pipelining is imported inside the functions: the compiler imports this
 package, and should not pay its 0.7 s import.
@@ -15,7 +15,12 @@ import torch
 
 __all__ = ["chunk_spec", "pipeline_eval", "pipeline_stages", "vote_pipeline_mode_locally",
            "in_flight_pipeline_stage_class", "in_flight_interleaved_schedule_class",
-           "interleaved_rank_actions", "unshard_reshard"]
+           "interleaved_rank_actions", "unshard_reshard", "INTERLEAVED_CLASSES"]
+
+INTERLEAVED_CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B",
+                       "interleaved-zb": "ScheduleInterleavedZeroBubble"}
+"""The torch.distributed.pipelining class of each schedule that takes several stages per
+pipeline rank (stage k on rank k % pp), by autoplan's name (options.Schedule)."""
 
 
 def chunk_spec(batch_dim: int | None):
@@ -90,7 +95,11 @@ def vote_pipeline_mode_locally(schedule) -> None:
 #   handed to the send, which the training backward would have popped (the last stage's stays:
 #   it is the schedule's output, kept for the caller anyway).
 # - torch's interleaved runtime kept the work of every send, and so the tensor sent, to the end
-#   of the step: `in_flight_interleaved_schedule_class` waits for each once it is matched.
+#   of the step: `in_flight_interleaved_schedule_class` waits for each once it is matched;
+# - under a zero-bubble schedule a microbatch's backward runs in two actions, the input
+#   gradient (BACKWARD_INPUT, which sends the gradient on and releases its receive buffer) and
+#   later the weight gradient (BACKWARD_WEIGHT): torch keeps the microbatch's autograd graph,
+#   and so its activations, from its forward to its weight gradient.
 # So a rank holds the buffers of the microbatches its schedule has in flight: min(m, pp - r) for
 # 1F1B, all m under GPipe (every forward before any backward), Megatron-LM's warm-up count for
 # interleaved 1F1B. Beyond its activations it still keeps each in-flight microbatch's stage
@@ -200,9 +209,10 @@ def in_flight_pipeline_stage_class():
 
 
 @functools.cache
-def in_flight_interleaved_schedule_class():
-    """`InFlightInterleaved1F1B`: torch's ScheduleInterleaved1F1B (same arguments) that waits
-    for each send as soon as it is sure to be matched, instead of at the end of the step.
+def in_flight_interleaved_schedule_class(schedule: str = "interleaved-1f1b"):
+    """`InFlightInterleaved1F1B` (or, for "interleaved-zb", `InFlightInterleavedZeroBubble`):
+    torch's ScheduleInterleaved1F1B (ScheduleInterleavedZeroBubble; same arguments) that
+    waits for each send as soon as it is sure to be matched, instead of at the end of the step.
 
     torch 2.13's action runtime (`_PipelineScheduleRuntime._step_microbatches`) keeps the work
     of every SEND_F and SEND_B of the step in a list it waits on at the end, and a send's work
@@ -214,13 +224,14 @@ def in_flight_interleaved_schedule_class():
     of something the peer sent after posting it. The action IR, every rank's, says when that
     is (`_matched_at`). Gloo's works report no completion before `wait`, so polling them
     (`is_completed`) would keep them all."""
-    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining.schedules import _batch_p2p, _ComputationType
 
     kind = _ComputationType
     sends, recvs = (kind.SEND_F, kind.SEND_B), (kind.RECV_F, kind.RECV_B)
+    base = getattr(pipelining, INTERLEAVED_CLASSES[schedule])
 
-    class InFlightInterleaved1F1B(ScheduleInterleaved1F1B):
+    class InFlightInterleaved(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._pending: list[tuple[int, list]] = []  # (matched at action index, works)
@@ -291,14 +302,18 @@ def in_flight_interleaved_schedule_class():
                             break
         return {"index": index, "send": matched}
 
-    return InFlightInterleaved1F1B
+    InFlightInterleaved.__name__ = "InFlight" + base.__name__.removeprefix("Schedule")
+    return InFlightInterleaved
 
 
 @functools.lru_cache(maxsize=1024)
 def interleaved_rank_actions(pp: int, num_virtual_stages: int, num_microbatches: int,
-                             rank: int) -> tuple[tuple[str, int], ...]:
-    """The actions torch 2.13's ScheduleInterleaved1F1B runs on pipeline rank `rank`, in
-    order, as (kind, chunk): kind "F" (a microbatch's forward), "B" (its backward),
+                             rank: int, schedule: str = "interleaved-1f1b"
+                             ) -> tuple[tuple[str, int], ...]:
+    """The actions torch 2.13's ScheduleInterleaved1F1B (`schedule` "interleaved-1f1b") or
+    ScheduleInterleavedZeroBubble ("interleaved-zb") runs on pipeline rank `rank`, in
+    order, as (kind, chunk): kind "F" (a microbatch's forward), "B" (its whole backward), "I"
+    and "W" (its input-gradient and weight-gradient halves, zero bubble),
     "UNSHARD", "RESHARD" (FSDP2's whole-stage gather and release: `_add_unshard_reshard`),
     "REDUCE_GRAD" (the stage's gradient reduction after its last backward:
     `_add_reduce_grad`); chunk j is the rank's stage `rank + j * pp`. Sends and receives are
@@ -309,19 +324,22 @@ def interleaved_rank_actions(pp: int, num_virtual_stages: int, num_microbatches:
     without stages or a process group.
 
     Raises ValueError as the schedule does: num_microbatches not a multiple of its rounds."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _add_reduce_grad
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining.schedules import _add_reduce_grad
 
     rounds = max(1, num_microbatches // pp)
     if num_microbatches % rounds:
         raise ValueError(f"the interleaved schedule needs num_microbatches={num_microbatches} "
                          f"to be a multiple of its {rounds} rounds (pp={pp})")
-    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
-    schedule.pp_group_size, schedule.n_local_stages = pp, num_virtual_stages
-    schedule._n_microbatches = num_microbatches
-    schedule.microbatches_per_round = num_microbatches // rounds
+    cls = getattr(pipelining, INTERLEAVED_CLASSES[schedule])
+    order = cls.__new__(cls)
+    order.pp_group_size, order.n_local_stages = pp, num_virtual_stages
+    order._n_microbatches = num_microbatches
+    order.microbatches_per_round = num_microbatches // rounds
     actions = _add_reduce_grad(unshard_reshard(
-        schedule._calculate_single_rank_operations(rank)), num_microbatches)
-    names = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+        order._calculate_single_rank_operations(rank)), num_microbatches)
+    names = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",
+             "BACKWARD_WEIGHT": "W"}
     return tuple((names.get(a.computation_type.name, a.computation_type.name),
                   a.stage_index // pp) for a in actions if a is not None)
 

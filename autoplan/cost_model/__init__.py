@@ -21,6 +21,7 @@ The files, from op to step:
     dp_sync.py           the data-parallel collectives and local passes of a step
     rank_memory.py       memory per pipeline rank: peaks, and the ILP's linear forms
     schedule_moments.py  the moments of an interleaved rank, walked from torch's actions
+    schedule_time.py     torch's pipeline orders run in unit time (the zero-bubble step)
     step_time.py         the step time of a configuration (`assess`: bubble, dp sync, optimizer)
     part_costs.py        compute and communication per part of the model (the report's table)
     traffic.py           bytes each rank moves per mesh axis in a step, as the dry run counts

@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
+from autoplan.cost_model.schedule_moments import zero_bubble_in_flight
+from autoplan.options import INTERLEAVED_SCHEDULES, SCHEDULES
+
 __all__ = [
     "STATE_BYTES_PER_PARAM", "FSDP2_MIXED_STATE_BYTES", "model_state_bytes",
     "microbatches_per_round",
@@ -152,6 +155,9 @@ def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: in
     - "gpipe": all m forwards run before any backward: m.
     - "1f1b": rank r runs pp - r warm-up forwards before its first backward: min(m, pp - r)
       (Narayanan et al. SC'21, section 2.2.1).
+    - "interleaved-zb" (torch's ScheduleInterleavedZeroBubble): a microbatch is held from
+      its forward to its weight gradient; the rank's largest count over its actions, over v
+      (cost_model/schedule_moments.py `zero_bubble_in_flight`).
     - "interleaved-1f1b" with v = num_virtual_stages chunks of 1/v of the rank's layers:
       Megatron-LM's warm-up of 2 (pp - r - 1) + (v - 1) R chunk-forwards, plus the one in
       steady state, capped at m v: min(2 (pp - r - 1) + (v - 1) R + 1, m v) / v, with R =
@@ -172,12 +178,13 @@ def pipeline_in_flight_microbatches(schedule: str, pp: int, num_microbatches: in
     elif schedule == "interleaved-1f1b":
         in_flight = min(2 * (p - r - 1) + (v - 1) * microbatches_per_round(p, m) + 1,
                         m * v) / v
+    elif schedule == "interleaved-zb":
+        in_flight = sum(zero_bubble_in_flight(p, v, m, r)) / v
     else:
-        raise ValueError(
-            f"unknown schedule {schedule!r}; known: ['gpipe', '1f1b', 'interleaved-1f1b']")
-    if v > 1 and schedule != "interleaved-1f1b":
-        raise ValueError(f"num_virtual_stages={v} needs schedule 'interleaved-1f1b', "
-                         f"got {schedule!r}")
+        raise ValueError(f"unknown schedule {schedule!r}; known: {list(SCHEDULES)}")
+    if v > 1 and schedule not in INTERLEAVED_SCHEDULES:
+        raise ValueError(f"num_virtual_stages={v} needs schedule 'interleaved-1f1b' or "
+                         f"'interleaved-zb', got {schedule!r}")
     return in_flight
 
 

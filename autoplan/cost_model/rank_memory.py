@@ -115,7 +115,9 @@ from autoplan.cost_model.memory import (
     microbatches_per_round, model_state_bytes, peak_memory_bytes, pipeline_in_flight_microbatches,
 )
 from autoplan.cost_model.placement_totals import RankMemory, Solution
-from autoplan.cost_model.schedule_moments import MomentTerms, interleaved_moments, moment_terms
+from autoplan.cost_model.schedule_moments import (MomentTerms, interleaved_moments, moment_terms,
+                                                  zero_bubble_in_flight)
+from autoplan.options import INTERLEAVED_SCHEDULES
 from autoplan.spec import TrainingSpec
 
 __all__ = ["ExpertSlices", "frozen_param_bytes", "rank_memories",
@@ -127,7 +129,7 @@ def _unit_factor(cfg: Config, mixed_precision: bool) -> float:
     mixed precision, FSDP2's 16-bit compute copy of the unit."""
     if cfg.dp_shard == 1:
         return 1.0 if mixed_precision else 0.0
-    if cfg.pp > 1 and cfg.schedule == "interleaved-1f1b":
+    if cfg.pp > 1 and cfg.schedule in INTERLEAVED_SCHEDULES:
         return 1.0  # whole stages gathered ahead ([Note: interleaved moments]); inputs transient
     return 1.0 + (1.0 / cfg.dp_shard if cfg.zero_stage >= 2 else 0.0)
 
@@ -185,12 +187,15 @@ def in_flight_by_part(cfg: Config, r: int, total_layers: int) -> dict[str, float
     v = cfg.num_virtual_stages
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
                                                 v)
-    if v == 1 or cfg.schedule != "interleaved-1f1b":
+    if v == 1 or cfg.schedule not in INTERLEAVED_SCHEDULES:
         return dict.fromkeys(("pre", "layer", "post"), in_flight)
-    counts = [0] * v
-    per_round = microbatches_per_round(cfg.pp, cfg.num_microbatches)
-    for k in range(round(in_flight * v)):  # the forwards run before the first backward, +1
-        counts[(k // per_round) % v] += 1
+    if cfg.schedule == "interleaved-zb":
+        counts = list(zero_bubble_in_flight(cfg.pp, v, cfg.num_microbatches, r))
+    else:
+        counts = [0] * v
+        per_round = microbatches_per_round(cfg.pp, cfg.num_microbatches)
+        for k in range(round(in_flight * v)):  # the forwards before the first backward, +1
+            counts[(k // per_round) % v] += 1
     stages = config_stages(cfg, total_layers)
     held = [stages[r + j * cfg.pp].num_layers for j in range(v)] if total_layers else []
     layer = (sum(n * c for n, c in zip(counts, held)) / sum(held)) if sum(held) else in_flight
@@ -382,7 +387,8 @@ def _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit, hel
 def _interleaved(cfg: Config) -> bool:
     """Whether the rank's moments under deferred reduction are walked from the interleaved
     schedule's actions ([Note: interleaved moments] in cost_model/schedule_moments.py)."""
-    return cfg.schedule == "interleaved-1f1b" and cfg.num_virtual_stages > 1
+    return cfg.schedule == "interleaved-zb" or (
+        cfg.schedule == "interleaved-1f1b" and cfg.num_virtual_stages > 1)
 
 
 def _interleaved_terms(cfg: Config, r: int,
@@ -393,16 +399,17 @@ def _interleaved_terms(cfg: Config, r: int,
     stages = config_stages(cfg, total_layers)
     chunks = tuple(stages[r + j * cfg.pp].num_layers if total_layers else 0
                    for j in range(v))
-    return _terms_of(cfg.pp, v, cfg.num_microbatches, r, chunks, _per_block(cfg))
+    return _terms_of(cfg.pp, v, cfg.num_microbatches, r, chunks, _per_block(cfg),
+                     cfg.schedule)
 
 
 @functools.lru_cache(maxsize=4096)
 def _terms_of(pp: int, v: int, m: int, r: int, chunks: tuple[int, ...],
-              per_block: bool) -> tuple[tuple[MomentTerms, bool, bool], ...]:
+              per_block: bool, schedule: str) -> tuple[tuple[MomentTerms, bool, bool], ...]:
     """_interleaved_terms on the numbers it depends on (cached: configurations differing in
     tp, cp, dp, microbatch size or policy share it)."""
     return tuple((t, mo.backward, mo.at_loss)
-                 for mo in interleaved_moments(pp, v, m, r, chunks, per_block)
+                 for mo in interleaved_moments(pp, v, m, r, chunks, per_block, schedule)
                  for t in moment_terms(mo, pp, r, chunks))
 
 

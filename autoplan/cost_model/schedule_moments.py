@@ -44,6 +44,19 @@ peak is at one of its ends. Per chunk:
   embedding's parameters (0.21 GB); 1.6956 GB, priced 1.6961.
 A moment no larger than another in every chunk's every term is dropped: what is left is what
 the peak can be, whatever the parts' bytes.
+
+[Note: zero-bubble memory] Under the zero-bubble schedule ("interleaved-zb") a backward is two
+actions. The input gradient (I) runs with the chunk's blocks gathered as a backward does and
+frees nothing: torch keeps the microbatch's autograd graph, and so its activations, for the
+weight gradient, and adds the gradients of the outputs of the ops that hold parameters, which
+the weight gradient consumes (`stage_backward_input` keeps them). The weight gradient (W)
+releases both and makes the chunk's gradients unsharded. The output gradients are priced as
+one more microbatch of activations from I to W, an upper bound (per token a block's matmul
+outputs, about 9 h for Llama, are fewer elements than what it saves for its backward, about
+16-34 h; the head's output gradient is the size of the logits its loss saves): the dry runs
+of tests/test_zero_bubble.py put the pricing at 0% .. +21% of the measured peak on 4-block
+Llama ranks (priced without them: -22% on the last rank). `zero_bubble_in_flight` counts each
+chunk's microbatches at the rank's height; `interleaved_moments` walks them with the rest.
 """
 
 from __future__ import annotations
@@ -54,7 +67,7 @@ import functools
 from autoplan._torch_compat.pipelining import interleaved_rank_actions
 
 __all__ = ["GRADS_NONE", "GRADS_SHARDED", "GRADS_UNSHARDED", "ChunkMoment", "MomentTerms",
-           "chunk_classes", "interleaved_moments", "moment_terms"]
+           "chunk_classes", "interleaved_moments", "moment_terms", "zero_bubble_in_flight"]
 
 GRADS_NONE, GRADS_SHARDED, GRADS_UNSHARDED = 0, 1, 2
 """A chunk's gradient state, in the order of their bytes per element: none, sharded (after
@@ -114,12 +127,38 @@ def chunk_classes(pp: int, rank: int, chunk_layers: tuple[int, ...]) -> tuple[tu
     return tuple(tuple(g) for g in groups.values())
 
 
+@functools.lru_cache(maxsize=65536)  # per rank of every zero-bubble configuration searched
+def zero_bubble_in_flight(pp: int, num_virtual_stages: int, num_microbatches: int,
+                          rank: int) -> tuple[int, ...]:
+    """The microbatches of activations each chunk of pipeline rank `rank` holds when the
+    rank holds the most, under torch's ScheduleInterleavedZeroBubble ([Note: zero-bubble
+    memory]): a microbatch from its forward to its weight gradient, and one more from its
+    input gradient to its weight gradient (its output gradients), walked over the rank's
+    actions; the first such moment.
+
+    Raises ValueError as `interleaved_rank_actions` does."""
+    counts = [0] * num_virtual_stages
+    best, at = -1, tuple(counts)
+    for kind, j in interleaved_rank_actions(pp, num_virtual_stages, num_microbatches, rank,
+                                            "interleaved-zb"):
+        if kind in ("F", "I"):
+            counts[j] += 1
+            if sum(counts) > best:
+                best, at = sum(counts), tuple(counts)
+        elif kind == "W":
+            counts[j] -= 2
+        elif kind == "B":
+            counts[j] -= 1
+    return at
+
+
 @functools.lru_cache(maxsize=4096)
 def interleaved_moments(pp: int, num_virtual_stages: int, num_microbatches: int, rank: int,
-                        chunk_layers: tuple[int, ...],
-                        per_block: bool) -> tuple[ChunkMoment, ...]:
-    """The moments of pipeline rank `rank` under torch's interleaved 1F1B ([Note: interleaved
-    moments]) that no other moment covers, in step order, per class of `chunk_classes`.
+                        chunk_layers: tuple[int, ...], per_block: bool,
+                        schedule: str = "interleaved-1f1b") -> tuple[ChunkMoment, ...]:
+    """The moments of pipeline rank `rank` under torch's interleaved 1F1B (`schedule`
+    "interleaved-1f1b") or zero bubble ("interleaved-zb") ([Note: interleaved moments]) that
+    no other moment covers, in step order, per class of `chunk_classes`.
 
     Args:
         chunk_layers: blocks in each of the rank's chunks (len num_virtual_stages).
@@ -146,7 +185,7 @@ def interleaved_moments(pp: int, num_virtual_stages: int, num_microbatches: int,
               working if copy_out else -1)] = None
 
     last = rank == pp - 1
-    for kind, j in interleaved_rank_actions(pp, v, num_microbatches, rank):
+    for kind, j in interleaved_rank_actions(pp, v, num_microbatches, rank, schedule):
         if kind == "UNSHARD":
             gathered[j] = 1.0
             pending.add(j)
@@ -156,18 +195,22 @@ def interleaved_moments(pp: int, num_virtual_stages: int, num_microbatches: int,
             grads[j] = GRADS_SHARDED
         elif j in pending:  # its compute waits for the all-gathers: each unit's copy-out
             pending.discard(j)
-            record(j, backward=kind == "B", copy_out=True)
+            record(j, backward=kind != "F", copy_out=True)
         if kind == "F":
             record(j)
             in_flight[j] += 1
             if per_block:
                 gathered[j] = 0.0
             record(j, at_loss=last and j == v - 1)
-        if kind == "B":
+        if kind in ("B", "I", "W"):
             record(j, backward=True)
-            in_flight[j] -= 1
-            grads[j] = GRADS_UNSHARDED
-            gathered[j] = 1.0
+            if kind == "I":  # the output gradients the weight gradient waits on
+                in_flight[j] += 1
+            else:  # the weight gradient: activations (and output gradients) released
+                in_flight[j] -= 2 if kind == "W" else 1
+                grads[j] = GRADS_UNSHARDED
+            if kind != "W":  # a backward through the blocks: gathered, not resharded
+                gathered[j] = 1.0
             record(j, backward=True)
     for flight, grad, held, backward, at_loss, copied in seen:
         moments.append(ChunkMoment(

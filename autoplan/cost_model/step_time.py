@@ -21,7 +21,10 @@ collectives in tp_comm_r, [Note: context parallelism] in cost_model/context_para
   m t_stage + (pp - 1) t_stage / v (Narayanan et al. SC'21: bubble fraction (p - 1) / m,
   (p - 1) / (v m) interleaved; FORMULAS.md "FLOPs and pipeline"). Ranks that share cores run
   faster while others idle in the bubble, so there a slot's compute takes t_comp speed(N) /
-  speed(a_j R). `bubble_s` = pipeline - m (t_comp + t_comm).
+  speed(a_j R). `bubble_s` = pipeline - m (t_comp + t_comm). Under the zero-bubble schedule
+  the slots are units of a third of a chunk-microbatch, 3 m v + pp - 1 of them, and the busy
+  ranks of each come from running torch's actions in unit time ([Note: zero-bubble time] in
+  cost_model/schedule_time.py).
 - p2p_r = 2 v pipeline_hop_time_s(boundary bytes) per microbatch on a pipeline rank (the
   activation forward and its gradient backward, v times with interleaving) when pp > 1: one
   message of the slowest hop, at the link level it crosses given where the stages' ranks sit
@@ -76,6 +79,7 @@ from autoplan.cost_model.dp_sync import (
 )
 from autoplan.cost_model.placement_totals import Solution
 from autoplan.cost_model.rank_memory import candidate_ranks, frozen_param_bytes, rank_peak
+from autoplan.cost_model.schedule_time import busy_ranks, zero_bubble_units
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -253,6 +257,12 @@ def _pipeline_s(cfg: Config, comp: float, comm: float, topology: Topology, busy:
     pp, v, m = cfg.pp, cfg.num_virtual_stages, cfg.num_microbatches
     per_stage = max(1, busy // pp)  # R ranks of a stage on this node
     device = topology.device
+    if cfg.schedule == "interleaved-zb" and pp > 1:  # units of a third of a chunk-microbatch
+        unit = (comp + comm) / (3 * v)
+        if not device.shared_speed:
+            return zero_bubble_units(pp, v, m) * unit
+        return sum((comp * device.speed(busy) / device.speed(a * per_stage) + comm) / (3 * v)
+                   for a in busy_ranks(cfg.schedule, pp, v, m))
     if not device.shared_speed:  # dedicated devices: every slot at speed 1
         return (m * v + pp - 1) * (comp + comm) / v
     total = 0.0

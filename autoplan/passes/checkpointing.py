@@ -72,23 +72,30 @@ def selective_context():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-@contextlib.contextmanager
-def _restored(states: list[RandomState], snaps: list[tuple]):
-    """Run with each state at its snapshot, then put back where the engine has moved it."""
-    now = [s.snapshot() for s in states]
-    for s, snap in zip(states, snaps):
-        s.restore(snap)
-    try:
-        yield
-    finally:
-        for s, snap in zip(states, now):
+class _Recompute:
+    """The recompute context of `run_checkpointed`: `inner` (the policy's) entered with each
+    random state at its forward snapshot, then put back where the engine has moved it.
+    Entered once per recomputation: a zero-bubble schedule's backward recomputes a block
+    twice, for its input gradient and for its weight gradient (torch keeps the graph, not
+    the recomputed tensors, between them), so this is a class, not a generator context."""
+
+    def __init__(self, inner, states: list[RandomState], snaps: list[tuple]):
+        self.inner, self.states, self.snaps = inner, states, snaps
+        self.now: list[list[tuple]] = []
+
+    def __enter__(self):
+        self.now.append([s.snapshot() for s in self.states])
+        for s, snap in zip(self.states, self.snaps):
             s.restore(snap)
+        self.inner.__enter__()
+        return self
 
-
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
-        yield
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            for s, snap in zip(self.states, self.now.pop()):
+                s.restore(snap)
 
 
 def run_checkpointed(block, policy: str, *args):
@@ -107,7 +114,7 @@ def run_checkpointed(block, policy: str, *args):
         forward, recompute = ((contextlib.nullcontext(), contextlib.nullcontext())
                               if policy == "full" else
                               create_selective_checkpoint_contexts(_selective_policy))
-        return forward, _both(recompute, _restored(states, snaps))
+        return forward, _Recompute(recompute, states, snaps)
 
     return checkpoint(block, *args, use_reentrant=False, context_fn=context_fn)
 

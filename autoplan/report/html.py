@@ -93,7 +93,8 @@ def markdown_to_html(lines: list[str]) -> str:
 
 
 def _alt_label(a) -> str:
-    schedule = {"interleaved-1f1b": "i1f1b"}.get(a.schedule, a.schedule)
+    schedule = {"interleaved-1f1b": "i1f1b", "interleaved-zb": "izb"}.get(a.schedule,
+                                                                         a.schedule)
     v = f" v{a.num_virtual_stages}" if a.num_virtual_stages > 1 else ""
     ckpt = {"none": ""}.get(a.checkpointing, f" {a.checkpointing[:3]}-ckpt")
     cp = f" cp{a.mesh.cp}" if a.mesh.cp > 1 else ""

@@ -218,8 +218,10 @@ def timeline(blocks: Sequence[Block], pp: int, step_time_s: float, *,
     names itself in its tooltip); the rest of the step after a rank's last block (e.g. the
     exposed gradient sync) is grey. `window_s` draws only [0, window_s)."""
     left, scale, end, ticks = _timeline_layout(blocks, pp, step_time_s, window_s, fmt)
-    colors = {"F": PALETTE[0], "B": PALETTE[4]}
-    body, top = _legend([("forward", colors["F"]), ("backward", colors["B"]),
+    colors = {"F": PALETTE[0], "B": PALETTE[4], "I": PALETTE[4], "W": PALETTE[2]}
+    names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+    kinds = [k for k in names if any(b.kind == k for b in blocks)] or ["F", "B"]
+    body, top = _legend([*((names[k], colors[k]) for k in kinds),
                          ("rest of the step (gradient sync, ...)", "#ccc")], left)
     top += 4
     y_end = top + _ROW_H * pp
@@ -236,7 +238,7 @@ def timeline(blocks: Sequence[Block], pp: int, step_time_s: float, *,
             continue
         y = top + b.rank * _ROW_H + (_ROW_H - _BAR_H) / 2
         x, w = left + b.start_s * scale, (min(b.end_s, end) - b.start_s) * scale
-        what = "forward" if b.kind == "F" else "backward"
+        what = names[b.kind]
         body.append(_rect(x, y, w, _BAR_H, colors[b.kind],
                           f"{b.label}: stage {b.stage} {what} of microbatch {b.microbatch}, "
                           f"{fmt(b.start_s)} - {fmt(b.end_s)}"))

@@ -15,11 +15,17 @@ Per-rank orders (stage `s = chunk * pp + r` runs on rank r, as `Stage` says):
   chunk 0, 1, ..., v - 1 forward (and v - 1, ..., 0 backward); 2 (pp - r - 1) + (v - 1) pp
   warm-up forwards (Narayanan et al. SC'21, section 2.2.2; megatron/core/pipeline_parallel/
   schedules.py).
+- "interleaved-zb": torch's ScheduleInterleavedZeroBubble order, each backward as its input
+  gradient "I" and its weight gradient "W", half of the backward's time each
+  (cost_model/schedule_time.py `torch_rank_orders`, [Note: zero-bubble time]).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from autoplan.cost_model.schedule_time import run_in_order, torch_rank_orders
+from autoplan.options import INTERLEAVED_SCHEDULES, SCHEDULES
 
 __all__ = ["Block", "rank_orders", "simulate", "stage_costs", "busiest_rank_s",
            "predicted_stage_s", "stage_times"]
@@ -27,7 +33,8 @@ __all__ = ["Block", "rank_orders", "simulate", "stage_costs", "busiest_rank_s",
 
 @dataclass(frozen=True)
 class Block:
-    """One forward ("F") or backward ("B") of `stage` for `microbatch` on pp rank `rank`;
+    """One forward ("F"), backward ("B"), or input or weight half of a backward ("I", "W") of
+    `stage` for `microbatch` on pp rank `rank`;
     `label` is PyTorch pipelining's text form (`2F0`: stage 2 forward microbatch 0)."""
 
     rank: int
@@ -53,13 +60,16 @@ def _chunk_order(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int
 
 
 def rank_orders(schedule: str, pp: int, m: int, v: int = 1) -> list[list[tuple[str, int, int]]]:
-    """Per pp rank, the work in order: (kind "F" | "B", stage, microbatch).
+    """Per pp rank, the work in order: (kind "F" | "B" | "I" | "W", stage, microbatch).
 
-    Raises ValueError for an unknown schedule or v > 1 without "interleaved-1f1b"."""
-    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+    Raises ValueError for an unknown schedule or v > 1 without an interleaved schedule."""
+    if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}")
-    if v > 1 and schedule != "interleaved-1f1b":
-        raise ValueError(f"num_virtual_stages={v} needs 'interleaved-1f1b', got {schedule!r}")
+    if v > 1 and schedule not in INTERLEAVED_SCHEDULES:
+        raise ValueError(f"num_virtual_stages={v} needs one of {INTERLEAVED_SCHEDULES}, got "
+                         f"{schedule!r}")
+    if schedule == "interleaved-zb":
+        return torch_rank_orders(schedule, pp, v, m)
     fwd, bwd = _chunk_order(pp, m, v, False), _chunk_order(pp, m, v, True)
     orders = []
     for r in range(pp):
@@ -80,39 +90,19 @@ def rank_orders(schedule: str, pp: int, m: int, v: int = 1) -> list[list[tuple[s
 def simulate(schedule: str, pp: int, m: int, v: int, fwd_s: list[float],
              bwd_s: list[float]) -> list[Block]:
     """Start and end of every block when each rank runs its `rank_orders` as soon as the
-    dependencies allow (module docstring).
+    dependencies allow (module docstring; cost_model/schedule_time.py `run_in_order`).
 
     Args:
         fwd_s, bwd_s: forward / backward seconds of one microbatch per stage (pp * v each).
     """
     num_stages = pp * v
     assert len(fwd_s) == len(bwd_s) == num_stages, (len(fwd_s), len(bwd_s), num_stages)
-    orders = rank_orders(schedule, pp, m, v)
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * pp
-    pos = [0] * pp
-    blocks = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(orders[r]):
-                kind, s, i = orders[r][pos[r]]
-                if kind == "F":
-                    dep = ("F", s - 1, i) if s > 0 else None
-                else:
-                    dep = ("B", s + 1, i) if s < num_stages - 1 else ("F", s, i)
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[r], done[dep] if dep else 0.0)
-                end = start + (fwd_s[s] if kind == "F" else bwd_s[s])
-                done[(kind, s, i)] = free[r] = end
-                blocks.append(Block(r, s, i, kind, start, end))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        assert progressed, f"schedule {schedule} deadlocks at {pos}"  # orders are valid
-    return blocks
+
+    def seconds(kind: str, s: int) -> float:
+        return fwd_s[s] if kind == "F" else bwd_s[s] if kind == "B" else bwd_s[s] / 2
+
+    return [Block(r, s, i, kind, start, end) for r, kind, s, i, start, end in run_in_order(
+        rank_orders(schedule, pp, m, v), num_stages, seconds)]
 
 
 def stage_costs(plan, parts=None) -> tuple[list[float], list[float]]:

@@ -25,6 +25,7 @@ from autoplan._torch_compat import (chunk_spec, implicit_replication,
                                    in_flight_interleaved_schedule_class,
                                    in_flight_pipeline_stage_class, pipeline_eval,
                                    replicate_module)
+from autoplan.options import INTERLEAVED_SCHEDULES
 from autoplan.passes.regather import held_sharded
 from autoplan.plan import parse_placement
 from autoplan.runtime.zero1 import ShardedOptimizer
@@ -145,9 +146,9 @@ def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
     m = plan.num_microbatches
     chunks = None if input_batch_dims is None else tuple(
         chunk_spec(d) for d in input_batch_dims)
-    if plan.schedule == "interleaved-1f1b":
-        return in_flight_interleaved_schedule_class()(pipeline_stages, m, loss_fn=loss_fn,
-                                                      args_chunk_spec=chunks)
+    if plan.schedule in INTERLEAVED_SCHEDULES:
+        return in_flight_interleaved_schedule_class(plan.schedule)(
+            pipeline_stages, m, loss_fn=loss_fn, args_chunk_spec=chunks)
     if len(pipeline_stages) != 1:
         raise ValueError(f"schedule {plan.schedule!r} takes one stage per rank; this rank "
                          f"holds {len(pipeline_stages)}")

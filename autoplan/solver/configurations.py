@@ -15,7 +15,7 @@ from autoplan.cost_model import offload
 from autoplan.cost_model.comm import group_layout
 from autoplan.cost_model.config import Config, stages_of
 from autoplan.graph import CapturedGraph
-from autoplan.options import SearchOptions
+from autoplan.options import INTERLEAVED_SCHEDULES, SearchOptions
 from autoplan.plan import optimizer_pieces
 from autoplan.solver import pins
 from autoplan.solver.context import attention_nodes, cp_degrees
@@ -24,7 +24,7 @@ from autoplan.topology import Topology
 
 __all__ = ["NoFeasiblePlan", "InvalidConfig", "ReplicatedWeightsWarning", "SolverLimitWarning",
            "Overrides", "PlanConfig", "enumerate_configs", "validate", "offload_variants",
-           "balanced_stages", "end_weights"]
+           "balanced_stages", "end_weights", "zero_bubble_refusal"]
 
 
 class NoFeasiblePlan(ValueError):
@@ -69,6 +69,9 @@ class Overrides(SearchOptions):
     # runtime/optim.py): what hands it pieces of a tensor is not searched
     # (plan.py optimizer_pieces)
     elementwise_optimizer: bool = True
+    # False: the stages run through torch.compile, which runs a backward whole (torch 2.13's
+    # `_check_torch_compile_compatibility`): the zero-bubble schedule is not searched
+    split_backward: bool = True
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,13 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
         raise InvalidConfig(f"tp {o.tp} spans nodes of {topology.devices_per_node} devices",
                             option="allow_tp_across_nodes")
     v = o.num_virtual_stages or 1
-    if v > 1 and o.schedule not in (None, "interleaved-1f1b"):
-        raise InvalidConfig(f"num_virtual_stages {v} needs schedule 'interleaved-1f1b'")
+    if v > 1 and o.schedule not in (None, *INTERLEAVED_SCHEDULES):
+        raise InvalidConfig(f"num_virtual_stages {v} needs schedule 'interleaved-1f1b' or "
+                            "'interleaved-zb'")
+    if o.schedule == "interleaved-zb":
+        why = zero_bubble_refusal(o.zero_stage, o.checkpointing, o.split_backward)
+        if why is not None:
+            raise InvalidConfig(f"schedule 'interleaved-zb' {why}", option="schedule")
     if o.pp is not None and o.pp * v > max(layers, 1):
         raise InvalidConfig(f"pp {o.pp} x num_virtual_stages {v} = {o.pp * v} stages is more "
                             f"than the model's {layers} layers")
@@ -151,6 +159,32 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
         _check_microbatches(spec, o, world)
     elif o.dp is not None and spec.global_batch % o.dp:
         raise InvalidConfig(f"global_batch {spec.global_batch} is not divisible by dp {o.dp}")
+
+
+def zero_bubble_refusal(zero_stage: int | None, checkpointing: str | None,
+                        split_backward: bool = True) -> str | None:
+    """Why the zero-bubble schedule cannot run with these choices (None: it can). It runs a
+    microbatch's backward in two passes over one autograd graph, the input gradient and later
+    the weight gradient (torch's `stage_backward_input` / `stage_backward_weight`), which
+    - torch.compile'd stages cannot (torch 2.13 refuses it);
+    - selective checkpointing cannot (torch's selective checkpoint refuses a second backward
+      through its region), and full checkpointing would recompute every block twice, a cost
+      the planner does not price;
+    - ZeRO-3 cannot: FSDP2 takes a block's gradients at its input gradient's post-backward
+      hook, and the weight gradient that follows lands in unsharded parameters that the next
+      forward reshards (measured: wrong gradients at pp 2 x dp 2)."""
+    if not split_backward:
+        return ("runs each backward in two halves, which compiled stages cannot (torch 2.13 "
+                "refuses it under torch.compile): plan with compile=False or another schedule")
+    if checkpointing not in (None, "none"):
+        return (f"with checkpointing {checkpointing!r}: its backward runs twice through "
+                "every block (input, then weight gradients), which selective checkpointing "
+                "refuses and full checkpointing would recompute twice; use checkpointing "
+                "'none' or another schedule")
+    if zero_stage == 3:
+        return ("with ZeRO-3: FSDP2 would reshard a block before its weight gradient is "
+                "taken; use zero_stage 0, 1 or 2 or another schedule")
+    return None
 
 
 def _check_stages(o: Overrides, layers: int) -> None:
@@ -266,17 +300,24 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
     if pp > 1 and o.num_microbatches is None and any(m >= pp for m in ms):
         ms = [m for m in ms if m >= pp]  # fewer microbatches than stages: mostly bubble
     if pp == 1:
-        schedules = [(o.schedule or "1f1b", 1)] if o.schedule != "interleaved-1f1b" else []
+        schedules = [(o.schedule or "1f1b", 1)] if o.schedule not in INTERLEAVED_SCHEDULES \
+            else []
     else:
         schedules = [(s, 1) for s in ("gpipe", "1f1b") if o.schedule in (None, s)]
         vs = [o.num_virtual_stages] if o.num_virtual_stages else [2]
         if o.schedule in (None, "interleaved-1f1b"):
             schedules += [("interleaved-1f1b", v) for v in vs if v > 1 and pp * v <= layers]
+        if o.schedule == "interleaved-zb":  # on request: [Note: zero-bubble time]
+            schedules += [("interleaved-zb", v) for v in dict.fromkeys(
+                [o.num_virtual_stages] if o.num_virtual_stages else [1, *vs])
+                if pp * v <= layers]
     out = []
     for zero in zeros:
         for m in ms:
             for sched, v in schedules:
-                if sched == "interleaved-1f1b" and m % pp:
+                if sched == "interleaved-zb" and zero == 3:
+                    continue  # zero_bubble_refusal
+                if sched in INTERLEAVED_SCHEDULES and m % pp:
                     continue  # the interleaved schedule runs microbatches in rounds of pp
                 if sched == "1f1b" and pp > 1 and m < pp:
                     continue  # torch's Schedule1F1B refuses fewer microbatches than stages
@@ -287,7 +328,8 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
                                    stage_layers=split,
                                    checkpointing=policy, offload=o.offload or "none")
                         for split in dict.fromkeys(s for s in splits if s is not None)
-                        for policy in policies]
+                        for policy in policies
+                        if sched != "interleaved-zb" or policy == "none"]
     if o.offload not in (None, "none"):  # a fixed offload: the stages that run it
         out = [c for c in out if o.offload in offload.offloads_for(c.zero_stage, c.dp)]
     if not o.elementwise_optimizer:

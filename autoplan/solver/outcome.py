@@ -36,7 +36,7 @@ def no_configuration(graph: CapturedGraph, topology: Topology, spec: TrainingSpe
             f"{graph.total_layers} layers")
     o = overrides
     if o.pp and o.pp > 1 and o.num_microbatches and o.num_microbatches < o.pp and \
-            o.schedule in (None, "1f1b", "interleaved-1f1b"):
+            o.schedule in (None, "1f1b", "interleaved-1f1b", "interleaved-zb"):
         text += (f"; {o.num_microbatches} microbatches are fewer than pp {o.pp} stages, which "
                  "torch's 1F1B and interleaved schedules refuse: give num_microbatches >= "
                  f"{o.pp} or schedule gpipe")
@@ -113,13 +113,13 @@ def _unsplit_ops(graph: CapturedGraph, problem: Problem, names) -> list[str]:
 
 def given_overrides(o: Overrides) -> dict:
     """The overrides the user gave: fields set and not at their default (the switches
-    `allow_tp_across_nodes`, `uneven_stages` and `elementwise_optimizer` are not choices
-    fixed)."""
+    `allow_tp_across_nodes`, `uneven_stages`, `elementwise_optimizer` and `split_backward`
+    are not choices fixed)."""
     defaults = Overrides()
     return {k: v for k, v in vars(o).items()
             if v is not None and v != getattr(defaults, k)
             and k not in ("allow_tp_across_nodes", "uneven_stages", "elementwise_optimizer",
-                          "ep", "time_limit_s", "top_k")}
+                          "split_backward", "ep", "time_limit_s", "top_k")}
 
 
 def alternatives(best: Assessment, evaluated: list[Assessment], top_k: int) -> list[tuple]:

@@ -111,6 +111,7 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         raise ValueError(f"compiled={compiled!r}; expected True or False")
     if compiled:
         topology = compiled_topology(topology)
+        o = dataclasses.replace(o, split_backward=False)
     if o.stages is not None:
         v = o.num_virtual_stages or 1
         pp = len(o.stages) // v if o.pp is None and len(o.stages) % v == 0 else o.pp
