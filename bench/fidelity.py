@@ -74,7 +74,11 @@ Bands (docs/design.md, "Bars"): step time within +-20%, peak memory within +-10%
   CPU fit's half-dim of 1; for GPU presets microbatches of few tokens would be flattered).
 - Peak memory: dropout masks are priced where dropout has p = 0 (this model: ~3% of the
   activations; NodeInfo does not record p), selective checkpointing's transient is one
-  replicated block (+6% for dp4 selective).
+  replicated block (+6% for dp4 selective). Under the zero-bubble schedule the output
+  gradients a weight gradient waits on are priced as a microbatch's activations, an upper
+  bound ([Note: zero-bubble memory] in cost_model/schedule_moments.py): 2026-12-07, pp2 m4
+  +12%, pp2 x dp2 v2 m2 +10%. Its step time is in band (-12%, -13%; measured 9% faster than
+  pp2 1F1B m4, predicted 12%).
 - On a loaded machine (other jobs: load average above ~5) step times of one plan vary 2-4x from
   step to step; the probes cannot follow load that changes within a step. `machine.loadavg` in
   the JSON records the load of the run.
@@ -115,11 +119,15 @@ PLANS: list[tuple[str, int, dict]] = [
     ("dp2 zero3", 2, dict(dp=2, zero_stage=3)),
     ("tp2", 2, dict(tp=2)),
     ("pp2 1f1b m4", 2, dict(pp=2, num_microbatches=4, schedule="1f1b")),
+    ("pp2 zero-bubble m4", 2, dict(pp=2, num_microbatches=4, schedule="interleaved-zb",
+                                   num_virtual_stages=1)),
     ("dp2 zero0 full-ckpt", 2, dict(dp=2, zero_stage=0, checkpointing="full")),
     ("dp2xtp2 zero0", 4, dict(dp=2, tp=2, zero_stage=0)),
     ("pp2xdp2 zero3 m2", 4, dict(pp=2, dp=2, zero_stage=3, num_microbatches=2,
                                  schedule="1f1b")),
     ("pp2xtp2 gpipe m4", 4, dict(pp=2, tp=2, num_microbatches=4, schedule="gpipe")),
+    ("pp2xdp2 zero-bubble v2 m2", 4, dict(pp=2, dp=2, zero_stage=1, num_microbatches=2,
+                                          schedule="interleaved-zb", num_virtual_stages=2)),
     ("dp4 zero1", 4, dict(dp=4, zero_stage=1)),
     ("dp4 zero0 selective-ckpt", 4, dict(dp=4, zero_stage=0, checkpointing="selective")),
 ]
