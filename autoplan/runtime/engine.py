@@ -27,7 +27,7 @@ Build order (each step needs the previous one), all on the meta device until ste
    and a sharded optimizer (`ShardedOptimizer`, runtime/zero1.py): each dp rank steps its
    rows of every parameter, then all-gathers them ([Note: ZeRO-1 partition]).
 6. Pipeline parallelism: `torch.distributed.pipelining` stages and schedules (GPipe, 1F1B,
-   interleaved 1F1B) with static shapes; without pp, microbatches are plain gradient
+   interleaved 1F1B, interleaved zero bubble) with static shapes; without pp, microbatches are plain gradient
    accumulation (replicated gradients, ZeRO 0/1, are reduced once, after the last microbatch).
 7. Allocation: `to_empty` gives this rank its shards only, a `WeightSource` fills them one
    full tensor at a time ([Note: sharded construction] in runtime/weights.py), and the build is
