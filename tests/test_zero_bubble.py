@@ -146,11 +146,13 @@ def test_compiled_stages_are_refused(four_blocks):
 # -- the runtime -------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh, zero, v", [("pp2xdp2", 2, 2), ("pp2xtp2", 0, 1)])
+@pytest.mark.parametrize("mesh, zero, v", [("pp2xdp2", 2, 2), ("pp2xtp2", 0, 2)])
 def test_matches_single_process(clusters, mesh, zero, v):
     """The correctness contract under zero bubble (fp32 rtol 1e-5, 3 AdamW steps, a 4-block
     GPT-2 with its tied embedding on both ends): every rank's losses and parameters equal
-    one process's."""
+    one process's. Under tp a stage's outputs are views of its DTensors' local tensors, which
+    torch's split backward cannot detach in place: failed before the stage copied them
+    ("Can't detach views in-place", in the input gradient of stage 2)."""
     factory = _jobs.preset("gpt2-tiny", n_layer=4)
     overrides = dict(pp=2, zero_stage=zero, num_microbatches=2, schedule="interleaved-zb",
                      num_virtual_stages=v, **({"dp": 2} if mesh == "pp2xdp2" else {"tp": 2}))

@@ -180,6 +180,22 @@ def in_flight_pipeline_stage_class():
                 self._allocate(self.grad_recv_info[bwd_chunk_id])
             return super().get_bwd_recv_ops(bwd_chunk_id)
 
+        split_backward = False  # set by the runtime for a zero-bubble schedule
+
+        def forward_maybe_with_nosync(self, *args, **kwargs):
+            """The stage's forward; under a split backward its outputs that are views (a
+            tp stage's local tensors are views of its DTensors' locals) are copied, since
+            torch's `stage_backward_input` detaches the stage outputs in place, which a view
+            refuses ("Can't detach views in-place")."""
+            out = super().forward_maybe_with_nosync(*args, **kwargs)
+            if not self.split_backward:
+                return out
+
+            def own(t):
+                return t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t
+
+            return tuple(own(t) for t in out) if isinstance(out, (tuple, list)) else own(out)
+
         def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None,
                               save_forward_output: bool = True):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)

@@ -143,6 +143,8 @@ def build_schedule(plan, stages: list[tuple[int, nn.Module]], num_stages: int,
     pipeline_stages = [stage_cls(m, idx, num_stages, device, group=pp_group,
                                  input_args=examples[idx][0], output_args=examples[idx][1])
                        for idx, m in stages]
+    for stage in pipeline_stages:
+        stage.split_backward = plan.schedule == "interleaved-zb"
     m = plan.num_microbatches
     chunks = None if input_batch_dims is None else tuple(
         chunk_spec(d) for d in input_batch_dims)
