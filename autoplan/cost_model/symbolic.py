@@ -64,6 +64,9 @@ FORMULAS: dict[str, sympy.Expr] = {
     "hardware_flops_full_recompute": 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)),
     "bubble_fraction": (p - 1) / m,
     "bubble_fraction_interleaved": (p - 1) / (v * m),
+    # Qi et al. 2024 (Zero Bubble Pipeline Parallelism), section 3: ZB-H1's bubble
+    # (p - 1)(T_F + T_B - T_W) with T_F = T_B = T_W, over v chunks ([Note: zero-bubble time])
+    "bubble_fraction_zero_bubble": (p - 1) / (3 * v * m),
     # Megatron-LM tensor parallelism (Shoeybi et al. 2019 section 3; Narayanan et al. SC'21
     # section 3.3): 2 all-reduces forward + 2 backward of b*s*h elements per layer per microbatch
     "tp_allreduce_bytes_per_layer": 4 * b * s * h * e,
@@ -87,6 +90,7 @@ SOURCES = {
     "hardware_flops_full_recompute": "Narayanan et al. SC'21, appendix (FLOPs)",
     "bubble_fraction": "Narayanan et al. SC'21, section 2.2.1",
     "bubble_fraction_interleaved": "Narayanan et al. SC'21, section 2.2.2",
+    "bubble_fraction_zero_bubble": "Qi et al. 2024 (arXiv 2401.10241), section 3 (ZB-H1)",
     "tp_allreduce_bytes_per_layer": "Shoeybi et al. 2019, section 3; Narayanan et al. SC'21 3.3",
     "tp_ring_bytes_sent_per_layer": "as tp_allreduce_bytes_per_layer, ring factor 2(t-1)/t",
     **{name: "ring alpha-beta; nccl-tests PERFORMANCE.md" for name in FORMULAS

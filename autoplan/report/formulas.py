@@ -29,11 +29,13 @@ def _names(plan: Plan) -> list[str]:
                   "full": "act_layer_full_recompute"}.get(
         plan.checkpointing, "act_layer_tp" if m.tp > 1 else "act_layer"))
     if m.pp > 1:
-        if plan.num_virtual_stages > 1:
+        if plan.schedule == "interleaved-zb":  # its memory: [Note: zero-bubble memory]
+            names += ["bubble_fraction_zero_bubble"]
+        elif plan.num_virtual_stages > 1:
             names += ["bubble_fraction_interleaved", "interleaved_act_factor"]
         else:
             names += ["bubble_fraction"]
-        if plan.schedule != "gpipe":
+        if plan.schedule in ("1f1b", "interleaved-1f1b"):
             names.append("act_first_stage_1f1b")
         names.append("send_recv_time")
     if m.tp > 1:

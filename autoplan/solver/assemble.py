@@ -279,8 +279,9 @@ def _prediction(search, best: Assessment) -> Prediction:
 def _stage_time_s(search, best: Assessment) -> tuple[float, float]:
     """(t_comp + t_comm, its pipeline transfers) of [Note: step time] in pipeline.py: one
     microbatch through the busiest pp rank. Without pp, the placement's totals (compute at the
-    node's speed); with pp, from the bubble, (pp - 1) / v slots of it (exact on dedicated
-    devices); the transfers: 2 v p2p messages of the stage boundary."""
+    node's speed); with pp, from the bubble, (pp - 1) / v slots of it, (pp - 1) / (3 v)
+    under zero bubble ([Note: zero-bubble time]) (exact on dedicated devices); the
+    transfers: 2 v p2p messages of the stage boundary."""
     cfg, sol, topology = best.config, best.solution, search.topology
     if cfg.pp == 1:
         busy = min(topology.devices_per_node, cfg.dp * cfg.cp * cfg.tp)
@@ -291,4 +292,6 @@ def _stage_time_s(search, best: Assessment) -> tuple[float, float]:
     p2p = 2 * cfg.num_virtual_stages * pipeline_hop_time_s(
         boundary, topology, pp=cfg.pp, stage_ranks=cfg.tp * cfg.cp * cfg.dp,
         num_virtual_stages=cfg.num_virtual_stages)
-    return best.bubble_s * cfg.num_virtual_stages / (cfg.pp - 1), p2p
+    slots = (cfg.pp - 1) / cfg.num_virtual_stages / (3 if cfg.schedule == "interleaved-zb"
+                                                      else 1)
+    return best.bubble_s / slots, p2p

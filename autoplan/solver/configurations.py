@@ -128,7 +128,7 @@ def validate(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Ov
     if o.schedule == "interleaved-zb":
         why = zero_bubble_refusal(o.zero_stage, o.checkpointing, o.split_backward)
         if why is not None:
-            raise InvalidConfig(f"schedule 'interleaved-zb' {why}", option="schedule")
+            raise InvalidConfig(f"schedule 'interleaved-zb' {why}")
     if o.pp is not None and o.pp * v > max(layers, 1):
         raise InvalidConfig(f"pp {o.pp} x num_virtual_stages {v} = {o.pp * v} stages is more "
                             f"than the model's {layers} layers")
