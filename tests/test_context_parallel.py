@@ -288,6 +288,9 @@ def test_candidate_ranks_give_the_peak_of_every_rank(long_llama, h100, monkeypat
     cases = [(pp, m, sched, v, zero) for pp in (2, 3, 5, 8) for m in (1, 2, 4, 7, 16)
              for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
              for zero in (0, 3) if sched != "interleaved-1f1b" or m % pp == 0]
+    # zero bubble: more in flight on later ranks ([Note: zero-bubble memory]); no ZeRO-3
+    cases += [(pp, m, "interleaved-zb", v, zero) for pp in (2, 3, 5, 8) for m in (2, 4, 16)
+              for v in (1, 2) for zero in (0, 2) if m % pp == 0 and pp * v <= 37]
     for pp, m, sched, v, zero in cases:
         cfg = Config(pp, 2, 1, zero, m, 1, sched, v)
         kw = dict(total_layers=37, output_bytes=4e8, boundary_bytes=2e8)

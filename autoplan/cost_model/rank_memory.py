@@ -435,10 +435,12 @@ def candidate_ranks(cfg: Config, layers: list[int]) -> list[int]:
     first rank of every run of middle ranks with equal layers and equal
     `grads_at_activation_peak`. Inside such a run every quantity of [Note: step time] and
     [Note: memory per rank] is non-increasing in r (the microbatches in flight,
-    `pipeline_in_flight_microbatches`, fall with r under every schedule; the receive
-    buffers, stage outputs and parts are those of any middle rank), so the run's first rank
-    bounds the others and, coming first, is the one `max` picks on a tie.
-    tests/test_planner_scale.py checks assess against every rank."""
+    `pipeline_in_flight_microbatches`, fall with r under every schedule but zero bubble; the
+    receive buffers, stage outputs and parts are those of any middle rank), so the run's
+    first rank bounds the others and, coming first, is the one `max` picks on a tie. Under
+    zero bubble the microbatches in flight rise with r ([Note: zero-bubble memory]), so the
+    last rank of every run is kept too. tests/test_context_parallel.py checks assess over
+    these against every rank."""
     return _ranks_to_check(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.num_virtual_stages,
                            tuple(layers))
 
@@ -448,15 +450,13 @@ def _ranks_to_check(schedule: str, pp: int, m: int, v: int,
                     layers: tuple[int, ...]) -> tuple[int, ...]:
     """candidate_ranks on the numbers it depends on (cached: configurations differing only
     in tp, cp, dp, ZeRO, microbatch size or policy share it)."""
-    out = []
-    flag = None
-    for r in range(pp):
-        in_flight = pipeline_in_flight_microbatches(schedule, pp, m, r, v)
-        now = (layers[r], _grads_at_peak(schedule, pp, m, in_flight))
-        if r in (0, 1, pp - 1) or now != flag:
-            out.append(r)
-        flag = now
-    return tuple(out)
+    keys = [(layers[r], _grads_at_peak(schedule, pp, m,
+                                       pipeline_in_flight_microbatches(schedule, pp, m, r, v)))
+            for r in range(pp)]
+    rising = schedule == "interleaved-zb"
+    return tuple(r for r in range(pp)
+                 if r in (0, 1, pp - 1) or keys[r] != keys[r - 1]
+                 or (rising and (r == pp - 2 or keys[r] != keys[r + 1])))
 
 
 @dataclasses.dataclass(frozen=True)
