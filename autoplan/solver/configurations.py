@@ -315,8 +315,6 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
     for zero in zeros:
         for m in ms:
             for sched, v in schedules:
-                if sched == "interleaved-zb" and zero == 3:
-                    continue  # zero_bubble_refusal
                 if sched in INTERLEAVED_SCHEDULES and m % pp:
                     continue  # the interleaved schedule runs microbatches in rounds of pp
                 if sched == "1f1b" and pp > 1 and m < pp:
@@ -329,7 +327,8 @@ def _configs_for_mesh(pp, dp, tp, layers, spec, o: Overrides, policies,
                                    checkpointing=policy, offload=o.offload or "none")
                         for split in dict.fromkeys(s for s in splits if s is not None)
                         for policy in policies
-                        if sched != "interleaved-zb" or policy == "none"]
+                        if sched != "interleaved-zb"
+                        or zero_bubble_refusal(zero, policy) is None]
     if o.offload not in (None, "none"):  # a fixed offload: the stages that run it
         out = [c for c in out if o.offload in offload.offloads_for(c.zero_stage, c.dp)]
     if not o.elementwise_optimizer:
