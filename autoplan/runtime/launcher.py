@@ -1,6 +1,7 @@
 """Process launching: a local cluster of N CPU ranks (gloo), and `torchrun` environments.
 
-`LocalCluster(world_size)` spawns N worker processes once and keeps their gloo process group
+`LocalCluster(world_size)` starts N worker processes once (forked from a server that has
+imported torch: [Note: ranks fork from a preloaded server]) and keeps their gloo process group
 alive, so many jobs (tests, benchmarks) share one set of processes instead of paying process and
 import start-up each time. `LocalCluster.run(fn, *args, timeout_s=...)` runs `fn(*args)` on every
 rank and returns the per-rank results in rank order. A failed job raises `RankError` naming the
@@ -41,8 +42,8 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
-import threading
 import time
 import traceback
 import weakref
@@ -115,8 +116,39 @@ def _summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+# [Note: ranks fork from a preloaded server]
+# A rank is a fresh process: spawned, it imports torch, torch.distributed, DTensor and (for a
+# Hugging Face model) transformers before its first job, ~3 s of CPU each on this machine, paid
+# by every rank of every cluster -- 40% of the CPU of a 4-rank compiled job that starts two
+# clusters (tests/test_compile.py, py-spy). So ranks start from multiprocessing's fork server
+# (`_rank_context`), a clean process started once per parent that imports this module (torch,
+# torch.distributed, autoplan's DTensor layer) and transformers when the parent has imported
+# it, then forks each rank: the imports are paid once per parent, not once per rank (4 ranks
+# that import torch and transformers: 11.6 s of CPU spawned, 0 in the ranks forked, 2.9 s in
+# the server). The server is single-threaded and has run no op (no OpenMP pool, no CUDA
+# context), so forking it is safe, and it is not the parent: the parent's other threads and
+# state stay out. What a fork server does not pass on, the rank takes itself: the parent's
+# environment as it is at the cluster's start (`env`; the server's is the one it started
+# with -- the test suite sets a plan cache directory per test), and the death of the process
+# that started it ([Note: ranks die with their parent]; the server is the rank's parent).
+# Modules whose import reads the environment (torch._inductor's config) are not preloaded.
+
+
+def _rank_context():
+    """The multiprocessing context ranks start from ([Note: ranks fork from a preloaded
+    server]): "forkserver" with this module and, when the parent has imported it,
+    transformers preloaded (the list takes effect when the server starts: at the first
+    cluster of a process)."""
+    ctx = mp.get_context("forkserver")
+    preload = [__name__] + [m for m in ("transformers",) if m in sys.modules]
+    ctx.set_forkserver_preload(preload)
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float,
-            stack_path: str, parent_pid: int, use_prctl: bool) -> None:
+            stack_path: str, parent_pid: int, use_prctl: bool, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the parent's, not the fork server's
     die_with_parent(parent_pid, use_prctl=use_prctl, poll_s=_POLL_S)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -205,20 +237,21 @@ class LocalCluster:
             raise ValueError(f"LocalCluster: world_size={world_size} must be >= 1")
         self.world_size = world_size
         self.pg_timeout_s = _collective_timeout_s(pg_timeout_s, LOCAL_COLLECTIVE_TIMEOUT_S)
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._stack_dir = tempfile.mkdtemp(prefix="autoplan-ranks-")
         self._stack_paths = [os.path.join(self._stack_dir, f"rank{r}.stacks")
                              for r in range(world_size)]
         port = _free_port()
-        # PR_SET_PDEATHSIG fires when the thread that started a rank ends: only the main
-        # thread lives as long as this process ([Note: ranks die with their parent]).
-        use_prctl = threading.current_thread() is threading.main_thread()
+        # PR_SET_PDEATHSIG fires when the thread that forked a rank ends: the fork server's
+        # only thread, which lives until this process ends ([Note: ranks die with their
+        # parent], [Note: ranks fork from a preloaded server]).
+        env = dict(os.environ)
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
                         args=(r, world_size, port, self._tasks[r], self._results,
-                              self.pg_timeout_s, self._stack_paths[r], os.getpid(), use_prctl))
+                              self.pg_timeout_s, self._stack_paths[r], os.getpid(), True, env))
             for r in range(world_size)]
         for p in self._procs:
             p.start()

@@ -50,11 +50,47 @@ def _watch_parent(parent_pid: int, poll_s: float) -> None:
     os._exit(1)  # the parent is gone: nobody reads this rank's results
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (exists and is not a zombie: a killed process its own parent
+    has not reaped yet is dead to us)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: existence is all we can tell
+
+
+def _watch_starter(starter_pid: int, poll_s: float) -> None:
+    while _alive(starter_pid):
+        time.sleep(poll_s)
+    os._exit(1)  # whoever started this rank is gone: nobody reads its results
+
+
 def die_with_parent(parent_pid: int, *, use_prctl: bool = True, poll_s: float = 0.5) -> None:
-    """Make this process end when process `parent_pid` (its parent) ends ([Note: ranks die with
-    their parent]): by PR_SET_PDEATHSIG when `use_prctl` and Linux allow it, else by a daemon
-    thread that polls os.getppid() every `poll_s` seconds. Exits at once when the parent is
-    already gone."""
+    """Make this process end when process `parent_pid` (its parent, or the process that had a
+    fork server start it) ends ([Note: ranks die with their parent]): by PR_SET_PDEATHSIG when
+    `use_prctl` and Linux allow it, else by a daemon thread that polls os.getppid() every
+    `poll_s` seconds; started through a fork server, by both (the signal follows the server,
+    the thread polls `parent_pid`). Exits at once when the parent is already gone."""
+    if os.getppid() != parent_pid:
+        # started through a fork server (launcher.py [Note: ranks fork from a preloaded
+        # server]): the server is the parent, and it ends when the process that started it
+        # does (multiprocessing/forkserver.py: EOF on its `alive` pipe); PR_SET_PDEATHSIG
+        # follows the server, a watch thread the starter itself (dead before the prctl call,
+        # or a server kept alive by a child the starter forked)
+        if use_prctl:
+            _set_pdeathsig(signal.SIGKILL)
+        if not _alive(parent_pid):
+            os._exit(1)
+        threading.Thread(target=_watch_starter, args=(parent_pid, poll_s), daemon=True,
+                         name="autoplan-parent-watch").start()
+        return
     if use_prctl and _set_pdeathsig(signal.SIGKILL):
         if os.getppid() != parent_pid:
             os._exit(1)
