@@ -126,7 +126,8 @@ def graph_fingerprint(graph) -> str:
         "inputs": [list(graph.input_names), [list(s) for s in graph.input_shapes],
                    list(graph.input_dtypes)],
         "layers": [graph.layer_prefix, graph.num_layers, graph.total_layers,
-                   sorted((k, list(v)) for k, v in graph.layer_nodes.items())],
+                   sorted((k, list(v)) for k, v in graph.layer_nodes.items())]
+        + ([graph.first_layer] if graph.first_layer else []),  # keys of before kept
         "outputs": [list(graph.output_names), str(graph.output_treespec)],
         "sizes": [graph.model_name, graph.batch_size, graph.seq_len],
     }

@@ -94,11 +94,14 @@ class CapturedGraph:
         input_dtypes: dtype name of each input.
         layer_prefix: FQN of the ModuleList holding the repeated blocks ("" if none).
         num_layers: number of repeated blocks.
+        first_layer: the container's leading blocks outside the repeated run, whose ops are
+            outside the blocks ([Note: leading blocks] in capture/stack.py): block k is the
+            container's child first_layer + k (`block_path`). Usually 0.
         layer_nodes: node names per layer id, in graph order (identical blocks align by index).
         model_name: a name for reports.
-        total_layers: depth of the real model when it was captured with fewer blocks (planning
-            a 126-layer model captures a few identical blocks and scales; see capture). Equal
-            to num_layers for a full capture.
+        total_layers: blocks of the real model's repeated run when it was captured with
+            fewer (planning a 126-layer model captures a few identical blocks and scales; see
+            capture). Equal to num_layers for a full capture.
         output_names: path of each output tensor in the model's output ("logits", "loss",
             "0"; "output" for a bare tensor), in the graph's output order.
         output_treespec: pytree structure of the model's output (None: one bare tensor).
@@ -124,6 +127,11 @@ class CapturedGraph:
     output_constants: dict[int, Any] = field(default_factory=dict)
     batch_size: int = 0
     seq_len: int = 0
+    first_layer: int = 0
+
+    def block_path(self, k: int) -> str:
+        """Module FQN of repeated block k (layer id k): `{layer_prefix}.{first_layer + k}`."""
+        return f"{self.layer_prefix}.{self.first_layer + k}"
 
     def __post_init__(self) -> None:
         if not self.total_layers:

@@ -322,13 +322,14 @@ def test_capture_preset_405b_shallow():
     assert [n.flops for n in q] == [2 * 16 * 16384 * 16384]
 
 
-def test_a_stack_whose_first_blocks_differ_from_the_rest_is_planned_whole(tmp_path):
+def test_a_stack_whose_first_blocks_differ_is_planned_from_them_and_two_of_the_rest(tmp_path):
     """A config whose first blocks are dense and the rest MoE (DeepSeek-V3's
-    first_k_dense_replace) is captured whole for planning, as `@autoparallel` captures the
-    instance ([Note: shallow planning capture]): cutting its depth to the 2 planning blocks
-    kept only dense blocks, and the plan priced a dense model (DeepSeek-V3: 37B of 671B
-    parameters, 71 GB per H100 where ZeRO-0 at pp 8 x tp 4 needs ~5 times that). A uniform
-    stack stays shallow."""
+    first_k_dense_replace) is captured for planning with its dense blocks, as ops outside the
+    blocks, and two MoE blocks scaled to the rest ([Note: leading blocks] in
+    capture/stack.py): cutting its depth to the 2 planning blocks once kept only dense
+    blocks, and the plan priced a dense model (DeepSeek-V3: 37B of 671B parameters, 71 GB per
+    H100 where ZeRO-0 at pp 8 x tp 4 needs ~5 times that). The full capture (the runtime's)
+    finds the same layout; a uniform stack stays shallow from its first blocks."""
     import json
 
     import _moe
@@ -338,16 +339,23 @@ def test_a_stack_whose_first_blocks_differ_from_the_rest_is_planned_whole(tmp_pa
         path.write_text(json.dumps(cfg))
         return str(path)
 
-    moe = config_file("moe", _moe.config("deepseek_v3", num_hidden_layers=4,
+    moe = config_file("moe", _moe.config("deepseek_v3", num_hidden_layers=6,
                                          first_k_dense_replace=2).to_dict())
-    whole = capture_preset(moe, batch=2, seq_len=8, num_layers=2)
-    assert (whole.num_layers, whole.total_layers) == (4, 4)
-    assert whole.num_params == sum(p.numel() for p in build_model(moe).parameters())
-    experts = {n.layer_id for n in whole.nodes.values() if "experts" in str(n.target)}
-    assert experts == {2, 3}  # the MoE blocks are in the planned graph
+    planned = capture_preset(moe, batch=2, seq_len=8, num_layers=2)
+    full = capture_preset(moe, batch=2, seq_len=8)
+    assert (planned.num_layers, planned.total_layers, planned.first_layer) == (2, 4, 2)
+    assert (full.num_layers, full.total_layers, full.first_layer) == (4, 4, 2)
+    for graph in (planned, full):
+        experts = {n.layer_id for n in graph.nodes.values() if "experts" in str(n.target)}
+        assert experts == set(range(graph.num_layers))  # every block of the run is MoE
+        dense = [p for fqn, p in graph.params.items() if fqn.startswith("model.layers.1.")]
+        assert dense and all(p.layer_id is None for p in dense)  # outside the blocks
+        assert graph.block_path(0) == "model.layers.2"
+    block = sum(p.numel for p in planned.params.values() if p.layer_id == 0 and not p.is_buffer)
+    assert planned.num_params + 2 * block == sum(p.numel() for p in build_model(moe).parameters())
     dense = config_file("dense", dict(model_config("llama-tiny"), num_hidden_layers=4))
     shallow = capture_preset(dense, batch=2, seq_len=8, num_layers=2)
-    assert (shallow.num_layers, shallow.total_layers) == (2, 4)
+    assert (shallow.num_layers, shallow.total_layers, shallow.first_layer) == (2, 4, 0)
 
 
 def test_presets():

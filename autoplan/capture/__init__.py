@@ -21,7 +21,8 @@ The steps, in order:
    meta tensors, see `_node_flops`), innermost module FQN and layer id.
 5. Repeated blocks: the nn.ModuleList / nn.ModuleDict (digit keys; not a parametrization's
    list, `conv.parametrizations.weight`) with the most children of one class holds the layers
-   (`layer_prefix` overrides); ops under `{layer_prefix}.{k}` get layer id k.
+   (`layer_prefix` overrides); ops under `{layer_prefix}.{first + k}` get layer id k, `first`
+   the leading blocks unlike the rest ([Note: leading blocks] in stack.py; usually 0).
 
 [Note: tied weights] Export may read a tied tensor under either name (GPT-2's embedding reads
 `lm_head.weight`). Every name is mapped by tensor identity to its canonical FQN, the first name
@@ -60,6 +61,7 @@ from autoplan.capture.facts import (_backward_shares, _check_layers_align, _dtyp
                                     _find_layers, _node_info, _param_infos)
 from autoplan.capture.fusion import fused_bytes
 from autoplan.capture.hf_experts import experts_as_op
+from autoplan.capture.stack import stack_layout
 from autoplan.capture.trace import _check_inputs, _export, _input_names
 from autoplan.graph import CapturedGraph, NodeInfo
 # Re-exported: they live with the passes, which own graph rewriting.
@@ -88,7 +90,7 @@ def _check_positions(model: nn.Module, inputs, model_name: str) -> None:
 
 def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
             model_name: str = "model", layer_prefix: str | None = None,
-            total_layers: int | None = None,
+            total_layers: int | None = None, first_layer: int | None = None,
             example_kwargs: dict | None = None) -> CapturedGraph:
     """Capture `model(*example_inputs, **example_kwargs)` as an aten FX graph with per-node
     facts.
@@ -104,8 +106,11 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
         model_name: name for reports and error messages.
         layer_prefix: FQN of the ModuleList/ModuleDict of repeated blocks (default: detected,
             the container with most children of one class); "" for no layers.
-        total_layers: depth of the real model when `model` is a shallow copy (default: the
-            number of blocks captured).
+        total_layers: blocks of the real model's repeated run when `model` is a shallow copy
+            (default: the number of blocks captured).
+        first_layer: leading blocks of the container outside its repeated run ([Note: leading
+            blocks] in capture/stack.py; default: `stack_layout` of the container), given by
+            a shallow copy whose own tail is too short to tell.
 
     Returns:
         CapturedGraph; `gm(*flat_inputs)` returns one tensor or a flat tuple of the output's
@@ -127,16 +132,20 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
     gm = _clean_graph(ep.module(), model, _input_names(model, in_spec))
     retarget_device(gm, torch.device("meta"))
 
-    prefix, num_layers = _find_layers(model, layer_prefix)
+    prefix, size = _find_layers(model, layer_prefix)
+    if first_layer is None:
+        first_layer = stack_layout(model.get_submodule(prefix)) if size else 0
+    num_layers = size - first_layer
     module_names = {name for name, _ in model.named_modules()}
     nodes: dict[str, NodeInfo] = {}
     with flop_counter.FlopCounterMode(display=False) as counter:
         for node in gm.graph.nodes:
             if node.op == "call_function":
-                nodes[node.name] = _node_info(node, counter, module_names, prefix, model_name)
+                nodes[node.name] = _node_info(node, counter, module_names, prefix, model_name,
+                                              first_layer)
     for name, nbytes in fused_bytes(gm).items():
         nodes[name] = dataclasses.replace(nodes[name], fused_bytes=nbytes)
-    params = _param_infos(model, prefix)
+    params = _param_infos(model, prefix, first_layer)
     for name, share in _backward_shares(gm, params).items():
         if share != 1.0:  # frozen parameters only ([Note: backward share])
             nodes[name] = dataclasses.replace(nodes[name], backward_share=share)
@@ -150,7 +159,7 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
         input_names=tuple(n.name for n in gm.graph.find_nodes(op="placeholder")),
         input_shapes=tuple(tuple(t.shape) for t in inputs),
         input_dtypes=tuple(_dtype_name(t.dtype) for t in inputs),
-        layer_prefix=prefix, num_layers=num_layers,
+        layer_prefix=prefix, num_layers=num_layers, first_layer=first_layer,
         layer_nodes={k: tuple(v) for k, v in sorted(layer_nodes.items())},
         model_name=model_name, total_layers=total_layers or num_layers,
         output_names=tuple(root.seen.names), output_treespec=root.seen.spec,

@@ -65,7 +65,7 @@ from autoplan.progress import detail
 __all__ = ["CAPTURE_SCHEMA", "CaptureCache", "cached_capture", "capture_key"]
 
 # Bump when the layout of an entry or of the key changes.
-CAPTURE_SCHEMA = 1
+CAPTURE_SCHEMA = 2
 
 
 def capture_key(model: nn.Module, example_inputs, example_kwargs: dict | None, *,

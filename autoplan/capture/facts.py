@@ -90,15 +90,18 @@ def _module_path(node: torch.fx.Node, module_names: set[str]) -> str:
     return path
 
 
-def _layer_of(path: str, prefix: str) -> int | None:
+def _layer_of(path: str, prefix: str, first: int = 0) -> int | None:
+    """Layer id of module `path`: its block's index in container `prefix` less the `first`
+    leading blocks ([Note: leading blocks] in capture/stack.py); None outside the blocks."""
     if not prefix or not path.startswith(prefix + "."):
         return None
     key = path[len(prefix) + 1:].split(".", 1)[0]
-    return int(key) if key.isdigit() else None
+    return int(key) - first if key.isdigit() and int(key) >= first else None
 
 
 def _node_info(node: torch.fx.Node, counter: flop_counter.FlopCounterMode,
-               module_names: set[str], prefix: str, model_name: str) -> NodeInfo:
+               module_names: set[str], prefix: str, model_name: str,
+               first: int = 0) -> NodeInfo:
     val = node.meta.get("val")
     outs = _tensors(val)
     path = _module_path(node, module_names)
@@ -128,7 +131,7 @@ def _node_info(node: torch.fx.Node, counter: flop_counter.FlopCounterMode,
         shapes=tuple(tuple(int(d) for d in t.shape) for t in outs),
         dtypes=tuple(_dtype_name(t.dtype) for t in outs),
         out_bytes=_nbytes(val), in_bytes=in_bytes, flops=int(flops),
-        module_path=path, layer_id=_layer_of(path, prefix))
+        module_path=path, layer_id=_layer_of(path, prefix, first))
 
 
 # --- which inputs carry a gradient -------------------------------------------------------------
@@ -216,17 +219,17 @@ def _check_layers_align(nodes: dict[str, NodeInfo], layer_nodes: dict[int, list[
                       f"sequence: blocks {differ}", stacklevel=3)
 
 
-def _param_infos(model: nn.Module, prefix: str) -> dict[str, ParamInfo]:
+def _param_infos(model: nn.Module, prefix: str, first: int = 0) -> dict[str, ParamInfo]:
     canonical, to_canonical = _canonical_tensors(model)
     params = {id(p) for p in model.parameters()}
     aliases: dict[str, list[str]] = {fqn: [] for fqn in canonical}
-    for fqn, first in to_canonical.items():
-        if fqn != first:
-            aliases[first].append(fqn)
+    for fqn, name in to_canonical.items():
+        if fqn != name:
+            aliases[name].append(fqn)
     return {
         fqn: ParamInfo(fqn=fqn, shape=tuple(t.shape), dtype=_dtype_name(t.dtype),
                        numel=t.numel(), is_buffer=id(t) not in params,
-                       layer_id=_layer_of(fqn.rpartition(".")[0], prefix),
+                       layer_id=_layer_of(fqn.rpartition(".")[0], prefix, first),
                        aliases=tuple(aliases[fqn]),
                        trainable=id(t) in params and t.requires_grad)
         for fqn, t in canonical.items()}

@@ -17,12 +17,16 @@ H100 at pp 8 x tp 4, ZeRO-0 -- without a word; tests/test_capture.py):
    others: same class, same parameter and buffer names, shapes and dtypes, same submodule
    classes, and the same plain attributes (ints, floats, strings: an HF layer's
    `attention_type` "sliding_attention" vs "full_attention" differs there) except those that
-   hold the block's own index (`layer_idx`). When they are not, the whole model is captured;
+   hold the block's own index (`layer_idx`) -- all of them, or all after a few leading
+   blocks that differ ([Note: leading blocks] in capture/stack.py: DeepSeek-V3's dense first
+   blocks), which are then captured too, as ops outside the blocks. When they are not, the
+   whole model is captured;
 3. the copy shares every parameter, buffer and block with the user's module (nothing is
    allocated or copied, the user's module is not changed): the modules on the path from the
    root to the container are copied with `copy.copy` and given their own `_modules` dicts, and
-   the container of the copy holds the first `num_blocks` blocks;
-4. it is captured with `capture(..., total_layers=<the real depth>)`.
+   the container of the copy holds the leading blocks and the first `num_blocks` of the run;
+4. it is captured with `capture(..., total_layers=<the run's real length>, first_layer=<the
+   leading blocks>)`.
 
 Hugging Face models run `self.layers[: config.num_hidden_layers]`, which stops at the blocks
 the copy has. Only planning uses the shallow graph: the runtime captures every block (and
@@ -49,19 +53,16 @@ from torch import nn
 
 from autoplan.capture import capture
 from autoplan.capture.facts import _find_layers
+from autoplan.capture.stack import blocks_differ, stack_layout
 from autoplan.graph import CapturedGraph
 from autoplan.progress import note
 
 __all__ = ["PLANNING_BLOCKS", "capture_for_planning", "shallow_copy", "blocks_differ"]
+# blocks_differ lives in capture/stack.py with the rest of a stack's layout; re-exported here
 
 PLANNING_BLOCKS = 2
 """Blocks captured for planning (`autoplan plan --num-layers-capture`'s default too): two, so
 that the block-to-block edge (the residual stream) is in the captured graph."""
-
-_PLAIN = (bool, int, float, str, type(None))
-# attributes that hold a block's own position, not its structure (HF: layer_idx; others: idx)
-_INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "block_idx", "idx", "index")
-
 
 def capture_for_planning(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
                          model_name: str = "model", num_blocks: int = PLANNING_BLOCKS,
@@ -87,16 +88,18 @@ def capture_for_planning(model: nn.Module, example_inputs: tuple[torch.Tensor, .
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    prefix, depth = _find_layers(model, None)
+    prefix, size = _find_layers(model, None)
     kwargs = dict(model_name=model_name, example_kwargs=example_kwargs)
+    first = stack_layout(model.get_submodule(prefix)) if size else 0
+    depth = size - first  # the repeated run ([Note: leading blocks] in capture/stack.py)
     if depth <= num_blocks:
         return capture(model, example_inputs, **kwargs)
-    differ = blocks_differ(model.get_submodule(prefix))
+    differ = blocks_differ(model.get_submodule(prefix), first)
     if differ:
         note(f"{model_name}: capturing all {depth} blocks of {prefix!r} for planning: {differ}")
         return capture(model, example_inputs, **kwargs)
-    shallow = shallow_copy(model, prefix, num_blocks)
-    return capture(shallow, example_inputs, total_layers=depth, **kwargs)
+    shallow = shallow_copy(model, prefix, first + num_blocks)
+    return capture(shallow, example_inputs, total_layers=depth, first_layer=first, **kwargs)
 
 
 def shallow_copy(model: nn.Module, prefix: str, num_blocks: int) -> nn.Module:
@@ -125,39 +128,3 @@ def _detached(module: nn.Module) -> nn.Module:
     out = copy.copy(module)
     out._modules = dict(module._modules)
     return out
-
-
-def blocks_differ(container: nn.Module) -> str | None:
-    """Why the blocks of `container` are not structurally identical (the first difference, in
-    words), or None when they are ([Note: shallow planning capture], step 2)."""
-    blocks = list(container.named_children())
-    first_name, first = blocks[0]
-    reference = _structure(first, 0)
-    for k, (name, block) in enumerate(blocks[1:], start=1):
-        other = _structure(block, k)
-        if other != reference:
-            what = next(key for key in ("class", "params", "buffers", "modules", "attributes")
-                        if other[key] != reference[key])
-            return f"block {name} differs from block {first_name} in its {what}"
-    return None
-
-
-def _structure(block: nn.Module, index: int) -> dict:
-    """What must be equal between two blocks for one to stand for the other."""
-    attributes = {}
-    for path, module in block.named_modules():
-        for key, value in vars(module).items():
-            if key.startswith("_") or not isinstance(value, _PLAIN):
-                continue
-            if key in _INDEX_NAMES and value == index:
-                continue  # the block's own position
-            attributes[f"{path}.{key}"] = value
-    return {
-        "class": type(block),
-        "params": [(n, tuple(p.shape), p.dtype, p.requires_grad)
-                   for n, p in block.named_parameters(remove_duplicate=False)],
-        "buffers": [(n, tuple(b.shape), b.dtype)
-                    for n, b in block.named_buffers(remove_duplicate=False)],
-        "modules": [(n, type(m)) for n, m in block.named_modules()],
-        "attributes": attributes,
-    }

@@ -6,7 +6,7 @@ parameters in the unit's forward pre-hook and reduce-scatters its gradients from
 registers there, so with a flat graph the whole stage is one unit and ZeRO-3 gathers the whole
 stage at once (the model, at pp 1) -- not what ZeRO-3 is for. This pass moves the ops of block
 k (the nodes of `CapturedGraph.layer_nodes[k]` and the redistributions inserted for them) into
-a GraphModule installed at the block's own path (`{layer_prefix}.{k}`, e.g.
+a GraphModule installed at the block's own path (`CapturedGraph.block_path(k)`, e.g.
 `transformer.h.3`), holding the block's parameters at their own FQNs (named_parameters, state
 dicts and checkpoints see no change), and calls it (`call_module`). Then each block is one FSDP2
 unit (gathered in its pre-forward, resharded after; FSDP2 prefetches the next one), and
@@ -61,7 +61,7 @@ def install_blocks(gm: torch.fx.GraphModule, graph: CapturedGraph) -> list[str]:
         return []
     paths = []
     for k, nodes in block_nodes(gm, graph).items():
-        path = f"{graph.layer_prefix}.{k}"
+        path = graph.block_path(k)
         if _shared(gm, path, set(nodes)):
             continue  # a tensor under the block's path is read outside it: stays flat
         _install(gm, path, nodes)

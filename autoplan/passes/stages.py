@@ -106,11 +106,16 @@ def assign_stages(gm: torch.fx.GraphModule, graph: CapturedGraph,
         if node.name in in_layers or node.name in feeds_layers:
             for a in node.all_input_nodes:
                 feeds_layers.add(a.name)
+    # the ops of a leading block ([Note: leading blocks] in capture/stack.py) run on the first
+    # stage with it, the in-place writes that feed its later ops by mutation included
+    leading = tuple(f"{graph.layer_prefix}.{i}" for i in range(graph.first_layer))
     stage: dict[str, int] = {}
     for node in nodes:
+        path = graph.nodes[node.name].module_path if node.name in graph.nodes else ""
         if node.name in layer_of:
             s = stage_of_layer[layer_of[node.name]]
-        elif node.name in feeds_layers:
+        elif node.name in feeds_layers or any(path == p or path.startswith(p + ".")
+                                              for p in leading):
             s = 0
         else:
             s = num_stages - 1

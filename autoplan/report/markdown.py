@@ -280,7 +280,7 @@ def _region(plan: Plan, graph) -> list[str]:
     first_block = min(graph.layer_nodes)
     first = set(graph.layer_nodes[first_block])
     outs = {st.node: st.outputs[0] for st in plan.strategies if st.outputs}
-    prefix = f"{graph.layer_prefix}.{first_block}."
+    prefix = f"{graph.block_path(first_block)}."
     roles: dict[tuple[str, str], list[str]] = {}  # (module in the block, placement) -> ops
     for n in region_nodes(graph):
         if n not in first or n not in outs:

@@ -25,12 +25,14 @@ __all__ = ["ParamGroup", "RedistributionGroup", "param_groups", "sharded_params"
            "redistribution_groups"]
 
 
-def _block_role(fqn: str, prefix: str) -> tuple[str, int | None]:
-    """("model.layers.*.mlp.up_proj.weight", 3) for "model.layers.3.mlp.up_proj.weight"."""
+def _block_role(fqn: str, prefix: str, first: int = 0) -> tuple[str, int | None]:
+    """("model.layers.*.mlp.up_proj.weight", 3) for "model.layers.3.mlp.up_proj.weight": the
+    role and the layer id (the block's index less the `first` leading blocks, which keep their
+    own names: [Note: leading blocks] in capture/stack.py)."""
     if prefix:
         m = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)", fqn)
-        if m:
-            return f"{prefix}.*{fqn[m.end(1):]}", int(m.group(1))
+        if m and int(m.group(1)) >= first:
+            return f"{prefix}.*{fqn[m.end(1):]}", int(m.group(1)) - first
         return fqn, None
     m = re.search(r"\.(\d+)\.", fqn)  # no graph: the first numbered component is the block
     if m:
@@ -75,6 +77,7 @@ def param_groups(plan: Plan, graph: CapturedGraph | None = None) -> list[ParamGr
     """Plan.param_placements grouped per block role ([Note: block roles]), in FQN order of each
     role's first parameter."""
     prefix = graph.layer_prefix if graph is not None else ""
+    first = graph.first_layer if graph is not None else 0
     num_layers = graph.num_layers if graph is not None else 0
     total = graph.total_layers if graph is not None else 0
     groups: dict[tuple[str, str, str], tuple[tuple, set[int], int]] = {}
@@ -83,10 +86,10 @@ def param_groups(plan: Plan, graph: CapturedGraph | None = None) -> list[ParamGr
     for info in (graph.params.values() if graph is not None else ()):
         canonical.update({name: info for name in (info.fqn, *info.aliases)})
     for fqn, placement in plan.param_placements:
-        role, layer = _block_role(fqn, prefix)
+        role, layer = _block_role(fqn, prefix, first)
         info = canonical.get(fqn)
         shape = info.shape if info is not None else ()
-        tied = _block_role(info.fqn, prefix)[0] if info is not None and info.fqn != fqn else ""
+        tied = _block_role(info.fqn, prefix, first)[0] if info is not None and info.fqn != fqn else ""
         key = (role, placement, tied)
         if info is not None and info.is_buffer:
             buffers.add(key)
@@ -163,7 +166,8 @@ def redistribution_groups(plan: Plan,
             if info is None:
                 where, part = "graph output", "post"
             else:
-                path = _block_role(info.module_path, graph.layer_prefix)[0] or "<root>"
+                path = _block_role(info.module_path, graph.layer_prefix,
+                                   graph.first_layer)[0] or "<root>"
                 where, part = f"{path}: {op_name(info.target)}", parts[r.consumer]
             first = RedistributionGroup(where, r.producer, r.consumer, r.arg_index, r.src,
                                         r.dst, r.collective, r.bytes, r.time_s, 0, part)

@@ -213,12 +213,12 @@ def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
             out[name] = p
     # A shallow capture (num_layers < total_layers): the blocks that were not captured take
     # block 0's placements, FQN by FQN ("model.layers.0.x" -> "model.layers.31.x").
-    head = f"{graph.layer_prefix}.0." if graph.layer_prefix else None
+    head = f"{graph.block_path(0)}." if graph.layer_prefix else None
     if head and graph.num_layers and graph.total_layers > graph.num_layers:
         for name, p in list(out.items()):
             if name.startswith(head):
                 for k in range(graph.num_layers, graph.total_layers):
-                    out[f"{graph.layer_prefix}.{k}.{name[len(head):]}"] = p
+                    out[f"{graph.block_path(k)}.{name[len(head):]}"] = p
     return tuple(sorted(out.items()))
 
 

@@ -61,7 +61,7 @@ def warn_unsplit(search: Search, result: Plan) -> None:
     if tp == 1:
         return
     in_block = (lambda layer_id: layer_id == 0) if graph.num_layers else (lambda _: True)
-    head = f"{graph.layer_prefix}.0." if graph.num_layers else ""
+    head = f"{graph.block_path(0)}." if graph.num_layers else ""
     weights = [p for p in graph.params.values()
                if not p.is_buffer and len(p.shape) >= 2 and in_block(p.layer_id)]
     replicated = [p for p in weights if result.placement_of(p.fqn) == "R"]

@@ -89,14 +89,15 @@ def pinned_params(graph: CapturedGraph, pins: tuple[tuple[str, str], ...]) -> di
         names = (fqn, *info.aliases)
         for pattern, placement in pins:
             if info.layer_id is not None and prefix and total:
-                rest = [n.removeprefix(f"{prefix}.{info.layer_id}.") for n in names
-                        if n.startswith(f"{prefix}.{info.layer_id}.")]
-                hits = [any(fnmatch.fnmatchcase(f"{prefix}.{k}.{r}", pattern) for r in rest)
-                        for k in range(total)]
+                own = f"{graph.block_path(info.layer_id)}."
+                rest = [n.removeprefix(own) for n in names if n.startswith(own)]
+                hits = [any(fnmatch.fnmatchcase(f"{graph.block_path(k)}.{r}", pattern)
+                            for r in rest) for k in range(total)]
                 if any(hits) and not all(hits):
                     some = [k for k, h in enumerate(hits) if h]
                     raise ValueError(
-                        f"placements: {pattern} matches {prefix}.{some[0]}.{rest[0]} but not "
+                        f"placements: {pattern} matches {graph.block_path(some[0])}.{rest[0]} "
+                        f"but not "
                         f"the same parameter in every block ({len(some)} of {total}); blocks "
                         f"share their placements, so pin it in all of them, e.g. "
                         f"{prefix}.*.{rest[0]}")
