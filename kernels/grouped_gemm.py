@@ -174,12 +174,11 @@ def _bf16_as_fp32(dtype: torch.dtype) -> bool:
 
 
 def _check_dtypes(fn: str, tensors: dict[str, torch.Tensor]) -> None:
-    if not launches():
-        return  # device_allocations: allocated, not computed
     for name, t in tensors.items():
         if t.dtype not in TRITON_DTYPES:
-            raise ValueError(f"{fn}: the Triton path computes in {', '.join(map(str, TRITON_DTYPES))}"
-                             f"; {name} is {t.dtype} (pass use_triton=None or False: the reference)")
+            dtypes = ", ".join(map(str, TRITON_DTYPES))
+            raise ValueError(f"{fn}: the Triton path computes in {dtypes}; {name} is {t.dtype} "
+                             "(pass use_triton=None or False: the reference)")
 
 
 def _grouped_mm_triton(a, b, offsets, a_rows=None):
@@ -261,10 +260,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
         raise ValueError(f"grouped_mm: expected a (M, K), b (G, K, N), offsets (G + 1,); got "
                          f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(offsets.shape)}")
     tensors = [a, b, offsets] + ([a_rows] if a_rows is not None else [])
-    use_triton = _resolve(use_triton, [a, b])
-    if not pick_triton(use_triton, tensors, "grouped_mm", _grouped_mm_kernel):
+    if not _pick(use_triton, "grouped_mm", {"a": a, "b": b}, tensors):
         return grouped_mm_reference(a, b, offsets, a_rows)
-    _check_dtypes("grouped_mm", {"a": a, "b": b})
     return _grouped_mm_triton(a, b, offsets, a_rows)
 
 
@@ -308,19 +305,29 @@ def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
                          f"(G + 1,); got {tuple(dy.shape)}, {tuple(x.shape)}, "
                          f"{tuple(offsets.shape)}")
     tensors = [dy, x, offsets] + ([x_rows] if x_rows is not None else [])
-    use_triton = _resolve(use_triton, [dy, x])
-    if not pick_triton(use_triton, tensors, "grouped_weight_grad", _grouped_mm_kernel):
+    if not _pick(use_triton, "grouped_weight_grad", {"dy": dy, "x": x}, tensors):
         return grouped_weight_grad_reference(dy, x, offsets, x_rows, dtype)
-    _check_dtypes("grouped_weight_grad", {"dy": dy, "x": x})
     return _grouped_weight_grad_triton(dy, x, offsets, x_rows, dtype)
 
 
-def _resolve(use_triton: bool | None, operands: list[torch.Tensor]) -> bool | None:
-    """None stays pick_triton's rule, except that float64 (or another dtype tl.dot is not used
-    for here) runs the reference on every device."""
-    if use_triton is None and launches() and any(t.dtype not in TRITON_DTYPES for t in operands):
-        return False
-    return use_triton
+def _pick(use_triton: bool | None, fn: str, operands: dict[str, torch.Tensor],
+          tensors: list[torch.Tensor]) -> bool:
+    """Whether `fn` takes the Triton path: pick_triton's rule, except that with use_triton None
+    operands outside TRITON_DTYPES (float64) run the reference on every device. Raises
+    ValueError as pick_triton does, and first for such operands with use_triton=True."""
+    if use_triton is None and launches() and \
+            any(t.dtype not in TRITON_DTYPES for t in operands.values()):
+        use_triton = False
+    if use_triton:
+        _check_dtypes(fn, operands)
+    return pick_triton(use_triton, tensors, fn, _grouped_mm_kernel)
+
+
+def _pick_experts(use_triton, fn, hidden, top_k_index, top_k_weights, gate_up_proj,
+                  down_proj) -> bool:
+    return _pick(use_triton, fn, {"hidden": hidden, "gate_up_proj": gate_up_proj,
+                                  "down_proj": down_proj},
+                 [hidden, top_k_index, top_k_weights, gate_up_proj, down_proj])
 
 
 def _route(top_k_index: torch.Tensor, expert_offset: int, num_experts: int):
@@ -351,16 +358,6 @@ def _forward_rows(hidden, gate_up_proj, down_proj, fn, token_of, offsets):
     return gu, f_gate, h, y
 
 
-def _pick(use_triton, fn, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> bool:
-    weights = {"hidden": hidden, "gate_up_proj": gate_up_proj, "down_proj": down_proj}
-    use_triton = _resolve(use_triton, list(weights.values()))
-    tensors = [hidden, top_k_index, top_k_weights, gate_up_proj, down_proj]
-    if not pick_triton(use_triton, tensors, fn, _grouped_mm_kernel):
-        return False
-    _check_dtypes(fn, weights)
-    return True
-
-
 def grouped_experts(hidden: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                     down_proj: torch.Tensor, act: str, expert_offset: int,
@@ -386,8 +383,8 @@ def grouped_experts(hidden: torch.Tensor, top_k_index: torch.Tensor,
             on several devices.
     """
     check_experts_args(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
-    if not _pick(use_triton, "grouped_experts", hidden, top_k_index, top_k_weights,
-                 gate_up_proj, down_proj):
+    if not _pick_experts(use_triton, "grouped_experts", hidden, top_k_index, top_k_weights,
+                         gate_up_proj, down_proj):
         return experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                  act, expert_offset)
     order, token_of, offsets = _route(top_k_index, expert_offset, gate_up_proj.shape[0])
@@ -414,8 +411,8 @@ def grouped_experts_backward(grad: torch.Tensor, hidden: torch.Tensor,
     if grad.shape != hidden.shape:
         raise ValueError(f"grouped_experts_backward: grad {tuple(grad.shape)} is not hidden's "
                          f"shape {tuple(hidden.shape)}")
-    if not _pick(use_triton, "grouped_experts_backward", hidden, top_k_index, top_k_weights,
-                 gate_up_proj, down_proj):
+    if not _pick_experts(use_triton, "grouped_experts_backward", hidden, top_k_index,
+                         top_k_weights, gate_up_proj, down_proj):
         return experts_backward_reference(grad, hidden, top_k_index, top_k_weights,
                                           gate_up_proj, down_proj, act, expert_offset)
     fn, fn_backward = ACTIVATIONS[act], ACTIVATION_BACKWARD[act]
