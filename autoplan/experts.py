@@ -16,12 +16,17 @@ with gate[e] = gate_up_proj[e, :I] and up[e] = gate_up_proj[e, I:] (HF's concate
 `use_experts_implementation(is_concatenated=True, is_transposed=False)`). The E experts held are
 the global experts [expert_offset, expert_offset + E); a token's choice outside that range adds
 nothing, so a rank that holds a slice of the experts (tensor or expert parallelism) computes its
-partial sum of `out` with the same op. The eager kernel is dropless (every routed token is
-computed; no capacity factor): a loop over the held experts, as HF's eager experts do.
+partial sum of `out` with the same op. Both kernels are dropless (every routed token is
+computed; no capacity factor): on CUDA tensors the op runs a Triton grouped GEMM, one launch for
+all the held experts (kernels/grouped_gemm.py `grouped_experts`); elsewhere (the CPU ranks) the
+eager math below, a loop over the held experts as HF's eager experts do (`experts_reference`).
 
 Backward is a second op, `autoplan.experts_backward`: per expert, the forward's matmuls again
 and the chain rule through them (aten's activation backward), giving the gradients of hidden,
-top_k_weights, gate_up_proj and down_proj (the indices have none).
+top_k_weights, gate_up_proj and down_proj (the indices have none); on CUDA the grouped GEMM's
+(`grouped_experts_backward`). The ops need no rewrite to reach it (passes/kernels.py, [Note:
+kernel fusion]): the impl picks, as kernels/_dispatch.py `pick_triton` does with use_triton
+None, and inside its `device_allocations` (a dry run) takes the Triton path's allocations.
 
 FLOPs (torch.utils.flop_counter): 2 x T x k x (2I x H + H x I) forward -- three matmuls per
 routed token -- counted as if every choice were held (the whole op's work; the planner divides
@@ -35,8 +40,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils.flop_counter as flop_counter
 
-__all__ = ["ACTIVATIONS", "BACKWARD_FLOPS_FACTOR", "experts", "experts_reference",
-           "experts_backward_reference", "EXPERTS_OP", "EXPERTS_BACKWARD_OP", "EXPERTS_TARGET"]
+__all__ = ["ACTIVATIONS", "ACTIVATION_BACKWARD", "BACKWARD_FLOPS_FACTOR", "check_experts_args",
+           "experts", "experts_reference", "experts_backward_reference", "EXPERTS_OP",
+           "EXPERTS_BACKWARD_OP", "EXPERTS_TARGET"]
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -80,20 +86,27 @@ def experts_reference(hidden: torch.Tensor, top_k_index: torch.Tensor,
 def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str,
             expert_offset: int) -> torch.Tensor:
-    """Routed experts, see [Note: experts op]. hidden (T, H) -> (T, H)."""
+    """Routed experts, see [Note: experts op]. hidden (T, H) -> (T, H): the grouped GEMM on
+    CUDA, `experts_reference` elsewhere."""
+    from kernels.grouped_gemm import grouped_experts  # imports triton: at the first call
+
     with torch.no_grad():
-        return experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                 act, expert_offset)
+        return grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                               act, expert_offset)
 
 
 @experts.register_fake
 def _experts_fake(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act,
                   expert_offset):
-    _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
+    check_experts_args(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
     return torch.empty_like(hidden)
 
 
-def _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act) -> None:
+def check_experts_args(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                       act) -> None:
+    """The op's argument checks: raises ValueError for an unknown act or shapes that are not
+    hidden (T, H), top_k_index and top_k_weights (T, k), gate_up_proj (E, 2I, H), down_proj
+    (E, H, I)."""
     if act not in ACTIVATIONS:
         raise ValueError(f"autoplan.experts: activation {act!r} is not one of "
                          f"{', '.join(ACTIVATIONS)}")
@@ -111,13 +124,15 @@ def _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a
             f"{tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)}")
 
 
-_ACTIVATION_BACKWARD = {
+ACTIVATION_BACKWARD = {
     "silu": lambda g, a: torch.ops.aten.silu_backward(g, a),
     "swish": lambda g, a: torch.ops.aten.silu_backward(g, a),
     "gelu": lambda g, a: torch.ops.aten.gelu_backward(g, a),
     "gelu_pytorch_tanh": lambda g, a: torch.ops.aten.gelu_backward(g, a, approximate="tanh"),
     "relu": lambda g, a: torch.ops.aten.threshold_backward(g, F.relu(a), 0),
 }
+"""d act(a) given the gradient g of act(a), by act name: aten's own backward of each of
+ACTIVATIONS, (g, a) -> a's shape and dtype."""
 
 
 def experts_backward_reference(grad, hidden, top_k_index, top_k_weights, gate_up_proj,
@@ -126,7 +141,7 @@ def experts_backward_reference(grad, hidden, top_k_index, top_k_weights, gate_up
     (T, H), written out per expert (the chain rule through the forward's three matmuls, with
     aten's own activation backward); the indices have none. Computed in hidden's dtype as the
     forward is (`experts_reference`), each gradient returned in its input's dtype."""
-    fn, fn_backward = ACTIVATIONS[act], _ACTIVATION_BACKWARD[act]
+    fn, fn_backward = ACTIVATIONS[act], ACTIVATION_BACKWARD[act]
     d_hidden = torch.zeros_like(hidden)
     d_weights = torch.zeros_like(top_k_weights)
     d_gate_up = torch.zeros_like(gate_up_proj)
@@ -162,10 +177,12 @@ def experts_backward(grad: torch.Tensor, hidden: torch.Tensor, top_k_index: torc
                      top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, act: str, expert_offset: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`experts_backward_reference` as an op of its own, so that autograd and tracers never
-    look into the data-dependent loop."""
-    return experts_backward_reference(grad, hidden, top_k_index, top_k_weights, gate_up_proj,
-                                      down_proj, act, expert_offset)
+    """`experts_backward_reference` (the grouped GEMM's backward on CUDA) as an op of its own,
+    so that autograd and tracers never look into the data-dependent loop."""
+    from kernels.grouped_gemm import grouped_experts_backward  # imports triton: at the first call
+
+    return grouped_experts_backward(grad, hidden, top_k_index, top_k_weights, gate_up_proj,
+                                    down_proj, act, expert_offset)
 
 
 @experts_backward.register_fake

@@ -1,5 +1,7 @@
 """Triton kernels for what the rewritten (tensor-parallel) graphs need and a compiler cannot fuse
-across collectives: vocab-parallel cross-entropy, RMSNorm, SwiGLU gating, AdamW on flat shards.
+across collectives: vocab-parallel cross-entropy, RMSNorm, SwiGLU gating, AdamW on flat shards;
+and the grouped GEMM that the routed-experts op (autoplan/experts.py) runs on CUDA
+(grouped_gemm.py, its reference the op's eager math).
 
 Each module holds the Triton kernel(s), a torch reference of the same math, and a dispatcher that
 takes ``use_triton``: None (the default) runs Triton for CUDA tensors and the reference
@@ -19,6 +21,14 @@ from kernels.cross_entropy import (
     cross_entropy_stats_reference,
     vocab_parallel_cross_entropy,
 )
+from kernels.grouped_gemm import (
+    grouped_experts,
+    grouped_experts_backward,
+    grouped_mm,
+    grouped_mm_reference,
+    grouped_weight_grad,
+    grouped_weight_grad_reference,
+)
 from kernels.rms_norm import rms_norm, rms_norm_reference
 from kernels.swiglu import swiglu, swiglu_reference
 
@@ -30,6 +40,12 @@ __all__ = [
     "cross_entropy_loss_from_stats",
     "cross_entropy_stats",
     "cross_entropy_stats_reference",
+    "grouped_experts",
+    "grouped_experts_backward",
+    "grouped_mm",
+    "grouped_mm_reference",
+    "grouped_weight_grad",
+    "grouped_weight_grad_reference",
     "rms_norm",
     "rms_norm_reference",
     "swiglu",

@@ -38,8 +38,9 @@ import kernels  # noqa: E402
 
 # The package re-exports functions named like their modules (kernels.rms_norm is the function),
 # so reach the modules through the import system.
-adamw_mod, ce_mod, rms_mod, swiglu_mod = (importlib.import_module(f"kernels.{name}") for name in
-                                          ("adamw", "cross_entropy", "rms_norm", "swiglu"))
+adamw_mod, ce_mod, rms_mod, swiglu_mod, gemm_mod = (
+    importlib.import_module(f"kernels.{name}")
+    for name in ("adamw", "cross_entropy", "rms_norm", "swiglu", "grouped_gemm"))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -438,6 +439,12 @@ _COMPILED = [
     (swiglu_mod, "_bwd_kernel", ["*{dt}"] * 5 + ["i32"], {"BLOCK": 1024}, {}),
     (adamw_mod, "_adamw_kernel", ["*fp32"] * 4 + ["i32"] + ["fp32"] * 7,
      {"SMALL_LERP_WEIGHT": True, "BLOCK": 1024}, {"enable_fp_fusion": False}),
+    (gemm_mod, "_grouped_mm_kernel", ["*{dt}", "*i64", "*{dt}", "*{dt}", "*i32", "*i32"]
+     + ["i32"] * 10, {"GATHER_A": True, "BLOCK_G": 256, "BLOCK_M": 64, "BLOCK_N": 64,
+                      "BLOCK_K": 32, "INPUT_PRECISION": "ieee", "BF16_AS_FP32": False}, {}),
+    (gemm_mod, "_grouped_weight_grad_kernel", ["*{dt}", "*{dt}", "*i64", "*{dt}", "*i32"]
+     + ["i32"] * 9, {"GATHER_X": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32,
+                     "INPUT_PRECISION": "ieee", "BF16_AS_FP32": False}, {}),
 ]
 
 

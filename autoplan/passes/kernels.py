@@ -25,6 +25,16 @@ shards, as DTensor's rule for the unfused `mul` gives it); SwiGLU on gate and up
 that is not Partial (elementwise). Any other placement runs the torch reference under DTensor,
 which is the unfused ops themselves.
 
+The routed experts need no rewrite here: capture already makes each MoE layer's experts one
+node, `torch.ops.autoplan.experts` ([Note: experts op]), which `experts_local` (or, under ep,
+runtime/expert_parallel.py) calls on local tensors. The op's impl is the kernel choice: the Triton
+grouped GEMM (kernels/grouped_gemm.py) on CUDA tensors, its eager reference elsewhere, as
+`pick_triton` rules with use_triton None; its backward op likewise. Rewriting the node into a
+second op would leave two ops for one computation, each place that reads it (strategies,
+costs, ep routing) to be taught both. So the `kernels` option (lowering's `LoweringOptions`)
+does not reach the experts: what they run follows the tensors' device, and on CPU ranks it is
+the reference whichever way the option is set.
+
 Pricing. The plan is made on the captured graph, before this pass, and does not change with it.
 On devices that fuse (`DeviceSpec.fuses_pointwise`: the GPU presets) the cost model already
 prices each chain of pointwise ops and row reductions as one kernel that reads the chain's
