@@ -148,7 +148,9 @@ def _experts_placements(plan) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ample_tp2_bytes():
     """family -> the memory per rank of its plan at tp2 on 2 local-cpu ranks (global batch 4,
-    seq 16) with ample memory, planned once for the tests that budget below it."""
+    seq 16) with ample memory and the experts replicated (pinned R: with the experts priced
+    as per-expert GEMMs the fastest plan may split them already), planned once for the tests
+    that budget below it."""
     from autoplan.api import autoparallel
 
     planned = {}
@@ -156,7 +158,7 @@ def ample_tp2_bytes():
     def get(family: str) -> float:
         if family not in planned:
             ample = autoparallel(_moe.factory(family)(), global_batch=4, seq_len=16,
-                                 world_size=2, tp=2).plan
+                                 world_size=2, tp=2, placements={"*.mlp.experts.*": "R"}).plan
             planned[family] = ample.prediction.memory_bytes
         return planned[family]
     return get
