@@ -30,7 +30,8 @@ None, and inside its `device_allocations` (a dry run) takes the Triton path's al
 
 FLOPs (torch.utils.flop_counter): 2 x T x k x (2I x H + H x I) forward -- three matmuls per
 routed token -- counted as if every choice were held (the whole op's work; the planner divides
-it by the ranks that split it, assuming balanced routing); the backward op 3x that
+it by the ranks that split it, the busiest rank doing `TrainingSpec.routing_skew` times its
+share: [Note: expert parallelism] in cost_model/expert_parallel.py); the backward op 3x that
 (`BACKWARD_FLOPS_FACTOR`).
 """
 

@@ -37,6 +37,10 @@ class NodeInfo:
             is a frozen parameter (only the input gradient). Any other op: 0.0 when all its
             tensor inputs derive from frozen parameters only, else 1.0. 1.0 everywhere in a
             model without frozen parameters.
+        experts: (E, k, I) of an `autoplan.experts` node ([Note: experts op]: its E experts
+            of intermediate size I, k choices per token), the per-expert GEMMs' shape the cost
+            model prices it by ([Note: matmul efficiency curve] in cost_model/compute.py);
+            None for every other op.
     """
 
     name: str
@@ -50,6 +54,7 @@ class NodeInfo:
     layer_id: int | None
     fused_bytes: int | None = None
     backward_share: float = 1.0
+    experts: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Callable, Literal, get_args
 
+from autoplan.spec import ROUTING_SKEW
+
 if TYPE_CHECKING:
     import argparse
 
@@ -78,6 +80,15 @@ class SearchOptions:
         "four data-parallel ranks, two expert slices; [Note: expert parallelism] in "
         "cost_model/expert_parallel.py); default: chosen for the best configuration; a given ep > 1 "
         "fixes tp 1 and excludes ZeRO-1")
+    routing_skew: float | None = _option(
+        None,
+        "the busiest expert-holding rank's routed tokens over the mean, for a "
+        "mixture-of-experts model (>= 1; TrainingSpec.routing_skew): expert compute split "
+        "over ranks, the all-to-alls of ep and their receive buffers are priced at the "
+        "busiest rank's ([Note: expert parallelism] in cost_model/expert_parallel.py); "
+        f"default: the training spec's, {ROUTING_SKEW} (a published measurement under an "
+        "auxiliary balancing loss, autoplan/spec.py ROUTING_SKEW); 1 prices balanced routing",
+        metavar="SKEW")
     zero_stage: ZeroStage | None = _option(None, "ZeRO stage", aliases=("--zero",))
     num_microbatches: int | None = _option(None, "microbatches per step per dp rank",
                                            aliases=("--microbatches",), metavar="M")
@@ -143,6 +154,11 @@ class SearchOptions:
         for name in ("tp", "pp", "dp", "cp", "ep", "num_microbatches", "num_virtual_stages"):
             _check_int(name, getattr(self, name), least=1, optional=True)
         _check_int("top_k", self.top_k, least=0)
+        skew = self.routing_skew
+        if skew is not None and (isinstance(skew, bool) or not isinstance(skew, (int, float))
+                                 or not 1 <= skew < math.inf):
+            raise OptionError(f"routing_skew {skew!r} must be a number >= 1 (the busiest "
+                              "rank's routed tokens over the mean)")
         for name, choices in (("zero_stage", ZERO_STAGES), ("schedule", SCHEDULES),
                               ("checkpointing", CHECKPOINTINGS), ("offload", OFFLOADS)):
             value = getattr(self, name)

@@ -26,20 +26,17 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.options import OFFLOADS, SCHEDULES
 
-__all__ = [
-    "SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage", "Prediction",
-    "Alternative", "DryRunRecord", "Plan", "parse_placement", "format_placement", "SCHEDULES",
-    "OFFLOADS", "optimizer_pieces",
-]
+__all__ = ["SCHEMA_VERSION", "MeshShape", "NodeStrategy", "Redistribution", "Stage",
+           "Prediction", "Alternative", "DryRunRecord", "Plan", "parse_placement",
+           "format_placement", "SCHEDULES", "OFFLOADS", "optimizer_pieces"]
 
 SCHEMA_VERSION = 1
 
 
 def optimizer_pieces(zero_stage: int, dp: int, cp: int, tp: int, offload: str) -> str | None:
     """What of a configuration hands the optimizer pieces of each tensor as plain tensors
-    ([Note: elementwise optimizer] in runtime/optim.py), or None: ZeRO-1's rows over dp x cp
-    > 1 ranks (runtime/zero1.py), the host offload of a tp rank's local shards at ZeRO 0/1
-    (runtime/offload.py)."""
+    ([Note: elementwise optimizer] in runtime/optim.py), or None: ZeRO-1's rows over dp x cp >
+    1 ranks (runtime/zero1.py), a tp rank's shards offloaded at ZeRO 0/1 (runtime/offload.py)."""
     if zero_stage == 1 and dp * cp > 1:
         return f"ZeRO-1 over dp x cp = {dp * cp} ranks steps each rank's rows of a parameter"
     if offload == "optimizer" and tp > 1:
@@ -352,6 +349,7 @@ class Plan:
             False when the search chose them ([Note: uneven stages]; no such key).
         max_memory_fraction: the fraction of each device's memory the plan may use
             (`TrainingSpec.max_memory_fraction`; no key at its default, 0.9).
+        routing_skew: the MoE routing skew priced (`TrainingSpec.routing_skew`; no key at 1).
         schema_version: JSON schema version.
     """
 
@@ -380,6 +378,7 @@ class Plan:
     pinned: tuple[tuple[str, str], ...] = ()
     pinned_stages: bool = False
     max_memory_fraction: float = 0.9
+    routing_skew: float = 1.0
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -446,14 +445,15 @@ class Plan:
         without its key (readers default them), so plans without it keep their JSON byte for
         byte, schema version 1 either way: a mesh's `ep` / `cp` at 1, `offload` at "none" (a
         prediction's cp and host figures at 0 too), `compiled`, `frozen_dtype`, `dry_run`,
-        `pinned` and `pinned_stages` when unset, `max_memory_fraction` at its default, an
-        alternative's `stages` when empty."""
+        `pinned` and `pinned_stages` when unset, `max_memory_fraction` and `routing_skew` at
+        their defaults, an alternative's `stages` when empty."""
         d = dataclasses.asdict(self)
         for key in ("compiled", "frozen_dtype", "dry_run", "pinned", "pinned_stages"):
             if not d[key]:
                 del d[key]
-        if d["max_memory_fraction"] == 0.9:
-            del d["max_memory_fraction"]
+        for key, default in (("max_memory_fraction", 0.9), ("routing_skew", 1.0)):
+            if d[key] == default:
+                del d[key]
         for mesh in [d["mesh"]] + [a["mesh"] for a in d["alternatives"]]:
             for axis in ("ep", "cp"):
                 if mesh.get(axis) == 1:

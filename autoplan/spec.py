@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TrainingSpec", "precision_recipe"]
+__all__ = ["TrainingSpec", "precision_recipe", "ROUTING_SKEW"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+ROUTING_SKEW = 1.52
+"""The default `TrainingSpec.routing_skew`: 1 + MaxVio, MaxVio = max_i load_i / mean load - 1
+over the experts, measured at 0.52 for a 3B-parameter MoE (0.72 at 1B) trained with the usual
+auxiliary balancing loss, and at 0.04 with DeepSeek's auxiliary-loss-free balancing (Wang et
+al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", arXiv
+2408.15664, Table 2: MaxVio_global over the validation set). The auxiliary-loss figure, as
+Mixtral and Qwen3 balance; a model balanced as DeepSeek-V3 is (arXiv 2412.19437, section
+2.1.2) may set 1.04. Per expert, taken as the busiest ep rank's share: exact with one expert
+per rank, an overestimate for a rank that holds several (their loads average), an
+underestimate of a single step's peak (a batch's is above the validation set's); [Note:
+expert parallelism] in autoplan/cost_model/expert_parallel.py."""
 
 
 def precision_recipe(dtype: str, frozen_dtype: str = "") -> str:
@@ -44,6 +56,12 @@ class TrainingSpec:
             ([Note: frozen dtype] in solver/planner.py) and records it in `Plan.frozen_dtype`;
             the cost model prices what it says ([Note: frozen pricing] in
             cost_model/memory.py).
+        routing_skew: the busiest expert-holding rank's routed (token, choice) pairs over the
+            mean rank's (>= 1; dimensionless), for a mixture-of-experts model: the expert
+            compute and the all-to-alls of expert parallelism run at the busiest rank's pace,
+            and its receive buffers hold that many pairs ([Note: expert parallelism] in
+            cost_model/expert_parallel.py). Default ROUTING_SKEW (a published measurement);
+            1.0 prices balanced routing. No effect on a dense model.
     """
 
     global_batch: int
@@ -52,6 +70,7 @@ class TrainingSpec:
     optimizer: str = "adamw"
     max_memory_fraction: float = 0.9
     frozen_dtype: str = ""
+    routing_skew: float = ROUTING_SKEW
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -66,6 +85,10 @@ class TrainingSpec:
             raise ValueError(f"training spec: frozen_dtype {self.frozen_dtype!r} is neither '' "
                              f"(as the trainable parameters) nor the compute dtype "
                              f"{self.dtype!r}")
+        if isinstance(self.routing_skew, bool) or not isinstance(
+                self.routing_skew, (int, float)) or not 1.0 <= self.routing_skew < float("inf"):
+            raise ValueError(f"training spec: routing_skew {self.routing_skew!r} must be a "
+                             "number >= 1 (the busiest rank's routed tokens over the mean)")
 
     @property
     def dtype_bytes(self) -> int:

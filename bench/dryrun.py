@@ -46,7 +46,9 @@ Bars (each rank; `all_within_bars` is their conjunction, the exit status 1 when 
 
 GPT 1T runs the SC'21 recipe fixed (tp8 x pp64 x dp6 on 384 dgx-a100 nodes, the `gpt-1t`
 preset of its Table 1); Mixtral 8x7B (`mixtral-8x7b`) runs with its 8 experts over 8 dp ranks
-(ep 8), the rest planned.
+(ep 8), the rest planned, at routing skew 1: a dry run routes balanced ([Note: dry run
+routing] in autoplan/runtime/expert_parallel.py), so the plan it is measured against is priced
+for the routing it runs ([Note: expert parallelism] in autoplan/cost_model/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -92,9 +94,11 @@ CASES: dict[str, list[str]] = {
                "--global-batch", "3072", "--seq", "2048", "--tp", "8", "--pp", "64",
                "--dp", "6"],
     # a Mixtral-class mixture of experts with expert parallelism: Mixtral 8x7B on 8 dgx-h100
-    # nodes, its 8 experts over the 8 dp ranks of a node (ep 8)
+    # nodes, its 8 experts over the 8 dp ranks of a node (ep 8); planned at routing skew 1,
+    # the balanced routing a dry run's fake tensors get ([Note: dry run routing])
     "mixtral-8x7b-ep8": ["--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "8",
-                         "--global-batch", "256", "--seq", "4096", "--dp", "8", "--ep", "8"],
+                         "--global-batch", "256", "--seq", "4096", "--dp", "8", "--ep", "8",
+                         "--routing-skew", "1"],
     # issue 13's case (docs/guide.md, CPU offload): 16 bytes per parameter do not fit one H200
     "llama3-8b-offload-h200": ["--model", "llama3-8b", "--cluster", "h200-node", "--nodes", "1",
                                "--devices-per-node", "1", "--global-batch", "8", "--seq", "4096",

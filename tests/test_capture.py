@@ -380,6 +380,23 @@ def test_presets():
     assert round(count("qwen3-235b-a22b") / 1e9) == 235
 
 
+def test_deepseek_v3_preset():
+    """DeepSeek-V3 as published, on meta: the report's (arXiv 2412.19437) 671B parameters
+    and 37B activated per token (all but the 248 routed experts a token does not choose in
+    each of the 58 MoE layers), each within 2%; its first 3 blocks dense, the rest MoE."""
+    model = build_model("deepseek-v3")
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    active = total - routed + routed * config.num_experts_per_tok / config.n_routed_experts
+    assert abs(total / 671e9 - 1) < 0.01, total
+    assert abs(active / 37e9 - 1) < 0.02, active
+    assert (config.n_group, config.topk_group, config.first_k_dense_replace) == (8, 4, 3)
+    assert not hasattr(model.model.layers[2].mlp, "experts")
+    assert model.model.layers[3].mlp.experts.gate_up_proj.shape == (256, 2 * 2048, 7168)
+    assert model_config("deepseek-v3")["_weights_dtype"] == "bfloat16"
+
+
 def test_build_model_from_config_path(tmp_path):
     path = tmp_path / "config.json"
     path.write_text((__import__("json").dumps(model_config("llama-tiny"))))

@@ -351,10 +351,11 @@ def test_an_expert_parallel_plan_s_dry_run_is_what_it_priced(ep):
     # 32 tokens: the plan's peak is its activations' moment (A, [Note: peak moments]), whose
     # gradients are the sharded ones and the slices' (at moment B the plan adds the unit's
     # unsharded gradients, which the dry run counts among the temporaries)
+    # routing skew 1: a dry run routes balanced ([Note: dry run routing]), as it is priced
     model = autoparallel(module, global_batch=8, seq_len=32, cluster="local-cpu",
                          world_size=4, dp=4, ep=ep, tp=1, pp=1, zero_stage=2,
-                         num_microbatches=2)
-    assert model.plan.mesh.ep == ep
+                         num_microbatches=2, routing_skew=1.0)
+    assert model.plan.mesh.ep == ep and model.plan.routing_skew == 1.0
     (row,) = model.dry_run(ranks=[1])
     assert row.predicted_peak_bytes == pytest.approx(row.peak_bytes, rel=0.05)
     for category in ("params", "grads", "optimizer"):

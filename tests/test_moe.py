@@ -148,7 +148,9 @@ def _experts_placements(plan) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ample_tp2_bytes():
     """family -> the memory per rank of its plan at tp2 on 2 local-cpu ranks (global batch 4,
-    seq 16) with ample memory, planned once for the tests that budget below it."""
+    seq 16) with ample memory and the experts replicated (pinned R: with the experts priced
+    as per-expert GEMMs the fastest plan may split them already), planned once for the tests
+    that budget below it."""
     from autoplan.api import autoparallel
 
     planned = {}
@@ -156,7 +158,7 @@ def ample_tp2_bytes():
     def get(family: str) -> float:
         if family not in planned:
             ample = autoparallel(_moe.factory(family)(), global_batch=4, seq_len=16,
-                                 world_size=2, tp=2).plan
+                                 world_size=2, tp=2, placements={"*.mlp.experts.*": "R"}).plan
             planned[family] = ample.prediction.memory_bytes
         return planned[family]
     return get
@@ -299,11 +301,11 @@ def test_ep_is_priced_per_topology_level():
     layers = expert_layers(graph)
     assert layers.num_layers == 32 and layers.num_experts == (4, 4) and layers.top_k == 2
     two = with_ep(base, 2)
-    a2a_s, sync_s = ep_step_delta_s(layers, base, spec, topology, 2)
+    a2a_s, sync_s, compute_s = ep_step_delta_s(layers, base, spec, topology, 2)
     # 32 layers x 4 all-to-alls of T k H x 4 bytes (T = 64 tokens of one sample) on NVLink
     assert 32 * 4 * (64 * 2 * 32 * 4) / 2 / topology.intra_node.bw_bytes_per_s < a2a_s
     assert two.prediction.step_time_s == pytest.approx(base.prediction.step_time_s + a2a_s
-                                                       + sync_s)
+                                                       + sync_s + compute_s)
     # fp32 params, AdamW's two fp32 moments: half the experts' at ep 2
     saved = [b - t for b, t in zip(states(base), states(two))]
     assert saved == pytest.approx([layers.expert_elems * 4 / 2, layers.expert_elems * 8 / 2])
@@ -318,6 +320,73 @@ def test_ep_is_priced_per_topology_level():
     grown = [t - b for b, t in zip(states(zero3), states(two3))]
     assert grown == pytest.approx([layers.expert_elems * 4 * (1 / 2 - 1 / 16),
                                    layers.expert_elems * 8 * (1 / 2 - 1 / 16)])
+
+
+def test_routing_skew_priced():
+    """The busiest rank's routing skew ([Note: expert parallelism]): under ep its all-to-alls
+    move skew x the mean's bytes and its receive buffers hold skew x the pairs; at ep = 1 a
+    rank computes its own tokens (no skew), while tp's split of whole experts runs at the
+    busiest tp rank's pace; the option reaches the spec and the plan records it (no key at
+    1); a dense plan's JSON carries no skew."""
+    from autoplan.cost_model.compute import op_time_s
+    from autoplan.cost_model.expert_parallel import (
+        ep_step_delta_s, expert_layers, expert_slices, experts_time_s)
+    from autoplan.plan import Plan
+    from autoplan.solver import plan
+    from autoplan.spec import ROUTING_SKEW, TrainingSpec
+    from autoplan.topology import preset
+
+    graph = capture(_moe.factory("mixtral")().to("meta"),
+                    (torch.zeros(1, 64, dtype=torch.long, device="meta"),), total_layers=32)
+    topology = preset("dgx-h100", 2)
+    skewed, balanced = (TrainingSpec(global_batch=64, seq_len=64, routing_skew=s)
+                        for s in (2.0, 1.0))
+    assert TrainingSpec(global_batch=64, seq_len=64).routing_skew == ROUTING_SKEW > 1
+    with pytest.raises(ValueError, match="routing_skew"):
+        TrainingSpec(global_batch=64, seq_len=64, routing_skew=0.5)
+    base = plan(graph, topology, balanced, dp=16, tp=1, zero_stage=0, ep=1, routing_skew=1.0)
+    assert base.routing_skew == 1.0 and "routing_skew" not in base.to_dict()
+    layers = expert_layers(graph)
+    a2a_2, _, compute_2 = ep_step_delta_s(layers, base, skewed, topology, 2)
+    a2a_1, _, compute_1 = ep_step_delta_s(layers, base, balanced, topology, 2)
+    assert a2a_1 < a2a_2 < 2 * a2a_1  # the big exchanges' bytes double, not their latency
+    assert compute_2 > compute_1
+    device = topology.device
+    assert experts_time_s(layers, 64, 1, skewed, device) == experts_time_s(
+        layers, 64, 1, balanced, device)
+    assert expert_slices(layers, 2, 64, 4, 2.0).act_bytes == pytest.approx(
+        2 * expert_slices(layers, 2, 64, 4).act_bytes)
+    node = next(n for n in graph.nodes.values() if n.experts is not None)
+    assert node.experts == (4, 2, layers.intermediate)
+    split = op_time_s(node, device, "float32", shard_factor=2, routing_skew=2.0)
+    assert split > op_time_s(node, device, "float32", shard_factor=2)
+    assert op_time_s(node, device, "float32", routing_skew=2.0) == op_time_s(
+        node, device, "float32")
+    at_two = plan(graph, topology, balanced, dp=16, tp=1, zero_stage=0, ep=1, routing_skew=2.0)
+    assert at_two.routing_skew == 2.0
+    assert Plan.from_json(at_two.to_json()).routing_skew == 2.0
+
+
+def test_grouped_gemm_efficiency():
+    """The routed experts are priced as per-expert GEMMs of m = T k / E rows ([Note: matmul
+    efficiency curve]): DeepSeek-V3's shape (E 256, k 8, I 2048, H 7168) at 4096 tokens sits
+    at m = 128, half the large-matmul efficiency of a GPU preset, where one (T, H) x (H, 3 k I)
+    matmul would be near the top; ep gathers ep ranks' rows onto each expert."""
+    from autoplan.cost_model.compute import _efficiency, expert_gemm_dims, matmul_efficiency
+    from autoplan.graph import NodeInfo
+    from autoplan.topology import preset
+
+    device = preset("dgx-h100", 1).device
+    tokens, hidden, (num_experts, k, inter) = 4096, 7168, (256, 8, 2048)
+    node = NodeInfo("experts", "autoplan.experts.default", ((tokens, hidden),), ("bfloat16",),
+                    tokens * hidden * 2, tokens * hidden * 2,
+                    2 * tokens * k * 3 * inter * hidden, "mlp.experts", 3,
+                    experts=(num_experts, k, inter))
+    assert expert_gemm_dims(node) == (128, inter, hidden)
+    assert expert_gemm_dims(node, group=8) == (1024, inter, hidden)
+    assert _efficiency(node, device, 1.0) == pytest.approx(device.matmul_efficiency / 2)
+    assert _efficiency(node, device, 4.0) == _efficiency(node, device, 1.0)  # whole experts
+    assert matmul_efficiency(tokens, device) > 0.9 * device.matmul_efficiency
 
 
 def test_ep_plan_round_trips_and_reports():

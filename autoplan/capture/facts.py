@@ -18,6 +18,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from autoplan.capture.clean import _WRAPPED, _canonical_tensors, _strip
 from autoplan.capture.errors import CaptureError
+from autoplan.experts import EXPERTS_OP
 from autoplan.graph import NodeInfo, ParamInfo
 from autoplan.op_classes import MATMUL_OPERANDS, op_name
 
@@ -131,7 +132,27 @@ def _node_info(node: torch.fx.Node, counter: flop_counter.FlopCounterMode,
         shapes=tuple(tuple(int(d) for d in t.shape) for t in outs),
         dtypes=tuple(_dtype_name(t.dtype) for t in outs),
         out_bytes=_nbytes(val), in_bytes=in_bytes, flops=int(flops),
-        module_path=path, layer_id=_layer_of(path, prefix, first))
+        module_path=path, layer_id=_layer_of(path, prefix, first),
+        experts=_experts_shape(node))
+
+
+def _experts_shape(node: torch.fx.Node) -> tuple[int, int, int] | None:
+    """(E, k, I) of an `autoplan.experts` node (NodeInfo.experts): top_k_index (T, k) and
+    down_proj (E, H, I) are its arguments 1 and 4 ([Note: experts op]); None for another op."""
+    if node.target is not EXPERTS_OP:
+        return None
+    index, down = (_value(node.args[i]) for i in (1, 4))
+    return int(down.shape[0]), int(index.shape[1]), int(down.shape[2])
+
+
+def _value(arg: torch.fx.Node) -> torch.Tensor:
+    """A node's value: its meta "val", or the module attribute a get_attr names."""
+    if "val" in arg.meta:
+        return arg.meta["val"]
+    value = arg.graph.owning_module
+    for part in str(arg.target).split("."):
+        value = getattr(value, part)
+    return value
 
 
 # --- which inputs carry a gradient -------------------------------------------------------------

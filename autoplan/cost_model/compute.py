@@ -36,6 +36,16 @@ a machine with and saturates much earlier: `autoplan calibrate` fits the half-di
 the efficiency (16-32 on an AVX-512 core). Very skinny matmuls (m = 1, decoding) become
 memory-bound through the roofline's byte term anyway.
 
+The routed experts ([Note: experts op] in autoplan/experts.py) are not one matmul: each expert
+runs its own GEMMs on the rows routed to it, m = T k / E of them under balanced routing (T
+tokens, k choices, E experts), against its (H, 2I) and (I, H) weights, whether as a loop
+(the eager kernel) or as one grouped GEMM (a tile never straddles two experts). Their
+efficiency is the same curve at d = min(m, I, H) (`expert_gemm_dims`), with no constant of
+its own: DeepSeek-V3's 256 experts of I = 2048 at top-8 put a 4096-token microbatch at m =
+128, half the large-matmul efficiency on the GPU presets. Splitting the experts over tp ranks
+keeps every expert's rows (each rank holds whole experts); expert parallelism gathers ep ranks'
+tokens onto each expert, m = ep T k / E (cost_model/expert_parallel.py prices the change).
+
 Backward: a matmul-like op does two matmuls of the forward's size (input gradient and weight
 gradient), so 2x forward FLOPs: forward + backward = 3x forward (Narayanan et al., SC'21,
 appendix "Floating-point operations": the backward pass needs gradients with respect to both the
@@ -72,7 +82,7 @@ from autoplan.topology import DeviceSpec
 
 __all__ = [
     "MATMUL_HALF_DIM", "BACKWARD_BYTES_FACTOR", "TRANSCENDENTAL_OPS", "BACKWARD_TRANSCENDENTAL",
-    "DTYPE_BYTES", "is_noop_cast", "matmul_dims", "matmul_efficiency",
+    "DTYPE_BYTES", "is_noop_cast", "matmul_dims", "expert_gemm_dims", "matmul_efficiency",
     "at_tokens",
     "module_input_bytes", "op_time_s",
     "backward_time_s", "graph_forward_time_s", "graph_backward_time_s", "dtensor_dispatches",
@@ -130,6 +140,23 @@ def matmul_dims(node: NodeInfo) -> tuple[int, int, int, int]:
     return batch, m, n, k
 
 
+def expert_gemm_dims(node: NodeInfo, group: int = 1) -> tuple[float, int, int]:
+    """(m, I, H) of one expert's GEMMs in an `autoplan.experts` node (NodeInfo.experts =
+    (E, k, I), output (T, H)): m = group x T k / E rows per expert under balanced routing,
+    `group` ranks' tokens reaching each expert (expert parallelism: ep; 1 when a rank
+    computes its own tokens, whole or with its experts split over tp, which keeps every
+    expert's rows). gate_up is an (m, H) x (H, 2I) GEMM and down an (m, I) x (I, H) one
+    ([Note: experts op]); their smallest dim is min(m, I, H).
+
+    Raises ValueError for a node that is not the experts op."""
+    if node.experts is None or not node.shapes:
+        raise ValueError(f"node {node.name!r} ({node.target}) is not an autoplan.experts node "
+                         "with its (E, k, I) recorded (NodeInfo.experts)")
+    num_experts, top_k, inter = node.experts
+    tokens, hidden = node.shapes[0][0], node.shapes[0][-1]
+    return group * tokens * top_k / num_experts, inter, hidden
+
+
 def matmul_efficiency(min_dim: float, device: DeviceSpec) -> float:
     """Fraction of peak reached by a matmul whose smallest dim is `min_dim`
     (see [Note: matmul efficiency curve]); in (0, device.matmul_efficiency]."""
@@ -163,6 +190,10 @@ def _elementwise_s(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> f
 
 
 def _efficiency(node: NodeInfo, device: DeviceSpec, shard_factor: float) -> float:
+    # the routed experts' per-expert GEMMs ([Note: matmul efficiency curve]); their target
+    # "autoplan.experts.default" has no aten base name for op_name to find
+    if node.experts is not None:
+        return matmul_efficiency(min(expert_gemm_dims(node)), device)
     name = op_name(node.target)
     if name in ATTENTION_OPS or name == "convolution":
         return device.matmul_efficiency  # large fused kernels (assumption)
@@ -225,7 +256,7 @@ def _check_shard(node: NodeInfo, shard_factor: float) -> None:
 
 
 def op_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
-              shard_factor: float = 1.0) -> float:
+              shard_factor: float = 1.0, routing_skew: float = 1.0) -> float:
     """Forward time of one op on one rank, seconds ([Note: roofline]).
 
     Args:
@@ -234,6 +265,11 @@ def op_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
         dtype: compute dtype ("bfloat16", ...): selects the peak FLOP/s; floating bytes are
             rescaled from the captured dtype to it.
         shard_factor: the op's work is split over this many ranks (>= 1).
+        routing_skew: the busiest rank's routed (token, choice) pairs over the mean
+            (TrainingSpec.routing_skew): the routed experts split over ranks (shard_factor >
+            1) run at the pace of the busiest, which does `routing_skew` times the mean share
+            of the op's work ([Note: expert parallelism] in cost_model/expert_parallel.py).
+            Other ops and an unsplit experts op ignore it.
 
     Raises ValueError for an unknown dtype on `device`, a shard factor < 1, or a matmul
     without FLOPs.
@@ -244,14 +280,21 @@ def op_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     moved = _moved_bytes(node, device)
     if moved == 0 and node.fused_bytes is not None and device.fuses_pointwise:
         return 0.0  # inside a fused kernel: no kernel of its own
-    nbytes = moved * _bytes_scale(node, dtype) / shard_factor
-    flops = node.flops / shard_factor
+    busiest = _busiest_share(node, shard_factor, routing_skew)
+    nbytes = moved * _bytes_scale(node, dtype) / shard_factor * busiest
+    flops = node.flops / shard_factor * busiest
     return _roofline_s(flops, nbytes, _efficiency(node, device, shard_factor), device, dtype,
                        _elementwise_s(node, device, shard_factor))
 
 
+def _busiest_share(node: NodeInfo, shard_factor: float, routing_skew: float) -> float:
+    """The busiest rank's work over the mean rank's (`op_time_s`' routing_skew): the skew for
+    the routed experts split over ranks, else 1."""
+    return routing_skew if node.target == EXPERTS_TARGET and shard_factor > 1 else 1.0
+
+
 def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
-                    shard_factor: float = 1.0) -> float:
+                    shard_factor: float = 1.0, routing_skew: float = 1.0) -> float:
     """Backward time of one op on one rank, seconds (module docstring, "Backward").
 
     Matmul-like: 2 x `node.backward_share` x the forward (two kernels of the forward's FLOPs
@@ -259,7 +302,7 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     (EXPERTS_BACKWARD_FACTOR). Fused attention: 2.5x forward FLOPs.
     Memory-bound: BACKWARD_BYTES_FACTOR x forward bytes. Views, ops without a gradient and ops
     whose inputs derive from frozen parameters only (backward_share 0): 0.
-    Same arguments and errors as `op_time_s`.
+    Same arguments (`routing_skew` included) and errors as `op_time_s`.
     """
     _check_shard(node, shard_factor)
     name = op_name(node.target)
@@ -269,8 +312,9 @@ def backward_time_s(node: NodeInfo, device: DeviceSpec, dtype: str, *,
     moved = _moved_bytes(node, device)
     if moved == 0 and node.fused_bytes is not None and device.fuses_pointwise:
         return 0.0
-    nbytes = moved * _bytes_scale(node, dtype) / shard_factor
-    flops = node.flops / shard_factor
+    busiest = _busiest_share(node, shard_factor, routing_skew)
+    nbytes = moved * _bytes_scale(node, dtype) / shard_factor * busiest
+    flops = node.flops / shard_factor * busiest
     efficiency = _efficiency(node, device, shard_factor)
     if node.target == EXPERTS_TARGET:  # the forward again and both gradients (experts.py)
         return EXPERTS_BACKWARD_FACTOR * _roofline_s(flops, nbytes, efficiency, device, dtype)

@@ -9,8 +9,11 @@ sends every (token, choice) pair of its tokens to the rank holding the expert (d
 gets the weighted output back (combine): an all-to-all each, and both again, reversed, in the
 backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every expert):
 
-- compute is unchanged under balanced routing (a rank computes E / ep experts for ep ranks'
-  tokens); routing imbalance is not modelled;
+- the experts' FLOPs per rank are unchanged on average (a rank computes E / ep experts for ep
+  ranks' tokens), but each expert's GEMMs get ep times the rows, m = ep T k / E, higher on the
+  efficiency curve ([Note: matmul efficiency curve] in cost_model/compute.py), and the rank
+  reads 1 / ep of the expert weights: `experts_time_s`, a roofline of the layer's experts on
+  the busiest rank, priced at ep and at 1, its difference added per MoE layer and microbatch;
 - per MoE layer and microbatch, 4 all-to-alls of n = T k H x dtype bytes per rank (T = the
   microbatch's tokens on the rank, k choices, width H), over the ep group (stride tp: dp ranks
   are tp apart), priced per topology level by `collective_time_s("all_to_all", ...)` ([Note:
@@ -31,6 +34,32 @@ The step time of the plan chosen at ep = 1 is repriced by these differences, its
 rank priced again on its placement (`with_expert_parallel`): a decomposition, exact for the
 quantities above because ep changes no placement (ep runs with tp 1 and ZeRO 0, 2 or 3, the runtime's support), but not a joint
 search: a plan that fits only with ep is not found.
+
+Routing is never balanced. `TrainingSpec.routing_skew` (option `routing_skew`, default
+spec.py ROUTING_SKEW, 1.52: 1 + the MaxVio Wang et al. 2024 measured under an auxiliary
+balancing loss, arXiv 2408.15664; 1.04 under DeepSeek's auxiliary-loss-free balancing) is
+the busiest expert-holding rank's (token, choice) pairs over the mean. Every rank waits for
+the busiest at the next collective, so it prices:
+- time: the busiest rank's expert compute under ep (`experts_time_s`: skew x the FLOPs and
+  the received rows) and under tp's split of whole experts (strategies/
+  experts_candidates.py: compute.op_time_s' `routing_skew`, in the placement ILP and the
+  report's parts alike); the big all-to-alls at skew x n bytes (the busiest rank receives, and
+  sends back, that many). At ep = 1 a rank computes its own T k pairs whatever the routing:
+  no skew. Not priced: the per-expert spread inside a rank (the GEMMs are priced at the mean
+  rows per expert);
+- memory: the busiest rank's receive buffers and what the exchange saves for the backward
+  (`expert_slices`' act_bytes) at skew x the pairs: the dropless runtime sizes them by the
+  pairs routed (runtime/expert_parallel.py `experts_all_to_all`).
+The bytes per mesh axis (Prediction.bytes_by_axis_by_pp_rank) stay the mean rank's, which is
+what a dry run measures: it routes balanced ([Note: dry run routing] in
+runtime/expert_parallel.py), so bench/dryrun.py plans its ep case at routing_skew 1, the skew
+its ranks see, and the fidelity of the skew itself rests on its source, not on our runs.
+
+Routing limits (DeepSeek-V3's `topk_group` of `n_group` groups: each token's experts on at
+most 4 nodes) are not priced and need not be: our runtime sends every (token, choice) pair to
+its expert's rank, k of them per token whatever the groups (no per-node deduplication, which
+is what makes the limit pay in DeepEP), and the all-to-all is priced per topology level over
+the whole ep group as it runs; a limit changes which ranks receive, not how many bytes leave.
 """
 
 from __future__ import annotations
@@ -40,19 +69,20 @@ import math
 from collections.abc import Mapping, Sequence
 
 from autoplan.cost_model.comm import collective_time_s
+from autoplan.cost_model.compute import matmul_efficiency
 from autoplan.cost_model.config import Config
 from autoplan.cost_model.dp_sync import dp_sync_s
 from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
 from autoplan.cost_model.rank_memory import ExpertSlices
 from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
-from autoplan.experts import EXPERTS_OP
+from autoplan.experts import BACKWARD_FLOPS_FACTOR, EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import MeshShape, Plan
 from autoplan.spec import TrainingSpec
-from autoplan.topology import Topology
+from autoplan.topology import DeviceSpec, Topology
 
 __all__ = ["ExpertLayers", "expert_layers", "expert_slices", "ep_step_delta_s",
-           "with_expert_parallel", "EP_SAVED_INDEX_BYTES"]
+           "experts_time_s", "with_expert_parallel", "EP_SAVED_INDEX_BYTES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +94,7 @@ class ExpertLayers:
         num_experts: E of every layer (ep must divide each).
         top_k: choices per token (the largest over the layers).
         hidden: H, the tokens' width.
+        intermediate: I, an expert's intermediate size (the first MoE layer's).
         expert_elems: expert weight elements of the full model (gate_up_proj + down_proj).
         model_elems: parameter elements of the full model (blocks scaled likewise).
         frozen_expert_elems, frozen_model_elems: of those, the frozen ones (no gradient, no
@@ -74,6 +105,7 @@ class ExpertLayers:
     num_experts: tuple[int, ...]
     top_k: int
     hidden: int
+    intermediate: int
     expert_elems: float
     model_elems: float
     frozen_expert_elems: float = 0.0
@@ -100,22 +132,53 @@ def expert_layers(graph: CapturedGraph) -> ExpertLayers | None:
         num_experts=tuple(s[3][0] for s in shapes),
         top_k=max(s[1][1] for s in shapes),
         hidden=shapes[0][0][1],
+        intermediate=shapes[0][4][2],
         expert_elems=scale * sum(math.prod(s[3]) + math.prod(s[4]) for s in shapes),
         model_elems=sum(p.numel * (scale if p.layer_id is not None else 1.0)
                         for p in graph.params.values() if not p.is_buffer))
 
 
+def experts_time_s(layers: ExpertLayers, tokens: int, ep: int, spec: TrainingSpec,
+                   device: DeviceSpec) -> float:
+    """Forward + backward seconds of one MoE layer's routed experts on the busiest rank, per
+    microbatch of `tokens` tokens per rank, under expert parallelism ep (1: the rank computes
+    every expert for its own tokens). The roofline of cost_model/compute.py ([Note:
+    roofline]) on what the rank runs: `spec.routing_skew` times the mean's 2 x T k x 3 I H
+    FLOPs at the per-expert GEMMs' efficiency, m = ep T k / E rows each ([Note: matmul
+    efficiency curve]); bytes: its E / ep experts' weights (3 E I H / ep elements) and its
+    tokens in and out (2 T H at ep 1, the received pairs 2 T k H under ep, times the skew);
+    the backward 3x the forward (autoplan/experts.py BACKWARD_FLOPS_FACTOR). `expert_layers`'
+    first layer's E stands for every layer."""
+    num_experts, k = layers.num_experts[0], layers.top_k
+    hidden, inter, width = layers.hidden, layers.intermediate, spec.dtype_bytes
+    skew = spec.routing_skew if ep > 1 else 1.0  # ep 1: a rank's work is its own tokens'
+    flops = skew * 2 * tokens * k * 3 * inter * hidden
+    rows = (k if ep > 1 else 1) * tokens * hidden
+    nbytes = (3 * num_experts * inter * hidden / ep + 2 * skew * rows) * width
+    efficiency = matmul_efficiency(min(ep * tokens * k / num_experts, inter, hidden), device)
+    forward = max(flops / (device.flops_per_s(spec.dtype) * efficiency),
+                  nbytes / device.mem_bw_bytes_per_s)
+    return (1 + BACKWARD_FLOPS_FACTOR) * forward
+
+
 def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topology: Topology,
-                    ep: int) -> tuple[float, float]:
-    """(all-to-all seconds per step, change of the exposed dp sync seconds) of expert
-    parallelism ep on `plan`'s configuration, per rank ([Note: expert parallelism])."""
+                    ep: int) -> tuple[float, float, float]:
+    """(all-to-all seconds per step, change of the exposed dp sync seconds, change of the
+    routed experts' compute seconds per step) of expert parallelism ep on `plan`'s
+    configuration, on the busiest rank ([Note: expert parallelism])."""
     mesh = plan.mesh
     tokens = plan.microbatch_size * spec.seq_len
     per_rank_layers = layers.num_layers / mesh.pp
     pairs = tokens * layers.top_k
     a2a = lambda n: collective_time_s("all_to_all", n, ep, topology, stride=mesh.tp)  # noqa: E731
-    per_layer = 4 * a2a(pairs * layers.hidden * spec.dtype_bytes) + 4 * a2a(pairs * 8)
+    # the busiest rank receives routing_skew times the mean's pairs, and every rank waits
+    # for it; the ids and weights' exchanges cost their latency either way
+    per_layer = (4 * a2a(spec.routing_skew * pairs * layers.hidden * spec.dtype_bytes)
+                 + 4 * a2a(pairs * 8))
     a2a_s = per_layer * per_rank_layers * plan.num_microbatches
+    compute_s = (experts_time_s(layers, tokens, ep, spec, topology.device)
+                 - experts_time_s(layers, tokens, 1, spec, topology.device)
+                 ) * per_rank_layers * plan.num_microbatches
     _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
     experts, total = layers.expert_elems / mesh.pp, layers.model_elems / mesh.pp
     frozen_experts = layers.frozen_expert_elems / mesh.pp
@@ -127,7 +190,7 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
                        frozen=frozen_total - frozen_experts) + (collective_time_s(
         "all_reduce", (experts - frozen_experts) * grad_b / ep, mesh.dp // ep, topology,
         stride=mesh.tp * ep) if mesh.dp > ep else 0.0)
-    return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before)
+    return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before), compute_s
 
 
 EP_SAVED_INDEX_BYTES = 3 * 8
@@ -137,7 +200,7 @@ the received expert ids (saved by the experts op), the pair order and the token 
 
 
 def expert_slices(layers: ExpertLayers, ep: int, tokens: int = 0,
-                  dtype_bytes: int = 2) -> ExpertSlices:
+                  dtype_bytes: int = 2, routing_skew: float = 1.0) -> ExpertSlices:
     """The expert weights of `layers` as a rank holds them under ep (rank_memory.ExpertSlices:
     its 1 / ep slice, whole, outside FSDP2), and what the exchange keeps for the backward per
     microbatch of `tokens` tokens per rank, activations `dtype_bytes` wide: per MoE layer the
@@ -145,9 +208,12 @@ def expert_slices(layers: ExpertLayers, ep: int, tokens: int = 0,
     place of the rank's hidden (T, H) and weights (T, k), the combined outputs (T k, H)
     `index_add` keeps (its derivative reads the source: derivatives.yaml), and the int64
     indices (EP_SAVED_INDEX_BYTES); the hidden and weights the plan's saved tensors price
-    ([Note: saved tensors]) stay saved by the router. Measured by the dry run (bench/dryrun.py,
-    mixtral-8x7b-ep8: 4 (T, H) buffers per MoE layer and microbatch at top-2)."""
-    pairs = tokens * layers.top_k
+    ([Note: saved tensors]) stay saved by the router. On the busiest rank (the one that sets
+    the peak), `routing_skew` times the mean's pairs: the dropless exchange sizes its receive
+    buffers by the pairs routed ([Note: expert parallelism]). Measured by the dry run
+    (bench/dryrun.py, mixtral-8x7b-ep8, balanced routing: 4 (T, H) buffers per MoE layer and
+    microbatch at top-2)."""
+    pairs = tokens * layers.top_k * routing_skew
     per_layer = pairs * (2 * layers.hidden * dtype_bytes + dtype_bytes + EP_SAVED_INDEX_BYTES)
     return ExpertSlices(layers.expert_elems, layers.frozen_expert_elems, ep,
                         act_bytes=per_layer * layers.num_layers if ep > 1 else 0.0,
@@ -162,12 +228,13 @@ def with_expert_parallel(layers: ExpertLayers, plan: Plan, spec: TrainingSpec,
     the new step time, its memory per pipeline rank `rank_peaks` (bytes by category and
     "peak" of each pp rank with the expert slices held whole: rank_memory.rank_peaks with
     `expert_slices`), the plan's memory their largest."""
-    a2a_s, sync_s = ep_step_delta_s(layers, plan, spec, topology, ep)
+    a2a_s, sync_s, compute_s = ep_step_delta_s(layers, plan, spec, topology, ep)
     old = plan.prediction
     fullest = max(rank_peaks, key=lambda p: p["peak"])
-    step = old.step_time_s + a2a_s + sync_s
+    step = old.step_time_s + a2a_s + sync_s + compute_s
     pred = dataclasses.replace(
         old, step_time_s=step, comm_s=old.comm_s + a2a_s + sync_s,
+        compute_s=old.compute_s + compute_s,
         memory_bytes=fullest["peak"],
         memory_breakdown={k: v for k, v in fullest.items() if k != "peak"},
         memory_by_pp_rank=tuple(dict(p) for p in rank_peaks),

@@ -200,11 +200,13 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology,
             continue  # the first block stands for all ([Note: block roles])
         scaled = at_tokens(info, scale, module_input_bytes(fx_nodes[name]))
         factor = factor_of(name)
-        fwd = op_time_s(scaled, device, plan.dtype, shard_factor=factor) / speed
+        fwd = op_time_s(scaled, device, plan.dtype, shard_factor=factor,
+                        routing_skew=plan.routing_skew) / speed
         host = device.dtensor_op_overhead_s * dtensor_dispatches(info) if tp > 1 else 0.0
         sums[parts[name]][0] += fwd + host / 2
         sums[parts[name]][1] += backward_time_s(scaled, device, plan.dtype,
-                                                shard_factor=factor) / speed + host / 2
+                                                shard_factor=factor,
+                                                routing_skew=plan.routing_skew) / speed + host / 2
         if _recomputed(plan, info):
             sums[parts[name]][1] += fwd
     for group in redistributions:

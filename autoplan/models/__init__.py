@@ -55,6 +55,8 @@ PRESETS: dict[str, str] = {
     "mixtral-8x7b": "Mixtral 8x7B, 8 experts top-2 (HF MixtralForCausalLM)",
     "mixtral-8x22b": "Mixtral 8x22B, 141B, 8 experts top-2 (HF MixtralForCausalLM)",
     "qwen3-235b-a22b": "Qwen3-235B-A22B, 128 experts top-8 (HF Qwen3MoeForCausalLM)",
+    "deepseek-v3": "DeepSeek-V3, 671B, MLA, 256 routed experts top-8 + 1 shared "
+                   "(HF DeepseekV3ForCausalLM)",
     "llama-tiny": "Llama style with GQA, 2 layers, width 32, 8 query / 2 kv heads (tests)",
     "nanogpt-tiny": "nanoGPT GPT, 2 layers, width 32, tied head (plain PyTorch; tests)",
     "mlp-tiny": "2 Linear-GELU-Linear blocks, width 32 (plain PyTorch; tests)",

@@ -59,6 +59,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         microbatch_size=cfg.microbatch_size, seq_len=spec.seq_len, schedule=cfg.schedule,
         stages=config_stages(cfg, search.total_layers),
         max_memory_fraction=spec.max_memory_fraction,
+        routing_skew=spec.routing_skew if any(
+            info.target == EXPERTS_TARGET for info in graph.nodes.values()) else 1.0,
         prediction=_prediction(search, best),
         num_virtual_stages=cfg.num_virtual_stages,
         checkpointing=cfg.checkpointing,

@@ -120,7 +120,8 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
         info = problem.graph.nodes[n]
         scaled = at_tokens(info, costs.scale, module_input_bytes(fx_nodes[n]))
         compute[n] = [t + op_time_s(scaled, topology.device, spec.dtype,
-                                    shard_factor=c.shard_factor)
+                                    shard_factor=c.shard_factor,
+                                    routing_skew=spec.routing_skew)
                       for t, c in zip(compute[n], problem.cands[n])]
     # A gather into a checkpointed block runs again in its recomputation (under "selective"
     # also into the kept matmuls: the replay gathers their input before the cache answers),

@@ -242,9 +242,12 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
             continue
         scaled = at_tokens(info, scale, module_input_bytes(fx_nodes[n]))
         host = _dtensor_host_s(info, device) if tp > 1 else 0.0
+        skew = spec.routing_skew  # the routed experts split over tp: the busiest rank's pace
         costs.compute_s[n] = [
-            op_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor)
-            + backward_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor) + host
+            op_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor,
+                      routing_skew=skew)
+            + backward_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor,
+                              routing_skew=skew) + host
             for c in problem.cands[n]]
     for i, edge in enumerate(problem.edges):
         pairs = _edge_pairs(problem, edge, scale, topology)

@@ -41,19 +41,19 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
     if ep == 1 or (layers is None and ep is None) or plan.mesh.cp > 1:  # cp: no ep (plan())
         return plan
     tokens = plan.microbatch_size * spec.seq_len  # a rank's microbatch (tp 1 and cp 1 here)
+    slices = lambda e: expert_slices(  # noqa: E731
+        layers, e, tokens, spec.dtype_bytes, spec.routing_skew)
     if ep is not None:
         reason = _not_applicable(layers, plan, ep, topology)
         if reason:
             raise InvalidConfig(f"ep {ep}: {reason}")
-        return with_expert_parallel(layers, plan, spec, topology, ep,
-                                    rank_peaks(expert_slices(layers, ep, tokens, spec.dtype_bytes)))
+        return with_expert_parallel(layers, plan, spec, topology, ep, rank_peaks(slices(ep)))
     budget = spec.max_memory_fraction * topology.device.mem_bytes
     best = plan
     for e in range(2, plan.mesh.dp + 1):
         if _not_applicable(layers, plan, e, topology):
             continue
-        cand = with_expert_parallel(layers, plan, spec, topology, e,
-                                    rank_peaks(expert_slices(layers, e, tokens, spec.dtype_bytes)))
+        cand = with_expert_parallel(layers, plan, spec, topology, e, rank_peaks(slices(e)))
         if cand.prediction.memory_bytes <= budget and \
                 cand.prediction.step_time_s < best.prediction.step_time_s:
             best = cand

@@ -98,6 +98,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
                       elementwise_optimizer=elementwise_optimizer)
     except OptionError as e:
         raise InvalidConfig(str(e)) from None
+    if o.routing_skew is not None:  # an option of the training step: the spec holds it
+        spec = dataclasses.replace(spec, routing_skew=o.routing_skew)
     ep = o.ep
     if ep is not None and ep > 1:
         if o.cp not in (None, 1):
@@ -175,6 +177,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         topology = compiled_topology(topology)
     if plan.frozen_dtype:  # priced as it holds its frozen parameters
         spec = dataclasses.replace(spec, frozen_dtype=plan.frozen_dtype)
+    if plan.routing_skew != 1.0:  # and at the routing skew it was priced at
+        spec = dataclasses.replace(spec, routing_skew=plan.routing_skew)
     search, assessed = _assessed(graph, plan, topology, spec)
     with collector_paused():
         priced = expert_parallel(graph, build_plan(search, assessed, []), spec, topology,

@@ -8,8 +8,9 @@ Tensor arguments, [Note: argument order]: hidden (T, H), top_k_index (T, k), top
 - experts split, (R, R, R, S(0), S(0)) -> P: each tp rank holds E / tp whole experts and
   computes, for all tokens, the choices that fall on them; the output is a partial sum over the
   tp ranks (a token's k choices spread over ranks). Offered when E divides by tp and E >= tp.
-  Work per rank is 1/tp of the op's under balanced routing (shard_factor tp; the cost model's
-  assumption -- routing imbalance is not modelled). This is expert parallelism over ranks that
+  Work per rank is 1/tp of the op's on average (shard_factor tp), the busiest rank's
+  `TrainingSpec.routing_skew` times that, which the cost model prices ([Note: expert
+  parallelism] in cost_model/expert_parallel.py). This is expert parallelism over ranks that
   hold the same tokens: no all-to-all, one all-reduce (or reduce-scatter) of the output.
 
 The FFN-dim split of each expert (gate_up_proj S(1), down_proj S(2)) is not offered: HF stores
