@@ -249,23 +249,27 @@ def test_mixtral_tp2_matches_single_process(clusters, ample_tp2_bytes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, zero", [("mixtral", 0), ("qwen3_moe", 3)])
-def test_dp2xep2_matches_single_process(clusters, family, zero):
-    """Expert parallelism: 4 ranks split the batch 4 ways; each pair of ranks (ep 2) holds
-    disjoint halves of the experts and exchanges tokens by all-to-all; the router stays
-    replicated; the other weights are replicated (ZeRO-0) or sharded (ZeRO-3) over the 4. With
-    gradient clipping that clips (the norm spans the expert slices): losses of 3 AdamW steps,
-    the norms and every parameter after them equal one process."""
+@pytest.mark.parametrize("family, zero, ep", [
+    ("mixtral", 0, 2), ("qwen3_moe", 3, 2), ("deepseek_v3", 1, 2), ("mixtral", 1, 4),
+    ("deepseek_v3", 3, 2)])
+def test_dp4_ep_matches_single_process(clusters, family, zero, ep):
+    """Expert parallelism: 4 ranks split the batch 4 ways; each group of ep ranks holds
+    disjoint slices of the experts and exchanges tokens by all-to-all; the router stays
+    replicated; the other weights are replicated (ZeRO-0), their optimizer states partitioned
+    over the 4 (ZeRO-1: a slice's over the 4 / ep ranks that hold it, or its rank alone at ep
+    4) or sharded (ZeRO-3). With gradient clipping that clips (the norm spans the expert
+    slices): losses of 3 AdamW steps, the norms and every parameter after them equal one
+    process."""
     factory = _moe.factory(family)
     ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
     assert all(n > 0.5 for n in ref[2]), "max_norm must be small enough to clip"
     results = clusters.get(4).run(_jobs.train, factory, 3, 4,
-                                  dict(dp=4, ep=2, zero_stage=zero),
+                                  dict(dp=4, ep=ep, zero_stage=zero),
                                   max_grad_norm=0.5, timeout_s=600)
     for r in results:
         torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
     plan = Plan.from_json(results[0][2])
-    assert (plan.mesh.dp, plan.mesh.ep, str(plan.mesh)) == (4, 2, "pp1xdp4(ep2)xtp1")
+    assert (plan.mesh.dp, plan.mesh.ep, str(plan.mesh)) == (4, ep, f"pp1xdp4(ep{ep})xtp1")
     assert plan.zero_stage == zero
     _assert_matches(results, ref)
 

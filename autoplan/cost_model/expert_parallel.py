@@ -32,7 +32,8 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
 
 The step time of the plan chosen at ep = 1 is repriced by these differences, its memory per
 rank priced again on its placement (`with_expert_parallel`): a decomposition, exact for the
-quantities above because ep changes no placement (ep runs with tp 1 and ZeRO 0, 2 or 3, the runtime's support), but not a joint
+quantities above because ep changes no placement (ep runs with tp 1, the runtime's support;
+under ZeRO-1 a slice's optimizer states are partitioned over its dp / ep ranks), but not a joint
 search: a plan that fits only with ep is not found.
 
 Routing is never balanced. `TrainingSpec.routing_skew` (option `routing_skew`, default
@@ -72,7 +73,6 @@ from autoplan.cost_model.comm import collective_time_s
 from autoplan.cost_model.compute import matmul_efficiency
 from autoplan.cost_model.config import Config
 from autoplan.cost_model.dp_sync import dp_sync_s
-from autoplan.cost_model.memory import STATE_BYTES_PER_PARAM
 from autoplan.cost_model.rank_memory import ExpertSlices
 from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
 from autoplan.experts import BACKWARD_FLOPS_FACTOR, EXPERTS_OP
@@ -179,17 +179,21 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     compute_s = (experts_time_s(layers, tokens, ep, spec, topology.device)
                  - experts_time_s(layers, tokens, 1, spec, topology.device)
                  ) * per_rank_layers * plan.num_microbatches
-    _p, grad_b, _o = STATE_BYTES_PER_PARAM[(spec.mixed_precision, spec.optimizer)]
     experts, total = layers.expert_elems / mesh.pp, layers.model_elems / mesh.pp
     frozen_experts = layers.frozen_expert_elems / mesh.pp
     frozen_total = layers.frozen_model_elems / mesh.pp
     cfg = Config(mesh.pp, mesh.dp, mesh.tp, plan.zero_stage, plan.num_microbatches,
                  plan.microbatch_size, plan.schedule, plan.num_virtual_stages)
     before = dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
+    # the slices outside FSDP2: all-reduced over the dp / ep ranks that hold one (stride
+    # tp x ep), and under ZeRO-1 their stepped rows all-gathered there ([Note: ZeRO-1
+    # partition]); no ZeRO-2/3 gathers
+    outer = Config(mesh.pp, mesh.dp // ep, mesh.tp * ep, 1 if plan.zero_stage == 1 else 0,
+                   plan.num_microbatches, plan.microbatch_size, plan.schedule,
+                   plan.num_virtual_stages)
     after = dp_sync_s(cfg, spec, topology, total - experts,
-                       frozen=frozen_total - frozen_experts) + (collective_time_s(
-        "all_reduce", (experts - frozen_experts) * grad_b / ep, mesh.dp // ep, topology,
-        stride=mesh.tp * ep) if mesh.dp > ep else 0.0)
+                       frozen=frozen_total - frozen_experts) + dp_sync_s(
+        outer, spec, topology, experts / ep, frozen=frozen_experts / ep)
     return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before), compute_s
 
 

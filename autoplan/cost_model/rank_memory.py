@@ -504,11 +504,14 @@ def _expert_slice_states(cfg: Config, spec: TrainingSpec, experts: ExpertSlices,
                          layer_share: float, offload: str) -> dict[str, float]:
     """{"params", "grads", "optimizer"} bytes of the expert slice a rank holding
     `layer_share` of the layers keeps (ExpertSlices): the fsdp2 recipe's states of its
-    elements, unsharded (ZeRO-0, dp 1), on the device as `offload` leaves them."""
+    elements, unsharded (ZeRO-0, dp 1) but under ZeRO-1, whose optimizer states are
+    partitioned over the dp / ep ranks holding the slice (runtime/expert_parallel.py), on the
+    device as `offload` leaves them."""
     elems = experts.elems * layer_share / experts.ep
     frozen = experts.frozen_elems * layer_share / experts.ep
+    zero, ranks = (1, cfg.dp // experts.ep) if cfg.zero_stage == 1 else (0, 1)
     return offload_costs.device_states(model_state_bytes(
-        elems, 0, 1, mixed_precision=spec.mixed_precision, optimizer=spec.optimizer,
+        elems, zero, ranks, mixed_precision=spec.mixed_precision, optimizer=spec.optimizer,
         recipe="fsdp2", frozen_params=frozen,
         frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
 

@@ -240,8 +240,11 @@ class DistributedModel(RankStages):
             # here; ZeRO-3's is FSDP2's CPUOffloadPolicy (rank_stages.py apply_data_parallel)
             host = plan.offload == "optimizer"
             if plan.zero_stage == 1 and plan.mesh.dp_shard > 1:
+                # an expert slice is partitioned over the ranks that hold it (dp / ep)
+                ep = self.expert_parallel
+                groups = {id(p): ep.outer_mesh for p in ep.params} if ep else None
                 self.optimizer = _compat.ShardedOptimizer(params, make_opt, self.dp_mesh,
-                                                          offload=host)
+                                                          offload=host, groups=groups)
             elif host:
                 self.optimizer = HostOptimizer(params, make_opt)
             else:

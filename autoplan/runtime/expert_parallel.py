@@ -34,9 +34,11 @@ Under ZeRO 2 and 3 the other weights are sharded over dp by FSDP2 as usual and t
 slices stay whole (replicated over their dp / ep ranks). Under a 16-bit plan they stay fp32
 masters, which FSDP2's mixed-precision policy does not cast: the experts op computes in the
 hidden states' dtype, casting one expert's weights at a time (autoplan/experts.py), so the
-slices' gradients come back in fp32 and are summed in fp32, as the recipe's reduction is. Supported: tp 1 and ZeRO 0, 2 or 3
-with ep > 1 (`check_expert_parallel`); ZeRO-1 (its optimizer would all-gather the slices over
-dp as if they were one tensor) and ep together with tp are not implemented.
+slices' gradients come back in fp32 and are summed in fp32, as the recipe's reduction is.
+Under ZeRO-1 the optimizer states of a slice are partitioned over the dp / ep ranks that hold
+it (`outer_mesh`; runtime/zero1.py's `groups`), not over dp: its rows are stepped there and
+all-gathered there. Supported: tp 1 with ep > 1, every ZeRO stage (`check_expert_parallel`);
+ep together with tp is not implemented. Checkpoints of an ep plan are not tested.
 """
 
 from __future__ import annotations
@@ -60,14 +62,9 @@ def check_expert_parallel(plan) -> None:
     mesh = plan.mesh
     if mesh.ep == 1:
         return
-    unsupported = []
     if mesh.tp > 1:
-        unsupported.append(f"tp {mesh.tp}")
-    if plan.zero_stage == 1:
-        unsupported.append("ZeRO-1")
-    if unsupported:
-        raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with tp 1 and "
-                         f"ZeRO 0, 2 or 3; this plan has {', '.join(unsupported)}")
+        raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with tp 1; this "
+                         f"plan has tp {mesh.tp}")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -144,7 +141,9 @@ class ExpertParallel:
         assert mesh4.mesh.equal(mesh.mesh.reshape(pp, dp // ep, ep, tp)), "mesh not row-major"
         forget_at_exit(mesh4)  # a root mesh of its own ([Note: orderly exit])
         self.ep_mesh = mesh4["ep"]
-        self.outer_group = mesh4["dp_outer"].get_group() if dp // ep > 1 else None
+        # the dp / ep ranks that hold the same slice (None: this rank alone)
+        self.outer_mesh = mesh4["dp_outer"] if dp // ep > 1 else None
+        self.outer_group = self.outer_mesh.get_group() if self.outer_mesh is not None else None
         self.params: list[nn.Parameter] = []
 
     def shard(self, gm: torch.fx.GraphModule,

@@ -66,8 +66,23 @@ def _split(rows: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
+class _Part:
+    """The ranks a parameter is partitioned over: a 1-D DeviceMesh's, or (None) this rank
+    alone."""
+
+    def __init__(self, mesh):
+        if mesh is None:
+            self.group, self.ranks, self.n, self.me = None, [dist.get_rank()], 1, 0
+            return
+        self.group = mesh.get_group()
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.n, self.me = len(self.ranks), mesh.get_local_rank()
+
+
 class ShardedOptimizer:
-    """ZeRO-1 over the dp group of `dp_mesh` ([Note: ZeRO-1 partition]).
+    """ZeRO-1 over the dp group of `dp_mesh` ([Note: ZeRO-1 partition]); a parameter that
+    `groups` maps by id to another 1-D mesh (or to None: this rank alone) is partitioned over
+    that one instead (an expert slice under ep, runtime/expert_parallel.py).
 
     `make_optimizer` receives every (FQN, parameter) of the model as on one process, with
     this rank's rows in place of each partitioned parameter (groups built by name come out
@@ -79,31 +94,40 @@ class ShardedOptimizer:
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], make_optimizer: Callable,
-                 dp_mesh, *, offload: bool = False):
+                 dp_mesh, *, offload: bool = False, groups: dict[int, object] | None = None):
         named_params = list(named_params)
         # frozen parameters (a rank with nothing to train is given its frozen ones) are
         # neither stepped nor gathered: they never change
         self.params = [p for _, p in named_params if p.requires_grad]
-        self.group = dp_mesh.get_group()
-        self.ranks = dist.get_process_group_ranks(self.group)
-        n = len(self.ranks)
-        self.me = me = dp_mesh.get_local_rank()
+        # the ranks each parameter is partitioned over: the dp group, or the 1-D mesh
+        # `groups` names for it (an expert slice under ep: the dp / ep ranks that hold the
+        # same slice, runtime/expert_parallel.py; None there: this rank alone)
+        parts: dict[int, _Part] = {}
+        self.part: list[_Part] = []
+        for p in self.params:
+            mesh = (groups or {}).get(id(p), dp_mesh)
+            if id(mesh) not in parts:
+                parts[id(mesh)] = _Part(mesh)
+            self.part.append(parts[id(mesh)])
         # per parameter: every rank's rows, or None when one rank steps it whole; its owner
-        # (greedy by size, the least loaded rank first) steps it then, and gathers its
-        # states for a checkpoint
+        # (greedy by size, the least loaded rank of its part first) steps it then, and
+        # gathers its states for a checkpoint
         self.splits: list[list[tuple[int, int]] | None] = []
         self.owner: list[int] = [0] * len(self.params)
-        loads = [0] * n
+        loads: dict[int, list[int]] = {}
         for i in sorted(range(len(self.params)), key=lambda i: -_local(self.params[i]).numel()):
-            r = min(range(n), key=loads.__getitem__)
+            part = self.part[i]
+            load = loads.setdefault(id(part), [0] * part.n)
+            r = min(range(part.n), key=load.__getitem__)
             self.owner[i] = r
-            loads[r] += _local(self.params[i]).numel()
+            load[r] += _local(self.params[i]).numel()
         owner = self.owner
         self.shards: list[nn.Parameter] = []
         stepped = set()
         for i, p in enumerate(self.params):
             t = _local(p).detach()
-            split = _split(t.shape[0], n) if t.shape[0] >= n else None
+            n, me = self.part[i].n, self.part[i].me
+            split = _split(t.shape[0], n) if t.shape[0] >= n > 1 else None
             self.splits.append(split)
             a, b = split[me] if split is not None else (0, t.shape[0])
             shard = nn.Parameter(t[a:b], requires_grad=True)
@@ -128,7 +152,8 @@ class ShardedOptimizer:
 
     def _rows(self, i: int) -> tuple[int, int]:
         split = self.splits[i]
-        return split[self.me] if split is not None else (0, _local(self.params[i]).shape[0])
+        return split[self.part[i].me] if split is not None else \
+            (0, _local(self.params[i]).shape[0])
 
     def _point(self) -> None:
         """Each shard a view of its rows of the parameter's storage as it is now (FSDP2 may
@@ -162,23 +187,25 @@ class ShardedOptimizer:
     def _gather(self, t: torch.Tensor, i: int) -> None:
         """Every rank's rows of `t` (parameter i's local tensor, or a state of its shape)
         from the rank that holds them, in place."""
-        split = self.splits[i]
+        split, part = self.splits[i], self.part[i]
+        if part.n == 1:
+            return  # this rank alone holds and steps it
         if split is None:
             buf = t if t.is_contiguous() else t.contiguous()
-            dist.broadcast(buf, src=self.ranks[self.owner[i]], group=self.group)
+            dist.broadcast(buf, src=part.ranks[self.owner[i]], group=part.group)
             if buf is not t:
                 t.copy_(buf)
             return
-        n, (a, b) = len(split), split[self.me]
+        n, (a, b) = len(split), split[part.me]
         width = split[0][1] - split[0][0]  # the first ranks hold the most rows
         even = all(stop - start == width for start, stop in split)
         send = t.new_empty((width, *t.shape[1:]))
         send[:b - a].copy_(t[a:b])
         if even and t.is_contiguous():
-            dist.all_gather_into_tensor(t, send, group=self.group)
+            dist.all_gather_into_tensor(t, send, group=part.group)
             return
         full = t.new_empty((width * n, *t.shape[1:]))
-        dist.all_gather_into_tensor(full, send, group=self.group)
+        dist.all_gather_into_tensor(full, send, group=part.group)
         for r, (start, stop) in enumerate(split):
             t[start:stop].copy_(full[r * width:r * width + stop - start])
 
@@ -193,7 +220,7 @@ class ShardedOptimizer:
         out: dict[int, dict[str, object]] = {}
         for i, (p, s) in enumerate(zip(self.params, self.shards)):
             state = self.inner.state.get(s, {}) if self.inner is not None else {}
-            mine = self.owner[i] == self.me
+            mine = self.owner[i] == self.part[i].me
             keys = self._state_keys(i, state)
             whole = {}
             for key in keys:
@@ -229,8 +256,9 @@ class ShardedOptimizer:
             if self.splits[i] is None:  # its owner's states were loaded in place
                 continue
             state = self.inner.state.get(s, {}) if self.inner is not None else {}
-            mine = self.owner[i] == self.me
-            src = self.ranks[self.owner[i]]
+            part = self.part[i]
+            mine = self.owner[i] == part.me
+            src = part.ranks[self.owner[i]]
             for key in self._state_keys(i, state):
                 value = state.get(key)
                 loaded = states.get(id(p), {}).get(key) if mine else None
@@ -238,13 +266,13 @@ class ShardedOptimizer:
                     t = _local(p)
                     full = _local(loaded).contiguous() if mine else \
                         t.new_empty(t.shape, dtype=value.dtype)
-                    dist.broadcast(full, src=src, group=self.group)
+                    dist.broadcast(full, src=src, group=part.group)
                     a, b = self._rows(i)
                     value.copy_(full[a:b])
                 elif isinstance(value, torch.Tensor):
                     buf = (_local(loaded).clone() if mine else torch.empty_like(value)) \
                         .reshape(value.shape)
-                    dist.broadcast(buf, src=src, group=self.group)
+                    dist.broadcast(buf, src=src, group=part.group)
                     value.copy_(buf)
 
     def _state_keys(self, i: int, state: dict) -> list[str]:
@@ -252,7 +280,7 @@ class ShardedOptimizer:
         partitioned parameter; one stepped whole has its state on its owner only, and the
         collectives of `full_states` skip it)."""
         return sorted(state) if self.splits[i] is not None else (
-            sorted(state) if self.owner[i] == self.me else [])
+            sorted(state) if self.owner[i] == self.part[i].me else [])
 
     def _row_keys(self, i: int, state: dict) -> set[str]:
         s = self.shards[i]

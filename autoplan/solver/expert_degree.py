@@ -31,8 +31,8 @@ def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topolo
 
     Raises:
         InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
-            not divide dp or some layer's experts, the plan has tp > 1 or ZeRO-1 (the
-            runtime's support; fix tp=1 and zero_stage to 0, 2 or 3), or its groups straddle
+            not divide dp or some layer's experts, the plan has tp > 1 (the runtime's
+            support; fix tp=1), or its groups straddle
             node boundaries unevenly (cost_model/comm.py [Note: group layout]).
     """
     layers = expert_layers(graph)
@@ -70,9 +70,8 @@ def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int,
     bad = sorted({e for e in layers.num_experts if e % ep})
     if bad:
         return f"does not divide the experts of every layer ({bad})"
-    if mesh.tp > 1 or plan.zero_stage == 1:
-        return (f"runs with tp 1 and ZeRO 0, 2 or 3; the plan has tp {mesh.tp}, "
-                f"ZeRO-{plan.zero_stage} (fix tp=1 and zero_stage)")
+    if mesh.tp > 1:
+        return f"runs with tp 1; the plan has tp {mesh.tp} (fix tp=1)"
     try:  # the ep groups and the groups across them must sit evenly on the nodes
         group_layout(ep, mesh.tp, topology)
         group_layout(mesh.dp // ep, mesh.tp * ep, topology)

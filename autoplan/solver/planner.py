@@ -105,9 +105,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         if o.cp not in (None, 1):
             raise InvalidConfig(f"ep {ep} with cp {o.cp}: expert and context parallelism are "
                                 "not planned together")
-        if o.tp not in (None, 1) or o.zero_stage == 1:
-            raise InvalidConfig(f"ep {ep} runs with tp 1 and ZeRO 0, 2 or 3; got tp {o.tp}, "
-                                f"zero_stage {o.zero_stage}")
+        if o.tp not in (None, 1):
+            raise InvalidConfig(f"ep {ep} runs with tp 1; got tp {o.tp}")
         o = dataclasses.replace(o, cp=1, tp=1)
     if not isinstance(compiled, bool):
         raise ValueError(f"compiled={compiled!r}; expected True or False")
@@ -127,20 +126,6 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         result = plan_frozen_dtype(graph, spec, run, weights_dtype=frozen_weights_dtype,
                                    offload_searched=o.offload is None)
         spec = dataclasses.replace(spec, frozen_dtype=result.frozen_dtype or spec.frozen_dtype)
-        if ep is not None and ep > 1 and result.zero_stage == 1:
-            # ep does not run with ZeRO-1: the best plan at the other stages
-            others = []
-            for z in (0, 2, 3):
-                try:
-                    others.append(_plan(graph, topology, spec,
-                                        dataclasses.replace(o, zero_stage=z), o.time_limit_s,
-                                        o.top_k))
-                except (InvalidConfig, NoFeasiblePlan):
-                    continue
-            if not others:
-                raise InvalidConfig(f"ep {ep}: no plan fits at ZeRO 0, 2 or 3 (ep does not run "
-                                    "with ZeRO-1)")
-            result = min(others, key=lambda p: p.prediction.step_time_s)
     result = expert_parallel(graph, result, spec, topology, ep, rank_peaks_of(
         graph, result, topology, spec))
     if o.placements:
