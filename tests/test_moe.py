@@ -274,6 +274,40 @@ def test_dp4_ep_matches_single_process(clusters, family, zero, ep):
     _assert_matches(results, ref)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family, zero", [("mixtral", 0), ("qwen3_moe", 1)])
+def test_ep_with_tp_matches_single_process(clusters, family, zero):
+    """ep 2 x tp 2 ([Note: experts over ep and tp] in runtime/expert_parallel.py): dp 2 x tp 2
+    on 4 ranks, tp splitting the experts (pinned Shard(0)) and ep splitting each tp share
+    again, so a rank holds a quarter of the experts and exchanges its tp share of the
+    choices within its ep group; with gradient clipping that clips: losses, norms and every
+    parameter after 3 AdamW steps equal one process (fp32, rtol 1e-5)."""
+    factory = _moe.factory(family)
+    ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
+    results = clusters.get(4).run(
+        _jobs.train, factory, 3, 4,
+        dict(dp=2, tp=2, ep=2, zero_stage=zero, placements={"*.mlp.experts.*": "S(0)"}),
+        max_grad_norm=0.5, timeout_s=600)
+    plan = Plan.from_json(results[0][2])
+    assert (str(plan.mesh), plan.zero_stage) == ("pp1xdp2(ep2)xtp2", zero)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
+    _assert_matches(results, ref)
+
+
+def test_ep_at_tp_needs_the_experts_split_on_tp():
+    """A given ep at tp > 1 whose plan keeps the experts whole on tp is refused, naming the
+    weight and the pin that makes it run."""
+    from autoplan.api import autoparallel
+    from autoplan.solver.configurations import InvalidConfig
+
+    with pytest.raises(InvalidConfig, match=r"ep 2: at tp 2 needs the experts split on tp "
+                                            r"\(Shard\(0\)\); the plan places "
+                                            r"model\.layers\.0\.mlp\.experts\.\w+ R"):
+        autoparallel(_moe.factory("mixtral")(), global_batch=4, seq_len=16, world_size=4,
+                     dp=2, tp=2, ep=2, placements={"*.mlp.experts.*": "R"}).plan
+
+
 def test_ep_is_priced_per_topology_level():
     """ep 2 on a 2-node DGX-H100 plan (dp 16 x tp 1, ZeRO-0): the step pays the all-to-alls
     (inside a node: consecutive dp ranks) and the changed gradient all-reduce; the experts'

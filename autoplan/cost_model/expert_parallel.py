@@ -139,7 +139,7 @@ def expert_layers(graph: CapturedGraph) -> ExpertLayers | None:
 
 
 def experts_time_s(layers: ExpertLayers, tokens: int, ep: int, spec: TrainingSpec,
-                   device: DeviceSpec) -> float:
+                   device: DeviceSpec, tp: int = 1) -> float:
     """Forward + backward seconds of one MoE layer's routed experts on the busiest rank, per
     microbatch of `tokens` tokens per rank, under expert parallelism ep (1: the rank computes
     every expert for its own tokens). The roofline of cost_model/compute.py ([Note:
@@ -148,13 +148,15 @@ def experts_time_s(layers: ExpertLayers, tokens: int, ep: int, spec: TrainingSpe
     efficiency curve]); bytes: its E / ep experts' weights (3 E I H / ep elements) and its
     tokens in and out (2 T H at ep 1, the received pairs 2 T k H under ep, times the skew);
     the backward 3x the forward (autoplan/experts.py BACKWARD_FLOPS_FACTOR). `expert_layers`'
-    first layer's E stands for every layer."""
+    first layer's E stands for every layer. Under tp, which splits the experts (E / (ep tp) on
+    a rank, the tokens replicated), a rank computes 1 / tp of the choices, with the same rows
+    per expert."""
     num_experts, k = layers.num_experts[0], layers.top_k
     hidden, inter, width = layers.hidden, layers.intermediate, spec.dtype_bytes
-    skew = spec.routing_skew if ep > 1 else 1.0  # ep 1: a rank's work is its own tokens'
-    flops = skew * 2 * tokens * k * 3 * inter * hidden
-    rows = (k if ep > 1 else 1) * tokens * hidden
-    nbytes = (3 * num_experts * inter * hidden / ep + 2 * skew * rows) * width
+    skew = spec.routing_skew if ep > 1 or tp > 1 else 1.0  # a rank's work is its own tokens'
+    flops = skew * 2 * tokens * k * 3 * inter * hidden / tp
+    rows = (k / tp if ep > 1 else 1) * tokens * hidden
+    nbytes = (3 * num_experts * inter * hidden / (ep * tp) + 2 * skew * rows) * width
     efficiency = matmul_efficiency(min(ep * tokens * k / num_experts, inter, hidden), device)
     forward = max(flops / (device.flops_per_s(spec.dtype) * efficiency),
                   nbytes / device.mem_bw_bytes_per_s)
@@ -169,19 +171,22 @@ def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topolo
     mesh = plan.mesh
     tokens = plan.microbatch_size * spec.seq_len
     per_rank_layers = layers.num_layers / mesh.pp
-    pairs = tokens * layers.top_k
+    pairs = tokens * layers.top_k / mesh.tp  # a tp rank exchanges the choices of its experts
     a2a = lambda n: collective_time_s("all_to_all", n, ep, topology, stride=mesh.tp)  # noqa: E731
     # the busiest rank receives routing_skew times the mean's pairs, and every rank waits
     # for it; the ids and weights' exchanges cost their latency either way
     per_layer = (4 * a2a(spec.routing_skew * pairs * layers.hidden * spec.dtype_bytes)
                  + 4 * a2a(pairs * 8))
     a2a_s = per_layer * per_rank_layers * plan.num_microbatches
-    compute_s = (experts_time_s(layers, tokens, ep, spec, topology.device)
-                 - experts_time_s(layers, tokens, 1, spec, topology.device)
+    compute_s = (experts_time_s(layers, tokens, ep, spec, topology.device, mesh.tp)
+                 - experts_time_s(layers, tokens, 1, spec, topology.device, mesh.tp)
                  ) * per_rank_layers * plan.num_microbatches
-    experts, total = layers.expert_elems / mesh.pp, layers.model_elems / mesh.pp
-    frozen_experts = layers.frozen_expert_elems / mesh.pp
-    frozen_total = layers.frozen_model_elems / mesh.pp
+    # per device: the experts split on tp; the rest as if split too (only the difference of
+    # the dp collectives' bandwidth terms, linear in the bytes, matters here)
+    experts = layers.expert_elems / (mesh.pp * mesh.tp)
+    total = layers.model_elems / (mesh.pp * mesh.tp)
+    frozen_experts = layers.frozen_expert_elems / (mesh.pp * mesh.tp)
+    frozen_total = layers.frozen_model_elems / (mesh.pp * mesh.tp)
     cfg = Config(mesh.pp, mesh.dp, mesh.tp, plan.zero_stage, plan.num_microbatches,
                  plan.microbatch_size, plan.schedule, plan.num_virtual_stages)
     before = dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
@@ -204,7 +209,8 @@ the received expert ids (saved by the experts op), the pair order and the token 
 
 
 def expert_slices(layers: ExpertLayers, ep: int, tokens: int = 0,
-                  dtype_bytes: int = 2, routing_skew: float = 1.0) -> ExpertSlices:
+                  dtype_bytes: int = 2, routing_skew: float = 1.0,
+                  tp: int = 1) -> ExpertSlices:
     """The expert weights of `layers` as a rank holds them under ep (rank_memory.ExpertSlices:
     its 1 / ep slice, whole, outside FSDP2), and what the exchange keeps for the backward per
     microbatch of `tokens` tokens per rank, activations `dtype_bytes` wide: per MoE layer the
@@ -216,10 +222,12 @@ def expert_slices(layers: ExpertLayers, ep: int, tokens: int = 0,
     the peak), `routing_skew` times the mean's pairs: the dropless exchange sizes its receive
     buffers by the pairs routed ([Note: expert parallelism]). Measured by the dry run
     (bench/dryrun.py, mixtral-8x7b-ep8, balanced routing: 4 (T, H) buffers per MoE layer and
-    microbatch at top-2)."""
-    pairs = tokens * layers.top_k * routing_skew
+    microbatch at top-2). Under tp (which splits the experts, [Note: experts over ep and tp]
+    in runtime/expert_parallel.py) a rank holds 1 / (ep tp) of them and exchanges the pairs of
+    its tp share, 1 / tp of its tokens' choices."""
+    pairs = tokens * layers.top_k * routing_skew / tp
     per_layer = pairs * (2 * layers.hidden * dtype_bytes + dtype_bytes + EP_SAVED_INDEX_BYTES)
-    return ExpertSlices(layers.expert_elems, layers.frozen_expert_elems, ep,
+    return ExpertSlices(layers.expert_elems / tp, layers.frozen_expert_elems / tp, ep,
                         act_bytes=per_layer * layers.num_layers if ep > 1 else 0.0,
                         num_layers=layers.num_layers)
 

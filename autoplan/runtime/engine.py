@@ -212,7 +212,8 @@ class DistributedModel(RankStages):
                 # expert parallelism inside dp (runtime/expert_parallel.py): groups before stages
                 # use them
                 check_expert_parallel(plan)
-                self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep) \
+                self.expert_parallel = ExpertParallel(self.mesh, plan.mesh.ep,
+                                                      plan.placement_of) \
                     if plan.mesh.ep > 1 else None
                 self.stages = self._build_stages()
             for _, module in self.stages:

@@ -37,8 +37,22 @@ hidden states' dtype, casting one expert's weights at a time (autoplan/experts.p
 slices' gradients come back in fp32 and are summed in fp32, as the recipe's reduction is.
 Under ZeRO-1 the optimizer states of a slice are partitioned over the dp / ep ranks that hold
 it (`outer_mesh`; runtime/zero1.py's `groups`), not over dp: its rows are stepped there and
-all-gathered there. Supported: tp 1 with ep > 1, every ZeRO stage (`check_expert_parallel`);
-ep together with tp is not implemented. Checkpoints of an ep plan are not tested.
+all-gathered there. Supported: ep > 1 with every ZeRO stage, with tp 1 or with tp splitting
+the experts (below), cp 1 (`check_expert_parallel`). Checkpoints of an ep plan are not tested.
+
+[Note: experts over ep and tp] At tp > 1 the plan splits whole experts on tp (Shard(0),
+passes/experts_local.py: tp rank t holds experts [t E / tp, (t + 1) E / tp), the tokens
+replicated, the output a Partial sum over tp). ep splits each rank's share again: the expert
+weights become DTensors (Shard(0), Shard(0)) on the 2-D ("ep", "tp") mesh, so rank (e, t)
+holds the block e tp + t of E / (ep tp) experts (DTensor's order: ep's split first, tp's
+within it). A choice of expert g falls in block c = g // (E / (ep tp)): the tp rank c % tp
+computes it, on the ep rank c // tp. So each tp rank exchanges, within its ep group (the ranks
+with its tp coordinate), only the choices of its blocks -- 1 / tp of its tokens' choices --
+and its output is still its Partial share over tp, which the plan's all-reduce on tp sums
+(`_experts_ep_tp`); the gradients of the replicated hidden and routing weights are Partial
+over tp, as under tp alone. The blocks of every tp rank partition the experts, so the sum over
+tp of the ranks' outputs is the whole op. The planner offers ep at tp > 1 only on plans whose
+experts are Shard(0) on tp (solver/expert_degree.py); a given ep keeps tp 1 unless tp is given.
 """
 
 from __future__ import annotations
@@ -47,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autoplan import _torch_compat as tc
 from autoplan.experts import EXPERTS_OP
@@ -58,13 +72,12 @@ __all__ = ["ExpertParallel", "experts_all_to_all", "check_expert_parallel"]
 
 
 def check_expert_parallel(plan) -> None:
-    """ValueError for an ep plan this runtime does not run (module docstring, Supported)."""
+    """ValueError for an ep plan this runtime does not run (module docstring, Supported): at
+    tp > 1 the plan must split the experts on tp (Shard(0)), which the build checks per weight
+    (`ExpertParallel.shard`)."""
     mesh = plan.mesh
-    if mesh.ep == 1:
-        return
-    if mesh.tp > 1:
-        raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with tp 1; this "
-                         f"plan has tp {mesh.tp}")
+    if mesh.ep > 1 and mesh.cp > 1:
+        raise ValueError(f"expert parallelism (ep {mesh.ep} in {mesh}) runs with cp 1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -95,6 +108,9 @@ def experts_all_to_all(hidden, top_k_index, top_k_weights, gate_up_proj, down_pr
     if not isinstance(gate_up_proj, DTensor):
         return experts_local(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act,
                              expert_offset)
+    if gate_up_proj.device_mesh.ndim == 2:
+        return _experts_ep_tp(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act,
+                              expert_offset)
     mesh = gate_up_proj.device_mesh
     group, size, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     local_gate_up, local_down = gate_up_proj.to_local(), down_proj.to_local()
@@ -123,6 +139,63 @@ def experts_all_to_all(hidden, top_k_index, top_k_weights, gate_up_proj, down_pr
     return hidden.new_zeros(hidden.shape).index_add(0, token_of, back.to(hidden.dtype))
 
 
+def _experts_ep_tp(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: str,
+                   expert_offset: int):
+    """`autoplan.experts` with the experts split over tp and ep together (module docstring,
+    [Note: experts over ep and tp]): gate_up_proj and down_proj DTensors (Shard(0), Shard(0))
+    on the 2-D ("ep", "tp") mesh; hidden (T, H), top_k_index and top_k_weights (T, k)
+    Replicate on the tp mesh (or plain). Returns (T, H) Partial on the tp mesh: this tp rank's
+    share, the sum over the experts its ep group holds."""
+    mesh = gate_up_proj.device_mesh
+    ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
+    tokens = (hidden, top_k_index, top_k_weights)
+    if any(isinstance(t, DTensor) and t.placements != (Replicate(),) for t in tokens) or \
+            gate_up_proj.placements != (Shard(0), Shard(0)) or \
+            down_proj.placements != gate_up_proj.placements:
+        raise ValueError(
+            "experts over ep and tp: expected hidden, top_k_index, top_k_weights Replicate on "
+            "tp and the two expert weights (Shard(0), Shard(0)) on (ep, tp); got "
+            f"{[getattr(t, 'placements', 'plain') for t in tokens]}, "
+            f"{gate_up_proj.placements}, {down_proj.placements}")
+    x, w = (t.to_local(grad_placements=(Partial(),)) if isinstance(t, DTensor) else t
+            for t in (hidden, top_k_weights))
+    idx = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
+    local_gate_up, local_down = gate_up_proj.to_local(), down_proj.to_local()
+    group, size, e = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+    tp, t = tp_mesh.size(), tp_mesh.get_local_rank()
+    num_local = local_gate_up.shape[0]
+    num_tokens, top_k = idx.shape
+    flat = idx.reshape(-1) - expert_offset                           # (T k,) global expert ids
+    chunk = torch.div(flat, num_local, rounding_mode="floor")       # block e' tp + t' holding it
+    if tc.is_fake(chunk):  # a dry run: this tp rank's mean share ([Note: dry run routing])
+        pairs = torch.arange(num_tokens * top_k // tp, device=flat.device)
+        dest = torch.zeros_like(pairs)
+        sends = [len(r) for r in torch.empty(len(pairs), device="meta").chunk(size)]
+        sends += [0] * (size - len(sends))
+        recvs = list(sends)
+        order = pairs
+    else:
+        pairs = torch.nonzero(chunk % tp == t).squeeze(1)          # the pairs of this tp rank
+        dest = torch.div(chunk[pairs], tp, rounding_mode="floor")   # their owning ep rank
+        order = pairs[torch.argsort(dest, stable=True)]
+        in_splits = torch.bincount(dest, minlength=size)
+        out_splits = torch.empty_like(in_splits)
+        dist.all_to_all_single(out_splits, in_splits, group=group)
+        sends, recvs = in_splits.tolist(), out_splits.tolist()
+    token_of = torch.div(order, top_k, rounding_mode="floor")
+    xs = _AllToAll.apply(x[token_of], recvs, sends, group)                       # (R, H)
+    ws = _AllToAll.apply(w.reshape(-1)[order, None], recvs, sends, group)       # (R, 1)
+    ids = flat[order, None].contiguous()
+    ids_recv = ids.new_empty((sum(recvs), 1))
+    dist.all_to_all_single(ids_recv, ids, recvs, sends, group=group)
+    y = EXPERTS_OP(xs, ids_recv, ws, local_gate_up, local_down, act,
+                   (e * tp + t) * num_local)                                     # (R, H)
+    back = _AllToAll.apply(y, sends, recvs, group)
+    out = x.new_zeros((num_tokens, x.shape[1])).index_add(0, token_of, back.to(x.dtype))
+    return DTensor.from_local(out, tp_mesh, (Partial(),), run_check=False,
+                              shape=torch.Size(hidden.shape), stride=out.stride())
+
+
 class ExpertParallel:
     """This rank's expert-parallel state: the ep mesh, the groups that share an expert slice,
     and the expert weights (module docstring). Collective to construct (process groups).
@@ -130,9 +203,12 @@ class ExpertParallel:
     Args:
         mesh: the engine's ("pp", "dp", "tp") DeviceMesh.
         ep: the plan's expert-parallel degree (divides the dp size).
+        tp_placement: FQN -> the plan's tp placement of that parameter ("S(0)", "R", ...;
+            `Plan.placement_of`), read at tp > 1.
     """
 
-    def __init__(self, mesh: DeviceMesh, ep: int):
+    def __init__(self, mesh: DeviceMesh, ep: int, tp_placement=None):
+        self.tp_placement = tp_placement or (lambda fqn: "R")
         pp, dp, tp = mesh.mesh.shape
         self.ep, self.dp = ep, dp
         # the engine's mesh, its dp axis split in two: row-major over the world as it is
@@ -141,6 +217,8 @@ class ExpertParallel:
         assert mesh4.mesh.equal(mesh.mesh.reshape(pp, dp // ep, ep, tp)), "mesh not row-major"
         forget_at_exit(mesh4)  # a root mesh of its own ([Note: orderly exit])
         self.ep_mesh = mesh4["ep"]
+        # tp's expert split, split again over ep ([Note: experts over ep and tp])
+        self.ep_tp_mesh = mesh4["ep", "tp"] if tp > 1 else None
         # the dp / ep ranks that hold the same slice (None: this rank alone)
         self.outer_mesh = mesh4["dp_outer"] if dp // ep > 1 else None
         self.outer_group = self.outer_mesh.get_group() if self.outer_mesh is not None else None
@@ -170,7 +248,21 @@ class ExpertParallel:
         owner = gm.get_submodule(owner_path) if owner_path else gm
         p = owner._parameters[leaf]
         if isinstance(p, DTensor):
-            return p
+            return p  # a weight two experts nodes read: distributed at the first
+        if self.ep_tp_mesh is not None:  # tp's split of the experts, split again over ep
+            tp = self.ep_tp_mesh.size(1)
+            if self.tp_placement(str(arg.target)) != "S(0)":
+                raise ValueError(
+                    f"{arg.target}: under ep {self.ep} with tp {tp} the plan must split the "
+                    f"experts on tp (Shard(0)); it places them "
+                    f"{self.tp_placement(str(arg.target))}")
+            if p.shape[0] % (self.ep * tp):
+                raise ValueError(f"{arg.target}: {p.shape[0]} experts do not divide by ep "
+                                 f"{self.ep} x tp {tp}")
+            owner._parameters[leaf] = nn.Parameter(
+                distribute_tensor(p.data, self.ep_tp_mesh, [Shard(0), Shard(0)]),
+                requires_grad=p.requires_grad)
+            return owner._parameters[leaf]
         if p.shape[0] % self.ep:
             raise ValueError(f"{arg.target}: {p.shape[0]} experts do not divide by ep {self.ep}")
         owner._parameters[leaf] = nn.Parameter(distribute_tensor(p.data, self.ep_mesh,

@@ -105,9 +105,9 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         if o.cp not in (None, 1):
             raise InvalidConfig(f"ep {ep} with cp {o.cp}: expert and context parallelism are "
                                 "not planned together")
-        if o.tp not in (None, 1):
-            raise InvalidConfig(f"ep {ep} runs with tp 1; got tp {o.tp}")
-        o = dataclasses.replace(o, cp=1, tp=1)
+        # tp 1 unless given: at tp > 1 ep needs the experts split on tp, which a plan
+        # searched freely need not choose (solver/expert_degree.py)
+        o = dataclasses.replace(o, cp=1, tp=1 if o.tp is None else o.tp)
     if not isinstance(compiled, bool):
         raise ValueError(f"compiled={compiled!r}; expected True or False")
     if compiled:
