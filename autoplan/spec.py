@@ -13,7 +13,8 @@ ROUTING_SKEW = 1.52
 over the experts, measured at 0.52 for a 3B-parameter MoE (0.72 at 1B) trained with the usual
 auxiliary balancing loss, and at 0.04 with DeepSeek's auxiliary-loss-free balancing (Wang et
 al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", arXiv
-2408.15664, Table 2: MaxVio_global over the validation set). The auxiliary-loss figure, as
+2408.15664, the main results' table: MaxVio_global over the validation set; figures as
+recalled when this default was set, the paper's text was not at hand to re-check). The auxiliary-loss figure, as
 Mixtral and Qwen3 balance; a model balanced as DeepSeek-V3 is (arXiv 2412.19437, section
 2.1.2) may set 1.04. Per expert, taken as the busiest ep rank's share: exact with one expert
 per rank, an overestimate for a rank that holds several (their loads average), an

@@ -396,14 +396,16 @@ def test_progress_lines_for_long_phases_only(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     progress.set_verbosity(1)
     try:
-        with progress.phase("quick"):
+        # a phase within its threshold prints nothing; 30 s, not the default 1 s, so that a
+        # loaded machine's stall (3.0 s once, CI with 4-rank jobs beside) is still within it
+        with progress.phase("quick", quiet_below_s=30.0):
             pass
         with progress.phase("slow", quiet_below_s=0.05):
             time.sleep(0.2)
         with pytest.raises(KeyError), progress.phase("broken", quiet_below_s=0.05):
             time.sleep(0.2)
             raise KeyError("x")
-        with pytest.raises(KeyError), progress.phase("quick failure"):
+        with pytest.raises(KeyError), progress.phase("quick failure", quiet_below_s=30.0):
             raise KeyError("x")
         progress.set_verbosity(0)
         with progress.phase("silenced", quiet_below_s=0.0):

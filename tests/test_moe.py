@@ -439,13 +439,19 @@ def test_ep_plan_round_trips_and_reports():
                     (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
     topology, spec = preset("local-cpu"), TrainingSpec(global_batch=4, seq_len=16)
     with_ep = plan(graph, topology, spec, dp=4, ep=2)
-    assert str(with_ep.mesh) == "pp1xdp4(ep2)xtp1" and with_ep.zero_stage != 1
+    assert str(with_ep.mesh) == "pp1xdp4(ep2)xtp1"
     assert Plan.from_json(with_ep.to_json()) == with_ep
     without = plan(graph, topology, spec, dp=4, ep=1)
     assert "ep" not in json.loads(without.to_json())["mesh"]
     assert Plan.from_json(without.to_json()).mesh.ep == 1
     report = render_markdown(with_ep, graph=graph, topology=topology)
     assert "| `ep` (in dp) | 2 | 1 | intra-node |" in report
+    # the experts' layout beside the dense layers' mesh
+    assert ("| experts | split over ep 2: each rank holds 2 of the 4 experts of every MoE "
+            "layer, that slice on 2 dp ranks (the experts' dp: dp 4 / ep 2); the dense layers "
+            "on dp 4 x tp 1") in report
+    assert "all 4 of every MoE layer on every rank" in render_markdown(without, graph=graph,
+                                                                        topology=topology)
 
 
 def test_reprice_keeps_ep():

@@ -51,6 +51,37 @@ def model_num_params(graph: CapturedGraph, *, trainable_only: bool = False) -> i
     return outside + inside
 
 
+def experts_text(plan: Plan, graph: CapturedGraph | None) -> str:
+    """How the routed experts of a mixture-of-experts model are laid out over the ranks, next
+    to the dense layers' mesh, in words ("" for a model without experts, or without the
+    graph): the experts split over tp (when the plan places them Shard(0)) and ep, what one
+    rank holds of each MoE layer, and over how many ranks that slice is replicated (the
+    experts' data parallelism, dp / ep) -- [Note: expert parallelism] in
+    cost_model/expert_parallel.py, [Note: experts over ep and tp] in
+    runtime/expert_parallel.py."""
+    from autoplan.experts import EXPERTS_OP
+
+    if graph is None or graph.gm is None:
+        return ""
+    nodes = [n for n in graph.gm.graph.nodes if n.target is EXPERTS_OP]
+    if not nodes:
+        return ""
+    m = plan.mesh
+    weight = str(nodes[0].args[3].target)
+    num_experts = graph.params[weight].shape[0] if weight in graph.params else 0
+    tp = m.tp if plan.placement_of(weight) == "S(0)" else 1
+    split = [f"ep {m.ep}"] * (m.ep > 1) + [f"tp {tp}"] * (tp > 1)
+    held = num_experts // (m.ep * tp) if num_experts else 0
+    dense = f"the dense layers on dp {m.dp} x tp {m.tp}"
+    if not split:
+        return f"all {num_experts} of every MoE layer on every rank, as {dense}"
+    outer = m.dp // m.ep
+    return (f"split over {' x '.join(split)}: each rank holds {held} of the {num_experts} "
+            f"experts of every MoE layer, that slice on {outer} dp rank"
+            f"{'s' if outer != 1 else ''} (the experts' dp: dp {m.dp} / ep {m.ep}); {dense}"
+            + ("; tokens exchanged by all-to-all within each ep group" if m.ep > 1 else ""))
+
+
 def trainable_text(plan: Plan, graph: CapturedGraph | None, *, short: bool = False) -> str:
     """What trains, in words, for a model with frozen parameters ("" when every parameter
     trains, or without the graph): "207 M of 70.8 G parameters train (0.293 %)", what is

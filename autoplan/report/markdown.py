@@ -80,6 +80,7 @@ def _summary(plan: Plan, graph, topology, dtype_origin: str = "") -> list[str]:
             f"disjoint experts (1/{m.ep} each) and exchange tokens by all-to-all"
             if m.ep > 1 else "")],
         *([["context parallelism", _context_text(plan)]] if m.cp > 1 else []),
+        *([["experts", ex]] if (ex := F.experts_text(plan, graph)) else []),
         ["ZeRO", zero_text(plan)],
         ["batch", f"global {plan.global_batch} = dp {m.dp} x "
                   f"{F.plural(plan.num_microbatches, 'microbatch')} x "
@@ -440,6 +441,8 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
              f"{F.plural(plan.mesh.world_size, 'rank')}"]
     for a in F.mesh_axes(plan, topology):
         lines.append(f"  {a.name} {a.degree:>4}  {a.text}")
+    if ex := F.experts_text(plan, graph):
+        lines.append(f"experts     {ex}")
     lines += [
         f"ZeRO        {zero_text(plan)}",
         f"schedule    {plan.schedule}"
