@@ -117,17 +117,21 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         v = o.num_virtual_stages or 1
         pp = len(o.stages) // v if o.pp is None and len(o.stages) % v == 0 else o.pp
         o = dataclasses.replace(o, num_virtual_stages=v, pp=pp)
-    with collector_paused():
-        def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
-            fixed = o if search_offload or o.offload is not None else \
-                dataclasses.replace(o, offload="none")
-            return _plan(graph, topology, chosen, fixed, o.time_limit_s, o.top_k)
-
-        result = plan_frozen_dtype(graph, spec, run, weights_dtype=frozen_weights_dtype,
-                                   offload_searched=o.offload is None)
-        spec = dataclasses.replace(spec, frozen_dtype=result.frozen_dtype or spec.frozen_dtype)
-    result = expert_parallel(graph, result, spec, topology, ep, rank_peaks_of(
-        graph, result, topology, spec))
+    # a given ep prices each ZeRO stage's best plan with it, the stage not being fixed: ep
+    # changes what each stage costs (the slices leave ZeRO: [Note: expert parallelism])
+    stages = (0, 1, 2, 3) if ep is not None and ep > 1 and o.zero_stage is None else (None,)
+    found: list[Plan] = []
+    for zero in stages:
+        fixed_o = o if zero is None else dataclasses.replace(o, zero_stage=zero)
+        try:
+            found.append(_planned_with_ep(graph, topology, spec, fixed_o, ep,
+                                          frozen_weights_dtype))
+        except (InvalidConfig, NoFeasiblePlan):
+            if len(stages) == 1 or (zero == stages[-1] and not found):
+                raise
+    budget = spec.max_memory_fraction * topology.device.mem_bytes
+    fitting = [p for p in found if p.prediction.memory_bytes <= budget] or found
+    result = min(fitting, key=lambda p: p.prediction.step_time_s)
     if o.placements:
         result = dataclasses.replace(result, pinned=o.placements)
     if o.stages is not None:
@@ -268,6 +272,23 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     if first is None or second.prediction.step_time_s < first.prediction.step_time_s:
         return second
     return first
+
+
+def _planned_with_ep(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
+                     o: Overrides, ep: int | None, frozen_weights_dtype: str | None) -> Plan:
+    """The best plan under `o` (frozen weights' dtype searched, solver/frozen.py), then its
+    expert-parallel degree (`ep`, or searched: solver/expert_degree.py)."""
+    with collector_paused():
+        def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
+            fixed = o if search_offload or o.offload is not None else \
+                dataclasses.replace(o, offload="none")
+            return _plan(graph, topology, chosen, fixed, o.time_limit_s, o.top_k)
+
+        result = plan_frozen_dtype(graph, spec, run, weights_dtype=frozen_weights_dtype,
+                                   offload_searched=o.offload is None)
+        spec = dataclasses.replace(spec, frozen_dtype=result.frozen_dtype or spec.frozen_dtype)
+    return expert_parallel(graph, result, spec, topology, ep, rank_peaks_of(
+        graph, result, topology, spec))
 
 
 class _NoneFaster(Exception):
