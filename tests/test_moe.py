@@ -308,6 +308,19 @@ def test_ep_at_tp_needs_the_experts_split_on_tp():
                      dp=2, tp=2, ep=2, placements={"*.mlp.experts.*": "R"}).plan
 
 
+def test_no_plan_with_a_given_ep_names_what_ep_holds():
+    """A given ep whose plans do not fit is refused with what ep changes and what to try (the
+    expert slices whole outside ZeRO, tp 1 unless given), not only the smallest plan's
+    memory (which hid the ep that caused it)."""
+    from autoplan.api import autoparallel
+    from autoplan.solver.configurations import NoFeasiblePlan
+
+    with pytest.raises(NoFeasiblePlan, match=r"With ep 2 given the expert slices are held "
+                                             r"whole outside ZeRO, and tp is 1 unless given"):
+        autoparallel(_moe.factory("mixtral")(), global_batch=4, seq_len=16, world_size=4,
+                     dp=4, ep=2, device_memory_bytes=1e5).plan
+
+
 def test_ep_is_priced_per_topology_level():
     """ep 2 on a 2-node DGX-H100 plan (dp 16 x tp 1, ZeRO-0): the step pays the all-to-alls
     (inside a node: consecutive dp ranks) and the changed gradient all-reduce; the experts'
@@ -447,11 +460,12 @@ def test_ep_plan_round_trips_and_reports():
     report = render_markdown(with_ep, graph=graph, topology=topology)
     assert "| `ep` (in dp) | 2 | 1 | intra-node |" in report
     # the experts' layout beside the dense layers' mesh
-    assert ("| experts | split over ep 2: each rank holds 2 of the 4 experts of every MoE "
-            "layer, that slice on 2 dp ranks (the experts' dp: dp 4 / ep 2); the dense layers "
+    assert ("| experts | split over ep 2: a rank's share is 2 of the 4 experts of every MoE "
+            "layer, that slice held whole, outside ZeRO, on 2 dp ranks (the experts' dp: dp 4 "
+            "/ ep 2); tokens exchanged by all-to-all within each ep group; the dense layers "
             "on dp 4 x tp 1") in report
-    assert "all 4 of every MoE layer on every rank" in render_markdown(without, graph=graph,
-                                                                        topology=topology)
+    assert "all 4 experts of every MoE layer on every rank, held as the dense weights are" \
+        in render_markdown(without, graph=graph, topology=topology)
 
 
 def test_reprice_keeps_ep():

@@ -54,9 +54,10 @@ def model_num_params(graph: CapturedGraph, *, trainable_only: bool = False) -> i
 def experts_text(plan: Plan, graph: CapturedGraph | None) -> str:
     """How the routed experts of a mixture-of-experts model are laid out over the ranks, next
     to the dense layers' mesh, in words ("" for a model without experts, or without the
-    graph): the experts split over tp (when the plan places them Shard(0)) and ep, what one
-    rank holds of each MoE layer, and over how many ranks that slice is replicated (the
-    experts' data parallelism, dp / ep) -- [Note: expert parallelism] in
+    graph): the experts split over tp (when the plan places them Shard(0)) and ep, a rank's
+    share of each MoE layer it runs (its pipeline stage's), and what holds that share: under
+    ep the slice whole, outside ZeRO, on the dp / ep ranks that hold it (the experts' dp);
+    without ep ZeRO as for the dense weights -- [Note: expert parallelism] in
     cost_model/expert_parallel.py, [Note: experts over ep and tp] in
     runtime/expert_parallel.py."""
     from autoplan.experts import EXPERTS_OP
@@ -71,15 +72,22 @@ def experts_text(plan: Plan, graph: CapturedGraph | None) -> str:
     num_experts = graph.params[weight].shape[0] if weight in graph.params else 0
     tp = m.tp if plan.placement_of(weight) == "S(0)" else 1
     split = [f"ep {m.ep}"] * (m.ep > 1) + [f"tp {tp}"] * (tp > 1)
-    held = num_experts // (m.ep * tp) if num_experts else 0
+    share = num_experts // (m.ep * tp) if num_experts else 0
+    layer = "every MoE layer" + (" of its stage" if m.pp > 1 else "")
     dense = f"the dense layers on dp {m.dp} x tp {m.tp}"
-    if not split:
-        return f"all {num_experts} of every MoE layer on every rank, as {dense}"
-    outer = m.dp // m.ep
-    return (f"split over {' x '.join(split)}: each rank holds {held} of the {num_experts} "
-            f"experts of every MoE layer, that slice on {outer} dp rank"
-            f"{'s' if outer != 1 else ''} (the experts' dp: dp {m.dp} / ep {m.ep}); {dense}"
-            + ("; tokens exchanged by all-to-all within each ep group" if m.ep > 1 else ""))
+    where = (f"split over {' x '.join(split)}: a rank's share is {share} of the {num_experts} "
+             f"experts of {layer}" if split else
+             f"all {num_experts} experts of {layer} on every rank")
+    if m.ep > 1:
+        outer = m.dp // m.ep
+        held = (f"that slice held whole, outside ZeRO, on {outer} dp rank"
+                f"{'s' if outer != 1 else ''} (the experts' dp: dp {m.dp} / ep {m.ep}); "
+                f"tokens exchanged by all-to-all within each ep group")
+    elif plan.zero_stage == 3 and m.dp > 1:
+        held = f"sharded over dp {m.dp} by ZeRO-3 between uses, as the dense weights"
+    else:
+        held = f"held as the dense weights are (ZeRO-{plan.zero_stage})"
+    return f"{where}, {held}; {dense}"
 
 
 def trainable_text(plan: Plan, graph: CapturedGraph | None, *, short: bool = False) -> str:

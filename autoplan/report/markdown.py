@@ -77,7 +77,7 @@ def _summary(plan: Plan, graph, topology, dtype_origin: str = "") -> list[str]:
         ["cluster", _cluster_text(topology, plan)],
         ["mesh", f"{F.mesh_text(m)} = world size {m.world_size}" + (
             f"; expert parallelism ep {m.ep} inside dp: groups of {m.ep} dp ranks hold "
-            f"disjoint experts (1/{m.ep} each) and exchange tokens by all-to-all"
+            f"disjoint experts and exchange tokens by all-to-all (see experts)"
             if m.ep > 1 else "")],
         *([["context parallelism", _context_text(plan)]] if m.cp > 1 else []),
         *([["experts", ex]] if (ex := F.experts_text(plan, graph)) else []),

@@ -16,6 +16,7 @@ from autoplan.cost_model.fidelity import error_bands
 from autoplan.graph import CapturedGraph
 from autoplan.options import OptionError, SearchOptions
 from autoplan.plan import Plan
+from autoplan.units import fmt_bytes
 from autoplan.solver.assemble import build_plan
 from autoplan.solver.branch_bound import (branch_and_bound, offload_candidates, offloaded,
                                           rank_key)
@@ -120,18 +121,32 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
     # a given ep prices each ZeRO stage's best plan with it, the stage not being fixed: ep
     # changes what each stage costs (the slices leave ZeRO: [Note: expert parallelism])
     stages = (0, 1, 2, 3) if ep is not None and ep > 1 and o.zero_stage is None else (None,)
+    given_ep = ep is not None and ep > 1
+    how = (f" With ep {ep} given the expert slices are held whole outside ZeRO, and tp is 1 "
+           f"unless given: give a tp that splits the experts (pin '*.mlp.experts.*=S(0)'), "
+           f"pp to spread the layers, or a larger ep." if given_ep else "")
     found: list[Plan] = []
     for zero in stages:
         fixed_o = o if zero is None else dataclasses.replace(o, zero_stage=zero)
         try:
             found.append(_planned_with_ep(graph, topology, spec, fixed_o, ep,
                                           frozen_weights_dtype))
-        except (InvalidConfig, NoFeasiblePlan):
+        except NoFeasiblePlan as e:
+            if len(stages) == 1 or (zero == stages[-1] and not found):
+                raise NoFeasiblePlan(f"{e}{how}") from None
+        except InvalidConfig:
             if len(stages) == 1 or (zero == stages[-1] and not found):
                 raise
     budget = spec.max_memory_fraction * topology.device.mem_bytes
-    fitting = [p for p in found if p.prediction.memory_bytes <= budget] or found
-    result = min(fitting, key=lambda p: p.prediction.step_time_s)
+    fitting = [p for p in found if p.prediction.memory_bytes <= budget]
+    if given_ep and not fitting:  # ep priced on plans searched without it may not fit
+        least = min(found, key=lambda p: p.prediction.memory_bytes)
+        raise NoFeasiblePlan(
+            f"no plan fits in memory with ep {ep}: the smallest per-device memory is "
+            f"{fmt_bytes(least.prediction.memory_bytes)} ({least.mesh}, ZeRO-"
+            f"{least.zero_stage}) against {fmt_bytes(budget)} "
+            f"({spec.max_memory_fraction:.0%} of {topology.device.name}).{how}")
+    result = min(fitting or found, key=lambda p: p.prediction.step_time_s)
     if o.placements:
         result = dataclasses.replace(result, pinned=o.placements)
     if o.stages is not None:
