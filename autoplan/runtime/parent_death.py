@@ -11,7 +11,13 @@ lasts. So each rank, first thing:
   2. elsewhere, or when the cluster was started from a thread other than the main one (the
      kernel sends PR_SET_PDEATHSIG when the *thread* that forked the child ends, not its
      process), runs a watchdog thread that exits the rank within `poll_s` of its parent pid
-     changing (os.getppid()).
+     changing (os.getppid());
+  3. a rank forked by a fork server (`LocalCluster`: [Note: ranks fork from a preloaded
+     server] in launcher.py) has the server as its parent: PR_SET_PDEATHSIG then follows the
+     server, which exits when the process that started it does (EOF on its `alive` pipe), and
+     a watchdog thread polls the starting process itself (`_alive`: gone, or a zombie), for
+     the window before the prctl call and for a server a forked child of the starter keeps
+     alive.
 SIGTERM of the parent, the orderly stop, first closes its clusters: `close_on_sigterm` installs
 a handler (main thread only, and only over the default action or another such handler) that
 kills and reaps the ranks, removes their files, then lets SIGTERM end the process as it would
