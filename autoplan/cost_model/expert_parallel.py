@@ -81,7 +81,7 @@ from autoplan.plan import MeshShape, Plan
 from autoplan.spec import TrainingSpec
 from autoplan.topology import DeviceSpec, Topology
 
-__all__ = ["ExpertLayers", "expert_layers", "expert_slices", "ep_step_delta_s",
+__all__ = ["ExpertLayers", "expert_layers", "expert_weights", "expert_slices", "ep_step_delta_s",
            "experts_time_s", "with_expert_parallel", "EP_SAVED_INDEX_BYTES"]
 
 
@@ -110,6 +110,16 @@ class ExpertLayers:
     model_elems: float
     frozen_expert_elems: float = 0.0
     frozen_model_elems: float = 0.0
+
+
+def expert_weights(graph: CapturedGraph) -> list[str]:
+    """FQNs of the expert weights (gate_up_proj, down_proj) every experts node of `graph`
+    reads, in graph order, each once ([Note: experts op] in autoplan/experts.py)."""
+    out: list[str] = []
+    for n in graph.gm.graph.nodes:
+        if n.target is EXPERTS_OP:
+            out += [str(a.target) for a in n.args[3:5] if str(a.target) not in out]
+    return out
 
 
 def expert_layers(graph: CapturedGraph) -> ExpertLayers | None:

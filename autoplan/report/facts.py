@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from autoplan.cost_model import part_costs as priced_parts
 from autoplan.cost_model.comm import group_layout, hop_crosses_nodes, pipeline_hops
 from autoplan.cost_model.config import blocks_text, stages_of
+from autoplan.cost_model.expert_parallel import expert_weights
 from autoplan.cost_model.part_costs import PartCost
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
@@ -60,15 +61,13 @@ def experts_text(plan: Plan, graph: CapturedGraph | None) -> str:
     without ep ZeRO as for the dense weights -- [Note: expert parallelism] in
     cost_model/expert_parallel.py, [Note: experts over ep and tp] in
     runtime/expert_parallel.py."""
-    from autoplan.experts import EXPERTS_OP
-
     if graph is None or graph.gm is None:
         return ""
-    nodes = [n for n in graph.gm.graph.nodes if n.target is EXPERTS_OP]
-    if not nodes:
+    weights = expert_weights(graph)
+    if not weights:
         return ""
     m = plan.mesh
-    weight = str(nodes[0].args[3].target)
+    weight = weights[0]
     num_experts = graph.params[weight].shape[0] if weight in graph.params else 0
     tp = m.tp if plan.placement_of(weight) == "S(0)" else 1
     split = [f"ep {m.ep}"] * (m.ep > 1) + [f"tp {tp}"] * (tp > 1)

@@ -112,16 +112,29 @@ def experts_all_to_all(hidden, top_k_index, top_k_weights, gate_up_proj, down_pr
         return _experts_ep_tp(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act,
                               expert_offset)
     mesh = gate_up_proj.device_mesh
-    group, size, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    local_gate_up, local_down = gate_up_proj.to_local(), down_proj.to_local()
+    local_gate_up = gate_up_proj.to_local()
     num_local = local_gate_up.shape[0]
-    num_tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1) - expert_offset                   # (T k,) global expert ids
     dest = torch.div(flat, num_local, rounding_mode="floor")        # (T k,) owning ep rank
+    return _exchange(hidden, top_k_weights, flat, top_k_index.shape[1], None, dest, mesh,
+                     (local_gate_up, down_proj.to_local()), act,
+                     mesh.get_local_rank() * num_local)
+
+
+def _exchange(x, w, flat, top_k: int, pairs, dest, ep_mesh, weights, act: str, offset: int):
+    """Dispatch the (token, choice) pairs `pairs` (flat indices into the T k pairs; None: all
+    of them) of this rank's tokens x (T, H) to the ep ranks `dest` (one per pair) holding their
+    experts, run the experts op there on the rank's own experts `weights` (local gate_up_proj,
+    down_proj; global ids from `offset`), and combine the weighted outputs back per token:
+    (T, H). Counts exchanged first; in a dry run (fake tensors, no values to route by) an
+    equal share to every rank ([Note: dry run routing])."""
+    group, size = ep_mesh.get_group(), ep_mesh.size()
     order = torch.argsort(dest, stable=True)                        # pairs grouped by owner
-    token_of = torch.div(order, top_k, rounding_mode="floor")       # (T k,) token of each pair
-    if tc.is_fake(dest):  # a dry run: no values to route by ([Note: dry run routing])
-        sends = [len(r) for r in torch.empty(num_tokens * top_k, device="meta").chunk(size)]
+    if pairs is not None:
+        order = pairs[order]
+    token_of = torch.div(order, top_k, rounding_mode="floor")       # the token of each pair
+    if tc.is_fake(dest):
+        sends = [len(r) for r in torch.empty(len(order), device="meta").chunk(size)]
         sends += [0] * (size - len(sends))
         recvs = list(sends)
     else:
@@ -129,14 +142,14 @@ def experts_all_to_all(hidden, top_k_index, top_k_weights, gate_up_proj, down_pr
         out_splits = torch.empty_like(in_splits)
         dist.all_to_all_single(out_splits, in_splits, group=group)  # pairs received from each
         sends, recvs = in_splits.tolist(), out_splits.tolist()
-    x = _AllToAll.apply(hidden[token_of], recvs, sends, group)                  # (R, H)
-    w = _AllToAll.apply(top_k_weights.reshape(-1)[order, None], recvs, sends, group)  # (R, 1)
+    xs = _AllToAll.apply(x[token_of], recvs, sends, group)                      # (R, H)
+    ws = _AllToAll.apply(w.reshape(-1)[order, None], recvs, sends, group)      # (R, 1)
     ids = flat[order, None].contiguous()
     ids_recv = ids.new_empty((sum(recvs), 1))
     dist.all_to_all_single(ids_recv, ids, recvs, sends, group=group)          # (R, 1)
-    y = EXPERTS_OP(x, ids_recv, w, local_gate_up, local_down, act, rank * num_local)  # (R, H)
-    back = _AllToAll.apply(y, sends, recvs, group)                             # (T k, H)
-    return hidden.new_zeros(hidden.shape).index_add(0, token_of, back.to(hidden.dtype))
+    y = EXPERTS_OP(xs, ids_recv, ws, *weights, act, offset)                    # (R, H)
+    back = _AllToAll.apply(y, sends, recvs, group)                             # (pairs, H)
+    return x.new_zeros(x.shape).index_add(0, token_of, back.to(x.dtype))
 
 
 def _experts_ep_tp(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: str,
@@ -160,8 +173,7 @@ def _experts_ep_tp(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
     x, w = (t.to_local(grad_placements=(Partial(),)) if isinstance(t, DTensor) else t
             for t in (hidden, top_k_weights))
     idx = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
-    local_gate_up, local_down = gate_up_proj.to_local(), down_proj.to_local()
-    group, size, e = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+    local_gate_up = gate_up_proj.to_local()
     tp, t = tp_mesh.size(), tp_mesh.get_local_rank()
     num_local = local_gate_up.shape[0]
     num_tokens, top_k = idx.shape
@@ -170,28 +182,12 @@ def _experts_ep_tp(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
     if tc.is_fake(chunk):  # a dry run: this tp rank's mean share ([Note: dry run routing])
         pairs = torch.arange(num_tokens * top_k // tp, device=flat.device)
         dest = torch.zeros_like(pairs)
-        sends = [len(r) for r in torch.empty(len(pairs), device="meta").chunk(size)]
-        sends += [0] * (size - len(sends))
-        recvs = list(sends)
-        order = pairs
     else:
         pairs = torch.nonzero(chunk % tp == t).squeeze(1)          # the pairs of this tp rank
         dest = torch.div(chunk[pairs], tp, rounding_mode="floor")   # their owning ep rank
-        order = pairs[torch.argsort(dest, stable=True)]
-        in_splits = torch.bincount(dest, minlength=size)
-        out_splits = torch.empty_like(in_splits)
-        dist.all_to_all_single(out_splits, in_splits, group=group)
-        sends, recvs = in_splits.tolist(), out_splits.tolist()
-    token_of = torch.div(order, top_k, rounding_mode="floor")
-    xs = _AllToAll.apply(x[token_of], recvs, sends, group)                       # (R, H)
-    ws = _AllToAll.apply(w.reshape(-1)[order, None], recvs, sends, group)       # (R, 1)
-    ids = flat[order, None].contiguous()
-    ids_recv = ids.new_empty((sum(recvs), 1))
-    dist.all_to_all_single(ids_recv, ids, recvs, sends, group=group)
-    y = EXPERTS_OP(xs, ids_recv, ws, local_gate_up, local_down, act,
-                   (e * tp + t) * num_local)                                     # (R, H)
-    back = _AllToAll.apply(y, sends, recvs, group)
-    out = x.new_zeros((num_tokens, x.shape[1])).index_add(0, token_of, back.to(x.dtype))
+    out = _exchange(x, w, flat, top_k, pairs, dest, ep_mesh,
+                    (local_gate_up, down_proj.to_local()), act,
+                    (ep_mesh.get_local_rank() * tp + t) * num_local)
     return DTensor.from_local(out, tp_mesh, (Partial(),), run_check=False,
                               shape=torch.Size(hidden.shape), stride=out.stride())
 

@@ -9,10 +9,9 @@ from collections.abc import Callable
 
 from autoplan.cost_model.comm import group_layout
 from autoplan.cost_model.expert_parallel import (
-    ExpertLayers, expert_layers, expert_slices, with_expert_parallel,
+    ExpertLayers, expert_layers, expert_slices, expert_weights, with_expert_parallel,
 )
 from autoplan.cost_model.rank_memory import ExpertSlices
-from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.configurations import InvalidConfig
@@ -74,8 +73,7 @@ def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int,
                 if mesh.tp > 1 else f"does not divide the experts of every layer ({bad})")
     if mesh.tp > 1:  # tp's split of whole experts, split again over ep (runtime)
         placements = dict(plan.param_placements)
-        unsplit = sorted({str(a.target) for n in graph.gm.graph.nodes if n.target is EXPERTS_OP
-                          for a in n.args[3:5] if placements.get(str(a.target)) != "S(0)"})
+        unsplit = sorted(f for f in expert_weights(graph) if placements.get(f) != "S(0)")
         if unsplit:
             return (f"at tp {mesh.tp} needs the experts split on tp (Shard(0)); the plan "
                     f"places {unsplit[0]} {placements.get(unsplit[0], 'R')} (pin "
