@@ -78,9 +78,8 @@ class SearchOptions:
         None,
         "expert-parallel degree of a mixture-of-experts model, inside dp (dp 4 with ep 2: "
         "four data-parallel ranks, two expert slices; [Note: expert parallelism] in "
-        "cost_model/expert_parallel.py); default: chosen for the best configuration; a given ep > 1 "
-        "fixes tp 1 unless tp is given (then the experts must be split on tp, e.g. pinned "
-        "'*.mlp.experts.*=S(0)')")
+        "cost_model/expert_parallel.py); default: searched with the rest of the plan; a given "
+        "ep > 1 fixes tp 1 unless tp is given (then the experts are split on tp, Shard(0))")
     routing_skew: float | None = _option(
         None,
         "the busiest expert-holding rank's routed tokens over the mean, for a "

@@ -3,6 +3,7 @@ training under tp and ep against one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ import _moe
 from autoplan.capture import CaptureError, capture, materialize
 from autoplan.experts import EXPERTS_OP, experts, experts_reference
 from autoplan.plan import Plan
+from autoplan.report.facts import experts_text
 from autoplan.testing import assert_params_close
 
 
@@ -277,7 +279,8 @@ def test_dp4_ep_matches_single_process(clusters, family, zero, ep):
 @pytest.mark.slow
 @pytest.mark.parametrize("family, zero", [("mixtral", 0), ("qwen3_moe", 1)])
 def test_ep_with_tp_matches_single_process(clusters, family, zero):
-    """ep 2 x tp 2 ([Note: experts over ep and tp] in runtime/expert_parallel.py): dp 2 x tp 2
+    """ep 2 x tp 2 ([Note: experts over ep and tp] in runtime/expert_parallel.py), the folded
+    plan (dense tp 2 x dp 2, experts ep 4: the report's expert mesh): dp 2 x tp 2
     on 4 ranks, tp splitting the experts (pinned Shard(0)) and ep splitting each tp share
     again, so a rank holds a quarter of the experts and exchanges its tp share of the
     choices within its ep group; with gradient clipping that clips: losses, norms and every
@@ -290,20 +293,25 @@ def test_ep_with_tp_matches_single_process(clusters, family, zero):
         max_grad_norm=0.5, timeout_s=600)
     plan = Plan.from_json(results[0][2])
     assert (str(plan.mesh), plan.zero_stage) == ("pp1xdp2(ep2)xtp2", zero)
+    graph = capture(factory().to("meta"), (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    # the folded plan: the experts on a mesh of their own
+    assert experts_text(plan, graph).startswith(
+        "expert mesh ep 4 x edp 1 x etp 1 (ep folds tp 2 with 2 of the dp ranks): a rank holds "
+        "1 of the 4 experts")
     for r in results:
         torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
     _assert_matches(results, ref)
 
 
 def test_ep_at_tp_needs_the_experts_split_on_tp():
-    """A given ep at tp > 1 whose plan keeps the experts whole on tp is refused, naming the
-    weight and the pin that makes it run."""
+    """A given ep at tp > 1 splits the experts on tp (the runtime's ep x tp layout); a pin
+    that keeps them whole is refused, naming the weight and the pin."""
     from autoplan.api import autoparallel
     from autoplan.solver.configurations import InvalidConfig
 
-    with pytest.raises(InvalidConfig, match=r"ep 2: at tp 2 needs the experts split on tp "
-                                            r"\(Shard\(0\)\); the plan places "
-                                            r"model\.layers\.0\.mlp\.experts\.\w+ R"):
+    with pytest.raises(InvalidConfig, match=r"ep 2 at tp 2 needs the experts split on tp "
+                                            r"\(Shard\(0\)\); placements pin "
+                                            r"model\.layers\.0\.mlp\.experts\.\w+ to R"):
         autoparallel(_moe.factory("mixtral")(), global_batch=4, seq_len=16, world_size=4,
                      dp=2, tp=2, ep=2, placements={"*.mlp.experts.*": "R"}).plan
 
@@ -321,6 +329,13 @@ def test_no_plan_with_a_given_ep_names_what_ep_holds():
                      dp=4, ep=2, device_memory_bytes=1e5).plan
 
 
+def config_of(p, ep: int):
+    """The cost model's Config of plan `p` at expert-parallel degree `ep`."""
+    from autoplan.cost_model.config import Config
+    return Config(p.mesh.pp, p.mesh.dp, p.mesh.tp, p.zero_stage, p.num_microbatches,
+                  p.microbatch_size, p.schedule, p.num_virtual_stages, ep=ep)
+
+
 def test_ep_is_priced_per_topology_level():
     """ep 2 on a 2-node DGX-H100 plan (dp 16 x tp 1, ZeRO-0): the step pays the all-to-alls
     (inside a node: consecutive dp ranks) and the changed gradient all-reduce; the experts'
@@ -329,8 +344,7 @@ def test_ep_is_priced_per_topology_level():
     is a named error."""
     from autoplan.cost_model.expert_parallel import ep_step_delta_s, expert_layers
     from autoplan.solver.configurations import InvalidConfig
-    from autoplan.solver.expert_degree import expert_parallel
-    from autoplan.solver.planner import rank_peaks_of
+    from autoplan.solver.planner import reprice
     from autoplan.spec import TrainingSpec
     from autoplan.topology import preset
 
@@ -340,19 +354,21 @@ def test_ep_is_priced_per_topology_level():
 
     spec, topology = TrainingSpec(global_batch=64, seq_len=64), preset("dgx-h100", 2)
 
-    def with_ep(p, ep):
-        return expert_parallel(graph, p, spec, topology, ep,
-                               rank_peaks_of(graph, p, topology, spec))
+    def with_ep(p, ep):  # the same configuration and placement, at ep
+        return reprice(graph, dataclasses.replace(p, mesh=dataclasses.replace(p.mesh, ep=ep)),
+                       topology, spec)
 
     def states(p):
         (rank,) = p.prediction.memory_by_pp_rank
         return rank["params"], rank["optimizer"]
 
     base = plan(graph, topology, spec, dp=16, tp=1, zero_stage=0, ep=1)
+    assert with_ep(base, 1).prediction.step_time_s == base.prediction.step_time_s
     layers = expert_layers(graph)
     assert layers.num_layers == 32 and layers.num_experts == (4, 4) and layers.top_k == 2
     two = with_ep(base, 2)
-    a2a_s, sync_s, compute_s = ep_step_delta_s(layers, base, spec, topology, 2)
+    assert two.mesh.ep == 2 and two.param_placements == base.param_placements
+    a2a_s, sync_s, compute_s = ep_step_delta_s(layers, config_of(base, 2), spec, topology)
     # 32 layers x 4 all-to-alls of T k H x 4 bytes (T = 64 tokens of one sample) on NVLink
     assert 32 * 4 * (64 * 2 * 32 * 4) / 2 / topology.intra_node.bw_bytes_per_s < a2a_s
     assert two.prediction.step_time_s == pytest.approx(base.prediction.step_time_s + a2a_s
@@ -398,8 +414,8 @@ def test_routing_skew_priced():
     base = plan(graph, topology, balanced, dp=16, tp=1, zero_stage=0, ep=1, routing_skew=1.0)
     assert base.routing_skew == 1.0 and "routing_skew" not in base.to_dict()
     layers = expert_layers(graph)
-    a2a_2, _, compute_2 = ep_step_delta_s(layers, base, skewed, topology, 2)
-    a2a_1, _, compute_1 = ep_step_delta_s(layers, base, balanced, topology, 2)
+    a2a_2, _, compute_2 = ep_step_delta_s(layers, config_of(base, 2), skewed, topology)
+    a2a_1, _, compute_1 = ep_step_delta_s(layers, config_of(base, 2), balanced, topology)
     assert a2a_1 < a2a_2 < 2 * a2a_1  # the big exchanges' bytes double, not their latency
     assert compute_2 > compute_1
     device = topology.device
@@ -460,10 +476,10 @@ def test_ep_plan_round_trips_and_reports():
     report = render_markdown(with_ep, graph=graph, topology=topology)
     assert "| `ep` (in dp) | 2 | 1 | intra-node |" in report
     # the experts' layout beside the dense layers' mesh
-    assert ("| experts | split over ep 2: a rank's share is 2 of the 4 experts of every MoE "
-            "layer, that slice held whole, outside ZeRO, on 2 dp ranks (the experts' dp: dp 4 "
-            "/ ep 2); tokens exchanged by all-to-all within each ep group; the dense layers "
-            "on dp 4 x tp 1") in report
+    assert ("| experts | expert mesh ep 2 x edp 2 x etp 1 (ep on 2 of the dp ranks): a rank "
+            "holds 2 of the 4 experts of every MoE layer, that slice whole, outside ZeRO, on 2 "
+            "dp ranks (dp 4 / ep 2); tokens exchanged by all-to-all within each ep group; the "
+            "dense layers on dp 4 x tp 1. Why: experts with the dense layers (ep 1): ") in report
     assert "all 4 experts of every MoE layer on every rank, held as the dense weights are" \
         in render_markdown(without, graph=graph, topology=topology)
 

@@ -30,6 +30,9 @@ class Config:
     stage_layers: tuple[int, ...] = ()
     """Blocks per pipeline stage, in stage order, as the user pinned them (`stages=` of
     `plan()`); () for the even split of `stages_of`."""
+    ep: int = 1
+    """The expert-parallel degree, inside dp (plan.MeshShape.ep; [Note: expert parallelism]
+    in cost_model/expert_parallel.py prices it)."""
 
     @property
     def dp_shard(self) -> int:
@@ -44,6 +47,7 @@ class Config:
     def __str__(self) -> str:
         v = f" v{self.num_virtual_stages}" if self.num_virtual_stages > 1 else ""
         cp = f" x cp{self.cp}" if self.cp > 1 else ""
+        cp = (f" (ep{self.ep})" if self.ep > 1 else "") + cp
         stages = (f" (stages of {blocks_text(self.stage_layers)} blocks)"
                   if self.stage_layers else "")
         return (f"pp{self.pp} x dp{self.dp}{cp} x tp{self.tp}, ZeRO-{self.zero_stage}, "

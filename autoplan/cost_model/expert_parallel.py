@@ -30,11 +30,17 @@ backward (runtime/moe.py). Compared with ep = 1 (every dp rank holds every exper
   stage, over the rest of the parameters): their gradients are all-reduced over the dp / ep
   ranks holding the same slice, at 1 / ep of the size (stride tp x ep), once per step.
 
-The step time of the plan chosen at ep = 1 is repriced by these differences, its memory per
-rank priced again on its placement (`with_expert_parallel`): a decomposition, exact for the
-quantities above because ep changes no placement (ep runs with tp 1, the runtime's support;
-under ZeRO-1 a slice's optimizer states are partitioned over its dp / ep ranks), but not a joint
-search: a plan that fits only with ep is not found.
+ep is searched with everything else: every configuration (pp, dp, tp, ZeRO stage,
+microbatches, schedule, checkpointing, offload) comes at ep = 1 and at each degree > 1 that
+applies (solver/expert_degree.py; a degree that a larger one dominates is left out, which
+changes no optimum: `undominated`). An ep configuration's step time is its ep = 1 pricing
+plus these differences (`ep_step_delta_s`, `with_expert_parallel`), its memory per rank
+priced with the slices held whole (step_time.assess' `experts`): exact for the quantities
+above because ep changes no placement -- at tp > 1 the runtime runs ep only with the experts
+split on tp (Shard(0)), and a placement that does not split them is no placement of an ep
+configuration (solver/search.py); under ZeRO-1 a slice's optimizer states are partitioned over
+its dp / ep ranks. So a plan that fits only with ep is found (DeepSeek-V3 on 256 DGX-H100
+nodes: pp 4 x dp 64 x tp 8 with ep 8, where no ep = 1 plan of its configuration fits).
 
 Routing is never balanced. `TrainingSpec.routing_skew` (option `routing_skew`, default
 spec.py ROUTING_SKEW, 1.52: 1 + the MaxVio Wang et al. 2024 measured under an auxiliary
@@ -67,22 +73,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
 
 from autoplan.cost_model.comm import collective_time_s
 from autoplan.cost_model.compute import matmul_efficiency
 from autoplan.cost_model.config import Config
 from autoplan.cost_model.dp_sync import dp_sync_s
 from autoplan.cost_model.rank_memory import ExpertSlices
-from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
+from autoplan.cost_model.step_time import DP_SYNC_OVERLAP, Assessment
 from autoplan.experts import BACKWARD_FLOPS_FACTOR, EXPERTS_OP
 from autoplan.graph import CapturedGraph
-from autoplan.plan import MeshShape, Plan
 from autoplan.spec import TrainingSpec
 from autoplan.topology import DeviceSpec, Topology
 
 __all__ = ["ExpertLayers", "expert_layers", "expert_weights", "expert_slices", "ep_step_delta_s",
-           "experts_time_s", "with_expert_parallel", "EP_SAVED_INDEX_BYTES"]
+           "experts_time_s", "with_expert_parallel", "EP_SAVED_INDEX_BYTES", "EXPERTS_REASON"]
+
+EXPERTS_REASON = "experts "
+"""How the reason of the runner-up that says why a mixture-of-experts plan's experts lie as
+they do begins (solver/outcome.py `expert_layout`; the report's experts line finds it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,43 +181,56 @@ def experts_time_s(layers: ExpertLayers, tokens: int, ep: int, spec: TrainingSpe
     return (1 + BACKWARD_FLOPS_FACTOR) * forward
 
 
-def ep_step_delta_s(layers: ExpertLayers, plan: Plan, spec: TrainingSpec, topology: Topology,
-                    ep: int) -> tuple[float, float, float]:
+def ep_step_delta_s(layers: ExpertLayers, cfg: Config, spec: TrainingSpec,
+                    topology: Topology) -> tuple[float, float, float]:
     """(all-to-all seconds per step, change of the exposed dp sync seconds, change of the
-    routed experts' compute seconds per step) of expert parallelism ep on `plan`'s
-    configuration, on the busiest rank ([Note: expert parallelism])."""
-    mesh = plan.mesh
-    tokens = plan.microbatch_size * spec.seq_len
-    per_rank_layers = layers.num_layers / mesh.pp
-    pairs = tokens * layers.top_k / mesh.tp  # a tp rank exchanges the choices of its experts
-    a2a = lambda n: collective_time_s("all_to_all", n, ep, topology, stride=mesh.tp)  # noqa: E731
+    routed experts' compute seconds per step) of `cfg`'s expert parallelism (`cfg.ep`) against
+    the same configuration at ep = 1, on the busiest rank ([Note: expert parallelism]). None
+    of the three depends on the placement (at tp > 1, among those that split the experts on
+    tp: the only ones ep runs with), so they shift every placement's step time alike."""
+    ep = cfg.ep
+    tokens = cfg.microbatch_size * spec.seq_len
+    per_rank_layers = layers.num_layers / cfg.pp
+    pairs = tokens * layers.top_k / cfg.tp  # a tp rank exchanges the choices of its experts
+    a2a = lambda n: collective_time_s("all_to_all", n, ep, topology, stride=cfg.tp)  # noqa: E731
     # the busiest rank receives routing_skew times the mean's pairs, and every rank waits
     # for it; the ids and weights' exchanges cost their latency either way
     per_layer = (4 * a2a(spec.routing_skew * pairs * layers.hidden * spec.dtype_bytes)
                  + 4 * a2a(pairs * 8))
-    a2a_s = per_layer * per_rank_layers * plan.num_microbatches
-    compute_s = (experts_time_s(layers, tokens, ep, spec, topology.device, mesh.tp)
-                 - experts_time_s(layers, tokens, 1, spec, topology.device, mesh.tp)
-                 ) * per_rank_layers * plan.num_microbatches
+    a2a_s = per_layer * per_rank_layers * cfg.num_microbatches
+    compute_s = (experts_time_s(layers, tokens, ep, spec, topology.device, cfg.tp)
+                 - experts_time_s(layers, tokens, 1, spec, topology.device, cfg.tp)
+                 ) * per_rank_layers * cfg.num_microbatches
     # per device: the experts split on tp; the rest as if split too (only the difference of
     # the dp collectives' bandwidth terms, linear in the bytes, matters here)
-    experts = layers.expert_elems / (mesh.pp * mesh.tp)
-    total = layers.model_elems / (mesh.pp * mesh.tp)
-    frozen_experts = layers.frozen_expert_elems / (mesh.pp * mesh.tp)
-    frozen_total = layers.frozen_model_elems / (mesh.pp * mesh.tp)
-    cfg = Config(mesh.pp, mesh.dp, mesh.tp, plan.zero_stage, plan.num_microbatches,
-                 plan.microbatch_size, plan.schedule, plan.num_virtual_stages)
-    before = dp_sync_s(cfg, spec, topology, total, frozen=frozen_total)
+    experts = layers.expert_elems / (cfg.pp * cfg.tp)
+    total = layers.model_elems / (cfg.pp * cfg.tp)
+    frozen_experts = layers.frozen_expert_elems / (cfg.pp * cfg.tp)
+    frozen_total = layers.frozen_model_elems / (cfg.pp * cfg.tp)
+    base = Config(cfg.pp, cfg.dp, cfg.tp, cfg.zero_stage, cfg.num_microbatches,
+                  cfg.microbatch_size, cfg.schedule, cfg.num_virtual_stages)
+    before = dp_sync_s(base, spec, topology, total, frozen=frozen_total)
     # the slices outside FSDP2: all-reduced over the dp / ep ranks that hold one (stride
     # tp x ep), and under ZeRO-1 their stepped rows all-gathered there ([Note: ZeRO-1
     # partition]); no ZeRO-2/3 gathers
-    outer = Config(mesh.pp, mesh.dp // ep, mesh.tp * ep, 1 if plan.zero_stage == 1 else 0,
-                   plan.num_microbatches, plan.microbatch_size, plan.schedule,
-                   plan.num_virtual_stages)
-    after = dp_sync_s(cfg, spec, topology, total - experts,
-                       frozen=frozen_total - frozen_experts) + dp_sync_s(
+    outer = Config(cfg.pp, cfg.dp // ep, cfg.tp * ep, 1 if cfg.zero_stage == 1 else 0,
+                   cfg.num_microbatches, cfg.microbatch_size, cfg.schedule,
+                   cfg.num_virtual_stages)
+    after = dp_sync_s(base, spec, topology, total - experts,
+                      frozen=frozen_total - frozen_experts) + dp_sync_s(
         outer, spec, topology, experts / ep, frozen=frozen_experts / ep)
     return a2a_s, (1 - DP_SYNC_OVERLAP) * (after - before), compute_s
+
+
+def with_expert_parallel(a: Assessment, delta: tuple[float, float, float]) -> Assessment:
+    """The assessment `a` of an ep > 1 configuration as ep = 1 prices it (its memory already
+    priced with the expert slices held whole: step_time.assess' `experts`) with the step
+    time of ep added: `delta`, its configuration's `ep_step_delta_s` (the all-to-alls, the
+    changed dp sync, the experts' compute)."""
+    a2a_s, sync_s, compute_s = delta
+    return dataclasses.replace(
+        a, step_time_s=a.step_time_s + a2a_s + sync_s + compute_s,
+        comm_s=a.comm_s + a2a_s + sync_s, compute_s=a.compute_s + compute_s)
 
 
 EP_SAVED_INDEX_BYTES = 3 * 8
@@ -240,27 +261,3 @@ def expert_slices(layers: ExpertLayers, ep: int, tokens: int = 0,
     return ExpertSlices(layers.expert_elems / tp, layers.frozen_expert_elems / tp, ep,
                         act_bytes=per_layer * layers.num_layers if ep > 1 else 0.0,
                         num_layers=layers.num_layers)
-
-
-def with_expert_parallel(layers: ExpertLayers, plan: Plan, spec: TrainingSpec,
-                         topology: Topology, ep: int,
-                         rank_peaks: Sequence[Mapping[str, float]]) -> Plan:
-    """`plan` repriced with expert parallelism of degree `ep` ([Note: expert parallelism]): its
-    step time with the all-to-alls and the changed dp sync (seconds), MFU and FLOP/s scaled to
-    the new step time, its memory per pipeline rank `rank_peaks` (bytes by category and
-    "peak" of each pp rank with the expert slices held whole: rank_memory.rank_peaks with
-    `expert_slices`), the plan's memory their largest."""
-    a2a_s, sync_s, compute_s = ep_step_delta_s(layers, plan, spec, topology, ep)
-    old = plan.prediction
-    fullest = max(rank_peaks, key=lambda p: p["peak"])
-    step = old.step_time_s + a2a_s + sync_s + compute_s
-    pred = dataclasses.replace(
-        old, step_time_s=step, comm_s=old.comm_s + a2a_s + sync_s,
-        compute_s=old.compute_s + compute_s,
-        memory_bytes=fullest["peak"],
-        memory_breakdown={k: v for k, v in fullest.items() if k != "peak"},
-        memory_by_pp_rank=tuple(dict(p) for p in rank_peaks),
-        tflops_per_device=old.tflops_per_device * old.step_time_s / step,
-        mfu=old.mfu * old.step_time_s / step)
-    mesh = MeshShape(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, ep)
-    return dataclasses.replace(plan, mesh=mesh, prediction=pred)

@@ -78,7 +78,9 @@ from autoplan.cost_model.dp_sync import (
     dp_local_s, dp_sync_s, num_dp_gathers, num_dp_reductions, num_dp_units,
 )
 from autoplan.cost_model.placement_totals import Solution
-from autoplan.cost_model.rank_memory import candidate_ranks, frozen_param_bytes, rank_peak
+from autoplan.cost_model.rank_memory import (
+    ExpertSlices, candidate_ranks, frozen_param_bytes, rank_peak,
+)
 from autoplan.cost_model.schedule_time import busy_ranks, zero_bubble_units
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
@@ -193,12 +195,15 @@ def _stage_times(cfg: Config, sol: Solution, topology: Topology, total_layers: i
 def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *,
            total_layers: int, output_bytes: float, boundary_bytes: float,
            param_tensors: dict[str, float] | None = None,
-           offload: str = "none", transient_bytes: float = 0.0) -> Assessment:
+           offload: str = "none", transient_bytes: float = 0.0,
+           experts: ExpertSlices | None = None) -> Assessment:
     """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`;
     `param_tensors`: parameter tensors per part ("pre", "layer": all blocks, "post") for the
     optimizer's per-tensor ops (none: not priced); `offload`: [Note: offload] (the host
     memory is checked against the rank's share of its node's); `transient_bytes`: the
-    checkpointing policy's recomputation transient (rank_memory.rank_peak).
+    checkpointing policy's recomputation transient (rank_memory.rank_peak); `experts`: the
+    expert slices of an ep > 1 configuration, held whole beside FSDP2 (rank_memory.ExpertSlices;
+    the step time of ep is cost_model/expert_parallel.py's, added by the caller).
 
     Raises ValueError (from the cost model) when a mesh group straddles nodes unevenly.
     """
@@ -210,7 +215,7 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
         return sum(per_part.get(p, 0.0) * s for p, s in shares[r].items())
 
     memories = {r: rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-                              boundary_bytes, offload, shares[r],
+                              boundary_bytes, offload, shares[r], experts=experts,
                               transient_bytes=transient_bytes) for r in ranks}
     worst = max(ranks, key=lambda r: memories[r]["peak"])
     elems, frozen = _most_elems(cfg, sol, spec, topology, [shares[r] for r in ranks], speed)

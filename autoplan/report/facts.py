@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from autoplan.cost_model import part_costs as priced_parts
 from autoplan.cost_model.comm import group_layout, hop_crosses_nodes, pipeline_hops
 from autoplan.cost_model.config import blocks_text, stages_of
-from autoplan.cost_model.expert_parallel import expert_weights
+from autoplan.cost_model.expert_parallel import EXPERTS_REASON, expert_weights
 from autoplan.cost_model.part_costs import PartCost
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
@@ -55,10 +55,13 @@ def model_num_params(graph: CapturedGraph, *, trainable_only: bool = False) -> i
 def experts_text(plan: Plan, graph: CapturedGraph | None) -> str:
     """How the routed experts of a mixture-of-experts model are laid out over the ranks, next
     to the dense layers' mesh, in words ("" for a model without experts, or without the
-    graph): the experts split over tp (when the plan places them Shard(0)) and ep, a rank's
-    share of each MoE layer it runs (its pipeline stage's), and what holds that share: under
-    ep the slice whole, outside ZeRO, on the dp / ep ranks that hold it (the experts' dp);
-    without ep ZeRO as for the dense weights -- [Note: expert parallelism] in
+    graph): the expert mesh -- expert tp (tp splitting each expert), ep (the ranks holding
+    disjoint experts: tp's split of whole experts, Shard(0), times the ep groups over dp) and
+    the experts' dp -- folded over the dense tp x dp ranks of a stage (Megatron-Core's
+    "MoE parallel folding", Liu et al. 2025, arXiv 2504.14960), a rank's share of each MoE layer it runs (its
+    pipeline stage's), what holds that share (under ep the slice whole, outside ZeRO; without
+    ep ZeRO as for the dense weights) and why, from the plan's runner-up that prices the other
+    layout (solver/outcome.py `expert_layout`) -- [Note: expert parallelism] in
     cost_model/expert_parallel.py, [Note: experts over ep and tp] in
     runtime/expert_parallel.py."""
     if graph is None or graph.gm is None:
@@ -69,24 +72,33 @@ def experts_text(plan: Plan, graph: CapturedGraph | None) -> str:
     m = plan.mesh
     weight = weights[0]
     num_experts = graph.params[weight].shape[0] if weight in graph.params else 0
-    tp = m.tp if plan.placement_of(weight) == "S(0)" else 1
-    split = [f"ep {m.ep}"] * (m.ep > 1) + [f"tp {tp}"] * (tp > 1)
-    share = num_experts // (m.ep * tp) if num_experts else 0
+    place = plan.placement_of(weight)
+    whole_tp = m.tp if place == "S(0)" else 1  # tp ranks holding disjoint whole experts
+    expert_tp = m.tp if place not in ("S(0)", "R") else 1  # tp ranks splitting each expert
+    ep = m.ep * whole_tp
+    edp = m.dp * m.tp // (ep * expert_tp)
+    folded = [f"tp {whole_tp}"] * (whole_tp > 1) + [f"{m.ep} of the dp ranks"] * (m.ep > 1)
+    mesh = (f"expert mesh ep {ep} x edp {edp} x etp {expert_tp}"
+            + (f" (ep folds {' with '.join(folded)})" if len(folded) > 1 else
+               f" (ep on {folded[0]})" if folded else ""))
+    share = num_experts // ep if num_experts else 0
     layer = "every MoE layer" + (" of its stage" if m.pp > 1 else "")
     dense = f"the dense layers on dp {m.dp} x tp {m.tp}"
-    where = (f"split over {' x '.join(split)}: a rank's share is {share} of the {num_experts} "
-             f"experts of {layer}" if split else
-             f"all {num_experts} experts of {layer} on every rank")
+    where = (f"{mesh}: a rank holds {share} of the {num_experts} experts of {layer}"
+             if ep > 1 else f"{mesh}: all {num_experts} experts of {layer} on every rank"
+             + (f", each split over tp {expert_tp}" if expert_tp > 1 else ""))
     if m.ep > 1:
         outer = m.dp // m.ep
-        held = (f"that slice held whole, outside ZeRO, on {outer} dp rank"
-                f"{'s' if outer != 1 else ''} (the experts' dp: dp {m.dp} / ep {m.ep}); "
+        held = (f"that slice whole, outside ZeRO, on {outer} dp rank"
+                f"{'s' if outer != 1 else ''} (dp {m.dp} / ep {m.ep}); "
                 f"tokens exchanged by all-to-all within each ep group")
     elif plan.zero_stage == 3 and m.dp > 1:
         held = f"sharded over dp {m.dp} by ZeRO-3 between uses, as the dense weights"
     else:
         held = f"held as the dense weights are (ZeRO-{plan.zero_stage})"
-    return f"{where}, {held}; {dense}"
+    why = next((a.reason for a in plan.alternatives
+                if a.reason.startswith(EXPERTS_REASON)), "")
+    return f"{where}, {held}; {dense}" + (f". Why: {why}" if why else "")
 
 
 def trainable_text(plan: Plan, graph: CapturedGraph | None, *, short: bool = False) -> str:

@@ -51,8 +51,9 @@ with its tp coordinate), only the choices of its blocks -- 1 / tp of its tokens'
 and its output is still its Partial share over tp, which the plan's all-reduce on tp sums
 (`_experts_ep_tp`); the gradients of the replicated hidden and routing weights are Partial
 over tp, as under tp alone. The blocks of every tp rank partition the experts, so the sum over
-tp of the ranks' outputs is the whole op. The planner offers ep at tp > 1 only on plans whose
-experts are Shard(0) on tp (solver/expert_degree.py); a given ep keeps tp 1 unless tp is given.
+tp of the ranks' outputs is the whole op. The planner prices ep at tp > 1 only on placements
+whose experts are Shard(0) on tp (solver/search.py); a given ep keeps tp 1 unless tp is given,
+and a given tp > 1 pins the experts Shard(0) (solver/planner.py `experts_split`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ The pipeline, in files:
                       priced on another topology
     outcome.py        what plan() says of its result: runners-up and why each loses,
                       warnings, the errors where no plan is left
-    expert_degree.py  the expert-parallel degree of a plan (given, or the fastest that fits)
+    expert_degree.py  the expert-parallel degrees a mesh admits and what the search keeps of ep
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
 Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig`, `SolverLimitReached` (all

@@ -54,7 +54,7 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
                        if n.op == "call_function" and n.name in chosen)
     plan = Plan(
         model=graph.model_name, topology=topology.name,
-        mesh=MeshShape(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp), zero_stage=cfg.zero_stage,
+        mesh=MeshShape(cfg.pp, cfg.dp, cfg.tp, ep=cfg.ep, cp=cfg.cp), zero_stage=cfg.zero_stage,
         global_batch=spec.global_batch, num_microbatches=cfg.num_microbatches,
         microbatch_size=cfg.microbatch_size, seq_len=spec.seq_len, schedule=cfg.schedule,
         stages=config_stages(cfg, search.total_layers),
@@ -68,7 +68,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         strategies=strategies,
         redistributions=_redistributions(search, problem, chosen, scale),
         alternatives=tuple(
-            Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp, cp=a.config.cp),
+            Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp, ep=a.config.ep,
+                                  cp=a.config.cp),
                         a.config.zero_stage,
                         a.config.num_microbatches, a.config.schedule, a.step_time_s,
                         a.memory_bytes, reason, a.config.checkpointing,

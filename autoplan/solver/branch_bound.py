@@ -55,7 +55,7 @@ POLICY_ORDER = {"none": 0, "core-attention": 1, "selective": 2, "full": 3}
 def rank_key(a: Assessment) -> tuple:
     c = a.config
     # ties: less memory, then the simpler mesh (less tp, then less pp), then less recompute
-    return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.cp, c.pp, c.zero_stage,
+    return (round(a.step_time_s, 12), round(a.memory_bytes), c.tp, c.cp, c.pp, c.ep, c.zero_stage,
             c.num_microbatches, c.schedule, c.num_virtual_stages,
             POLICY_ORDER[c.checkpointing], c.offload != "none")
 
@@ -245,5 +245,5 @@ def _exact(search: Search, cfg: PlanConfig, quick: Assessment) -> Assessment:
 def runner_up_group(a: Assessment) -> tuple:
     """What makes a runner-up a different plan: all but the ZeRO stage."""
     c = a.config
-    return (c.pp, c.dp, c.cp, c.tp, c.num_microbatches, c.schedule, c.num_virtual_stages,
+    return (c.pp, c.dp, c.cp, c.tp, c.ep, c.num_microbatches, c.schedule, c.num_virtual_stages,
             c.checkpointing, c.offload)

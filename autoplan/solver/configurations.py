@@ -14,11 +14,13 @@ from dataclasses import dataclass, replace
 from autoplan.cost_model import offload
 from autoplan.cost_model.comm import group_layout
 from autoplan.cost_model.config import Config, stages_of
+from autoplan.cost_model.expert_parallel import expert_layers
 from autoplan.graph import CapturedGraph
 from autoplan.options import INTERLEAVED_SCHEDULES, SearchOptions
 from autoplan.plan import optimizer_pieces
 from autoplan.solver import pins
 from autoplan.solver.context import attention_nodes, cp_degrees
+from autoplan.solver.expert_degree import ep_degrees, ep_refusal, undominated
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
@@ -80,7 +82,8 @@ class PlanConfig(Config):
     ("none" | "core-attention" | "selective" | "full", [Note: checkpointing]) and the CPU
     offload ("none" | "optimizer" | "optimizer+params", [Note: offload] in cost_model/offload.py);
     cost_model/step_time.py prices them through the Solution and memory forms this module hands
-    it. Its placement ILP depends on (tp, b, policy, cp): `costs_key`."""
+    it. Its placement ILP depends on (tp, b, policy, cp): `costs_key` (not on ep: search.py).
+    """
 
     checkpointing: str = "none"
     offload: str = "none"
@@ -241,6 +244,9 @@ def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSp
     out = []
     pinned = pins.pinned_params(graph, o.placements)
     ends = end_weights(graph) if o.uneven_stages and o.stages is None and layers else None
+    moe = expert_layers(graph)
+    refused: dict[str, list[str]] = {}  # a given ep's reason -> the meshes it refuses
+    deltas: dict = {}  # expert_degree.undominated's
     for tp in _divisors(world):
         if (o.tp is not None and tp != o.tp) or (
                 tp > topology.devices_per_node and not o.allow_tp_across_nodes):
@@ -265,12 +271,23 @@ def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSp
                 if pp > max(layers, 1):
                     continue
                 why = _unplaced(tp, dp, pp, topology, cp)
-                if why is None:
-                    out += _configs_for_mesh(pp, dp, tp, layers, spec, o, policies, cp,
-                                             ends=ends)
+                eps = ep_degrees(moe, dp, tp, cp, topology, o.ep)
+                if why is None and not eps:
+                    refused.setdefault(ep_refusal(moe, dp, tp, cp, o.ep, topology), []).append(
+                        f"pp {pp} x dp {dp} x tp {tp}")
+                elif why is None:  # [Note: expert parallelism]: ep searched with the rest
+                    out += [replace(c, ep=e) if e > 1 else c
+                            for c in _configs_for_mesh(pp, dp, tp, layers, spec, o, policies,
+                                                       cp, ends=ends)
+                            for e in (undominated(moe, c, eps, spec, topology, deltas)
+                                      if len(eps) > 2 else eps)]
                 elif unplaced is not None:
                     cp_text = f" x cp {cp}" if cp > 1 else ""
                     unplaced.append((f"pp {pp} x dp {dp}{cp_text} x tp {tp}", why))
+    if refused and not out:  # a given ep none of the meshes admits
+        raise InvalidConfig(f"ep {o.ep}: " + "; ".join(
+            f"{why} ({', '.join(meshes[:3])}{', ...' if len(meshes) > 3 else ''})"
+            for why, meshes in refused.items()))
     return out
 
 

@@ -1,86 +1,132 @@
-"""The expert-parallel degree ep of a plan: a given one checked, or the degree of least step
-time among those that apply and fit, each priced by cost_model/expert_parallel.py ([Note:
-expert parallelism] there: a decomposition over the plan chosen at ep = 1).
+"""The expert-parallel degrees ep a mesh admits: those the search adds to its configurations
+(search.py: ep searched jointly with the rest, [Note: expert parallelism] in
+cost_model/expert_parallel.py prices them), why a given one does not apply, and what the
+Search keeps of ep (`ExpertSearch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
 
 from autoplan.cost_model.comm import group_layout
+from autoplan.cost_model.config import Config
 from autoplan.cost_model.expert_parallel import (
-    ExpertLayers, expert_layers, expert_slices, expert_weights, with_expert_parallel,
+    ExpertLayers, ep_step_delta_s, expert_layers, expert_slices, expert_weights,
 )
+from autoplan.cost_model.placement_totals import Solution
 from autoplan.cost_model.rank_memory import ExpertSlices
-from autoplan.graph import CapturedGraph
-from autoplan.plan import Plan
-from autoplan.solver.configurations import InvalidConfig
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["expert_parallel"]
+__all__ = ["ep_degrees", "ep_refusal", "undominated", "ExpertSearch"]
 
 
-def expert_parallel(graph: CapturedGraph, plan: Plan, spec: TrainingSpec, topology: Topology,
-                    ep: int | None,
-                    rank_peaks: Callable[[ExpertSlices], list[dict[str, float]]]) -> Plan:
-    """`plan` with its expert-parallel degree: `ep` when given (1: none), else the degree of
-    least step time among those that apply and fit ([Note: expert parallelism]).
-    `rank_peaks(slices)`: the memory of each pipeline rank of `plan`'s configuration and
-    placement with the expert weights held as `slices` (solver/search.py Search.rank_peaks).
-
-    Raises:
-        InvalidConfig: a given ep > 1 that does not apply: the graph has no MoE layer, ep does
-            not divide dp or ep x tp some layer's experts, the plan has tp > 1 and does not
-            split the experts on tp (the runtime's support), or its groups straddle
-            node boundaries unevenly (cost_model/comm.py [Note: group layout]).
-    """
-    layers = expert_layers(graph)
-    if ep is not None and ep < 1:
-        raise InvalidConfig(f"ep {ep} must be >= 1")
-    if ep == 1 or (layers is None and ep is None) or plan.mesh.cp > 1:  # cp: no ep (plan())
-        return plan
-    tokens = plan.microbatch_size * spec.seq_len  # a rank's microbatch (cp 1 here)
-    slices = lambda e: expert_slices(  # noqa: E731
-        layers, e, tokens, spec.dtype_bytes, spec.routing_skew, plan.mesh.tp)
-    if ep is not None:
-        reason = _not_applicable(layers, plan, ep, topology, graph)
-        if reason:
-            raise InvalidConfig(f"ep {ep}: {reason}")
-        return with_expert_parallel(layers, plan, spec, topology, ep, rank_peaks(slices(ep)))
-    budget = spec.max_memory_fraction * topology.device.mem_bytes
-    best = plan
-    for e in range(2, plan.mesh.dp + 1):
-        if _not_applicable(layers, plan, e, topology, graph):
-            continue
-        cand = with_expert_parallel(layers, plan, spec, topology, e, rank_peaks(slices(e)))
-        if cand.prediction.memory_bytes <= budget and \
-                cand.prediction.step_time_s < best.prediction.step_time_s:
-            best = cand
-    return best
+def ep_degrees(layers: ExpertLayers | None, dp: int, tp: int, cp: int, topology: Topology,
+               given: int | None) -> list[int]:
+    """The expert-parallel degrees of a (dp, tp, cp) mesh the search prices: `given` alone
+    when given (none when it does not apply), else 1 and every degree > 1 that applies
+    (`ep_refusal`)."""
+    if given is not None:
+        return [given] if given == 1 or not ep_refusal(layers, dp, tp, cp, given, topology) \
+            else []
+    if layers is None or cp > 1:
+        return [1]
+    return [1] + [e for e in range(2, dp + 1)
+                  if not ep_refusal(layers, dp, tp, cp, e, topology)]
 
 
-def _not_applicable(layers: ExpertLayers | None, plan: Plan, ep: int,
-                    topology: Topology, graph: CapturedGraph) -> str:
-    mesh = plan.mesh
+def ep_refusal(layers: ExpertLayers | None, dp: int, tp: int, cp: int, ep: int,
+               topology: Topology) -> str:
+    """Why ep > 1 does not apply to the (dp, tp, cp) mesh, or "": the graph has no MoE layer,
+    cp > 1 (not planned together), ep does not divide dp or ep x tp some layer's experts
+    (tp splits whole experts, [Note: experts over ep and tp] in runtime/expert_parallel.py),
+    or its groups straddle node boundaries unevenly (cost_model/comm.py [Note: group
+    layout])."""
     if layers is None:
         return "the model has no mixture-of-experts layer"
-    if mesh.dp % ep:
-        return f"does not divide dp {mesh.dp} (fix dp to a multiple of ep)"
-    bad = sorted({e for e in layers.num_experts if e % (ep * mesh.tp)})
+    if cp > 1:
+        return f"with cp {cp}: expert and context parallelism are not planned together"
+    if dp % ep:
+        return f"does not divide dp {dp} (fix dp to a multiple of ep)"
+    bad = sorted({e for e in layers.num_experts if e % (ep * tp)})
     if bad:
-        return (f"x tp {mesh.tp} does not divide the experts of every layer ({bad})"
-                if mesh.tp > 1 else f"does not divide the experts of every layer ({bad})")
-    if mesh.tp > 1:  # tp's split of whole experts, split again over ep (runtime)
-        placements = dict(plan.param_placements)
-        unsplit = sorted(f for f in expert_weights(graph) if placements.get(f) != "S(0)")
-        if unsplit:
-            return (f"at tp {mesh.tp} needs the experts split on tp (Shard(0)); the plan "
-                    f"places {unsplit[0]} {placements.get(unsplit[0], 'R')} (pin "
-                    f"placements={{'*experts*': 'S(0)'}} or fix tp=1)")
+        return (f"x tp {tp} does not divide the experts of every layer ({bad})"
+                if tp > 1 else f"does not divide the experts of every layer ({bad})")
     try:  # the ep groups and the groups across them must sit evenly on the nodes
-        group_layout(ep, mesh.tp, topology)
-        group_layout(mesh.dp // ep, mesh.tp * ep, topology)
+        group_layout(ep, tp, topology)
+        group_layout(dp // ep, tp * ep, topology)
     except ValueError as e:
         return str(e)
     return ""
+
+
+def undominated(layers: ExpertLayers, cfg: Config, eps: list[int], spec: TrainingSpec,
+                topology: Topology, seen: dict | None = None) -> list[int]:
+    """The degrees of `eps` worth searching for `cfg`: 1 (when in `eps`) and every ep > 1 that
+    no larger one dominates. Between two degrees > 1 of one configuration the placements are
+    the same (those that split the experts on tp where tp > 1), the step time differs by
+    `ep_step_delta_s` (placement-independent) and the memory by the expert slices' states
+    alone (rank_memory.ExpertSlices: params and gradients 1 / ep, the optimizer's at most; the
+    exchange's buffers do not depend on ep), never more at the larger degree. So a degree whose
+    step-time change is no smaller than a larger degree's is never faster and never fits where
+    that one does not: it is left out, and the search's optimum is unchanged. `seen`: the
+    step-time changes found so far, by what they depend on (kept across the configurations of
+    one enumeration)."""
+    keep, least = [], float("inf")
+    seen = {} if seen is None else seen
+    for e in sorted((e for e in eps if e > 1), reverse=True):
+        key = (e, cfg.pp, cfg.dp, cfg.tp, cfg.zero_stage, cfg.num_microbatches,
+               cfg.microbatch_size, cfg.schedule, cfg.num_virtual_stages)
+        if key not in seen:
+            seen[key] = sum(ep_step_delta_s(layers, dataclasses.replace(cfg, ep=e), spec,
+                                            topology))
+        delta = seen[key]
+        if delta < least:
+            keep.append(e)
+            least = delta
+    return ([1] if 1 in eps else []) + sorted(keep)
+
+
+class ExpertSearch:
+    """What search.Search knows of expert parallelism: the graph's MoE layers, a
+    configuration's expert slices and step-time change (kept), and which placements an ep
+    configuration runs with. Search supplies `graph`, `spec`, `topology`, `bounds` (its cache)
+    and `problem(tp)`."""
+
+    @functools.cached_property
+    def moe(self) -> ExpertLayers | None:
+        """The graph's MoE layers (cost_model/expert_parallel.py), None without any."""
+        return expert_layers(self.graph)
+
+    def expert_slices(self, cfg: Config) -> ExpertSlices | None:
+        """How a rank of the ep > 1 configuration `cfg` holds the expert weights
+        (rank_memory.ExpertSlices); None at ep = 1."""
+        if cfg.ep == 1 or self.moe is None:
+            return None
+        return expert_slices(self.moe, cfg.ep, cfg.microbatch_size * self.spec.seq_len,
+                             self.spec.dtype_bytes, self.spec.routing_skew, cfg.tp)
+
+    def ep_delta(self, cfg: Config) -> tuple[float, float, float]:
+        """expert_parallel.ep_step_delta_s of the ep > 1 configuration `cfg`, seconds (kept:
+        the bounds and every assessment of cfg ask again)."""
+        key = ("ep", cfg.ep, cfg.pp, cfg.dp, cfg.tp, cfg.zero_stage, cfg.num_microbatches,
+               cfg.microbatch_size, cfg.schedule, cfg.num_virtual_stages)
+        if key not in self.bounds:
+            self.bounds[key] = ep_step_delta_s(self.moe, cfg, self.spec, self.topology)
+        return self.bounds[key]
+
+    def for_ep(self, cfg: Config, sol: Solution | None) -> Solution | None:
+        """`sol`, or None where cfg has ep at tp > 1 and `sol` does not split every expert
+        weight on tp (Shard(0)): the runtime's only ep x tp layout ([Note: experts over ep and
+        tp] in runtime/expert_parallel.py)."""
+        if sol is None or cfg.ep == 1 or cfg.tp == 1:
+            return sol
+        prob = self.problem(cfg.tp)
+        key = ("experts", cfg.tp)
+        if key not in self.bounds:
+            wanted = set(expert_weights(self.graph))
+            self.bounds[key] = [n for n, (fqn, *_x) in prob.params.items() if fqn in wanted]
+        split = all(prob.cands[n][sol.choice[n]].outputs[:1] == ("S(0)",)
+                    for n in self.bounds[key] if n in sol.choice)
+        return sol if split else None

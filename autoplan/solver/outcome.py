@@ -9,12 +9,14 @@ import warnings
 from dataclasses import replace
 
 from autoplan.cost_model.config import blocks_text, config_stages
+from autoplan.cost_model.expert_parallel import EXPERTS_REASON
 from autoplan.cost_model.step_time import Assessment
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 from autoplan.solver.branch_bound import POLICY_ORDER, rank_key, runner_up_group
 from autoplan.solver.configurations import (InvalidConfig, Overrides, PlanConfig,
                                             ReplicatedWeightsWarning, SolverLimitWarning)
+from autoplan.solver.expert_degree import ep_degrees
 from autoplan.solver.ilp_types import SolverLimitReached
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import Search
@@ -155,6 +157,42 @@ def even_split(search: Search, best: Assessment, evaluated: list[Assessment]) ->
         even = search.assess(cfg, best.solution)
     blocks = blocks_text(st.num_layers for st in config_stages(cfg, search.total_layers))
     return [(even, f"stages split evenly ({blocks} blocks): {_reason(even, best)}")]
+
+
+def expert_layout(search: Search, best: Assessment, evaluated: list[Assessment]) -> list[tuple]:
+    """The runner-up that says why the experts of a mixture-of-experts plan lie as they do
+    ([Note: expert parallelism] in cost_model/expert_parallel.py): `best`'s configuration and
+    placements with the other layout -- at ep 1 (the experts held as the dense weights) when
+    `best` has ep > 1, else at the ep > 1 that does best there (fitting first) -- as the search
+    priced it, else priced now; and what it loses by, with ep's own terms (all-to-alls, the
+    experts' dp sync and compute). No plan of either layout beats `best`: the search is joint
+    ([Note: expert parallelism]); this says what ep does to the chosen configuration. [] for a
+    dense model, or where no ep > 1 applies to it."""
+    if search.moe is None:
+        return []
+    cfg, sol = best.config, best.solution
+    if cfg.ep > 1:
+        others = [replace(cfg, ep=1)]
+    else:
+        others = [replace(cfg, ep=e) for e in ep_degrees(search.moe, cfg.dp, cfg.tp, cfg.cp,
+                                                         search.topology, None) if e > 1]
+        others = [c for c in others if search.for_ep(c, sol) is not None]
+    priced = {a.config: a for a in evaluated}
+    alt = min((priced.get(c) or search.assess(c, sol) for c in others), default=None,
+              key=lambda a: (not a.fits, a.step_time_s))
+    if alt is None:
+        return []
+    with_ep = alt if alt.config.ep > 1 else best
+    a2a_s, sync_s, compute_s = search.ep_delta(with_ep.config)
+    terms = (f"ep {with_ep.config.ep}'s all-to-alls {_seconds(a2a_s)}, the experts' dp sync "
+             f"{_signed(sync_s)} and compute {_signed(compute_s)} against ep 1")
+    where = (f"{EXPERTS_REASON}with the dense layers (ep 1)" if alt.config.ep == 1 else
+             f"{EXPERTS_REASON}over ep {alt.config.ep}")
+    return [(alt, f"{where}: {_reason(alt, best)}; {terms}")]
+
+
+def _signed(d: float) -> str:
+    return ("+" if d >= 0 else "-") + _seconds(abs(d))
 
 
 def _reason(a: Assessment, best: Assessment) -> str:

@@ -5,6 +5,7 @@ outcome.py)."""
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import heapq
 import logging
 import time
@@ -12,29 +13,29 @@ import time
 from autoplan.collector import collector_paused
 from autoplan.cost_model.compute import compiled_device
 from autoplan.cost_model.config import stages_of
+from autoplan.cost_model.expert_parallel import expert_weights
 from autoplan.cost_model.fidelity import error_bands
 from autoplan.graph import CapturedGraph
 from autoplan.options import OptionError, SearchOptions
 from autoplan.plan import Plan
-from autoplan.units import fmt_bytes
 from autoplan.solver.assemble import build_plan
 from autoplan.solver.branch_bound import (branch_and_bound, offload_candidates, offloaded,
                                           rank_key)
 from autoplan.solver.configurations import (InvalidConfig, NoFeasiblePlan, Overrides,
                                             PlanConfig, enumerate_configs, validate)
 from autoplan.solver.context import cp_degrees
-from autoplan.solver.expert_degree import expert_parallel
+from autoplan.solver.expert_degree import ep_refusal
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
-from autoplan.solver.outcome import (alternatives, even_split, explain_memory, given_overrides,
-                                     limit_error, no_configuration, warn_skipped,
-                                     warn_unsplit)
+from autoplan.solver.outcome import (alternatives, even_split, expert_layout, explain_memory,
+                                     given_overrides, limit_error, no_configuration,
+                                     warn_skipped, warn_unsplit)
 from autoplan.solver.pins import pinned_params
 from autoplan.solver.search import Search
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["plan", "reprice", "compiled_topology", "rank_peaks_of"]
+__all__ = ["plan", "reprice", "compiled_topology", "experts_split"]
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,17 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         raise InvalidConfig(str(e)) from None
     if o.routing_skew is not None:  # an option of the training step: the spec holds it
         spec = dataclasses.replace(spec, routing_skew=o.routing_skew)
-    ep = o.ep
-    if ep is not None and ep > 1:
+    ep, user_pins = o.ep, o.placements
+    given_ep = ep is not None and ep > 1
+    if given_ep:
         if o.cp not in (None, 1):
             raise InvalidConfig(f"ep {ep} with cp {o.cp}: expert and context parallelism are "
                                 "not planned together")
-        # tp 1 unless given: at tp > 1 ep needs the experts split on tp, which a plan
-        # searched freely need not choose (solver/expert_degree.py)
+        # tp 1 unless given; a given tp > 1 splits the experts on tp (Shard(0)), the
+        # runtime's ep x tp layout ([Note: experts over ep and tp] in runtime/expert_parallel.py)
         o = dataclasses.replace(o, cp=1, tp=1 if o.tp is None else o.tp)
+        if o.tp > 1:
+            o = dataclasses.replace(o, placements=experts_split(graph, o.placements, ep, o.tp))
     if not isinstance(compiled, bool):
         raise ValueError(f"compiled={compiled!r}; expected True or False")
     if compiled:
@@ -118,40 +122,39 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         v = o.num_virtual_stages or 1
         pp = len(o.stages) // v if o.pp is None and len(o.stages) % v == 0 else o.pp
         o = dataclasses.replace(o, num_virtual_stages=v, pp=pp)
-    # a given ep prices each ZeRO stage's best plan with it, the stage not being fixed: ep
-    # changes what each stage costs (the slices leave ZeRO: [Note: expert parallelism])
-    stages = (0, 1, 2, 3) if ep is not None and ep > 1 and o.zero_stage is None else (None,)
-    given_ep = ep is not None and ep > 1
     how = (f" With ep {ep} given the expert slices are held whole outside ZeRO, and tp is 1 "
-           f"unless given: give a tp that splits the experts (pin '*.mlp.experts.*=S(0)'), "
-           f"pp to spread the layers, or a larger ep." if given_ep else "")
-    found: list[Plan] = []
-    for zero in stages:
-        fixed_o = o if zero is None else dataclasses.replace(o, zero_stage=zero)
-        try:
-            found.append(_planned_with_ep(graph, topology, spec, fixed_o, ep,
-                                          frozen_weights_dtype))
-        except NoFeasiblePlan as e:
-            if len(stages) == 1 or (zero == stages[-1] and not found):
-                raise NoFeasiblePlan(f"{e}{how}") from None
-        except InvalidConfig:
-            if len(stages) == 1 or (zero == stages[-1] and not found):
-                raise
-    budget = spec.max_memory_fraction * topology.device.mem_bytes
-    fitting = [p for p in found if p.prediction.memory_bytes <= budget]
-    if given_ep and not fitting:  # ep priced on plans searched without it may not fit
-        least = min(found, key=lambda p: p.prediction.memory_bytes)
-        raise NoFeasiblePlan(
-            f"no plan fits in memory with ep {ep}: the smallest per-device memory is "
-            f"{fmt_bytes(least.prediction.memory_bytes)} ({least.mesh}, ZeRO-"
-            f"{least.zero_stage}) against {fmt_bytes(budget)} "
-            f"({spec.max_memory_fraction:.0%} of {topology.device.name}).{how}")
-    result = min(fitting or found, key=lambda p: p.prediction.step_time_s)
-    if o.placements:
-        result = dataclasses.replace(result, pinned=o.placements)
+           f"unless given: give a tp that splits the experts, pp to spread the layers, or a "
+           f"larger ep." if given_ep else "")
+    try:
+        result = _planned(graph, topology, spec, o, frozen_weights_dtype)
+    except NoFeasiblePlan as e:
+        raise NoFeasiblePlan(f"{e}{how}") from None
+    if user_pins:
+        result = dataclasses.replace(result, pinned=user_pins)
     if o.stages is not None:
         result = dataclasses.replace(result, pinned_stages=True)
     return dataclasses.replace(result, compiled=True) if compiled else result
+
+
+def experts_split(graph: CapturedGraph, placements: tuple, ep: int, tp: int) -> tuple:
+    """`placements` (parsed pins) with every expert weight pinned Shard(0), the split a given
+    ep at tp > 1 runs with ([Note: experts over ep and tp] in runtime/expert_parallel.py).
+    Raises InvalidConfig when the user pinned one otherwise."""
+    prefix = f"{graph.layer_prefix}." if graph.layer_prefix else ""
+    pins = dict(placements)
+    for fqn in expert_weights(graph):
+        info = graph.params[fqn]
+        own = f"{graph.block_path(info.layer_id)}." if info.layer_id is not None and prefix \
+            else None
+        pattern = f"{prefix}*.{fqn.removeprefix(own)}" if own and fqn.startswith(own) else fqn
+        for given, placement in placements:
+            if fnmatch.fnmatchcase(fqn, given) and placement != "S(0)":
+                raise InvalidConfig(
+                    f"ep {ep} at tp {tp} needs the experts split on tp (Shard(0)); "
+                    f"placements pin {fqn} to {placement} by {given} (pin it S(0) or fix "
+                    f"tp=1)")
+        pins.setdefault(pattern, "S(0)")
+    return tuple(sorted(pins.items()))
 
 
 def compiled_topology(topology: Topology) -> Topology:
@@ -185,24 +188,7 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         spec = dataclasses.replace(spec, routing_skew=plan.routing_skew)
     search, assessed = _assessed(graph, plan, topology, spec)
     with collector_paused():
-        priced = expert_parallel(graph, build_plan(search, assessed, []), spec, topology,
-                                 plan.mesh.ep, lambda slices: search.rank_peaks(assessed, slices))
-        return dataclasses.replace(priced, compiled=plan.compiled)
-
-
-def rank_peaks_of(graph: CapturedGraph, plan: Plan, topology: Topology, spec: TrainingSpec):
-    """expert_parallel's `rank_peaks` for `plan`: its memory per pipeline rank with the
-    expert weights held as given (Search.rank_peaks), the Search built at the first call
-    (`_assessed`) and kept for the next."""
-    held = []
-
-    def rank_peaks(slices):
-        if not held:
-            held.append(_assessed(graph, plan, topology, spec))
-        search, assessed = held[0]
-        with collector_paused():
-            return search.rank_peaks(assessed, slices)
-    return rank_peaks
+        return dataclasses.replace(build_plan(search, assessed, []), compiled=plan.compiled)
 
 
 def _stage_layers(plan: Plan, total_layers: int) -> tuple[int, ...]:
@@ -224,7 +210,12 @@ def _assessed(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Traini
                          plan.num_microbatches, plan.microbatch_size, plan.schedule,
                          plan.num_virtual_stages, cp=plan.mesh.cp,
                          stage_layers=_stage_layers(plan, graph.total_layers),
-                         checkpointing=plan.checkpointing, offload=plan.offload)
+                         checkpointing=plan.checkpointing, offload=plan.offload,
+                         ep=plan.mesh.ep)
+        why = ep_refusal(search.moe, cfg.dp, cfg.tp, cfg.cp, cfg.ep, topology) \
+            if cfg.ep > 1 else ""
+        if why:
+            raise InvalidConfig(f"plan ep {cfg.ep}: {why}")
         problem = search.problem(cfg.tp)
         wanted = {st.node: (st.inputs, st.outputs) for st in plan.strategies}
         fqn_of = {g: fqn for g, (fqn, *_x) in problem.params.items()}
@@ -289,21 +280,17 @@ def _plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, override
     return first
 
 
-def _planned_with_ep(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
-                     o: Overrides, ep: int | None, frozen_weights_dtype: str | None) -> Plan:
-    """The best plan under `o` (frozen weights' dtype searched, solver/frozen.py), then its
-    expert-parallel degree (`ep`, or searched: solver/expert_degree.py)."""
+def _planned(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, o: Overrides,
+             frozen_weights_dtype: str | None) -> Plan:
+    """The best plan under `o`, the frozen weights' dtype searched (solver/frozen.py)."""
     with collector_paused():
         def run(chosen: TrainingSpec, search_offload: bool) -> Plan:
             fixed = o if search_offload or o.offload is not None else \
                 dataclasses.replace(o, offload="none")
             return _plan(graph, topology, chosen, fixed, o.time_limit_s, o.top_k)
 
-        result = plan_frozen_dtype(graph, spec, run, weights_dtype=frozen_weights_dtype,
-                                   offload_searched=o.offload is None)
-        spec = dataclasses.replace(spec, frozen_dtype=result.frozen_dtype or spec.frozen_dtype)
-    return expert_parallel(graph, result, spec, topology, ep, rank_peaks_of(
-        graph, result, topology, spec))
+        return plan_frozen_dtype(graph, spec, run, weights_dtype=frozen_weights_dtype,
+                                 offload_searched=o.offload is None)
 
 
 class _NoneFaster(Exception):
@@ -425,6 +412,11 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
     if top_k > 0 and overrides.stages is None:  # what a searched stage split won
         split = even_split(search, best, evaluated)
         runners_up = split + runners_up[:top_k - len(split)]
+    if top_k > 0:  # why the experts lie as they do
+        experts = expert_layout(search, best, evaluated)
+        runners_up = experts + [r for r in runners_up
+                                if not experts or r[0].config != experts[0][0].config
+                                ][:top_k - len(experts)]
     result = build_plan(search, best, runners_up)
     if overrides.tp is not None:  # a tp the planner chose is the cost model's optimum
         warn_unsplit(search, result)

@@ -25,13 +25,25 @@ Solution.optimal; a configuration whose ILP found no placement within it is skip
 `SolverLimitWarning`, [Note: deterministic limits] in ilp_types.py): the same answer as
 exhaustive search (tests/test_planner_scale.py checks it on random problems), with far fewer ILP
 solves.
+
+An ep > 1 configuration (expert parallelism, [Note: expert parallelism] in
+cost_model/expert_parallel.py) is a configuration like the others, searched jointly: ep
+changes no placement, and what it adds to the step time (the all-to-alls, the experts' dp
+sync and compute) does not depend on the placement, so its ILPs are those of its ep = 1
+configuration (the step form's constant differs, not its argmin) and its bounds that one's
+plus ep's terms; its memory is priced with the expert slices held whole (`assess`). At tp > 1
+the runtime runs ep only with the experts split on tp (Shard(0)): a placement that does not
+split them is no placement of the ep configuration (`solution`). Not joint: the memory forms
+of its memory-constrained ILP are the ep = 1 configuration's (the placement then found is
+assessed with ep, as every one is).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoplan.cost_model.config import Config, config_stages
+from autoplan.cost_model.expert_parallel import with_expert_parallel
 from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.cost_model.rank_memory import ExpertSlices, rank_memories, rank_peaks
 from autoplan.cost_model.step_time import Assessment, assess, pipeline_time_s
@@ -40,6 +52,7 @@ from autoplan.solver import checkpointing as ckpt
 from autoplan.solver import pins, sequence
 from autoplan.solver.configurations import PlanConfig
 from autoplan.solver.context import with_context_parallel
+from autoplan.solver.expert_degree import ExpertSearch
 from autoplan.solver.costs import Costs, build_costs, token_scale
 from autoplan.solver.ilp import TIME_FORM, SolverLimitReached, StepForm, relax, solve
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
@@ -51,7 +64,7 @@ __all__ = ["Search", "same_argmin", "output_bytes"]
 
 
 @dataclass
-class Search:
+class Search(ExpertSearch):
     """State of one planning run: problems per tp, costs and solutions per (tp, b, policy,
     cp) (PlanConfig.costs_key; cp is left out of the text below where it is 1).
 
@@ -158,7 +171,7 @@ class Search:
                 self.problem(tp), self.cost(*cfg.costs_key), form=form, ranks=ranks,
                 budget_bytes=self.budget_bytes, start=self._start(cfg),
                 time_limit_s=self.time_limit_s), self.solutions)
-        return self._cached(key, cfg, self.solutions)
+        return self.for_ep(cfg, self._cached(key, cfg, self.solutions))
 
     @property
     def num_solves(self) -> int:
@@ -220,7 +233,7 @@ class Search:
                 self.problem(cfg.tp), self.cost(*cfg.costs_key),
                 ranks=self.ranks(cfg), objective="memory", start=self._start(cfg),
                 time_limit_s=self.time_limit_s), self.bounds)
-        return self._cached(key, cfg, self.bounds)
+        return self.for_ep(cfg, self._cached(key, cfg, self.bounds))
 
     def step_form(self, cfg: PlanConfig) -> StepForm:
         """[Note: step form] of cfg (ilp.py): step_time.assess as an affine function of the
@@ -288,18 +301,22 @@ class Search:
         (tp, divide): for bounds, quantities of the tp problem with the boundary divided."""
         tp = cfg.tp if tp is None else tp
         costs, boundary, seen, transient = self._seen(cfg, sol, tp, divide)
-        return assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
-                      output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary / divide,
-                      param_tensors=self.problem(tp).param_tensors, offload=cfg.offload,
-                      transient_bytes=transient)
+        slices = self.expert_slices(cfg)
+        a = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
+                   output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary / divide,
+                   param_tensors=self.problem(tp).param_tensors, offload=cfg.offload,
+                   transient_bytes=transient, experts=slices)
+        return a if slices is None else with_expert_parallel(a, self.ep_delta(cfg))
 
     def rank_peaks(self, a: Assessment,
                    experts: ExpertSlices | None = None) -> list[dict[str, float]]:
         """rank_memory.rank_peaks of the assessed configuration `a` (from `assess`: its
         Solution as the checkpointing policy leaves it, and the policy's transient, as
         `assess` prices them): per pp rank, bytes by category and "peak".
-        `experts`: the expert slices of an ep > 1 plan (rank_memory.ExpertSlices)."""
+        `experts`: the expert slices of an ep > 1 plan (rank_memory.ExpertSlices), by default
+        as its configuration holds them (`expert_slices`)."""
         cfg = a.config
+        experts = self.expert_slices(cfg) if experts is None else experts
         costs = self.cost(cfg.tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp, cfg.tp)
         boundary = self.boundary_bytes(cfg.tp, cfg.microbatch_size, cfg.cp, cfg.tp)
         return rank_peaks(cfg, a.solution, self.spec, total_layers=self.total_layers,
@@ -324,7 +341,21 @@ class Search:
         """A step time `lower_bound(cfg)` never goes below, at a fraction of its cost: the
         pipeline term alone (step_time.pipeline_time_s) of the bound's placement. It is the
         same for every ZeRO stage and offload of cfg's mesh, (b, policy), microbatches and
-        schedule, so it is computed once for them (branch_bound.py: [Note: lazy bounds])."""
+        schedule, so it is computed once for them (branch_bound.py: [Note: lazy bounds]).
+        Under ep > 1, plus what ep adds to the pipeline term, the all-to-alls and the experts'
+        compute (`ep_delta`), for every ZeRO stage alike. Not the dp sync's change, although it
+        may be negative: it never takes more than the exposed dp sync of the ep = 1
+        configuration, which a lower bound adds to the pipeline term (that sync is priced on
+        the busiest pipeline rank's elements, at least the mean ep_step_delta_s' `before` is
+        priced on, and dp_sync_s grows with the elements), so the bound stays below
+        `lower_bound`."""
+        if cfg.ep > 1 and self.moe is not None:
+            key = ("pipeline-ep", cfg.ep, cfg.costs_key, cfg.pp, cfg.dp,
+                   cfg.num_microbatches, cfg.schedule, cfg.num_virtual_stages)
+            if key not in self.bounds:
+                a2a_s, _sync_s, compute_s = self.ep_delta(replace(cfg, zero_stage=0))
+                self.bounds[key] = self.pipeline_bound(replace(cfg, ep=1)) + a2a_s + compute_s
+            return self.bounds[key]
         key = ("pipeline", cfg.costs_key, cfg.pp, cfg.dp, cfg.num_microbatches, cfg.schedule,
                cfg.num_virtual_stages)
         if key not in self.bounds:
