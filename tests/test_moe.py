@@ -277,7 +277,7 @@ def test_dp4_ep_matches_single_process(clusters, family, zero, ep):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, zero", [("mixtral", 0), ("qwen3_moe", 1)])
+@pytest.mark.parametrize("family, zero", [("mixtral", 0), ("qwen3_moe", 1), ("deepseek_v3", 3)])
 def test_ep_with_tp_matches_single_process(clusters, family, zero):
     """ep 2 x tp 2 ([Note: experts over ep and tp] in runtime/expert_parallel.py), the folded
     plan (dense tp 2 x dp 2, experts ep 4: the report's expert mesh): dp 2 x tp 2
@@ -287,9 +287,11 @@ def test_ep_with_tp_matches_single_process(clusters, family, zero):
     parameter after 3 AdamW steps equal one process (fp32, rtol 1e-5)."""
     factory = _moe.factory(family)
     ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
+    # DeepSeek-V3 unpinned: a given ep at tp 2 splits the experts on tp itself (and its
+    # latent attention's v head dim, 8, is not q's, 16: sdpa_local's output shape)
+    pins = {} if family == "deepseek_v3" else {"placements": {"*.mlp.experts.*": "S(0)"}}
     results = clusters.get(4).run(
-        _jobs.train, factory, 3, 4,
-        dict(dp=2, tp=2, ep=2, zero_stage=zero, placements={"*.mlp.experts.*": "S(0)"}),
+        _jobs.train, factory, 3, 4, dict(dp=2, tp=2, ep=2, zero_stage=zero, **pins),
         max_grad_norm=0.5, timeout_s=600)
     plan = Plan.from_json(results[0][2])
     assert (str(plan.mesh), plan.zero_stage) == ("pp1xdp2(ep2)xtp2", zero)

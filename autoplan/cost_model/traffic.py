@@ -73,9 +73,20 @@ MixedPrecisionPolicy(reduce_dtype=float32), runtime/precision.py; else the compu
   forward and a reduce-scatter of each gradient backward, and the gathers again in
   recomputation ([Note: context parallelism] in cost_model/context_parallel.py); axis "cp", or
   "dp_cp" at dp 1, where the recorder names the one group so;
+- ep ([Note: expert parallelism] in cost_model/expert_parallel.py; runtime/expert_parallel.py
+  `_exchange`): per MoE layer and microbatch, the (token, choice) pairs of the rank's tokens
+  (its tp share, 1 / tp of the choices, under ep x tp) exchanged in its ep group (axis "dp",
+  "dp[ep]" where ep < dp, as the dry run names a group inside an axis's):
+  forward `alltoall_base_`s of their hidden states, routing weights and expert ids and of the
+  experts' outputs back (again in recomputation), backward those of the hidden states', the
+  weights' and the outputs' gradients -- routed balanced, as the dry run routes ([Note: dry
+  run routing]); a real run also exchanges the per-rank counts first (ep int64s) and sends
+  what its router chose. The expert slices are outside FSDP2: no unit gathers or reduces
+  them; their gradients are all-reduced over the dp / ep ranks holding the same slice once a
+  step (f bytes) and, under ZeRO-1, their stepped rows gathered there;
 - scalars: the step loss's `allreduce_` over dp x cp (4 bytes) when D > 1, and with clipping
-  one `all_reduce` (4 bytes) per gradient per mesh axis it is sharded on (DTensor's
-  `full_tensor` of a norm of a Shard gradient).
+  one `all_reduce` (4 bytes) per gradient per mesh axis (or ep group) it is sharded on
+  (DTensor's `full_tensor` of a norm of a Shard gradient).
 
 A shallow graph (N of L blocks captured, [Note: shallow planning capture]) is priced as the
 runtime's graph of L blocks with the plan retargeted to it ([Note: plan retargeting] in
@@ -105,9 +116,12 @@ priced once per step, e bytes, not measured).
 
 from __future__ import annotations
 
+import math
+
 from autoplan.cost_model.context_parallel import attention_nodes
 from autoplan.cost_model.traffic_context import RankTraffic, TrafficContext
 from autoplan.cost_model.traffic_tp import tensor_parallel
+from autoplan.experts import EXPERTS_OP
 from autoplan.graph import CapturedGraph
 from autoplan.plan import Plan
 
@@ -144,6 +158,7 @@ def rank_traffic(plan: Plan, graph: CapturedGraph, *, clip: bool = True,
         _pipeline(ctx, t, r, stages, clip)
         tensor_parallel(ctx, t, set(stages))
         _context_parallel(ctx, t, set(stages))
+        _expert_parallel(ctx, t, stages)
         _scalars(ctx, t, stages, clip)
         out.append(t)
     return out
@@ -154,11 +169,13 @@ def _data_parallel(ctx: TrafficContext, t: RankTraffic, r: int, stages: list[int
     if D == 1:
         return
     axis, zero, pp = ctx.dp_axis, plan.zero_stage, plan.mesh.pp
+    slices = ctx.expert_slices()
     for s in stages:
         units = ctx.units(s)
         root = units[-1] if ctx.root_unit(s) else None  # units() lists the root last
         for unit in units:
-            trainable = [p for p in unit if p.trainable]
+            held = [p for p in unit if p.fqn not in slices]  # outside FSDP2 under ep
+            trainable = [p for p in held if p.trainable]
             if zero <= 1:
                 if trainable:
                     t.add("allreduce_", axis, ctx.f * sum(ctx.numel(p, False)
@@ -168,7 +185,7 @@ def _data_parallel(ctx: TrafficContext, t: RankTraffic, r: int, stages: list[int
                 t.add("_reduce_scatter_base_", axis,
                       ctx.f * sum(ctx.numel(p, True) for p in trainable),
                       1 if pp > 1 else ctx.m)
-            t.add("_allgather_base_", axis, ctx.e * sum(ctx.numel(p, True) for p in unit),
+            t.add("_allgather_base_", axis, ctx.e * sum(ctx.numel(p, True) for p in held),
                   _gathers(plan, s, root=unit is root))
     if zero == 1:
         _sharded_optimizer(ctx, t, stages)
@@ -208,10 +225,11 @@ def _sharded_optimizer(ctx: TrafficContext, t: RankTraffic, stages: list[int]) -
     `_allgather_base_` of its rows padded to D equal pieces (ceil(rows / D) each), per smaller
     one a `broadcast_` of it whole from its owner; fp32 masters under mixed precision."""
     master = 4 if ctx.mixed else ctx.e
+    slices = ctx.expert_slices()
     for s in stages:
         for unit in ctx.units(s):
             for p in unit:
-                if not p.trainable:
+                if not p.trainable or p.fqn in slices:  # _expert_parallel's
                     continue
                 shape = ctx.local_shape(p)
                 rows = shape[0] if shape else 1
@@ -219,6 +237,47 @@ def _sharded_optimizer(ctx: TrafficContext, t: RankTraffic, stages: list[int]) -
                     t.add("_allgather_base_", ctx.dp_axis, ctx.numel(p, True) * master)
                 else:
                     t.add("broadcast_", ctx.dp_axis, ctx.numel(p, False) * master)
+
+
+def _expert_parallel(ctx: TrafficContext, t: RankTraffic, stages: list[int]) -> None:
+    """ep's exchanges and its expert slices' own reductions ([Note: traffic per axis])."""
+    plan = ctx.plan
+    ep, tp = plan.mesh.ep, plan.mesh.tp
+    if ep == 1:
+        return
+    outer = ctx.D // ep  # the ranks holding the same slice
+    # labelled as the dry run labels a group inside dp (runtime/collective_log.py)
+    group = ctx.dp_axis if ep == ctx.D else f"{ctx.dp_axis}[{ep}]"
+    for n in ctx.graph.gm.graph.nodes:
+        if n.target is not EXPERTS_OP:
+            continue
+        hidden, index, weights = n.args[:3]
+        k = index.meta["val"].shape[-1]
+        states = ctx.value_bytes(hidden) * k / tp        # the pairs' hidden states, (R, H)
+        ids, routing = ctx.value_bytes(index) / tp, ctx.value_bytes(weights) / tp
+        for where in ctx.instances(n.name, set(stages)):
+            runs = ctx.m * (1 + ctx.recomputed(n.name, where))
+            for nbytes in (states, routing, ids, states):  # dispatch, and the outputs back
+                t.add("alltoall_base_", group, nbytes, runs)
+            for nbytes in (states, routing, states):       # their gradients
+                t.add("alltoall_base_", group, nbytes, ctx.m)
+    if outer == 1:
+        return
+    group = ctx.dp_axis if outer == ctx.D else f"{ctx.dp_axis}[{outer}]"
+    slices = ctx.expert_slices()
+    master = 4 if ctx.mixed else ctx.e
+    for s in stages:
+        for unit in ctx.units(s):
+            for p in unit:
+                if p.fqn not in slices or not p.trainable:
+                    continue
+                shape = ctx.local_shape(p)
+                numel = math.prod(shape) // ep
+                t.add("allreduce_", group, ctx.f * numel)
+                if plan.zero_stage == 1:  # its rows stepped over the outer ranks, gathered
+                    rows = shape[0] // ep
+                    t.add("_allgather_base_", group,
+                          math.ceil(rows / outer) * outer * math.prod(shape[1:]) * master)
 
 
 def _pipeline(ctx: TrafficContext, t: RankTraffic, r: int, stages: list[int], clip: bool) -> None:
@@ -305,6 +364,7 @@ def _scalars(ctx: TrafficContext, t: RankTraffic, stages: list[int], clip: bool)
     if not clip:
         return
     last = len(plan.stages) - 1
+    slices, ep = ctx.expert_slices(), plan.mesh.ep
     for s in stages:
         for unit in ctx.units(s):
             for p in unit:
@@ -312,7 +372,10 @@ def _scalars(ctx: TrafficContext, t: RankTraffic, stages: list[int], clip: bool)
                     continue
                 if s == last and s != 0 and p in ctx.pre:
                     continue  # a tied weight's norm counts in its first stage only
-                if plan.zero_stage >= 2 and ctx.D > 1:
+                if p.fqn in slices:  # an ep slice: Shard(0) on the ep group
+                    t.add("all_reduce", ctx.dp_axis if ep == ctx.D else f"{ctx.dp_axis}[{ep}]",
+                          4)
+                elif plan.zero_stage >= 2 and ctx.D > 1:
                     t.add("all_reduce", ctx.dp_axis, 4)
                 if plan.mesh.tp > 1 and ctx.param_placement(p.fqn).startswith("S("):
                     t.add("all_reduce", "tp", 4)

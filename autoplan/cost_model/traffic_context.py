@@ -125,6 +125,16 @@ class TrafficContext:
         rows = math.ceil(shape[0] / self.D) * self.D if padded else shape[0]
         return rows * math.prod(shape[1:])
 
+    def expert_slices(self) -> frozenset[str]:
+        """FQNs of the expert weights a plan with ep > 1 holds as slices outside FSDP2
+        (runtime/expert_parallel.py); none at ep 1."""
+        if not hasattr(self, "_slices"):
+            from autoplan.cost_model.expert_parallel import expert_weights
+
+            self._slices = frozenset(expert_weights(self.graph) if self.plan.mesh.ep > 1
+                                     else ())
+        return self._slices
+
     def units(self, stage: int) -> list[list]:
         """The FSDP2 units of pipeline stage `stage` with parameters: each block's, then the
         stage root's (what the stage holds outside its blocks)."""

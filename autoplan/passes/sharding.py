@@ -198,7 +198,7 @@ def sdpa_local(q, k, v, attn_mask=None, *args, **kwargs):
 
     q, k, v: (B, H, T, D) DTensors with one common placement, S(0) (batch), S(1) (heads) or R.
     attn_mask: broadcastable (B|1, 1|H, T, T); a plain tensor is sliced like q along a batch
-    shard when its batch dim is not 1. Returns a DTensor with q's placement.
+    shard when its batch dim is not 1. Returns a (B, H, T, Dv) DTensor with q's placement.
     """
     if not isinstance(q, DTensor):
         return aten.scaled_dot_product_attention.default(q, k, v, attn_mask, *args, **kwargs)
@@ -216,8 +216,21 @@ def sdpa_local(q, k, v, attn_mask=None, *args, **kwargs):
             attn_mask = attn_mask.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()]
     out = aten.scaled_dot_product_attention.default(
         q.to_local(), k.to_local(), v.to_local(), attn_mask, *args, **kwargs)
-    return DTensor.from_local(out, mesh, placements, run_check=False, shape=q.shape,
-                              stride=q.stride())
+    # (B, H, T, Dv): v's head dim, which need not be q's (multi-head latent attention: qk
+    # 192, v 128 in DeepSeek-V3); a contiguous output's global strides are its shape's
+    shape = torch.Size((*q.shape[:-1], v.shape[-1]))
+    if not out.is_contiguous():
+        return DTensor.from_local(out, mesh, placements, run_check=False)
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape,
+                              stride=_contiguous_strides(shape))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
