@@ -277,6 +277,24 @@ def test_dp4_ep_matches_single_process(clusters, family, zero, ep):
 
 
 @pytest.mark.slow
+def test_ep_with_pp_matches_single_process(clusters):
+    """ep inside the dp of a pipelined plan (pp 2 x dp 2 with ep 2, ZeRO-3, 2 microbatches): a
+    stage's MoE layers exchange tokens within its ep group while the stages pass microbatches,
+    as the joint search chooses for DeepSeek-V3 at scale (pp 4 x dp 64 with ep 8); with
+    clipping, losses, norms and every parameter after 3 AdamW steps equal one process."""
+    factory = _moe.factory("deepseek_v3")
+    ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
+    results = clusters.get(4).run(
+        _jobs.train, factory, 3, 4, dict(pp=2, dp=2, ep=2, zero_stage=3, num_microbatches=2),
+        max_grad_norm=0.5, timeout_s=600)
+    plan = Plan.from_json(results[0][2])
+    assert (str(plan.mesh), plan.zero_stage) == ("pp2xdp2(ep2)xtp1", 3)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
+    _assert_matches(results, ref)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family, zero", [("mixtral", 0), ("qwen3_moe", 1), ("deepseek_v3", 3)])
 def test_ep_with_tp_matches_single_process(clusters, family, zero):
     """ep 2 x tp 2 ([Note: experts over ep and tp] in runtime/expert_parallel.py), the folded
