@@ -399,7 +399,7 @@ def test_ep_is_priced_per_topology_level():
     assert two.prediction.memory_bytes < base.prediction.memory_bytes
     assert two.prediction.memory_bytes == max(r["peak"] for r in
                                               two.prediction.memory_by_pp_rank)
-    with pytest.raises(InvalidConfig, match="does not divide the experts"):
+    with pytest.raises(InvalidConfig, match="does not divide the 4 experts of its MoE layers"):
         with_ep(base, 8)
     # ZeRO-3 shards the experts 16 ways without ep; ep keeps its slice whole: more memory
     zero3 = plan(graph, topology, spec, dp=16, tp=1, zero_stage=3, ep=1)
@@ -499,7 +499,8 @@ def test_ep_plan_round_trips_and_reports():
     assert ("| experts | expert mesh ep 2 x edp 2 x etp 1 (ep on 2 of the dp ranks): a rank "
             "holds 2 of the 4 experts of every MoE layer, that slice whole, outside ZeRO, on 2 "
             "dp ranks (dp 4 / ep 2); tokens exchanged by all-to-all within each ep group; the "
-            "dense layers on dp 4 x tp 1. Why: experts with the dense layers (ep 1): ") in report
+            "dense layers on dp 4 x tp 1. Why: experts with the dense layers (ep 1) on this "
+            "configuration (ep 2 given: configurations at other ep not searched): ") in report
     assert "all 4 experts of every MoE layer on every rank, held as the dense weights are" \
         in render_markdown(without, graph=graph, topology=topology)
 

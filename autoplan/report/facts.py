@@ -147,9 +147,11 @@ class AxisFacts:
 
 
 def mesh_text(mesh) -> str:
-    """"pp 1 x dp 128 x cp 32 x tp 4" (cp only when > 1)."""
+    """"pp 1 x dp 128 x cp 32 x tp 4", "pp 4 x dp 64 (ep 8) x tp 8" (cp and ep only when
+    > 1; ep inside dp)."""
     cp = f" x cp {mesh.cp}" if getattr(mesh, "cp", 1) > 1 else ""
-    return f"pp {mesh.pp} x dp {mesh.dp}{cp} x tp {mesh.tp}"
+    ep = f" (ep {mesh.ep})" if getattr(mesh, "ep", 1) > 1 else ""
+    return f"pp {mesh.pp} x dp {mesh.dp}{ep}{cp} x tp {mesh.tp}"
 
 
 def mesh_axes(plan: Plan, topology: Topology | None) -> list[AxisFacts]:

@@ -47,12 +47,17 @@ def ep_refusal(layers: ExpertLayers | None, dp: int, tp: int, cp: int, ep: int,
         return "the model has no mixture-of-experts layer"
     if cp > 1:
         return f"with cp {cp}: expert and context parallelism are not planned together"
-    if dp % ep:
-        return f"does not divide dp {dp} (fix dp to a multiple of ep)"
+    bad = sorted({e for e in layers.num_experts if e % ep})
+    if bad:
+        return (f"does not divide the {'/'.join(map(str, bad))} experts of its MoE layers "
+                f"(give an ep that divides them)")
     bad = sorted({e for e in layers.num_experts if e % (ep * tp)})
     if bad:
-        return (f"x tp {tp} does not divide the experts of every layer ({bad})"
-                if tp > 1 else f"does not divide the experts of every layer ({bad})")
+        return (f"x tp {tp} = {ep * tp} ranks holding disjoint experts (tp splits whole "
+                f"experts) does not divide the {'/'.join(map(str, bad))} experts of its MoE "
+                f"layers (give a smaller ep or tp)")
+    if dp % ep:
+        return f"does not divide dp {dp} (fix dp to a multiple of ep)"
     try:  # the ep groups and the groups across them must sit evenly on the nodes
         group_layout(ep, tp, topology)
         group_layout(dp // ep, tp * ep, topology)

@@ -159,15 +159,17 @@ def even_split(search: Search, best: Assessment, evaluated: list[Assessment]) ->
     return [(even, f"stages split evenly ({blocks} blocks): {_reason(even, best)}")]
 
 
-def expert_layout(search: Search, best: Assessment, evaluated: list[Assessment]) -> list[tuple]:
+def expert_layout(search: Search, best: Assessment, evaluated: list[Assessment],
+                  given_ep: bool = False) -> list[tuple]:
     """The runner-up that says why the experts of a mixture-of-experts plan lie as they do
     ([Note: expert parallelism] in cost_model/expert_parallel.py): `best`'s configuration and
     placements with the other layout -- at ep 1 (the experts held as the dense weights) when
     `best` has ep > 1, else at the ep > 1 that does best there (fitting first) -- as the search
     priced it, else priced now; and what it loses by, with ep's own terms (all-to-alls, the
     experts' dp sync and compute). No plan of either layout beats `best`: the search is joint
-    ([Note: expert parallelism]); this says what ep does to the chosen configuration. [] for a
-    dense model, or where no ep > 1 applies to it."""
+    ([Note: expert parallelism]); this says what ep does to the chosen configuration. With ep
+    given (`given_ep`) the other layout may be faster: said so, the net difference first. []
+    for a dense model, or where no ep > 1 applies to it."""
     if search.moe is None:
         return []
     cfg, sol = best.config, best.solution
@@ -187,17 +189,30 @@ def expert_layout(search: Search, best: Assessment, evaluated: list[Assessment])
     terms = (f"ep {with_ep.config.ep}'s all-to-alls {_seconds(a2a_s)}, the experts' dp sync "
              f"{_signed(sync_s)} and compute {_signed(compute_s)} against ep 1")
     where = (f"{EXPERTS_REASON}with the dense layers (ep 1)" if alt.config.ep == 1 else
-             f"{EXPERTS_REASON}over ep {alt.config.ep}")
-    return [(alt, f"{where}: {_reason(alt, best)}; {terms}")]
+             f"{EXPERTS_REASON}over ep {alt.config.ep}") + " on this configuration"
+    d = alt.step_time_s - best.step_time_s
+    if not alt.fits:
+        net = _reason(alt, best)
+    elif d < 0:  # only where the user fixed ep: the search would have taken it
+        net = f"{_seconds(-d)} per step faster ({d / best.step_time_s:+.1%}), not taken"
+    elif d > 0:  # the net difference, then the part that moves most
+        deltas = _deltas(alt, best)
+        net = (f"+{_seconds(d)} per step vs the chosen plan, most in "
+               f"{max(deltas, key=deltas.get)}")
+    else:
+        net = _reason(alt, best)
+    given = (f" (ep {cfg.ep} given: configurations at other ep not searched)"
+             if given_ep else "")
+    return [(alt, f"{where}{given}: {net}; {terms}")]
 
 
 def _signed(d: float) -> str:
     return ("+" if d >= 0 else "-") + _seconds(abs(d))
 
 
-def _reason(a: Assessment, best: Assessment) -> str:
-    if not a.fits:
-        return (f"memory: needs {fmt_bytes(a.memory_bytes)} per device, over the budget")
+def _deltas(a: Assessment, best: Assessment) -> dict[str, float]:
+    """What `a` adds to `best`'s step time by part, seconds (recomputation and offload named
+    where they are what it adds)."""
     deltas = {"bubble": a.bubble_s - best.bubble_s, "communication": a.comm_s - best.comm_s,
               "compute": a.compute_s - best.compute_s}
     if deltas["compute"] > 0 and POLICY_ORDER[a.config.checkpointing] > POLICY_ORDER[
@@ -206,6 +221,13 @@ def _reason(a: Assessment, best: Assessment) -> str:
     if a.config.offload != "none" and best.config.offload == "none":
         # [Note: offload]: its host step and transfers are what it adds
         deltas = {"offload": a.step_time_s - best.step_time_s}
+    return deltas
+
+
+def _reason(a: Assessment, best: Assessment) -> str:
+    if not a.fits:
+        return (f"memory: needs {fmt_bytes(a.memory_bytes)} per device, over the budget")
+    deltas = _deltas(a, best)
     kind = max(deltas, key=deltas.get)
     if deltas[kind] <= 0:
         return "tie: same predicted step time; ranked by memory and simplicity"

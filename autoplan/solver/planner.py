@@ -413,7 +413,7 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
         split = even_split(search, best, evaluated)
         runners_up = split + runners_up[:top_k - len(split)]
     if top_k > 0:  # why the experts lie as they do
-        experts = expert_layout(search, best, evaluated)
+        experts = expert_layout(search, best, evaluated, given_ep=overrides.ep is not None)
         runners_up = experts + [r for r in runners_up
                                 if not experts or r[0].config != experts[0][0].config
                                 ][:top_k - len(experts)]
