@@ -64,3 +64,17 @@ def _build(family: str, seed: int, overrides: dict):
 def factory(family: str, seed: int = 0, **overrides):
     """Picklable factory: the tiny model of `family` with weights seeded by `seed`."""
     return functools.partial(_build, family, seed, overrides)
+
+
+def assert_matches(results, ref):
+    """Every rank's losses and parameters of `_jobs.train` `results` equal the one-process
+    `_jobs.reference` `ref` (fp32 rtol 1e-5 / atol 1e-6, AdamW's rounding allowance), and
+    every parameter is held by some rank."""
+    from autoplan.testing import assert_params_close
+
+    for losses, params, *_ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-5,
+                                   atol=1e-6)
+        assert_params_close(params, ref[1], ref[3])  # [Note: AdamW rounding allowance]
+    held = set().union(*(r[1] for r in results))
+    assert held == set(ref[1]), "some parameters are held by no rank"

@@ -10,9 +10,11 @@ import dataclasses
 import pytest
 import torch
 
+import _jobs
 import _moe
 from autoplan.capture import capture
 from autoplan.cost_model.expert_parallel import expert_layers, expert_weights
+from autoplan.plan import Plan
 from autoplan.report.facts import experts_text
 from autoplan.solver import plan, reprice
 from autoplan.solver.expert_degree import ep_degrees
@@ -123,3 +125,47 @@ def test_a_given_ep_says_what_another_would_do():
             f"{faster * 1e3:.3g} ms per step faster") in alt.reason
     free = plan(graph, topology, spec, dp=4, zero_stage=0)
     assert free.prediction.step_time_s <= alt.step_time_s * (1 + 1e-9)
+
+
+def test_ep_at_tp_needs_the_experts_split_on_tp():
+    """A given ep at tp > 1 splits the experts on tp (the runtime's ep x tp layout); a pin
+    that keeps them whole is refused, naming the weight and the pin."""
+    from autoplan.api import autoparallel
+    from autoplan.solver.configurations import InvalidConfig
+
+    with pytest.raises(InvalidConfig, match=r"ep 2 at tp 2 needs the experts split on tp "
+                                            r"\(Shard\(0\)\); placements pin "
+                                            r"model\.layers\.0\.mlp\.experts\.\w+ to R"):
+        autoparallel(_moe.factory("mixtral")(), global_batch=4, seq_len=16, world_size=4,
+                     dp=2, tp=2, ep=2, placements={"*.mlp.experts.*": "R"}).plan
+
+
+def test_no_plan_with_a_given_ep_names_what_ep_holds():
+    """A given ep whose plans do not fit is refused with what ep changes and what to try (the
+    expert slices whole outside ZeRO, tp 1 unless given), not only the smallest plan's
+    memory (which hid the ep that caused it)."""
+    from autoplan.api import autoparallel
+    from autoplan.solver.configurations import NoFeasiblePlan
+
+    with pytest.raises(NoFeasiblePlan, match=r"With ep 2 given the expert slices are held "
+                                             r"whole outside ZeRO, and tp is 1 unless given"):
+        autoparallel(_moe.factory("mixtral")(), global_batch=4, seq_len=16, world_size=4,
+                     dp=4, ep=2, device_memory_bytes=1e5).plan
+
+
+@pytest.mark.slow
+def test_ep_with_pp_matches_single_process(clusters):
+    """ep inside the dp of a pipelined plan (pp 2 x dp 2 with ep 2, ZeRO-3, 2 microbatches): a
+    stage's MoE layers exchange tokens within its ep group while the stages pass microbatches,
+    as the joint search chooses for DeepSeek-V3 at scale (pp 4 x dp 64 with ep 8); with
+    clipping, losses, norms and every parameter after 3 AdamW steps equal one process."""
+    factory = _moe.factory("deepseek_v3")
+    ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
+    results = clusters.get(4).run(
+        _jobs.train, factory, 3, 4, dict(pp=2, dp=2, ep=2, zero_stage=3, num_microbatches=2),
+        max_grad_norm=0.5, timeout_s=600)
+    plan = Plan.from_json(results[0][2])
+    assert (str(plan.mesh), plan.zero_stage) == ("pp2xdp2(ep2)xtp1", 3)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
+    _moe.assert_matches(results, ref)

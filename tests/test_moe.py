@@ -15,7 +15,6 @@ from autoplan.capture import CaptureError, capture, materialize
 from autoplan.experts import EXPERTS_OP, experts, experts_reference
 from autoplan.plan import Plan
 from autoplan.report.facts import experts_text
-from autoplan.testing import assert_params_close
 
 
 def _op_inputs(num_tokens=6, hidden=4, inter=3, num_experts=4, top_k=2, dtype=torch.float64):
@@ -227,15 +226,6 @@ def test_7b_class_moe_on_two_dgx_h100_nodes(family):
 
 # --- training against one process ---------------------------------------------------------------
 
-def _assert_matches(results, ref):
-    for losses, params, *_ in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-5,
-                                   atol=1e-6)
-        assert_params_close(params, ref[1], ref[3])  # [Note: AdamW rounding allowance]
-    held = set().union(*(r[1] for r in results))
-    assert held == set(ref[1]), "some parameters are held by no rank"
-
-
 @pytest.mark.slow
 def test_mixtral_tp2_matches_single_process(clusters, ample_tp2_bytes):
     """Mixtral at tp2 with the experts split over the tp ranks: losses of 3 AdamW steps and
@@ -247,7 +237,7 @@ def test_mixtral_tp2_matches_single_process(clusters, ample_tp2_bytes):
                                   device_memory_bytes=budget)
     placements = _experts_placements(Plan.from_json(results[0][2]))
     assert set(placements.values()) == {"S(0)"}, placements
-    _assert_matches(results, ref)
+    _moe.assert_matches(results, ref)
 
 
 @pytest.mark.slow
@@ -273,25 +263,7 @@ def test_dp4_ep_matches_single_process(clusters, family, zero, ep):
     plan = Plan.from_json(results[0][2])
     assert (plan.mesh.dp, plan.mesh.ep, str(plan.mesh)) == (4, ep, f"pp1xdp4(ep{ep})xtp1")
     assert plan.zero_stage == zero
-    _assert_matches(results, ref)
-
-
-@pytest.mark.slow
-def test_ep_with_pp_matches_single_process(clusters):
-    """ep inside the dp of a pipelined plan (pp 2 x dp 2 with ep 2, ZeRO-3, 2 microbatches): a
-    stage's MoE layers exchange tokens within its ep group while the stages pass microbatches,
-    as the joint search chooses for DeepSeek-V3 at scale (pp 4 x dp 64 with ep 8); with
-    clipping, losses, norms and every parameter after 3 AdamW steps equal one process."""
-    factory = _moe.factory("deepseek_v3")
-    ref = _jobs.reference(factory, 3, 4, max_grad_norm=0.5)
-    results = clusters.get(4).run(
-        _jobs.train, factory, 3, 4, dict(pp=2, dp=2, ep=2, zero_stage=3, num_microbatches=2),
-        max_grad_norm=0.5, timeout_s=600)
-    plan = Plan.from_json(results[0][2])
-    assert (str(plan.mesh), plan.zero_stage) == ("pp2xdp2(ep2)xtp1", 3)
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
-    _assert_matches(results, ref)
+    _moe.assert_matches(results, ref)
 
 
 @pytest.mark.slow
@@ -320,33 +292,7 @@ def test_ep_with_tp_matches_single_process(clusters, family, zero):
         "1 of the 4 experts")
     for r in results:
         torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
-    _assert_matches(results, ref)
-
-
-def test_ep_at_tp_needs_the_experts_split_on_tp():
-    """A given ep at tp > 1 splits the experts on tp (the runtime's ep x tp layout); a pin
-    that keeps them whole is refused, naming the weight and the pin."""
-    from autoplan.api import autoparallel
-    from autoplan.solver.configurations import InvalidConfig
-
-    with pytest.raises(InvalidConfig, match=r"ep 2 at tp 2 needs the experts split on tp "
-                                            r"\(Shard\(0\)\); placements pin "
-                                            r"model\.layers\.0\.mlp\.experts\.\w+ to R"):
-        autoparallel(_moe.factory("mixtral")(), global_batch=4, seq_len=16, world_size=4,
-                     dp=2, tp=2, ep=2, placements={"*.mlp.experts.*": "R"}).plan
-
-
-def test_no_plan_with_a_given_ep_names_what_ep_holds():
-    """A given ep whose plans do not fit is refused with what ep changes and what to try (the
-    expert slices whole outside ZeRO, tp 1 unless given), not only the smallest plan's
-    memory (which hid the ep that caused it)."""
-    from autoplan.api import autoparallel
-    from autoplan.solver.configurations import NoFeasiblePlan
-
-    with pytest.raises(NoFeasiblePlan, match=r"With ep 2 given the expert slices are held "
-                                             r"whole outside ZeRO, and tp is 1 unless given"):
-        autoparallel(_moe.factory("mixtral")(), global_batch=4, seq_len=16, world_size=4,
-                     dp=4, ep=2, device_memory_bytes=1e5).plan
+    _moe.assert_matches(results, ref)
 
 
 def config_of(p, ep: int):

@@ -280,7 +280,7 @@ def enumerate_configs(graph: CapturedGraph, topology: Topology, spec: TrainingSp
                             for c in _configs_for_mesh(pp, dp, tp, layers, spec, o, policies,
                                                        cp, ends=ends)
                             for e in (undominated(moe, c, eps, spec, topology, deltas)
-                                      if len(eps) > 2 else eps)]
+                                      if moe is not None else eps)]
                 elif unplaced is not None:
                     cp_text = f" x cp {cp}" if cp > 1 else ""
                     unplaced.append((f"pp {pp} x dp {dp}{cp_text} x tp {tp}", why))

@@ -19,7 +19,7 @@ from autoplan.cost_model.rank_memory import ExpertSlices
 from autoplan.spec import TrainingSpec
 from autoplan.topology import Topology
 
-__all__ = ["ep_degrees", "ep_refusal", "undominated", "ExpertSearch"]
+__all__ = ["ep_degrees", "ep_refusal", "undominated", "delta_key", "ExpertSearch"]
 
 
 def ep_degrees(layers: ExpertLayers | None, dp: int, tp: int, cp: int, topology: Topology,
@@ -66,6 +66,12 @@ def ep_refusal(layers: ExpertLayers | None, dp: int, tp: int, cp: int, ep: int,
     return ""
 
 
+def delta_key(cfg: Config) -> tuple:
+    """What expert_parallel.ep_step_delta_s of `cfg` depends on (a cache key)."""
+    return (cfg.ep, cfg.pp, cfg.dp, cfg.tp, cfg.zero_stage, cfg.num_microbatches,
+            cfg.microbatch_size, cfg.schedule, cfg.num_virtual_stages)
+
+
 def undominated(layers: ExpertLayers, cfg: Config, eps: list[int], spec: TrainingSpec,
                 topology: Topology, seen: dict | None = None) -> list[int]:
     """The degrees of `eps` worth searching for `cfg`: 1 (when in `eps`) and every ep > 1 that
@@ -81,11 +87,10 @@ def undominated(layers: ExpertLayers, cfg: Config, eps: list[int], spec: Trainin
     keep, least = [], float("inf")
     seen = {} if seen is None else seen
     for e in sorted((e for e in eps if e > 1), reverse=True):
-        key = (e, cfg.pp, cfg.dp, cfg.tp, cfg.zero_stage, cfg.num_microbatches,
-               cfg.microbatch_size, cfg.schedule, cfg.num_virtual_stages)
+        at = dataclasses.replace(cfg, ep=e)
+        key = delta_key(at)
         if key not in seen:
-            seen[key] = sum(ep_step_delta_s(layers, dataclasses.replace(cfg, ep=e), spec,
-                                            topology))
+            seen[key] = sum(ep_step_delta_s(layers, at, spec, topology))
         delta = seen[key]
         if delta < least:
             keep.append(e)
@@ -115,8 +120,7 @@ class ExpertSearch:
     def ep_delta(self, cfg: Config) -> tuple[float, float, float]:
         """expert_parallel.ep_step_delta_s of the ep > 1 configuration `cfg`, seconds (kept:
         the bounds and every assessment of cfg ask again)."""
-        key = ("ep", cfg.ep, cfg.pp, cfg.dp, cfg.tp, cfg.zero_stage, cfg.num_microbatches,
-               cfg.microbatch_size, cfg.schedule, cfg.num_virtual_stages)
+        key = ("ep",) + delta_key(cfg)
         if key not in self.bounds:
             self.bounds[key] = ep_step_delta_s(self.moe, cfg, self.spec, self.topology)
         return self.bounds[key]
