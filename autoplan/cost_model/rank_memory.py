@@ -120,7 +120,7 @@ from autoplan.cost_model.schedule_moments import (MomentTerms, interleaved_momen
 from autoplan.options import INTERLEAVED_SCHEDULES
 from autoplan.spec import TrainingSpec
 
-__all__ = ["ExpertSlices", "frozen_param_bytes", "rank_memories",
+__all__ = ["ExpertSlices", "frozen_param_bytes", "held_states_bytes", "rank_memories",
            "rank_peaks", "rank_peak", "candidate_ranks", "grads_at_activation_peak"]
 
 
@@ -516,6 +516,42 @@ def _expert_slice_states(cfg: Config, spec: TrainingSpec, experts: ExpertSlices,
         frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
 
 
+def _rank_states(cfg: Config, sol: Solution, spec: TrainingSpec, share: dict[str, float],
+                 offload: str, experts: ExpertSlices | None) -> tuple:
+    """(the Solution FSDP2 manages, its model states on the device, the expert slices' states
+    beside it) of a rank holding `share` of the parts, bytes by category ("params", "grads",
+    "optimizer"): rank_peak's."""
+    # under ep the expert slices are held beside what FSDP2 manages (ExpertSlices): priced
+    # apart, their gradients like the others' (from the first backward on)
+    extra = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if experts is not None and experts.ep > 1:
+        sol = _without_experts(sol, experts)
+        extra = _expert_slice_states(cfg, spec, experts, share["layer"], offload)
+    elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
+    states = offload_costs.device_states(model_state_bytes(
+        elems, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
+        optimizer=spec.optimizer, recipe="fsdp2", frozen_params=frozen,
+        frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
+    return sol, states, extra
+
+
+def held_states_bytes(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: int,
+                      offload: str = "none", experts: ExpertSlices | None = None) -> float:
+    """The parameters and optimizer states on the device of the pipeline rank holding the
+    most, bytes: what every moment of `rank_peak` holds, so no rank's peak is below it (a
+    floor that proves a configuration does not fit at a fraction of rank_peaks' price;
+    [Note: time first] in solver/branch_bound.py)."""
+    layers = rank_layers(cfg, total_layers)
+    most = 0.0
+    for r in candidate_ranks(cfg, layers):
+        _sol, states, extra = _rank_states(cfg, sol, spec,
+                                           rank_shares(r, cfg, layers, total_layers), offload,
+                                           experts)
+        most = max(most, states["params"] + states["optimizer"] + extra["params"]
+                   + extra["optimizer"])
+    return most
+
+
 def rank_peaks(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: int,
                output_bytes: float, boundary_bytes: float,
                offload: str = "none",
@@ -542,12 +578,7 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
     loss (the last rank's moment A splits in two: at the loss, with the logits and the
     loss's working set, and at the backward of its last layer, with the transient)."""
     share = share or rank_shares(r, cfg, layers, total_layers)
-    # under ep the expert slices are held beside what FSDP2 manages (ExpertSlices): priced
-    # apart, their gradients like the others' (from the first backward on)
-    extra = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    if experts is not None and experts.ep > 1:
-        sol = _without_experts(sol, experts)
-        extra = _expert_slice_states(cfg, spec, experts, share["layer"], offload)
+    sol, states, extra = _rank_states(cfg, sol, spec, share, offload, experts)
     elems, frozen = sol.param_elems_on(share), sol.frozen_elems_on(share)
     parts_in_flight = in_flight_by_part(cfg, r, total_layers)
     in_flight = pipeline_in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, r,
@@ -561,10 +592,6 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         acts += experts.act_bytes * share["layer"] * parts_in_flight["layer"] / in_flight
     late = sum(sol.act_bytes.get(p, 0.0) * c
                for p, c in _late_coef(r, layers, share, total_layers).items())
-    states = offload_costs.device_states(model_state_bytes(
-        elems, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
-        optimizer=spec.optimizer, recipe="fsdp2", frozen_params=frozen,
-        frozen_param_bytes=frozen_param_bytes(spec) if frozen else None), offload)
     # gathered parameters and unsharded gradients held at once ([Note: memory per rank]);
     # frozen parameters are gathered like the others but have no gradient
     block = sol.param_elems.get("layer", 0.0) * share["layer"]

@@ -69,6 +69,8 @@ collectives in tp_comm_r, [Note: context parallelism] in cost_model/context_para
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from autoplan.cost_model import offload as offload_costs
@@ -196,14 +198,16 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
            total_layers: int, output_bytes: float, boundary_bytes: float,
            param_tensors: dict[str, float] | None = None,
            offload: str = "none", transient_bytes: float = 0.0,
-           experts: ExpertSlices | None = None) -> Assessment:
+           experts: ExpertSlices | None = None, memory: bool = True) -> Assessment:
     """[Note: step time] and [Note: memory per rank] of `cfg` with placement `sol`;
     `param_tensors`: parameter tensors per part ("pre", "layer": all blocks, "post") for the
     optimizer's per-tensor ops (none: not priced); `offload`: [Note: offload] (the host
     memory is checked against the rank's share of its node's); `transient_bytes`: the
     checkpointing policy's recomputation transient (rank_memory.rank_peak); `experts`: the
     expert slices of an ep > 1 configuration, held whole beside FSDP2 (rank_memory.ExpertSlices;
-    the step time of ep is cost_model/expert_parallel.py's, added by the caller).
+    the step time of ep is cost_model/expert_parallel.py's, added by the caller); `memory`
+    False: the step time alone, the same float (a bound's, [Note: time first] in
+    solver/branch_bound.py), device memory not priced (memory_bytes NaN, fits False).
 
     Raises ValueError (from the cost model) when a mesh group straddles nodes unevenly.
     """
@@ -214,10 +218,14 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     def on(r: int, per_part: dict[str, float]) -> float:
         return sum(per_part.get(p, 0.0) * s for p, s in shares[r].items())
 
-    memories = {r: rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
-                              boundary_bytes, offload, shares[r], experts=experts,
-                              transient_bytes=transient_bytes) for r in ranks}
-    worst = max(ranks, key=lambda r: memories[r]["peak"])
+    breakdown, peak = {}, math.nan
+    if memory:
+        memories = {r: rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
+                                  boundary_bytes, offload, shares[r], experts=experts,
+                                  transient_bytes=transient_bytes) for r in ranks}
+        worst = max(ranks, key=lambda r: memories[r]["peak"])
+        breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
+        peak = memories[worst]["peak"]
     elems, frozen = _most_elems(cfg, sol, spec, topology, [shares[r] for r in ranks], speed)
     tensors = max(on(r, param_tensors) for r in ranks)  # trainable ones (Problem.param_tensors)
     dp_sync = dp_sync_s(cfg, spec, topology, elems, num_dp_units(cfg, layers), frozen, tensors)
@@ -241,9 +249,7 @@ def assess(cfg: Config, sol: Solution, spec: TrainingSpec, topology: Topology, *
     m = cfg.num_microbatches
     if cfg.tp * cfg.dp_shard > 1:  # drift between meetings ([Note: step time])
         exposed += topology.device.skew_slope(busy) * (m * comp + optimizer)
-    breakdown = {k: val for k, val in memories[worst].items() if k != "peak"}
-    peak = memories[worst]["peak"]
-    fits = peak <= spec.max_memory_fraction * topology.device.mem_bytes and (
+    fits = memory and peak <= spec.max_memory_fraction * topology.device.mem_bytes and (
         offload == "none" or host <= offload_costs.host_budget_bytes(topology, spec, busy))
     return Assessment(cfg, pipeline + exposed + optimizer, m * comp + optimizer,
                       m * comm + exposed, _bubble_s(cfg, pipeline, m * (comp + comm)),

@@ -406,34 +406,66 @@ class _Model:
                         terms[part][v] += e
 
     def add_objective(self, form: StepForm, busiest: int | None = None) -> None:
-        """[Note: step form]; `busiest`: the rank rho assumed busiest (a_c != a_m)."""
-        obj: dict = defaultdict(float, self.ties)
-        a_c, a_m, b = form.compute_factor, form.comm_factor, form.sync_s_per_elem * _NS
+        """[Note: step form]; `busiest`: the rank rho assumed busiest (a_c != a_m). The rows
+        (`_add_objective_rows`, which depend on `objective_rows_key` only), then the
+        coefficients (`set_objective`)."""
+        self._add_objective_rows(form, busiest)
+        self.set_objective(form, busiest)
+
+    @staticmethod
+    def objective_rows_key(form: StepForm, busiest: int | None) -> tuple:
+        """What the rows add_objective adds depend on ([Note: LP reuse] in ilp.py): two forms
+        of one key differ in the objective's coefficients only."""
+        several = len(form.shares) > 1
+        frozen = form.sync_s_per_frozen_elem / form.sync_s_per_elem \
+            if form.sync_s_per_elem else 0.0
+        return (form.shares if several else len(form.shares), busiest,
+                several and bool(form.sync_s_per_elem), frozen if several else None)
+
+    def _add_objective_rows(self, form: StepForm, busiest: int | None) -> None:
+        """The busiest-rank split's rows, or T and the stage rows, and E and the sync rows."""
+        b = form.sync_s_per_elem * _NS
         # E counts trainable elements, a frozen one at B_f / B of one ([Note: step form])
         self.frozen_weight = form.sync_s_per_frozen_elem * _NS / b if b else 0.0
+        self._objective_vars = {}
+        if len(form.shares) == 1:
+            return
+        if busiest is not None:
+            rank = form.shares[busiest]
+            for r, other in enumerate(form.shares):
+                if r != busiest:
+                    self._at_least(rank, other, f"busiest[rank {busiest} >= {r}]",
+                                   binding=False)
+        else:
+            big_t = self.bound_var(self._ceiling(form, elems=False), "T")
+            self._objective_vars["T"] = big_t
+            for r, rank in enumerate(form.shares):
+                self._at_least(big_t, rank, f"stage[rank {r}]")
+        if b:
+            big_e = self.bound_var(self._ceiling(form, elems=True), "E")
+            self._objective_vars["E"] = big_e
+            for r, rank in enumerate(form.shares):
+                self._at_least(big_e, rank, f"sync[rank {r}]", elems=True)
+
+    def set_objective(self, form: StepForm, busiest: int | None = None) -> None:
+        """The objective of `form` on the rows `_add_objective_rows` added for a form of the
+        same `objective_rows_key` (the previous coefficients cleared)."""
+        obj: dict = defaultdict(float, self.ties)
+        a_c, a_m, b = form.compute_factor, form.comm_factor, form.sync_s_per_elem * _NS
         if len(form.shares) == 1 or busiest is not None:
             rank = form.shares[0 if busiest is None else busiest]
             self._add_terms(obj, rank, self.comp, a_c)
             self._add_terms(obj, rank, self.comm, a_m)
-            if busiest is not None:
-                for r, other in enumerate(form.shares):
-                    if r != busiest:
-                        self._at_least(rank, other, f"busiest[rank {busiest} >= {r}]",
-                                       binding=False)
         else:
-            big_t = self.bound_var(self._ceiling(form, elems=False), "T")
-            obj[big_t] += a_m
-            for r, rank in enumerate(form.shares):
-                self._at_least(big_t, rank, f"stage[rank {r}]")
+            obj[self._objective_vars["T"]] += a_m
         if len(form.shares) == 1:
+            frozen = form.sync_s_per_frozen_elem * _NS / b if b else 0.0
             self._add_terms(obj, form.shares[0], self.elems, b)
-            self._add_terms(obj, form.shares[0], self.frozen, b * self.frozen_weight)
+            self._add_terms(obj, form.shares[0], self.frozen, b * frozen)
         elif b:
-            big_e = self.bound_var(self._ceiling(form, elems=True), "E")
-            obj[big_e] += b
-            for r, rank in enumerate(form.shares):
-                self._at_least(big_e, rank, f"sync[rank {r}]", elems=True)
+            obj[self._objective_vars["E"]] += b
         objective = self.s.Objective()
+        objective.Clear()
         for v, c in obj.items():
             objective.SetCoefficient(v, c)
         objective.SetMinimization()

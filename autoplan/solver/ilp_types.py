@@ -5,7 +5,9 @@ costs -- the memory of each pipeline rank (`RankMemory`) and the step time to mi
 
 Also the constants both the model (ilp_model.py) and the solve (ilp.py) use: the units inside
 the model (ns for time) and the parts a model is split into, and the error a solve raises when
-its limit comes before any placement (`SolverLimitReached`, [Note: deterministic limits]).
+its limit comes before any placement (`SolverLimitReached`, [Note: deterministic limits]);
+whether two forms order placements alike (`same_argmin`) and the keys the search caches
+solutions under (`form_signature`, `memory_signature`).
 
 [Note: deterministic limits] Every solve is bounded in deterministic units, never by the wall
 clock, so that the same inputs give the same plan on any machine at any load (every rank that
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 from autoplan.cost_model.placement_totals import Solution
 
-__all__ = ["StepForm", "TIME_FORM", "SolverLimitReached"]
+__all__ = ["StepForm", "TIME_FORM", "SolverLimitReached", "same_argmin", "form_signature",
+           "memory_signature"]
 
 _NS = 1e9
 _TIE_BREAK = 1.0  # ns
@@ -104,3 +107,35 @@ class SolverLimitReached(ValueError):
         where = f" for {config}" if config else ""
         super().__init__(f"{ilp}{where} found no placement within time_limit_s={limit_s:g} "
                          f"(deterministic seconds of CP-SAT); pass a larger time_limit_s")
+
+
+def same_argmin(form: StepForm, other: StepForm = TIME_FORM) -> bool:
+    """True when the two forms order placements alike: one rank each with proportional
+    shares, proportional compute and communication factors, no sync term."""
+    if len(form.shares) != 1 or len(other.shares) != 1 or form.sync_s_per_elem or \
+            other.sync_s_per_elem or form.sync_s_per_frozen_elem or \
+            other.sync_s_per_frozen_elem:
+        return False
+    a, b = dict(form.shares[0]), dict(other.shares[0])
+    ratios = {round(a[p] * form.compute_factor / (b[p] * other.compute_factor), 12)
+              for p in a} | {round(a[p] * form.comm_factor / (b[p] * other.comm_factor), 12)
+                             for p in a}
+    return a.keys() == b.keys() and len(ratios) <= 1
+
+
+def form_signature(form: StepForm) -> tuple:
+    """The form's factors and shares rounded to 9 significant digits (a cache key)."""
+    r9 = lambda v: float(f"{v:.9g}")  # noqa: E731
+    return (r9(form.compute_factor), r9(form.comm_factor),
+            tuple(tuple((p, r9(v)) for p, v in r) for r in form.shares), r9(form.sync_s_per_elem),
+            r9(form.sync_s_per_frozen_elem))
+
+
+def memory_signature(ranks) -> tuple:
+    """Per-rank memory coefficients rounded to 6 significant digits (a cache key)."""
+    r6 = lambda v: float(f"{v:.6g}")  # noqa: E731
+    return tuple((tuple(sorted((k, r6(v)) for k, v in r.param_coef.items())),
+                  tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes),
+                  r6(r.boundary_coef), r6(r.loss_coef),
+                  r.frozen_coef and tuple(sorted((k, r6(v)) for k, v in r.frozen_coef.items())))
+                 for r in ranks)

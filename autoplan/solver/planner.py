@@ -20,7 +20,7 @@ from autoplan.options import OptionError, SearchOptions
 from autoplan.plan import Plan
 from autoplan.solver.assemble import build_plan
 from autoplan.solver.branch_bound import (branch_and_bound, offload_candidates, offloaded,
-                                          rank_key)
+                                          rank_key, variants)
 from autoplan.solver.configurations import (InvalidConfig, NoFeasiblePlan, Overrides,
                                             PlanConfig, enumerate_configs, validate)
 from autoplan.solver.context import cp_degrees
@@ -341,10 +341,12 @@ def _least_bound_s(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
     least = float("inf")
     while heap and heap[0][0] < least:
         _bound, _i, cfg = heapq.heappop(heap)
-        for c in [cfg] + offload_candidates(search, cfg, overrides):
-            lb = search.lower_bound(c)
-            if lb.fits:
-                least = min(least, lb.step_time_s)
+        for c in [cfg] + variants(search, cfg, overrides):
+            # memory priced only where the step time would lower `least` ([Note: time first])
+            if search.time_bound(c) < least and not search.over_budget(c) and (
+                    c is cfg or c in offload_candidates(search, cfg, overrides)) and \
+                    search.lower_bound(c).fits:
+                least = search.time_bound(c)
     return least
 
 

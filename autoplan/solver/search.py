@@ -45,7 +45,8 @@ from dataclasses import dataclass, field, replace
 from autoplan.cost_model.config import Config, config_stages
 from autoplan.cost_model.expert_parallel import with_expert_parallel
 from autoplan.cost_model.placement_totals import RankMemory, Solution
-from autoplan.cost_model.rank_memory import ExpertSlices, rank_memories, rank_peaks
+from autoplan.cost_model.rank_memory import (ExpertSlices, held_states_bytes, rank_memories,
+                                             rank_peaks)
 from autoplan.cost_model.step_time import Assessment, assess, pipeline_time_s
 from autoplan.graph import CapturedGraph
 from autoplan.solver import checkpointing as ckpt
@@ -55,12 +56,13 @@ from autoplan.solver.context import with_context_parallel
 from autoplan.solver.expert_degree import ExpertSearch
 from autoplan.solver.costs import Costs, build_costs, token_scale
 from autoplan.solver.ilp import TIME_FORM, SolverLimitReached, StepForm, relax, solve
+from autoplan.solver.ilp_types import form_signature, memory_signature, same_argmin
 from autoplan.solver.problem import OUTPUT, Problem, build_problem
 from autoplan.spec import TrainingSpec
 from autoplan.strategies import StrategyCache
 from autoplan.topology import Topology
 
-__all__ = ["Search", "same_argmin", "output_bytes"]
+__all__ = ["Search", "output_bytes"]
 
 
 @dataclass
@@ -221,7 +223,7 @@ class Search(ExpertSearch):
         ranks = self.ranks(cfg) if constrained else None
         # configurations with the same form (and memory coefficients) share the ILP
         key = cfg.costs_key if form is TIME_FORM and ranks is None else (
-            cfg.costs_key + (_form_signature(form), ranks and _signature(ranks)))
+            cfg.costs_key + (form_signature(form), ranks and memory_signature(ranks)))
         return key, form, ranks
 
     def smallest(self, cfg: PlanConfig) -> Solution | None:
@@ -296,16 +298,17 @@ class Search(ExpertSearch):
         return (costs.output_bytes if size is None else size) * costs.scale
 
     def assess(self, cfg: PlanConfig, sol: Solution, *, tp: int | None = None,
-               divide: int = 1) -> Assessment:
+               divide: int = 1, memory: bool = True) -> Assessment:
         """step_time.assess of `cfg` with placement `sol` under cfg's checkpointing policy.
-        (tp, divide): for bounds, quantities of the tp problem with the boundary divided."""
+        (tp, divide): for bounds, quantities of the tp problem with the boundary divided;
+        `memory` False: the step time alone (step_time.assess')."""
         tp = cfg.tp if tp is None else tp
         costs, boundary, seen, transient = self._seen(cfg, sol, tp, divide)
         slices = self.expert_slices(cfg)
         a = assess(cfg, seen, self.spec, self.topology, total_layers=self.total_layers,
                    output_bytes=output_bytes(cfg, costs), boundary_bytes=boundary / divide,
                    param_tensors=self.problem(tp).param_tensors, offload=cfg.offload,
-                   transient_bytes=transient, experts=slices)
+                   transient_bytes=transient, experts=slices, memory=memory)
         return a if slices is None else with_expert_parallel(a, self.ep_delta(cfg))
 
     def rank_peaks(self, a: Assessment,
@@ -383,6 +386,33 @@ class Search(ExpertSearch):
                                                       divide=cfg.tp)
         return self.bounds[("lower", cfg)]
 
+    def time_bound(self, cfg: PlanConfig) -> float:
+        """`lower_bound(cfg).step_time_s`, the same float, without pricing memory ([Note: time
+        first] in branch_bound.py), seconds."""
+        if ("lower", cfg) in self.bounds:
+            return self.bounds[("lower", cfg)].step_time_s
+        key = ("time", cfg)
+        if key not in self.bounds:
+            self.bounds[key] = self.assess(cfg, self._lower_solution(cfg), tp=1,
+                                           divide=cfg.tp, memory=False).step_time_s
+        return self.bounds[key]
+
+    def over_budget(self, cfg: PlanConfig) -> bool:
+        """Whether `lower_bound(cfg)` does not fit because the parameters and optimizer states
+        alone exceed the budget (rank_memory.held_states_bytes, beyond a relative 1e-9 for the
+        sums' order): True only where lower_bound's `fits` is False, at a fraction of its
+        price ([Note: time first] in branch_bound.py)."""
+        if ("lower", cfg) in self.bounds:
+            return False
+        key = ("held", cfg)
+        if key not in self.bounds:
+            _costs, _boundary, seen, _transient = self._seen(cfg, self._lower_solution(cfg), 1,
+                                                             cfg.tp)
+            self.bounds[key] = held_states_bytes(
+                cfg, seen, self.spec, total_layers=self.total_layers, offload=cfg.offload,
+                experts=self.expert_slices(cfg)) > self.budget_bytes * (1 + 1e-9)
+        return self.bounds[key]
+
     def _lower_solution(self, cfg: PlanConfig) -> Solution:
         """`lower_bound`'s placement totals: of the tp = 1 problem, divided by cfg.tp."""
         key = cfg.costs_key
@@ -426,37 +456,6 @@ def _rank_shares(cfg: Config, total_layers: int) -> tuple:
             continue
         kept.append(r)
     return tuple(tuple((p, v) for p, v in r.items() if v) for r in kept)
-
-
-def same_argmin(form: StepForm, other: StepForm = TIME_FORM) -> bool:
-    """True when the two forms order placements alike: one rank each with proportional
-    shares, proportional compute and communication factors, no sync term."""
-    if len(form.shares) != 1 or len(other.shares) != 1 or form.sync_s_per_elem or \
-            other.sync_s_per_elem or form.sync_s_per_frozen_elem or \
-            other.sync_s_per_frozen_elem:
-        return False
-    a, b = dict(form.shares[0]), dict(other.shares[0])
-    ratios = {round(a[p] * form.compute_factor / (b[p] * other.compute_factor), 12)
-              for p in a} | {round(a[p] * form.comm_factor / (b[p] * other.comm_factor), 12)
-                             for p in a}
-    return a.keys() == b.keys() and len(ratios) <= 1
-
-
-def _form_signature(form: StepForm) -> tuple:
-    r9 = lambda v: float(f"{v:.9g}")  # noqa: E731
-    return (r9(form.compute_factor), r9(form.comm_factor),
-            tuple(tuple((p, r9(v)) for p, v in r) for r in form.shares), r9(form.sync_s_per_elem),
-            r9(form.sync_s_per_frozen_elem))
-
-
-def _signature(ranks) -> tuple:
-    """Per-rank memory coefficients rounded to 6 significant digits (a cache key)."""
-    r6 = lambda v: float(f"{v:.6g}")  # noqa: E731
-    return tuple((tuple(sorted((k, r6(v)) for k, v in r.param_coef.items())),
-                  tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes),
-                  r6(r.boundary_coef), r6(r.loss_coef),
-                  r.frozen_coef and tuple(sorted((k, r6(v)) for k, v in r.frozen_coef.items())))
-                 for r in ranks)
 
 
 def _lower_bound(prob: Problem, costs: Costs, tp: int) -> Solution:
