@@ -399,18 +399,22 @@ class Search(ExpertSearch):
 
     def over_budget(self, cfg: PlanConfig) -> bool:
         """Whether `lower_bound(cfg)` does not fit because the parameters and optimizer states
-        alone exceed the budget (rank_memory.held_states_bytes, beyond a relative 1e-9 for the
-        sums' order): True only where lower_bound's `fits` is False, at a fraction of its
-        price ([Note: time first] in branch_bound.py)."""
-        if ("lower", cfg) in self.bounds:
-            return False
+        alone (`held_bytes`) exceed the budget, beyond a relative 1e-9 for the sums' order:
+        True only where lower_bound's `fits` is False, at a fraction of its price ([Note:
+        time first] in branch_bound.py)."""
+        return ("lower", cfg) not in self.bounds and \
+            self.held_bytes(cfg) > self.budget_bytes * (1 + 1e-9)
+
+    def held_bytes(self, cfg: PlanConfig) -> float:
+        """rank_memory.held_states_bytes of `lower_bound(cfg)`'s placement, bytes: no rank's
+        peak there is below it."""
         key = ("held", cfg)
         if key not in self.bounds:
             _costs, _boundary, seen, _transient = self._seen(cfg, self._lower_solution(cfg), 1,
                                                              cfg.tp)
             self.bounds[key] = held_states_bytes(
                 cfg, seen, self.spec, total_layers=self.total_layers, offload=cfg.offload,
-                experts=self.expert_slices(cfg)) > self.budget_bytes * (1 + 1e-9)
+                experts=self.expert_slices(cfg))
         return self.bounds[key]
 
     def _lower_solution(self, cfg: PlanConfig) -> Solution:

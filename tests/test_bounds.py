@@ -1,0 +1,93 @@
+"""The search's cheap bounds agree with the ones they stand in for: a configuration's step-time
+bound priced without memory is its lower bound's step time, the states floor drops only
+configurations that do not fit ([Note: time first] in autoplan/solver/branch_bound.py), and a
+reused LP bounds as a fresh one ([Note: LP reuse] in autoplan/solver/ilp.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import _moe
+from autoplan.capture import capture, capture_preset
+from autoplan.solver.branch_bound import variants
+from autoplan.solver.configurations import Overrides, enumerate_configs
+from autoplan.solver.search import Search
+from autoplan.spec import TrainingSpec
+from autoplan.topology import preset
+
+
+def _graph(kind: str):
+    if kind == "llama":
+        graph = capture_preset("llama-tiny", batch=8, seq_len=64, num_layers=1)
+    else:  # experts: ep > 1 configurations, their slices in the floor
+        graph = capture(_moe.factory("mixtral", intermediate_size=512, num_local_experts=8)()
+                        .to("meta"), (torch.zeros(1, 64, dtype=torch.long, device="meta"),))
+    graph.total_layers = 32
+    return graph
+
+
+@pytest.fixture(scope="module", params=["llama", "mixtral"])
+def search(request):
+    """A tiny model at 32 blocks on 2 dgx-h100 nodes whose devices are made so small that
+    some configurations fit, some do not, some on their states alone (the budget: the median
+    lower bound's memory, below the largest floor)."""
+    graph, spec = _graph(request.param), TrainingSpec(global_batch=8, seq_len=64)
+    topo = preset("dgx-h100", num_nodes=2)
+    probe = Search(graph, topo, spec, 10.0)
+    configs = _configs(probe)
+    mem = sorted(probe.lower_bound(c).memory_bytes for c in configs)
+    budget = min(mem[len(mem) // 2], 0.9 * max(probe.held_bytes(c) for c in configs))
+    topo = dataclasses.replace(topo, device=dataclasses.replace(
+        topo.device, mem_bytes=budget / spec.max_memory_fraction))
+    return Search(graph, topo, spec, 10.0)
+
+
+def _configs(search):
+    configs = enumerate_configs(search.graph, search.topology, search.spec, Overrides(),
+                                search.policies())
+    return configs + [v for c in configs for v in variants(search, c, Overrides())]
+
+
+def test_time_bound_is_the_lower_bound_and_the_floor_drops_only_what_does_not_fit(search):
+    over = fits = unfit = 0
+    for cfg in _configs(search):
+        time_s = search.time_bound(cfg)  # before lower_bound: priced without memory
+        dropped = search.over_budget(cfg)
+        lb = search.lower_bound(cfg)
+        assert time_s == lb.step_time_s, cfg  # the same float: the heap's order is kept
+        assert not (dropped and lb.fits), cfg
+        # the floor: what the fullest rank holds at every moment, no more than its peak
+        held = search.held_bytes(cfg)
+        worst = lb.memory_breakdown
+        assert worst["params"] + worst["optimizer"] <= held * (1 + 1e-12), cfg
+        assert held <= lb.memory_bytes * (1 + 1e-12), cfg
+        assert dropped == (held > search.budget_bytes * (1 + 1e-9)), cfg
+        over += dropped
+        fits += lb.fits
+        unfit += not lb.fits and not dropped
+    # each kind is there: the checks above are not vacuous
+    assert over and fits and unfit, (over, fits, unfit)
+    assert search.moe is None or any(c.ep > 1 for c in _configs(search))
+
+
+def test_a_reused_lp_bounds_as_a_fresh_one(search):
+    """Relaxations of configurations sharing LP rows, solved in turn on one kept LP (its
+    objective set anew, GLOP from the previous basis), against each solved on a new LP."""
+    configs = [c for c in _configs(search) if c.pp == 2 and c.tp == 2 and c.offload == "none"]
+    assert len(configs) >= 4
+    prob = search.problem(2)
+    for cfg in configs[:12]:
+        key = search._key(cfg, True, False)[0]
+        search.bounds.pop(("relax",) + key, None)
+        reused = search.relaxation(cfg)
+        search.bounds.pop(("relax",) + key)
+        prob.__dict__.pop("_lp_models", None)  # a fresh LP
+        fresh = search.relaxation(cfg)
+        assert reused[0] == pytest.approx(fresh[0], rel=1e-9, abs=1e-12), cfg
+        assert (reused[1] is None) == (fresh[1] is None), cfg
+        if fresh[1] is not None:
+            form = search.step_form(cfg)
+            assert form.value(reused[1]) == pytest.approx(form.value(fresh[1]), rel=1e-7), cfg
