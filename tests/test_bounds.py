@@ -1,5 +1,5 @@
 """The search's cheap bounds agree with the ones they stand in for: a configuration's step-time
-bound priced without memory is its lower bound's step time, the states floor drops only
+bound priced without memory is its lower bound's step time, the memory floor drops only
 configurations that do not fit ([Note: time first] in autoplan/solver/branch_bound.py), and a
 reused LP bounds as a fresh one ([Note: LP reuse] in autoplan/solver/ilp.py)."""
 
@@ -39,7 +39,7 @@ def search(request):
     probe = Search(graph, topo, spec, 10.0)
     configs = _configs(probe)
     mem = sorted(probe.lower_bound(c).memory_bytes for c in configs)
-    budget = min(mem[len(mem) // 2], 0.9 * max(probe.held_bytes(c) for c in configs))
+    budget = min(mem[len(mem) // 2], 0.9 * max(probe.floor_bytes(c) for c in configs))
     topo = dataclasses.replace(topo, device=dataclasses.replace(
         topo.device, mem_bytes=budget / spec.max_memory_fraction))
     return Search(graph, topo, spec, 10.0)
@@ -59,12 +59,13 @@ def test_time_bound_is_the_lower_bound_and_the_floor_drops_only_what_does_not_fi
         lb = search.lower_bound(cfg)
         assert time_s == lb.step_time_s, cfg  # the same float: the heap's order is kept
         assert not (dropped and lb.fits), cfg
-        # the floor: what the fullest rank holds at every moment, no more than its peak
-        held = search.held_bytes(cfg)
+        # the floor: at least what the fullest rank holds at every moment (its states), no
+        # more than its peak
+        floor = search.floor_bytes(cfg)
         worst = lb.memory_breakdown
-        assert worst["params"] + worst["optimizer"] <= held * (1 + 1e-12), cfg
-        assert held <= lb.memory_bytes * (1 + 1e-12), cfg
-        assert dropped == (held > search.budget_bytes * (1 + 1e-9)), cfg
+        assert worst["params"] + worst["optimizer"] <= floor * (1 + 1e-12), cfg
+        assert floor <= lb.memory_bytes * (1 + 1e-12), cfg
+        assert dropped == (floor > search.budget_bytes * (1 + 1e-9)), cfg
         over += dropped
         fits += lb.fits
         unfit += not lb.fits and not dropped

@@ -120,7 +120,7 @@ from autoplan.cost_model.schedule_moments import (MomentTerms, interleaved_momen
 from autoplan.options import INTERLEAVED_SCHEDULES
 from autoplan.spec import TrainingSpec
 
-__all__ = ["ExpertSlices", "frozen_param_bytes", "held_states_bytes", "rank_memories",
+__all__ = ["ExpertSlices", "frozen_param_bytes", "memory_floor_bytes", "rank_memories",
            "rank_peaks", "rank_peak", "candidate_ranks", "grads_at_activation_peak"]
 
 
@@ -535,20 +535,29 @@ def _rank_states(cfg: Config, sol: Solution, spec: TrainingSpec, share: dict[str
     return sol, states, extra
 
 
-def held_states_bytes(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: int,
-                      offload: str = "none", experts: ExpertSlices | None = None) -> float:
-    """The parameters and optimizer states on the device of the pipeline rank holding the
-    most, bytes: what every moment of `rank_peak` holds, so no rank's peak is below it (a
-    floor that proves a configuration does not fit at a fraction of rank_peaks' price;
-    [Note: time first] in solver/branch_bound.py)."""
+def memory_floor_bytes(cfg: Config, sol: Solution, spec: TrainingSpec, *, total_layers: int,
+                       offload: str = "none",
+                       experts: ExpertSlices | None = None) -> float:
+    """A floor of the largest `rank_peak` of `cfg` at `sol`, bytes, at a fraction of
+    rank_peaks' price ([Note: time first] in solver/branch_bound.py): per candidate rank the
+    parameters and optimizer states on the device, which every moment holds, and the
+    activations of moment A (the microbatches in flight, with the expert exchange's under ep),
+    which every moment A holds -- except where the moments are walked from the interleaved
+    schedule's actions (deferred reduction, v > 1: [Note: interleaved moments]), whose
+    activations are priced per moment: there the states alone."""
     layers = rank_layers(cfg, total_layers)
+    walked = _deferred_reduction(cfg) and _interleaved(cfg)
     most = 0.0
     for r in candidate_ranks(cfg, layers):
-        _sol, states, extra = _rank_states(cfg, sol, spec,
-                                           rank_shares(r, cfg, layers, total_layers), offload,
-                                           experts)
-        most = max(most, states["params"] + states["optimizer"] + extra["params"]
-                   + extra["optimizer"])
+        share = rank_shares(r, cfg, layers, total_layers)
+        _sol, states, extra = _rank_states(cfg, sol, spec, share, offload, experts)
+        floor = states["params"] + states["optimizer"] + extra["params"] + extra["optimizer"]
+        if not walked:
+            in_flight = in_flight_by_part(cfg, r, total_layers)
+            floor += sum(sol.act_bytes.get(p, 0.0) * s * in_flight[p] for p, s in share.items())
+            if experts is not None and experts.ep > 1:
+                floor += experts.act_bytes * share["layer"] * in_flight["layer"]
+        most = max(most, floor)
     return most
 
 

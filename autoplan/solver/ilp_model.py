@@ -78,6 +78,7 @@ class _Model:
         self.elems_const = dict.fromkeys(_PARTS, 0.0)
         self.frozen_const = dict.fromkeys(_PARTS, 0.0)
         self.frozen_weight = 0.0  # B_f / B of the objective's step form (add_objective)
+        self._objective_vars: dict = {}  # T and E, where the objective's rows made them
         self.ties: dict = defaultdict(float)
         self.infeasible = ""  # the constraint that cannot hold, when found while building
         self._seen: set[tuple] = set()
@@ -427,7 +428,6 @@ class _Model:
         b = form.sync_s_per_elem * _NS
         # E counts trainable elements, a frozen one at B_f / B of one ([Note: step form])
         self.frozen_weight = form.sync_s_per_frozen_elem * _NS / b if b else 0.0
-        self._objective_vars = {}
         if len(form.shares) == 1:
             return
         if busiest is not None:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from autoplan.cost_model.config import Config, config_stages
 from autoplan.cost_model.expert_parallel import with_expert_parallel
 from autoplan.cost_model.placement_totals import RankMemory, Solution
-from autoplan.cost_model.rank_memory import (ExpertSlices, held_states_bytes, rank_memories,
+from autoplan.cost_model.rank_memory import (ExpertSlices, memory_floor_bytes, rank_memories,
                                              rank_peaks)
 from autoplan.cost_model.step_time import Assessment, assess, pipeline_time_s
 from autoplan.graph import CapturedGraph
@@ -398,21 +398,21 @@ class Search(ExpertSearch):
         return self.bounds[key]
 
     def over_budget(self, cfg: PlanConfig) -> bool:
-        """Whether `lower_bound(cfg)` does not fit because the parameters and optimizer states
-        alone (`held_bytes`) exceed the budget, beyond a relative 1e-9 for the sums' order:
-        True only where lower_bound's `fits` is False, at a fraction of its price ([Note:
-        time first] in branch_bound.py)."""
+        """Whether `lower_bound(cfg)` is shown not to fit by its memory floor (`floor_bytes`)
+        over the budget, beyond a relative 1e-9 for the sums' order: True only where
+        lower_bound's `fits` is False, at a fraction of its price ([Note: time first] in
+        branch_bound.py)."""
         return ("lower", cfg) not in self.bounds and \
-            self.held_bytes(cfg) > self.budget_bytes * (1 + 1e-9)
+            self.floor_bytes(cfg) > self.budget_bytes * (1 + 1e-9)
 
-    def held_bytes(self, cfg: PlanConfig) -> float:
-        """rank_memory.held_states_bytes of `lower_bound(cfg)`'s placement, bytes: no rank's
-        peak there is below it."""
-        key = ("held", cfg)
+    def floor_bytes(self, cfg: PlanConfig) -> float:
+        """rank_memory.memory_floor_bytes at `lower_bound(cfg)`'s placement, bytes: no more
+        than its memory."""
+        key = ("floor", cfg)
         if key not in self.bounds:
             _costs, _boundary, seen, _transient = self._seen(cfg, self._lower_solution(cfg), 1,
                                                              cfg.tp)
-            self.bounds[key] = held_states_bytes(
+            self.bounds[key] = memory_floor_bytes(
                 cfg, seen, self.spec, total_layers=self.total_layers, offload=cfg.offload,
                 experts=self.expert_slices(cfg))
         return self.bounds[key]
