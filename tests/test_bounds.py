@@ -32,8 +32,8 @@ def _graph(kind: str):
 @pytest.fixture(scope="module", params=["llama", "mixtral"])
 def search(request):
     """A tiny model at 32 blocks on 2 dgx-h100 nodes whose devices are made so small that
-    some configurations fit, some do not, some on their states alone (the budget: the median
-    lower bound's memory, below the largest floor)."""
+    some configurations fit, some do not, some on their memory floor alone (the budget: the
+    median lower bound's memory, below the largest floor)."""
     graph, spec = _graph(request.param), TrainingSpec(global_batch=8, seq_len=64)
     topo = preset("dgx-h100", num_nodes=2)
     probe = Search(graph, topo, spec, 10.0)
