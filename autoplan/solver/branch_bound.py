@@ -31,13 +31,14 @@ def offloaded(search: Search, configs: list[PlanConfig],
 
 def offload_candidates(search: Search, cfg: PlanConfig, overrides: Overrides) -> list[PlanConfig]:
     """`offloaded` of one configuration: its variants worth bounding (of `variants`)."""
-    if not variants(search, cfg, overrides):
+    offloads = variants(search, cfg, overrides)
+    if not offloads:
         return []
     budget, out = search.budget_bytes, []
     lb = search.lower_bound(cfg)
     if lb.memory_bytes <= budget:
         return []
-    for variant in offload_variants(cfg, overrides):
+    for variant in offloads:
         # the variant's peak on lb's rank is lb's less what it offloads (at most these
         # kinds: the unsharded gradients of "grads" stay): a variant over the budget even
         # so needs no bound of its own
