@@ -4,7 +4,8 @@ reset of DTensor's plan caches (`clear_dtensor_caches`), a rank's block of a sha
 (`local_shard_slices`), the autograd base of a view, the two torch warnings autoplan
 understands (`quiet_understood_warnings`), a CPU mesh's Shard(i) -> Shard(j) run as a GPU
 mesh runs it (`shard_dim_all_to_all`, for the dry run), and whether an op runs for DTensor's
-sharding propagation, not for the rank (`marking_sharding_propagation`).
+sharding propagation, not for the rank (`marking_sharding_propagation`); the units an FSDP2
+unit prefetches in its forward (`forward_prefetched`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Shard
 
 __all__ = ["replicate_module", "view_base", "implicit_replication", "clear_dtensor_caches",
            "local_shard_offset", "local_shard_slices", "quiet_understood_warnings",
-           "shard_dim_all_to_all", "marking_sharding_propagation", "in_sharding_propagation"]
+           "shard_dim_all_to_all", "marking_sharding_propagation", "in_sharding_propagation",
+           "forward_prefetched"]
 
 
 def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
@@ -30,6 +32,14 @@ def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
     if ignored_params:
         kwargs["ignored_params"] = set(ignored_params)
     return replicate(module, mesh=dp_mesh, **kwargs)
+
+
+def forward_prefetched(unit: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose all-gathers FSDP2 unit `unit` issues in its forward
+    (`set_modules_to_forward_prefetch`; torch 2.13's private `_states_to_forward_prefetch`);
+    [] when none was set."""
+    states = unit._get_fsdp_state()._states_to_forward_prefetch
+    return [module for state in states for module in state._modules]
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:

@@ -30,8 +30,8 @@ from autoplan.passes.regather import held_sharded
 from autoplan.plan import parse_placement
 from autoplan.runtime.zero1 import ShardedOptimizer
 
-__all__ = ["replicate", "fully_shard", "ShardedOptimizer", "build_schedule", "clip_grad_norm",
-           "pipeline_eval", "local_tensor", "owning_outputs", "tp_stage_forward"]
+__all__ = ["replicate", "fully_shard", "prefetch_forward", "ShardedOptimizer", "build_schedule",
+           "clip_grad_norm", "pipeline_eval", "local_tensor", "owning_outputs", "tp_stage_forward"]
 
 
 def replicate(module: nn.Module, dp_mesh, *, mp_policy=None, ignored_params=None) -> nn.Module:
@@ -115,6 +115,25 @@ def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
     module = _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                           **kwargs)
     return guard_unit_input_grads(module)
+
+
+def prefetch_forward(units: list[nn.Module]) -> None:
+    """Each FSDP2 unit of `units` (the blocks of a stage, in the order they run) issues the
+    next one's parameter all-gather right after its own ([Note: forward prefetch]).
+
+    Note [forward prefetch]: FSDP2 prefetches the backward's all-gathers by itself (the next
+    unit in reverse post-forward order), but in the forward it issues a unit's all-gather in
+    that unit's pre-forward: on GPUs the all-gather stream and a host running ahead of the
+    device overlap it with the previous unit's compute, while on gloo, where nothing runs
+    ahead of the rank's thread, the rank waits for each block's parameters before computing
+    it. So the runtime sets the forward's prefetch explicitly
+    (`FSDPModule.set_modules_to_forward_prefetch`, one unit ahead, as torchtitan's explicit
+    prefetching does): block i's pre-forward issues block i + 1's all-gather, which gloo's
+    own thread carries while block i computes, and NCCL's stream earlier from the host. One
+    unit ahead is what the memory model already holds gathered under ZeRO-3 (the current
+    block and the prefetched one, cost_model/memory.py). Measured by bench/overlap.py."""
+    for unit, following in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([following])
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

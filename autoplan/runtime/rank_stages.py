@@ -35,6 +35,9 @@ class RankStages:
     (`DistributedModel`'s base class; the lowering's `RankRuntime`)."""
 
     experts_op = staticmethod(experts_all_to_all)
+    forward_prefetch = True
+    """ZeRO 2/3: each block unit issues the next block's all-gather in its own pre-forward
+    ([Note: forward prefetch]); bench/overlap.py turns it off to measure what it buys."""
 
     def _build_stages(self) -> list[tuple[int, nn.Module]]:
         """This rank's stages, planned and sharded on the meta device (the caller allocates
@@ -143,7 +146,8 @@ class RankStages:
         # expert weights under ep are reduced by runtime/expert_parallel.py, not by FSDP2
         ignored = set(self.expert_parallel.params) if self.expert_parallel else None
         gm.forward = _compat.owning_outputs(gm.forward)
-        for module in [gm.get_submodule(path) for path in blocks] + [gm]:
+        units = [gm.get_submodule(path) for path in blocks]
+        for module in units + [gm]:
             if plan.zero_stage in (0, 1):
                 _compat.replicate(module, dp_mesh, mp_policy=mp, ignored_params=ignored)
             else:
@@ -151,6 +155,8 @@ class RankStages:
                                     reshard_after_forward=plan.zero_stage == 3
                                     and module is not gm,
                                     offload=plan.offload == "optimizer+params")
+        if plan.zero_stage >= 2 and self.forward_prefetch and plan.mesh.dp_shard > 1:
+            _compat.prefetch_forward(units)
         return gm
 
     def _unique_named_params(self) -> list[tuple[str, nn.Parameter]]:
