@@ -38,7 +38,7 @@ from autoplan._torch_compat.dtensor import (clear_dtensor_caches, implicit_repli
                                             in_sharding_propagation, local_shard_offset,
                                             local_shard_slices, marking_sharding_propagation,
                                             quiet_understood_warnings, replicate_module,
-                                            shard_dim_all_to_all, view_base)
+                                            shard_dim_all_to_all, unshard_async, view_base)
 from autoplan._torch_compat.dynamo import compile_counters
 from autoplan._torch_compat.fake import (active_fake_mode, concrete_value, cpu_claiming_fakes,
                                          fake_tensor_mode, is_fake, outside_fake_mode)
@@ -55,7 +55,7 @@ from autoplan._torch_compat.sharding_rules import (Propagation, TensorArg, Trace
 
 __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sharding_rule",
            "is_aten_op", "has_direct_rule", "is_composite", "decompose", "propagate_trace",
-           "strict_redistribution", "replicate_module", "implicit_replication",
+           "strict_redistribution", "replicate_module", "unshard_async", "implicit_replication",
            "clear_dtensor_caches", "forget_process_groups", "forget_mesh_groups", "live_groups",
            "destroy_groups", "shared_mesh", "shared_mesh_groups", "drop_stale_meshes",
            "checkpoint_extents", "checkpoint_keys",

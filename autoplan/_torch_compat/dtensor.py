@@ -5,7 +5,8 @@ reset of DTensor's plan caches (`clear_dtensor_caches`), a rank's block of a sha
 understands (`quiet_understood_warnings`), a CPU mesh's Shard(i) -> Shard(j) run as a GPU
 mesh runs it (`shard_dim_all_to_all`, for the dry run), and whether an op runs for DTensor's
 sharding propagation, not for the rank (`marking_sharding_propagation`); the units an FSDP2
-unit prefetches in its forward (`forward_prefetched`).
+unit prefetches in its forward (`forward_prefetched`) and its all-gathers issued without
+waiting (`unshard_async`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Shard
 __all__ = ["replicate_module", "view_base", "implicit_replication", "clear_dtensor_caches",
            "local_shard_offset", "local_shard_slices", "quiet_understood_warnings",
            "shard_dim_all_to_all", "marking_sharding_propagation", "in_sharding_propagation",
-           "forward_prefetched"]
+           "forward_prefetched", "unshard_async", "unshard_async_enabled"]
 
 
 def replicate_module(module: torch.nn.Module, dp_mesh, mp_policy=None,
@@ -40,6 +41,22 @@ def forward_prefetched(unit: torch.nn.Module) -> list[torch.nn.Module]:
     [] when none was set."""
     states = unit._get_fsdp_state()._states_to_forward_prefetch
     return [module for state in states for module in state._modules]
+
+
+def unshard_async(unit: torch.nn.Module) -> None:
+    """FSDP2 unit `unit` (and the units under it) issues its pre-forward and pre-backward
+    parameter all-gathers with `async_op=True` and waits for each where the unit runs, so an
+    explicitly prefetched all-gather runs beside the compute in between on any backend, and
+    its result is freed right after its copy-out (torch 2.13's private
+    `FSDPModule._set_unshard_async_op`)."""
+    unit._set_unshard_async_op(True)
+
+
+def unshard_async_enabled(unit: torch.nn.Module) -> bool:
+    """Whether every parameter group of FSDP2 unit `unit` issues its all-gathers with
+    `async_op=True` (`unshard_async`; torch 2.13's private `unshard_async_op`)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return all(g.unshard_async_op for g in groups)
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:

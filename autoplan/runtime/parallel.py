@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from autoplan._torch_compat import (chunk_spec, implicit_replication,
                                    in_flight_interleaved_schedule_class,
                                    in_flight_pipeline_stage_class, pipeline_eval,
-                                   replicate_module)
+                                   replicate_module, unshard_async)
 from autoplan.options import INTERLEAVED_SCHEDULES
 from autoplan.passes.regather import held_sharded
 from autoplan.plan import parse_placement
@@ -119,21 +119,29 @@ def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
 
 def prefetch_forward(units: list[nn.Module]) -> None:
     """Each FSDP2 unit of `units` (the blocks of a stage, in the order they run) issues the
-    next one's parameter all-gather right after its own ([Note: forward prefetch]).
+    next one's parameter all-gather right after its own, without waiting for it ([Note:
+    forward prefetch]).
 
     Note [forward prefetch]: FSDP2 prefetches the backward's all-gathers by itself (the next
     unit in reverse post-forward order), but in the forward it issues a unit's all-gather in
-    that unit's pre-forward: on GPUs the all-gather stream and a host running ahead of the
-    device overlap it with the previous unit's compute, while on gloo, where nothing runs
-    ahead of the rank's thread, the rank waits for each block's parameters before computing
-    it. So the runtime sets the forward's prefetch explicitly
-    (`FSDPModule.set_modules_to_forward_prefetch`, one unit ahead, as torchtitan's explicit
-    prefetching does): block i's pre-forward issues block i + 1's all-gather, which gloo's
-    own thread carries while block i computes, and NCCL's stream earlier from the host. One
-    unit ahead is what the memory model already holds gathered under ZeRO-3 (the current
-    block and the prefetched one, cost_model/memory.py). Measured by bench/overlap.py."""
+    that unit's own pre-forward, and by default (`unshard_async_op` False) as a blocking
+    collective: on GPUs the all-gather stream and a host running ahead of the device overlap
+    it with the previous unit's compute, on gloo nothing does -- the rank waits for each
+    block's parameters before computing it. So the runtime sets both explicitly: block i's
+    pre-forward issues block i + 1's all-gather (`FSDPModule.set_modules_to_forward_prefetch`,
+    one unit ahead, as torchtitan's explicit prefetching), and every unit's all-gathers are
+    issued with async_op=True and waited for where the unit runs
+    (`_torch_compat.unshard_async`), so that gloo's own thread carries block i + 1's while
+    block i computes (and block i - 1's while block i runs its backward). Memory: with
+    async_op a unit's all-gather buffer is freed right after its copy-out, so block i runs
+    beside one prefetched buffer -- the current block and the prefetched one that
+    cost_model/memory.py prices under ZeRO-3, as FSDP2's default holds (the blocking default
+    keeps the current buffer until the next copy-out instead); a blocking explicit prefetch
+    would hold one block more. Measured by bench/overlap.py (dp4 ZeRO-3 on gloo)."""
     for unit, following in zip(units, units[1:]):
         unit.set_modules_to_forward_prefetch([following])
+    for unit in units:
+        unshard_async(unit)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
