@@ -20,10 +20,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["BENCHMARKS", "write_atomic", "write_json", "table_row", "table_head",
-           "replace_section", "replace_marked"]
+           "replace_section", "replace_marked", "machine_facts"]
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+
+
+def machine_facts() -> dict:
+    """Where a bench ran: platform, CPU count, load average (1 / 5 / 15 min) and torch."""
+    import platform
+
+    import torch
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "loadavg": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "torch": torch.__version__}
 
 
 def write_atomic(path: Path, text: str) -> None:

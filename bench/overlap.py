@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,7 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
-from _results import replace_section, table_head, table_row, write_json  # noqa: E402
+from _results import (machine_facts, replace_section, table_head, table_row,  # noqa: E402
+                      write_json)
 from runtime_vs_native import GPT, _batch  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "overlap.json"
@@ -159,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     row = summarize(per_rank)
     result = {"schema_version": SCHEMA_VERSION,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "loadavg": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
-                          "torch": torch.__version__},
+              "machine": machine_facts(),
               "model": dict(MODEL), "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
               "world_size": WORLD, "min_noise": MIN_NOISE, "rows": [row]}
     write_json(args.out, result)

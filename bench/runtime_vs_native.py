@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -64,7 +63,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _results.py
-from _results import BENCHMARKS, replace_section, table_head, table_row, write_json  # noqa: E402
+from _results import (BENCHMARKS, machine_facts, replace_section, table_head,  # noqa: E402
+                      table_row, write_json)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "bench" / "results" / "runtime_vs_native.json"
@@ -513,9 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows[-1:]), file=sys.stderr, flush=True)
     result = {"schema_version": SCHEMA_VERSION,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "loadavg": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
-                          "torch": torch.__version__},
+              "machine": machine_facts(),
               "model": dict(CONFIG), "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
               "num_params": sum(p.numel() for p in GPT(**CONFIG).parameters()),
               "world_size": WORLD, "rows": rows,

@@ -71,7 +71,7 @@ def band_of(errors: list[float], **kwargs) -> ErrorBand:
 
 
 LOCAL_STEP_TIME = ErrorBand(
-    low=-0.20, high=0.19, rows=12, source="bench/fidelity.py",
+    low=-0.08, high=0.20, rows=12, source="bench/fidelity.py",
     covers="plans on 2 and 4 local gloo ranks (dp, ZeRO 0-3, tp, pp, zero bubble, "
            "checkpointing)")
 LOCAL_PEAK_MEMORY = ErrorBand(

@@ -93,12 +93,15 @@ __all__ = ["DP_SYNC_OVERLAP", "OPTIMIZER_BYTES_PER_PARAM", "OPTIMIZER_OPS_PER_TE
 DP_SYNC_OVERLAP = 0.0
 """Fraction of the data-parallel gradient sync (and ZeRO-3 parameter gathers) hidden behind
 compute: none is credited. autoplan/runtime/engine.py makes one FSDP2 (or replicate) unit per
-block, so on GPUs FSDP2 can overlap a block's reduce-scatter with the next block's backward and
-prefetch the next block's all-gather; that overlap is not modelled (the dp collectives are priced
-in full, a conservative bound). On CPU ranks (gloo) there is none to credit: a 13 MB all_reduce
-issued asynchronously while the rank computes adds about as much to the step as one issued after
-the compute (2 and 4 ranks of this repository's 2-core machine, 2026-12-04, ~7 vs 11 ms and 55
-vs 61 ms), because gloo's transfers need the cores the compute holds. Megatron-LM, in the runs of
+block, so on GPUs FSDP2 can overlap a block's reduce-scatter with the next block's backward, and
+the runtime prefetches the next block's all-gather without waiting for it ([Note: forward
+prefetch] in runtime/parallel.py); that overlap is not modelled (the dp collectives are priced
+in full, a conservative bound; issue 27 is to price it). On CPU ranks (gloo) little is hidden: a
+13 MB all_reduce issued asynchronously while the rank computes adds about as much to the step
+as one issued after the compute (2 and 4 ranks of this repository's 2-core machine, 2026-12-04,
+~7 vs 11 ms and 55 vs 61 ms), because gloo's transfers need the cores the compute holds; the
+prefetched ZeRO-3 all-gathers took a dp4 step 3.5% below FSDP2's blocking default, a control
+run of the default itself 1.2% above it (bench/overlap.py, 2026-12-07). Megatron-LM, in the runs of
 Narayanan et al. SC'21 that bench/published.py checks, all-reduced the data-parallel gradients
 after the pipeline flush."""
 
