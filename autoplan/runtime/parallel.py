@@ -119,8 +119,8 @@ def fully_shard(module: nn.Module, dp_mesh, *, reshard_after_forward: bool,
 
 def prefetch_forward(units: list[nn.Module]) -> None:
     """Each FSDP2 unit of `units` (the blocks of a stage, in the order they run) issues the
-    next one's parameter all-gather right after its own, without waiting for it ([Note:
-    forward prefetch]).
+    next one's parameter all-gather right after its own, without waiting for it
+    ([Note: forward prefetch]).
 
     Note [forward prefetch]: FSDP2 prefetches the backward's all-gathers by itself (the next
     unit in reverse post-forward order), but in the forward it issues a unit's all-gather in
