@@ -6,8 +6,8 @@ import _jobs
 
 
 def prefetch_and_losses(name: str, config: dict, steps: int, batch: int, overrides: dict):
-    """On every rank: train `name` (its config changed by `config`) under `overrides` twice, with the runtime's forward
-    prefetch and without. Returns, for the prefetching model's FSDP2 block units: the order
+    """On every rank: train `name` (its config changed by `config`) under `overrides` twice,
+    with the runtime's forward prefetch and without. Returns, for the prefetching model's FSDP2 block units: the order
     their forwards ran in during its first step, the units each prefetches (unit i = the
     i-th to run), whether each issues its all-gathers without waiting; and both runs' losses."""
     from autoplan._torch_compat.dtensor import forward_prefetched, unshard_async_enabled

@@ -94,8 +94,8 @@ DP_SYNC_OVERLAP = 0.0
 """Fraction of the data-parallel gradient sync (and ZeRO-3 parameter gathers) hidden behind
 compute: none is credited. autoplan/runtime/engine.py makes one FSDP2 (or replicate) unit per
 block, so on GPUs FSDP2 can overlap a block's reduce-scatter with the next block's backward, and
-the runtime prefetches the next block's all-gather without waiting for it ([Note: forward
-prefetch] in runtime/parallel.py); that overlap is not modelled (the dp collectives are priced
+the runtime prefetches the next block's all-gather without waiting for it
+([Note: forward prefetch] in runtime/parallel.py); that overlap is not modelled (the dp collectives are priced
 in full, a conservative bound; issue 27 is to price it). On CPU ranks (gloo) little is hidden: a
 13 MB all_reduce issued asynchronously while the rank computes adds about as much to the step
 as one issued after the compute (2 and 4 ranks of this repository's 2-core machine, 2026-12-04,
