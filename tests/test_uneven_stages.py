@@ -105,3 +105,19 @@ def test_a_searched_split_at_pp4_trains_as_one_process(clusters):
         assert compare(result, ref) == [], f"rank {rank}"
         stages = [(s["layer_start"], s["layer_end"]) for s in json.loads(result[2])["stages"]]
         assert stages == [(0, 1), (1, 3), (3, 5), (5, 6)]
+
+
+@pytest.mark.slow
+def test_a_pinned_uneven_split_at_pp2_with_dp2_trains_as_one_process(clusters):
+    """The 4-block llama-tiny on 4 ranks at pp2 x dp2 with the head's stage lighter (3/1
+    blocks, pinned): every rank's losses and parameters equal one process after 3 AdamW steps
+    (fp32, rtol 1e-5)."""
+    factory = _jobs.preset("llama-tiny", num_hidden_layers=4)
+    results = clusters.get(4).run(_jobs.train, factory, 3, 4,
+                                  dict(pp=2, dp=2, stages=[3, 1], num_microbatches=2),
+                                  timeout_s=300)
+    ref = _jobs.reference(factory, 3, 4)
+    for rank, result in enumerate(results):
+        assert compare(result, ref) == [], f"rank {rank}"
+        stages = [(s["layer_start"], s["layer_end"]) for s in json.loads(result[2])["stages"]]
+        assert stages == [(0, 3), (3, 4)]
