@@ -20,7 +20,8 @@ and HTML), calibrate/ (`autoplan calibrate`), models/ (presets). The files at th
 - plan.py: the `Plan` (frozen dataclasses, versioned JSON); spec.py: `TrainingSpec`;
   topology.py: `Topology` and the cluster presets; hardware.py: `DeviceSpec`, `LinkSpec`;
   graph.py: `CapturedGraph`; inputs.py: a step's batch as a pytree, its batch dims; experts.py:
-  the routed-experts op; batch_coupling.py: the ops whose numbers depend on how the batch is
+  the routed-experts op; float8.py: the FP8 linear of the float8 recipe ([Note: float8
+  recipe]); batch_coupling.py: the ops whose numbers depend on how the batch is
   cut, and the plan choices held for them ([Note: batch coupling]); op_classes.py: the aten
   ops by class (views, matmuls, attention, no-gradient, what "selective" checkpointing keeps).
 - cache.py: the plan cache ([Note: plan cache]); collector.py: the garbage collector paused

@@ -53,6 +53,9 @@ class AutoParallel(PlanningSession):
         # the compute dtype: dtype= or the weights' own ([Note: dtype of the weights] in
         # runtime/construction.py), and where it came from, for the report
         self.dtype, self.dtype_origin = resolve_dtype(module, options.dtype, options.weights)
+        if options.dtype is None and options.search.float8 != "off":
+            # the float8 recipe is bf16 with FP8 linears ([Note: float8 recipe])
+            self.dtype, self.dtype_origin = "bfloat16", "the float8 recipe's"
 
     # -- training ---------------------------------------------------------------------------
     def _compile(self):

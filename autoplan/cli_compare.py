@@ -65,7 +65,9 @@ def explain(args, plan_fn: Callable) -> int:
     planned (the chosen plan fails)."""
     from autoplan.report.diff import plan_diff, render_diff
 
-    given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+    defaults = {f.name: f.default for f in dataclasses.fields(SearchOptions)}
+    given = {k: getattr(args, k) for k in OVERRIDES
+             if getattr(args, k) is not None and getattr(args, k) != defaults[k]}
     if not given:
         raise ValueError("explain: give the configuration to explain, e.g. --tp 4 --pp 8 "
                          "(any of " + ", ".join(option_flag(k) for k in OVERRIDES) + ")")

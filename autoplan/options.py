@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     import argparse
 
 __all__ = ["SearchOptions", "PlanOptions", "OptionError", "Schedule", "Checkpointing",
-           "Offload", "ZeroStage", "SCHEDULES", "CHECKPOINTINGS", "OFFLOADS", "ZERO_STAGES",
+           "Offload", "ZeroStage", "Float8", "SCHEDULES", "CHECKPOINTINGS", "OFFLOADS",
+           "ZERO_STAGES", "FLOAT8S",
            "INTERLEAVED_SCHEDULES",
            "add_search_args", "search_options_of", "option_flag"]
 
@@ -31,10 +32,12 @@ Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb"]
 Checkpointing = Literal["none", "core-attention", "selective", "full"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 ZeroStage = Literal[0, 1, 2, 3]
+Float8 = Literal["off", "on", "auto"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 CHECKPOINTINGS: tuple[str, ...] = get_args(Checkpointing)
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
+FLOAT8S: tuple[str, ...] = get_args(Float8)
 INTERLEAVED_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "interleaved-zb")
 """The schedules that may hold several stages per pipeline rank (num_virtual_stages > 1,
 stage k on rank k % pp): torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble
@@ -89,6 +92,14 @@ class SearchOptions:
         f"default: the training spec's, {ROUTING_SKEW} (a published measurement under an "
         "auxiliary balancing loss, autoplan/spec.py ROUTING_SKEW); 1 prices balanced routing",
         metavar="SKEW")
+    float8: Float8 = _option(
+        "off",
+        "the float8 recipe ([Note: float8 recipe] in autoplan/float8.py): the linear layers of "
+        "the blocks in FP8 (torchao's rowwise recipe: e4m3 forward, e5m2 output gradients, "
+        "weight gradients in bf16), the rest in bf16; on: every one whose planned placements "
+        "run it, auto: those where it is faster on the device ([Note: float8 pricing] in "
+        "cost_model/float8.py); needs dtype bfloat16 and a device with an FP8 peak (H100, "
+        "H200); listed in Plan.float8_linears")
     zero_stage: ZeroStage | None = _option(None, "ZeRO stage", aliases=("--zero",))
     num_microbatches: int | None = _option(None, "microbatches per step per dp rank",
                                            aliases=("--microbatches",), metavar="M")
@@ -159,6 +170,8 @@ class SearchOptions:
                                  or not 1 <= skew < math.inf):
             raise OptionError(f"routing_skew {skew!r} must be a number >= 1 (the busiest "
                               "rank's routed tokens over the mean)")
+        if self.float8 not in FLOAT8S:
+            raise OptionError(f"float8 {self.float8!r} is not one of {FLOAT8S}")
         for name, choices in (("zero_stage", ZERO_STAGES), ("schedule", SCHEDULES),
                               ("checkpointing", CHECKPOINTINGS), ("offload", OFFLOADS)):
             value = getattr(self, name)
@@ -245,7 +258,7 @@ def _choices(annotation: str) -> tuple:
     """The choices of a Literal field's annotation (a string: `from __future__ import
     annotations`), () for another."""
     named = {"ZeroStage": ZERO_STAGES, "Schedule": SCHEDULES, "Checkpointing": CHECKPOINTINGS,
-             "Offload": OFFLOADS}
+             "Offload": OFFLOADS, "Float8": FLOAT8S}
     return named.get(annotation.split(" ")[0], ())
 
 

@@ -13,6 +13,9 @@ parallelism shards the batch dim on the dp axis, context parallelism the sequenc
 axis ([Note: context parallelism] in autoplan/cost_model/context_parallel.py), and the ZeRO stage
 says what else the dp x cp ranks shard (torchtitan's dp_shard x cp FSDP mesh: the cp ranks reduce
 gradients and share ZeRO shards like data-parallel ranks).
+
+Long because: `Plan` is one frozen dataclass whose every field carries its docstring, its check
+and its JSON rule (what an unset field writes), beside the records it is made of.
 """
 
 from __future__ import annotations
@@ -350,6 +353,9 @@ class Plan:
         max_memory_fraction: the fraction of each device's memory the plan may use
             (`TrainingSpec.max_memory_fraction`; no key at its default, 0.9).
         routing_skew: the MoE routing skew priced (`TrainingSpec.routing_skew`; no key at 1).
+        float8_linears: the linear layers (by weight FQN, sorted) that run in FP8 under the
+            `float8` recipe ([Note: float8 recipe] in autoplan/float8.py); () when none (no
+            key).
         schema_version: JSON schema version.
     """
 
@@ -379,12 +385,16 @@ class Plan:
     pinned_stages: bool = False
     max_memory_fraction: float = 0.9
     routing_skew: float = 1.0
+    float8_linears: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if self.frozen_dtype not in ("", self.dtype):
             raise ValueError(f"plan: frozen_dtype {self.frozen_dtype!r} is neither '' (as the "
                              f"trainable parameters) nor the compute dtype {self.dtype!r}")
+        if self.float8_linears and self.dtype != "bfloat16":
+            raise ValueError(f"plan: float8_linears under dtype {self.dtype!r}; the float8 "
+                             "recipe runs its other ops in bfloat16")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"plan: zero_stage={self.zero_stage} is not one of 0, 1, 2, 3")
         if self.schedule not in SCHEDULES:
@@ -445,10 +455,11 @@ class Plan:
         without its key (readers default them), so plans without it keep their JSON byte for
         byte, schema version 1 either way: a mesh's `ep` / `cp` at 1, `offload` at "none" (a
         prediction's cp and host figures at 0 too), `compiled`, `frozen_dtype`, `dry_run`,
-        `pinned` and `pinned_stages` when unset, `max_memory_fraction` and `routing_skew` at
+        `pinned`, `pinned_stages` and `float8_linears` when unset, `max_memory_fraction` and `routing_skew` at
         their defaults, an alternative's `stages` when empty."""
         d = dataclasses.asdict(self)
-        for key in ("compiled", "frozen_dtype", "dry_run", "pinned", "pinned_stages"):
+        for key in ("compiled", "frozen_dtype", "dry_run", "pinned", "pinned_stages",
+                    "float8_linears"):
             if not d[key]:
                 del d[key]
         for key, default in (("max_memory_fraction", 0.9), ("routing_skew", 1.0)):
@@ -493,6 +504,7 @@ class Plan:
                 "stages", ()))}) for a in d["alternatives"])
         d["dry_run"] = tuple(DryRunRecord(**r) for r in d.get("dry_run", ()))
         d["pinned"] = tuple(tuple(p) for p in d.get("pinned", ()))
+        d["float8_linears"] = tuple(d.get("float8_linears", ()))
         return Plan(**d)
 
     @staticmethod

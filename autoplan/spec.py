@@ -22,10 +22,11 @@ underestimate of a single step's peak (a batch's is above the validation set's);
 expert parallelism] in autoplan/cost_model/expert_parallel.py."""
 
 
-def precision_recipe(dtype: str, frozen_dtype: str = "") -> str:
+def precision_recipe(dtype: str, frozen_dtype: str = "", num_float8_linears: int = 0) -> str:
     """What the runtime does for a compute dtype, in words ([Note: precision recipe] in
     autoplan/runtime/precision.py); `frozen_dtype` as `Plan.frozen_dtype` (the compute dtype:
-    frozen parameters held in it only). Raises ValueError for an unknown dtype."""
+    frozen parameters held in it only); `num_float8_linears`: the linears run in FP8 ([Note:
+    float8 recipe] in autoplan/float8.py). Raises ValueError for an unknown dtype."""
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPE_BYTES)}")
     if dtype == "float32":
@@ -36,6 +37,9 @@ def precision_recipe(dtype: str, frozen_dtype: str = "") -> str:
         f"in {name} only")
     text = (f"{name} forward/backward, {masters}, dp gradient reduction in fp32, tp partial "
             f"sums in {name}")
+    if num_float8_linears:
+        text += (f"; {num_float8_linears} linears in FP8 (e4m3 forward, e5m2 output "
+                 f"gradients, rowwise power-of-two scales, weight gradients in {name})")
     return text + (", dynamic loss scaling" if dtype == "float16" else "")
 
 
@@ -63,6 +67,11 @@ class TrainingSpec:
             and its receive buffers hold that many pairs ([Note: expert parallelism] in
             cost_model/expert_parallel.py). Default ROUTING_SKEW (a published measurement);
             1.0 prices balanced routing. No effect on a dense model.
+        float8: the FP8 linear layers of the `float8` recipe ([Note: float8 recipe] in
+            autoplan/float8.py): "off" (default), "on" (every eligible linear whose planned
+            placements run it) or "auto" (those where it is faster); needs dtype "bfloat16"
+            and a device with a "float8" peak ([Note: float8 pricing] in
+            cost_model/float8.py).
     """
 
     global_batch: int
@@ -72,6 +81,7 @@ class TrainingSpec:
     max_memory_fraction: float = 0.9
     frozen_dtype: str = ""
     routing_skew: float = ROUTING_SKEW
+    float8: str = "off"
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -86,6 +96,13 @@ class TrainingSpec:
             raise ValueError(f"training spec: frozen_dtype {self.frozen_dtype!r} is neither '' "
                              f"(as the trainable parameters) nor the compute dtype "
                              f"{self.dtype!r}")
+        if self.float8 not in ("off", "on", "auto"):
+            raise ValueError(f"training spec: float8 {self.float8!r} is not one of 'off', "
+                             "'on', 'auto'")
+        if self.float8 != "off" and self.dtype != "bfloat16":
+            raise ValueError(f"training spec: float8 {self.float8!r} under dtype "
+                             f"{self.dtype!r}; the float8 recipe runs its other ops in "
+                             "bfloat16: give dtype='bfloat16'")
         if isinstance(self.routing_skew, bool) or not isinstance(
                 self.routing_skew, (int, float)) or not 1.0 <= self.routing_skew < float("inf"):
             raise ValueError(f"training spec: routing_skew {self.routing_skew!r} must be a "

@@ -310,8 +310,9 @@ def _dgx_h100(num_nodes: int = 1) -> Topology:
         name="dgx-h100", num_nodes=num_nodes, devices_per_node=8,
         device=DeviceSpec(
             name="H100-SXM-80GB",
+            # float8: dense FP8 tensor cores (the datasheet's 3,958 TFLOP/s is with sparsity)
             peak_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12,
-                              "tf32": 494e12},
+                              "tf32": 494e12, "float8": 1979e12},
             mem_bytes=80e9, mem_bw_bytes_per_s=3.35e12, matmul_efficiency=0.8,
             launch_latency_s=5e-6, fuses_pointwise=True,
             host_bw_bytes_per_s=_pcie(128e9)),
@@ -332,7 +333,7 @@ def _h200_node(num_nodes: int = 1) -> Topology:
         device=DeviceSpec(
             name="H200-SXM-141GB",
             peak_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12,
-                              "tf32": 494e12},
+                              "tf32": 494e12, "float8": 1979e12},
             mem_bytes=141e9, mem_bw_bytes_per_s=4.8e12, matmul_efficiency=0.8,
             launch_latency_s=5e-6, fuses_pointwise=True,
             host_bw_bytes_per_s=_pcie(128e9)),
@@ -380,8 +381,13 @@ def _local_cpu(num_nodes: int = 1, devices_per_node: int = 4) -> Topology:
 
 def _cpu_host(topo: Topology) -> Topology:
     """CPU ranks' host figures where not given: the host is their own RAM (see _local_cpu); their
-    collectives are gloo's, which has no all-to-all (`DeviceSpec.all_to_all`)."""
+    collectives are gloo's, which has no all-to-all (`DeviceSpec.all_to_all`). An FP8 peak
+    where none is given: the bf16 one -- the CPU's `torch._scaled_mm` widens its FP8 operands
+    and runs a float GEMM (an assumption, not measured; `autoplan calibrate` fits none)."""
     d, n = topo.device, topo.devices_per_node
+    if "float8" not in d.peak_flops_per_s and "bfloat16" in d.peak_flops_per_s:
+        d = dataclasses.replace(d, peak_flops_per_s={**d.peak_flops_per_s,
+                                                     "float8": d.peak_flops_per_s["bfloat16"]})
     return dataclasses.replace(
         topo, host_is_device_memory=True,
         host_mem_bytes=topo.host_mem_bytes or d.mem_bytes * n,

@@ -34,6 +34,14 @@ largest of all ranks, all-reduced with MAX) against the plan's predicted peak pe
 the build time (construction to the first loss), the losses, and the plan. Results:
 bench/results/gpu_check.json (`--out`), with the GPU's name and count, torch's and CUDA's
 versions. The script exits 1 when a variant that exists failed.
+
+FP8 (`float8` in the JSON, before the variants; `--no-float8` skips it): the FP8 linear of the
+float8 recipe ([Note: float8 recipe] in autoplan/float8.py) against F.linear in bf16, forward
+plus backward, on one GPU, for the linears of a Llama-3-8B block at 8,192 tokens
+(`FLOAT8_SHAPES`): the median of `--steps` timed calls each (CUDA events, after 3 warm-ups),
+the measured FP8/bf16 ratio, and the ratio the cost model predicts on the preset ([Note:
+float8 pricing] in autoplan/cost_model/float8.py: `float8_times_s` over `op_time_s` +
+`backward_time_s`), so a run says how far the pricing of FP8 is from the GPU.
 """
 
 from __future__ import annotations
@@ -67,6 +75,69 @@ VARIANTS = {"eager": {"compile": False, "kernels": False},
             "kernels": {"compile": False, "kernels": True},
             "compile+kernels": {"compile": True, "kernels": True}}
 EXIT_NO_CUDA = 2
+# (name, tokens M, out features N, in features K): Llama-3-8B's block linears at 8,192 tokens
+FLOAT8_SHAPES = (("q_proj", 8192, 4096, 4096), ("k_proj", 8192, 1024, 4096),
+                 ("gate_proj", 8192, 14336, 4096), ("down_proj", 8192, 4096, 14336))
+
+
+def float8_linears(preset_name: str, steps: int, device: str = "cuda",
+                   shapes=FLOAT8_SHAPES) -> list[dict]:
+    """Per shape of `shapes`: the measured median seconds of an FP8 and a bf16 linear, forward
+    plus backward, on `device`, their ratio, and the ratio the cost model predicts on preset
+    `preset_name` (module docstring, "FP8"). On a CPU `device` the times are wall-clock (for
+    tests; the figures mean nothing there)."""
+    import torch
+    import torch.nn.functional as F
+
+    from autoplan.float8 import float8_linear_local
+
+    out = []
+    for name, m, n, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        times = {}
+        for recipe, fn in (("float8", float8_linear_local), ("bfloat16", F.linear)):
+            samples = []
+            for i in range(3 + steps):
+                start = time.perf_counter()
+                if device == "cuda":
+                    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    begin.record()
+                fn(x, w).backward(dy)
+                if device == "cuda":
+                    end.record()
+                    torch.cuda.synchronize()
+                    took = begin.elapsed_time(end) / 1e3
+                else:
+                    took = time.perf_counter() - start
+                if i >= 3:
+                    samples.append(took)
+            times[recipe] = statistics.median(samples)
+        out.append({"linear": name, "m": m, "n": n, "k": k,
+                    "float8_s": times["float8"], "bfloat16_s": times["bfloat16"],
+                    "measured_ratio": times["float8"] / times["bfloat16"],
+                    "predicted_ratio": predicted_float8_ratio(preset_name, m, n, k)})
+    return out
+
+
+def predicted_float8_ratio(preset_name: str, m: int, n: int, k: int) -> float:
+    """The cost model's FP8 / bf16 time of an (m, k) x (n, k)^T linear, forward plus backward,
+    on one device of preset `preset_name` ([Note: float8 pricing])."""
+    from autoplan.cost_model.compute import backward_time_s, op_time_s
+    from autoplan.cost_model.float8 import float8_times_s
+    from autoplan.graph import NodeInfo
+    from autoplan.topology import preset
+
+    topo = preset(preset_name)
+    node = NodeInfo(name="linear", target="aten.linear.default", shapes=((m, n),),
+                    dtypes=("bfloat16",), out_bytes=2 * m * n, in_bytes=2 * (m * k + n * k),
+                    flops=2 * m * n * k, module_path="", layer_id=0)
+    fp8 = float8_times_s(node, "R", "R", shard_factor=1, tp=1, topology=topo,
+                         dtype="bfloat16", weight_trainable=True)
+    high = op_time_s(node, topo.device, "bfloat16") + backward_time_s(node, topo.device,
+                                                                      "bfloat16")
+    return (fp8.forward_s + fp8.backward_s) / high
 
 
 def _fail_without_cuda() -> None:
@@ -220,6 +291,14 @@ def _run_variant(name: str, args, cluster: str, num_gpus: int, tmp: Path) -> dic
     return out
 
 
+def _peaks(preset_name: str) -> dict:
+    """The dense peaks of the preset's device (a topology file's too), by dtype."""
+    from autoplan.topology import load_topology, preset
+
+    topo = load_topology(preset_name) if Path(preset_name).is_file() else preset(preset_name)
+    return topo.device.peak_flops_per_s
+
+
 def _nccl_version() -> str:
     import torch
 
@@ -238,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS),
                         help="run only this variant (repeatable; default: all)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per variant")
+    parser.add_argument("--no-float8", action="store_true",
+                        help="skip the FP8 linear timings (module docstring, \"FP8\")")
     parser.add_argument("-o", "--out", type=Path, default=RESULT)
     parser.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -253,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     num_gpus = torch.cuda.device_count()
     args.global_batch = args.global_batch or 8 * num_gpus
     preset_name = args.cluster or _default_cluster()
+    float8 = None if args.no_float8 or "float8" not in _peaks(preset_name) else \
+        float8_linears(preset_name, args.steps)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp_name:
         tmp = Path(tmp_name)
         cluster = (args.cluster if args.cluster and Path(args.cluster).is_file()
@@ -269,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                    "global_batch": args.global_batch, "seq_len": args.seq, "dtype": "bfloat16",
                    "warmup_steps": args.warmup, "measured_steps": args.steps},
         "variants": variants,
+        "float8": float8,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,3 +31,19 @@ def test_gpu_check_fails_fast_without_cuda(tmp_path):
     assert "torch" in imported
     assert not imported & {"transformers", "autoplan.api", "autoplan.solver",
                            "torch.distributed.run"}, imported & {"transformers", "autoplan.api"}
+
+
+
+def test_float8_timings_run_and_carry_the_predicted_ratio():
+    """The FP8 part of the check runs (on the CPU here, tiny shapes: its times mean nothing)
+    and records the cost model's FP8 / bf16 ratio for the preset: below 1 for Llama-3-8B's
+    MLP linear on an H100 (twice the bf16 peak; the bf16 weight gradient keeps it above 1/2),
+    above 1 for a small linear, whose casts cost more than FP8 saves."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    rows = gpu_check.float8_linears("dgx-h100", 1, device="cpu",
+                                    shapes=(("tiny", 64, 32, 48),))
+    assert rows[0]["float8_s"] > 0 and rows[0]["bfloat16_s"] > 0
+    assert rows[0]["predicted_ratio"] > 1
+    assert 0.5 < gpu_check.predicted_float8_ratio("dgx-h100", 8192, 14336, 4096) < 0.9

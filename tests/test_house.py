@@ -182,6 +182,8 @@ SHARED_NAMES = {
                 "report (report/)",
     "context_parallel.py": "context parallelism: priced (cost_model/), lowered (passes/)",
     "expert_parallel.py": "expert parallelism: priced (cost_model/), run (runtime/)",
+    "float8.py": "the FP8 linear: its numerics (autoplan/), priced (cost_model/), its placements "
+                 "searched (solver/), lowered (passes/)",
     "offload.py": "CPU offload: priced (cost_model/), run (runtime/)",
 }
 

@@ -15,6 +15,8 @@ The files, from op to step:
     context_parallel.py  context parallelism priced: attention nodes, K/V bytes, K/V time
     offload.py           CPU offload priced: host memory, transfers, the host step
     expert_parallel.py   expert parallelism priced: MoE layers, all-to-alls, 1 / ep states
+    float8.py            the FP8 linears priced, and which a float8 plan runs ([Note: float8
+                         pricing])
     placement_totals.py  what the whole-step model reads of a placement: `Solution` (per-part
                          totals) and `RankMemory` (a rank's memory, linear in the placement)
     config.py            `Config` (one point of the search) and its stages on pipeline ranks

@@ -17,6 +17,7 @@ from autoplan.cost_model.compute import (
     at_tokens, backward_time_s, dtensor_dispatches, module_input_bytes, op_time_s
 )
 from autoplan.cost_model.context_parallel import attention_nodes, kv_bytes, kv_comm_s
+from autoplan.cost_model.float8 import eligible, float8_times_s
 from autoplan.graph import CapturedGraph
 from autoplan.op_classes import NO_GRAD_OPS, op_name, selective_saves
 from autoplan.plan import Plan
@@ -195,6 +196,8 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology,
     device = topology.device
     speed = device.speed(min(topology.devices_per_node, plan.mesh.world_size))
     constants = constant_like_nodes(graph)
+    fp8 = {n: fqn for n, fqn in eligible(graph).items() if fqn in plan.float8_linears} \
+        if plan.float8_linears else {}
     for name, info in graph.nodes.items():
         if parts[name] == "block" and rep.get(name) != name or name in constants:
             continue  # the first block stands for all ([Note: block roles])
@@ -202,11 +205,17 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology,
         factor = factor_of(name)
         fwd = op_time_s(scaled, device, plan.dtype, shard_factor=factor,
                         routing_skew=plan.routing_skew) / speed
+        bwd = backward_time_s(scaled, device, plan.dtype, shard_factor=factor,
+                              routing_skew=plan.routing_skew) / speed
+        if name in fp8:  # [Note: float8 pricing]
+            chosen = strategies.get(name) or strategies[rep[name]]
+            t = float8_times_s(scaled, chosen.inputs[0], chosen.inputs[1], shard_factor=factor, tp=tp,
+                               topology=topology, dtype=plan.dtype,
+                               weight_trainable=graph.params[fp8[name]].trainable)
+            fwd, bwd = t.forward_s / speed, t.backward_s / speed
         host = device.dtensor_op_overhead_s * dtensor_dispatches(info) if tp > 1 else 0.0
         sums[parts[name]][0] += fwd + host / 2
-        sums[parts[name]][1] += backward_time_s(scaled, device, plan.dtype,
-                                                shard_factor=factor,
-                                                routing_skew=plan.routing_skew) / speed + host / 2
+        sums[parts[name]][1] += bwd + host / 2
         if _recomputed(plan, info):
             sums[parts[name]][1] += fwd
     for group in redistributions:

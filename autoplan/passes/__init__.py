@@ -12,6 +12,7 @@ Files:
   ([Note: gathered inputs saved sharded]).
 - context_parallel.py: context parallelism in a stage graph, the runtime's half of [Note: context
   parallelism].
+- float8.py: the plan's FP8 linears in a stage graph ([Note: float8 recipe]).
 - experts_local.py: the routed-experts op under DTensor on the tp axis, and its nodes routed
   to the runtime's op over an ep group.
 - rng.py: layout-invariant random ops ([Note: RNG contract]): the graph pass, the eager mode;

@@ -14,7 +14,8 @@ one before:
    `check_whole_graph`);
 3. split into pipeline stages (passes/stages.py); the rank keeps the stages s with
    s % pp == pp_rank, each with Parameter objects of its own (tied weights span stages);
-4. the plan's placements: every redistribution explicit (passes/sharding.py);
+4. the plan's placements: every redistribution explicit (passes/sharding.py); then the plan's
+   FP8 linears (passes/float8.py, [Note: float8 recipe]), which run on the placed DTensors;
 5. cp: attention over the cp group, the rank's global positions (passes/context_parallel.py)
    -- after the placements, whose redistributions it keeps;
 6. the vocab-parallel loss: the last stage returns its logits vocab-sharded ([Note:
@@ -58,6 +59,7 @@ from autoplan.passes.checkpointing import wrap_checkpointing
 from autoplan.passes.context_parallel import apply_context_parallel, check_whole_graph
 from autoplan.passes.device import retarget_device
 from autoplan.passes.experts_local import route_experts
+from autoplan.passes.float8 import use_float8
 from autoplan.passes.kernels import fuse_kernels, keep_logits_sharded
 from autoplan.passes.keyed_random import RandomState, random_ops_eager
 from autoplan.passes.rng import make_random_ops_layout_invariant, random_op_indices
@@ -148,6 +150,8 @@ class PlacedStages:
     kernel_counts: dict[int, dict[str, int]] | None = None
     """`fuse_kernels`' counts by stage where the kernels were fused here (an export at cp 1),
     else None."""
+    float8_linears: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+    """The weight FQNs of the linears made FP8 linears, by stage index."""
 
 
 @dataclasses.dataclass
@@ -165,6 +169,8 @@ class LoweredRank:
     kernel_counts: dict[int, dict[str, int]]
     vocab_size: int | None = None
     """The vocabulary the last stage's logits are sharded over (step 6), else None."""
+    float8_linears: set[str] = dataclasses.field(default_factory=set)
+    """The weight FQNs of this rank's FP8 linears (step 4)."""
 
 
 def lower_rank(graph: CapturedGraph, plan: Plan, rank: RankCoords, options: LoweringOptions,
@@ -195,6 +201,7 @@ def lower_rank(graph: CapturedGraph, plan: Plan, rank: RankCoords, options: Lowe
         gm = sg.gm
         out.stage_graphs.append(sg)
         inserted += placed.inserted[sg.index]
+        out.float8_linears |= placed.float8_linears.get(sg.index, set())
         if plan.mesh.cp > 1:  # 5. attention over the cp group, global positions
             apply_context_parallel(gm, seq_len=plan.seq_len, cp=plan.mesh.cp, rank=rank.cp_rank,
                                    group_name=rank.cp_group, tp=plan.mesh.tp,
@@ -294,6 +301,8 @@ def place_stages(graph: CapturedGraph, plan: Plan, options: LoweringOptions,
         if runtime is not None:  # the stages the runtime trains hold their own Parameters
             untie_across_stages(sg.gm)
         placed.inserted[sg.index] = apply_placements(sg.gm, plan)
+        if plan.float8_linears:
+            placed.float8_linears[sg.index] = use_float8(sg.gm, frozenset(plan.float8_linears))
         if fuse_here:
             placed.kernel_counts[sg.index] = fuse_kernels(sg.gm)
     return placed

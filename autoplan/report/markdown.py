@@ -93,7 +93,8 @@ def _summary(plan: Plan, graph, topology, dtype_origin: str = "") -> list[str]:
         *([["CPU offload", _offload_text(plan, topology)]] if plan.offload != "none" else []),
         *([["sequence parallelism", sp]] if (sp := _sequence_text(plan, graph)) else []),
         ["dtype", f"{plan.dtype}{f' ({dtype_origin})' if dtype_origin else ''}: "
-                  f"{precision_recipe(plan.dtype, plan.frozen_dtype)}"],
+                  + precision_recipe(plan.dtype, plan.frozen_dtype,
+                                     len(plan.float8_linears))],
         *([["execution", "compiled: torch.compile per block, priced without DTensor "
                          "dispatch per op and with pointwise chains fused"]]
           if plan.compiled else []),
@@ -450,7 +451,10 @@ def render_summary(plan: Plan, *, topology: Topology | None = None,
            else "") + F.searched_split(plan)
         + f", {F.plural(plan.num_microbatches, 'microbatch')} of "
           f"{F.plural(plan.microbatch_size, 'sample')}",
-        f"precision   {plan.dtype}; activation checkpointing {plan.checkpointing}"
+        f"precision   {plan.dtype}"
+        + (f" with {F.plural(len(plan.float8_linears), 'linear')} in FP8 (float8 recipe)"
+           if plan.float8_linears else "")
+        + f"; activation checkpointing {plan.checkpointing}"
         + ("" if plan.offload == "none" else f"; {plan.offload} offloaded to the host")
         + ("; compiled (torch.compile)" if plan.compiled else ""),
         f"params      {_sharded_text(plan, graph)}; "

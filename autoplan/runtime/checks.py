@@ -1,16 +1,19 @@
 """Build-time check that what the runtime built is what the plan says (docs/design.md, house
 rule 14): the tp placement of every parameter, the ZeRO stage's dp sharding (an expert slice
 under ep: Shard(0) on the ep mesh instead), the dtype each parameter is held in (trainable: the
-master dtype; frozen: `Plan.frozen_dtype` when set) and the compute dtype.
+master dtype; frozen: `Plan.frozen_dtype` when set), the compute dtype, and the linears that
+run in FP8 (`Plan.float8_linears`: the FP8 linear calls in the built modules, counted).
 A mismatch is a `PlanMismatchError` naming the parameter and both values, at build time.
 `check_context_parallel` refuses, before building, a cp plan the runtime cannot run."""
 
 from __future__ import annotations
 
 import torch
+import torch.fx
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from autoplan.float8 import float8_linear
 from autoplan.passes.rng import random_op_indices
 from autoplan.plan import parse_placement
 from autoplan.runtime.precision import Precision
@@ -134,9 +137,25 @@ def check_against_plan(model) -> None:
     if wrong:
         problems.append(f"the runtime graph was captured with parameters not in {want}: "
                         f"{wrong[:3]}")
+    problems += _float8_problems(model)
     if problems:
         raise PlanMismatchError(f"the built model differs from plan {plan.mesh}, ZeRO-"
                                 f"{plan.zero_stage}, {plan.dtype}: " + "; ".join(problems[:6]))
+
+
+def _float8_problems(model) -> list[str]:
+    """The plan's FP8 linears held by this rank's stages against the FP8 linear calls in the
+    modules built ([Note: float8 recipe] in autoplan/float8.py)."""
+    held = set().union(*(model._stage_param_fqns.get(i, set()) for i, _ in model.stages))
+    want = set(model.plan.float8_linears) & held
+    calls = sum(1 for _, module in model.stages for m in module.modules()
+                if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+                if n.op == "call_function" and n.target is float8_linear)
+    made = set(model.float8_linears)
+    if calls == len(want) and made == want:
+        return []
+    return [f"{calls} FP8 linear calls built for {sorted(made)[:3]}, the plan runs "
+            f"{len(want)} linears of this rank in FP8: {sorted(want)[:3]}"]
 
 
 class FrozenSetChangedError(PlanMismatchError):

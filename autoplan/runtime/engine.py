@@ -10,7 +10,8 @@ Build order (each step needs the previous one), all on the meta device until ste
 3. Tensor parallelism: `passes.apply_placements` inserts the plan's redistributions, parameters
    become DTensors on the tp sub-mesh with their planned placements, and the stage runs under
    DTensor; stage inputs/outputs cross stage boundaries as local tensors. Random ops become
-   layout-invariant (`passes.rng`, [Note: RNG contract]). The RMSNorm and SwiGLU patterns
+   layout-invariant (`passes.rng`, [Note: RNG contract]). The plan's FP8 linears become calls
+   of the FP8 linear (`passes.float8`, [Note: float8 recipe]). The RMSNorm and SwiGLU patterns
    become the fused kernels' ops (`passes.kernels`, [Note: kernel fusion]; `kernels=False`: not).
    Under cp (the graph captured at seq_len / cp tokens per sample), attention gathers K and V
    over the cp axis and positions become the rank's global ones (`passes.context_parallel`, [Note:
@@ -170,6 +171,7 @@ class DistributedModel(RankStages):
         self.loss_fn = loss_fn
         self.kernels = kernels
         self.kernel_counts: dict[int, dict[str, int]] = {}  # by stage: fuse_kernels' counts
+        self.float8_linears: set[str] = set()  # weight FQNs of the FP8 linears built
         self.compile = plan.compiled if compile is None else bool(compile)
         self.compiled: dict[int, list[str]] = {}  # by stage: the module paths compiled
         # no loss to train on, or a cp plan this runtime cannot run: raise before building

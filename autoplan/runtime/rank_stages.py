@@ -59,6 +59,7 @@ class RankStages:
         self._stage_param_fqns = lowered.stage_param_fqns
         self._random_states = lowered.random_states
         self.kernel_counts.update(lowered.kernel_counts)
+        self.float8_linears = lowered.float8_linears
         if lowered.vocab_size is not None:  # the token loss on vocab-sharded logits
             self._vocab_parallel_loss(lowered.vocab_size)
         # before the first compiled call ([Note: compile cache and process groups])

@@ -10,6 +10,7 @@ The pipeline, in files:
     checkpointing.py  what a checkpointing policy does to those coefficients and to memory
     context.py        the cp degrees searched; cp's K/V collectives in those coefficients
     sequence.py       sequence parallelism as placements of the norm/dropout/residual regions
+    float8.py         float8="on": the FP8 placements of the linears that have them
     frozen.py         fine-tuning: the dtype frozen parameters are held in, a plan choice
     ilp.py            the ILP, written as math in its docstring, solved with OR-Tools (GLOP
                       first, CP-SAT when the LP is fractional)

@@ -15,8 +15,10 @@ import dataclasses
 import operator
 
 from autoplan.cost_model.comm import pipeline_hop_time_s, redistribute_time_s
+from autoplan.cost_model.compute import at_tokens, module_input_bytes
 from autoplan.cost_model.config import config_stages
 from autoplan.cost_model.fidelity import error_bands
+from autoplan.cost_model.float8 import eligible, float8_choice
 from autoplan.cost_model.step_time import Assessment
 from autoplan.cost_model.traffic import rank_traffic
 from autoplan.experts import BACKWARD_FLOPS_FACTOR as EXPERTS_BACKWARD_FACTOR
@@ -77,7 +79,8 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
                         tuple(a.config.stage_layers))
             for a, reason in alternatives),
         dtype=spec.dtype, offload=cfg.offload,
-        frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "")
+        frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "",
+        float8_linears=_float8_linears(search, problem, chosen, scale))
     # bytes per rank per mesh axis, read off the plan itself ([Note: traffic per axis])
     traffic = tuple(dict(t.bytes_by_axis) for t in rank_traffic(
         plan, graph, all_to_all=topology.device.all_to_all))
@@ -203,6 +206,26 @@ def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],
     return tuple(out)
 
 
+def _float8_linears(search, problem: Problem, chosen: dict[str, Candidate],
+                    scale: float) -> tuple[str, ...]:
+    """The weight FQNs of the linears the chosen candidates run in FP8, sorted ([Note: float8
+    pricing] in cost_model/float8.py: the choice build_costs priced)."""
+    graph, spec, topology = search.graph, search.spec, search.topology
+    if spec.float8 == "off":
+        return ()
+    fx_nodes = {node.name: node for node in graph.gm.graph.nodes}
+    out = []
+    for name, fqn in eligible(graph).items():
+        scaled = at_tokens(graph.nodes[name], scale, module_input_bytes(fx_nodes[name]))
+        c = chosen[name]
+        if float8_choice(spec.float8, scaled, fx_nodes[name], c.inputs,
+                         shard_factor=c.shard_factor, tp=problem.tp, topology=topology,
+                         dtype=spec.dtype,
+                         weight_trainable=graph.params[fqn].trainable) is not None:
+            out.append(fqn)
+    return tuple(sorted(_uncaptured_blocks(graph, out)))
+
+
 def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
     placement = {}
     for node in graph.gm.graph.nodes:
@@ -214,15 +237,22 @@ def _param_placements(graph, chosen) -> tuple[tuple[str, str], ...]:
                                        "R")
         for name in (fqn, *info.aliases):
             out[name] = p
-    # A shallow capture (num_layers < total_layers): the blocks that were not captured take
-    # block 0's placements, FQN by FQN ("model.layers.0.x" -> "model.layers.31.x").
+    return tuple(sorted(_uncaptured_blocks(graph, out).items()))
+
+
+def _uncaptured_blocks(graph, by_fqn):
+    """`by_fqn` (a dict FQN -> value, or a list of FQNs) with, under a shallow capture
+    (num_layers < total_layers), the blocks that were not captured given block 0's entries,
+    FQN by FQN ("model.layers.0.x" -> "model.layers.31.x")."""
     head = f"{graph.block_path(0)}." if graph.layer_prefix else None
-    if head and graph.num_layers and graph.total_layers > graph.num_layers:
-        for name, p in list(out.items()):
-            if name.startswith(head):
-                for k in range(graph.num_layers, graph.total_layers):
-                    out[f"{graph.block_path(k)}.{name[len(head):]}"] = p
-    return tuple(sorted(out.items()))
+    if not (head and graph.num_layers and graph.total_layers > graph.num_layers):
+        return by_fqn
+    out = dict.fromkeys(by_fqn) if isinstance(by_fqn, list) else dict(by_fqn)
+    for name, p in list(out.items()):
+        if name.startswith(head):
+            for k in range(graph.num_layers, graph.total_layers):
+                out[f"{graph.block_path(k)}.{name[len(head):]}"] = p
+    return list(out) if isinstance(by_fqn, list) else out
 
 
 def _redistributions(search, problem: Problem, chosen, scale: float) -> tuple:

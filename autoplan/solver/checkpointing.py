@@ -119,10 +119,11 @@ def checkpointed_costs(problem: Problem, costs: Costs, policy: str, spec: Traini
     for n in nodes & compute.keys():
         info = problem.graph.nodes[n]
         scaled = at_tokens(info, costs.scale, module_input_bytes(fx_nodes[n]))
-        compute[n] = [t + op_time_s(scaled, topology.device, spec.dtype,
-                                    shard_factor=c.shard_factor,
-                                    routing_skew=spec.routing_skew)
-                      for t, c in zip(compute[n], problem.cands[n])]
+        fp8 = costs.float8_forward_s.get(n) or [None] * len(compute[n])
+        compute[n] = [t + (op_time_s(scaled, topology.device, spec.dtype,
+                                     shard_factor=c.shard_factor,
+                                     routing_skew=spec.routing_skew) if f is None else f)
+                      for t, c, f in zip(compute[n], problem.cands[n], fp8)]
     # A gather into a checkpointed block runs again in its recomputation (under "selective"
     # also into the kept matmuls: the replay gathers their input before the cache answers),
     # and the held-shard all-gather again ([Note: regather priced] in solver/costs.py) is

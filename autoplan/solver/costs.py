@@ -50,6 +50,7 @@ from autoplan.cost_model.comm import backward_redistribution, redistribute_time_
 from autoplan.cost_model.compute import (
     at_tokens, backward_time_s, dtensor_dispatches, module_input_bytes, op_time_s
 )
+from autoplan.cost_model.float8 import eligible, float8_choice
 from autoplan.cost_model.memory import loss_working_bytes, vocab_parallel_loss_bytes
 from autoplan.op_classes import MATMUL_OPS, op_name
 from autoplan.solver.problem import OUTPUT, Problem, boundary_bytes, boundary_node
@@ -95,6 +96,9 @@ class Costs:
             producer's local tensor (runtime/parallel.py tp_stage_forward), 1/tp of it when
             the candidate splits it (sequence parallelism); [Note: memory per rank] in
             cost_model/rank_memory.py. Empty without blocks.
+        float8_forward_s: ILP node -> [forward seconds of the candidate in FP8, or None where
+            it runs in the compute dtype] for the linears a float8 plan may run in FP8 ([Note:
+            float8 pricing] in cost_model/float8.py); what checkpointing recomputes.
     """
 
     scale: float
@@ -108,6 +112,7 @@ class Costs:
     boundary_bytes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     loss_bytes: float = 0.0
     loss_rows: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    float8_forward_s: dict[str, list[float | None]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,7 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
     graph = problem.graph
     fx_nodes = {node.name: node for node in graph.gm.graph.nodes}
     loss_input = _token_loss_input(problem)
+    fp8 = eligible(graph) if spec.float8 != "off" else {}
     for n in problem.nodes:
         info = graph.nodes.get(n)
         if info is None or n in problem.constants:
@@ -249,6 +255,15 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
             + backward_time_s(scaled, device, spec.dtype, shard_factor=c.shard_factor,
                               routing_skew=skew) + host
             for c in problem.cands[n]]
+        if n in fp8:  # [Note: float8 pricing]
+            times = [float8_choice(spec.float8, scaled, fx_nodes[n], c.inputs,
+                                   shard_factor=c.shard_factor, tp=tp, topology=topology,
+                                   dtype=spec.dtype,
+                                   weight_trainable=graph.params[fp8[n]].trainable)
+                     for c in problem.cands[n]]
+            costs.float8_forward_s[n] = [t and t.forward_s for t in times]
+            costs.compute_s[n] = [old if t is None else t.forward_s + t.backward_s + host
+                                  for old, t in zip(costs.compute_s[n], times)]
     for i, edge in enumerate(problem.edges):
         pairs = _edge_pairs(problem, edge, scale, topology)
         regather = _regather_s(problem, edge, pairs, scale, spec, topology, fx_nodes)

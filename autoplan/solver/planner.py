@@ -102,6 +102,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         raise InvalidConfig(str(e)) from None
     if o.routing_skew is not None:  # an option of the training step: the spec holds it
         spec = dataclasses.replace(spec, routing_skew=o.routing_skew)
+    if o.float8 != "off":  # so is the float8 recipe
+        spec = _float8_spec(spec, o.float8, topology, compiled)
     ep, user_pins = o.ep, o.placements
     given_ep = ep is not None and ep > 1
     if given_ep:
@@ -134,6 +136,26 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
     if o.stages is not None:
         result = dataclasses.replace(result, pinned_stages=True)
     return dataclasses.replace(result, compiled=True) if compiled else result
+
+
+def _float8_spec(spec: TrainingSpec, mode: str, topology: Topology, compiled) -> TrainingSpec:
+    """`spec` with float8 `mode` ([Note: float8 pricing] in cost_model/float8.py); raises
+    InvalidConfig where the recipe cannot run: another dtype than bfloat16, a device without
+    an FP8 peak, compiled stages."""
+    if spec.dtype != "bfloat16":
+        raise InvalidConfig(f"float8={mode!r} under dtype {spec.dtype!r}: the float8 recipe "
+                            "runs its other ops in bfloat16; give dtype='bfloat16'")
+    if "float8" not in topology.device.peak_flops_per_s:
+        raise InvalidConfig(f"float8={mode!r} on {topology.name}: its device "
+                            f"{topology.device.name} lists no FP8 peak (peak_flops_per_s "
+                            f"has {sorted(topology.device.peak_flops_per_s)}); FP8 matmuls "
+                            "need Hopper or newer (H100, H200), or a topology file that "
+                            "gives the device's 'float8' FLOP/s")
+    if compiled:
+        raise InvalidConfig(f"float8={mode!r} with compile=True: the FP8 linear is not run "
+                            "compiled yet (its amax all-reduces are eager collectives); plan "
+                            "it eagerly")
+    return dataclasses.replace(spec, float8=mode)
 
 
 def experts_split(graph: CapturedGraph, placements: tuple, ep: int, tp: int) -> tuple:
@@ -186,6 +208,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         spec = dataclasses.replace(spec, frozen_dtype=plan.frozen_dtype)
     if plan.routing_skew != 1.0:  # and at the routing skew it was priced at
         spec = dataclasses.replace(spec, routing_skew=plan.routing_skew)
+    if plan.float8_linears:  # its FP8 linears in FP8 (those whose placements run it)
+        spec = dataclasses.replace(spec, float8="on")
     search, assessed = _assessed(graph, plan, topology, spec)
     with collector_paused():
         return dataclasses.replace(build_plan(search, assessed, []), compiled=plan.compiled)

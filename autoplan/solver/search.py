@@ -50,7 +50,7 @@ from autoplan.cost_model.rank_memory import (ExpertSlices, memory_floor_bytes, r
 from autoplan.cost_model.step_time import Assessment, assess, pipeline_time_s
 from autoplan.graph import CapturedGraph
 from autoplan.solver import checkpointing as ckpt
-from autoplan.solver import pins, sequence
+from autoplan.solver import float8, pins, sequence
 from autoplan.solver.configurations import PlanConfig
 from autoplan.solver.context import with_context_parallel
 from autoplan.solver.expert_degree import ExpertSearch
@@ -115,6 +115,8 @@ class Search(ExpertSearch):
             if self.sequence_parallel is not None:
                 sequence.restrict(prob, self.sequence_parallel)
             pins.restrict(prob, self.pinned)
+            if self.spec.float8 == "on":  # FP8 placements for the linears that have them
+                float8.restrict(prob)
             self.problems[tp] = prob
         return self.problems[tp]
 

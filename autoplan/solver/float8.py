@@ -1,0 +1,42 @@
+"""The search under float8="on": the linears that can run in FP8 do ([Note: float8 pricing] in
+autoplan/cost_model/float8.py).
+
+"on" asks for every eligible linear in FP8, and the placement ILP would otherwise be free to
+pick, for a linear, placements the FP8 linear does not run on local shards (a Partial weight,
+say) where those are cheaper in the compute dtype. `restrict` cuts each eligible linear's
+candidates to the ones `autoplan.float8.supported` runs, where it has any; a linear with none
+at this tp stays as it is, in the compute dtype, and the plan's `float8_linears` leaves it out.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from autoplan.cost_model.float8 import eligible
+from autoplan.float8 import supported
+from autoplan.solver.problem import Problem
+
+__all__ = ["restrict"]
+
+
+def _runs(fx_node: torch.fx.Node, inputs: tuple[str, ...]) -> bool:
+    x = fx_node.args[0]
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    has_bias = len(fx_node.args) > 2 and fx_node.args[2] is not None
+    return val is not None and supported(inputs[0], inputs[1], val.ndim, has_bias)
+
+
+def restrict(problem: Problem) -> Problem:
+    """`problem` with each eligible linear's candidates cut to those that run in FP8 (in place;
+    new candidate lists, the strategy cache's are shared). Every node an ILP node stands for
+    (the other blocks' copies) is cut alike: assembly reads a block's choice by its index."""
+    fx_nodes = {n.name: n for n in problem.graph.gm.graph.nodes}
+    linears = eligible(problem.graph)
+    for name in list(problem.cands):
+        rep = problem.rep.get(name, name)
+        if rep not in linears:
+            continue
+        keep = [c for c in problem.cands[name] if _runs(fx_nodes[rep], c.inputs)]
+        if keep:
+            problem.cands[name] = keep
+    return problem
