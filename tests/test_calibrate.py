@@ -156,7 +156,11 @@ def test_preset_local_cpu_reads_the_calibration(calibrated, monkeypatch):
     assert topo.measured and topo.devices_per_node == 2
     # the file has no host figures: the preset's CPU host is the ranks' own memory (memcpy)
     assert topo.device.host_bw_bytes_per_s == written.device.mem_bw_bytes_per_s / 2
-    assert dataclasses.replace(topo.device, host_bw_bytes_per_s=0.0) == written.device
+    # CPU ranks' FP8 peak is their bf16 one where none is given (topology.py _cpu_host)
+    peaks = dict(topo.device.peak_flops_per_s)
+    assert peaks.pop("float8") == peaks["bfloat16"]
+    assert dataclasses.replace(topo.device, host_bw_bytes_per_s=0.0,
+                               peak_flops_per_s=peaks) == written.device
     assert topo.intra_node == written.intra_node and topo.inter_node == written.inter_node
 
 

@@ -134,6 +134,13 @@ def test_float8_auto_pays_on_h100_and_is_priced_faster():
     assert auto.prediction.compute_s < 0.92 * bf16.prediction.compute_s
     assert auto.prediction.step_time_s < bf16.prediction.step_time_s
     assert auto.prediction.step_time_s < on.prediction.step_time_s
+    # the report's first runner-up says what FP8 buys: the same plan with its linears in bf16
+    off = auto.alternatives[0]
+    assert off.reason.startswith("every linear in bfloat16 (float8 'auto' runs 10 in FP8): "
+                                 "compute: +"), off.reason
+    assert (off.mesh, off.num_microbatches) == (auto.mesh, auto.num_microbatches)
+    assert off.step_time_s - auto.prediction.step_time_s == pytest.approx(
+        bf16.prediction.compute_s - auto.prediction.compute_s, rel=1e-6)
 
 
 @pytest.mark.parametrize("cluster, kw, match", [

@@ -17,6 +17,7 @@ touches them, so a torch upgrade is fixed here. Written against torch 2.13. The 
 - autograd.py: whether a backward or a recomputation runs; the causal attention bias.
 - dcp.py: what a DCP checkpoint holds; dynamo.py: torch.compile's counters.
 - parametrize.py: which weights are spectral-normalised (a parametrization or the older hook).
+- scaled_mm.py: the FP8 matmul of the float8 recipe.
 
 Every name is re-exported here (`from autoplan._torch_compat import propagate`). None of the
 modules imports torch.distributed.pipelining or torch._dynamo at import time.
@@ -43,6 +44,7 @@ from autoplan._torch_compat.dynamo import compile_counters
 from autoplan._torch_compat.fake import (active_fake_mode, concrete_value, cpu_claiming_fakes,
                                          fake_tensor_mode, is_fake, outside_fake_mode)
 from autoplan._torch_compat.parametrize import spectral_normalised
+from autoplan._torch_compat.scaled_mm import scaled_mm
 from autoplan._torch_compat.pipelining import (chunk_spec, in_flight_interleaved_schedule_class,
                                                in_flight_pipeline_stage_class, pipeline_eval,
                                                pipeline_stages, vote_pipeline_mode_locally)
@@ -66,6 +68,7 @@ __all__ = ["TensorArg", "Propagation", "Trace", "tp_mesh", "propagate", "has_sha
            "Placement", "Partial", "Replicate", "Shard", "local_shard_offset",
            "local_shard_slices", "in_flight_pipeline_stage_class",
            "in_flight_interleaved_schedule_class", "compile_counters", "all_gather_autograd",
+           "scaled_mm",
            "flatten_mesh", "causal_lower_right_bias", "strided_shard_size_and_offset",
            "spectral_normalised", "shard_dim_all_to_all", "marking_sharding_propagation",
            "in_sharding_propagation"]

@@ -209,8 +209,8 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology,
                               routing_skew=plan.routing_skew) / speed
         if name in fp8:  # [Note: float8 pricing]
             chosen = strategies.get(name) or strategies[rep[name]]
-            t = float8_times_s(scaled, chosen.inputs[0], chosen.inputs[1], shard_factor=factor, tp=tp,
-                               topology=topology, dtype=plan.dtype,
+            t = float8_times_s(scaled, chosen.inputs[0], chosen.inputs[1],
+                               shard_factor=factor, tp=tp, topology=topology, dtype=plan.dtype,
                                weight_trainable=graph.params[fp8[name]].trainable)
             fwd, bwd = t.forward_s / speed, t.backward_s / speed
         host = device.dtensor_op_overhead_s * dtensor_dispatches(info) if tp > 1 else 0.0

@@ -5,8 +5,9 @@ weight is one of the plan's `float8_linears` (weight FQNs) becomes a call of
 `autoplan.float8.float8_linear` with the same arguments, which runs the linear in FP8 on the
 local shards of its DTensors. Nothing else changes: the redistributions the plan inserted around
 the linear stay where they are, and the linear's own placements are ones the planner checked
-the FP8 linear runs (`autoplan.float8.supported`). The export shows the call by name in each
-rank's graph code.
+the FP8 linear runs (`autoplan.float8.supported`). An export traces through the call: each
+rank's graph code shows the FP8 linear's ops (its casts and `aten._scaled_mm`) under the
+linear's module comment.
 """
 
 from __future__ import annotations

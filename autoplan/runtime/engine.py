@@ -174,6 +174,10 @@ class DistributedModel(RankStages):
         self.float8_linears: set[str] = set()  # weight FQNs of the FP8 linears built
         self.compile = plan.compiled if compile is None else bool(compile)
         self.compiled: dict[int, list[str]] = {}  # by stage: the module paths compiled
+        if self.compile and plan.float8_linears:  # the planner refuses it too (planner.py)
+            raise ValueError(f"compile=True with a float8 plan ({len(plan.float8_linears)} FP8 "
+                             "linears): the FP8 linear does not run compiled yet (its amax "
+                             "all-reduces are eager collectives); build it with compile=False")
         # no loss to train on, or a cp plan this runtime cannot run: raise before building
         loss_mode(graph, self.inputs, loss_fn)
         check_context_parallel(plan, graph, self.inputs, loss_fn, self.compile)

@@ -32,7 +32,7 @@ from autoplan.solver.problem import Problem, share_key
 from autoplan.solver.problem_saved import tensor_bytes
 from autoplan.strategies import Candidate, tensor_args
 
-__all__ = ["build_plan", "chosen_candidates"]
+__all__ = ["build_plan", "chosen_candidates", "as_alternatives"]
 
 
 def chosen_candidates(problem: Problem, choice: dict[str, int]) -> dict[str, Candidate]:
@@ -69,15 +69,7 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
         param_placements=_param_placements(graph, chosen),
         strategies=strategies,
         redistributions=_redistributions(search, problem, chosen, scale),
-        alternatives=tuple(
-            Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp, ep=a.config.ep,
-                                  cp=a.config.cp),
-                        a.config.zero_stage,
-                        a.config.num_microbatches, a.config.schedule, a.step_time_s,
-                        a.memory_bytes, reason, a.config.checkpointing,
-                        a.config.num_virtual_stages, a.config.offload,
-                        tuple(a.config.stage_layers))
-            for a, reason in alternatives),
+        alternatives=as_alternatives(alternatives),
         dtype=spec.dtype, offload=cfg.offload,
         frozen_dtype=spec.frozen_dtype if has_frozen(graph) else "",
         float8_linears=_float8_linears(search, problem, chosen, scale))
@@ -88,6 +80,17 @@ def build_plan(search, best: Assessment, alternatives: list[tuple]) -> Plan:
                              token_scale(problem, 1, spec.seq_len) * spec.global_batch)
     return dataclasses.replace(plan, prediction=dataclasses.replace(
         plan.prediction, bytes_by_axis_by_pp_rank=traffic, flops_by_pp_rank=flops))
+
+
+def as_alternatives(runners_up: list[tuple]) -> tuple[Alternative, ...]:
+    """The plan's `Alternative`s of [(Assessment, reason)]."""
+    return tuple(
+        Alternative(MeshShape(a.config.pp, a.config.dp, a.config.tp, ep=a.config.ep,
+                              cp=a.config.cp),
+                    a.config.zero_stage, a.config.num_microbatches, a.config.schedule,
+                    a.step_time_s, a.memory_bytes, reason, a.config.checkpointing,
+                    a.config.num_virtual_stages, a.config.offload, tuple(a.config.stage_layers))
+        for a, reason in runners_up)
 
 
 def flops_by_pp_rank(graph, plan: Plan, chosen: dict[str, Candidate],

@@ -17,6 +17,7 @@ from autoplan.solver.branch_bound import POLICY_ORDER, rank_key, runner_up_group
 from autoplan.solver.configurations import (InvalidConfig, Overrides, PlanConfig,
                                             ReplicatedWeightsWarning, SolverLimitWarning)
 from autoplan.solver.expert_degree import ep_degrees
+from autoplan.solver.ilp import evaluate
 from autoplan.solver.ilp_types import SolverLimitReached
 from autoplan.solver.problem import Problem
 from autoplan.solver.search import Search
@@ -25,7 +26,7 @@ from autoplan.topology import Topology
 from autoplan.units import fmt_bytes
 
 __all__ = ["no_configuration", "warn_unsplit", "given_overrides", "alternatives",
-           "even_split", "explain_memory", "limit_error", "warn_skipped"]
+           "even_split", "float8_off", "explain_memory", "limit_error", "warn_skipped"]
 
 
 def no_configuration(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
@@ -157,6 +158,28 @@ def even_split(search: Search, best: Assessment, evaluated: list[Assessment]) ->
         even = search.assess(cfg, best.solution)
     blocks = blocks_text(st.num_layers for st in config_stages(cfg, search.total_layers))
     return [(even, f"stages split evenly ({blocks} blocks): {_reason(even, best)}")]
+
+
+def float8_off(search: Search, best: Assessment, num_linears: int) -> list[tuple]:
+    """The runner-up that says what the float8 recipe buys ([Note: float8 pricing] in
+    cost_model/float8.py): `best`'s configuration and placements with every linear in the
+    compute dtype, priced now, and what it loses (or, under float8="on", wins) by; [] when the
+    search priced no FP8 linear (`num_linears` 0, or float8 "off")."""
+    if search.spec.float8 == "off" or not num_linears:
+        return []
+    # the same candidate lists (a float8="on" search cut them: solver/float8.py), other costs
+    off = replace(search, spec=replace(search.spec, float8="off"), costs={}, scaled={},
+                  solutions={}, bounds={}, stopped={}, skipped={})
+    cfg = best.config
+    costs = off.cost(*cfg.costs_key)
+    alt = off.assess(cfg, evaluate(off.problem(cfg.tp), costs, best.solution.choice))
+    what = (f"every linear in {search.spec.dtype} (float8 {search.spec.float8!r} runs "
+            f"{num_linears} in FP8)")
+    d = alt.step_time_s - best.step_time_s
+    if d < 0:  # float8="on" given where FP8 does not pay
+        return [(alt, f"{what}: {_seconds(-d)} per step faster ({d / best.step_time_s:+.1%}), "
+                      "not taken (float8 given)")]
+    return [(alt, f"{what}: {_reason(alt, best)} ({d / best.step_time_s:+.1%})")]
 
 
 def expert_layout(search: Search, best: Assessment, evaluated: list[Assessment],

@@ -18,7 +18,7 @@ from autoplan.cost_model.fidelity import error_bands
 from autoplan.graph import CapturedGraph
 from autoplan.options import OptionError, SearchOptions
 from autoplan.plan import Plan
-from autoplan.solver.assemble import build_plan
+from autoplan.solver.assemble import as_alternatives, build_plan
 from autoplan.solver.branch_bound import (branch_and_bound, offload_candidates, offloaded,
                                           rank_key, variants)
 from autoplan.solver.configurations import (InvalidConfig, NoFeasiblePlan, Overrides,
@@ -28,7 +28,7 @@ from autoplan.solver.expert_degree import ep_refusal
 from autoplan.solver.frozen import plan_frozen_dtype
 from autoplan.solver.ilp import evaluate
 from autoplan.solver.outcome import (alternatives, even_split, expert_layout, explain_memory,
-                                     given_overrides, limit_error, no_configuration,
+                                     float8_off, given_overrides, limit_error, no_configuration,
                                      warn_skipped, warn_unsplit)
 from autoplan.solver.pins import pinned_params
 from autoplan.solver.search import Search
@@ -444,6 +444,11 @@ def _search(graph: CapturedGraph, topology: Topology, spec: TrainingSpec, overri
                                 if not experts or r[0].config != experts[0][0].config
                                 ][:top_k - len(experts)]
     result = build_plan(search, best, runners_up)
+    if top_k > 0:  # what the float8 recipe buys
+        fp8 = float8_off(search, best, len(result.float8_linears))
+        if fp8:
+            result = dataclasses.replace(result, alternatives=as_alternatives(
+                fp8) + result.alternatives[:top_k - 1])
     if overrides.tp is not None:  # a tp the planner chose is the cost model's optimum
         warn_unsplit(search, result)
     log.info("plan: %s in %.2f s (%d configurations, %d ILP solves)", best.config,
