@@ -37,11 +37,13 @@ A multi-rank run of the recipe then differs from one process only in the order f
 sums are taken, as the bf16 recipe does.
 
 Which linears (`Plan.float8_linears`, chosen by the planner: cost_model/float8.py): the block
-linears with both weight dims divisible by 16 (`torch._scaled_mm`'s requirement on CUDA), not
-a router's (its scores pick discrete routes) nor the LM head (torchtitan's default
-`filter_fqns=["output"]`), whose planned placements this module runs on local shards
-(`supported`): W Replicate with x Replicate or split on a token dim; W Shard(0) (column
-parallel) with x Replicate; W Shard(1) (row parallel, no bias) with x Shard on its last dim.
+linears -- `nn.Linear` (captured as aten.linear) and HF's Conv1D (GPT-2: aten.addmm with the
+weight (K, N), run as the linear of its transpose, `float8_addmm`) -- with both weight dims
+divisible by 16 (`torch._scaled_mm`'s requirement on CUDA), not a router's (its scores pick
+discrete routes) nor the LM head (torchtitan's default `filter_fqns=["output"]`), whose
+planned placements this module runs on local shards (`supported`): W Replicate with x
+Replicate or split on a token dim; W Shard(0) (column parallel) with x Replicate; W Shard(1)
+(row parallel) with x Shard on its last dim and the bias, if any, Partial.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoplan._torch_compat import scaled_mm
 
-__all__ = ["E4M3", "E5M2", "float8_linear", "float8_linear_local", "quantize_rows",
-           "supported", "LINEAR_TARGET"]
+__all__ = ["E4M3", "E5M2", "float8_linear", "float8_linear_local", "float8_addmm",
+           "quantize_rows", "supported", "as_linear", "LINEAR_TARGET", "ADDMM_TARGET"]
 
 E4M3 = torch.float8_e4m3fn
 """The forward operands' and the weight's format (max 448)."""
@@ -64,6 +66,8 @@ _AMAX_FLOOR = 1e-12
 
 LINEAR_TARGET = torch.ops.aten.linear.default
 """What a linear layer is captured as (capture keeps aten.linear whole)."""
+ADDMM_TARGET = torch.ops.aten.addmm.default
+"""What HF's Conv1D (GPT-2) is captured as: addmm(bias, x (M, K), weight (K, N))."""
 
 
 def quantize_rows(t: torch.Tensor, dim: int, fp8: torch.dtype,
@@ -126,19 +130,36 @@ def _last(p, ndim: int) -> bool:
     return p.is_shard() and p.dim % ndim == ndim - 1
 
 
-def supported(x_placement: str, weight_placement: str, x_ndim: int, has_bias: bool) -> bool:
-    """Whether the FP8 linear runs on local shards for these tp placements of x (x_ndim dims)
-    and the weight, as the plan writes them ("R", "S(d)", "P"; [Note: float8 recipe])."""
+def supported(x_placement: str, weight_placement: str, x_ndim: int,
+              bias_placement: str | None = None) -> bool:
+    """Whether the FP8 linear runs on local shards for these tp placements of x (x_ndim dims),
+    the (N, K) weight and the bias (None: no bias), as the plan writes them ("R", "S(d)", "P";
+    [Note: float8 recipe]): W R with x R or split on a token dim (bias R); W Shard(0), column
+    parallel, with x R (bias Shard(0)); W Shard(1), row parallel, with x split on its last dim
+    (bias Partial: the plan's R -> P, added on each rank's partial sum as DTensor adds it)."""
     def dim(p: str) -> int | None:
         return int(p[2:-1]) % x_ndim if p.startswith("S(") else None
     if weight_placement == "R":
-        return x_placement == "R" or (dim(x_placement) is not None
-                                      and dim(x_placement) != x_ndim - 1)
+        return bias_placement in (None, "R") and (x_placement == "R" or (
+            dim(x_placement) is not None and dim(x_placement) != x_ndim - 1))
     if weight_placement == "S(0)":
-        return x_placement == "R"
+        return bias_placement in (None, "S(0)") and x_placement == "R"
     if weight_placement == "S(1)":
-        return not has_bias and dim(x_placement) == x_ndim - 1
+        return bias_placement in (None, "P") and dim(x_placement) == x_ndim - 1
     return False
+
+
+def as_linear(target, placements: tuple[str, ...]) -> tuple[str, str, str | None] | None:
+    """The (x, weight, bias) placements of a linear-like node's candidate in F.linear's
+    convention (weight (N, K); bias None when absent): `aten.linear` (x, weight[, bias]) as
+    it is; `aten.addmm` (bias, x, weight (K, N)) -- GPT-2's Conv1D -- with the weight's
+    placement transposed. None for another op."""
+    if target is LINEAR_TARGET:
+        return placements[0], placements[1], placements[2] if len(placements) > 2 else None
+    if target is ADDMM_TARGET:
+        flip = {"S(0)": "S(1)", "S(1)": "S(0)", "S(-1)": "S(0)", "S(-2)": "S(1)"}
+        return placements[1], flip.get(placements[2], placements[2]), placements[0]
+    return None
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -156,8 +177,10 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"(got {type(x).__name__}, {type(weight).__name__})")
     mesh, xp, wp = x.device_mesh, x.placements[0], weight.placements[0]
     bp = bias.placements[0] if isinstance(bias, DTensor) else Replicate()
-    if not supported(str(_short(xp)), str(_short(wp)), x.ndim, bias is not None) or (
-            bias is not None and bp != (Shard(0) if wp == Shard(0) else Replicate())):
+    # the plan's R -> P of a row-parallel bias is left to the op (passes/sharding.py): the bias
+    # arrives Replicate and is partitioned here as DTensor partitions it, bias / tp per rank
+    bias_p = "P" if wp == Shard(1) and bp == Replicate() else _short(bp)
+    if not supported(_short(xp), _short(wp), x.ndim, None if bias is None else bias_p):
         raise ValueError(f"float8 linear: placements x {xp}, weight {wp}, bias {bp} are not "
                          "ones the FP8 linear runs on local shards ([Note: float8 recipe])")
     group = mesh.get_group()
@@ -170,7 +193,10 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out, x_grad, k_group, n_group = xp, xp, None, None
         w_grad = Partial() if token_split else Replicate()
     bias_local = None
-    if bias is not None:
+    if bias is not None and wp == Shard(1):  # each rank's partial sum takes bias / tp
+        bias_local = bias.to_local(grad_placements=[Partial()]) / mesh.size() \
+            if bp == Replicate() else bias.to_local(grad_placements=[Replicate()])
+    elif bias is not None:
         bias_grad = Partial() if token_split else bp
         bias_local = (bias.to_local(grad_placements=[bias_grad]) if isinstance(bias, DTensor)
                       else bias)
@@ -180,6 +206,13 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     shape = (*x.shape[:-1], weight.shape[0])
     return DTensor.from_local(y, mesh, [out], run_check=False, shape=torch.Size(shape),
                               stride=torch._prims_common.make_contiguous_strides_for(shape))
+
+
+def float8_addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`aten.addmm(bias, x, weight)` of a Conv1D (GPT-2: x (M, K), weight (K, N), bias (N,))
+    as the FP8 linear: `float8_linear(x, weight.t(), bias)` -> (M, N); a DTensor weight's
+    transpose is a view with its placement transposed."""
+    return float8_linear(x, weight.t(), bias)
 
 
 def _short(p) -> str:

@@ -7,13 +7,15 @@ power-of-two scales, amax all-reduced where tp splits the contraction), so the r
 difference of its own beyond what the bf16 recipe has: dp shards and tp partial sums round at
 other places (tests/test_train_as_planned.py `test_bf16_runs_the_planned_recipe`). Those bf16
 differences then reach the FP8 casts, where a value on a rounding boundary of e4m3 (3 mantissa
-bits) can go the other way. Measured on llama-tiny, the logits before training, relative
-(Frobenius) to one process's FP8 run: dp2 x tp2 with Megatron's column/row-parallel layout
-0.50% (the bf16 recipe's own runs differ from one process by 0.28% there), pp2 x dp2 0 (bit
-for bit); FP8 differs from the bf16 recipe by 1.7%. So the forward is held to 1.2% of one
-process's FP8 logits and to less than half their distance from the bf16 recipe's -- a run
-without the FP8 linears fails that -- and the losses of 3 steps to atol 1e-3, as the bf16
-recipe's (measured: 1.1e-4 at dp2 x tp2, 6.7e-5 at pp2 x dp2).
+bits) can go the other way. Measured, the logits before training, relative (Frobenius) to one
+process's FP8 run: llama-tiny at dp2 x tp2 with Megatron's column/row-parallel layout 0.50%
+(the bf16 recipe's own runs differ from one process by 0.28% there), at pp2 x dp2 0 (bit for
+bit); gpt2-tiny (Conv1D, biases) at dp2 x tp2 0.68%; FP8 differs from the bf16 recipe by
+1.6-1.7%. So the forward is held to 1.2% of one process's FP8 logits and to 0.6 of their
+distance from the bf16 recipe's -- a run without the FP8 linears fails that -- and the losses
+of 3 steps to atol 1e-3, as the bf16 recipe's (measured: 1.1e-4 and 2.0e-4 at dp2 x tp2,
+6.7e-5 at pp2 x dp2). Gradient scales, which AdamW's first steps divide out, are checked on
+their own (`test_tp_placements_give_one_process_gradients`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import pytest
 import torch
 
 import _float8_jobs
-from autoplan.float8 import E4M3, E5M2, float8_linear_local, quantize_rows, supported
+from autoplan.float8 import (ADDMM_TARGET, E4M3, E5M2, LINEAR_TARGET, as_linear,
+                             float8_linear_local, quantize_rows, supported)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,14 +76,19 @@ def test_fp8_linear_forward_and_gradients():
 
 
 def test_supported_placements():
-    assert supported("R", "R", 3, True) and supported("S(0)", "R", 3, True)
-    assert supported("S(1)", "R", 3, False)       # a sequence split
-    assert supported("R", "S(0)", 3, True)        # column parallel
-    assert supported("S(2)", "S(1)", 3, False)    # row parallel
-    assert supported("S(-1)", "S(1)", 3, False)
-    assert not supported("S(2)", "S(1)", 3, True)  # row parallel with a bias
-    assert not supported("S(2)", "R", 3, False)
-    assert not supported("P", "R", 3, False) and not supported("R", "P", 3, False)
+    assert supported("R", "R", 3, "R") and supported("S(0)", "R", 3, "R")
+    assert supported("S(1)", "R", 3)              # a sequence split
+    assert supported("R", "S(0)", 3, "S(0)")      # column parallel
+    assert supported("S(2)", "S(1)", 3)           # row parallel
+    assert supported("S(-1)", "S(1)", 3, "P")     # its bias added to one partial sum
+    assert not supported("S(2)", "S(1)", 3, "R")
+    assert not supported("R", "S(0)", 3, "R")
+    assert not supported("S(2)", "R", 3)
+    assert not supported("P", "R", 3) and not supported("R", "P", 3)
+    # GPT-2's Conv1D, addmm(bias, x (M, K), weight (K, N)): the weight's placement transposed
+    assert as_linear(ADDMM_TARGET, ("S(0)", "R", "S(1)")) == ("R", "S(0)", "S(0)")
+    assert as_linear(ADDMM_TARGET, ("P", "S(1)", "S(0)")) == ("S(1)", "S(1)", "P")
+    assert as_linear(LINEAR_TARGET, ("S(2)", "S(1)")) == ("S(2)", "S(1)", None)
     with pytest.raises(ValueError, match="are not"):
         float8_linear_local(torch.ones(2, 4), torch.ones(3, 5))
 
@@ -156,32 +164,42 @@ def test_float8_refusals_are_named(cluster, kw, match):
 
 
 # -- gloo ranks against one process --------------------------------------------------------------
-MESHES = [dict(dp=2, tp=2), dict(pp=2, dp=2, num_microbatches=2)]
+# Megatron's layout: q, gate, up (llama) and c_attn, c_fc (GPT-2, Conv1D: weight (K, N))
+# column parallel, o, down and c_proj row parallel
+MEGATRON = {"llama-tiny": dict.fromkeys(
+    [f"model.layers.*.{m}.weight" for m in ("self_attn.q_proj", "mlp.gate_proj",
+                                            "mlp.up_proj")], "S(0)") | dict.fromkeys(
+    [f"model.layers.*.{m}.weight" for m in ("self_attn.o_proj", "mlp.down_proj")], "S(1)"),
+    "gpt2-tiny": dict.fromkeys([f"transformer.h.*.{m}.weight" for m in (
+        "attn.c_attn", "mlp.c_fc")], "S(1)") | dict.fromkeys(
+    [f"transformer.h.*.{m}.weight" for m in ("attn.c_proj", "mlp.c_proj")], "S(0)")}
+# FP8 linears: llama-tiny's q, o, gate, up, down per block (k, v: (8, 32), 8 not a multiple
+# of 16); GPT-2's c_attn, c_proj, c_fc, c_proj per block
+NUM_FP8 = {"llama-tiny": 10, "gpt2-tiny": 8}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", MESHES, ids=["dp2xtp2", "pp2xdp2"])
-def test_float8_plan_trains_as_one_process_running_the_recipe(clusters, mesh):
-    if "tp" in mesh:  # Megatron's layout: column-parallel q, gate, up; row-parallel o, down
-        mesh = dict(mesh, placements=dict.fromkeys(
-            [f"model.layers.*.{m}.weight" for m in ("self_attn.q_proj", "mlp.gate_proj",
-                                                    "mlp.up_proj")], "S(0)") | dict.fromkeys(
-            [f"model.layers.*.{m}.weight" for m in ("self_attn.o_proj", "mlp.down_proj")],
-            "S(1)"))
-    results = clusters.get(4).run(_float8_jobs.train_float8, 3, 4, mesh, timeout_s=300)
+@pytest.mark.parametrize("name, mesh", [
+    ("llama-tiny", dict(dp=2, tp=2)), ("llama-tiny", dict(pp=2, dp=2, num_microbatches=2)),
+    ("gpt2-tiny", dict(dp=2, tp=2))], ids=["dp2xtp2", "pp2xdp2", "gpt2-dp2xtp2"])
+def test_float8_plan_trains_as_one_process_running_the_recipe(clusters, name, mesh):
+    if "tp" in mesh:
+        mesh = dict(mesh, placements=MEGATRON[name])
+    results = clusters.get(4).run(_float8_jobs.train_float8, 3, 4, mesh, model=name,
+                                  timeout_s=300)
     plan = json.loads(results[0][2])
     fp8 = plan["float8_linears"]
-    assert len(fp8) == 10, fp8
+    assert len(fp8) == NUM_FP8[name], fp8
     if "tp" in mesh:  # the split weights run on their local shards, the tp amax all-reduced
         placed = dict(plan["param_placements"])
         assert {placed.get(f, "R") for f in fp8} == {"S(0)", "S(1)"}, placed
-    out8, losses8 = _float8_jobs.reference_float8(fp8, 3, 4)
-    out16, _ = _float8_jobs.reference_float8([], 3, 4)
+    out8, losses8 = _float8_jobs.reference_float8(fp8, 3, 4, name)
+    out16, _ = _float8_jobs.reference_float8([], 3, 4, name)
     held = set()
     for out, losses, _plan_json, built, calls in results:
         assert calls == len(built) and set(built) <= set(fp8)
         held |= set(built)
-        assert _rel(out, out8) < 0.012 and _rel(out, out8) < 0.5 * _rel(out, out16), (
+        assert _rel(out, out8) < 0.012 and _rel(out, out8) < 0.6 * _rel(out, out16), (
             _rel(out, out8), _rel(out, out16))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses8), rtol=0,
                                    atol=1e-3)
@@ -225,3 +243,14 @@ def test_a_split_contraction_takes_the_amax_of_the_whole_row(clusters):
     for rank, (grouped, alone, groups) in enumerate(results):
         assert grouped and alone == (rank == 0)  # rank 0 holds each row's amax
         assert groups == {"S(1)": (True, False), "S(0)": (False, True)}
+
+
+@pytest.mark.slow
+def test_tp_placements_give_one_process_gradients(clusters):
+    """Each placement the planner runs the FP8 linear with gives one process's output and
+    input, weight and bias gradients (fp32 operands: differences are summation order; a
+    gradient with a wrong placement -- a Partial counted twice, a bias on every partial sum
+    -- is 0.5 or more). The training tests cannot see a gradient's scale: AdamW's first steps
+    divide it out."""
+    for worst in clusters.get(2).run(_float8_jobs.tp_gradients_as_one_process, timeout_s=120):
+        assert all(v < 1e-5 for v in worst.values()), worst

@@ -38,12 +38,12 @@ import torch.fx
 
 from autoplan.cost_model.comm import collective_time_s
 from autoplan.cost_model.compute import backward_time_s, matmul_dims, matmul_efficiency, op_time_s
-from autoplan.float8 import LINEAR_TARGET, supported
+from autoplan.float8 import ADDMM_TARGET, LINEAR_TARGET, as_linear, supported
 from autoplan.graph import CapturedGraph, NodeInfo
 from autoplan.topology import Topology
 
 __all__ = ["FLOAT8_MODES", "QUANTIZE_BYTES_PER_ELEM", "Float8Times", "eligible",
-           "float8_times_s", "float8_choice"]
+           "float8_times_s", "float8_choice", "runs_in_float8"]
 
 FLOAT8_MODES = ("off", "on", "auto")
 QUANTIZE_BYTES_PER_ELEM = 5
@@ -80,10 +80,11 @@ def eligible(graph: CapturedGraph) -> dict[str, str]:
     in_blocks = {n for names in graph.layer_nodes.values() for n in names}
     out = {}
     for node in graph.gm.graph.nodes:
-        if (node.op != "call_function" or node.target is not LINEAR_TARGET
-                or node.name not in in_blocks or len(node.args) < 2):
+        index = {LINEAR_TARGET: 1, ADDMM_TARGET: 2}.get(node.target)
+        if (node.op != "call_function" or index is None or node.name not in in_blocks
+                or len(node.args) <= index):
             continue
-        w = node.args[1]
+        w = node.args[index]
         info = graph.params.get(w.target) if isinstance(w, torch.fx.Node) and \
             w.op == "get_attr" else None
         if info is None or info.is_buffer or len(info.shape) != 2 or any(
@@ -144,20 +145,31 @@ def float8_times_s(node: NodeInfo, x: str, w: str, *, shard_factor: float, tp: i
     return Float8Times(fwd, bwd)
 
 
+def runs_in_float8(fx_node: torch.fx.Node, inputs: tuple[str, ...]) -> bool:
+    """Whether the FP8 linear runs linear-like node `fx_node` (aten.linear, Conv1D's
+    aten.addmm) on local shards under a candidate with input placements `inputs`
+    (autoplan/float8.py `supported`, in F.linear's convention: `as_linear`)."""
+    placed = as_linear(fx_node.target, inputs)
+    x_arg = fx_node.args[1 if fx_node.target is ADDMM_TARGET else 0]
+    val = x_arg.meta.get("val") if isinstance(x_arg, torch.fx.Node) else None
+    if placed is None or val is None:
+        return False
+    x, w, bias = placed
+    has_bias = (fx_node.args[0] if fx_node.target is ADDMM_TARGET else
+                fx_node.args[2] if len(fx_node.args) > 2 else None) is not None
+    return supported(x, w, val.ndim, (bias or "R") if has_bias else None)
+
+
 def float8_choice(mode: str, node: NodeInfo, fx_node: torch.fx.Node, inputs: tuple[str, ...],
                   *, shard_factor: float, tp: int, topology: Topology, dtype: str,
                   weight_trainable: bool, routing_skew: float = 1.0) -> Float8Times | None:
     """The FP8 times of eligible linear `node` (`fx_node` its captured node) under a candidate
     with input placements `inputs`, when `mode` runs it in FP8 there ([Note: float8 pricing]),
     else None (it runs in the compute dtype)."""
-    if mode == "off":
+    if mode == "off" or not runs_in_float8(fx_node, inputs):
         return None
-    x_val = fx_node.args[0].meta.get("val") if isinstance(fx_node.args[0], torch.fx.Node) \
-        else None
-    has_bias = len(fx_node.args) > 2 and fx_node.args[2] is not None
-    if x_val is None or not supported(inputs[0], inputs[1], x_val.ndim, has_bias):
-        return None
-    times = float8_times_s(node, inputs[0], inputs[1], shard_factor=shard_factor, tp=tp,
+    x, w, _bias = as_linear(fx_node.target, inputs)
+    times = float8_times_s(node, x, w, shard_factor=shard_factor, tp=tp,
                            topology=topology, dtype=dtype, weight_trainable=weight_trainable)
     if mode == "auto":
         device = topology.device

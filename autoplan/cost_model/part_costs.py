@@ -18,6 +18,7 @@ from autoplan.cost_model.compute import (
 )
 from autoplan.cost_model.context_parallel import attention_nodes, kv_bytes, kv_comm_s
 from autoplan.cost_model.float8 import eligible, float8_times_s
+from autoplan.float8 import as_linear
 from autoplan.graph import CapturedGraph
 from autoplan.op_classes import NO_GRAD_OPS, op_name, selective_saves
 from autoplan.plan import Plan
@@ -209,7 +210,8 @@ def part_costs(plan: Plan, graph: CapturedGraph, topology: Topology,
                               routing_skew=plan.routing_skew) / speed
         if name in fp8:  # [Note: float8 pricing]
             chosen = strategies.get(name) or strategies[rep[name]]
-            t = float8_times_s(scaled, chosen.inputs[0], chosen.inputs[1],
+            x, w, _bias = as_linear(fx_nodes[name].target, chosen.inputs)
+            t = float8_times_s(scaled, x, w,
                                shard_factor=factor, tp=tp, topology=topology, dtype=plan.dtype,
                                weight_trainable=graph.params[fp8[name]].trainable)
             fwd, bwd = t.forward_s / speed, t.backward_s / speed

@@ -13,7 +13,7 @@ import torch.fx
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from autoplan.float8 import float8_linear
+from autoplan.float8 import float8_addmm, float8_linear
 from autoplan.passes.rng import random_op_indices
 from autoplan.plan import parse_placement
 from autoplan.runtime.precision import Precision
@@ -150,7 +150,7 @@ def _float8_problems(model) -> list[str]:
     want = set(model.plan.float8_linears) & held
     calls = sum(1 for _, module in model.stages for m in module.modules()
                 if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
-                if n.op == "call_function" and n.target is float8_linear)
+                if n.op == "call_function" and n.target in (float8_linear, float8_addmm))
     made = set(model.float8_linears)
     if calls == len(want) and made == want:
         return []

@@ -10,20 +10,10 @@ at this tp stays as it is, in the compute dtype, and the plan's `float8_linears`
 
 from __future__ import annotations
 
-import torch.fx
-
-from autoplan.cost_model.float8 import eligible
-from autoplan.float8 import supported
+from autoplan.cost_model.float8 import eligible, runs_in_float8
 from autoplan.solver.problem import Problem
 
 __all__ = ["restrict"]
-
-
-def _runs(fx_node: torch.fx.Node, inputs: tuple[str, ...]) -> bool:
-    x = fx_node.args[0]
-    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    has_bias = len(fx_node.args) > 2 and fx_node.args[2] is not None
-    return val is not None and supported(inputs[0], inputs[1], val.ndim, has_bias)
 
 
 def restrict(problem: Problem) -> Problem:
@@ -36,7 +26,7 @@ def restrict(problem: Problem) -> Problem:
         rep = problem.rep.get(name, name)
         if rep not in linears:
             continue
-        keep = [c for c in problem.cands[name] if _runs(fx_nodes[rep], c.inputs)]
+        keep = [c for c in problem.cands[name] if runs_in_float8(fx_nodes[rep], c.inputs)]
         if keep:
             problem.cands[name] = keep
     return problem
