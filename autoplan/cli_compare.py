@@ -93,11 +93,15 @@ def explain(args, plan_fn: Callable) -> int:
                     "diff": found})
         return 0
     print(render_diff(found, a="chosen", b="yours"))
+    ratio = yours.prediction.step_time_s / chosen.prediction.step_time_s
     if not found["config"] and "stages" not in found and not found["placements"]:
         print(f"\nyours ({words}) is the chosen plan")
-    elif yours.prediction.step_time_s >= chosen.prediction.step_time_s:
-        print(f"\nyours ({words}) is {yours.prediction.step_time_s / chosen.prediction.step_time_s - 1:.1%} "
-              "slower per step than the chosen plan")
+    elif ratio >= 1:
+        print(f"\nyours ({words}) is {ratio - 1:.1%} slower per step than the chosen plan")
+    elif "float8" in given:  # a recipe the chosen plan does not run, not a missed plan
+        print(f"\nyours ({words}) is {1 - ratio:.1%} faster per step than the chosen plan: its "
+              "FP8 linears, a recipe the search uses only when asked (float8 is 'off' unless "
+              "given)")
     else:  # the search keeps the fastest plan that fits; a faster one means a limit
         print(f"\nyours ({words}) is faster per step than the chosen plan: the search did not "
               "reach it (its time limit, --time-limit-s) or ranked it by another bar")

@@ -682,3 +682,22 @@ def test_implausible_topology_values_warn_with_the_field_and_the_range(capsys, t
     assert len(lines) == 2, err
     assert "device.mem_bytes: 80 is outside 1e+08 .. 1e+13" in lines[0]
     assert "inter_node.latency_s: 10 is outside 0 .. 0.01" in lines[1]
+
+
+def test_explain_the_float8_recipe(capsys, tmp_path):
+    """`autoplan explain --float8 auto` on an H100: the configuration diff is the number of
+    FP8 linears, and the closing line says the gain is the recipe's, not a plan the search
+    missed."""
+    config = tmp_path / "wide.json"
+    config.write_text(json.dumps({**json.loads((Path(__file__).parent.parent / "autoplan" /
+                                                "models" / "configs" / "llama-tiny.json")
+                                               .read_text()),
+                                  "hidden_size": 2048, "intermediate_size": 8192,
+                                  "num_attention_heads": 16, "num_key_value_heads": 4,
+                                  "head_dim": 128, "max_position_embeddings": 2048}))
+    code, out, err = _run(capsys, "explain", "-q", "--model", str(config), "--cluster",
+                          "dgx-h100", "--global-batch", "16", "--seq", "2048", "--dtype",
+                          "bfloat16", "--float8", "auto")
+    assert code == 0, err
+    assert "float8_linears                          0 -> " in out, out
+    assert "faster per step than the chosen plan: its FP8 linears" in out, out

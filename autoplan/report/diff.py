@@ -41,6 +41,7 @@ def _config(plan: Plan) -> dict:
     for f in CONFIG_FIELDS:
         value = getattr(plan, f)
         out[f] = str(value) if f == "mesh" else value
+    out["float8_linears"] = len(plan.float8_linears)  # [Note: float8 recipe]: how many
     return out
 
 
@@ -60,7 +61,8 @@ def plan_diff(a: Plan, b: Plan) -> dict:
 
     - "same_request": whether both plan the same model, topology, global batch and seq_len
       (a diff across requests is allowed, and says so);
-    - "config": {field: [a, b]} for each of CONFIG_FIELDS that differs; "stages":
+    - "config": {field: [a, b]} for each of CONFIG_FIELDS that differs, and
+      "float8_linears" (the number of FP8 linears) when it does; "stages":
       [a's [layer_start, layer_end] per stage, b's] when they differ;
     - "time_s": {term: [a, b, b - a]} for TIME_TERMS (seconds per step);
     - "memory_bytes": {"peak" | category: [a, b, b - a]} for the most loaded rank;
@@ -75,7 +77,7 @@ def plan_diff(a: Plan, b: Plan) -> dict:
     ca, cb = _config(a), _config(b)
     out: dict = {
         "a": str(a), "b": str(b), "same_request": same,
-        "config": {f: [ca[f], cb[f]] for f in CONFIG_FIELDS if ca[f] != cb[f]},
+        "config": {f: [ca[f], cb[f]] for f in ca if ca[f] != cb[f]},
     }
     if _stages(a) != _stages(b):
         out["stages"] = [_stages(a), _stages(b)]
