@@ -95,11 +95,15 @@ def test_supported_placements():
 
 # -- pricing and the planner's choice -------------------------------------------------------------
 def _plan(cluster: str, **kw):
+    return _plan_of("llama-tiny", cluster=cluster, **kw)
+
+
+def _plan_of(name: str, config: dict | None = None, **kw):
     from autoplan.api import autoparallel
     from autoplan.models import build_model
 
-    return autoparallel(build_model("llama-tiny", device="meta"), global_batch=8, seq_len=16,
-                        cluster=cluster, **kw).plan
+    return autoparallel(build_model(name, device="meta", **(config or {})), global_batch=8,
+                        seq_len=16, **kw).plan
 
 
 def test_float8_on_lists_every_eligible_linear_and_names_the_recipe():
@@ -149,6 +153,17 @@ def test_float8_auto_pays_on_h100_and_is_priced_faster():
     assert (off.mesh, off.num_microbatches) == (auto.mesh, auto.num_microbatches)
     assert off.step_time_s - auto.prediction.step_time_s == pytest.approx(
         bf16.prediction.compute_s - auto.prediction.compute_s, rel=1e-6)
+
+
+def test_float8_that_runs_nothing_says_why():
+    from autoplan.solver.configurations import Float8Warning
+
+    with pytest.warns(Float8Warning, match="runs no linear in FP8: FP8 is not faster"):
+        _plan("local-cpu", world_size=2, dp=2, float8="auto")  # CPU: FP8 peak = bf16's
+    with pytest.warns(Float8Warning, match="no linear of the repeated blocks"):
+        _plan_of("llama-tiny", world_size=2, dp=2, float8="on", config=dict(
+            hidden_size=40, intermediate_size=72, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=10))  # no weight dim a multiple of 16
 
 
 @pytest.mark.parametrize("cluster, kw, match", [

@@ -30,13 +30,14 @@ The pipeline, in files:
     assemble.py       the Plan (placements per node and parameter, redistributions, predictions)
 
 Public: `plan`, `reprice`, `NoFeasiblePlan`, `InvalidConfig`, `SolverLimitReached` (all
-ValueError), `SolverLimitWarning`, `DP_SYNC_OVERLAP`.
+ValueError), `SolverLimitWarning`, `Float8Warning`, `DP_SYNC_OVERLAP`.
 """
 
 from autoplan.cost_model.step_time import DP_SYNC_OVERLAP
-from autoplan.solver.configurations import InvalidConfig, NoFeasiblePlan, SolverLimitWarning
+from autoplan.solver.configurations import (Float8Warning, InvalidConfig, NoFeasiblePlan,
+                                            SolverLimitWarning)
 from autoplan.solver.ilp_types import SolverLimitReached
 from autoplan.solver.planner import plan, reprice
 
 __all__ = ["plan", "reprice", "NoFeasiblePlan", "InvalidConfig", "SolverLimitReached",
-           "SolverLimitWarning", "DP_SYNC_OVERLAP"]
+           "SolverLimitWarning", "Float8Warning", "DP_SYNC_OVERLAP"]

@@ -56,6 +56,11 @@ class ReplicatedWeightsWarning(UserWarning):
     holds them whole."""
 
 
+class Float8Warning(UserWarning):
+    """float8 "on" or "auto" was asked for and the plan runs no linear in FP8 (planner.py
+    `_warn_no_float8` says why: no eligible linear, or none where FP8 pays)."""
+
+
 class SolverLimitWarning(UserWarning):
     """Configurations were skipped because their ILP found no placement within the
     deterministic limit (`time_limit_s`, [Note: deterministic limits] in ilp_types.py): the

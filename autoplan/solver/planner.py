@@ -9,6 +9,7 @@ import fnmatch
 import heapq
 import logging
 import time
+import warnings
 
 from autoplan.collector import collector_paused
 from autoplan.cost_model.compute import compiled_device
@@ -21,8 +22,9 @@ from autoplan.plan import Plan
 from autoplan.solver.assemble import as_alternatives, build_plan
 from autoplan.solver.branch_bound import (branch_and_bound, offload_candidates, offloaded,
                                           rank_key, variants)
-from autoplan.solver.configurations import (InvalidConfig, NoFeasiblePlan, Overrides,
-                                            PlanConfig, enumerate_configs, validate)
+from autoplan.solver.configurations import (Float8Warning, InvalidConfig, NoFeasiblePlan,
+                                            Overrides, PlanConfig, enumerate_configs,
+                                            validate)
 from autoplan.solver.context import cp_degrees
 from autoplan.solver.expert_degree import ep_refusal
 from autoplan.solver.frozen import plan_frozen_dtype
@@ -131,6 +133,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         result = _planned(graph, topology, spec, o, frozen_weights_dtype)
     except NoFeasiblePlan as e:
         raise NoFeasiblePlan(f"{e}{how}") from None
+    if spec.float8 != "off" and not result.float8_linears:
+        _warn_no_float8(graph, topology, spec.float8)
     if user_pins:
         result = dataclasses.replace(result, pinned=user_pins)
     if o.stages is not None:
@@ -156,6 +160,19 @@ def _float8_spec(spec: TrainingSpec, mode: str, topology: Topology, compiled) ->
                             "compiled yet (its amax all-reduces are eager collectives); plan "
                             "it eagerly")
     return dataclasses.replace(spec, float8=mode)
+
+
+def _warn_no_float8(graph: CapturedGraph, topology: Topology, mode: str) -> None:
+    """Float8Warning: float8 `mode` was asked for and the plan runs no linear in FP8."""
+    from autoplan.cost_model.float8 import eligible
+
+    why = ("no linear of the repeated blocks has a parameter weight with both dims multiples "
+           "of 16 (routers and the LM head stay in bf16)" if not eligible(graph) else
+           f"FP8 is not faster for any of them on {topology.device.name} (float8='on' runs "
+           "them regardless)" if mode == "auto" else
+           "no placement the planner chose runs the FP8 linear on local shards")
+    warnings.warn(f"float8={mode!r}: {graph.model_name} runs no linear in FP8: {why}",
+                  Float8Warning, stacklevel=3)
 
 
 def experts_split(graph: CapturedGraph, placements: tuple, ep: int, tp: int) -> tuple:
