@@ -83,6 +83,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
         InvalidConfig: overrides that cannot work (the message names the numbers), a value
             outside its field's choices (an `OptionError` of SearchOptions, as InvalidConfig).
         ValueError: a pin that cannot hold (solver/pins.py, naming it).
+        InvalidConfig also for float8 "on" / "auto" under another dtype than bfloat16, on a
+            device without an FP8 peak, or with `compiled`.
         NoFeasiblePlan: nothing fits in memory (the message gives the smallest per-device memory
             any plan needs, with its configuration, and the device's memory).
         SolverLimitReached: no configuration is left with a placement that fits, and some were
@@ -94,6 +96,8 @@ def plan(graph: CapturedGraph, topology: Topology, spec: TrainingSpec,
             block replicated on the tp axis because the model's shapes do not split by tp
             (e.g. 12 attention heads on tp 8); the message names the weights, their shapes and
             the dims tp does not divide.
+        Float8Warning: float8 "on" or "auto" asked for, and the plan runs no linear in FP8
+            (the message says why).
         SolverLimitWarning: a plan was found, but configurations were skipped because their
             ILP found no placement within `time_limit_s` (the message names them).
     """
