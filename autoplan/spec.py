@@ -72,6 +72,9 @@ class TrainingSpec:
             placements run it) or "auto" (those where it is faster); needs dtype "bfloat16"
             and a device with a "float8" peak ([Note: float8 pricing] in
             cost_model/float8.py).
+        float8_only: with float8 "on", the weight FQNs of the only linears that may run in
+            FP8 -- a plan's own `float8_linears`, to reprice it as it runs (solver `reprice`);
+            () (default): every eligible one.
     """
 
     global_batch: int
@@ -82,6 +85,7 @@ class TrainingSpec:
     frozen_dtype: str = ""
     routing_skew: float = ROUTING_SKEW
     float8: str = "off"
+    float8_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -99,6 +103,9 @@ class TrainingSpec:
         if self.float8 not in ("off", "on", "auto"):
             raise ValueError(f"training spec: float8 {self.float8!r} is not one of 'off', "
                              "'on', 'auto'")
+        if self.float8_only and self.float8 != "on":
+            raise ValueError(f"training spec: float8_only ({len(self.float8_only)} linears) "
+                             f"with float8 {self.float8!r}; it narrows float8 'on'")
         if self.float8 != "off" and self.dtype != "bfloat16":
             raise ValueError(f"training spec: float8 {self.float8!r} under dtype "
                              f"{self.dtype!r}; the float8 recipe runs its other ops in "

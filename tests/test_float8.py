@@ -130,15 +130,18 @@ def test_float8_auto_pays_on_h100_and_is_priced_faster():
     ms per step (the weight gradients stay in bf16)."""
     from autoplan.api import autoparallel
     from autoplan.models import build_model
+    from autoplan.solver import reprice
 
-    def plan(**kw):
+    def planned(**kw):
         return autoparallel(build_model("llama-tiny", device="meta", hidden_size=4096,
                                         intermediate_size=14336, num_attention_heads=32,
                                         num_key_value_heads=8, num_hidden_layers=2,
                                         head_dim=128, max_position_embeddings=4096),
                             global_batch=8, seq_len=4096, cluster="dgx-h100", num_nodes=1,
-                            dtype="bfloat16", dp=8, **kw).plan
-    bf16, auto, on = plan(), plan(float8="auto"), plan(float8="on")
+                            dtype="bfloat16", dp=8, **kw)
+    bf16, on = planned().plan, planned(float8="on").plan
+    ap = planned(float8="auto")
+    auto = ap.plan
     # q, o, gate, up, down; k and v ((1024, 4096): N = 1024) gain less than their casts cost
     assert len(auto.float8_linears) == 10, auto.float8_linears
     assert not any("k_proj" in f or "v_proj" in f for f in auto.float8_linears)
@@ -153,6 +156,10 @@ def test_float8_auto_pays_on_h100_and_is_priced_faster():
     assert (off.mesh, off.num_microbatches) == (auto.mesh, auto.num_microbatches)
     assert off.step_time_s - auto.prediction.step_time_s == pytest.approx(
         bf16.prediction.compute_s - auto.prediction.compute_s, rel=1e-6)
+    # repriced as it runs: its own FP8 linears, not every one "on" would run
+    again = reprice(ap.graph, auto, ap.topology, ap.spec)
+    assert again.float8_linears == auto.float8_linears
+    assert again.prediction.step_time_s == pytest.approx(auto.prediction.step_time_s, rel=1e-9)
 
 
 def test_float8_that_runs_nothing_says_why():

@@ -162,11 +162,14 @@ def runs_in_float8(fx_node: torch.fx.Node, inputs: tuple[str, ...]) -> bool:
 
 def float8_choice(mode: str, node: NodeInfo, fx_node: torch.fx.Node, inputs: tuple[str, ...],
                   *, shard_factor: float, tp: int, topology: Topology, dtype: str,
-                  weight_trainable: bool, routing_skew: float = 1.0) -> Float8Times | None:
-    """The FP8 times of eligible linear `node` (`fx_node` its captured node) under a candidate
-    with input placements `inputs`, when `mode` runs it in FP8 there ([Note: float8 pricing]),
-    else None (it runs in the compute dtype)."""
-    if mode == "off" or not runs_in_float8(fx_node, inputs):
+                  weight_trainable: bool, routing_skew: float = 1.0, weight_fqn: str = "",
+                  only: tuple[str, ...] = ()) -> Float8Times | None:
+    """The FP8 times of eligible linear `node` (`fx_node` its captured node, `weight_fqn` its
+    weight) under a candidate with input placements `inputs`, when `mode` runs it in FP8 there
+    ([Note: float8 pricing]), else None (it runs in the compute dtype). `only`: the linears
+    that may (TrainingSpec.float8_only; () for all)."""
+    if mode == "off" or (only and weight_fqn not in only) or not runs_in_float8(fx_node,
+                                                                                  inputs):
         return None
     x, w, _bias = as_linear(fx_node.target, inputs)
     times = float8_times_s(node, x, w, shard_factor=shard_factor, tp=tp,

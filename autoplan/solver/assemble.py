@@ -223,8 +223,8 @@ def _float8_linears(search, problem: Problem, chosen: dict[str, Candidate],
         c = chosen[name]
         if float8_choice(spec.float8, scaled, fx_nodes[name], c.inputs,
                          shard_factor=c.shard_factor, tp=problem.tp, topology=topology,
-                         dtype=spec.dtype,
-                         weight_trainable=graph.params[fqn].trainable) is not None:
+                         dtype=spec.dtype, weight_trainable=graph.params[fqn].trainable,
+                         weight_fqn=fqn, only=spec.float8_only) is not None:
             out.append(fqn)
     return tuple(sorted(_uncaptured_blocks(graph, out)))
 

@@ -259,7 +259,8 @@ def build_costs(problem: Problem, microbatch_size: int, spec: TrainingSpec,
             times = [float8_choice(spec.float8, scaled, fx_nodes[n], c.inputs,
                                    shard_factor=c.shard_factor, tp=tp, topology=topology,
                                    dtype=spec.dtype,
-                                   weight_trainable=graph.params[fp8[n]].trainable)
+                                   weight_trainable=graph.params[fp8[n]].trainable,
+                                   weight_fqn=fp8[n], only=spec.float8_only)
                      for c in problem.cands[n]]
             costs.float8_forward_s[n] = [t and t.forward_s for t in times]
             costs.compute_s[n] = [old if t is None else t.forward_s + t.backward_s + host

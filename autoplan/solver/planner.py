@@ -229,8 +229,8 @@ def reprice(graph: CapturedGraph, plan: Plan, topology: Topology, spec: Training
         spec = dataclasses.replace(spec, frozen_dtype=plan.frozen_dtype)
     if plan.routing_skew != 1.0:  # and at the routing skew it was priced at
         spec = dataclasses.replace(spec, routing_skew=plan.routing_skew)
-    if plan.float8_linears:  # its FP8 linears in FP8 (those whose placements run it)
-        spec = dataclasses.replace(spec, float8="on")
+    if plan.float8_linears:  # its own FP8 linears, and only those
+        spec = dataclasses.replace(spec, float8="on", float8_only=plan.float8_linears)
     search, assessed = _assessed(graph, plan, topology, spec)
     with collector_paused():
         return dataclasses.replace(build_plan(search, assessed, []), compiled=plan.compiled)

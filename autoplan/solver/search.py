@@ -115,7 +115,7 @@ class Search(ExpertSearch):
             if self.sequence_parallel is not None:
                 sequence.restrict(prob, self.sequence_parallel)
             pins.restrict(prob, self.pinned)
-            if self.spec.float8 == "on":  # FP8 placements for the linears that have them
+            if self.spec.float8 == "on" and not self.spec.float8_only:  # FP8 placements
                 float8.restrict(prob)
             self.problems[tp] = prob
         return self.problems[tp]
