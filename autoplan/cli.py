@@ -195,7 +195,7 @@ def _plan(args, num_layers: int | None) -> Planned:
     from autoplan.models.trainable import Trainable
     from autoplan.options import search_options_of
     from autoplan.session import audit, solve
-    from autoplan.solver.configurations import ReplicatedWeightsWarning
+    from autoplan.solver.configurations import Float8Warning, ReplicatedWeightsWarning
     from autoplan.spec import TrainingSpec
 
     config = model_config(args.model)  # an unknown preset fails here, before the cluster
@@ -220,7 +220,7 @@ def _plan(args, num_layers: int | None) -> Planned:
                                frozen_weights_dtype=_weights_dtype(config))
     said = []
     for w in caught:
-        if issubclass(w.category, ReplicatedWeightsWarning):  # about the plan: for the user
+        if issubclass(w.category, (ReplicatedWeightsWarning, Float8Warning)):  # for the user
             said.append(str(w.message))
             print(f"autoplan: warning: {w.message}", file=sys.stderr)
         else:  # a library's: shown as Python shows it
