@@ -195,3 +195,33 @@ def tp_gradients_as_one_process():
         out[name] = max(((f - r).norm() / r.norm()).item()
                         for f, r in zip(full, [want] + [t.grad for t in whole]))
     return out
+
+
+class _CountScaledMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts `aten._scaled_mm` calls (DTensors through their local ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        self.calls += func is torch.ops.aten._scaled_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def scaled_mm_per_step(batch: int, overrides: dict):
+    """On every rank: the FP8 matmuls one float8 training step runs (its second), and the
+    number of FP8 linears the plan lists."""
+    from autoplan.api import autoparallel
+
+    model = preset(MODEL)()
+    ap = autoparallel(model, global_batch=batch, seq_len=SEQ, float8="on", **overrides)
+    x, y = batches(vocab_of(model), 2, batch)
+    ap.step(x[0], y[0])
+    with _CountScaledMM() as count:
+        ap.step(x[1], y[1])
+    return count.calls, len(ap.plan.float8_linears)

@@ -276,3 +276,16 @@ def test_tp_placements_give_one_process_gradients(clusters):
     divide it out."""
     for worst in clusters.get(2).run(_float8_jobs.tp_gradients_as_one_process, timeout_s=120):
         assert all(v < 1e-5 for v in worst.values()), worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing, per_linear", [("none", 2), ("selective", 2),
+                                                       ("full", 3)])
+def test_selective_checkpointing_keeps_the_fp8_matmuls(clusters, checkpointing, per_linear):
+    """A linear's forward and input-gradient FP8 matmuls: "selective" keeps the forward's
+    output, as it keeps a bf16 matmul's and as the cost model prices it (no FP8 GEMM runs
+    again); "full" runs the forward again."""
+    results = clusters.get(2).run(_float8_jobs.scaled_mm_per_step, 4,
+                                  dict(dp=2, checkpointing=checkpointing), timeout_s=120)
+    for calls, linears in results:
+        assert calls == per_linear * linears, (calls, linears)

@@ -60,7 +60,12 @@ def _selective_policy(ctx, op, *args, **kwargs):
     # ops as dispatched: a captured aten.linear arrives here as its mm / addmm (and a view).
     # An op run without grad (inside an autograd.Function's forward: passes/rng.py's dropped
     # attention, which saves its own inputs and recomputes) records nothing for the backward:
-    # keeping its output would hold what the Function chose not to (its scores).
+    # keeping its output would hold what the Function chose not to (its scores). The FP8
+    # linear's `_scaled_mm` also runs inside its Function's forward, and its output is the
+    # linear's ([Note: float8 recipe]): kept, as a bf16 linear's mm is, so that only its casts
+    # run again.
+    if op is torch.ops.aten._scaled_mm.default:
+        return CheckpointPolicy.MUST_SAVE
     return (CheckpointPolicy.MUST_SAVE if op_classes.selective_saves(op) and torch.is_grad_enabled()
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
