@@ -39,7 +39,8 @@ sums are taken, as the bf16 recipe does.
 Which linears (`Plan.float8_linears`, chosen by the planner: cost_model/float8.py): the block
 linears -- `nn.Linear` (captured as aten.linear) and HF's Conv1D (GPT-2: aten.addmm with the
 weight (K, N), run as the linear of its transpose, `float8_addmm`) -- with both weight dims
-divisible by 16 (`torch._scaled_mm`'s requirement on CUDA), not a router's (its scores pick
+divisible by 16, on each rank's shard too (`torch._scaled_mm`'s requirement on CUDA), not a
+router's (its scores pick
 discrete routes) nor the LM head (torchtitan's default `filter_fqns=["output"]`), whose
 planned placements this module runs on local shards (`supported`): W Replicate with x
 Replicate or split on a token dim; W Shard(0) (column parallel) with x Replicate; W Shard(1)

@@ -162,6 +162,28 @@ def test_float8_auto_pays_on_h100_and_is_priced_faster():
     assert again.prediction.step_time_s == pytest.approx(auto.prediction.step_time_s, rel=1e-9)
 
 
+def test_a_shard_whose_dims_cuda_cannot_multiply_stays_in_bf16():
+    """CUDA's `_scaled_mm` needs each rank's K and N to be multiples of 16: an MLP of 144
+    (9 x 16) pinned split 8 ways (18 per rank) keeps gate in bf16 under float8="on", which
+    runs it in FP8 unsplit; up, not pinned, is held whole to run in FP8."""
+    from autoplan.api import autoparallel
+    from autoplan.models import build_model
+
+    def planned(tp):
+        model = build_model("llama-tiny", device="meta", hidden_size=128,
+                            intermediate_size=144, num_attention_heads=8,
+                            num_key_value_heads=8, head_dim=16)
+        pins = {"model.layers.*.mlp.gate_proj.weight": "S(0)"} if tp > 1 else {}
+        return autoparallel(model, global_batch=8, seq_len=16, cluster="dgx-h100",
+                            dtype="bfloat16", tp=tp, float8="on", placements=pins).plan
+    whole = {f.split(".")[-2] for f in planned(1).float8_linears}
+    tp8 = planned(8)
+    split = {f.split(".")[-2] for f in tp8.float8_linears}
+    assert {"gate_proj", "up_proj", "down_proj"} <= whole
+    assert "gate_proj" not in split and "up_proj" in split, split
+    assert tp8.placement_of("model.layers.0.mlp.up_proj.weight") == "R"
+
+
 def test_float8_that_runs_nothing_says_why():
     from autoplan.solver.configurations import Float8Warning
 

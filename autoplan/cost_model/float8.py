@@ -145,16 +145,25 @@ def float8_times_s(node: NodeInfo, x: str, w: str, *, shard_factor: float, tp: i
     return Float8Times(fwd, bwd)
 
 
-def runs_in_float8(fx_node: torch.fx.Node, inputs: tuple[str, ...]) -> bool:
+def runs_in_float8(fx_node: torch.fx.Node, inputs: tuple[str, ...], tp: int) -> bool:
     """Whether the FP8 linear runs linear-like node `fx_node` (aten.linear, Conv1D's
-    aten.addmm) on local shards under a candidate with input placements `inputs`
-    (autoplan/float8.py `supported`, in F.linear's convention: `as_linear`)."""
+    aten.addmm) on local shards under a candidate with input placements `inputs` at `tp`
+    (autoplan/float8.py `supported`, in F.linear's convention: `as_linear`), each rank's
+    share of the weight having both dims multiples of 16 (CUDA `_scaled_mm`'s requirement;
+    a split dim divides by tp evenly)."""
     placed = as_linear(fx_node.target, inputs)
-    x_arg = fx_node.args[1 if fx_node.target is ADDMM_TARGET else 0]
+    addmm = fx_node.target is ADDMM_TARGET
+    x_arg, w_arg = fx_node.args[1 if addmm else 0], fx_node.args[2 if addmm else 1]
     val = x_arg.meta.get("val") if isinstance(x_arg, torch.fx.Node) else None
-    if placed is None or val is None:
+    w_val = w_arg.meta.get("val") if isinstance(w_arg, torch.fx.Node) else None
+    if placed is None or val is None or w_val is None:
         return False
     x, w, bias = placed
+    n, k = reversed(w_val.shape) if addmm else w_val.shape  # the (N, K) of F.linear
+    n_local = n / tp if w == "S(0)" else n
+    k_local = k / tp if w == "S(1)" else k
+    if n_local % 16 or k_local % 16:
+        return False
     has_bias = (fx_node.args[0] if fx_node.target is ADDMM_TARGET else
                 fx_node.args[2] if len(fx_node.args) > 2 else None) is not None
     return supported(x, w, val.ndim, (bias or "R") if has_bias else None)
@@ -168,8 +177,8 @@ def float8_choice(mode: str, node: NodeInfo, fx_node: torch.fx.Node, inputs: tup
     weight) under a candidate with input placements `inputs`, when `mode` runs it in FP8 there
     ([Note: float8 pricing]), else None (it runs in the compute dtype). `only`: the linears
     that may (TrainingSpec.float8_only; () for all)."""
-    if mode == "off" or (only and weight_fqn not in only) or not runs_in_float8(fx_node,
-                                                                                  inputs):
+    if mode == "off" or (only and weight_fqn not in only) or not runs_in_float8(
+            fx_node, inputs, tp):
         return None
     x, w, _bias = as_linear(fx_node.target, inputs)
     times = float8_times_s(node, x, w, shard_factor=shard_factor, tp=tp,

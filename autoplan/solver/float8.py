@@ -11,6 +11,7 @@ at this tp stays as it is, in the compute dtype, and the plan's `float8_linears`
 from __future__ import annotations
 
 from autoplan.cost_model.float8 import eligible, runs_in_float8
+from autoplan.float8 import ADDMM_TARGET
 from autoplan.solver.problem import Problem
 
 __all__ = ["restrict"]
@@ -26,7 +27,15 @@ def restrict(problem: Problem) -> Problem:
         rep = problem.rep.get(name, name)
         if rep not in linears:
             continue
-        keep = [c for c in problem.cands[name] if runs_in_float8(fx_nodes[rep], c.inputs)]
+        node = fx_nodes[rep]
+        index = 2 if node.target is ADDMM_TARGET else 1
+        weight = problem.cands.get(node.args[index].name, ())
+        # a pinned weight (solver/pins.py, restricted before this) is read as it is stored:
+        # only the candidates that read it so
+        stored = {c.outputs[0] for c in weight} or None
+        keep = [c for c in problem.cands[name]
+                if runs_in_float8(node, c.inputs, problem.tp)
+                and (stored is None or c.inputs[index] in stored)]
         if keep:
             problem.cands[name] = keep
     return problem
