@@ -1,12 +1,13 @@
 """The FP8 linear: what a linear layer of a `float8` plan computes, on one process and on tp ranks.
 
-[Note: float8 recipe] torchao's float8 training (torchao/float8, `Float8LinearConfig`) with the
-rowwise recipe "rowwise_with_gw_hp", as torchtitan's `--model.converters float8` runs it:
+[Note: float8 recipe] torchao's float8 training (torchao/float8) with its recipe
+"rowwise_with_gw_hp" (`Float8LinearConfig.from_recipe_name`; torchtitan's float8 converter
+takes the same recipe names):
 
     forward   y  = x @ W^T        x (M, K) e4m3, one scale per row (token) over K;
                                   W (N, K) e4m3, one scale per row (output feature) over K
-    backward  dx = dy @ W          dy (M, N) e5m2, one scale per row over N;
-                                  W e4m3, one scale per column (input feature) over N
+    backward  dx = dy @ W          dy (M, N) e4m3, one scale per row over N;
+                                  W e4m3, one scale for the whole weight (tensorwise)
               dW = dy^T @ x        in the compute dtype (bf16): "gw_hp", the weight gradient in
                                    high precision
 
@@ -16,8 +17,9 @@ quantized value is the input rounded to the FP8 format, saturated at its largest
 The two matmuls run as `torch._scaled_mm` (autoplan/_torch_compat/scaled_mm.py; FP8 operands,
 fp32 accumulation, output in the compute dtype); the backward saves x and W in the compute
 dtype, as the bf16 recipe does, so FP8 adds no activation memory: the FP8 copies are transient
-(a dry run of llama3-8b at pp2 x dp4 on dgx-h100, rank 0: peak 69.8 GB with 160 FP8 linears,
-69.6 GB in bf16, 70.3 GB planned for both).
+and cast in the input's dtype, never through an fp32 copy (a dry run of llama3-8b at
+pp2 x dp4 on dgx-h100, rank 0: peak 69.6 GB with 160 FP8 linears and in bf16, 70.3 GB
+planned for both; 69.8 GB while the casts went through fp32).
 
 Why rowwise with the weight gradient in bf16, not tensorwise. A plan changes where work
 happens, never what is computed. A tensorwise scale is the amax of the whole activation, which
@@ -29,8 +31,10 @@ For the same reason the weight gradient, a contraction over the tokens that dp s
 in the compute dtype. What remains is the contraction dim under tensor parallelism, which a
 row's amax spans: where the plan shards it (the row-parallel forward, W Shard(1); the
 column-parallel backward, W Shard(0)), the rank's amaxes are all-reduced (max) over the tp
-group before scaling -- two small fp32 all-reduces, one per operand, which the cost model
-prices -- so the quantized values equal one process's. (With power-of-two scales a rank's
+group before scaling, and so is the tensorwise weight's wherever the weight is split -- small
+fp32 all-reduces, one per operand, which the cost model prices -- so the quantized values
+equal one process's. (The weight's scale does not depend on the batch: dp ranks hold the
+whole weight when they multiply by it.) (With power-of-two scales a rank's
 own amax would change only exponents, and so only the values that the whole row's scale makes
 subnormal -- those below 2^-6 / 448 of the row's amax, for e4m3 -- but those it would change.)
 A multi-rank run of the recipe then differs from one process only in the order fp32 and bf16
@@ -40,11 +44,11 @@ Which linears (`Plan.float8_linears`, chosen by the planner: cost_model/float8.p
 linears -- `nn.Linear` (captured as aten.linear) and HF's Conv1D (GPT-2: aten.addmm with the
 weight (K, N), run as the linear of its transpose, `float8_addmm`) -- with both weight dims
 divisible by 16, on each rank's shard too (`torch._scaled_mm`'s requirement on CUDA), not a
-router's (its scores pick
-discrete routes) nor the LM head (torchtitan's default `filter_fqns=["output"]`), whose
-planned placements this module runs on local shards (`supported`): W Replicate with x
-Replicate or split on a token dim; W Shard(0) (column parallel) with x Replicate; W Shard(1)
-(row parallel) with x Shard on its last dim and the bias, if any, Partial.
+router's (its scores pick discrete routes) nor the LM head (torchtitan's default
+`filter_fqns=["output"]`), whose planned placements this module runs on local shards
+(`supported`): W Replicate with x Replicate or split on a token dim; W Shard(0) (column
+parallel) with x Replicate; W Shard(1) (row parallel) with x Shard on its last dim and the
+bias, if any, Partial.
 """
 
 from __future__ import annotations
@@ -56,12 +60,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autoplan._torch_compat import scaled_mm
 
 __all__ = ["E4M3", "E5M2", "float8_linear", "float8_linear_local", "float8_addmm",
-           "quantize_rows", "supported", "as_linear", "LINEAR_TARGET", "ADDMM_TARGET"]
+           "quantize_rows", "quantize_tensorwise", "supported", "as_linear", "LINEAR_TARGET",
+           "ADDMM_TARGET"]
 
 E4M3 = torch.float8_e4m3fn
 """The forward operands' and the weight's format (max 448)."""
 E5M2 = torch.float8_e5m2
-"""The output gradient's format (max 57344: gradients span a wider range)."""
+"""FP8's other format (max 57344), torchao's tensorwise recipe's for the output gradient; the
+rowwise recipe here scales each row of the output gradient into e4m3 instead."""
 _AMAX_FLOOR = 1e-12
 """An all-zero row's amax is raised to this (torchao's EPS), so its scale stays finite."""
 
@@ -78,25 +84,42 @@ def quantize_rows(t: torch.Tensor, dim: int, fp8: torch.dtype,
     `group`: the ranks that hold the other parts of `dim` (their amax is all-reduced, max).
     Returns (the FP8 tensor, t's shape; the dequantizing scales 1 / scale, fp32, shaped to
     broadcast: (rows, 1) for dim=-1, (1, cols) for dim=0)."""
-    amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
+    return _quantize(t, fp8, group, dim)
+
+
+def quantize_tensorwise(t: torch.Tensor, fp8: torch.dtype,
+                        group: dist.ProcessGroup | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` in `fp8` with one power-of-two scale for the whole tensor (the weight of the input
+    gradient, [Note: float8 recipe]); `group`: the ranks that hold the tensor's other shards.
+    Returns (the FP8 tensor, the dequantizing scale, fp32, 0-d)."""
+    return _quantize(t, fp8, group, None)
+
+
+def _quantize(t: torch.Tensor, fp8: torch.dtype, group, dim: int | None):
+    lo, hi = t.detach().aminmax() if dim is None else t.detach().aminmax(dim=dim, keepdim=True)
+    amax = torch.maximum(-lo, hi).float()
     if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     fmax = torch.finfo(fp8).max
     scale = torch.exp2(torch.floor(torch.log2(fmax / amax.clamp(min=_AMAX_FLOOR))))
-    q = (t.detach().float() * scale).clamp(-fmax, fmax).to(fp8)
+    # in t's own dtype: a power of two changes only the exponent (bf16 has fp32's range), so
+    # the product is exact and no fp32 copy of t is made; fmax is exact in bf16 too
+    q = (t.detach() * scale.to(t.dtype)).clamp(-fmax, fmax).to(fp8)
     return q, scale.reciprocal()
 
 
 class _Float8Matmul(torch.autograd.Function):
     """x (M, K) @ weight (N, K)^T in FP8, backward as [Note: float8 recipe]; `k_group` /
-    `n_group`: the tp group when K / N is split over it (None: whole on this rank)."""
+    `n_group`: the tp group when K / N is split over it, `w_group` when the weight is (None:
+    whole on this rank)."""
 
     @staticmethod
-    def forward(ctx, x, weight, k_group, n_group):
+    def forward(ctx, x, weight, k_group, n_group, w_group):
         xq, x_inv = quantize_rows(x, -1, E4M3, k_group)            # (M, K), (M, 1)
         wq, w_inv = quantize_rows(weight, -1, E4M3, k_group)       # (N, K), (N, 1)
         ctx.save_for_backward(x, weight)
-        ctx.n_group = n_group
+        ctx.n_group, ctx.w_group = n_group, w_group
         return scaled_mm(xq, wq.t(), x_inv, w_inv.t(), x.dtype)   # (M, N)
 
     @staticmethod
@@ -104,25 +127,29 @@ class _Float8Matmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq, dy_inv = quantize_rows(dy, -1, E5M2, ctx.n_group)  # (M, N), (M, 1)
-            wq, w_inv = quantize_rows(weight, 0, E4M3, ctx.n_group)  # (N, K), (1, K)
-            # _scaled_mm takes its second operand column-major
+            dyq, dy_inv = quantize_rows(dy, -1, E4M3, ctx.n_group)  # (M, N), (M, 1)
+            wq, w_inv = quantize_tensorwise(weight, E4M3, ctx.w_group)  # (N, K), ()
+            # _scaled_mm takes its second operand column-major, and a rowwise first operand's
+            # scale beside a per-column one: the tensorwise scale repeated
+            w_inv = w_inv.expand(1, weight.shape[1]).contiguous()   # (1, K)
             dx = scaled_mm(dyq, wq.t().contiguous().t(), dy_inv, w_inv, dy.dtype)  # (M, K)
         if ctx.needs_input_grad[1]:
             dw = (dy.t() @ x.to(dy.dtype)).to(weight.dtype)         # (N, K), high precision
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def float8_linear_local(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                         *, k_group: dist.ProcessGroup | None = None,
-                        n_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                        n_group: dist.ProcessGroup | None = None,
+                        w_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) in FP8 on local tensors: x (..., K), weight (N, K), bias (N,)
-    -> (..., N) in x's dtype. `k_group` / `n_group` as `_Float8Matmul`. Raises ValueError for
-    a weight that is not 2-D or whose K is not x's last dim."""
+    -> (..., N) in x's dtype. `k_group`, `n_group`, `w_group` as `_Float8Matmul`. Raises
+    ValueError for a weight that is not 2-D or whose K is not x's last dim."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"float8 linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          "are not (..., K) and (N, K)")
-    y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.to(x.dtype), k_group, n_group)
+    y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.to(x.dtype), k_group, n_group,
+                            w_group)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -203,7 +230,8 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                       else bias)
     y = float8_linear_local(x.to_local(grad_placements=[x_grad]),
                             weight.to_local(grad_placements=[w_grad]), bias_local,
-                            k_group=k_group, n_group=n_group)
+                            k_group=k_group, n_group=n_group,
+                            w_group=group if wp.is_shard() else None)
     shape = (*x.shape[:-1], weight.shape[0])
     return DTensor.from_local(y, mesh, [out], run_check=False, shape=torch.Size(shape),
                               stride=torch._prims_common.make_contiguous_strides_for(shape))

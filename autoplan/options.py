@@ -95,7 +95,7 @@ class SearchOptions:
     float8: Float8 = _option(
         "off",
         "the float8 recipe ([Note: float8 recipe] in autoplan/float8.py): the linear layers of "
-        "the blocks in FP8 (torchao's rowwise recipe: e4m3 forward, e5m2 output gradients, "
+        "the blocks in FP8 (torchao's rowwise_with_gw_hp recipe: e4m3, rowwise scales, "
         "weight gradients in bf16), the rest in bf16; on: every one whose planned placements "
         "run it, auto: those where it is faster on the device ([Note: float8 pricing] in "
         "cost_model/float8.py); needs dtype bfloat16 and a device with an FP8 peak (H100, "

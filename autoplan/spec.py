@@ -38,8 +38,8 @@ def precision_recipe(dtype: str, frozen_dtype: str = "", num_float8_linears: int
     text = (f"{name} forward/backward, {masters}, dp gradient reduction in fp32, tp partial "
             f"sums in {name}")
     if num_float8_linears:
-        text += (f"; {num_float8_linears} linears in FP8 (e4m3 forward, e5m2 output "
-                 f"gradients, rowwise power-of-two scales, weight gradients in {name})")
+        text += (f"; {num_float8_linears} linears in FP8 (e4m3, power-of-two scales per row, "
+                 f"the input gradient's weight per tensor, weight gradients in {name})")
     return text + (", dynamic loss scaling" if dtype == "float16" else "")
 
 

@@ -113,7 +113,7 @@ def amax_over_the_split_dim():
     are subnormal under the whole row's scale). Then the groups `float8_linear` passes for a
     row-parallel weight (Shard(1): the forward's) and a column-parallel one (Shard(0): the
     backward's). Returns (grouped equal, ungrouped equal, {placement: (k_group set, n_group
-    set)})."""
+    set, w_group set)})."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -132,7 +132,7 @@ def amax_over_the_split_dim():
     alone = torch.equal((q_alone.float() * inv_alone), (q_full[:, mine].float() * inv_full))
 
     seen, original = [], f8._Float8Matmul.apply
-    f8._Float8Matmul.apply = lambda *a: (seen.append((a[2] is not None, a[3] is not None)),
+    f8._Float8Matmul.apply = lambda *a: (seen.append(tuple(g is not None for g in a[2:5])),
                                          original(*a))[1]
     mesh = init_device_mesh("cpu", (2,))
     groups = {}

@@ -8,8 +8,8 @@ tokens under a token split, N under W Shard(0), K under W Shard(1)):
                 + quantize(M K) + quantize(N K) + amax all-reduces of (M,) and (N,) fp32 where K
                 is split
     backward  = dx: matmul(2 M N K at the FP8 peak; M N + N K in, 2 M K out)
-                    + quantize(M N) + quantize(N K) + amax all-reduces of (M,) and (K,) where N
-                    is split
+                    + quantize(M N) + quantize(N K) + the all-reduce of dy's (M,) amaxes where
+                    N is split, and of the weight's one (tensorwise) where it is split
               + dW: matmul(2 M N K at the compute dtype's peak, 2-byte operands): the bf16 dW
     quantize(e elements) = 5 e bytes / memory bandwidth + 2 launches (the amax pass reads the
                 2-byte values, the cast reads them again and writes 1 byte: unfused, as torchao
@@ -139,7 +139,9 @@ def float8_times_s(node: NodeInfo, x: str, w: str, *, shard_factor: float, tp: i
         bwd += (_matmul_s(flops, m * n + n * k + 2 * m * k, small, fp8, device)
                 + _quantize_s(m * n, device) + _quantize_s(n * k, device))
         if w == "S(0)" and tp > 1:
-            bwd += _amax_s(m, tp, topology) + _amax_s(k, tp, topology)
+            bwd += _amax_s(m, tp, topology)
+        if w in ("S(0)", "S(1)") and tp > 1:
+            bwd += _amax_s(1, tp, topology)
     if weight_trainable:  # dW in the compute dtype
         bwd += _matmul_s(flops, 2 * (m * n + m * k + n * k), small, hp, device)
     return Float8Times(fwd, bwd)
