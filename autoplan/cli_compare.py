@@ -29,7 +29,10 @@ def add_parsers(sub, talk, plan_fn: Callable) -> None:
                                    "term (as `autoplan diff`): "
                                    "step time by part, memory by category, bytes per mesh "
                                    "axis, placements; or, where your configuration cannot be "
-                                   "planned, the constraint that refuses it.")
+                                   "planned, the constraint that refuses it. --float8 alone is "
+                                   "what is explained (the plan with FP8 linears beside the "
+                                   "one without); beside other overrides it is kept for both "
+                                   "plans, which are then compared within the recipe.")
     add_planning_args(p, capture_depth=True, trainable=True)
     add_json_arg(p, "both plans and their difference (seconds, bytes; `diff`: as `autoplan "
                     "diff --json`), or the reason yours is refused (`refused`)")
@@ -71,12 +74,17 @@ def explain(args, plan_fn: Callable) -> int:
     if not given:
         raise ValueError("explain: give the configuration to explain, e.g. --tp 4 --pp 8 "
                          "(any of " + ", ".join(option_flag(k) for k in OVERRIDES) + ")")
+    # the float8 recipe is what is explained when given alone, else kept for both plans
+    recipe_only = set(given) == {"float8"}
     free = copy.copy(args)
     for k in OVERRIDES:
-        setattr(free, k, None)
+        if k != "float8" or recipe_only:
+            setattr(free, k, None)
+    kept = "" if recipe_only or "float8" not in given else \
+        f"; both plans with --float8 {given.pop('float8')}"
     chosen = plan_fn(free, args.num_layers_capture).plan
     words = " ".join(f"{option_flag(k)} {w}" for k, v in given.items()
-                     for w in (v if isinstance(v, list) else [v]))
+                     for w in (v if isinstance(v, list) else [v])) + kept
     try:
         yours = plan_fn(args, args.num_layers_capture).plan
     except ValueError as e:
@@ -98,7 +106,7 @@ def explain(args, plan_fn: Callable) -> int:
         print(f"\nyours ({words}) is the chosen plan")
     elif ratio >= 1:
         print(f"\nyours ({words}) is {ratio - 1:.1%} slower per step than the chosen plan")
-    elif "float8" in given:  # a recipe the chosen plan does not run, not a missed plan
+    elif recipe_only:  # a recipe the chosen plan does not run, not a missed plan
         print(f"\nyours ({words}) is {1 - ratio:.1%} faster per step than the chosen plan: its "
               "FP8 linears, a recipe the search uses only when asked (float8 is 'off' unless "
               "given)")

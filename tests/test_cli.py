@@ -701,3 +701,10 @@ def test_explain_the_float8_recipe(capsys, tmp_path):
     assert code == 0, err
     assert "float8_linears                          0 -> " in out, out
     assert "faster per step than the chosen plan: its FP8 linears" in out, out
+    # beside another override the recipe is kept for both plans: tp explained within it
+    code, out, err = _run(capsys, "explain", "-q", "--model", str(config), "--cluster",
+                          "dgx-h100", "--global-batch", "16", "--seq", "2048", "--dtype",
+                          "bfloat16", "--float8", "auto", "--tp", "2")
+    assert code == 0, err
+    assert "(--tp 2; both plans with --float8 auto)" in out and "FP8 linears, a recipe" \
+        not in out, out
