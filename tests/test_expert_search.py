@@ -169,3 +169,65 @@ def test_ep_with_pp_matches_single_process(clusters):
     for r in results:
         torch.testing.assert_close(torch.tensor(r[3]), torch.tensor(ref[2]), rtol=1e-5, atol=0)
     _moe.assert_matches(results, ref)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_memory_forms_hold_the_expert_slices(family):
+    """Under ep > 1 the memory-constrained ILP prices the expert weights as the slices a rank
+    holds beside FSDP2 ([Note: expert slices in the forms] in cost_model/rank_memory.py): its
+    memory rows, at a placement, give the peak pipeline.assess gives -- random ep > 1
+    configurations (pp, interleaving, ZeRO stages, checkpointing, offload), fp32 and bf16,
+    frozen experts too -- and, at tp > 1, admit only placements splitting the experts on tp
+    (what the runtime runs). Before, the rows held them as FSDP2 holds a dense weight: a
+    DeepSeek-V3 placement at 70.9 GB was 467 GB in the ILP, and no ep plan was constrained."""
+    import random
+
+    from autoplan.solver import ilp, ilp_model
+    from autoplan.solver.configurations import Overrides, enumerate_configs
+    from autoplan.solver.search import Search
+
+    rng = random.Random(0)
+    model = _moe.factory(family, num_local_experts=8, n_routed_experts=8, num_experts=8,
+                         num_hidden_layers=4 if family == "mixtral" else 2)()
+    if family == "deepseek_v3":  # frozen experts: no gradient, no optimizer state
+        for name, p in model.named_parameters():
+            if ".experts." in name and rng.random() < 0.5:
+                p.requires_grad_(False)
+    graph = capture(model.to("meta"), (torch.zeros(1, 16, dtype=torch.long, device="meta"),),
+                    model_name=f"tiny-{family}")
+    topology = dataclasses.replace(preset("dgx-h100"), devices_per_node=8, num_nodes=2)
+    checked = {"split": 0, "refused": 0}
+    for dtype in ("float32", "bfloat16"):
+        spec = TrainingSpec(global_batch=32, seq_len=16, dtype=dtype)
+        search = Search(graph, topology, spec, 1.0)
+        configs = [c for c in enumerate_configs(graph, topology, spec, Overrides(),
+                                                search.policies()) if c.ep > 1]
+        assert configs
+        for cfg in rng.sample(configs, min(25, len(configs))):
+            prob, costs = search.problem(cfg.tp), search.cost(*cfg.costs_key)
+            assert prob.experts
+            model_ = ilp._build(prob, costs, True, search.ranks(cfg), 1e15, "time",
+                                ilp.TIME_FORM, None, 10.0)
+            if cfg.tp > 1:  # at tp > 1 an expert weight is split on tp (Shard(0)) or refused
+                for g in prob.experts:
+                    for v, c in zip(model_.x[g], prob.cands[g]):
+                        assert (v.ub() == 1.0) == (c.outputs[:1] == ("S(0)",)), (cfg, g)
+                        checked["refused"] += c.outputs[:1] != ("S(0)",)
+            for _ in range(3):
+                choice = {n: rng.randrange(len(prob.cands[n])) for n in prob.nodes}
+                if cfg.tp > 1:  # the experts split on tp, as the runtime runs ep at tp > 1
+                    choice.update({g: [c.outputs[:1] for c in prob.cands[g]].index(("S(0)",))
+                                   for g in prob.experts})
+                values = model_.assignment(choice)
+                try:
+                    sol = ilp.evaluate(prob, costs, choice)
+                except KeyError:  # a pair that is not offered
+                    continue
+                assert search.for_ep(cfg, sol) is not None and not model_.violated(values)
+                form_bytes = max(
+                    (const + sum(c * values[v] for v, c in terms.items())) * ilp_model._KB
+                    for terms, const in map(model_.memory_expr, search.ranks(cfg)))
+                want = search.assess(cfg, sol).memory_bytes
+                assert form_bytes == pytest.approx(want, rel=1e-9), (dtype, cfg)
+                checked["split"] += 1
+    assert checked["split"] >= 30 and checked["refused"] >= 3, checked

@@ -33,6 +33,11 @@ class RankMemory:
         at_loss: the last rank's moment A at its loss ([Note: peak moments] in
             cost_model/memory.py): before any block's backward, so without the
             checkpointing policy's transient (solver/checkpointing.py checkpointed_ranks).
+        expert_coef, expert_frozen_coef: under expert parallelism (ep > 1), part -> bytes
+            per element of a routed expert weight (Problem.experts; trainable, frozen) at
+            this moment: its slice's states, held outside FSDP2 (rank_memory.ExpertSlices,
+            [Note: expert slices in the forms] in cost_model/rank_memory.py); None: priced
+            as `param_coef` (`frozen_coef`).
     """
 
     param_coef: dict[str, float]
@@ -42,6 +47,8 @@ class RankMemory:
     frozen_coef: dict[str, float] | None = None
     loss_coef: float = 0.0
     at_loss: bool = False
+    expert_coef: dict[str, float] | None = None
+    expert_frozen_coef: dict[str, float] | None = None
 
 
 @dataclass

@@ -214,7 +214,8 @@ def _grads_at_peak(schedule: str, pp: int, m: int, in_flight: float) -> bool:
 
 def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
                   output_bytes: float, offload: str = "none",
-                  frozen: bool = False) -> list[RankMemory]:
+                  frozen: bool = False,
+                  experts: ExpertSlices | None = None) -> list[RankMemory]:
     """[Note: memory per rank] as linear forms for the ILP: per pipeline rank, one form per
     moment of [Note: peak moments] (A: activations at their height, B: the backward of the
     rank's first layer), so that "every form within the budget" is exactly "the peak within
@@ -222,8 +223,11 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
     The stage outputs and receive buffers are counts of boundaries (`boundary_coef`), priced
     at the block-output node's placement (Costs.boundary_bytes). `frozen`: the model has
     frozen parameters, priced per element by `RankMemory.frozen_coef` (held and gathered,
-    no gradient, no optimizer state: [Note: frozen pricing] in cost_model/memory.py)."""
+    no gradient, no optimizer state: [Note: frozen pricing] in cost_model/memory.py).
+    `experts`: the expert slices of an ep > 1 configuration ([Note: expert slices in the
+    forms])."""
     layers = rank_layers(cfg, total_layers)
+    slices = _slice_coefs(cfg, spec, experts, offload)
     states = offload_costs.device_states(model_state_bytes(
         1.0, cfg.zero_stage, cfg.dp_shard, mixed_precision=spec.mixed_precision,
         optimizer=spec.optimizer, recipe="fsdp2"), offload)
@@ -254,26 +258,97 @@ def rank_memories(cfg: Config, spec: TrainingSpec, total_layers: int,
             {p: (kept + grads_a + unit * held[p]) * sh for p, sh in shares.items()},
             {p: parts_in_flight[p] * sh for p, sh in shares.items()}, 0.0, sent + recv,
             frozen_coef), output_bytes, bwd)
+        with_slices = functools.partial(_with_slices, slices, shares["layer"])
         first = _first_gather(cfg, r, layers)
         if first is not None:  # [Note: first gather]
             grads_c = states["grads"] if _grads_at_first_gather(cfg) else 0.0
-            out.append(RankMemory(
+            out.append(with_slices(RankMemory(
                 {p: (kept + grads_c + spec.dtype_bytes * first.get(p, 0.0)) * sh
                  for p, sh in shares.items()}, {}, 0.0, recv,
                 {p: (kept_frozen + spec.dtype_bytes * first.get(p, 0.0)) * sh
-                 for p, sh in shares.items()} if frozen else None))
+                 for p, sh in shares.items()} if frozen else None),
+                grads=_grads_at_first_gather(cfg), acts=False, transient=False))
+        grads_at_a = grads_at_activation_peak(cfg, in_flight)
         if _deferred_reduction(cfg):
-            out += _deferred_forms(cfg, spec, r, layers, shares, states, kept_frozen, unit,
-                                   held, grads_a, in_flight, output_bytes, sent, recv,
-                                   frozen, total_layers, bwd)
+            *forms_a, form_b = _deferred_forms(cfg, spec, r, layers, shares, states,
+                                               kept_frozen, unit, held, grads_a, in_flight,
+                                               output_bytes, sent, recv, frozen, total_layers,
+                                               bwd)
+            # the expert slices' gradients where the moment holds FSDP2's: an interleaved
+            # moment's when it holds any, moment A's under grads_at_activation_peak
+            grads = [any(t.unsharded.values()) or any(t.sharded.values())
+                     for t, _b, _l in _interleaved_terms(cfg, r, total_layers)] \
+                if _interleaved(cfg) else [grads_at_a] * len(forms_a)
+            out += [with_slices(f, grads=g, acts=True) for f, g in zip(forms_a, grads)]
+            out.append(with_slices(form_b, grads=True, acts=False))
             continue
         moment_b = RankMemory({p: (kept + states["grads"] + unit * held[p]
                                    + unsharded * grad_held[p]) * sh + bwd.get(p, 0.0)
                                for p, sh in shares.items()}, _late_coef(r, layers, shares,
                                                                         total_layers), 0.0, recv,
                               frozen_coef)
-        out += [*moments_a, moment_b]
+        out += [with_slices(f, grads=grads_at_a, acts=True) for f in moments_a]
+        out.append(with_slices(moment_b, grads=True, acts=False))
     return out
+
+
+# [Note: expert slices in the forms] Under ep > 1 a rank holds the routed experts' weights as
+# slices beside FSDP2 (ExpertSlices), which rank_peak prices apart (`_rank_states`' extra),
+# and the forms follow it term by term. An expert weight's elements (Problem.experts) get
+# none of FSDP2's coefficients -- no gathered unit, no unsharded gradient, no reduction --
+# but their slice's states per element (`_slice_coefs`): params and optimizer at every
+# moment, gradients where the moment holds FSDP2's (moment A under
+# `grads_at_activation_peak`, moment B, the first gather under `_grads_at_first_gather`, an
+# interleaved moment holding any) and, at every moment but the first gather, one MoE
+# layer's slice gradient (the transient of its backward's accumulation, m > 1). The
+# exchange's activations (ExpertSlices.act_bytes, independent of the placement) are a
+# constant of each moment whose activations are the blocks' in flight (moments A, the
+# interleaved moments), not of moment B's late activations. Before, the ILP priced the
+# expert weights as FSDP2 holds the dense ones, replicated over the ep ranks: for
+# DeepSeek-V3 on 256 dgx-h100 nodes every memory-constrained ILP with ep > 1 was infeasible
+# (467 GB on a placement that assess put at 70.9 GB), and the search fell back to the
+# placement of least memory.
+@dataclasses.dataclass(frozen=True)
+class _SliceCoefs:
+    """Bytes per element of an expert weight under ep (elements as Solution counts them):
+    its slice's states by category, trainable and frozen; one MoE layer's gradient transient
+    per trainable element (0 without it); the exchange's activations per microbatch."""
+
+    trainable: dict[str, float]
+    frozen: dict[str, float]
+    transient: float
+    act_bytes: float
+
+
+def _slice_coefs(cfg: Config, spec: TrainingSpec, experts: ExpertSlices | None,
+                 offload: str) -> _SliceCoefs | None:
+    """[Note: expert slices in the forms] of `experts`; None without ep."""
+    if experts is None or experts.ep == 1:
+        return None
+    one = _expert_slice_states(cfg, spec, ExpertSlices(1.0, 0.0, experts.ep), 1.0, offload)
+    frozen = _expert_slice_states(cfg, spec, ExpertSlices(1.0, 1.0, experts.ep), 1.0, offload)
+    transient = one["grads"] / experts.num_layers \
+        if experts.num_layers and cfg.num_microbatches > 1 else 0.0
+    return _SliceCoefs(one, frozen, transient, experts.act_bytes)
+
+
+def _with_slices(slices: _SliceCoefs | None, layer_share: float, form: RankMemory, *,
+                 grads: bool, acts: bool, transient: bool = True) -> RankMemory:
+    """`form` with the expert slices of a rank holding `layer_share` of the layers ([Note:
+    expert slices in the forms]): their states, with gradients when `grads`; the exchange's
+    activations when `acts`; one MoE layer's gradient transient when `transient`."""
+    if slices is None:
+        return form
+
+    def coef(states: dict[str, float], extra: float) -> dict[str, float]:
+        held = states["params"] + states["optimizer"] + (states["grads"] if grads else 0.0)
+        return {"layer": held * layer_share + (extra if layer_share else 0.0)}
+
+    const = slices.act_bytes * form.act_coef.get("layer", 0.0) if acts else 0.0
+    return dataclasses.replace(
+        form, const_bytes=form.const_bytes + const,
+        expert_coef=coef(slices.trainable, slices.transient if transient else 0.0),
+        expert_frozen_coef=coef(slices.frozen, 0.0))
 
 
 def _backward_grad_share(cfg: Config, spec: TrainingSpec, r: int, layers) -> dict[str, float]:
@@ -647,8 +722,15 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
                   key=lambda m: m["peak"])
     else:
         out = peak(output_bytes, transient + grads_bwd)
+    if experts is not None and experts.ep > 1 and experts.num_layers and share["layer"] \
+            and cfg.num_microbatches > 1:
+        # a MoE layer's backward makes its slice's gradient anew and adds it to the one the
+        # earlier microbatches left (autograd's accumulation): one layer's slice gradient more
+        moe_layers = experts.num_layers * share["layer"]
+        out["temporaries"] += extra["grads"] / moe_layers
+        out["peak"] += extra["grads"] / moe_layers
     first = _first_gather(cfg, r, layers)
-    if first is not None:  # [Note: first gather]
+    if first is not None:  # [Note: first gather]: before any backward, so no such transient
         grads_c = states["grads"] + extra["grads"] if _grads_at_first_gather(cfg) else 0.0
         c = {"params": states["params"] + extra["params"], "grads": grads_c,
              "optimizer": states["optimizer"] + extra["optimizer"], "activations": 0.0,
@@ -658,13 +740,6 @@ def rank_peak(cfg, sol, spec, r, layers, total_layers, output_bytes,
         c["peak"] = sum(c.values())
         if c["peak"] > out["peak"]:
             return c
-    if experts is not None and experts.ep > 1 and experts.num_layers and share["layer"] \
-            and cfg.num_microbatches > 1:
-        # a MoE layer's backward makes its slice's gradient anew and adds it to the one the
-        # earlier microbatches left (autograd's accumulation): one layer's slice gradient more
-        moe_layers = experts.num_layers * share["layer"]
-        out["temporaries"] += extra["grads"] / moe_layers
-        out["peak"] += extra["grads"] / moe_layers
     return out
 
 

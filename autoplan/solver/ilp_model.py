@@ -333,8 +333,12 @@ class _Model:
         terms: dict = defaultdict(float)
         const = rank.const_bytes / _KB
         for g, elems in self.c.param_elems.items():
-            per_part = rank.param_coef if rank.frozen_coef is None or g not in self.p.frozen \
-                else rank.frozen_coef
+            if rank.expert_coef is not None and g in self.p.experts:  # held as ep slices
+                per_part = rank.expert_frozen_coef if g in self.p.frozen else rank.expert_coef
+            elif rank.frozen_coef is None or g not in self.p.frozen:
+                per_part = rank.param_coef
+            else:
+                per_part = rank.frozen_coef
             coef = max((per_part.get(part, 0.0) for part in self.p.params[g][2]), default=0.0)
             for v, e in zip(self.x[g], elems):
                 if v is None:
@@ -373,6 +377,15 @@ class _Model:
         return terms, const
 
     def add_memory_constraint(self, ranks: list[RankMemory], budget_bytes: float) -> None:
+        """(memory_r) of every rank no other dominates. Forms with expert slices (ep > 1)
+        admit, at tp > 1, only the expert-weight placements the runtime runs with ep: split
+        on tp by whole experts, Shard(0) (search.for_ep; [Note: experts over ep and tp] in
+        runtime/expert_parallel.py)."""
+        if self.p.tp > 1 and any(r.expert_coef is not None for r in ranks):
+            for g in self.p.experts:
+                for i, c in enumerate(self.p.cands[g]):
+                    if c.outputs[:1] != ("S(0)",):
+                        self.forbid(g, i, f"expert weight {g} split otherwise than Shard(0)")
         for r, rank in _undominated(ranks):
             terms, const = self.memory_expr(rank)
             self.constraint(terms, -self.s.infinity(), budget_bytes / _KB - const,

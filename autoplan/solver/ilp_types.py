@@ -137,5 +137,8 @@ def memory_signature(ranks) -> tuple:
     return tuple((tuple(sorted((k, r6(v)) for k, v in r.param_coef.items())),
                   tuple(sorted((k, r6(v)) for k, v in r.act_coef.items())), r6(r.const_bytes),
                   r6(r.boundary_coef), r6(r.loss_coef),
-                  r.frozen_coef and tuple(sorted((k, r6(v)) for k, v in r.frozen_coef.items())))
+                  r.frozen_coef and tuple(sorted((k, r6(v)) for k, v in r.frozen_coef.items())),
+                  r.expert_coef and tuple(sorted((k, r6(v)) for k, v in r.expert_coef.items())),
+                  r.expert_frozen_coef and tuple(sorted(
+                      (k, r6(v)) for k, v in r.expert_frozen_coef.items())))
                  for r in ranks)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch.fx
 
 from autoplan.cost_model.activations import core_attention_regions
+from autoplan.cost_model.expert_parallel import expert_weights
 from autoplan.graph import CapturedGraph
 from autoplan.op_classes import op_name
 from autoplan.solver.problem_saved import kept_selective, saved_entries, tensor_bytes
@@ -116,6 +117,10 @@ class Problem:
         params: ILP get_attr node -> (canonical FQN, numel, parts it belongs to, multiplicity).
         frozen: the get_attr nodes of `params` whose parameter the optimizer does not step
             (`ParamInfo.trainable` False; [Note: frozen pricing] in cost_model/memory.py).
+        experts: the get_attr nodes of `params` of routed expert weights (those an experts
+            op reads: cost_model/expert_parallel.py `expert_weights`), held as slices under
+            expert parallelism ([Note: expert slices in the forms] in
+            cost_model/rank_memory.py).
         constants: constant-like nodes (no cost).
         shared: True when blocks share variables.
     """
@@ -136,6 +141,7 @@ class Problem:
     regathered: dict[str, str] = field(default_factory=dict)
     params: dict[str, tuple[str, int, frozenset, float]] = field(default_factory=dict)
     frozen: frozenset = frozenset()
+    experts: frozenset = frozenset()
     constants: set[str] = field(default_factory=set)
     shared: bool = True
 
@@ -191,6 +197,8 @@ def build_problem(graph: CapturedGraph, tp: int, dtype_bytes: int, *,
     prob.params = _params(graph, prob)
     prob.frozen = frozenset(g for g, (fqn, *_rest) in prob.params.items()
                             if not graph.params[fqn].trainable)
+    routed = set(expert_weights(graph))
+    prob.experts = frozenset(g for g, (fqn, *_rest) in prob.params.items() if fqn in routed)
     return prob
 
 

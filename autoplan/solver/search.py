@@ -153,7 +153,8 @@ class Search(ExpertSearch):
         costs = self.cost(tp, cfg.microbatch_size, cfg.checkpointing, cfg.cp)
         boundary = self.boundary_bytes(tp, cfg.microbatch_size, cfg.cp)
         ranks = rank_memories(cfg, self.spec, self.total_layers, output_bytes(cfg, costs),
-                              offload=cfg.offload, frozen=bool(self.problem(tp).frozen))
+                              offload=cfg.offload, frozen=bool(self.problem(tp).frozen),
+                              experts=self.expert_slices(cfg))
         return ckpt.checkpointed_ranks(ranks, cfg.checkpointing, self.total_layers, boundary,
                                        ckpt.block_bytes(self.problem(tp), costs,
                                                         cfg.checkpointing))
