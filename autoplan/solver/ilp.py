@@ -72,8 +72,10 @@ edge constraints make it tight -- on every llama/gpt2 layer we measured its opti
 -- and an integral LP optimum is an optimum of the ILP (the LP bound is met by an integral
 point), found in ~30 ms instead of ~250 ms. A fractional LP optimum (ties; the max of a
 pipeline's stage form) is rounded to each node's largest x, which is kept when it meets the LP
-bound within the relative gap 1e-7. Otherwise, and always under memory constraints
-(knapsack-like, the LP is fractional), the model is solved as an ILP by CP-SAT
+bound within the relative gap 1e-7. Under memory constraints (knapsack-like) the LP is
+solved too: infeasible, so is the ILP; integral, it is the ILP's optimum; else its rounding,
+when it satisfies the memory rows, is CP-SAT's start. Otherwise the model is solved as an ILP
+by CP-SAT
 (linearization_level 2, one worker with a fixed seed, relative gap 1e-7, variable bounds up to
 1e14: its default 1e7 would truncate T, E and z), from a feasible start when one is known (the
 LP rounding, else the caller's `start`, else every node replicated: `_starts`). Every solve is
@@ -215,9 +217,12 @@ def _solve_once(problem, costs, form, busiest, ranks, budget_bytes, objective, s
     """One solve of the ILP (of one busiest rank): the LP first when there are no memory
     constraints, then CP-SAT from a feasible start (`_starts`)."""
     rounding = None
-    # Memory constraints (knapsack-like) make the LP fractional: go to CP-SAT directly.
-    if ranks is None and objective != "memory":
-        model = _lp(problem, costs, form, busiest, limit_s)
+    # Memory constraints (knapsack-like) make the LP fractional: its rounding is CP-SAT's
+    # first start (when it satisfies the model; else the caller's start), an infeasible LP
+    # an infeasible ILP ([Note: LP first]).
+    if objective != "memory":
+        model = _lp(problem, costs, form, busiest, limit_s) if ranks is None else _build(
+            problem, costs, False, ranks, budget_bytes, objective, form, busiest, limit_s)
         if model.infeasible:
             return None  # a constraint without variables fails (e.g. a fixed pair not offered)
         status = model.s.Solve()
@@ -228,7 +233,7 @@ def _solve_once(problem, costs, form, busiest, ranks, budget_bytes, objective, s
             rounding = _largest(values)
             if all(min(abs(v), abs(1 - v)) < _INTEGRAL for xs in values.values() for v in xs):
                 return _placed(problem, costs, model, rounding, optimal=True)
-            sol = _rounded(problem, costs, form, model, rounding)
+            sol = _rounded(problem, costs, form, model, rounding) if ranks is None else None
             if sol is not None:
                 return sol
     model = _build(problem, costs, True, ranks, budget_bytes, objective, form, busiest, limit_s)
