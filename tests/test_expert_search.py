@@ -177,13 +177,13 @@ def test_memory_forms_hold_the_expert_slices(family):
     holds beside FSDP2 ([Note: expert slices in the forms] in cost_model/rank_memory.py): its
     memory rows, at a placement, give the peak pipeline.assess gives -- random ep > 1
     configurations (pp, interleaving, ZeRO stages, checkpointing, offload), fp32 and bf16,
-    frozen experts too -- and, at tp > 1, admit only placements splitting the experts on tp
-    (what the runtime runs). Before, the rows held them as FSDP2 holds a dense weight: a
+    frozen experts too, offloaded states -- and, at tp > 1, admit only placements splitting the
+    experts on tp (what the runtime runs). Before, the rows held them as FSDP2 holds a dense weight: a
     DeepSeek-V3 placement at 70.9 GB was 467 GB in the ILP, and no ep plan was constrained."""
     import random
 
     from autoplan.solver import ilp, ilp_model
-    from autoplan.solver.configurations import Overrides, enumerate_configs
+    from autoplan.solver.configurations import Overrides, enumerate_configs, offload_variants
     from autoplan.solver.search import Search
 
     rng = random.Random(0)
@@ -196,14 +196,15 @@ def test_memory_forms_hold_the_expert_slices(family):
     graph = capture(model.to("meta"), (torch.zeros(1, 16, dtype=torch.long, device="meta"),),
                     model_name=f"tiny-{family}")
     topology = dataclasses.replace(preset("dgx-h100"), devices_per_node=8, num_nodes=2)
-    checked = {"split": 0, "refused": 0}
+    checked = {"split": 0, "refused": 0, "offload": 0}
     for dtype in ("float32", "bfloat16"):
         spec = TrainingSpec(global_batch=32, seq_len=16, dtype=dtype)
         search = Search(graph, topology, spec, 1.0)
         configs = [c for c in enumerate_configs(graph, topology, spec, Overrides(),
                                                 search.policies()) if c.ep > 1]
         assert configs
-        for cfg in rng.sample(configs, min(25, len(configs))):
+        picked = rng.sample(configs, min(25, len(configs)))
+        for cfg in picked + [v for c in picked for v in offload_variants(c, Overrides())][:12]:
             prob, costs = search.problem(cfg.tp), search.cost(*cfg.costs_key)
             assert prob.experts
             model_ = ilp._build(prob, costs, True, search.ranks(cfg), 1e15, "time",
@@ -230,4 +231,5 @@ def test_memory_forms_hold_the_expert_slices(family):
                 want = search.assess(cfg, sol).memory_bytes
                 assert form_bytes == pytest.approx(want, rel=1e-9), (dtype, cfg)
                 checked["split"] += 1
-    assert checked["split"] >= 30 and checked["refused"] >= 3, checked
+                checked["offload"] += cfg.offload != "none"
+    assert checked["split"] >= 30 and checked["refused"] >= 3 and checked["offload"] >= 5, checked
