@@ -177,8 +177,8 @@ def test_memory_forms_hold_the_expert_slices(family):
     holds beside FSDP2 ([Note: expert slices in the forms] in cost_model/rank_memory.py): its
     memory rows, at a placement, give the peak pipeline.assess gives -- random ep > 1
     configurations (pp, interleaving, ZeRO stages, checkpointing, offload), fp32 and bf16,
-    frozen experts too, offloaded states -- and, at tp > 1, admit only placements splitting the
-    experts on tp (what the runtime runs). Before, the rows held them as FSDP2 holds a dense weight: a
+    frozen experts too -- and, at tp > 1, admit only placements splitting the experts on tp
+    (what the runtime runs). Before, the rows held them as FSDP2 holds a dense weight: a
     DeepSeek-V3 placement at 70.9 GB was 467 GB in the ILP, and no ep plan was constrained."""
     import random
 
