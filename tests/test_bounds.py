@@ -92,3 +92,36 @@ def test_a_reused_lp_bounds_as_a_fresh_one(search):
         if fresh[1] is not None:
             form = search.step_form(cfg)
             assert form.value(reused[1]) == pytest.approx(form.value(fresh[1]), rel=1e-7), cfg
+
+
+def test_a_recosted_lp_solves_as_a_fresh_one(search):
+    """The time-optimal placements of several (b, policy) of one problem, solved in turn on
+    one kept LP re-costed each time ([Note: LP re-costing] in autoplan/solver/ilp.py: the
+    same variables and rows, the new costs' terms), against each solved on a new LP: the
+    same step time and LP bound. The re-costings are counted: the test is not vacuous."""
+    from autoplan.solver import ilp
+    from autoplan.solver.ilp_types import TIME_FORM
+
+    prob = search.problem(2)
+    keys = sorted({c.costs_key for c in _configs(search) if c.tp == 2 and c.cp == 1})
+    assert len(keys) >= 3
+    prob.__dict__.pop("_lp_models", None)
+    recosted = 0
+
+    def solved(costs):  # the placement, the LP bound, the LP it was solved on
+        sol = ilp.solve(prob, costs, time_limit_s=10.0)
+        model = next(reversed(prob.__dict__["_lp_models"].values()))[1]
+        return sol, model.s.Objective().Value(), model
+
+    for key in keys:
+        costs = search.cost(*key)
+        before = [m for _c, m in prob.__dict__["_lp_models"].values()] \
+            if "_lp_models" in prob.__dict__ else []
+        reused, reused_bound, model = solved(costs)
+        recosted += any(model is m for m in before)
+        kept = prob.__dict__.pop("_lp_models")
+        fresh, fresh_bound, _model = solved(costs)  # on a new LP
+        prob.__dict__["_lp_models"] = kept
+        assert reused_bound == pytest.approx(fresh_bound, rel=1e-9), key
+        assert TIME_FORM.value(reused) == pytest.approx(TIME_FORM.value(fresh), rel=1e-7), key
+    assert recosted >= 1, recosted

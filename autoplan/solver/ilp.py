@@ -94,6 +94,17 @@ primal feasible as only the objective changed. DeepSeek-V3 on 256 dgx-h100 nodes
 built instead of 58, building 4.5 -> 2.9 s and solving 5.4 -> 3.3 s. The bound is the LP
 optimum either way; where optimal vertices tie, the rounding may differ from a cold start's,
 and it is kept only when it meets the bound ([Note: LP first]): optimal either way.
+
+[Note: LP re-costing] A one-rank form (TIME_FORM, the time-optimal placement of each (tp, b,
+policy, cp), and every form without pipelining) adds no row: its T and E are substituted into
+the objective. So the LP of another Costs of the same problem differs from a kept one only in
+its cost terms where the two share `structure_signature` (the pairs each edge offers, which
+redistributions cost anything): the kept model gets the new costs (`_Model.recost`: the
+template's communication terms and add_placement_costs again) and its objective, GLOP starts
+from its last basis, and nothing is built. llama3-405b on 2,048 dgx-h100 nodes solves 40 such
+LPs, one per (tp, b, policy, cp). As in [Note: LP reuse], the bound is the LP optimum either
+way and a tie between optimal vertices may round differently, kept only when it meets it.
+
 Compute, communication and transition (edge) costs stay separate in `Solution`.
 
 Files: ilp_types.py (StepForm, SolverLimitReached; RankMemory and Solution are
@@ -111,7 +122,7 @@ from ortools.linear_solver import pywraplp
 
 from autoplan.cost_model.placement_totals import RankMemory, Solution
 from autoplan.solver.costs import Costs, redistribution_units
-from autoplan.solver.ilp_model import _build, _Model, edge_key
+from autoplan.solver.ilp_model import _build, _Model, edge_key, structure_signature
 from autoplan.solver.ilp_types import (_GAP, _NS, _TIE_BREAK, TIME_FORM, SolverLimitReached,
                                        StepForm)
 from autoplan.solver.problem import Problem
@@ -282,6 +293,16 @@ def _lp(problem: Problem, costs: Costs, form: StepForm, busiest: int | None,
         model = models[key][1]
         model.set_objective(form, busiest)
         return model
+    if len(form.shares) == 1:  # [Note: LP re-costing]: no row depends on the costs
+        signature = structure_signature(problem, costs)
+        for old in reversed(models):
+            model = models[old][1]
+            if old[1:] == key[1:] and model.signature == signature:
+                del models[old]
+                model.recost(costs)
+                model.set_objective(form, busiest)
+                models[key] = (costs, model)
+                return model
     model = _build(problem, costs, False, None, None, "time", form, busiest, limit_s)
     models[key] = (costs, model)  # costs kept alive: its id stays its own
     if len(models) > _LP_MODELS:

@@ -24,7 +24,7 @@ from autoplan.solver.costs import Costs, redistribution_units, split_of
 from autoplan.solver.ilp_types import _GAP, _NS, _PARTS, _TIE_BREAK, StepForm
 from autoplan.solver.problem import OUTPUT, Problem
 
-__all__ = ["edge_key"]
+__all__ = ["edge_key", "structure_signature"]
 
 _KB = 1e3
 
@@ -95,8 +95,7 @@ class _Model:
         template of the problem when an earlier model had the same structure ([Note: model
         templates])."""
         units = redistribution_units(self.p, self.c)
-        signature = (tuple(frozenset(pairs) for pairs in self.c.pairs),
-                     tuple(bool(u.cost_s) for u in units))
+        self.signature = signature = structure_signature(self.p, self.c)
         templates = self.p.__dict__.setdefault("_ilp_templates", {})
         if signature in templates:
             self._replay(templates[signature], units)
@@ -111,6 +110,32 @@ class _Model:
              for n, xs in self.x.items()},
             [{key: self._index[v] for key, v in y.items()} for y in self.y])
         self._log = None
+
+    def recost(self, costs: Costs) -> None:
+        """[Note: LP re-costing] in ilp.py: this model (its variables, rows and bounds) with
+        the cost terms of `costs`, a Costs of the same problem and `structure_signature`: the
+        communication terms of the structure's template and add_placement_costs again. The
+        objective is left to `set_objective`."""
+        units = redistribution_units(self.p, costs)
+        assert structure_signature(self.p, costs) == self.signature
+        self.c = costs
+        for terms in (self.comp, self.comm, self.elems, self.frozen):
+            for part in _PARTS:
+                terms[part] = defaultdict(float)
+        for consts in (self.comp_const, self.comm_const, self.elems_const, self.frozen_const):
+            consts.update(dict.fromkeys(_PARTS, 0.0))
+        self.ties = defaultdict(float)
+        # the structure's variables, by solver index (the template's numbering); the model's
+        # own objects: pywraplp's variables() makes new ones, which hash apart
+        made = {i: v for v, i in self._index.items()}
+        for op in self.p.__dict__["_ilp_templates"][self.signature].ops:
+            if op[0] == "comm":
+                _kind, part, n, o, coef = op
+                cost = units[n].cost_s * _NS
+                self.comm[part][made[o]] += cost if coef is None else cost * coef
+            elif op[0] == "const":
+                self.comm_const[op[1]] += units[op[2]].cost_s * _NS
+        self.add_placement_costs()
 
     def _replay(self, template: "_Template", units: list) -> None:
         """The model add_structure builds, from `template` (the same variables, rows, bounds
@@ -595,6 +620,13 @@ class _Model:
     def hint(self, values: dict) -> None:
         """Give CP-SAT `values` (`assignment`) as its starting point."""
         self.s.SetHint(list(values), list(values.values()))
+
+
+def structure_signature(problem: Problem, costs: Costs) -> tuple:
+    """What a model's variables and rows depend on besides the problem ([Note: model
+    templates]): the pairs each edge offers and which redistributions cost anything."""
+    return (tuple(frozenset(pairs) for pairs in costs.pairs),
+            tuple(bool(u.cost_s) for u in redistribution_units(problem, costs)))
 
 
 @dataclass(frozen=True)
