@@ -317,6 +317,32 @@ def test_plan_imports_only_the_planning_path(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_the_plan_command_ends_without_teardown_and_loses_nothing(tmp_path):
+    """The `autoplan` entry point (`console`) ends `plan` with os._exit once everything is
+    printed and written ([Note: exit without teardown] in autoplan/collector.py): no atexit
+    handler runs (the marker below is never printed), yet the summary, the error line and the
+    exit status are all there, and the files are whole; `main()` in a process returns."""
+    marker = ("import atexit, sys; atexit.register(lambda: print('TEARDOWN', file=sys.stderr)); "
+              "from autoplan.cli import console; sys.exit(console())")
+    env = {**os.environ, "AUTOPLAN_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-c", marker, *argv], capture_output=True,
+                              text=True, cwd=_REPO, env=env, timeout=300)
+
+    done = run("plan", *_TINY, "--no-cache", "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TEARDOWN" not in done.stderr
+    assert done.stdout.startswith("plan ") and "wrote " in done.stdout.splitlines()[-1]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["mesh"] and (tmp_path / "out" / "report.html").read_text().endswith("</html>\n")
+    bad = run("plan", "--model", "no-such-model", *_TINY[2:])
+    assert bad.returncode == 2 and "TEARDOWN" not in bad.stderr
+    assert bad.stderr.startswith("autoplan: error:") and "no-such-model" in bad.stderr
+    other = run("--version")  # a command that did not ask for it exits the ordinary way
+    assert other.returncode == 0 and "TEARDOWN" in other.stderr
+
+
 def test_version(capsys):
     import importlib.metadata
     import tomllib
