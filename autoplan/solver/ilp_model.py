@@ -624,9 +624,15 @@ class _Model:
 
 def structure_signature(problem: Problem, costs: Costs) -> tuple:
     """What a model's variables and rows depend on besides the problem ([Note: model
-    templates]): the pairs each edge offers and which redistributions cost anything."""
-    return (tuple(frozenset(pairs) for pairs in costs.pairs),
-            tuple(bool(u.cost_s) for u in redistribution_units(problem, costs)))
+    templates]): the pairs each edge offers and which redistributions cost anything. Kept on
+    `costs`, as its redistribution units are (a Costs is not changed after it is built)."""
+    cached = costs.__dict__.get("_signature")
+    if cached is not None and cached[0] is problem:
+        return cached[1]
+    signature = (tuple(frozenset(pairs) for pairs in costs.pairs),
+                 tuple(bool(u.cost_s) for u in redistribution_units(problem, costs)))
+    costs.__dict__["_signature"] = (problem, signature)
+    return signature
 
 
 @dataclass(frozen=True)
