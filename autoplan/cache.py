@@ -34,6 +34,7 @@ Importing this module imports no torch: the command line answers a cached reques
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -63,7 +64,20 @@ def cache_dir() -> Path:
 
 def code_digest(package_dir: Path = _PACKAGE_DIR) -> str:
     """SHA-256 (hex) over the relative path and bytes of every .py/.json/.yaml file of the
-    autoplan package, in sorted path order (about 120 files, a few ms to read)."""
+    autoplan package, in sorted path order (about 190 files, ~10 ms to read). autoplan's own
+    is read once per process (`_own_code_digest`): the code a process plans with is the code
+    it imported, and a rank of a pool that runs many jobs keys every one of them."""
+    if package_dir == _PACKAGE_DIR:
+        return _own_code_digest()
+    return _digest_of(package_dir)
+
+
+@functools.cache
+def _own_code_digest() -> str:
+    return _digest_of(_PACKAGE_DIR)
+
+
+def _digest_of(package_dir: Path) -> str:
     h = hashlib.sha256()
     files = sorted(p for p in package_dir.rglob("*")
                    if p.suffix in _SOURCE_SUFFIXES and "__pycache__" not in p.parts)
@@ -77,7 +91,13 @@ def code_digest(package_dir: Path = _PACKAGE_DIR) -> str:
 
 def library_versions() -> dict[str, str | None]:
     """Installed versions of the libraries a plan depends on (None: not installed), and
-    Python's; read from package metadata, so nothing is imported."""
+    Python's; read from package metadata, so nothing is imported. Read once per process (as
+    `code_digest`: the libraries a process runs are those it imported)."""
+    return dict(_library_versions())
+
+
+@functools.cache
+def _library_versions() -> dict[str, str | None]:
     from importlib import metadata
 
     versions: dict[str, str | None] = {}
