@@ -219,25 +219,26 @@ class PlanningSession:
             graph, cached = self._capture(source, self.options.global_batch, planning=True)
         self._build_stats["capture_for_planning_cached"] = cached
         with self._timed("plan_s"):
-            # before the search: random ops keyed by sample, and the ops a cut batch or a
-            # repeated forward would change held to plans that keep them
-            self._couplings, search = audit(graph, self.options.search, name)
-
-            def make() -> tuple[str, list, bool]:
+            def make() -> tuple[str, list, bool, list]:
+                # before the search: random ops keyed by sample, and the ops a cut batch or a
+                # repeated forward would change held to plans that keep them
+                couplings, search = audit(graph, self.options.search, name)
+                self._couplings = couplings
                 # cp searched where the runtime can run it for this model, batch and loss
                 why_not = None if search.cp is not None else self._cp_refusal(graph, topo)
                 request = self._cache_request(graph, topo, search, cp_searched=why_not is None)
                 cached = self._cached_plan(request, topo)
                 if cached is not None:
-                    return cached[0].to_json(), cached[1], True
+                    return cached[0].to_json(), cached[1], True, couplings
                 with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
                     plan, said = self._solve(graph, topo, search, request, why_not)
-                return plan.to_json(), said, False
+                return plan.to_json(), said, False, couplings
 
-            # in a job rank 0 plans, every rank takes its plan ([Note: leader rank]); the
-            # solver's warnings are said on every rank, as where each solved
+            # in a job rank 0 audits and plans, every rank takes its couplings and plan ([Note:
+            # leader rank]: every rank captured the same graph); the solver's warnings are said
+            # on every rank, as where each solved
             leader = _leader()
-            plan_json, said, from_cache = leader.from_leader(
+            plan_json, said, from_cache, self._couplings = leader.from_leader(
                 make, what=f"planning {name} for {topo.world_size} ranks") if leader else make()
             if leader and dist.get_rank() != 0:
                 for category, message in said:

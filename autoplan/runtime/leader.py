@@ -14,9 +14,10 @@ job's CPU from construction to its first loss. So rank 0, the leader, works alon
     [Note: capture cache] in autoplan/capture/cache.py), then every other rank runs it: a
     cache hit where the ranks share a disk, else a capture of its own, the same graph. When
     rank 0's work raises, the others still run theirs, and raise as it did.
-  - `from_leader`: rank 0 alone runs the work (the solve); its result -- or the exception it
-    raised -- reaches every rank through the job's store (`_torch_compat.default_store`), and
-    each rank returns (or raises) the same.
+  - `from_leader`: rank 0 alone runs the work (the audit of the graph's random ops and batch
+    couplings, and the solve); its result -- or the exception it raised -- reaches every rank
+    through the job's store (`_torch_compat.default_store`), and each rank returns (or
+    raises) the same.
 
 The others wait in the store, not in a collective: a solve may take longer than a collective
 may wait (LOCAL_COLLECTIVE_TIMEOUT_S), so they wait up to LEADER_TIMEOUT_S and then fail
