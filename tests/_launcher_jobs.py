@@ -121,3 +121,11 @@ def _gather_on_each_axis(mesh) -> None:
 
     for axis in ("dp", "tp"):
         distribute_tensor(torch.ones(4, 4), mesh[axis], [Shard(0)]).full_tensor()
+
+
+def max_autotune_as_imported() -> bool:
+    """torch._inductor.config.max_autotune in this rank: read from TORCHINDUCTOR_MAX_AUTOTUNE
+    when the config module is first imported."""
+    import torch._inductor.config as config
+
+    return config.max_autotune

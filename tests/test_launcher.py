@@ -60,6 +60,23 @@ def test_a_job_leaves_no_groups_behind(clusters):
 
 
 @pytest.mark.slow
+def test_ranks_import_under_the_environment_of_their_cluster(monkeypatch):
+    """Ranks fork from a server that has imported torch._inductor ([Note: ranks fork from a
+    preloaded server]), whose config is read from the environment once, at import: a cluster
+    started when the parent's TORCH* variables differ from the server's spawns its ranks,
+    which read the cluster's own (forked, they would read the server's)."""
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE", raising=False)
+    if launcher._server_env is None or "TORCHINDUCTOR_MAX_AUTOTUNE" not in launcher._server_env:
+        with LocalCluster(1) as cluster:  # the server started, its inductor config read
+            assert cluster.run(jobs.max_autotune_as_imported, timeout_s=120) == [False]
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    assert launcher._rank_context().get_start_method() == "spawn"
+    with LocalCluster(1) as cluster:
+        assert cluster.run(jobs.max_autotune_as_imported, timeout_s=120) == [True]
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE")
+    assert launcher._rank_context().get_start_method() == "forkserver"
+
+
 def test_rank_killed_during_training_is_named(tmp_path):
     """The issue's case: rank 1 of gpt2-tiny (dp2, ZeRO-3) SIGKILLed at step 2. Before, rank 0's
     "Connection reset by peer" came after 30 s with 60 lines of FSDP internals."""

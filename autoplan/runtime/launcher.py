@@ -125,23 +125,43 @@ def _summary(exc: BaseException) -> str:
 # torch.distributed, autoplan's DTensor layer) and transformers when the parent has imported
 # it, then forks each rank: the imports are paid once per parent, not once per rank (4 ranks
 # that import torch and transformers: 11.6 s of CPU spawned, 0 in the ranks forked, 2.9 s in
-# the server). The server is single-threaded and has run no op (no OpenMP pool, no CUDA
-# context), so forking it is safe, and it is not the parent: the parent's other threads and
-# state stay out. What a fork server does not pass on, the rank takes itself: the parent's
-# environment as it is at the cluster's start (`env`; the server's is the one it started
-# with -- the test suite sets a plan cache directory per test), and the death of the process
-# that started it ([Note: ranks die with their parent]; the server is the rank's parent).
-# Modules whose import reads the environment (torch._inductor's config) are not preloaded.
+# the server). The server also imports what every job's first step imports (`_PRELOAD`: the
+# solver, the engine) and the Hugging Face model modules the parent has imported (the models
+# its jobs build): a fresh rank's first gpt2-tiny job took 3.1 s of CPU, its second 0.3 s, and
+# 1.6 s of the difference was those imports (2026-12-08). The server is single-threaded and
+# has run no op (no OpenMP pool, no CUDA context), so forking it is safe, and it is not the
+# parent: the parent's other threads and state stay out. What a fork server does not pass on,
+# the rank takes itself: the parent's environment as it is at the cluster's start (`env`; the
+# server's is the one it started with -- the test suite sets a plan cache directory per test),
+# and the death of the process that started it ([Note: ranks die with their parent]; the server
+# is the rank's parent). Some of what the server imports reads the environment once, at import
+# (torch._inductor's config, triton's TRITON_INTERPRET): a cluster started when the parent's
+# TORCH*/PYTORCH*/TRITON* variables differ from those the server started with spawns its ranks
+# instead, which import under the cluster's own environment.
+
+# Modules the first step of every job imports (the planner, the engine): preloaded.
+_PRELOAD = ("autoplan.solver", "autoplan.runtime.engine")
+_MODEL_MODULE = re.compile(r"transformers\.models\.\w+\.modeling_\w+")
+_ENV_READ_AT_IMPORT = ("TORCH", "PYTORCH", "TRITON")
+_server_env: dict[str, str] | None = None  # those variables as the fork server started
 
 
 def _rank_context():
     """The multiprocessing context ranks start from ([Note: ranks fork from a preloaded
-    server]): "forkserver" with this module and, when the parent has imported it,
-    transformers preloaded (the list takes effect when the server starts: at the first
-    cluster of a process)."""
+    server]): "forkserver" with this module, `_PRELOAD` and, when the parent has imported
+    them, transformers and its model modules preloaded (the list takes effect when the server
+    starts: at the first cluster of a process); "spawn" where the parent's environment has
+    changed since then in a variable torch, triton or inductor read at import."""
+    global _server_env
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_READ_AT_IMPORT)}
+    if _server_env is None:
+        _server_env = env
+    elif env != _server_env:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    preload = [__name__] + [m for m in ("transformers",) if m in sys.modules]
-    ctx.set_forkserver_preload(preload)
+    models = sorted(m for m in sys.modules if _MODEL_MODULE.fullmatch(m))
+    preload = [__name__, *_PRELOAD] + [m for m in ("transformers",) if m in sys.modules]
+    ctx.set_forkserver_preload(preload + models)
     return ctx
 
 
