@@ -223,7 +223,6 @@ class PlanningSession:
                 # before the search: random ops keyed by sample, and the ops a cut batch or a
                 # repeated forward would change held to plans that keep them
                 couplings, search = audit(graph, self.options.search, name)
-                self._couplings = couplings
                 # cp searched where the runtime can run it for this model, batch and loss
                 why_not = None if search.cp is not None else self._cp_refusal(graph, topo)
                 request = self._cache_request(graph, topo, search, cp_searched=why_not is None)
@@ -231,7 +230,7 @@ class PlanningSession:
                 if cached is not None:
                     return cached[0].to_json(), cached[1], True, couplings
                 with phase(f"planning {name} for {topo.world_size} x {topo.device.name}"):
-                    plan, said = self._solve(graph, topo, search, request, why_not)
+                    plan, said = self._solve(graph, topo, search, couplings, request, why_not)
                 return plan.to_json(), said, False, couplings
 
             # in a job rank 0 audits and plans, every rank takes its couplings and plan ([Note:
@@ -290,19 +289,21 @@ class PlanningSession:
         return (Plan.from_dict(entry["plan"]),
                 [(ReplicatedWeightsWarning, message) for message in entry["warnings"]])
 
-    def _solve(self, graph, topo: Topology, search: SearchOptions, request: dict | None,
+    def _solve(self, graph, topo: Topology, search: SearchOptions, couplings: list,
+               request: dict | None,
                why_not: str | None) -> tuple[Plan, list[tuple[type, str]]]:
         """Solve (`solve`), say the solver's warnings again, and store the plan with its
         ReplicatedWeightsWarnings (a cache that cannot be written is a detail line, not a
-        failure). `why_not`: why cp is not searched (cp 1 then, unless given), None to search
-        it. Returns the plan and the warnings said, (category, message) each."""
+        failure). `couplings`: `audit`'s. `why_not`: why cp is not searched (cp 1 then,
+        unless given), None to search it. Returns the plan and the warnings said, (category,
+        message) each."""
 
         from autoplan.cache import PlanCache
         from autoplan.progress import detail
         from autoplan.solver.configurations import ReplicatedWeightsWarning
 
         plan, caught = solve(graph, topo, self.spec, search, given=self.options.search,
-                             couplings=self._couplings, name=type(self.module).__name__,
+                             couplings=couplings, name=type(self.module).__name__,
                              why_not_cp=why_not, compiled=self.options.compile,
                              frozen_weights_dtype=self._frozen_weights_dtype(),
                              whole_tensors=self._optimizer_reads_whole_tensors())

@@ -127,8 +127,8 @@ def _summary(exc: BaseException) -> str:
 # that import torch and transformers: 11.6 s of CPU spawned, 0 in the ranks forked, 2.9 s in
 # the server). The server also imports what every job's first step imports (`_PRELOAD`: the
 # solver, the engine) and the Hugging Face model modules the parent has imported (the models
-# its jobs build): a fresh rank's first gpt2-tiny job took 3.1 s of CPU, its second 0.3 s, and
-# 1.6 s of the difference was those imports (2026-12-08). The server is single-threaded and
+# its jobs build): a fresh rank's CPU to the end of its first gpt2-tiny dp2 job, 3.7 and 3.3 s
+# before, 1.0 and 0.7 s after (2 ranks, getrusage; 2026-12-08). The server is single-threaded and
 # has run no op (no OpenMP pool, no CUDA context), so forking it is safe, and it is not the
 # parent: the parent's other threads and state stay out. What a fork server does not pass on,
 # the rank takes itself: the parent's environment as it is at the cluster's start (`env`; the
